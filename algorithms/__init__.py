@@ -1,0 +1,1 @@
+"""Federated learning algorithms written with the fedjx primitives."""

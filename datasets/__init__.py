@@ -1,0 +1,1 @@
+"""Group-structured federated datasets and cohorts."""

@@ -1,0 +1,197 @@
+"""``map_fn``: apply a function to each member of a placement.
+
+``map_fn(fn, args)`` computes ``out_i = fn(args_i)`` for every member ``i`` of
+the placement, where ``args_i`` is the ``i``-th slice of the leading axis of
+each placed input. It is the "map" of the MapReduce model of DrJAX
+(arXiv 2403.07128). How the members are run is a *strategy*; all give the same
+numbers, and they differ only in speed and memory:
+
+* ``vmap``: all members at once with ``jax.vmap``. Fastest for small client
+  computations, but memory grows with the cohort and large batched
+  convolutions can be slow.
+* ``chunked``: ``k`` members at a time (``vmap`` inside a chunk, ``lax.map``
+  over chunks): memory bounded by ``k`` clients.
+* ``sequential``: one member at a time per device (``lax.map``).
+* ``auto``: picks one of the above from the backend, cohort size and the size
+  of the per-client inputs (see :func:`choose_chunk_size`).
+
+When a mesh with an axis named after the placement is active, each strategy
+keeps that axis sharded: the members are laid out as ``[k, n / k]`` with the
+``k`` axis sharded over the mesh (``jax.vmap(..., spmd_axis_name=...)``), so a
+chunk runs one slice per device and no data moves between devices.
+
+The mapped computation is wrapped in a ``jax.jit`` named
+``fedjx_map_<placement>``, so it stays recognisable in a traced program (the
+``sequential`` strategy keeps the per-client computation as the body of a
+``scan`` inside it, which is how :mod:`fedjx.beam` recovers client work).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjx import placements as placements_lib
+from fedjx import sharding as sharding_lib
+
+# Per-device memory budget for the inputs of one chunk of clients under the
+# ``auto`` strategy; the activations of client training are several times this.
+_AUTO_CHUNK_INPUT_BYTES = {'cpu': 64 << 20, 'gpu': 512 << 20, 'tpu': 512 << 20}
+# On CPU, vmapped convolutions run far slower than a loop over clients
+# (measured 12.3 s vs 2.6 s for a FedAvg round of a 1.2M-parameter CNN over 16
+# clients); so do large vmapped matmuls. Small per-client inputs favour vmap.
+_CPU_VMAP_MAX_CLIENT_BYTES = 1 << 20
+_ACCELERATOR_VMAP_MAX_CLIENTS = 128
+_ACCELERATOR_CHUNK = 64
+
+
+def _client_bytes(leaves: list[Any]) -> int:
+  return sum(int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+
+def _mesh_axis_size(placement: str, mesh: Any) -> int:
+  mesh = sharding_lib.active_mesh(mesh)
+  if sharding_lib.placement_axis_type(mesh, placement) is None:
+    return 1
+  return int(mesh.shape[placement])
+
+
+def choose_chunk_size(strategy: str, n: int, client_bytes: int, devices: int,
+                      chunk_size: int | None = None,
+                      backend: str | None = None) -> int:
+  """How many clients run at once (per step of the loop over chunks).
+
+  Args:
+    strategy: ``'vmap'``, ``'chunked'``, ``'sequential'`` or ``'auto'``.
+    n: number of clients.
+    client_bytes: bytes of one client's inputs (model, data, state).
+    devices: devices on the placement's mesh axis (1 with no mesh).
+    chunk_size: requested chunk size for ``'chunked'``.
+    backend: ``jax.default_backend()`` unless given.
+
+  Returns:
+    The chunk size ``k``: a multiple of ``devices`` (each device runs ``k /
+    devices`` clients at a time), at most ``n`` rounded up to ``devices``.
+  """
+  full = devices * math.ceil(n / devices)
+  if strategy == 'vmap':
+    k = full
+  elif strategy == 'sequential':
+    k = devices
+  elif strategy == 'chunked':
+    k = chunk_size or min(n, _ACCELERATOR_CHUNK)
+  elif strategy == 'auto':
+    backend = backend or jax.default_backend()
+    budget = _AUTO_CHUNK_INPUT_BYTES.get(backend, _AUTO_CHUNK_INPUT_BYTES['gpu'])
+    by_memory = max(1, budget // max(client_bytes, 1)) * devices
+    if backend == 'cpu':
+      k = full if client_bytes <= _CPU_VMAP_MAX_CLIENT_BYTES else devices
+    elif n <= _ACCELERATOR_VMAP_MAX_CLIENTS:
+      k = full
+    else:
+      k = _ACCELERATOR_CHUNK
+    k = min(k, by_memory)
+  else:
+    raise ValueError(f'fedjx.map_fn: strategy={strategy!r} is not one of '
+                     f'{placements_lib.MAP_STRATEGIES}.')
+  k = devices * math.ceil(min(k, full) / devices)
+  return max(k, devices)
+
+
+def _pad_leading(x: jax.Array, total: int) -> jax.Array:
+  """Pads the leading axis to ``total`` by repeating the last member."""
+  extra = total - x.shape[0]
+  if extra == 0:
+    return x
+  tail = jnp.broadcast_to(x[-1:], (extra,) + x.shape[1:])
+  return jnp.concatenate([x, tail], axis=0)
+
+
+def run_mapped(fn: Callable[..., Any], args: Any, n: int, k: int,
+               placement: str, mesh: Any) -> Any:
+  """Runs ``fn`` over the leading axis of ``args`` in chunks of ``k`` clients.
+
+  Members are laid out as ``[k, m]`` (``m = ceil(n / k)``; member ``r * m + c``
+  at row ``r``, column ``c``) after padding to ``k * m`` members; the ``k`` rows
+  are vmapped (and sharded over the mesh axis), the ``m`` columns looped over.
+  """
+  m = math.ceil(n / k)
+  axis_name = sharding_lib.spmd_axis_name(placement, mesh)
+
+  def to_grid(x):
+    x = _pad_leading(x, k * m).reshape((k, m) + x.shape[1:])
+    return sharding_lib.place_leading_axis(x, placement, mesh)
+
+  def from_grid(y):
+    y = sharding_lib.place_leading_axis(y, placement, mesh)
+    return y.reshape((k * m,) + y.shape[2:])[:n]
+
+  if m == 1:  # One chunk: every member at once.
+    padded = jax.tree.map(lambda x: sharding_lib.place_leading_axis(
+        _pad_leading(x, k), placement, mesh), args)
+    out = jax.vmap(fn, spmd_axis_name=axis_name)(padded)
+    return jax.tree.map(lambda y: y[:n], out)
+  if k == 1 and axis_name is None:  # One member at a time.
+    return jax.lax.map(fn, args)
+  grid = jax.tree.map(to_grid, args)
+  out = jax.vmap(lambda row: jax.lax.map(fn, row), spmd_axis_name=axis_name)(grid)
+  return jax.tree.map(from_grid, out)
+
+
+def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
+           mesh: Any = None, strategy: str | None = None,
+           chunk_size: int | None = None) -> Any:
+  """Applies ``fn`` to each member's slice of placed ``args``.
+
+  Args:
+    fn: the per-member function. If ``args`` is a tuple it is called as
+      ``fn(*args_i)``, else as ``fn(args_i)``.
+    args: a pytree of placed arrays (leading axis = placement size).
+    placement: which placement to map over (default: the innermost declared).
+    mesh: a mesh to shard the placement axis over (default: the program's, or
+      the one set with ``jax.set_mesh``).
+    strategy: ``'auto'``, ``'vmap'``, ``'chunked'`` or ``'sequential'``
+      (default: the program's ``map_strategy``).
+    chunk_size: clients per chunk for ``'chunked'`` (default: the program's).
+
+  Returns:
+    The placed pytree ``[fn(args_0), ..., fn(args_{n-1})]`` stacked on a new
+    leading axis, sharded over the placement's mesh axis when there is one.
+  """
+  p, frame = placements_lib.lookup(placement, 'map_fn')
+  leaves = jax.tree.leaves(args)
+  if not leaves:
+    raise ValueError('fedjx.map_fn: args has no arrays; pass placed values '
+                     '(e.g. the output of fedjx.broadcast or a cohort).')
+  for leaf in leaves:
+    if jnp.ndim(leaf) == 0:
+      raise ValueError(
+          f'fedjx.map_fn: got a scalar of shape () in args, which is not placed '
+          f'at {p.name!r}. Broadcast server values with fedjx.broadcast first.')
+    placements_lib.resolve_size(p, jnp.shape(leaf)[0], 'map_fn')
+  n = p.size
+  mesh = mesh if mesh is not None else frame.mesh
+  strategy = strategy or frame.map_options.strategy
+  if strategy not in placements_lib.MAP_STRATEGIES:
+    raise ValueError(f'fedjx.map_fn: strategy={strategy!r} is not one of '
+                     f'{placements_lib.MAP_STRATEGIES}.')
+  chunk_size = chunk_size or frame.map_options.chunk_size
+  if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+    raise ValueError(f'fedjx.map_fn: chunk_size={chunk_size!r}; it must be a '
+                     'positive int.')
+  devices = _mesh_axis_size(p.name, mesh)
+  k = choose_chunk_size(strategy, n, _client_bytes(leaves), devices, chunk_size)
+  call = (lambda a: fn(*a)) if isinstance(args, tuple) else fn
+
+  def mapped(args):
+    args = sharding_lib.place_tree(args, p.name, mesh)
+    out = run_mapped(call, args, n, k, p.name, mesh)
+    return sharding_lib.place_tree(out, p.name, mesh)
+
+  mapped.__name__ = f'fedjx_map_{p.name}'
+  return jax.jit(mapped)(args)

@@ -1,0 +1,261 @@
+"""The MapReduce primitives: ``broadcast`` and the reductions, as JAX primitives.
+
+Each operation is one ``jax.extend.core.Primitive`` whose parameters name the
+placement, so ``jax.make_jaxpr`` shows a federated program as
+``fedjx_broadcast[placement=clients n=8]`` ... ``fedjx_reduce_sum[placement=clients]``.
+A placed value is an array whose leading axis indexes the placement's members.
+
+The rules follow Federated Automatic Differentiation (Rush et al., 2023,
+arXiv 2301.07806) and DrJAX (arXiv 2403.07128):
+
+* ``broadcast``  b(x)_i = x                 (linear)  b^T = reduce_sum
+* ``reduce_sum`` s(x) = sum_i x_i           (linear)  s^T = broadcast
+* ``reduce_mean`` m(x) = (1/n) sum_i x_i    (linear)  m^T = broadcast / n
+* ``reduce_weighted_mean`` w(x, a) = sum_i a_i x_i / sum_i a_i, linear in x
+  (transpose: ct -> a_i ct / sum a); its tangent in the weights,
+  sum_i da_i (x_i - w(x, a)) / sum_i a_i, is written with ``reduce_sum``.
+
+If the weights sum to zero, the weighted mean is defined to be zero (as is its
+derivative), never NaN: a round where every client carries zero weight leaves
+an aggregate of zeros. A mean of integers is a float, in abstract evaluation
+and in execution alike.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import core as jax_core
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+broadcast_p = Primitive('fedjx_broadcast')
+reduce_sum_p = Primitive('fedjx_reduce_sum')
+reduce_mean_p = Primitive('fedjx_reduce_mean')
+reduce_weighted_mean_p = Primitive('fedjx_reduce_weighted_mean')
+
+
+def mean_dtype(dtype) -> jnp.dtype:
+  """The dtype of a mean of ``dtype`` values: floats stay, ints become float."""
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.dtype(dtype)
+  return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
+
+
+def _spec(aval) -> tuple:
+  sharding = getattr(aval, 'sharding', None)
+  spec = tuple(getattr(sharding, 'spec', ()) or ())
+  return spec + (None,) * (len(aval.shape) - len(spec))
+
+
+def _with_spec(aval, shape, dtype, spec):
+  sharding = getattr(aval, 'sharding', None)
+  if sharding is not None and hasattr(sharding, 'update'):
+    try:
+      sharding = sharding.update(spec=jax.sharding.PartitionSpec(*spec))
+    except Exception:  # pragma: no cover - older sharding types
+      sharding = None
+    return jax_core.ShapedArray(shape, dtype, sharding=sharding)
+  return jax_core.ShapedArray(shape, dtype)
+
+
+def _like(ct, aval):
+  """Gives a cotangent the sharding of its primal under an Explicit mesh."""
+  sharding = getattr(aval, 'sharding', None)
+  mesh = getattr(sharding, 'mesh', None)
+  if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return ct
+  if getattr(jax.typeof(ct), 'sharding', None) == sharding:
+    return ct
+  return jax.sharding.reshard(ct, sharding.spec)
+
+
+def _zero_tangent(primal_out):
+  return ad.Zero(jax.typeof(primal_out).to_tangent_aval())
+
+
+# ----------------------------------------------------------------- broadcast
+
+def _broadcast_impl(x, *, placement, n):
+  del placement
+  return jnp.broadcast_to(x, (n,) + x.shape)
+
+
+def _broadcast_abstract_eval(x, *, placement, n):
+  del placement
+  return _with_spec(x, (n,) + x.shape, x.dtype, (None,) + _spec(x))
+
+
+def _broadcast_transpose(ct, x, *, placement, n):
+  del n
+  if type(ct) is ad.Zero:
+    return [ad.Zero(x.aval)]
+  return [_like(reduce_sum_p.bind(ct, placement=placement), x.aval)]
+
+
+def _broadcast_batch(args, dims, *, placement, n):
+  (x,), (d,) = args, dims
+  x = jnp.moveaxis(x, d, 0)
+  return broadcast_p.bind(x, placement=placement, n=n), 1
+
+
+broadcast_p.def_impl(_broadcast_impl)
+broadcast_p.def_abstract_eval(_broadcast_abstract_eval)
+mlir.register_lowering(broadcast_p, mlir.lower_fun(_broadcast_impl, multiple_results=False))
+ad.deflinear2(broadcast_p, _broadcast_transpose)
+batching.primitive_batchers[broadcast_p] = _broadcast_batch
+
+
+# ---------------------------------------------------------------- reductions
+
+def _reduce_sum_impl(x, *, placement):
+  del placement
+  return jnp.sum(x, axis=0)
+
+
+def _reduce_mean_impl(x, *, placement):
+  del placement
+  return jnp.mean(x, axis=0, dtype=mean_dtype(x.dtype))
+
+
+def _reduced_aval(x, dtype):
+  return _with_spec(x, x.shape[1:], dtype, _spec(x)[1:])
+
+
+def _reduce_sum_abstract_eval(x, *, placement):
+  del placement
+  return _reduced_aval(x, x.dtype)
+
+
+def _reduce_mean_abstract_eval(x, *, placement):
+  del placement
+  return _reduced_aval(x, mean_dtype(x.dtype))
+
+
+def _reduce_sum_transpose(ct, x, *, placement):
+  if type(ct) is ad.Zero:
+    return [ad.Zero(x.aval)]
+  return [_like(broadcast_p.bind(ct, placement=placement, n=x.aval.shape[0]), x.aval)]
+
+
+def _reduce_mean_transpose(ct, x, *, placement):
+  if type(ct) is ad.Zero:
+    return [ad.Zero(x.aval)]
+  n = x.aval.shape[0]
+  ct = broadcast_p.bind(ct, placement=placement, n=n) / n
+  return [_like(ct.astype(x.aval.dtype), x.aval)]
+
+
+def _reduction_batch(prim):
+  def rule(args, dims, *, placement):
+    (x,), (d,) = args, dims
+    # The placed axis is axis 0 of the unbatched value: it sits at 1 if the
+    # batch axis is 0, else at 0. Put the batch axis right after it.
+    x = jnp.moveaxis(x, d, 1) if d != 0 else jnp.swapaxes(x, 0, 1)
+    return prim.bind(x, placement=placement), 0
+  return rule
+
+
+def _reduce_mean_jvp(primals, tangents, *, placement):
+  (x,), (t,) = primals, tangents
+  out = reduce_mean_p.bind(x, placement=placement)
+  if type(t) is ad.Zero or not jnp.issubdtype(x.dtype, jnp.inexact):
+    return out, _zero_tangent(out)
+  return out, reduce_mean_p.bind(t, placement=placement)
+
+
+for _prim, _impl, _aeval, _transpose in (
+    (reduce_sum_p, _reduce_sum_impl, _reduce_sum_abstract_eval, _reduce_sum_transpose),
+    (reduce_mean_p, _reduce_mean_impl, _reduce_mean_abstract_eval, _reduce_mean_transpose)):
+  _prim.def_impl(_impl)
+  _prim.def_abstract_eval(_aeval)
+  mlir.register_lowering(_prim, mlir.lower_fun(_impl, multiple_results=False))
+  ad.primitive_transposes[_prim] = _transpose
+  batching.primitive_batchers[_prim] = _reduction_batch(_prim)
+ad.deflinear2(reduce_sum_p, _reduce_sum_transpose)
+ad.primitive_jvps[reduce_mean_p] = _reduce_mean_jvp
+
+
+# ------------------------------------------------------- reduce_weighted_mean
+
+def _expand_weights(w, x):
+  """Weights of shape x.shape[:w.ndim], broadcast against x."""
+  return jnp.reshape(w, w.shape + (1,) * (x.ndim - w.ndim))
+
+
+def _total_and_safe(w):
+  total = jnp.sum(w, axis=0)
+  nonzero = total != 0
+  return nonzero, jnp.where(nonzero, total, jnp.ones_like(total))
+
+
+def _reduce_weighted_mean_impl(x, w, *, placement):
+  del placement
+  dtype = mean_dtype(jnp.result_type(x.dtype, w.dtype))
+  x, w = x.astype(dtype), w.astype(dtype)
+  nonzero, safe = _total_and_safe(w)
+  numer = jnp.sum(_expand_weights(w, x) * x, axis=0)
+  shape = nonzero.shape + (1,) * (numer.ndim - nonzero.ndim)
+  return jnp.where(nonzero.reshape(shape), numer / safe.reshape(shape),
+                   jnp.zeros_like(numer))
+
+
+def _reduce_weighted_mean_abstract_eval(x, w, *, placement):
+  del placement
+  return _reduced_aval(x, mean_dtype(jnp.result_type(x.dtype, w.dtype)))
+
+
+def _reduce_weighted_mean_jvp(primals, tangents, *, placement):
+  x, w = primals
+  tx, tw = tangents
+  out = reduce_weighted_mean_p.bind(x, w, placement=placement)
+  tangent = _zero_tangent(out)
+  if type(tx) is not ad.Zero and jnp.issubdtype(x.dtype, jnp.inexact):
+    tangent = reduce_weighted_mean_p.bind(tx, w, placement=placement)
+  if type(tw) is not ad.Zero and jnp.issubdtype(w.dtype, jnp.inexact):
+    nonzero, safe = _total_and_safe(w)
+    deviation = x.astype(out.dtype) - out[None]
+    dw = reduce_sum_p.bind(_expand_weights(tw, x).astype(out.dtype) * deviation,
+                           placement=placement)
+    shape = nonzero.shape + (1,) * (dw.ndim - nonzero.ndim)
+    dw = jnp.where(nonzero.reshape(shape), dw / safe.reshape(shape),
+                   jnp.zeros_like(dw))
+    tangent = dw if type(tangent) is ad.Zero else tangent + dw
+  return out, tangent
+
+
+def _reduce_weighted_mean_transpose(ct, x, w, *, placement):
+  if ad.is_undefined_primal(w):
+    raise NotImplementedError(
+        'fedjx_reduce_weighted_mean is linear only in its values, not weights.')
+  if type(ct) is ad.Zero:
+    return [ad.Zero(x.aval), None]
+  n = x.aval.shape[0]
+  nonzero, safe = _total_and_safe(w)
+  scale = jnp.where(nonzero[None], w / safe[None], jnp.zeros_like(w))
+  ct_x = _like(broadcast_p.bind(ct, placement=placement, n=n), x.aval)
+  ct_x = (_expand_weights(scale, ct_x) * ct_x).astype(x.aval.dtype)
+  return [_like(ct_x, x.aval), None]
+
+
+def _reduce_weighted_mean_batch(args, dims, *, placement):
+  x, w = args
+  dx, dw = dims
+  size = x.shape[dx] if dx is not None else w.shape[dw]
+  if dx is None:
+    x = jnp.broadcast_to(x[None], (size,) + x.shape)
+    dx = 0
+  x = jnp.moveaxis(x, dx, 1) if dx != 0 else jnp.swapaxes(x, 0, 1)
+  if dw is not None:
+    w = jnp.moveaxis(w, dw, 1) if dw != 0 else jnp.swapaxes(w, 0, 1)
+  return reduce_weighted_mean_p.bind(x, w, placement=placement), 0
+
+
+reduce_weighted_mean_p.def_impl(_reduce_weighted_mean_impl)
+reduce_weighted_mean_p.def_abstract_eval(_reduce_weighted_mean_abstract_eval)
+mlir.register_lowering(
+    reduce_weighted_mean_p,
+    mlir.lower_fun(_reduce_weighted_mean_impl, multiple_results=False))
+ad.primitive_jvps[reduce_weighted_mean_p] = _reduce_weighted_mean_jvp
+ad.primitive_transposes[reduce_weighted_mean_p] = _reduce_weighted_mean_transpose
+batching.primitive_batchers[reduce_weighted_mean_p] = _reduce_weighted_mean_batch

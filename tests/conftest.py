@@ -1,0 +1,12 @@
+"""Test configuration: 8 host CPU devices for multi-device tests.
+
+XLA_FLAGS must be set before jax is imported, which is why it happens here.
+"""
+
+import os
+
+os.environ.setdefault('XLA_FLAGS', '')
+if '--xla_force_host_platform_device_count' not in os.environ['XLA_FLAGS']:
+  os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
