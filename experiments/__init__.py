@@ -1,0 +1,1 @@
+"""Running federated experiments from ml_collections configs."""

@@ -1,0 +1,1 @@
+"""Flax models and their per-example losses and metrics."""
