@@ -95,6 +95,11 @@ def reduce_weighted_mean(x: Any, weights: Any, *, placement: str | None = None,
     raise ValueError(
         f'fedjx.reduce_weighted_mean: weights must have shape [n] with one '
         f'weight per member of {p.name!r}; got shape {weights.shape}.')
+  if p.size is not None and weights.shape[0] != p.size:
+    raise ValueError(
+        f'fedjx.reduce_weighted_mean: weights have {weights.shape[0]} entries, '
+        f'but placement {p.name!r} has {p.size} members; pass one weight per '
+        'member.')
   n = placements_lib.resolve_size(p, weights.shape[0], caller)
   weights = sharding_lib.place_leading_axis(weights, p.name, mesh)
 
