@@ -1,1 +1,98 @@
-"""Group-structured federated datasets and cohorts."""
+"""Group-structured federated datasets and cohorts: ``fedjx.datasets``.
+
+A :class:`FederatedDataset` is a population of clients, each a dict of NumPy
+arrays sharing a leading example axis, read lazily one client at a time.
+
+Building populations:
+
+* in memory: :func:`from_arrays` grouped by a feature or by index groups from
+  :func:`partition_iid`, :func:`partition_dirichlet` (label skew, Hsu et al.
+  2019), :func:`partition_quantity_skew` (lognormal / power-law sizes) or
+  :func:`partition_by_feature` (natural groups);
+* TensorFlow Datasets: :func:`from_tfds` (``tfds.data_source``, ArrayRecord,
+  no TensorFlow);
+* offline, no download: :func:`load_digits` (scikit-learn's digits),
+  :func:`synthetic` (Synthetic(alpha, beta) of FedProx, Li et al. 2020,
+  generated per client on demand), :func:`text_corpus` (Python's standard
+  library source, one client per module);
+* files: :func:`read_tff_hdf5` (TensorFlow Federated HDF5) and
+  :func:`read_fedjax_sqlite` (FedJAX SQLite), with writers for both.
+
+Rounds: :class:`CohortSampler` picks clients per round from ``(seed, round)``;
+:func:`make_cohort` batches them into a :class:`Cohort` of ``[C, S, B, ...]``
+arrays with a mask, padded to power-of-two step buckets; :func:`place_cohort`
+shards it ``P('clients')`` on a mesh; :func:`cohort_iterator` does all three
+for consecutive rounds with background prefetch.
+
+Evaluation: :func:`split_clients`, :func:`split_examples`,
+:func:`eval_batches`, :func:`eval_cohorts`. Partition statistics:
+:func:`summary`, :func:`format_summary`.
+"""
+
+from fedjx.datasets.cohort import Cohort
+from fedjx.datasets.cohort import CohortSampler
+from fedjx.datasets.cohort import bucket_steps
+from fedjx.datasets.cohort import make_cohort
+from fedjx.datasets.cohort import place_cohort
+from fedjx.datasets.digits import load_digits
+from fedjx.datasets.evaluation import eval_batches
+from fedjx.datasets.evaluation import eval_cohorts
+from fedjx.datasets.evaluation import split_clients
+from fedjx.datasets.evaluation import split_examples
+from fedjx.datasets.federated import FederatedDataset
+from fedjx.datasets.federated import IndexedDataset
+from fedjx.datasets.federated import from_arrays
+from fedjx.datasets.files import read_fedjax_sqlite
+from fedjx.datasets.files import read_tff_hdf5
+from fedjx.datasets.files import write_fedjax_sqlite
+from fedjx.datasets.files import write_tff_hdf5
+from fedjx.datasets.partition import partition_by_feature
+from fedjx.datasets.partition import partition_dirichlet
+from fedjx.datasets.partition import partition_iid
+from fedjx.datasets.partition import partition_quantity_skew
+from fedjx.datasets.partition import quantity_skew_sizes
+from fedjx.datasets.prefetch import Prefetcher
+from fedjx.datasets.prefetch import cohort_for_round
+from fedjx.datasets.prefetch import cohort_iterator
+from fedjx.datasets.summary import format_summary
+from fedjx.datasets.summary import summary
+from fedjx.datasets.synthetic import SyntheticDataset
+from fedjx.datasets.synthetic import synthetic
+from fedjx.datasets.text import TextCorpus
+from fedjx.datasets.text import text_corpus
+from fedjx.datasets.tfds_source import from_tfds
+
+__all__ = [
+    'Cohort',
+    'CohortSampler',
+    'FederatedDataset',
+    'IndexedDataset',
+    'Prefetcher',
+    'SyntheticDataset',
+    'TextCorpus',
+    'bucket_steps',
+    'cohort_for_round',
+    'cohort_iterator',
+    'eval_batches',
+    'eval_cohorts',
+    'format_summary',
+    'from_arrays',
+    'from_tfds',
+    'load_digits',
+    'make_cohort',
+    'partition_by_feature',
+    'partition_dirichlet',
+    'partition_iid',
+    'partition_quantity_skew',
+    'place_cohort',
+    'quantity_skew_sizes',
+    'read_fedjax_sqlite',
+    'read_tff_hdf5',
+    'split_clients',
+    'split_examples',
+    'summary',
+    'synthetic',
+    'text_corpus',
+    'write_fedjax_sqlite',
+    'write_tff_hdf5',
+]

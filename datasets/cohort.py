@@ -1,0 +1,259 @@
+"""Cohorts: the clients of one round, batched, padded, stacked and placed.
+
+A round consumes a :class:`Cohort` (see ``docs/interfaces.md``):
+
+* ``batches``: dict of ``[C, S, B, ...]`` arrays, ``S`` local steps of ``B``
+  examples for each of ``C`` clients;
+* ``mask``: ``[C, S, B]`` bool, True where an example is real;
+* ``num_examples``: ``[C]`` float32, the distinct real examples per client;
+* ``client_ids``: ``[C]`` int32, the clients' ids in the population.
+
+Building one takes three steps, each a function here:
+
+1. :class:`CohortSampler` picks ``C`` client ids for round ``r``, uniformly
+   without replacement, as a function of ``(seed, r)`` only.
+2. :func:`make_cohort` turns each client into a stream of examples (shuffled
+   per epoch, repeated for ``num_epochs`` passes or until ``num_steps`` full
+   batches), cuts it into batches of ``B`` and pads every client to the same
+   ``S``. With ``bucket=True``, ``S`` is rounded up to a power of two so that
+   only ``O(log max_steps)`` distinct shapes ever reach the compiler.
+3. :func:`place_cohort` puts the arrays on device, sharded
+   ``NamedSharding(mesh, P('clients'))`` when the mesh has a ``clients`` axis.
+
+Padding is zeros with mask False. Steps after a client's last real example are
+all-False padding steps, which algorithms skip.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from fedjx.datasets import _seeding
+from fedjx.datasets.federated import FederatedDataset, num_rows
+
+CLIENTS_AXIS = 'clients'
+
+
+class Cohort(NamedTuple):
+  """One round's clients: ``[C, S, B, ...]`` batches, mask and weights."""
+
+  batches: dict[str, Any]
+  mask: Any
+  num_examples: Any
+  client_ids: Any
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    """``(clients, steps, batch_size)``."""
+    return tuple(int(d) for d in self.mask.shape)  # type: ignore[return-value]
+
+
+class CohortSampler:
+  """Samples ``cohort_size`` client ids per round, uniformly without replacement.
+
+  ``sample(r)`` depends only on ``(seed, r)`` and the population size, so a run
+  resumed at round ``r`` sees the same cohorts as one that never stopped. It
+  touches no client data, so the population may be any size.
+
+  Args:
+    population: a :class:`FederatedDataset` or its number of clients.
+    cohort_size: clients per round, ``1 <= cohort_size <= num_clients``.
+    seed: the random seed.
+  """
+
+  def __init__(self, population: FederatedDataset | int, cohort_size: int,
+               seed: int = 0):
+    num_clients = (population.num_clients
+                   if isinstance(population, FederatedDataset) else int(population))
+    if isinstance(cohort_size, bool) or not isinstance(cohort_size, (int, np.integer)) \
+        or not 1 <= cohort_size <= num_clients:
+      raise ValueError(f'cohort_size={cohort_size!r}; it must be an int in '
+                       f'[1, {num_clients}] (the number of clients).')
+    self.num_clients = num_clients
+    self.cohort_size = int(cohort_size)
+    self.seed = int(seed)
+
+  def sample(self, round_num: int) -> np.ndarray:
+    """``int32 [cohort_size]``: the sorted client ids for round ``round_num``."""
+    if round_num < 0:
+      raise ValueError(f'round_num={round_num}; rounds are numbered from 0.')
+    gen = _seeding.rng(_seeding.COHORT, self.seed, round_num)
+    ids = gen.choice(self.num_clients, size=self.cohort_size, replace=False)
+    return np.sort(ids).astype(np.int32)
+
+
+def bucket_steps(steps: int) -> int:
+  """The padded step count for ``steps``: the next power of two (1, 2, 4, ...)."""
+  return 1 << max(0, int(steps) - 1).bit_length()
+
+
+def _check_positive(name: str, value: Any, allow_none: bool = False) -> int | None:
+  if value is None and allow_none:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f'{name}={value!r}; it must be an int >= 1'
+                     f'{" or None" if allow_none else ""}.')
+  return int(value)
+
+
+def example_order(n: int, batch_size: int, *, num_epochs: int | None = None,
+                  num_steps: int | None = None, max_steps: int | None = None,
+                  rng: np.random.Generator | None = None) -> np.ndarray:
+  """The example indices a client visits, in order, before batching.
+
+  The stream is ``num_epochs`` passes over ``range(n)`` (or as many passes as
+  ``num_steps`` full batches need), each pass a fresh permutation from ``rng``
+  (in order when ``rng`` is None), truncated to ``max_steps`` batches.
+  """
+  if n < 1:
+    raise ValueError(f'a client with n={n} examples cannot be batched; clients '
+                     'need at least one example.')
+  if num_steps is not None:
+    total = num_steps * batch_size
+    passes = math.ceil(total / n)
+  else:
+    passes = 1 if num_epochs is None else num_epochs
+    total = passes * n
+  if max_steps is not None:
+    total = min(total, max_steps * batch_size)
+    passes = min(passes, math.ceil(total / n))
+  perms = [rng.permutation(n) if rng is not None else np.arange(n)
+           for _ in range(passes)]
+  return np.concatenate(perms)[:total]
+
+
+def pad_batches(examples: Mapping[str, np.ndarray], order: np.ndarray,
+                batch_size: int, steps: int) -> tuple[dict[str, np.ndarray],
+                                                      np.ndarray]:
+  """Gathers ``examples[order]`` into ``[steps, batch_size, ...]`` plus a mask.
+
+  Positions past ``len(order)`` are zeros with mask False.
+  """
+  size = steps * batch_size
+  if len(order) > size:
+    raise ValueError(f'{len(order)} examples do not fit in {steps} steps of '
+                     f'{batch_size}.')
+  out = {}
+  for key, value in examples.items():
+    value = np.asarray(value)
+    padded = np.zeros((size,) + value.shape[1:], dtype=value.dtype)
+    padded[:len(order)] = value[order]
+    out[key] = padded.reshape((steps, batch_size) + value.shape[1:])
+  mask = np.zeros(size, dtype=bool)
+  mask[:len(order)] = True
+  return out, mask.reshape(steps, batch_size)
+
+
+def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarray,
+                batch_size: int, *, num_epochs: int | None = None,
+                num_steps: int | None = None, max_steps: int | None = None,
+                shuffle_seed: int | None = 0, round_num: int = 0,
+                bucket: bool = True) -> Cohort:
+  """Batches clients ``client_ids`` of ``dataset`` into a NumPy :class:`Cohort`.
+
+  Each client's examples are visited as ``example_order`` describes: shuffled
+  afresh each epoch by a generator seeded from ``(shuffle_seed, round_num,
+  client_id)`` (no shuffling when ``shuffle_seed`` is None), repeated for
+  ``num_epochs`` passes (default 1; only the last batch may be partial) or for
+  exactly ``num_steps`` full batches, then cut to at most ``max_steps``
+  batches. Clients are padded to a common step count ``S``: the largest
+  client's, rounded up to a power of two when ``bucket`` is True.
+
+  Args:
+    dataset: the population.
+    client_ids: ids of the cohort's clients, ``[C]``.
+    batch_size: examples per step, ``>= 1``.
+    num_epochs: passes over each client's data (exclusive with ``num_steps``).
+    num_steps: full batches per client, repeating data as needed.
+    max_steps: an upper bound on steps per client.
+    shuffle_seed: seed of the per-epoch shuffles, or None for data order.
+    round_num: the round, so each round shuffles differently.
+    bucket: pad ``S`` to a power of two.
+
+  Returns:
+    A :class:`Cohort` of NumPy arrays; ``num_examples[c]`` counts the distinct
+    examples of client ``c`` that appear in its batches.
+  """
+  batch_size = _check_positive('batch_size', batch_size)
+  num_epochs = _check_positive('num_epochs', num_epochs, allow_none=True)
+  num_steps = _check_positive('num_steps', num_steps, allow_none=True)
+  max_steps = _check_positive('max_steps', max_steps, allow_none=True)
+  if num_epochs is not None and num_steps is not None:
+    raise ValueError(f'give num_epochs={num_epochs} or num_steps={num_steps}, '
+                     'not both.')
+  ids = np.asarray(client_ids).reshape(-1)
+  if ids.size == 0:
+    raise ValueError('client_ids is empty; a cohort needs at least one client.')
+  clients = []
+  for cid in ids.tolist():
+    cid = dataset.check_client(cid)
+    data = dataset.client_data(cid)
+    n = num_rows(data, where=f'client {cid}')
+    if n < 1:
+      raise ValueError(f'client {cid} ({dataset.client_name(cid)!r}) has no '
+                       'examples; every client in a cohort needs at least one.')
+    gen = (None if shuffle_seed is None else
+           _seeding.rng(_seeding.SHUFFLE, shuffle_seed, round_num, cid))
+    order = example_order(n, batch_size, num_epochs=num_epochs,
+                          num_steps=num_steps, max_steps=max_steps, rng=gen)
+    clients.append((cid, data, order, n))
+  _check_features(clients)
+  steps = max(math.ceil(len(order) / batch_size) for _, _, order, _ in clients)
+  if bucket:
+    steps = bucket_steps(steps)
+  stacked = [pad_batches(data, order, batch_size, steps)
+             for _, data, order, _ in clients]
+  batches = {k: np.stack([b[k] for b, _ in stacked]) for k in stacked[0][0]}
+  mask = np.stack([m for _, m in stacked])
+  distinct = np.array([min(n, len(order)) for _, _, order, n in clients],
+                      dtype=np.float32)
+  cids = np.array([cid for cid, _, _, _ in clients], dtype=np.int32)
+  return Cohort(batches, mask, distinct, cids)
+
+
+def _check_features(clients: list[tuple[int, dict, np.ndarray, int]]) -> None:
+  """Every client must have the same features, per-example shapes and dtypes."""
+  cid0, first = clients[0][0], clients[0][1]
+  spec = {k: (np.shape(v)[1:], np.asarray(v).dtype) for k, v in first.items()}
+  for cid, data, _, _ in clients[1:]:
+    if set(data) != set(spec):
+      raise ValueError(f'client {cid} has features {sorted(data)} but client {cid0}'
+                       f' has {sorted(spec)}; a cohort needs the same features.')
+    for k, v in data.items():
+      got = (np.shape(v)[1:], np.asarray(v).dtype)
+      if got != spec[k]:
+        raise ValueError(f'feature {k!r}: client {cid} has per-example shape/dtype '
+                         f'{got} but client {cid0} has {spec[k]}; pad or crop '
+                         'features to one shape (e.g. with dataset.map).')
+
+
+def place_cohort(cohort: Cohort, mesh: jax.sharding.Mesh | None = None) -> Cohort:
+  """Puts a NumPy cohort on device.
+
+  With a mesh that has a ``'clients'`` axis (passed, or set with
+  ``jax.set_mesh``), every array is laid out ``NamedSharding(mesh,
+  P('clients'))``: each device along that axis holds its slice of the clients.
+  With a mesh without that axis, arrays are replicated over it. With no mesh,
+  they go to the default device.
+  """
+  if mesh is None:
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or getattr(mesh, 'empty', False):
+      mesh = None
+  if mesh is None:
+    return jax.device_put(cohort)
+  if CLIENTS_AXIS not in mesh.axis_names:
+    return jax.device_put(cohort, NamedSharding(mesh, P()))
+  shards = mesh.shape[CLIENTS_AXIS]
+  clients = int(np.shape(cohort.mask)[0])
+  if clients % shards:
+    raise ValueError(f'cohort of {clients} clients cannot be split over the mesh '
+                     f"axis 'clients' of size {shards}; use a cohort_size that is "
+                     f'a multiple of {shards}.')
+  return jax.device_put(cohort, NamedSharding(mesh, P(CLIENTS_AXIS)))

@@ -1,0 +1,182 @@
+"""Preparing the next cohorts in a background thread while a round runs.
+
+:class:`Prefetcher` calls ``produce(r)`` for ``r = start, start + 1, ...`` on a
+worker thread and hands the results out in order, keeping up to ``prefetch``
+ready. Because every cohort is a function of ``(seed, r)`` alone, the items are
+the same as calling ``produce(r)`` in the loop; only the waiting differs.
+
+:func:`cohort_iterator` is the usual use: sample, batch and place the cohort
+of each round, so that reading clients, padding and the host-to-device copy of
+round ``r + 1`` overlap the computation of round ``r``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+import jax
+
+from fedjx.datasets.cohort import Cohort, CohortSampler, make_cohort, place_cohort
+from fedjx.datasets.federated import FederatedDataset
+
+T = TypeVar('T')
+
+_POLL_S = 0.05
+
+
+class Prefetcher(Generic[T], Iterator[T]):
+  """Iterates ``produce(start), produce(start + 1), ...`` computed ahead.
+
+  Args:
+    produce: ``produce(r) -> item``; a pure function of ``r``.
+    start: the first index.
+    stop: one past the last index, or None to run forever.
+    prefetch: items computed ahead on a background thread; 0 computes each
+      item in ``__next__`` on the caller's thread.
+
+  An exception in ``produce`` is raised from ``__next__`` for the index that
+  failed. Use as a context manager, or call :meth:`close`, to stop the worker.
+  """
+
+  def __init__(self, produce: Callable[[int], T], start: int = 0,
+               stop: int | None = None, prefetch: int = 1):
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+      raise ValueError(f'prefetch={prefetch!r}; it must be an int >= 0.')
+    self._produce = produce
+    self._next = start
+    self._stop = stop
+    self._prefetch = prefetch
+    self._closed = threading.Event()
+    self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
+    self._thread = None
+    if prefetch > 0:
+      self._thread = threading.Thread(target=self._work, args=(start,),
+                                      name='fedjx-prefetch', daemon=True)
+      self._thread.start()
+
+  def _work(self, index: int) -> None:
+    while not self._closed.is_set() and (self._stop is None or index < self._stop):
+      try:
+        item, error = self._produce(index), None
+      except BaseException as e:  # pylint: disable=broad-except
+        item, error = None, e
+      while not self._closed.is_set():
+        try:
+          self._queue.put((index, item, error), timeout=_POLL_S)
+          break
+        except queue.Full:
+          continue
+      if error is not None:
+        return
+      index += 1
+
+  def __iter__(self) -> Prefetcher[T]:
+    return self
+
+  def __next__(self) -> T:
+    if self._closed.is_set() or (self._stop is not None and self._next >= self._stop):
+      raise StopIteration
+    if self._thread is None:
+      item = self._produce(self._next)
+    else:
+      while True:
+        try:
+          index, item, error = self._queue.get(timeout=_POLL_S)
+          break
+        except queue.Empty:
+          if not self._thread.is_alive() and self._queue.empty():
+            raise RuntimeError('prefetch worker stopped unexpectedly') from None
+      if error is not None:
+        self.close()
+        raise error
+      assert index == self._next, (index, self._next)
+    self._next += 1
+    return item
+
+  def close(self) -> None:
+    """Stops the worker thread and drops prepared items."""
+    self._closed.set()
+    if self._thread is not None:
+      while True:
+        try:
+          self._queue.get_nowait()
+        except queue.Empty:
+          break
+      self._thread.join()
+
+  def __enter__(self) -> Prefetcher[T]:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def __del__(self):
+    self._closed.set()
+
+
+def cohort_for_round(dataset: FederatedDataset, sampler: CohortSampler,
+                     round_num: int, batch_size: int, *,
+                     num_epochs: int | None = None, num_steps: int | None = None,
+                     max_steps: int | None = None, shuffle: bool = True,
+                     bucket: bool = True) -> Cohort:
+  """The NumPy cohort of round ``round_num``: sampled, shuffled with the sampler's seed."""
+  return make_cohort(dataset, sampler.sample(round_num), batch_size,
+                     num_epochs=num_epochs, num_steps=num_steps,
+                     max_steps=max_steps,
+                     shuffle_seed=sampler.seed if shuffle else None,
+                     round_num=round_num, bucket=bucket)
+
+
+def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int,
+                    *, seed: int = 0, start_round: int = 0,
+                    num_rounds: int | None = None,
+                    num_epochs: int | None = None, num_steps: int | None = None,
+                    max_steps: int | None = None, shuffle: bool = True,
+                    bucket: bool = True, mesh: jax.sharding.Mesh | None = None,
+                    prefetch: int = 1) -> Prefetcher[Cohort]:
+  """Placed cohorts for rounds ``start_round, start_round + 1, ...``.
+
+  Round ``r``'s cohort is ``place_cohort(cohort_for_round(dataset,
+  CohortSampler(dataset, cohort_size, seed), r, ...), mesh)``: it depends only
+  on ``(seed, r)``, so resuming at ``start_round = r`` continues the same
+  sequence. With ``prefetch > 0`` the next cohorts are built and transferred on
+  a background thread.
+
+  Args:
+    dataset: the population.
+    cohort_size: clients per round (a multiple of the mesh's ``clients`` axis).
+    batch_size: examples per step.
+    seed: seeds both cohort sampling and per-client shuffling.
+    start_round: the first round to yield.
+    num_rounds: how many rounds to yield (None: forever).
+    num_epochs, num_steps, max_steps, bucket: as in :func:`make_cohort`.
+    shuffle: shuffle each client's examples per epoch.
+    mesh: where to place cohorts (default: the mesh set with ``jax.set_mesh``,
+      if any); sharded over its ``clients`` axis.
+    prefetch: cohorts prepared ahead (0: synchronous).
+  """
+  sampler = CohortSampler(dataset, cohort_size, seed)
+  if mesh is None:
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or getattr(mesh, 'empty', False):
+      mesh = None
+  # Fail on bad arguments now, not later on the worker thread.
+  make_cohort(dataset, sampler.sample(start_round)[:1], batch_size,
+              num_epochs=num_epochs, num_steps=num_steps, max_steps=max_steps)
+  if mesh is not None and 'clients' in mesh.axis_names \
+      and cohort_size % mesh.shape['clients']:
+    raise ValueError(f'cohort_size={cohort_size} cannot be split over the mesh '
+                     f"axis 'clients' of size {mesh.shape['clients']}; use a "
+                     'multiple of it.')
+
+  def produce(round_num: int) -> Cohort:
+    cohort = cohort_for_round(dataset, sampler, round_num, batch_size,
+                              num_epochs=num_epochs, num_steps=num_steps,
+                              max_steps=max_steps, shuffle=shuffle, bucket=bucket)
+    return place_cohort(cohort, mesh)
+
+  stop = None if num_rounds is None else start_round + num_rounds
+  return Prefetcher(produce, start=start_round, stop=stop, prefetch=prefetch)
