@@ -1,0 +1,263 @@
+"""Writing per-round metrics: CSV or JSONL files, and TensorBoard event files.
+
+Every writer receives ``write(round, metrics)`` calls with a flat dict of
+scalars (training metrics, and ``eval_*`` metrics on evaluation rounds).
+Rows carry the round number in the ``round`` column. On resumption from a
+checkpoint at round ``r``, :meth:`MetricsWriter.truncate` drops the rows
+written after ``r`` by the interrupted run, so the files read as if the run
+had never stopped.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+FORMATS = ('jsonl', 'csv')
+
+
+def _scalar(value: Any) -> float | int | str:
+  if isinstance(value, str):
+    return value
+  arr = np.asarray(value)
+  if arr.size != 1:
+    raise ValueError(f'metric value of shape {arr.shape} is not a scalar.')
+  item = arr.reshape(()).item()
+  return item if isinstance(item, (int, float)) else float(item)
+
+
+def _json_value(value: Any) -> Any:
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)  # JSON has no NaN/inf; keep them readable.
+  return value
+
+
+class MetricsWriter:
+  """Base class: a sink for one row of scalar metrics per call."""
+
+  def write(self, round_: int, metrics: Mapping[str, Any]) -> None:
+    raise NotImplementedError
+
+  def truncate(self, last_round: int) -> None:
+    """Forgets rows with round > ``last_round`` (resumption)."""
+
+  def flush(self) -> None:
+    """Pushes buffered rows to disk."""
+
+  def close(self) -> None:
+    self.flush()
+
+
+class JsonlWriter(MetricsWriter):
+  """One JSON object per line: ``{"round": r, "loss": ..., ...}``."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._file = open(path, 'a', encoding='utf-8')
+
+  def write(self, round_: int, metrics: Mapping[str, Any]) -> None:
+    row = {'round': int(round_)}
+    row.update({k: _json_value(_scalar(v)) for k, v in metrics.items()})
+    self._file.write(json.dumps(row) + '\n')
+
+  def truncate(self, last_round: int) -> None:
+    self._file.close()
+    rows = read_jsonl(self.path)
+    with open(self.path, 'w', encoding='utf-8') as f:
+      for row in rows:
+        if row['round'] <= last_round:
+          f.write(json.dumps(row) + '\n')
+    self._file = open(self.path, 'a', encoding='utf-8')
+
+  def flush(self) -> None:
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+class CsvWriter(MetricsWriter):
+  """A CSV table with a ``round`` column and one column per metric.
+
+  A row lacks the metrics not computed that round (e.g. ``eval_*`` between
+  evaluations): those cells are empty. When a new metric appears, the file is
+  rewritten with the wider header.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self._rows = read_csv(path) if os.path.exists(path) else []
+    self._columns = _columns(self._rows)
+    self._file = None
+    self._rewrite()
+
+  def _rewrite(self) -> None:
+    if self._file is not None:
+      self._file.close()
+    self._file = open(self.path, 'w', encoding='utf-8', newline='')
+    self._writer = csv.DictWriter(self._file, fieldnames=self._columns)
+    self._writer.writeheader()
+    for row in self._rows:
+      self._writer.writerow(row)
+
+  def write(self, round_: int, metrics: Mapping[str, Any]) -> None:
+    row = {'round': int(round_)}
+    row.update({k: _scalar(v) for k, v in metrics.items()})
+    self._rows.append(row)
+    if any(k not in self._columns for k in row):
+      self._columns = _columns(self._rows)
+      self._rewrite()
+    else:
+      self._writer.writerow(row)
+
+  def truncate(self, last_round: int) -> None:
+    self._rows = [r for r in self._rows if r['round'] <= last_round]
+    self._rewrite()
+
+  def flush(self) -> None:
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+class TensorBoardWriter(MetricsWriter):
+  """Scalars to TensorBoard event files under ``logdir`` (tensorboardX)."""
+
+  def __init__(self, logdir: str, purge_round: int | None = None):
+    from tensorboardX import SummaryWriter  # Imported lazily: it is slow.
+    # purge_step makes TensorBoard hide the events an interrupted run wrote
+    # after the checkpoint we resumed from.
+    self._writer = SummaryWriter(logdir, purge_step=purge_round)
+
+  def write(self, round_: int, metrics: Mapping[str, Any]) -> None:
+    for name, value in metrics.items():
+      value = _scalar(value)
+      if not isinstance(value, str):
+        self._writer.add_scalar(name, value, global_step=int(round_))
+
+  def flush(self) -> None:
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
+
+
+class MultiWriter(MetricsWriter):
+  """Forwards every call to several writers."""
+
+  def __init__(self, writers: Sequence[MetricsWriter]):
+    self.writers = list(writers)
+
+  def write(self, round_: int, metrics: Mapping[str, Any]) -> None:
+    for w in self.writers:
+      w.write(round_, metrics)
+
+  def truncate(self, last_round: int) -> None:
+    for w in self.writers:
+      w.truncate(last_round)
+
+  def flush(self) -> None:
+    for w in self.writers:
+      w.flush()
+
+  def close(self) -> None:
+    for w in self.writers:
+      w.close()
+
+
+def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+  columns = ['round']
+  for row in rows:
+    columns.extend(k for k in row if k not in columns)
+  return columns
+
+
+def _parse(value: str) -> Any:
+  if value == '':
+    return None
+  for cast in (int, float):
+    try:
+      return cast(value)
+    except ValueError:
+      pass
+  return value
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+  """The rows of a JSONL metrics file (a torn last line is skipped)."""
+  rows = []
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # A line cut short by a killed process.
+      rows.append({k: (float(v) if v in ('nan', 'inf', '-inf') else v)
+                   for k, v in row.items()})
+  return rows
+
+
+def read_csv(path: str) -> list[dict[str, Any]]:
+  """The rows of a CSV metrics file; empty cells are left out of a row."""
+  with open(path, encoding='utf-8', newline='') as f:
+    rows = []
+    for raw in csv.DictReader(f):
+      row = {k: _parse(v) for k, v in raw.items() if v not in ('', None)}
+      if isinstance(row.get('round'), int):
+        rows.append(row)
+    return rows
+
+
+def metrics_path(workdir: str, fmt: str) -> str:
+  """Where a run in ``workdir`` writes its metrics in format ``fmt``."""
+  if fmt not in FORMATS:
+    raise ValueError(f'metrics_format={fmt!r} is not one of {FORMATS}.')
+  return os.path.join(workdir, f'metrics.{fmt}')
+
+
+def read_metrics(workdir_or_file: str) -> list[dict[str, Any]]:
+  """Rows from a run directory (``metrics.jsonl`` or ``metrics.csv``) or file."""
+  path = workdir_or_file
+  if os.path.isdir(path):
+    for fmt in FORMATS:
+      candidate = metrics_path(path, fmt)
+      if os.path.exists(candidate):
+        path = candidate
+        break
+    else:
+      raise FileNotFoundError(f'{workdir_or_file} holds neither metrics.jsonl nor '
+                              'metrics.csv; is it a fedjx-run workdir?')
+  if path.endswith('.csv'):
+    return read_csv(path)
+  return read_jsonl(path)
+
+
+def make_writer(workdir: str, fmt: str = 'jsonl', tensorboard: bool = True,
+                resume_round: int | None = None) -> MetricsWriter:
+  """The writers of a run: a ``metrics.<fmt>`` file and TensorBoard events.
+
+  Args:
+    workdir: the run directory.
+    fmt: ``'jsonl'`` or ``'csv'``.
+    tensorboard: also write event files under ``workdir/tensorboard``.
+    resume_round: the round of the checkpoint being resumed from (rows after
+      it are dropped), or None for a fresh run (any old rows are dropped).
+  """
+  path = metrics_path(workdir, fmt)
+  if resume_round is None and os.path.exists(path):
+    os.remove(path)
+  writers: list[MetricsWriter] = [
+      CsvWriter(path) if fmt == 'csv' else JsonlWriter(path)]
+  writers[0].truncate(-1 if resume_round is None else resume_round)
+  if tensorboard:
+    writers.append(TensorBoardWriter(
+        os.path.join(workdir, 'tensorboard'),
+        purge_round=None if resume_round is None else resume_round + 1))
+  return MultiWriter(writers)

@@ -1,0 +1,219 @@
+"""Registries: the names a config may use for algorithms, datasets, models
+and optimizers, and the builders behind them.
+
+Each registry is a dict ``name -> builder``. A config names an entry and
+gives its keyword arguments::
+
+  config.algorithm = dict(name='fedavg', client_optimizer=dict(name='sgd',
+                          learning_rate=0.1), ...)
+  config.dataset = dict(name='digits', num_clients=50, alpha=0.5)
+  config.model = dict(name='mlp', hidden=(200, 200))
+
+An unknown name, or a keyword the builder does not take, raises a
+:class:`ConfigError` listing what is valid. ``register_*`` adds entries (for
+a new algorithm, dataset or model in a user's own code).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optax
+
+from fedjx import models
+from fedjx.experiments import data as data_lib
+
+
+class ConfigError(ValueError):
+  """A config names something unknown or passes an argument not accepted."""
+
+
+def _suggest(name: str, choices: Any) -> str:
+  close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+  return f' Did you mean {close[0]!r}?' if close else ''
+
+
+def lookup(kind: str, registry: Mapping[str, Any], name: Any) -> Any:
+  """``registry[name]``, or a ConfigError listing the valid names."""
+  if name not in registry:
+    raise ConfigError(f'unknown {kind} {name!r}.{_suggest(name, registry)} '
+                      f'Valid {kind} names: {sorted(registry)}.')
+  return registry[name]
+
+
+def accepted_kwargs(fn: Callable[..., Any]) -> tuple[list[str], bool]:
+  """The keyword names ``fn`` takes, and whether it takes ``**kwargs``."""
+  params = inspect.signature(fn).parameters.values()
+  names = [p.name for p in params
+           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+  return names, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def check_kwargs(kind: str, name: str, fn: Callable[..., Any],
+                 kwargs: Mapping[str, Any], reserved: tuple[str, ...] = ()) -> None:
+  """Raises a ConfigError if ``fn`` does not take every key of ``kwargs``."""
+  names, var = accepted_kwargs(fn)
+  if var:
+    return
+  valid = [n for n in names if n not in reserved]
+  for key in kwargs:
+    if key not in valid:
+      raise ConfigError(
+          f'{kind} {name!r} has no option {key!r}.{_suggest(key, valid)} '
+          f'Valid options of {kind} {name!r}: {sorted(valid)}.')
+
+
+def _plain(value: Any) -> Any:
+  """ConfigDicts and lists to plain dicts and tuples."""
+  if hasattr(value, 'to_dict'):
+    value = value.to_dict()
+  if isinstance(value, Mapping):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return tuple(_plain(v) for v in value)
+  return value
+
+
+def split_name(kind: str, spec: Any) -> tuple[str, dict[str, Any]]:
+  """``(name, kwargs)`` from a ``{'name': ..., **kwargs}`` config entry."""
+  spec = _plain(spec)
+  if not isinstance(spec, Mapping) or 'name' not in spec:
+    raise ConfigError(f'config.{kind} must be a dict with a "name" key (and '
+                      f'the builder\'s options); got {spec!r}.')
+  spec = dict(spec)
+  return spec.pop('name'), spec
+
+
+# ------------------------------------------------------------------ optimizers
+
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
+    name: getattr(optax, name) for name in (
+        'sgd', 'adam', 'adamw', 'adagrad', 'yogi', 'rmsprop', 'lamb', 'lion',
+        'adafactor', 'adabelief', 'lars', 'novograd', 'radam', 'sm3', 'fromage',
+        'noisy_sgd', 'nadam', 'adamax')
+    if hasattr(optax, name)
+}
+
+
+def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransformation:
+  """An optax optimizer from ``{'name': 'sgd', 'learning_rate': 0.1, ...}``.
+
+  Numeric hyperparameters are injected (``optax.inject_hyperparams``), so they
+  live in the optimizer state as arrays: algorithms can read and change them
+  without recompiling. Booleans and strings (e.g. ``nesterov=True``) are static.
+  """
+  name, kwargs = split_name(where, spec)
+  fn = lookup(f'{where} (optax optimizer)', OPTIMIZERS, name)
+  check_kwargs(f'{where}', name, fn, kwargs)
+  static = tuple(k for k, v in kwargs.items()
+                 if v is None or isinstance(v, (bool, str, tuple)))
+  return optax.inject_hyperparams(fn, static_args=static)(**kwargs)
+
+
+# ------------------------------------------------------------------ algorithms
+
+_ALGORITHM_NAMES = ('fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm',
+                    'fedprox', 'scaffold', 'diloco', 'streaming_diloco',
+                    'dp_fedavg')
+
+
+def _algorithms() -> dict[str, Callable[..., Any]]:
+  try:
+    from fedjx import algorithms as algorithms_lib  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover - the package is always installed.
+    return {}
+  return {n: getattr(algorithms_lib, n) for n in _ALGORITHM_NAMES
+          if callable(getattr(algorithms_lib, n, None))}
+
+
+ALGORITHMS: dict[str, Callable[..., Any]] = _algorithms()
+
+
+def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto',
+                    chunk_size: int | None = None) -> Any:
+  """An algorithm from ``config.algorithm``.
+
+  Options whose name ends in ``optimizer`` are optimizer specs (see
+  :func:`build_optimizer`); the others are passed through. The model's
+  ``loss_fn`` and ``metrics_fn``, and ``map_strategy`` / ``chunk_size``, are
+  passed when the builder takes them.
+  """
+  name, kwargs = split_name('algorithm', spec)
+  fn = lookup('algorithm', ALGORITHMS, name)
+  reserved = ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size')
+  check_kwargs('algorithm', name, fn, kwargs, reserved)
+  for key, value in list(kwargs.items()):
+    if key.endswith('optimizer') and isinstance(value, Mapping):
+      kwargs[key] = build_optimizer(value, where=f'algorithm.{key}')
+  accepted, var = accepted_kwargs(fn)
+  extra = {'metrics_fn': model.metrics_fn, 'map_strategy': map_strategy,
+           'chunk_size': chunk_size}
+  for key, value in extra.items():
+    if var or key in accepted:
+      kwargs[key] = value
+  return fn(model.loss_fn, **kwargs)
+
+
+# ------------------------------------------------------------------ datasets
+
+
+ExperimentData = data_lib.ExperimentData
+
+DATASETS: dict[str, Callable[..., ExperimentData]] = dict(data_lib.BUILDERS)
+
+
+def register_dataset(name: str, builder: Callable[..., ExperimentData]) -> None:
+  """Adds (or replaces) a dataset builder ``builder(**kwargs) -> ExperimentData``."""
+  DATASETS[name] = builder
+
+
+def register_algorithm(name: str, builder: Callable[..., Any]) -> None:
+  """Adds (or replaces) an algorithm builder ``builder(loss_fn, **kwargs)``."""
+  ALGORITHMS[name] = builder
+
+
+def build_dataset(spec: Any, seed: int) -> ExperimentData:
+  """The data of ``config.dataset``; ``seed`` is passed if not set and taken."""
+  name, kwargs = split_name('dataset', spec)
+  fn = lookup('dataset', DATASETS, name)
+  check_kwargs('dataset', name, fn, kwargs)
+  accepted, _ = accepted_kwargs(fn)
+  if 'seed' in accepted and 'seed' not in kwargs:
+    kwargs['seed'] = seed
+  data = fn(**kwargs)
+  if not isinstance(data, ExperimentData):
+    raise TypeError(f'dataset builder {name!r} returned {type(data).__name__}; '
+                    'it must return an ExperimentData.')
+  return data
+
+
+# ------------------------------------------------------------------ models
+
+MODELS: dict[str, Callable[..., models.Model]] = {
+    'logistic_regression': models.logistic_regression,
+    'mlp': models.mlp,
+    'emnist_cnn': models.emnist_cnn,
+    'resnet': models.resnet,
+    'transformer_lm': models.transformer_lm,
+    'lstm_lm': models.lstm_lm,
+}
+
+
+def register_model(name: str, builder: Callable[..., models.Model]) -> None:
+  """Adds (or replaces) a model builder ``builder(**kwargs) -> Model``."""
+  MODELS[name] = builder
+
+
+def build_model(spec: Any, info: Mapping[str, Any] | None = None) -> models.Model:
+  """The model of ``config.model``; dataset ``info`` fills options not set."""
+  name, kwargs = split_name('model', spec)
+  fn = lookup('model', MODELS, name)
+  check_kwargs('model', name, fn, kwargs)
+  accepted, _ = accepted_kwargs(fn)
+  for key, value in (info or {}).items():
+    if key in accepted and key not in kwargs:
+      kwargs[key] = value
+  return fn(**kwargs)
