@@ -163,7 +163,8 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
   ``num_epochs`` passes (default 1; only the last batch may be partial) or for
   exactly ``num_steps`` full batches, then cut to at most ``max_steps``
   batches. Clients are padded to a common step count ``S``: the largest
-  client's, rounded up to a power of two when ``bucket`` is True.
+  client's, rounded up to a power of two when ``bucket`` is True (but not
+  beyond ``max_steps``; with ``num_steps``, ``S`` is that number).
 
   Args:
     dataset: the population.
@@ -205,8 +206,10 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
     clients.append((cid, data, order, n))
   _check_features(clients)
   steps = max(math.ceil(len(order) / batch_size) for _, _, order, _ in clients)
-  if bucket:
+  if bucket and num_steps is None:
     steps = bucket_steps(steps)
+    if max_steps is not None:
+      steps = min(steps, max_steps)
   stacked = [pad_batches(data, order, batch_size, steps)
              for _, data, order, _ in clients]
   batches = {k: np.stack([b[k] for b, _ in stacked]) for k in stacked[0][0]}

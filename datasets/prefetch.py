@@ -114,7 +114,9 @@ class Prefetcher(Generic[T], Iterator[T]):
     self.close()
 
   def __del__(self):
-    self._closed.set()
+    closed = getattr(self, '_closed', None)
+    if closed is not None:
+      closed.set()
 
 
 def cohort_for_round(dataset: FederatedDataset, sampler: CohortSampler,
