@@ -131,13 +131,13 @@ def run_mapped(fn: Callable[..., Any], args: Any, n: int, k: int,
     y = sharding_lib.place_leading_axis(y, placement, mesh)
     return y.reshape((k * m,) + y.shape[2:])[:n]
 
+  if k == 1 and axis_name is None:  # One member at a time.
+    return jax.lax.map(fn, args)
   if m == 1:  # One chunk: every member at once.
     padded = jax.tree.map(lambda x: sharding_lib.place_leading_axis(
         _pad_leading(x, k), placement, mesh), args)
     out = jax.vmap(fn, spmd_axis_name=axis_name)(padded)
     return jax.tree.map(lambda y: y[:n], out)
-  if k == 1 and axis_name is None:  # One member at a time.
-    return jax.lax.map(fn, args)
   grid = jax.tree.map(to_grid, args)
   out = jax.vmap(lambda row: jax.lax.map(fn, row), spmd_axis_name=axis_name)(grid)
   return jax.tree.map(from_grid, out)
@@ -176,7 +176,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     placements_lib.resolve_size(p, jnp.shape(leaf)[0], 'map_fn')
   n = p.size
   mesh = mesh if mesh is not None else frame.mesh
-  strategy = strategy or frame.map_options.strategy
+  strategy = placements_lib.forced_map_strategy() or strategy or frame.map_options.strategy
   if strategy not in placements_lib.MAP_STRATEGIES:
     raise ValueError(f'fedjx.map_fn: strategy={strategy!r} is not one of '
                      f'{placements_lib.MAP_STRATEGIES}.')

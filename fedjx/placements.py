@@ -167,6 +167,29 @@ def program(fn: Callable[..., Any] | None = None,
   return decorate if fn is None else decorate(fn)
 
 
+_FORCED_STRATEGY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    'fedjx_forced_map_strategy', default=None)
+
+
+@contextlib.contextmanager
+def force_map_strategy(strategy: str) -> Iterator[None]:
+  """Runs every ``map_fn`` in the block with ``strategy``, whatever it asks for.
+
+  Interpreters use this to trace a program with ``'sequential'``, whose traced
+  form keeps the per-client computation as the body of a ``scan``.
+  """
+  _check_map_options(strategy, None)
+  token = _FORCED_STRATEGY.set(strategy)
+  try:
+    yield
+  finally:
+    _FORCED_STRATEGY.reset(token)
+
+
+def forced_map_strategy() -> str | None:
+  return _FORCED_STRATEGY.get()
+
+
 def current_frames() -> tuple[_Frame, ...]:
   return _STACK.get()
 

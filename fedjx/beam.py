@@ -1,0 +1,415 @@
+"""Running fedjx programs as Apache Beam pipelines.
+
+A program written with the fedjx primitives is a MapReduce program, so a batch
+system can run it (the third promise of DrJAX, arXiv 2403.07128). This module
+traces the program (:mod:`fedjx.plan`) and builds a Beam pipeline from it:
+
+* client work (the per-client body of ``map_fn``) runs as a ``ParDo`` over a
+  ``PCollection`` of clients; each element is ``(index, {value id: array})``,
+  the values that client holds;
+* ``reduce_sum``, ``reduce_mean`` and ``reduce_weighted_mean`` run as
+  combiners that accumulate in 64 bits (``float64``/``int64``), so the order in
+  which workers merge partial results barely matters;
+* broadcast values and other server values reach clients as side inputs;
+* server code between stages runs as JAX functions on singleton
+  ``PCollection`` s.
+
+Every JAX computation is shipped to workers serialised with ``jax.export``
+(StableHLO), not pickled as Python. Client data is read *inside* the pipeline by
+:class:`ClientData`'s loader, so a cohort never has to fit in the driver's
+memory.
+
+The DirectRunner (in-process) is the default. The same pipeline runs on
+Dataflow, Flink or Spark by passing ``pipeline_options`` (for example
+``PipelineOptions(runner='DataflowRunner', project=..., region=...,
+temp_location='gs://...')`` or ``runner='FlinkRunner'`` /
+``runner='SparkRunner'`` with their job endpoints), with ``output_dir`` on a
+filesystem every worker can reach (``gs://...``, ``hdfs://...``) and fedjx and
+jax installed on the workers (``--requirements_file`` or a container image).
+See docs/beam.md.
+
+Requires the ``beam`` extra: ``pip install -e '.[beam]'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import apache_beam as beam
+import jax
+import jax.numpy as jnp
+import numpy as np
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from fedjx import plan as plan_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientData:
+  """Placed values that the clients hold, read inside the pipeline.
+
+  Attributes:
+    client_ids: the clients, in the order of the placed axis.
+    load: ``load(client_id) -> pytree`` of one client's arrays (what the
+      program sees as the ``i``-th slice of this argument). It runs on the
+      workers, so it must be picklable (a module-level function or a
+      ``functools.partial`` of one).
+    spec: the pytree of one client's ``jax.ShapeDtypeStruct`` s (or example
+      arrays) that ``load`` returns.
+  """
+
+  client_ids: Sequence[Any]
+  load: Callable[[Any], Any]
+  spec: Any
+
+  def placed_spec(self) -> Any:
+    n = len(self.client_ids)
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct((n,) + tuple(np.shape(s)), np.asarray(s).dtype
+                                       if not hasattr(s, 'dtype') else s.dtype),
+        self.spec)
+
+  @classmethod
+  def from_arrays(cls, placed: Any) -> 'ClientData':
+    """Wraps in-memory placed arrays (leading axis = clients)."""
+    placed = jax.tree.map(np.asarray, placed)
+    n = jax.tree.leaves(placed)[0].shape[0]
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), placed)
+    return cls(list(range(n)), _IndexLoader(placed), spec)
+
+
+class _IndexLoader:
+  def __init__(self, placed):
+    self.placed = placed
+
+  def __call__(self, i):
+    return jax.tree.map(lambda a: a[i], self.placed)
+
+
+def _export(fn: Callable[..., Any], avals: Sequence[Any]) -> bytes:
+  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  return bytes(jax.export.export(jax.jit(fn))(*specs).serialize())
+
+
+class _Computation:
+  """A serialised JAX computation, deserialised and compiled once per worker."""
+
+  def __init__(self, serialized: bytes):
+    self.serialized = serialized
+    self._call = None
+
+  def __call__(self, *args):
+    if self._call is None:
+      self._call = jax.jit(jax.export.deserialize(bytearray(self.serialized)).call)
+    return self._call(*args)
+
+  def __getstate__(self):
+    return {'serialized': self.serialized}
+
+  def __setstate__(self, state):
+    self.serialized = state['serialized']
+    self._call = None
+
+
+def _to_numpy(x):
+  return np.asarray(x)
+
+
+class _LoadClient(beam.DoFn):
+
+  def __init__(self, load, leaf_ids):
+    self.load = load
+    self.leaf_ids = leaf_ids
+
+  def process(self, element):
+    index, client_id = element
+    leaves = jax.tree.leaves(self.load(client_id))
+    if len(leaves) != len(self.leaf_ids):
+      raise ValueError(
+          f'fedjx.beam: ClientData.load({client_id!r}) returned {len(leaves)} '
+          f'arrays; its spec has {len(self.leaf_ids)}.')
+    yield index, {i: np.asarray(x) for i, x in zip(self.leaf_ids, leaves)}
+
+
+def _merge(grouped):
+  index, parts = grouped
+  merged = {}
+  for part in parts:
+    merged.update(part)
+  return index, merged
+
+
+class _ClientWork(beam.DoFn):
+  """Runs one map step for a client and keeps the values needed later."""
+
+  def __init__(self, body, const_ids, x_refs, out_ids, keep):
+    self.body = body
+    self.const_ids = const_ids
+    self.x_refs = x_refs    # (kind, id): 'client' column, 'broadcast' or 'server' side input
+    self.out_ids = out_ids
+    self.keep = keep
+
+  def process(self, element, *side):
+    index, columns = element
+    side_values = dict(zip(self._side_ids, side))
+    args = [side_values[i] for i in self.const_ids]
+    for kind, i in self.x_refs:
+      if kind == plan_lib.CLIENT:
+        args.append(columns[i])
+      elif kind == plan_lib.BROADCAST:
+        args.append(side_values[i])
+      else:
+        args.append(side_values[i][index])
+    outs = self.body(*args)
+    columns = {i: v for i, v in columns.items() if i in self.keep}
+    for i, v in zip(self.out_ids, outs):
+      if i in self.keep:
+        columns[i] = np.asarray(v)
+    yield index, columns
+
+  def with_side_ids(self, side_ids):
+    self._side_ids = side_ids
+    return self
+
+
+class _Gather(beam.DoFn):
+  """Extracts ``(x_i, w_i)`` for a reduction from a client's values."""
+
+  def __init__(self, refs, side_ids):
+    self.refs = refs
+    self.side_ids = side_ids
+
+  def process(self, element, *side):
+    index, columns = element
+    side_values = dict(zip(self.side_ids, side))
+    out = []
+    for ref in self.refs:
+      if ref is None:
+        out.append(None)
+        continue
+      kind, i = ref
+      if kind == plan_lib.CLIENT:
+        out.append(columns[i])
+      elif kind == plan_lib.BROADCAST:
+        out.append(side_values[i])
+      else:
+        out.append(np.asarray(side_values[i])[index])
+    yield tuple(out)
+
+
+class StableReduce(beam.CombineFn):
+  """Sum, mean or weighted mean of per-client arrays in 64-bit accumulators.
+
+  Accumulator: ``(sum of w x, sum of w, count)`` with ``w = 1`` for ``sum``
+  and ``mean``. Merging adds accumulators, so the result does not depend on
+  how a runner splits the clients beyond 64-bit rounding.
+  """
+
+  def __init__(self, op: str, dtype):
+    self.op = op
+    self.dtype = np.dtype(dtype)
+
+  def create_accumulator(self):
+    return None, None, 0
+
+  def add_input(self, acc, pair):
+    total, weight, count = acc
+    x, w = pair
+    x = np.asarray(x)
+    if self.op == 'weighted_mean':
+      w = np.asarray(w, np.float64)
+      term = w.reshape(w.shape + (1,) * (x.ndim - w.ndim)) * x.astype(np.float64)
+    else:
+      term = x.astype(plan_lib.accumulator_dtype(x.dtype))
+      w = None
+    total = term if total is None else total + term
+    if w is not None:
+      weight = w if weight is None else weight + w
+    return total, weight, count + 1
+
+  def merge_accumulators(self, accs):
+    total, weight, count = None, None, 0
+    for t, w, c in accs:
+      if t is not None:
+        total = t if total is None else total + t
+      if w is not None:
+        weight = w if weight is None else weight + w
+      count += c
+    return total, weight, count
+
+  def extract_output(self, acc):
+    total, weight, count = acc
+    if self.op == 'sum':
+      return total.astype(self.dtype)
+    if self.op == 'mean':
+      return (total / count).astype(self.dtype)
+    return plan_lib.weighted_mean_result(total, weight, self.dtype)
+
+
+class _RunServer:
+
+  def __init__(self, computation, n_inputs):
+    self.computation = computation
+    self.n_inputs = n_inputs
+
+  def __call__(self, _, *inputs):
+    return tuple(np.asarray(o) for o in self.computation(*inputs))
+
+
+def _write_npy(value, path):
+  buffer = io.BytesIO()
+  np.save(buffer, np.asarray(value), allow_pickle=False)
+  with FileSystems.create(path) as f:
+    f.write(buffer.getvalue())
+
+
+def _read_npy(path):
+  with FileSystems.open(path) as f:
+    return np.load(io.BytesIO(f.read()), allow_pickle=False)
+
+
+def _stack_sorted(pairs):
+  return np.stack([v for _, v in sorted(pairs, key=lambda p: p[0])])
+
+
+def run(fn: Callable[..., Any], *args: Any,
+        pipeline_options: PipelineOptions | None = None,
+        output_dir: str | None = None) -> Any:
+  """Runs the fedjx program ``fn(*args)`` as one Apache Beam pipeline.
+
+  Args:
+    fn: a function that calls (or is) a ``fedjx.program``; it may be jitted.
+    *args: its arguments. An argument that is a :class:`ClientData` stands for
+      placed values the clients hold (read inside the pipeline); every other
+      argument is a server value.
+    pipeline_options: Beam options; the in-process DirectRunner by default.
+    output_dir: where workers write results (default: a temporary folder).
+
+  Returns:
+    ``fn``'s outputs as NumPy arrays, the same pytree as ``fn(*args)``.
+  """
+  client_positions = [k for k, a in enumerate(args) if isinstance(a, ClientData)]
+  trace_args = [a.placed_spec() if isinstance(a, ClientData) else a for a in args]
+  plan = plan_lib.trace_plan_with_clients(fn, trace_args, client_positions)
+  sources = [a for a in args if isinstance(a, ClientData)]
+  for source in sources:
+    if len(source.client_ids) != plan.num_clients:
+      raise ValueError(
+          f'fedjx.beam.run: ClientData has {len(source.client_ids)} clients but '
+          f'the program places {plan.num_clients}.')
+  flat_server = {}
+  leaf_ids_by_source = []
+  position = 0
+  for arg in args:
+    n_leaves = len(jax.tree.leaves(
+        arg.placed_spec() if isinstance(arg, ClientData) else arg))
+    ids = plan.in_ids[position:position + n_leaves]
+    if isinstance(arg, ClientData):
+      leaf_ids_by_source.append(ids)
+    else:
+      flat_server.update(zip(ids, jax.tree.leaves(arg)))
+    position += n_leaves
+
+  output_dir = output_dir or tempfile.mkdtemp(prefix='fedjx_beam_')
+  options = pipeline_options or PipelineOptions(runner='DirectRunner')
+  kinds = dict(plan.kinds)
+  broadcast_source = {}
+  with beam.Pipeline(options=options) as pipeline:
+    server: dict[int, Any] = {}
+
+    def server_value(i):
+      if i in broadcast_source:
+        i = broadcast_source[i]
+      if i not in server:
+        value = flat_server[i] if i in flat_server else plan.consts[i]
+        server[i] = pipeline | f'value{i}' >> beam.Create([np.asarray(value)])
+      return server[i]
+
+    # The client table: one element per client holding its values.
+    n = plan.num_clients
+    indexed = pipeline | 'clients' >> beam.Create(list(range(n)))
+    parts = []
+    for k, (source, ids) in enumerate(zip(sources, leaf_ids_by_source)):
+      pairs = [(i, cid) for i, cid in enumerate(source.client_ids)]
+      parts.append(pipeline | f'ids{k}' >> beam.Create(pairs)
+                   | f'load{k}' >> beam.ParDo(_LoadClient(source.load, ids)))
+    if not parts:
+      table = indexed | 'empty' >> beam.Map(lambda i: (i, {}))
+    elif len(parts) == 1:
+      table = parts[0]
+    else:
+      table = (parts | 'group' >> beam.Flatten() | 'byclient' >> beam.GroupByKey()
+               | 'merge' >> beam.Map(_merge))
+
+    keep_after = _client_values_needed_after(plan)
+    for s, step in enumerate(plan.steps):
+      if isinstance(step, plan_lib.ServerStep):
+        avals = [plan.avals[i] for i in step.in_ids]
+        computation = _Computation(_export(step.function(), avals))
+        inputs = [beam.pvalue.AsSingleton(server_value(i)) for i in step.in_ids]
+        outs = (pipeline | f'start{s}' >> beam.Create([None])
+                | f'server{s}' >> beam.Map(_RunServer(computation, len(inputs)), *inputs))
+        for k, i in enumerate(step.out_ids):
+          server[i] = outs | f'out{s}_{k}' >> beam.Map(lambda t, k=k: t[k])
+      elif isinstance(step, plan_lib.BroadcastStep):
+        broadcast_source[step.out_id] = step.in_id
+        kinds[step.out_id] = plan_lib.BROADCAST
+      elif isinstance(step, plan_lib.MapStep):
+        x_refs = [(kinds[i], i) for i in step.x_ids]
+        side_ids = list(dict.fromkeys(
+            list(step.const_ids) + [i for kind, i in x_refs if kind != plan_lib.CLIENT]))
+        const_avals = [plan.avals[i] for i in step.const_ids]
+        x_avals = [jax.core.ShapedArray(plan.avals[i].shape[1:], plan.avals[i].dtype)
+                   for i in step.x_ids]
+        computation = _Computation(_export(step.function(), const_avals + x_avals))
+        work = _ClientWork(computation, step.const_ids, x_refs, step.out_ids,
+                           keep_after[s]).with_side_ids(side_ids)
+        table = table | f'client{s}' >> beam.ParDo(
+            work, *[beam.pvalue.AsSingleton(server_value(i)) for i in side_ids])
+      else:
+        refs = [(kinds[step.x_id], step.x_id),
+                None if step.weight_id is None else (kinds[step.weight_id], step.weight_id)]
+        side_ids = [r[1] for r in refs if r is not None and r[0] != plan_lib.CLIENT]
+        server[step.out_id] = (
+            table | f'gather{s}' >> beam.ParDo(
+                _Gather(refs, side_ids),
+                *[beam.pvalue.AsSingleton(server_value(i)) for i in side_ids])
+            | f'reduce{s}' >> beam.CombineGlobally(
+                StableReduce(step.op, plan.avals[step.out_id].dtype)))
+
+    paths = []
+    for k, i in enumerate(plan.out_ids):
+      path = os.path.join(output_dir, f'output_{k}.npy')
+      paths.append(path)
+      if kinds[i] == plan_lib.CLIENT:
+        value = (table | f'collect{k}' >> beam.Map(lambda e, i=i: (e[0], e[1][i]))
+                 | f'list{k}' >> beam.combiners.ToList()
+                 | f'stack{k}' >> beam.Map(_stack_sorted))
+      elif kinds[i] == plan_lib.BROADCAST:
+        value = server_value(i) | f'tile{k}' >> beam.Map(
+            lambda v: np.broadcast_to(v, (n,) + np.shape(v)))
+      else:
+        value = server_value(i)
+      _ = value | f'write{k}' >> beam.Map(_write_npy, path)
+  outs = [_read_npy(p) for p in paths]
+  return jax.tree.unflatten(plan.out_tree, outs)
+
+
+def _client_values_needed_after(plan: plan_lib.Plan) -> dict[int, set[int]]:
+  """For each step index, the client values read by later steps or outputs."""
+  needed = {i for i in plan.out_ids if plan.kinds.get(i) == plan_lib.CLIENT}
+  after: dict[int, set[int]] = {}
+  for s in range(len(plan.steps) - 1, -1, -1):
+    after[s] = set(needed)
+    step = plan.steps[s]
+    if isinstance(step, plan_lib.MapStep):
+      needed = (needed - set(step.out_ids)) | set(step.x_ids)
+    elif isinstance(step, plan_lib.ReduceStep):
+      needed |= {step.x_id} | ({step.weight_id} if step.weight_id is not None else set())
+  return after

@@ -1,0 +1,469 @@
+"""Recovering the MapReduce structure of a traced fedjx program.
+
+A fedjx program traced with ``jax.make_jaxpr`` is a sequence of equations on
+*server* values (unplaced) and *placed* values. :func:`trace_plan` turns it into
+a :class:`Plan`: a list of steps that an interpreter outside JAX can run,
+
+* :class:`ServerStep`: a block of ordinary JAX equations on server values
+  (server code between MapReduce stages);
+* :class:`BroadcastStep`: a server value made available to every client;
+* :class:`MapStep`: the per-client computation of a ``map_fn`` (recovered from
+  the body of the ``scan`` that the ``sequential`` strategy produces);
+* :class:`ReduceStep`: ``sum``, ``mean`` or ``weighted_mean`` over clients.
+
+Every value has an integer id. A value's *kind* says where it lives:
+``'server'`` (an array on the server; it may still be used as a placed value
+whose leading axis indexes the clients, for example per-client random keys),
+``'broadcast'`` (a server value seen by every client), or ``'client'`` (one
+slice per client, held by the clients).
+
+Computation on client values outside ``map_fn`` cannot be placed: tracing
+raises :class:`UnplaceableOperationError` naming the operation. Transformed
+programs (``jax.grad`` of a round) are plans too, since the transpose of
+``broadcast`` is ``reduce_sum`` and the backward pass of a map is a map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from fedjx import placements as placements_lib
+from fedjx import primitives
+
+SERVER, BROADCAST, CLIENT = 'server', 'broadcast', 'client'
+REDUCTIONS = {
+    primitives.reduce_sum_p: 'sum',
+    primitives.reduce_mean_p: 'mean',
+    primitives.reduce_weighted_mean_p: 'weighted_mean',
+}
+MAP_NAME_PREFIX = 'fedjx_map_'
+
+
+class UnplaceableOperationError(ValueError):
+  """An operation mixes client values outside ``map_fn``."""
+
+
+@dataclasses.dataclass
+class ServerStep:
+  """Runs JAX equations on server values: ``outs = fn(*ins)``."""
+  eqns: list[Any]            # (eqn, in_ids, out_ids) triples, in order
+  in_ids: list[int]
+  out_ids: list[int]
+  consts: dict[int, Any]
+
+  def function(self) -> Callable[..., tuple[Any, ...]]:
+    eqns, in_ids, out_ids, consts = self.eqns, self.in_ids, self.out_ids, self.consts
+
+    def run(*ins):
+      env = dict(consts)
+      env.update(zip(in_ids, ins))
+      for eqn, eqn_in, eqn_out in eqns:
+        _bind(eqn, [env[i] for i in eqn_in], eqn_out, env)
+      return tuple(env[i] for i in out_ids)
+    return run
+
+
+@dataclasses.dataclass
+class BroadcastStep:
+  in_id: int
+  out_id: int
+
+
+@dataclasses.dataclass
+class MapStep:
+  """``outs_i = body(*consts, *[x[i] for x in xs])`` for each client ``i``."""
+  body: Any                  # ClosedJaxpr of one client's computation
+  const_ids: list[int]       # server values passed whole
+  x_ids: list[int]           # placed inputs (any kind)
+  out_ids: list[int]         # client values
+
+  def function(self) -> Callable[..., Any]:
+    return jex_core.jaxpr_as_fun(self.body)
+
+
+@dataclasses.dataclass
+class ReduceStep:
+  op: str                    # 'sum' | 'mean' | 'weighted_mean'
+  x_id: int
+  weight_id: int | None
+  out_id: int
+
+
+Step = ServerStep | BroadcastStep | MapStep | ReduceStep
+
+
+@dataclasses.dataclass
+class Plan:
+  """A fedjx program as steps over ids (see the module docstring)."""
+  steps: list[Step]
+  in_ids: list[int]
+  out_ids: list[int]
+  in_tree: Any
+  out_tree: Any
+  avals: dict[int, Any]
+  kinds: dict[int, str]
+  consts: dict[int, Any]
+  num_clients: int
+
+
+def _bind(eqn, invals, out_ids, env):
+  params = eqn.primitive.get_bind_params(eqn.params)
+  ctx = getattr(eqn, 'ctx', None)
+  if ctx is not None:
+    with ctx.manager:
+      outs = eqn.primitive.bind(*invals, **params)
+  else:
+    outs = eqn.primitive.bind(*invals, **params)
+  if not eqn.primitive.multiple_results:
+    outs = [outs]
+  env.update(zip(out_ids, outs))
+
+
+class _Builder:
+  """Linearises a jaxpr into steps, inlining jitted calls that touch clients."""
+
+  def __init__(self):
+    self.next_id = 0
+    self.avals: dict[int, Any] = {}
+    self.kinds: dict[int, str] = {}
+    self.consts: dict[int, Any] = {}
+    self.steps: list[Step] = []
+    self.server_block: list[Any] = []
+    self.num_clients: int | None = None
+
+  def new_id(self, aval, kind):
+    i = self.next_id
+    self.next_id += 1
+    self.avals[i] = aval
+    self.kinds[i] = kind
+    return i
+
+  def read(self, env, var):
+    if isinstance(var, jex_core.Literal):
+      i = self.new_id(var.aval, SERVER)
+      self.consts[i] = var.val
+      return i
+    return env[var]
+
+  def set_clients(self, n, what):
+    if self.num_clients is None:
+      self.num_clients = n
+    elif n != self.num_clients:
+      raise UnplaceableOperationError(
+          f'fedjx: {what} has {n} clients but the program already uses '
+          f'{self.num_clients}; interpreters support one placement.')
+
+  def flush(self):
+    if self.server_block:
+      self.steps.append(ServerStep(self.server_block, [], [], {}))
+      self.server_block = []
+
+  def server_eqn(self, eqn, in_ids):
+    out_ids = [self.new_id(v.aval, SERVER) for v in eqn.outvars]
+    self.server_block.append((eqn, in_ids, out_ids))
+    return out_ids
+
+  def materialize(self, i):
+    """A broadcast value as a server array of shape [n, ...]."""
+    if self.kinds[i] != BROADCAST:
+      return i
+    src = self._broadcast_source[i]
+    out = self.new_id(self.avals[i], SERVER)
+    n = self.num_clients
+    eqn = _broadcast_eqn(self.avals[src], n)
+    self.server_block.append((eqn, [src], [out]))
+    return out
+
+  def run(self, jaxpr, in_ids):
+    self._broadcast_source = getattr(self, '_broadcast_source', {})
+    env = dict(zip(jaxpr.invars, in_ids))
+    for v, c in zip(jaxpr.constvars, []):
+      env[v] = c
+    for eqn in jaxpr.eqns:
+      ids = [self.read(env, v) for v in eqn.invars]
+      kinds = [self.kinds[i] for i in ids]
+      prim = eqn.primitive
+      name = eqn.params.get('name', '') if 'jaxpr' in eqn.params else ''
+      if prim is primitives.broadcast_p:
+        if kinds[0] != SERVER:
+          raise UnplaceableOperationError(
+              'fedjx: broadcast of a placed value (nested placements) cannot be '
+              'interpreted; interpreters support one placement.')
+        self.set_clients(eqn.params['n'], 'broadcast')
+        out = self.new_id(eqn.outvars[0].aval, BROADCAST)
+        self._broadcast_source[out] = ids[0]
+        self.flush()
+        self.steps.append(BroadcastStep(ids[0], out))
+        outs = [out]
+      elif prim in REDUCTIONS:
+        self.set_clients(eqn.invars[0].aval.shape[0], prim.name)
+        if all(k != CLIENT for k in kinds):
+          outs = self.server_eqn(eqn, [self.materialize(i) for i in ids])
+        else:
+          self.flush()
+          out = self.new_id(eqn.outvars[0].aval, SERVER)
+          self.steps.append(ReduceStep(REDUCTIONS[prim], ids[0],
+                                       ids[1] if len(ids) > 1 else None, out))
+          outs = [out]
+      elif name.startswith(MAP_NAME_PREFIX):
+        outs = self.map_eqn(eqn, ids)
+      elif 'jaxpr' in eqn.params and name and (
+          any(k != SERVER for k in kinds) or _uses_fedjx(eqn.params['jaxpr'].jaxpr)):
+        outs = self.run_closed(eqn.params['jaxpr'], ids)
+      elif all(k != CLIENT for k in kinds):
+        outs = self.server_eqn(eqn, [self.materialize(i) for i in ids])
+      else:
+        raise UnplaceableOperationError(
+            f'fedjx: the operation {prim.name!r} combines client values outside '
+            'map_fn, so it cannot be placed. Move it into the function given to '
+            'fedjx.map_fn.')
+      for v, i in zip(eqn.outvars, outs):
+        env[v] = i
+    return [self.read(env, v) for v in jaxpr.outvars]
+
+  def run_closed(self, closed, in_ids):
+    const_ids = []
+    for c, v in zip(closed.consts, closed.jaxpr.constvars):
+      i = self.new_id(v.aval, SERVER)
+      self.consts[i] = c
+      const_ids.append(i)
+    jaxpr = closed.jaxpr
+    env_ids = const_ids + list(in_ids)
+    wrapper = jex_core.Jaxpr([], list(jaxpr.constvars) + list(jaxpr.invars),
+                             jaxpr.outvars, jaxpr.eqns, jaxpr.effects)
+    return self.run(wrapper, env_ids)
+
+  def map_eqn(self, eqn, ids):
+    """A ``fedjx_map_*`` call: its scan's body is the per-client computation.
+
+    Besides the scan over clients, the traced map may hold computations on
+    server values only (e.g. loop invariants hoisted by differentiation);
+    those run as server code.
+    """
+    name = eqn.params['name']
+    inner = eqn.params['jaxpr']
+    env = dict(zip(inner.jaxpr.invars, ids))
+    for c, v in zip(inner.consts, inner.jaxpr.constvars):
+      i = self.new_id(v.aval, SERVER)
+      self.consts[i] = c
+      env[v] = i
+    found_scan = False
+    for e in inner.jaxpr.eqns:
+      e_ids = [self.read(env, v) for v in e.invars]
+      kinds = [self.kinds[i] for i in e_ids]
+      if e.primitive.name == 'scan' and e.params['num_carry'] == 0:
+        outs = self.scan_over_clients(e, e_ids, name)
+        found_scan = True
+      elif all(k != CLIENT for k in kinds):
+        outs = self.server_eqn(e, [self.materialize(i) for i in e_ids])
+      else:
+        outs = None
+      if outs is None:
+        raise UnplaceableOperationError(
+            f'fedjx: cannot recover the per-client computation of {name!r} '
+            f'(found {e.primitive.name!r} on client values); trace the program '
+            "under fedjx.placements.force_map_strategy('sequential') with no "
+            'mesh.')
+      for v, i in zip(e.outvars, outs):
+        env[v] = i
+    if not found_scan:
+      raise UnplaceableOperationError(
+          f'fedjx: {name!r} has no scan over clients; trace the program under '
+          "fedjx.placements.force_map_strategy('sequential') with no mesh.")
+    return [self.read(env, v) for v in inner.jaxpr.outvars]
+
+  def scan_over_clients(self, scan, scan_ids, name):
+    num_consts = scan.params['num_consts']
+    const_ids, x_ids = scan_ids[:num_consts], scan_ids[num_consts:]
+    for i in const_ids:
+      if self.kinds[i] == CLIENT:
+        raise UnplaceableOperationError(
+            'fedjx: a function given to map_fn closes over a client value; pass '
+            "placed values through map_fn's arguments instead.")
+    self.set_clients(scan.params['length'], name)
+    const_ids = [self.materialize(i) for i in const_ids]
+    self.flush()
+    out_ids = [self.new_id(v.aval, CLIENT) for v in scan.outvars]
+    body = scan.params['jaxpr']
+    self.steps.append(MapStep(body, const_ids, x_ids, out_ids))
+    return out_ids
+
+
+_FEDJX_PRIMITIVES = (primitives.broadcast_p, *REDUCTIONS)
+
+
+def _uses_fedjx(jaxpr) -> bool:
+  """Whether a jaxpr (or one nested in it) calls a fedjx primitive or map."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive in _FEDJX_PRIMITIVES:
+      return True
+    if str(eqn.params.get('name', '')).startswith(MAP_NAME_PREFIX):
+      return True
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      if _uses_fedjx(sub):
+        return True
+  return False
+
+
+def _broadcast_eqn(aval, n):
+  """A stand-in equation that broadcasts a server value to [n, ...]."""
+  return _BroadcastToEqn(n)
+
+
+class _BroadcastToEqn:
+  """Duck-typed equation: ``jnp.broadcast_to(x, (n, ...))``."""
+
+  def __init__(self, n):
+    self.n = n
+    self.primitive = self
+    self.params = {}
+    self.multiple_results = False
+
+  def get_bind_params(self, params):
+    return {}
+
+  def bind(self, x):
+    return jnp.broadcast_to(x, (self.n,) + jnp.shape(x))
+
+
+def _liveness(plan: Plan) -> None:
+  """Sets each server block's inputs and the outputs used after it."""
+  needed = set(plan.out_ids)
+  for step in reversed(plan.steps):
+    if isinstance(step, ServerStep):
+      defined = {o for _, _, outs in step.eqns for o in outs}
+      step.out_ids = sorted(defined & needed)
+      used = set()
+      for _, ins, _ in step.eqns:
+        used.update(ins)
+      step.consts = {i: plan.consts[i] for i in used if i in plan.consts}
+      step.in_ids = sorted((used - defined) - set(step.consts))
+      needed = (needed - defined) | set(step.in_ids)
+    elif isinstance(step, BroadcastStep):
+      needed = (needed - {step.out_id}) | {step.in_id}
+    elif isinstance(step, MapStep):
+      needed = (needed - set(step.out_ids)) | set(step.const_ids) | set(step.x_ids)
+    else:
+      needed = (needed - {step.out_id}) | {step.x_id}
+      if step.weight_id is not None:
+        needed.add(step.weight_id)
+  plan.steps = [s for s in plan.steps
+                if not (isinstance(s, ServerStep) and not s.out_ids)]
+
+
+def trace_plan(fn: Callable[..., Any], *args: Any) -> Plan:
+  """Traces ``fn(*args)`` (a fedjx program) into a :class:`Plan`.
+
+  Args:
+    fn: a function that calls a ``fedjx.program`` (or is one).
+    *args: example arguments or ``jax.ShapeDtypeStruct`` pytrees; positional
+      arguments listed in ``placed`` below are taken as client values.
+
+  Returns:
+    The plan. Its inputs are all server values; use
+    :func:`trace_plan_with_clients` to mark inputs that clients hold.
+  """
+  return trace_plan_with_clients(fn, args, client_args=())
+
+
+def trace_plan_with_clients(fn: Callable[..., Any], args: Sequence[Any],
+                            client_args: Sequence[int]) -> Plan:
+  """Like :func:`trace_plan`; ``args[i]`` for ``i`` in ``client_args`` are
+  placed values held by the clients (e.g. a cohort)."""
+  with placements_lib.force_map_strategy('sequential'):
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  flat_args, in_tree = jax.tree.flatten(tuple(args))
+  client_leaf = []
+  for position, arg in enumerate(args):
+    client_leaf += [position in client_args] * len(jax.tree.leaves(arg))
+  builder = _Builder()
+  in_ids = [builder.new_id(v.aval, CLIENT if is_client else SERVER)
+            for v, is_client in zip(closed.jaxpr.invars, client_leaf)]
+  for v, is_client in zip(closed.jaxpr.invars, client_leaf):
+    if is_client:
+      builder.set_clients(v.aval.shape[0], 'a client argument')
+  out_ids = builder.run_closed(closed, in_ids)
+  builder.flush()
+  if builder.num_clients is None:
+    raise ValueError('fedjx: the program has no placed values to interpret.')
+  plan = Plan(builder.steps, in_ids, out_ids, in_tree,
+              jax.tree.structure(out_shape), builder.avals, builder.kinds,
+              builder.consts, builder.num_clients)
+  _liveness(plan)
+  return plan
+
+
+def evaluate(plan: Plan, *flat_args: Any) -> list[Any]:
+  """Runs a plan in-process, client by client (a reference interpreter)."""
+  env: dict[int, Any] = dict(plan.consts)
+  env.update(zip(plan.in_ids, flat_args))
+  n = plan.num_clients
+  bcast: dict[int, int] = {}
+
+  def per_client(i, c):
+    if i in bcast:
+      return env[bcast[i]]
+    return env[i][c]
+
+  for step in plan.steps:
+    if isinstance(step, ServerStep):
+      env.update(zip(step.out_ids, jax.jit(step.function())(
+          *[env[i] for i in step.in_ids])))
+    elif isinstance(step, BroadcastStep):
+      bcast[step.out_id] = step.in_id
+    elif isinstance(step, MapStep):
+      body = jax.jit(step.function())
+      outs = [body(*[env[i] for i in step.const_ids],
+                   *[per_client(i, c) for i in step.x_ids]) for c in range(n)]
+      for k, o in enumerate(step.out_ids):
+        env[o] = jnp.stack([out[k] for out in outs])
+    else:
+      xs = [per_client(step.x_id, c) for c in range(n)]
+      ws = ([per_client(step.weight_id, c) for c in range(n)]
+            if step.weight_id is not None else None)
+      env[step.out_id] = combine(step.op, xs, ws, plan.avals[step.out_id].dtype)
+  outs = []
+  for i in plan.out_ids:
+    outs.append(jnp.broadcast_to(env[bcast[i]], (n,) + jnp.shape(env[bcast[i]]))
+                if i in bcast else env[i])
+  return outs
+
+
+def combine(op: str, xs: Sequence[Any], ws: Sequence[Any] | None, dtype) -> np.ndarray:
+  """Sum, mean or weighted mean of per-client arrays, accumulated in 64 bits."""
+  acc = accumulator_dtype(np.asarray(xs[0]).dtype)
+  total = np.sum([np.asarray(x, acc) for x in xs], axis=0)
+  if op == 'sum':
+    return total.astype(dtype)
+  if op == 'mean':
+    return (total / len(xs)).astype(dtype)
+  w = np.asarray([np.asarray(v, np.float64) for v in ws])
+  numer = np.sum([wi.reshape(wi.shape + (1,) * (np.ndim(x) - wi.ndim)) * np.asarray(x, np.float64)
+                  for wi, x in zip(w, xs)], axis=0)
+  denom = w.sum(axis=0)
+  return weighted_mean_result(numer, denom, dtype)
+
+
+def accumulator_dtype(dtype) -> np.dtype:
+  dtype = np.dtype(dtype)
+  if np.issubdtype(dtype, np.complexfloating):
+    return np.dtype(np.complex128)
+  if np.issubdtype(dtype, np.floating):
+    return np.dtype(np.float64)
+  if np.issubdtype(dtype, np.bool_):
+    return np.dtype(np.int64)
+  return np.dtype(np.int64) if np.issubdtype(dtype, np.signedinteger) else np.dtype(np.uint64)
+
+
+def weighted_mean_result(numer, denom, dtype) -> np.ndarray:
+  denom = np.asarray(denom)
+  shape = denom.shape + (1,) * (np.ndim(numer) - denom.ndim)
+  safe = np.where(denom == 0, 1.0, denom).reshape(shape)
+  return np.where(denom.reshape(shape) == 0, 0.0, numer / safe).astype(dtype)
