@@ -27,6 +27,25 @@ T = TypeVar('T')
 _POLL_S = 0.05
 
 
+def _work(produce: Callable[[int], object], index: int, stop: int | None,
+          out: queue.Queue, closed: threading.Event) -> None:
+  """Puts ``(r, produce(r), None)`` (or ``(r, None, error)``) for r = index, ..."""
+  while not closed.is_set() and (stop is None or index < stop):
+    try:
+      item, error = produce(index), None
+    except BaseException as e:  # pylint: disable=broad-except
+      item, error = None, e
+    while not closed.is_set():
+      try:
+        out.put((index, item, error), timeout=_POLL_S)
+        break
+      except queue.Full:
+        continue
+    if error is not None:
+      return
+    index += 1
+
+
 class Prefetcher(Generic[T], Iterator[T]):
   """Iterates ``produce(start), produce(start + 1), ...`` computed ahead.
 
@@ -53,25 +72,12 @@ class Prefetcher(Generic[T], Iterator[T]):
     self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
     self._thread = None
     if prefetch > 0:
-      self._thread = threading.Thread(target=self._work, args=(start,),
-                                      name='fedjx-prefetch', daemon=True)
+      # The worker holds no reference to self, so an abandoned iterator is
+      # garbage collected and its __del__ stops the worker.
+      self._thread = threading.Thread(
+          target=_work, args=(produce, start, stop, self._queue, self._closed),
+          name='fedjx-prefetch', daemon=True)
       self._thread.start()
-
-  def _work(self, index: int) -> None:
-    while not self._closed.is_set() and (self._stop is None or index < self._stop):
-      try:
-        item, error = self._produce(index), None
-      except BaseException as e:  # pylint: disable=broad-except
-        item, error = None, e
-      while not self._closed.is_set():
-        try:
-          self._queue.put((index, item, error), timeout=_POLL_S)
-          break
-        except queue.Full:
-          continue
-      if error is not None:
-        return
-      index += 1
 
   def __iter__(self) -> Prefetcher[T]:
     return self

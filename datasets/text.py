@@ -12,7 +12,9 @@ Tokens are bytes (vocabulary 256) or characters (code points 0..127 and one
 unknown-character id 128, vocabulary 129). A client's token stream ``t`` of
 length ``L`` gives ``(L - 1) // T`` examples; example ``i`` is
 ``t[i T : i T + T + 1]``, returned as ``{'x': t[:-1], 'y': t[1:]}`` (next-token
-targets) or ``{'tokens': t}``. Files are read only when a client is.
+targets) or ``{'tokens': t}``. Files are read only when a client is (at
+the character level, construction also reads each file once to count its
+characters).
 
 Any directory of text files works the same way through ``root`` and
 ``suffixes``; the default root is ``sysconfig.get_paths()['stdlib']`` minus

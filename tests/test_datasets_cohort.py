@@ -1,6 +1,7 @@
 """Cohort sampling, batching with masks, bucketing, placement and prefetch."""
 
 import collections
+import gc
 
 import jax
 import numpy as np
@@ -237,3 +238,13 @@ def test_eval_batches_and_eval_cohorts():
       if cid >= 0:
         np.testing.assert_array_equal(c.batches['x'][i][c.mask[i]],
                                       ds.client_data(cid)['x'])
+
+
+def test_abandoned_prefetcher_stops_its_worker():
+  it = fd.Prefetcher(lambda r: r, prefetch=2)
+  assert next(it) == 0
+  worker = it._thread  # pylint: disable=protected-access
+  del it
+  gc.collect()
+  worker.join(timeout=2.0)
+  assert not worker.is_alive()
