@@ -1,1 +1,69 @@
-"""Federated learning algorithms written with the fedjx primitives."""
+"""Federated learning algorithms written with the fedjx primitives.
+
+Every builder returns an :class:`Algorithm` with ``init(params) -> state``,
+``round(state, cohort, key) -> (state, metrics)`` (jit-compiled, state
+donated), ``run_rounds`` (many rounds in one ``lax.scan``) and ``apply`` (the
+plain round, for ``jax.grad`` and friends). See docs/algorithms.md.
+"""
+
+from fedjx.algorithms import client_update
+from fedjx.algorithms import quantization
+from fedjx.algorithms.base import Algorithm
+from fedjx.algorithms.base import ServerState
+from fedjx.algorithms.base import WEIGHTINGS
+from fedjx.algorithms.base import aggregation_weights
+from fedjx.algorithms.base import scan_rounds
+from fedjx.algorithms.client_update import LocalSchedule
+from fedjx.algorithms.diloco import DiLoCoState
+from fedjx.algorithms.diloco import diloco
+from fedjx.algorithms.dp_fedavg import clip_update
+from fedjx.algorithms.dp_fedavg import dp_epsilon
+from fedjx.algorithms.dp_fedavg import dp_fedavg
+from fedjx.algorithms.fedavg import fedadagrad
+from fedjx.algorithms.fedavg import fedadam
+from fedjx.algorithms.fedavg import fedavg
+from fedjx.algorithms.fedavg import fedavgm
+from fedjx.algorithms.fedavg import fedyogi
+from fedjx.algorithms.fedprox import fedprox
+from fedjx.algorithms.quantization import quantize
+from fedjx.algorithms.scaffold import ScaffoldState
+from fedjx.algorithms.scaffold import scaffold
+from fedjx.algorithms.streaming_diloco import StreamingDiLoCoState
+from fedjx.algorithms.streaming_diloco import streaming_diloco
+from fedjx.algorithms.yogi import adaptive_adagrad
+from fedjx.algorithms.yogi import adaptive_adam
+from fedjx.algorithms.yogi import scale_by_adaptive
+from fedjx.algorithms.yogi import scale_by_yogi
+from fedjx.algorithms.yogi import yogi
+
+__all__ = [
+    'Algorithm',
+    'DiLoCoState',
+    'LocalSchedule',
+    'ScaffoldState',
+    'ServerState',
+    'StreamingDiLoCoState',
+    'WEIGHTINGS',
+    'adaptive_adagrad',
+    'adaptive_adam',
+    'aggregation_weights',
+    'client_update',
+    'clip_update',
+    'diloco',
+    'dp_epsilon',
+    'dp_fedavg',
+    'fedadagrad',
+    'fedadam',
+    'fedavg',
+    'fedavgm',
+    'fedprox',
+    'fedyogi',
+    'quantization',
+    'quantize',
+    'scaffold',
+    'scale_by_adaptive',
+    'scale_by_yogi',
+    'scan_rounds',
+    'streaming_diloco',
+    'yogi',
+]

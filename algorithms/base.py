@@ -1,0 +1,354 @@
+"""What every federated algorithm shares: its interface, state and checks.
+
+An algorithm is an :class:`Algorithm`, a pair of pure functions
+
+* ``init(params) -> state``: the server state, a ``NamedTuple`` whose
+  ``params`` is the server model and whose ``hparams`` holds the
+  hyperparameters a round reads (learning rates, momentum, ``mu``, ...), as
+  arrays, so they can be changed between rounds without recompiling and
+  differentiated through (hypergradients);
+* ``round(state, cohort, key) -> (state, metrics)``: one round of training on
+  a cohort of clients, jit-compiled with the state donated;
+
+plus ``run_rounds``, many rounds in one compiled call (``lax.scan`` over a
+stack of cohorts), and ``apply``, the round as a plain function for use
+inside ``jax.grad``, ``jax.vmap`` or a caller's own ``jit``.
+
+A round is a fedjx program: the cohort size ``C`` is read from the cohort's
+shapes at trace time and declared with ``fedjx.program(clients=C)``.
+
+Hyperparameters of optimizers are traced when the optimizer is built with
+``optax.inject_hyperparams`` (the defaults of this package are): ``init``
+copies the optimizer's hyperparameters into ``state.hparams[<argument
+name>]`` and every round writes them back into the optimizer state before
+using it, so ``state.hparams`` is the one place to read or change them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import fedjx
+
+Params = Any
+PyTree = Any
+Cohort = Any  # Any object with batches, mask, num_examples, client_ids.
+Metrics = dict[str, jax.Array]
+LossFn = Callable[[Params, Mapping[str, jax.Array]], jax.Array]
+MetricsFn = Callable[[Params, Mapping[str, jax.Array]], Mapping[str, jax.Array]]
+
+WEIGHTINGS = ('num_examples', 'uniform')
+
+
+class Algorithm(NamedTuple):
+  """A federated algorithm.
+
+  Attributes:
+    init: ``init(params) -> state``; the state is a NamedTuple with
+      ``params`` (the server model) and ``hparams`` (traced hyperparameters).
+    round: ``round(state, cohort, key) -> (state, metrics)``, jit-compiled,
+      donating ``state``; ``metrics`` is a flat dict of scalars.
+    run_rounds: ``run_rounds(state, cohorts, keys) -> (state, metrics)``: one
+      round per entry of the leading axis of ``cohorts`` (every leaf stacked
+      ``[R, C, ...]``) and ``keys`` (``[R]`` keys), in one compiled
+      ``lax.scan``, donating ``state``; each metric is stacked to ``[R]``.
+    apply: the round as a plain, un-jitted function with the signature of
+      ``round``; compose it with ``jax.grad`` (e.g. with respect to
+      ``state.hparams``), ``jax.vmap`` or :func:`scan_rounds`.
+  """
+
+  init: Callable[[Params], Any]
+  round: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]]
+  run_rounds: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]]
+  apply: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]]
+
+
+class ServerState(NamedTuple):
+  """Server state of FedAvg-like algorithms.
+
+  Attributes:
+    params: the server model.
+    opt_state: the server optimizer's state.
+    hparams: traced hyperparameters, keyed by the builder's argument names.
+    round_index: number of rounds run so far (int32 scalar).
+  """
+
+  params: Params
+  opt_state: optax.OptState
+  hparams: dict[str, Any]
+  round_index: jax.Array
+
+
+# ------------------------------------------------------------------ checks
+
+def check_choice(fn: str, name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+  if value not in allowed:
+    raise ValueError(f'{fn}: {name}={value!r} is not one of {allowed}.')
+
+
+def check_number(fn: str, name: str, value: Any, *, low: float = 0.0,
+                 strict: bool = False, high: float | None = None) -> None:
+  """Raises unless a number lies in ``[low, high]`` (``(low, high]`` if strict).
+
+  Traced values (inside ``jit`` or ``grad``) cannot be checked and pass.
+  """
+  if jnp.ndim(value) > 0:
+    return
+  try:
+    v = float(value)
+  except (jax.errors.ConcretizationTypeError,
+          jax.errors.TracerArrayConversionError):
+    return
+  except (TypeError, ValueError):
+    raise ValueError(f'{fn}: {name}={value!r} must be a number.') from None
+  bad = math.isnan(v) or v < low or (strict and v == low) or (
+      high is not None and v > high)
+  if bad:
+    bound = f'> {low}' if strict else f'>= {low}'
+    if high is not None:
+      bound += f' and <= {high}'
+    raise ValueError(f'{fn}: {name}={value!r} is not allowed; it must be {bound}.')
+
+
+def check_positive_int(fn: str, name: str, value: Any, *,
+                       allow_none: bool = False) -> None:
+  if value is None and allow_none:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f'{fn}: {name}={value!r} must be a positive int'
+                     + (' or None.' if allow_none else '.'))
+
+
+def check_optimizer(fn: str, name: str, optimizer: Any) -> None:
+  if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):
+    raise ValueError(f'{fn}: {name}={optimizer!r} is not an '
+                     'optax.GradientTransformation (it needs init and update).')
+
+
+# Constraints on hyperparameters, by name: the keys of optax's injected
+# hyperparameters and the scalar entries of ``state.hparams``.
+_HPARAM_BOUNDS = {
+    'learning_rate': dict(low=0.0),
+    'client_learning_rate': dict(low=0.0),
+    'momentum': dict(low=0.0, high=1.0),
+    'weight_decay': dict(low=0.0),
+    'eps': dict(low=0.0),
+    'mu': dict(low=0.0),
+    'clip_norm': dict(low=0.0, strict=True),
+    'noise_multiplier': dict(low=0.0),
+}
+
+
+def check_hparams(fn: str, hparams: Mapping[str, Any]) -> None:
+  """Checks the concrete values of ``state.hparams`` (keyed by argument name)."""
+  for arg, value in hparams.items():
+    if isinstance(value, Mapping):
+      for key, v in value.items():
+        if key in _HPARAM_BOUNDS:
+          check_number(fn, f'{arg} {key}', v, **_HPARAM_BOUNDS[key])
+    elif arg in _HPARAM_BOUNDS:
+      check_number(fn, arg, value, **_HPARAM_BOUNDS[arg])
+
+
+def check_cohort(fn: str, cohort: Cohort) -> int:
+  """Checks the cohort's fields against each other; returns the cohort size C."""
+  for field in ('batches', 'mask', 'num_examples', 'client_ids'):
+    if not hasattr(cohort, field):
+      raise ValueError(f'{fn}: cohort has no field {field!r}; a cohort has '
+                       'batches, mask, num_examples and client_ids.')
+  mask = cohort.mask
+  if jnp.ndim(mask) != 3:
+    raise ValueError(f'{fn}: cohort.mask must have shape [C, S, B] '
+                     f'(clients, steps, batch); got shape {jnp.shape(mask)}.')
+  if not jnp.issubdtype(jnp.result_type(mask), jnp.bool_):
+    raise ValueError(f'{fn}: cohort.mask must be boolean; got dtype '
+                     f'{jnp.result_type(mask)}.')
+  c = mask.shape[0]
+  leaves = jax.tree_util.tree_leaves_with_path(cohort.batches)
+  if not leaves:
+    raise ValueError(f'{fn}: cohort.batches holds no arrays.')
+  for path, leaf in leaves:
+    if tuple(jnp.shape(leaf)[:3]) != tuple(mask.shape):
+      raise ValueError(
+          f'{fn}: cohort.batches{jax.tree_util.keystr(path)} has shape '
+          f'{jnp.shape(leaf)}, whose leading [C, S, B] axes do not match '
+          f'cohort.mask of shape {mask.shape}.')
+  for field in ('num_examples', 'client_ids'):
+    shape = jnp.shape(getattr(cohort, field))
+    if shape != (c,):
+      raise ValueError(f'{fn}: cohort.{field} must have shape [C] = ({c},) '
+                       f'(one entry per client of cohort.mask); got {shape}.')
+  return c
+
+
+def check_model(fn: str, loss_fn: LossFn, metrics_fn: MetricsFn | None,
+                params: Params, cohort: Cohort) -> None:
+  """Checks at trace time that ``loss_fn(params, batch)`` fits the cohort."""
+  spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      jnp.shape(x)[2:], jnp.result_type(x)), cohort.batches)
+  p = jax.tree.map(spec, params)
+  b = cohort.mask.shape[2]
+  shapes = lambda t: jax.tree.map(lambda s: tuple(s.shape), t)
+  for name, f in (('loss_fn', loss_fn), ('metrics_fn', metrics_fn)):
+    if f is None:
+      continue
+    try:
+      out = jax.eval_shape(f, p, batch)
+    except Exception as e:  # Re-raised with the shapes that did not fit.
+      raise ValueError(
+          f'{fn}: {name}(params, batch) fails for params of shapes '
+          f'{shapes(p)} and a cohort batch of shapes {shapes(batch)} '
+          f'(cohort.batches without the [C, S] axes): the params do not match '
+          f'the cohort. {type(e).__name__}: {e}') from e
+    leaves = [out] if name == 'loss_fn' else jax.tree.leaves(out)
+    for leaf in leaves:
+      if tuple(leaf.shape) != (b,):
+        raise ValueError(f'{fn}: {name} must return per-example values of '
+                         f'shape [B] = ({b},); got {shapes(out)}.')
+
+
+# ------------------------------------------------------------ hyperparameters
+
+def optimizer_hparams(optimizer: optax.GradientTransformation,
+                      params: Params) -> dict[str, jax.Array]:
+  """The traced hyperparameters of an ``optax.inject_hyperparams`` optimizer."""
+  state = jax.eval_shape(optimizer.init, params)
+  if not hasattr(state, 'hyperparams'):
+    return {}
+  return {k: jnp.asarray(v) for k, v in
+          optimizer.init(params).hyperparams.items()}
+
+
+def with_hparams(opt_state: optax.OptState,
+                 hparams: Mapping[str, jax.Array]) -> optax.OptState:
+  """Writes traced hyperparameters into an injected optimizer's state."""
+  if not hparams:
+    return opt_state
+  old = opt_state.hyperparams
+  new = dict(old)
+  for k, v in hparams.items():
+    new[k] = jnp.asarray(v, jnp.result_type(old[k]))
+  return opt_state._replace(hyperparams=new)
+
+
+def default_sgd(learning_rate: float, **kwargs: Any) -> optax.GradientTransformation:
+  """``optax.sgd`` with traced (injected) hyperparameters."""
+  static = ('nesterov',) if 'nesterov' in kwargs else ()
+  return optax.inject_hyperparams(optax.sgd, static_args=static)(
+      learning_rate=learning_rate, **kwargs)
+
+
+# ------------------------------------------------------------ server helpers
+
+def tree_sub(a: PyTree, b: PyTree) -> PyTree:
+  return jax.tree.map(jnp.subtract, a, b)
+
+
+def aggregation_weights(num_examples: jax.Array, weighting: str) -> jax.Array:
+  """Per-client aggregation weights ``w_i`` (a placed ``[C]`` array).
+
+  ``'num_examples'``: ``w_i = n_i`` (McMahan et al. 2017);
+  ``'uniform'``: ``w_i = 1`` for clients with data, 0 for padding clients.
+  The weights are a differentiable function of ``cohort.num_examples``.
+  """
+  n = jnp.asarray(num_examples, jnp.float32)
+  if weighting == 'num_examples':
+    return n
+  return (n > 0).astype(jnp.float32)
+
+
+def server_update(optimizer: optax.GradientTransformation,
+                  opt_state: optax.OptState, hparams: Mapping[str, jax.Array],
+                  params: Params, pseudo_grad: PyTree) -> tuple[Params, optax.OptState]:
+  """``params <- params + ServerOpt(pseudo_grad)`` with traced hyperparameters."""
+  opt_state = with_hparams(opt_state, hparams)
+  updates, opt_state = optimizer.update(pseudo_grad, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def round_metrics(stats: Mapping[str, jax.Array], num_examples: jax.Array,
+                  **extra: jax.Array) -> Metrics:
+  """Metrics of a round from the clients' placed statistics.
+
+  ``stats`` are placed per-client sums from
+  :func:`fedjx.algorithms.client_update.local_update`; the result pools them
+  over the cohort (example-weighted means): ``train_loss_before`` (the server
+  model on the cohort's training data), ``train_loss_after`` (each client's
+  trained model on its own data), the same for every metric of
+  ``metrics_fn``, ``clients`` (participating clients, those with data) and
+  ``examples``; ``extra`` scalars are added as given.
+  """
+  sums = fedjx.reduce_sum(stats)
+  count = jnp.maximum(sums.pop('count'), 1.0)
+  metrics = {f'train_{k}': v / count for k, v in sums.items()}
+  n = jnp.asarray(num_examples, jnp.float32)
+  metrics['clients'] = fedjx.reduce_sum((n > 0).astype(jnp.float32))
+  metrics['examples'] = fedjx.reduce_sum(n)
+  metrics.update(extra)
+  return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+
+
+# ---------------------------------------------------------------- assembling
+
+def scan_rounds(apply: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]],
+                state: Any, cohorts: Cohort, keys: jax.Array) -> tuple[Any, Metrics]:
+  """Runs ``R`` rounds with ``lax.scan``: one per leading entry of ``cohorts``."""
+  def body(state, xs):
+    cohort, key = xs
+    return apply(state, cohort, key)
+  return jax.lax.scan(body, state, (cohorts, keys))
+
+
+def _fresh_copy(tree: PyTree) -> PyTree:
+  # Every leaf its own new buffer, so donating the state never frees an array
+  # the caller still holds (e.g. the params passed to init).
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def make_algorithm(name: str, init: Callable[[Params], Any],
+                   round_fn: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]],
+                   *, loss_fn: LossFn, metrics_fn: MetricsFn | None,
+                   map_strategy: str, chunk_size: int | None) -> Algorithm:
+  """Wraps an algorithm's ``init`` and round (a fedjx program body).
+
+  ``round_fn`` is written with the fedjx primitives and called inside
+  ``fedjx.program(clients=C, map_strategy=..., chunk_size=...)``, with ``C``
+  the cohort size read from ``cohort.mask``.
+  """
+  if not callable(loss_fn):
+    raise ValueError(f'{name}: loss_fn={loss_fn!r} must be callable.')
+  if metrics_fn is not None and not callable(metrics_fn):
+    raise ValueError(f'{name}: metrics_fn={metrics_fn!r} must be callable or None.')
+  check_choice(name, 'map_strategy', map_strategy, fedjx.MAP_STRATEGIES)
+  check_positive_int(name, 'chunk_size', chunk_size, allow_none=True)
+
+  def init_state(params: Params) -> Any:
+    if not jax.tree.leaves(params):
+      raise ValueError(f'{name}: params={params!r} holds no arrays.')
+    state = init(params)
+    check_hparams(name, state.hparams)
+    return _fresh_copy(state)
+
+  def apply(state: Any, cohort: Cohort, key: jax.Array) -> tuple[Any, Metrics]:
+    c = check_cohort(name, cohort)
+    check_model(name, loss_fn, metrics_fn, state.params, cohort)
+    program = fedjx.program(clients=c, map_strategy=map_strategy,
+                            chunk_size=chunk_size)
+    return program(round_fn)(state, cohort, key)
+
+  def run(state, cohorts, keys):
+    return scan_rounds(apply, state, cohorts, keys)
+
+  apply.__name__ = f'{name}_round'
+  run.__name__ = f'{name}_run_rounds'
+  return Algorithm(init=init_state,
+                   round=jax.jit(apply, donate_argnums=0),
+                   run_rounds=jax.jit(run, donate_argnums=0),
+                   apply=apply)

@@ -1,0 +1,195 @@
+"""The client-training loop that every algorithm shares.
+
+One client runs ``T`` local steps of an optax optimizer on its data,
+
+    g_t = grad_w (1/|b_t|) sum_{e in b_t} loss(w_t, e)     (+ an optional
+    correction c(g_t, w_t): FedProx's proximal term, SCAFFOLD's control
+    variates)
+    (u_t, s_{t+1}) = opt.update(g_t, s_t, w_t);   w_{t+1} = w_t + u_t,
+
+with a ``lax.scan`` over steps, where ``b_t`` are the real (mask True)
+examples of the step's batch. A step whose mask is all False is padding and
+changes nothing (``jnp.where`` on parameters and optimizer state), so a client
+padded to the cohort's ``[S, B]`` shape gives exactly the result of its
+unpadded batches.
+
+The schedule of steps (:class:`LocalSchedule`) is either ``epochs`` passes
+over the cohort's ``S`` steps (McMahan et al. 2017, ``E`` local epochs), or a
+fixed number of ``steps`` that cycles through the client's real steps (the
+"local steps" variant and DiLoCo's ``H`` inner steps).
+
+Everything here is per client: it runs inside ``fedjx.map_fn``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjx.algorithms.base import LossFn
+from fedjx.algorithms.base import MetricsFn
+from fedjx.algorithms.base import Params
+from fedjx.algorithms.base import PyTree
+from fedjx.algorithms.base import check_positive_int
+
+Correction = Callable[[PyTree, Params], PyTree]
+
+
+class LocalSchedule(NamedTuple):
+  """Which steps a client takes (static, part of the compiled program).
+
+  Attributes:
+    epochs: passes over the cohort's ``S`` steps (used when ``steps`` is None).
+    steps: if set, exactly this many steps, cycling through the client's real
+      (not all-padding) steps in order; a client with no data takes none.
+  """
+
+  epochs: int = 1
+  steps: int | None = None
+
+
+class ClientUpdate(NamedTuple):
+  """What local training returns for one client.
+
+  Attributes:
+    params: the trained parameters ``w_T``.
+    opt_state: the optimizer state after the last step.
+    num_steps: the number of real steps taken (int32).
+    stats: per-client sums for the round's metrics: ``loss_before`` and
+      ``loss_after`` (sums of per-example losses at ``w_0`` and ``w_T`` over
+      the client's cohort data), the same for each ``metrics_fn`` output, and
+      ``count`` (the number of real examples they sum over).
+  """
+
+  params: Params
+  opt_state: optax.OptState
+  num_steps: jax.Array
+  stats: dict[str, jax.Array]
+
+
+def masked_mean_loss(loss_fn: LossFn, params: Params,
+                     batch: Mapping[str, jax.Array], mask: jax.Array) -> jax.Array:
+  """``(1/|b|) sum_{e in b} loss(params, e)`` over the real examples ``b``.
+
+  Zero for a batch with no real examples.
+  """
+  losses = loss_fn(params, batch)
+  total = jnp.sum(jnp.where(mask, losses, 0.0))
+  return total / jnp.maximum(jnp.sum(mask), 1).astype(total.dtype)
+
+
+def step_schedule(mask: jax.Array, schedule: LocalSchedule) -> tuple[jax.Array, jax.Array]:
+  """Indices into the client's ``S`` steps and whether each is real.
+
+  Args:
+    mask: the client's ``[S, B]`` mask.
+    schedule: the local schedule.
+
+  Returns:
+    ``(index [T], active [T])``: step ``t`` uses batch ``index[t]`` and
+    changes the model only if ``active[t]``.
+  """
+  real = jnp.any(mask, axis=-1)
+  s = real.shape[0]
+  if schedule.steps is None:
+    index = jnp.tile(jnp.arange(s), schedule.epochs)
+    return index, real[index]
+  order = jnp.argsort(jnp.logical_not(real), stable=True)  # Real steps first.
+  n = jnp.sum(real)
+  t = jnp.arange(schedule.steps)
+  index = order[t % jnp.maximum(n, 1)]
+  return index, jnp.broadcast_to(n > 0, t.shape)
+
+
+def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
+          params: Params, opt_state: optax.OptState,
+          batches: Mapping[str, jax.Array], mask: jax.Array,
+          schedule: LocalSchedule,
+          correction: Correction | None = None
+          ) -> tuple[Params, optax.OptState, jax.Array]:
+  """Local training of one client: returns ``(params, opt_state, num_steps)``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
+    optimizer: the client optimizer.
+    params: the starting point ``w_0``.
+    opt_state: the optimizer's starting state.
+    batches: the client's data, leaves ``[S, B, ...]``.
+    mask: ``[S, B]``, True for real examples.
+    schedule: which steps to take.
+    correction: optional ``c(grads, params) -> grads`` applied to each
+      minibatch gradient before the optimizer sees it.
+  """
+  index, active = step_schedule(mask, schedule)
+  grad_fn = jax.grad(masked_mean_loss, argnums=1)
+
+  def step(carry, xs):
+    params, opt_state = carry
+    i, is_real = xs
+    batch = jax.tree.map(lambda x: x[i], batches)
+    grads = grad_fn(loss_fn, params, batch, mask[i])
+    if correction is not None:
+      grads = correction(grads, params)
+    updates, new_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jnp.where(is_real, new, old)
+    return (jax.tree.map(keep, new_params, params),
+            jax.tree.map(keep, new_state, opt_state)), None
+
+  (params, opt_state), _ = jax.lax.scan(step, (params, opt_state), (index, active))
+  return params, opt_state, jnp.sum(active, dtype=jnp.int32)
+
+
+def evaluate(loss_fn: LossFn, metrics_fn: MetricsFn | None, params: Params,
+             batches: Mapping[str, jax.Array], mask: jax.Array) -> dict[str, jax.Array]:
+  """Sums of per-example loss and metrics over the client's real examples.
+
+  Returns ``{'loss': ..., <metric>: ..., 'count': number of real examples}``.
+  """
+  def step(sums, xs):
+    batch, m = xs
+    out = {'loss': loss_fn(params, batch)}
+    if metrics_fn is not None:
+      out.update(metrics_fn(params, batch))
+    new = {k: sums[k] + jnp.sum(jnp.where(m, v, 0.0)).astype(jnp.float32)
+           for k, v in out.items() if k != 'count'}
+    new['count'] = sums['count'] + jnp.sum(m, dtype=jnp.float32)
+    return new, None
+
+  keys = ['loss'] + ([] if metrics_fn is None else list(jax.eval_shape(
+      metrics_fn, params, jax.tree.map(lambda x: x[0], batches))))
+  zeros = {k: jnp.zeros((), jnp.float32) for k in keys + ['count']}
+  sums, _ = jax.lax.scan(step, zeros, (batches, mask))
+  return sums
+
+
+def local_update(loss_fn: LossFn, metrics_fn: MetricsFn | None,
+                 optimizer: optax.GradientTransformation, params: Params,
+                 opt_state: optax.OptState, batches: Mapping[str, jax.Array],
+                 mask: jax.Array, schedule: LocalSchedule,
+                 correction: Correction | None = None) -> ClientUpdate:
+  """:func:`train` plus the client's training metrics before and after."""
+  before = evaluate(loss_fn, metrics_fn, params, batches, mask)
+  new_params, opt_state, num_steps = train(
+      loss_fn, optimizer, params, opt_state, batches, mask, schedule, correction)
+  after = evaluate(loss_fn, metrics_fn, new_params, batches, mask)
+  stats = {'count': before.pop('count')}
+  after.pop('count')
+  stats.update({f'{k}_before': v for k, v in before.items()})
+  stats.update({f'{k}_after': v for k, v in after.items()})
+  return ClientUpdate(new_params, opt_state, num_steps, stats)
+
+
+def check_schedule(fn: str, local_epochs: int, local_steps: int | None) -> LocalSchedule:
+  """Validates the builder arguments and returns the schedule."""
+  check_positive_int(fn, 'local_epochs', local_epochs)
+  check_positive_int(fn, 'local_steps', local_steps, allow_none=True)
+  if local_steps is not None and local_epochs != 1:
+    raise ValueError(f'{fn}: pass local_steps={local_steps!r} or '
+                     f'local_epochs={local_epochs!r}, not both.')
+  return LocalSchedule(epochs=local_epochs, steps=local_steps)
+

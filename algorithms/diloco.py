@@ -1,0 +1,183 @@
+"""DiLoCo: distributed low-communication training.
+
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
+Models", 2023 (arXiv 2311.08105), Algorithm 1. ``K`` replicas each own a data
+shard and an inner optimizer whose state persists across rounds (it is never
+communicated). One outer step:
+
+    for each replica k (in parallel):
+        theta_k <- theta
+        H times:  theta_k <- InnerOpt(theta_k, grad L(theta_k; x ~ D_k))
+        Delta_k = theta - theta_k                         (outer gradient)
+    Delta = sum_k w_k Q(Delta_k) / sum_k w_k               (all-reduce)
+    theta <- OuterOpt(theta, Delta)
+
+InnerOpt defaults to AdamW (learning rate 4e-4, weight decay 0.1, as in the
+paper), OuterOpt to SGD with Nesterov momentum (learning rate 0.7, momentum
+0.9). ``H`` is ``inner_steps``, or the cohort's ``S`` steps if None.
+``Q`` is an optional lossy format for the outer gradients
+(:mod:`fedjx.algorithms.quantization`; full precision by default). With an
+outer SGD of learning rate 1 and no momentum, and a fresh inner state every
+round, DiLoCo is FedAvg.
+
+Replica ``k`` is the client with ``cohort.client_ids == k``; its inner
+optimizer state is stored in the server state (leaves ``[K, ...]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import fedjx
+from fedjx.algorithms import base
+from fedjx.algorithms import client_update
+from fedjx.algorithms import quantization
+
+
+class DiLoCoState(NamedTuple):
+  """DiLoCo's state.
+
+  Attributes:
+    params: the global model ``theta``.
+    opt_state: the outer optimizer's state.
+    inner_opt_states: each replica's inner optimizer state, leaves
+      ``[K, ...]`` (``()`` when ``reset_inner_state``).
+    hparams: ``inner_optimizer`` and ``outer_optimizer`` hyperparameters.
+    round_index: outer steps taken.
+  """
+
+  params: base.Params
+  opt_state: optax.OptState
+  inner_opt_states: Any
+  hparams: dict[str, Any]
+  round_index: jax.Array
+
+
+def default_inner_optimizer() -> optax.GradientTransformation:
+  """AdamW with learning rate 4e-4 and weight decay 0.1 (injected)."""
+  return optax.inject_hyperparams(optax.adamw)(learning_rate=4e-4,
+                                               weight_decay=0.1)
+
+
+def outer_nesterov(learning_rate: float = 0.7,
+                   momentum: float = 0.9) -> optax.GradientTransformation:
+  """SGD with Nesterov momentum (injected): DiLoCo's outer optimizer."""
+  return base.default_sgd(learning_rate, momentum=momentum, nesterov=True)
+
+
+def stack_states(opt_state: optax.OptState, k: int) -> optax.OptState:
+  """``k`` copies of an optimizer state on a new leading axis."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (k,) + jnp.shape(x)), opt_state)
+
+
+def check_outer(fn: str, outer_optimizer, outer_learning_rate, outer_momentum):
+  """The outer optimizer from either an optax optimizer or (lr, momentum)."""
+  if outer_optimizer is not None:
+    if outer_learning_rate is not None or outer_momentum is not None:
+      raise ValueError(f'{fn}: pass outer_optimizer or outer_learning_rate/'
+                       'outer_momentum, not both.')
+    base.check_optimizer(fn, 'outer_optimizer', outer_optimizer)
+    return outer_optimizer
+  lr = 0.7 if outer_learning_rate is None else outer_learning_rate
+  momentum = 0.9 if outer_momentum is None else outer_momentum
+  base.check_number(fn, 'outer_learning_rate', lr)
+  base.check_number(fn, 'outer_momentum', momentum, high=1.0)
+  return outer_nesterov(lr, momentum)
+
+
+def diloco(loss_fn: base.LossFn, num_replicas: int, *,
+           inner_optimizer: optax.GradientTransformation | None = None,
+           outer_optimizer: optax.GradientTransformation | None = None,
+           outer_learning_rate: float | None = None,
+           outer_momentum: float | None = None,
+           inner_steps: int | None = None,
+           reset_inner_state: bool = False,
+           quantization_format: str = 'float32',
+           metrics_fn: base.MetricsFn | None = None,
+           weighting: str = 'num_examples', map_strategy: str = 'auto',
+           chunk_size: int | None = None) -> base.Algorithm:
+  """DiLoCo with ``num_replicas`` replicas.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
+    num_replicas: ``K``; replica ids (``cohort.client_ids``) lie in ``[0, K)``.
+    inner_optimizer: default :func:`default_inner_optimizer` (AdamW).
+    outer_optimizer: any optax optimizer; or give ``outer_learning_rate``
+      (default 0.7) and ``outer_momentum`` (default 0.9) for Nesterov SGD.
+    outer_learning_rate: see ``outer_optimizer``.
+    outer_momentum: see ``outer_optimizer``.
+    inner_steps: ``H``, inner steps per round cycling through the replica's
+      real steps; None runs the cohort's ``S`` steps once.
+    reset_inner_state: start every round from a fresh inner state instead of
+      the replica's own (the paper keeps it).
+    quantization_format: format of the outer gradients sent
+      (``quantization.FORMATS``).
+    metrics_fn, weighting, map_strategy, chunk_size: as for :func:`fedavg`.
+  """
+  name = 'diloco'
+  base.check_positive_int(name, 'num_replicas', num_replicas)
+  inner_optimizer = inner_optimizer or default_inner_optimizer()
+  base.check_optimizer(name, 'inner_optimizer', inner_optimizer)
+  outer_optimizer = check_outer(name, outer_optimizer, outer_learning_rate,
+                                outer_momentum)
+  base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
+  base.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
+  quantization.check_format(name, 'quantization_format', quantization_format)
+  schedule = client_update.check_schedule(name, 1, inner_steps)
+
+  def init(params):
+    inner = () if reset_inner_state else stack_states(
+        inner_optimizer.init(params), num_replicas)
+    return DiLoCoState(
+        params=params, opt_state=outer_optimizer.init(params),
+        inner_opt_states=inner,
+        hparams={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
+                 'outer_optimizer': base.optimizer_hparams(outer_optimizer, params)},
+        round_index=jnp.zeros((), jnp.int32))
+
+  def replica_fn(theta, hparams, inner_state, batches, mask):
+    if reset_inner_state:
+      inner_state = inner_optimizer.init(theta)
+    inner_state = base.with_hparams(inner_state, hparams)
+    out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
+                                     inner_state, batches, mask, schedule)
+    outer_grad = quantization.quantize(base.tree_sub(theta, out.params),
+                                       quantization_format)
+    return outer_grad, out.opt_state, out.stats
+
+  def round_fn(state, cohort, key):
+    del key
+    ids = jnp.asarray(cohort.client_ids, jnp.int32)
+    if reset_inner_state:  # A placeholder: each replica starts afresh.
+      inner = fedjx.broadcast(jnp.zeros(()))
+    else:  # Each replica's own inner state.
+      inner = jax.tree.map(lambda a: a[ids], state.inner_opt_states)
+    outer_grads, inner, stats = fedjx.map_fn(replica_fn, (
+        fedjx.broadcast(state.params),
+        fedjx.broadcast(state.hparams['inner_optimizer']),
+        inner, cohort.batches, cohort.mask))
+    weights = base.aggregation_weights(cohort.num_examples, weighting)
+    outer_grad = fedjx.reduce_weighted_mean(outer_grads, weights)
+    params, opt_state = base.server_update(
+        outer_optimizer, state.opt_state, state.hparams['outer_optimizer'],
+        state.params, outer_grad)
+    inner_states = state.inner_opt_states
+    if not reset_inner_state:
+      store = jnp.where(cohort.num_examples > 0, ids, num_replicas)
+      inner_states = jax.tree.map(lambda a, s: a.at[store].set(s, mode='drop'),
+                                  inner_states, inner)
+    sent = quantization.num_bytes(state.params, quantization_format)
+    metrics = base.round_metrics(stats, cohort.num_examples,
+                                 pseudo_grad_norm=optax.global_norm(outer_grad))
+    metrics['communicated_bytes'] = metrics['clients'] * float(sent)
+    return state._replace(params=params, opt_state=opt_state,
+                          inner_opt_states=inner_states,
+                          round_index=state.round_index + 1), metrics
+
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                             metrics_fn=metrics_fn, map_strategy=map_strategy,
+                             chunk_size=chunk_size)

@@ -1,0 +1,155 @@
+"""SCAFFOLD: stochastic controlled averaging.
+
+Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated
+Learning", ICML 2020, Algorithm 1 with option II. The server keeps the model
+``x`` and a control variate ``c``; each of the ``N`` clients of the population
+keeps its own ``c_i`` (all zero at first). A round on a cohort ``S``:
+
+    client i in S:  y_i <- x
+                    K times:  y_i <- y_i - eta_l (g_i(y_i) - c_i + c)
+                    c_i+ = c_i - c + (x - y_i) / (K eta_l)          (option II)
+                    send  Delta y_i = y_i - x,  Delta c_i = c_i+ - c_i
+    server:         x <- x + eta_g sum_i w_i Delta y_i / sum_i w_i
+                    c <- c + (1 / N) sum_{i in S} Delta c_i
+
+The paper averages ``Delta y_i`` uniformly; here the weights ``w_i`` follow
+``weighting`` like every algorithm of this package (``'uniform'`` is the
+paper's). ``K`` is the number of real local steps client ``i`` took, so
+padding never changes ``c_i``. ``eta_g`` is the server optimizer (SGD with
+learning rate ``eta_g``, 1 by default); ``c`` stays the mean of all ``c_i``.
+
+The ``c_i`` are stored in the state as one ``[N, ...]`` array per parameter,
+indexed by ``cohort.client_ids`` (which must be distinct within a cohort and
+lie in ``[0, N)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import fedjx
+from fedjx.algorithms import base
+from fedjx.algorithms import client_update
+
+
+class ScaffoldState(NamedTuple):
+  """SCAFFOLD's server state.
+
+  Attributes:
+    params: the server model ``x``.
+    opt_state: the server optimizer's state.
+    control: the server control variate ``c``.
+    client_controls: every client's ``c_i``, leaves ``[N, ...]``.
+    hparams: ``client_learning_rate`` (``eta_l``) and the optimizers'.
+    round_index: rounds run so far.
+  """
+
+  params: base.Params
+  opt_state: optax.OptState
+  control: base.Params
+  client_controls: base.Params
+  hparams: dict[str, Any]
+  round_index: jax.Array
+
+
+def scaffold(loss_fn: base.LossFn, num_clients: int, *,
+             client_learning_rate: float = 0.1,
+             client_optimizer: optax.GradientTransformation | None = None,
+             server_optimizer: optax.GradientTransformation | None = None,
+             metrics_fn: base.MetricsFn | None = None,
+             local_epochs: int = 1, local_steps: int | None = None,
+             weighting: str = 'num_examples', map_strategy: str = 'auto',
+             chunk_size: int | None = None) -> base.Algorithm:
+  """SCAFFOLD (option II) over a population of ``num_clients`` clients.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
+    num_clients: population size ``N`` (client ids lie in ``[0, N)``).
+    client_learning_rate: local step size ``eta_l`` (traced, in
+      ``state.hparams['client_learning_rate']``).
+    client_optimizer: by default SGD with ``eta_l``, as in the paper. Another
+      optimizer receives the corrected gradient ``g - c_i + c``; option II
+      still divides by ``K eta_l``.
+    server_optimizer: on the pseudo-gradient ``-sum w_i Delta y_i / sum w_i``
+      (default SGD with ``eta_g = 1``).
+    metrics_fn, local_epochs, local_steps, weighting, map_strategy,
+    chunk_size: as for :func:`fedavg`.
+  """
+  name = 'scaffold'
+  base.check_positive_int(name, 'num_clients', num_clients)
+  base.check_number(name, 'client_learning_rate', client_learning_rate)
+  server_optimizer = server_optimizer or base.default_sgd(1.0)
+  if client_optimizer is not None:
+    base.check_optimizer(name, 'client_optimizer', client_optimizer)
+  base.check_optimizer(name, 'server_optimizer', server_optimizer)
+  base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
+  schedule = client_update.check_schedule(name, local_epochs, local_steps)
+  n_pop = num_clients
+
+  def local_optimizer(eta_l):
+    return optax.sgd(eta_l) if client_optimizer is None else client_optimizer
+
+  def init(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return ScaffoldState(
+        params=params, opt_state=server_optimizer.init(params), control=zeros,
+        client_controls=jax.tree.map(
+            lambda p: jnp.zeros((n_pop,) + jnp.shape(p), jnp.result_type(p)), params),
+        hparams={'client_learning_rate': jnp.asarray(client_learning_rate, jnp.float32),
+                 'client_optimizer': ({} if client_optimizer is None else
+                                      base.optimizer_hparams(client_optimizer, params)),
+                 'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
+        round_index=jnp.zeros((), jnp.int32))
+
+  def client_fn(x, c, c_i, eta_l, hparams, batches, mask):
+    def corrected(grads, y):  # g_i(y) - c_i + c
+      return jax.tree.map(lambda g, ci, c: g - ci + c, grads, c_i, c)
+
+    opt = local_optimizer(eta_l)
+    opt_state = base.with_hparams(opt.init(x), hparams)
+    out = client_update.local_update(loss_fn, metrics_fn, opt, x, opt_state,
+                                     batches, mask, schedule, correction=corrected)
+    k = out.num_steps
+    denom = jnp.where(k > 0, k * eta_l, 1.0)
+
+    def option_ii(ci, c, x, y):  # c_i+ = c_i - c + (x - y_i) / (K eta_l)
+      return jnp.where(k > 0, ci - c + (x - y) / denom, ci) - ci
+
+    delta_c = jax.tree.map(option_ii, c_i, c, x, out.params)
+    return base.tree_sub(x, out.params), delta_c, out.stats
+
+  def round_fn(state, cohort, key):
+    del key
+    real = cohort.num_examples > 0
+    ids = jnp.asarray(cohort.client_ids, jnp.int32)
+    c_i = jax.tree.map(lambda a: a[ids], state.client_controls)
+    deltas, delta_c, stats = fedjx.map_fn(client_fn, (
+        fedjx.broadcast(state.params), fedjx.broadcast(state.control), c_i,
+        fedjx.broadcast(state.hparams['client_learning_rate']),
+        fedjx.broadcast(state.hparams['client_optimizer']),
+        cohort.batches, cohort.mask))
+    weights = base.aggregation_weights(cohort.num_examples, weighting)
+    pseudo_grad = fedjx.reduce_weighted_mean(deltas, weights)  # = -Delta x
+    params, opt_state = base.server_update(
+        server_optimizer, state.opt_state, state.hparams['server_optimizer'],
+        state.params, pseudo_grad)
+    control = jax.tree.map(lambda c, s: c + s / n_pop, state.control,
+                           fedjx.reduce_sum(delta_c))
+    store = jnp.where(real, ids, n_pop)  # Padding clients are dropped.
+    client_controls = jax.tree.map(
+        lambda a, ci, d: a.at[store].set(ci + d, mode='drop'),
+        state.client_controls, c_i, delta_c)
+    metrics = base.round_metrics(stats, cohort.num_examples,
+                                 pseudo_grad_norm=optax.global_norm(pseudo_grad),
+                                 control_norm=optax.global_norm(control))
+    return state._replace(params=params, opt_state=opt_state, control=control,
+                          client_controls=client_controls,
+                          round_index=state.round_index + 1), metrics
+
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                             metrics_fn=metrics_fn, map_strategy=map_strategy,
+                             chunk_size=chunk_size)

@@ -1,0 +1,222 @@
+"""Streaming DiLoCo: DiLoCo that synchronises one fragment at a time.
+
+Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
+Distributed Free Lunch", 2025 (arXiv 2501.18512), Algorithm 1. The parameters
+are split into ``P`` fragments ``theta = (theta^1, ..., theta^P)``. Replicas
+never reset to the global model as a whole: each keeps training its own
+``theta_k``, and fragment ``p`` is synchronised on its own staggered
+schedule:
+
+    every round (S inner steps on each replica, inner state kept):
+        theta_k <- InnerOpt^S(theta_k)
+    then for the one fragment p = round mod P:
+        Delta^p = sum_k w_k Q(theta^p - theta_k^p) / sum_k w_k   (quantized)
+        theta^p <- OuterOpt^p(theta^p, Delta^p)
+        theta_k^p <- alpha theta_k^p + (1 - alpha) theta^p       (merge)
+
+So each fragment is synchronised every ``H = P S`` inner steps, fragment
+``p`` offset by ``p S`` steps from fragment 0, and each round sends one
+fragment, a ``1/P`` share of the bytes DiLoCo sends every ``H`` steps. Outer
+gradients are quantized (``Q``: bfloat16, int8, int4 or e3m0, see
+:mod:`fedjx.algorithms.quantization`) before the reduction, which runs in
+float32; ``communicated_bytes`` reports what replicas send per round.
+Each fragment has its own outer optimizer state (Nesterov SGD, learning rate
+0.7, momentum 0.9 by default). ``alpha`` (``mixing_factor``) is 0 by default:
+replicas take the new global fragment.
+
+Fragments are groups of parameter leaves: ``'strided'`` puts leaf ``i`` (in
+``jax.tree.leaves`` order) in fragment ``i mod P`` (the paper's strided
+pattern over layers), ``'sequential'`` makes ``P`` consecutive groups of about
+equal size. The paper's overlap of communication with ``tau`` further inner
+steps is not simulated (``tau = 0``).
+
+With ``P = 1``, ``alpha = 0`` and float32, Streaming DiLoCo is DiLoCo.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import fedjx
+from fedjx.algorithms import base
+from fedjx.algorithms import client_update
+from fedjx.algorithms.diloco import check_outer
+from fedjx.algorithms.diloco import default_inner_optimizer
+from fedjx.algorithms import quantization
+
+FRAGMENT_PATTERNS = ('strided', 'sequential')
+
+
+class StreamingDiLoCoState(NamedTuple):
+  """Streaming DiLoCo's state.
+
+  Attributes:
+    params: the global model ``theta`` (fragment ``p`` as last synchronised).
+    replica_params: each replica's own model ``theta_k``, leaves ``[K, ...]``.
+    opt_state: a tuple of ``P`` outer optimizer states, state ``p`` over the
+      tuple of fragment ``p``'s leaves.
+    inner_opt_states: each replica's inner optimizer state, leaves ``[K, ...]``.
+    hparams: ``inner_optimizer``, ``outer_optimizer``, ``mixing_factor``.
+    round_index: rounds run; this round synchronises fragment
+      ``round_index mod P``.
+  """
+
+  params: base.Params
+  replica_params: base.Params
+  opt_state: tuple[optax.OptState, ...]
+  inner_opt_states: Any
+  hparams: dict[str, Any]
+  round_index: jax.Array
+
+
+def fragment_leaves(params: base.Params, num_fragments: int,
+                    pattern: str) -> tuple[tuple[int, ...], ...]:
+  """Leaf indices (``jax.tree.leaves`` order) of each of the ``P`` fragments."""
+  sizes = [max(1, int(jnp.size(x))) for x in jax.tree.leaves(params)]
+  n = len(sizes)
+  if num_fragments > n:
+    raise ValueError(f'streaming_diloco: num_fragments={num_fragments} exceeds '
+                     f'the {n} parameter arrays of params; every fragment needs '
+                     'at least one.')
+  if pattern == 'strided':
+    return tuple(tuple(range(p, n, num_fragments)) for p in range(num_fragments))
+  total, groups, start, acc = sum(sizes), [], 0, 0
+  for i, size in enumerate(sizes):
+    acc += size
+    left_leaves, left_groups = n - i - 1, num_fragments - len(groups) - 1
+    if left_groups > 0 and (acc * num_fragments >= total * (len(groups) + 1)
+                            or left_leaves == left_groups):
+      groups.append(tuple(range(start, i + 1)))
+      start = i + 1
+  groups.append(tuple(range(start, n)))
+  return tuple(groups)
+
+
+def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
+                     num_fragments: int = 2, fragment_pattern: str = 'strided',
+                     quantization_format: str = 'e3m0',
+                     mixing_factor: float = 0.0,
+                     inner_optimizer: optax.GradientTransformation | None = None,
+                     outer_optimizer: optax.GradientTransformation | None = None,
+                     outer_learning_rate: float | None = None,
+                     outer_momentum: float | None = None,
+                     inner_steps: int | None = None,
+                     metrics_fn: base.MetricsFn | None = None,
+                     weighting: str = 'num_examples', map_strategy: str = 'auto',
+                     chunk_size: int | None = None) -> base.Algorithm:
+  """Streaming DiLoCo with ``num_replicas`` replicas and ``P`` fragments.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
+    num_replicas: ``K``; replica ids (``cohort.client_ids``) lie in ``[0, K)``;
+      every replica is expected in every cohort.
+    num_fragments: ``P``, at most the number of parameter arrays.
+    fragment_pattern: ``'strided'`` or ``'sequential'``.
+    quantization_format: format of the outer gradients
+      (``quantization.FORMATS``; default the paper's 4-bit ``'e3m0'``).
+    mixing_factor: ``alpha`` in ``[0, 1]``, the weight of the replica's own
+      fragment when merging.
+    inner_optimizer, outer_optimizer, outer_learning_rate, outer_momentum,
+    inner_steps: as for :func:`diloco`.
+    metrics_fn, weighting, map_strategy, chunk_size: as for :func:`fedavg`.
+  """
+  name = 'streaming_diloco'
+  base.check_positive_int(name, 'num_replicas', num_replicas)
+  base.check_positive_int(name, 'num_fragments', num_fragments)
+  base.check_choice(name, 'fragment_pattern', fragment_pattern, FRAGMENT_PATTERNS)
+  quantization.check_format(name, 'quantization_format', quantization_format)
+  base.check_number(name, 'mixing_factor', mixing_factor, high=1.0)
+  inner_optimizer = inner_optimizer or default_inner_optimizer()
+  base.check_optimizer(name, 'inner_optimizer', inner_optimizer)
+  outer_optimizer = check_outer(name, outer_optimizer, outer_learning_rate,
+                                outer_momentum)
+  base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
+  schedule = client_update.check_schedule(name, 1, inner_steps)
+  stack = lambda t: jax.tree.map(
+      lambda x: jnp.broadcast_to(x, (num_replicas,) + jnp.shape(x)), t)
+
+  def init(params):
+    leaves = jax.tree.leaves(params)
+    frags = fragment_leaves(params, num_fragments, fragment_pattern)
+    return StreamingDiLoCoState(
+        params=params, replica_params=stack(params),
+        opt_state=tuple(outer_optimizer.init(tuple(leaves[i] for i in f))
+                        for f in frags),
+        inner_opt_states=stack(inner_optimizer.init(params)),
+        hparams={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
+                 'outer_optimizer': base.optimizer_hparams(
+                     outer_optimizer, tuple(leaves[i] for i in frags[0])),
+                 'mixing_factor': jnp.asarray(mixing_factor, jnp.float32)},
+        round_index=jnp.zeros((), jnp.int32))
+
+  def replica_fn(theta_k, hparams, inner_state, batches, mask):
+    inner_state = base.with_hparams(inner_state, hparams)
+    out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer,
+                                     theta_k, inner_state, batches, mask, schedule)
+    return out.params, out.opt_state, out.stats
+
+  def sync_fragment(p, frag, hparams, weights, num_clients, operands):
+    """Outer step on fragment ``p`` (leaves ``frag``); updates the operands."""
+    leaves, replica_leaves, opt_states = operands
+    theta = tuple(leaves[i] for i in frag)
+    theta_k = tuple(replica_leaves[i] for i in frag)
+    outer_grads = fedjx.map_fn(  # Q(theta^p - theta_k^p) on each replica.
+        lambda g, r: quantization.quantize(base.tree_sub(g, r), quantization_format),
+        (fedjx.broadcast(theta), theta_k))
+    outer_grad = fedjx.reduce_weighted_mean(outer_grads, weights)
+    theta, opt_state = base.server_update(
+        outer_optimizer, opt_states[p], hparams['outer_optimizer'], theta, outer_grad)
+    merged = fedjx.map_fn(  # theta_k^p <- alpha theta_k^p + (1 - alpha) theta^p
+        lambda r, g, a: jax.tree.map(lambda r, g: a * r + (1 - a) * g, r, g),
+        (theta_k, fedjx.broadcast(theta),
+         fedjx.broadcast(hparams['mixing_factor'])))
+    leaves, replica_leaves = list(leaves), list(replica_leaves)
+    for j, i in enumerate(frag):
+      leaves[i], replica_leaves[i] = theta[j], merged[j]
+    opt_states = opt_states[:p] + (opt_state,) + opt_states[p + 1:]
+    sent = num_clients * float(quantization.num_bytes(theta, quantization_format))
+    return (tuple(leaves), tuple(replica_leaves), opt_states,
+            optax.global_norm(outer_grad), jnp.asarray(sent, jnp.float32))
+
+  def round_fn(state, cohort, key):
+    del key
+    ids = jnp.asarray(cohort.client_ids, jnp.int32)
+    gather = lambda t: jax.tree.map(lambda a: a[ids], t)
+    theta_k, inner, stats = fedjx.map_fn(replica_fn, (
+        gather(state.replica_params),
+        fedjx.broadcast(state.hparams['inner_optimizer']),
+        gather(state.inner_opt_states), cohort.batches, cohort.mask))
+    # Synchronise fragment p = round mod P (one branch per fragment).
+    leaves, treedef = jax.tree.flatten(state.params)
+    frags = fragment_leaves(state.params, num_fragments, fragment_pattern)
+    weights = base.aggregation_weights(cohort.num_examples, weighting)
+    clients = fedjx.reduce_sum((cohort.num_examples > 0).astype(jnp.float32))
+    p = state.round_index % num_fragments
+    branches = [
+        (lambda ops, j=j, f=f: sync_fragment(
+            j, f, state.hparams, weights, clients, ops))
+        for j, f in enumerate(frags)]
+    leaves, replica_leaves, opt_states, norm, sent = jax.lax.switch(
+        p, branches, (tuple(leaves), tuple(jax.tree.leaves(theta_k)),
+                      state.opt_state))
+    store = jnp.where(cohort.num_examples > 0, ids, num_replicas)
+    scatter = lambda store_tree, new: jax.tree.map(
+        lambda a, v: a.at[store].set(v, mode='drop'), store_tree, new)
+    metrics = base.round_metrics(stats, cohort.num_examples,
+                                 pseudo_grad_norm=norm, communicated_bytes=sent,
+                                 synced_fragment=p)
+    return state._replace(
+        params=jax.tree.unflatten(treedef, leaves),
+        replica_params=scatter(state.replica_params,
+                               jax.tree.unflatten(treedef, replica_leaves)),
+        opt_state=opt_states,
+        inner_opt_states=scatter(state.inner_opt_states, inner),
+        round_index=state.round_index + 1), metrics
+
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                             metrics_fn=metrics_fn, map_strategy=map_strategy,
+                             chunk_size=chunk_size)
