@@ -219,6 +219,8 @@ class _Builder:
         outs = self.run_closed(eqn.params['jaxpr'], ids)
       elif all(k != CLIENT for k in kinds):
         outs = self.server_eqn(eqn, [self.materialize(i) for i in ids])
+      elif _per_client_form(eqn) is not None:
+        outs = self.lift_per_client(eqn, ids)
       else:
         raise UnplaceableOperationError(
             f'fedjx: the operation {prim.name!r} combines client values outside '
@@ -279,6 +281,35 @@ class _Builder:
           "fedjx.placements.force_map_strategy('sequential') with no mesh.")
     return [self.read(env, v) for v in inner.jaxpr.outvars]
 
+  def lift_per_client(self, eqn, ids):
+    """An elementwise (or non-leading-axis) op on client values, per client."""
+    n = self.num_clients
+    placed = [not isinstance(v, jex_core.Literal) and v.aval.ndim > 0 and
+              v.aval.shape[0] == n and self.kinds[i] != SERVER or
+              (self.kinds[i] == SERVER and v.aval.shape == eqn.invars[0].aval.shape
+               and v.aval.ndim > 0 and v.aval.shape[0] == n)
+              for v, i in zip(eqn.invars, ids)]
+    prim, params = _per_client_form(eqn)
+    const_ids = [i for i, p in zip(ids, placed) if not p]
+    x_ids = [i for i, p in zip(ids, placed) if p]
+
+    def one_client(*args):
+      consts, xs = iter(args[:len(const_ids)]), iter(args[len(const_ids):])
+      operands = [next(xs) if p else next(consts) for p in placed]
+      out = prim.bind(*operands, **params)
+      return out if prim.multiple_results else [out]
+
+    specs = ([jax.ShapeDtypeStruct(self.avals[i].shape, self.avals[i].dtype)
+              for i in const_ids] +
+             [jax.ShapeDtypeStruct(self.avals[i].shape[1:], self.avals[i].dtype)
+              for i in x_ids])
+    body = jax.make_jaxpr(one_client)(*specs)
+    self.flush()
+    out_ids = [self.new_id(v.aval, CLIENT) for v in eqn.outvars]
+    self.steps.append(MapStep(body, [self.materialize(i) for i in const_ids],
+                              x_ids, out_ids))
+    return out_ids
+
   def scan_over_clients(self, scan, scan_ids, name):
     num_consts = scan.params['num_consts']
     const_ids, x_ids = scan_ids[:num_consts], scan_ids[num_consts:]
@@ -294,6 +325,35 @@ class _Builder:
     body = scan.params['jaxpr']
     self.steps.append(MapStep(body, const_ids, x_ids, out_ids))
     return out_ids
+
+
+# Elementwise primitives: on placed operands of one shape, each client's
+# output depends on its own slice only.
+_ELEMENTWISE = frozenset((
+    'abs', 'add', 'and', 'ceil', 'convert_element_type', 'cos', 'div', 'eq',
+    'exp', 'floor', 'ge', 'gt', 'integer_pow', 'is_finite', 'le', 'log',
+    'log1p', 'lt', 'max', 'min', 'mul', 'ne', 'neg', 'not', 'or', 'pow',
+    'rem', 'round', 'rsqrt', 'select_n', 'sign', 'sin', 'sqrt', 'square',
+    'sub', 'tanh', 'logistic', 'xor', 'stop_gradient', 'copy', 'copy_p'))
+_AXIS_REDUCTIONS = frozenset(('reduce_sum', 'reduce_max', 'reduce_min',
+                              'reduce_prod', 'reduce_and', 'reduce_or',
+                              'argmax', 'argmin'))
+
+
+def _per_client_form(eqn):
+  """(primitive, params) computing ``eqn`` on one client's slice, or None."""
+  name = eqn.primitive.name
+  if name in _ELEMENTWISE:
+    shapes = {v.aval.shape for v in eqn.invars if v.aval.ndim > 0}
+    return (eqn.primitive, dict(eqn.params)) if len(shapes) <= 1 else None
+  if name in _AXIS_REDUCTIONS:
+    axes = tuple(eqn.params['axes'])
+    if 0 in axes:
+      return None
+    params = dict(eqn.params)
+    params['axes'] = tuple(a - 1 for a in axes)
+    return eqn.primitive, params
+  return None
 
 
 _FEDJX_PRIMITIVES = (primitives.broadcast_p, *REDUCTIONS)
