@@ -1,0 +1,109 @@
+"""FedOpt (FedAdam, FedYogi, FedAdagrad, FedAvgM) against Reddi et al. 2021."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjx.algorithms as algos
+from test_algorithms_util import KEY, linreg_data, linreg_loss, linreg_params
+from test_algorithms_util import make_cohort, reference_sgd, weighted_average
+
+SIZES = [5, 8, 3]
+LR_CLIENT = 0.1
+
+
+def _setup():
+  data = linreg_data(np.random.default_rng(10), SIZES)
+  return data, make_cohort(data, batch_size=4), linreg_params()
+
+
+def _paper_rounds(rule, data, params, rounds, eta, b1, b2, tau):
+  """Algorithm 2 of Reddi et al. in NumPy: Delta_t = mean(y_i) - x_t."""
+  x = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
+  m = jax.tree.map(np.zeros_like, x)
+  v = jax.tree.map(lambda p: np.full_like(p, tau ** 2), x)
+  for _ in range(rounds):
+    xs = jax.tree.map(jnp.asarray, x)
+    ys = [reference_sgd(linreg_loss, xs, d, 4, LR_CLIENT)[0] for d in data]
+    y = jax.tree.map(lambda a: np.asarray(a, np.float64),
+                     weighted_average(ys, SIZES))
+    delta = jax.tree.map(lambda y, x: y - x, y, x)
+    m = jax.tree.map(lambda m, d: b1 * m + (1 - b1) * d, m, delta)
+    if rule == 'adam':
+      v = jax.tree.map(lambda v, d: b2 * v + (1 - b2) * d * d, v, delta)
+    elif rule == 'yogi':
+      v = jax.tree.map(lambda v, d: v - (1 - b2) * d * d * np.sign(v - d * d),
+                       v, delta)
+    else:
+      v = jax.tree.map(lambda v, d: v + d * d, v, delta)
+    x = jax.tree.map(lambda x, m, v: x + eta * m / (np.sqrt(v) + tau), x, m, v)
+  return x
+
+
+@pytest.mark.parametrize('builder,rule', [
+    (algos.fedadam, 'adam'), (algos.fedyogi, 'yogi'), (algos.fedadagrad, 'adagrad')])
+def test_rounds_match_the_papers_equations(builder, rule):
+  data, cohort, params = _setup()
+  eta, b1, b2 = 0.05, 0.9, 0.99
+  kwargs = dict(server_learning_rate=eta, b1=b1)
+  if rule != 'adagrad':
+    kwargs['b2'] = b2
+  algo = builder(linreg_loss, client_optimizer=optax.sgd(LR_CLIENT), **kwargs)
+  state = algo.init(params)
+  assert float(state.hparams['server_optimizer']['eps']) == pytest.approx(1e-3)
+  for _ in range(2):  # Two rounds: the moments carry over.
+    state, _ = algo.round(state, cohort, KEY)
+  expected = _paper_rounds(rule, data, params, 2, eta, b1, b2, 1e-3)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               state.params, expected)
+
+
+def test_fedavgm_is_server_heavy_ball():
+  data, cohort, params = _setup()
+  algo = algos.fedavgm(linreg_loss, client_optimizer=optax.sgd(LR_CLIENT),
+                       server_learning_rate=0.7, server_momentum=0.5)
+  state = algo.init(params)
+  x, v = params, jax.tree.map(jnp.zeros_like, params)
+  for _ in range(2):
+    state, _ = algo.round(state, cohort, KEY)
+    ys = [reference_sgd(linreg_loss, x, d, 4, LR_CLIENT)[0] for d in data]
+    g = jax.tree.map(jnp.subtract, x, weighted_average(ys, SIZES))
+    v = jax.tree.map(lambda v, g: 0.5 * v + g, v, g)
+    x = jax.tree.map(lambda x, v: x - 0.7 * v, x, v)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               state.params, x)
+
+
+def test_yogi_is_an_optax_transformation():
+  """Yogi in optax.chain / inject_hyperparams, against NumPy, three steps."""
+  params = {'a': jnp.array([1.0, -2.0, 0.5])}
+  grads = [np.array([0.3, -0.1, 2.0]), np.array([-0.2, 0.4, 1.0]),
+           np.array([0.05, 0.0, -3.0])]
+  opt = optax.inject_hyperparams(algos.yogi)(learning_rate=0.1, b1=0.8, b2=0.9,
+                                             eps=1e-2)
+  state = opt.init(params)
+  p = params
+  m, v = np.zeros(3), np.full(3, 1e-4)
+  x = np.asarray(params['a'], np.float64)
+  for g in grads:
+    updates, state = opt.update({'a': jnp.asarray(g, jnp.float32)}, state, p)
+    p = optax.apply_updates(p, updates)
+    m = 0.8 * m + 0.2 * g
+    v = v - 0.1 * g * g * np.sign(v - g * g)
+    x = x - 0.1 * m / (np.sqrt(v) + 1e-2)
+  np.testing.assert_allclose(p['a'], x, rtol=1e-5)
+
+
+def test_bad_fedopt_arguments():
+  with pytest.raises(ValueError, match='b2'):
+    algos.fedadam(linreg_loss, b2=1.5)
+  with pytest.raises(ValueError, match='eps'):
+    algos.fedyogi(linreg_loss, eps=0.0)
+  with pytest.raises(ValueError, match='server_momentum'):
+    algos.fedavgm(linreg_loss, server_momentum=-0.1)
+  with pytest.raises(ValueError, match='server_optimizer'):
+    algos.fedadam(linreg_loss, server_optimizer=optax.sgd(1.0))
+  with pytest.raises(ValueError, match='rule'):
+    algos.scale_by_adaptive('rmsprop')

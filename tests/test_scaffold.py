@@ -1,0 +1,81 @@
+"""SCAFFOLD's control variates against option II on quadratics (NumPy)."""
+
+import numpy as np
+import optax
+import pytest
+
+import fedjx.algorithms as algos
+from test_algorithms_util import KEY, make_cohort
+
+DIM, N, ETA_L, ETA_G = 3, 5, 0.1, 0.8
+
+
+def quadratic_loss(params, batch):
+  """Per-example 0.5 sum_j h_j (y_j - a_j)^2: a diagonal quadratic."""
+  return 0.5 * ((batch['h'] * (params['y'] - batch['a']) ** 2)).sum(-1)
+
+
+def _client(rng, n):
+  return {'h': rng.uniform(0.5, 2.0, (n, DIM)).astype(np.float32),
+          'a': rng.normal(size=(n, DIM)).astype(np.float32)}
+
+
+def _grad(y, batch):  # grad of the mean quadratic over a minibatch.
+  return np.mean(batch['h'] * (y - batch['a']), axis=0)
+
+
+def test_control_variates_follow_option_ii():
+  rng = np.random.default_rng(30)
+  population = {i: _client(rng, n) for i, n in enumerate([4, 6, 2, 5, 3])}
+  cohorts = [[4, 0, 2], [1, 4, 3], [2, 0, 1]]
+  batch = 2
+  algo = algos.scaffold(quadratic_loss, N, client_learning_rate=ETA_L,
+                        server_optimizer=optax.sgd(ETA_G))
+  x0 = np.array([0.3, -0.2, 0.1], np.float32)
+  state = algo.init({'y': x0})
+  # NumPy reference of Algorithm 1 (option II), uniform aggregation by size.
+  x, c = x0.astype(np.float64), np.zeros(DIM)
+  ci = np.zeros((N, DIM))
+  for ids in cohorts:
+    cohort = make_cohort([population[i] for i in ids], batch_size=batch, steps=3,
+                         client_ids=ids)
+    state, metrics = algo.round(state, cohort, KEY)
+    dys, dcs, sizes = [], [], []
+    for i in ids:
+      d = population[i]
+      y, k = x.copy(), 0
+      for s in range(0, len(d['a']), batch):
+        b = {key: v[s:s + batch].astype(np.float64) for key, v in d.items()}
+        y = y - ETA_L * (_grad(y, b) - ci[i] + c)
+        k += 1
+      c_plus = ci[i] - c + (x - y) / (k * ETA_L)
+      dys.append(y - x)
+      dcs.append(c_plus - ci[i])
+      sizes.append(len(d['a']))
+      ci[i] = c_plus
+    x = x + ETA_G * np.average(dys, axis=0, weights=sizes)
+    c = c + np.sum(dcs, axis=0) / N
+    np.testing.assert_allclose(state.params['y'], x, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.control['y'], c, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.client_controls['y'], ci, rtol=1e-5, atol=1e-6)
+  # c stays the mean of the population's c_i.
+  np.testing.assert_allclose(state.control['y'], ci.mean(0), rtol=1e-5, atol=1e-6)
+  assert float(metrics['clients']) == 3
+
+
+def test_padding_client_keeps_its_control_variate():
+  rng = np.random.default_rng(31)
+  data = [_client(rng, 3), {k: v[:0] for k, v in _client(rng, 1).items()}]
+  algo = algos.scaffold(quadratic_loss, 4)
+  state = algo.init({'y': np.zeros(DIM, np.float32)})
+  state, _ = algo.round(state, make_cohort(data, 2, client_ids=[2, 3]), KEY)
+  controls = np.asarray(state.client_controls['y'])
+  assert np.all(controls[[0, 1, 3]] == 0)
+  assert np.any(controls[2] != 0)
+
+
+def test_scaffold_arguments():
+  with pytest.raises(ValueError, match='num_clients'):
+    algos.scaffold(quadratic_loss, 0)
+  with pytest.raises(ValueError, match='client_learning_rate'):
+    algos.scaffold(quadratic_loss, 3, client_learning_rate=-0.1)
