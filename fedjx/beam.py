@@ -84,6 +84,42 @@ class ClientData:
     return cls(list(range(n)), _IndexLoader(placed), spec)
 
 
+  @classmethod
+  def from_dataset(cls, dataset: Any, client_ids: Sequence[int], batch_size: int,
+                   num_steps: int, *, shuffle_seed: int = 0,
+                   round_num: int = 0) -> 'ClientData':
+    """Clients of a ``fedjx.datasets`` dataset, batched on the workers.
+
+    Each worker calls ``fedjx.datasets.make_cohort`` for its own client, so
+    client data is read inside the pipeline. ``num_steps`` fixes the shape
+    every client is batched to (no bucketing).
+    """
+    loader = _DatasetLoader(dataset, batch_size, num_steps, shuffle_seed, round_num)
+    first = loader(client_ids[0])
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
+                        first)
+    return cls(list(client_ids), loader, spec)
+
+
+class _DatasetLoader:
+  """``load(client_id)``: one client's slice of a cohort, built where it runs."""
+
+  def __init__(self, dataset, batch_size, num_steps, shuffle_seed, round_num):
+    self.dataset = dataset
+    self.batch_size = batch_size
+    self.num_steps = num_steps
+    self.shuffle_seed = shuffle_seed
+    self.round_num = round_num
+
+  def __call__(self, client_id):
+    from fedjx import datasets  # The dataset layer sits above fedjx.
+    cohort = datasets.make_cohort(
+        self.dataset, np.asarray([client_id], np.int32), self.batch_size,
+        num_steps=self.num_steps, shuffle_seed=self.shuffle_seed,
+        round_num=self.round_num, bucket=False)
+    return jax.tree.map(lambda a: np.asarray(a)[0], cohort)
+
+
 class _IndexLoader:
   def __init__(self, placed):
     self.placed = placed
@@ -117,10 +153,6 @@ class _Computation:
     self._call = None
 
 
-def _to_numpy(x):
-  return np.asarray(x)
-
-
 class _LoadClient(beam.DoFn):
 
   def __init__(self, load, leaf_ids):
@@ -145,27 +177,34 @@ def _merge(grouped):
   return index, merged
 
 
+def _merged(side):
+  values = {}
+  for part in side:
+    values.update(part)
+  return values
+
+
 class _ClientWork(beam.DoFn):
   """Runs one map step for a client and keeps the values needed later."""
 
   def __init__(self, body, const_ids, x_refs, out_ids, keep):
     self.body = body
     self.const_ids = const_ids
-    self.x_refs = x_refs    # (kind, id): 'client' column, 'broadcast' or 'server' side input
+    self.x_refs = x_refs    # (kind, id): a 'client' column, else a server value
     self.out_ids = out_ids
     self.keep = keep
 
   def process(self, element, *side):
     index, columns = element
-    side_values = dict(zip(self._side_ids, side))
-    args = [side_values[i] for i in self.const_ids]
+    server = _merged(side)
+    args = [server[i] for i in self.const_ids]
     for kind, i in self.x_refs:
       if kind == plan_lib.CLIENT:
         args.append(columns[i])
       elif kind == plan_lib.BROADCAST:
-        args.append(side_values[i])
+        args.append(server[i])
       else:
-        args.append(side_values[i][index])
+        args.append(np.asarray(server[i])[index])
     outs = self.body(*args)
     columns = {i: v for i, v in columns.items() if i in self.keep}
     for i, v in zip(self.out_ids, outs):
@@ -173,21 +212,16 @@ class _ClientWork(beam.DoFn):
         columns[i] = np.asarray(v)
     yield index, columns
 
-  def with_side_ids(self, side_ids):
-    self._side_ids = side_ids
-    return self
-
 
 class _Gather(beam.DoFn):
   """Extracts ``(x_i, w_i)`` for a reduction from a client's values."""
 
-  def __init__(self, refs, side_ids):
+  def __init__(self, refs):
     self.refs = refs
-    self.side_ids = side_ids
 
   def process(self, element, *side):
     index, columns = element
-    side_values = dict(zip(self.side_ids, side))
+    server = _merged(side)
     out = []
     for ref in self.refs:
       if ref is None:
@@ -197,9 +231,9 @@ class _Gather(beam.DoFn):
       if kind == plan_lib.CLIENT:
         out.append(columns[i])
       elif kind == plan_lib.BROADCAST:
-        out.append(side_values[i])
+        out.append(server[i])
       else:
-        out.append(np.asarray(side_values[i])[index])
+        out.append(np.asarray(server[i])[index])
     yield tuple(out)
 
 
@@ -253,29 +287,52 @@ class StableReduce(beam.CombineFn):
 
 
 class _RunServer:
+  """Runs a server step on the merged server values; returns its outputs."""
 
-  def __init__(self, computation, n_inputs):
+  def __init__(self, computation, in_ids, out_ids):
     self.computation = computation
-    self.n_inputs = n_inputs
+    self.in_ids = in_ids
+    self.out_ids = out_ids
 
-  def __call__(self, _, *inputs):
-    return tuple(np.asarray(o) for o in self.computation(*inputs))
+  def __call__(self, _, *side):
+    server = _merged(side)
+    outs = self.computation(*[server[i] for i in self.in_ids])
+    return {i: np.asarray(o) for i, o in zip(self.out_ids, outs)}
 
 
-def _write_npy(value, path):
+class _Outputs:
+  """Collects the program's outputs from server values and client lists."""
+
+  def __init__(self, out_refs, num_clients):
+    self.out_refs = out_refs
+    self.num_clients = num_clients
+
+  def __call__(self, _, *side):
+    server = _merged(side)
+    outs = []
+    for kind, i in self.out_refs:
+      if kind == plan_lib.CLIENT:
+        pairs = server[('clients', i)]
+        outs.append(np.stack([v for _, v in sorted(pairs, key=lambda p: p[0])]))
+      elif kind == plan_lib.BROADCAST:
+        v = np.asarray(server[i])
+        outs.append(np.broadcast_to(v, (self.num_clients,) + v.shape))
+      else:
+        outs.append(np.asarray(server[i]))
+    return outs
+
+
+def _write_outputs(outs, path):
   buffer = io.BytesIO()
-  np.save(buffer, np.asarray(value), allow_pickle=False)
+  np.savez(buffer, *[np.asarray(o) for o in outs])
   with FileSystems.create(path) as f:
     f.write(buffer.getvalue())
 
 
-def _read_npy(path):
+def _read_outputs(path, count):
   with FileSystems.open(path) as f:
-    return np.load(io.BytesIO(f.read()), allow_pickle=False)
-
-
-def _stack_sorted(pairs):
-  return np.stack([v for _, v in sorted(pairs, key=lambda p: p[0])])
+    data = np.load(io.BytesIO(f.read()), allow_pickle=False)
+    return [data[f'arr_{k}'] for k in range(count)]
 
 
 def run(fn: Callable[..., Any], *args: Any,
@@ -289,7 +346,8 @@ def run(fn: Callable[..., Any], *args: Any,
       placed values the clients hold (read inside the pipeline); every other
       argument is a server value.
     pipeline_options: Beam options; the in-process DirectRunner by default.
-    output_dir: where workers write results (default: a temporary folder).
+    output_dir: where the result is written (default: a temporary folder);
+      on a distributed runner, a path every worker can reach.
 
   Returns:
     ``fn``'s outputs as NumPy arrays, the same pytree as ``fn(*args)``.
@@ -303,48 +361,47 @@ def run(fn: Callable[..., Any], *args: Any,
       raise ValueError(
           f'fedjx.beam.run: ClientData has {len(source.client_ids)} clients but '
           f'the program places {plan.num_clients}.')
-  flat_server = {}
+  server_inputs = {i: np.array(v) for i, v in plan.consts.items()}
   leaf_ids_by_source = []
   position = 0
-  for arg in args:
-    n_leaves = len(jax.tree.leaves(
-        arg.placed_spec() if isinstance(arg, ClientData) else arg))
+  for arg, traced in zip(args, trace_args):
+    n_leaves = len(jax.tree.leaves(traced))
     ids = plan.in_ids[position:position + n_leaves]
     if isinstance(arg, ClientData):
       leaf_ids_by_source.append(ids)
     else:
-      flat_server.update(zip(ids, jax.tree.leaves(arg)))
+      server_inputs.update(zip(ids, (np.array(x) for x in jax.tree.leaves(arg))))
     position += n_leaves
 
   output_dir = output_dir or tempfile.mkdtemp(prefix='fedjx_beam_')
   options = pipeline_options or PipelineOptions(runner='DirectRunner')
   kinds = dict(plan.kinds)
-  broadcast_source = {}
+  n = plan.num_clients
   with beam.Pipeline(options=options) as pipeline:
-    server: dict[int, Any] = {}
+    inputs = pipeline | 'server_inputs' >> beam.Create([server_inputs])
+    # Each server value lives in a singleton dict {id: array}; `home` says which.
+    home: dict[Any, Any] = {i: inputs for i in server_inputs}
+    broadcast_source: dict[int, int] = {}
 
-    def server_value(i):
-      if i in broadcast_source:
-        i = broadcast_source[i]
-      if i not in server:
-        value = flat_server[i] if i in flat_server else plan.consts[i]
-        server[i] = pipeline | f'value{i}' >> beam.Create([np.asarray(value)])
-      return server[i]
+    def source_of(i):
+      return broadcast_source.get(i, i)
 
-    # The client table: one element per client holding its values.
-    n = plan.num_clients
-    indexed = pipeline | 'clients' >> beam.Create(list(range(n)))
+    def side(ids):
+      pcolls = list({id(home[source_of(i)]): home[source_of(i)] for i in ids}.values())
+      return [beam.pvalue.AsSingleton(p) for p in pcolls]
+
     parts = []
     for k, (source, ids) in enumerate(zip(sources, leaf_ids_by_source)):
-      pairs = [(i, cid) for i, cid in enumerate(source.client_ids)]
-      parts.append(pipeline | f'ids{k}' >> beam.Create(pairs)
+      pairs = list(enumerate(source.client_ids))
+      parts.append(pipeline | f'client_ids{k}' >> beam.Create(pairs)
                    | f'load{k}' >> beam.ParDo(_LoadClient(source.load, ids)))
     if not parts:
-      table = indexed | 'empty' >> beam.Map(lambda i: (i, {}))
+      table = (pipeline | 'clients' >> beam.Create(list(range(n)))
+               | 'empty' >> beam.Map(lambda i: (i, {})))
     elif len(parts) == 1:
       table = parts[0]
     else:
-      table = (parts | 'group' >> beam.Flatten() | 'byclient' >> beam.GroupByKey()
+      table = (parts | 'flatten' >> beam.Flatten() | 'by_client' >> beam.GroupByKey()
                | 'merge' >> beam.Map(_merge))
 
     keep_after = _client_values_needed_after(plan)
@@ -352,52 +409,51 @@ def run(fn: Callable[..., Any], *args: Any,
       if isinstance(step, plan_lib.ServerStep):
         avals = [plan.avals[i] for i in step.in_ids]
         computation = _Computation(_export(step.function(), avals))
-        inputs = [beam.pvalue.AsSingleton(server_value(i)) for i in step.in_ids]
         outs = (pipeline | f'start{s}' >> beam.Create([None])
-                | f'server{s}' >> beam.Map(_RunServer(computation, len(inputs)), *inputs))
-        for k, i in enumerate(step.out_ids):
-          server[i] = outs | f'out{s}_{k}' >> beam.Map(lambda t, k=k: t[k])
+                | f'server{s}' >> beam.Map(
+                    _RunServer(computation, step.in_ids, step.out_ids),
+                    *side(step.in_ids)))
+        home.update({i: outs for i in step.out_ids})
       elif isinstance(step, plan_lib.BroadcastStep):
-        broadcast_source[step.out_id] = step.in_id
+        broadcast_source[step.out_id] = source_of(step.in_id)
         kinds[step.out_id] = plan_lib.BROADCAST
+        home[step.out_id] = home[source_of(step.in_id)]
       elif isinstance(step, plan_lib.MapStep):
-        x_refs = [(kinds[i], i) for i in step.x_ids]
-        side_ids = list(dict.fromkeys(
-            list(step.const_ids) + [i for kind, i in x_refs if kind != plan_lib.CLIENT]))
+        x_refs = [(kinds[i], source_of(i)) for i in step.x_ids]
         const_avals = [plan.avals[i] for i in step.const_ids]
         x_avals = [jax.core.ShapedArray(plan.avals[i].shape[1:], plan.avals[i].dtype)
                    for i in step.x_ids]
         computation = _Computation(_export(step.function(), const_avals + x_avals))
-        work = _ClientWork(computation, step.const_ids, x_refs, step.out_ids,
-                           keep_after[s]).with_side_ids(side_ids)
-        table = table | f'client{s}' >> beam.ParDo(
-            work, *[beam.pvalue.AsSingleton(server_value(i)) for i in side_ids])
+        server_ids = list(step.const_ids) + [i for k, i in x_refs if k != plan_lib.CLIENT]
+        table = table | f'client_work{s}' >> beam.ParDo(
+            _ClientWork(computation, step.const_ids, x_refs, step.out_ids, keep_after[s]),
+            *side(server_ids))
       else:
-        refs = [(kinds[step.x_id], step.x_id),
-                None if step.weight_id is None else (kinds[step.weight_id], step.weight_id)]
-        side_ids = [r[1] for r in refs if r is not None and r[0] != plan_lib.CLIENT]
-        server[step.out_id] = (
-            table | f'gather{s}' >> beam.ParDo(
-                _Gather(refs, side_ids),
-                *[beam.pvalue.AsSingleton(server_value(i)) for i in side_ids])
+        refs = [(kinds[step.x_id], source_of(step.x_id)),
+                None if step.weight_id is None else
+                (kinds[step.weight_id], source_of(step.weight_id))]
+        server_ids = [r[1] for r in refs if r is not None and r[0] != plan_lib.CLIENT]
+        home[step.out_id] = (
+            table | f'gather{s}' >> beam.ParDo(_Gather(refs), *side(server_ids))
             | f'reduce{s}' >> beam.CombineGlobally(
-                StableReduce(step.op, plan.avals[step.out_id].dtype)))
+                StableReduce(step.op, plan.avals[step.out_id].dtype))
+            | f'named{s}' >> beam.Map(lambda v, i=step.out_id: {i: v}))
 
-    paths = []
-    for k, i in enumerate(plan.out_ids):
-      path = os.path.join(output_dir, f'output_{k}.npy')
-      paths.append(path)
-      if kinds[i] == plan_lib.CLIENT:
-        value = (table | f'collect{k}' >> beam.Map(lambda e, i=i: (e[0], e[1][i]))
-                 | f'list{k}' >> beam.combiners.ToList()
-                 | f'stack{k}' >> beam.Map(_stack_sorted))
-      elif kinds[i] == plan_lib.BROADCAST:
-        value = server_value(i) | f'tile{k}' >> beam.Map(
-            lambda v: np.broadcast_to(v, (n,) + np.shape(v)))
-      else:
-        value = server_value(i)
-      _ = value | f'write{k}' >> beam.Map(_write_npy, path)
-  outs = [_read_npy(p) for p in paths]
+    out_refs = [(kinds[i], source_of(i)) for i in plan.out_ids]
+    client_outs = sorted({i for k, i in out_refs if k == plan_lib.CLIENT})
+    for i in client_outs:
+      home[('clients', i)] = (
+          table | f'collect{i}' >> beam.Map(lambda e, i=i: (e[0], e[1][i]))
+          | f'list{i}' >> beam.combiners.ToList()
+          | f'named_list{i}' >> beam.Map(lambda v, i=i: {('clients', i): v}))
+    wanted = [('clients', i) if k == plan_lib.CLIENT else i for k, i in out_refs]
+    pcolls = list({id(home[w]): home[w] for w in wanted}.values())
+    path = os.path.join(output_dir, 'outputs.npz')
+    _ = (pipeline | 'finish' >> beam.Create([None])
+         | 'outputs' >> beam.Map(_Outputs(out_refs, n),
+                                 *[beam.pvalue.AsSingleton(p) for p in pcolls])
+         | 'write' >> beam.Map(_write_outputs, path))
+  outs = _read_outputs(path, len(plan.out_ids))
   return jax.tree.unflatten(plan.out_tree, outs)
 
 

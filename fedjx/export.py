@@ -87,6 +87,13 @@ class SplitRound:
     return jax.tree.unflatten(self._out_tree, list(outs))
 
 
+def _lifted_operands(step, consts, xs):
+  """The operands of a lifted equation, in its own order."""
+  _, placed = step.lifted
+  consts, xs = iter(consts), iter(xs)
+  return [next(xs) if p else next(consts) for p in placed]
+
+
 def split_round(fn: Callable[..., Any], *args: Any,
                 client_args: Sequence[int] = ()) -> SplitRound:
   """Exports ``fn`` (a round with one ``map_fn``) as three computations.
@@ -99,18 +106,30 @@ def split_round(fn: Callable[..., Any], *args: Any,
       cohort); the others are server inputs.
   """
   plan = plan_lib.trace_plan_with_clients(fn, args, client_args)
-  maps = [k for k, s in enumerate(plan.steps) if isinstance(s, plan_lib.MapStep)]
+  maps = [k for k, s in enumerate(plan.steps)
+          if isinstance(s, plan_lib.MapStep) and s.lifted is None]
   if len(maps) != 1:
     raise ValueError(f'fedjx.export.split_round: the program has {len(maps)} '
                      'map_fn calls; a round to split must have exactly one.')
   m = maps[0]
-  before, map_step, after = plan.steps[:m], plan.steps[m], plan.steps[m + 1:]
+  # Elementwise ops on client values outside map_fn apply to stacked values
+  # too: the server runs them while aggregating.
+  lifted = [s for s in plan.steps[:m]
+            if isinstance(s, plan_lib.MapStep) and s.lifted is not None]
+  before = [s for s in plan.steps[:m] if not any(s is l for l in lifted)]
+  map_step = plan.steps[m]
+  after = lifted + plan.steps[m + 1:]
+  lifted_outs = {o for s in lifted for o in s.out_ids}
+  if lifted_outs & set(map_step.x_ids):
+    raise ValueError('fedjx.export.split_round: client values computed outside '
+                     'map_fn feed client work; compute them inside map_fn.')
   for step in before:
     if isinstance(step, plan_lib.ReduceStep):
       raise ValueError('fedjx.export.split_round: a reduction before client work '
                        'is not supported; reduce after map_fn.')
   for step in after:
-    if isinstance(step, (plan_lib.MapStep, plan_lib.BroadcastStep)):
+    if (isinstance(step, plan_lib.BroadcastStep) or
+        isinstance(step, plan_lib.MapStep) and step.lifted is None):
       raise ValueError('fedjx.export.split_round: broadcasts after client work '
                        'are not supported.')
 
@@ -148,6 +167,8 @@ def split_round(fn: Callable[..., Any], *args: Any,
     if isinstance(step, plan_lib.ReduceStep):
       reads = [step.x_id] + ([step.weight_id] if step.weight_id is not None else [])
       defined = [step.out_id]
+    elif isinstance(step, plan_lib.MapStep):
+      reads, defined = list(step.const_ids) + list(step.x_ids), step.out_ids
     else:
       reads, defined = step.in_ids, step.out_ids
     for i in reads:
@@ -216,6 +237,12 @@ def split_round(fn: Callable[..., Any], *args: Any,
           operands.append(resolve(env, step.weight_id))
         prim = reduce_fns[step.op]
         env[step.out_id] = prim.impl(*operands, placement='clients')
+      elif isinstance(step, plan_lib.MapStep):
+        ordered = _lifted_operands(step, [resolve(env, i) for i in step.const_ids],
+                                   [resolve(env, i) for i in step.x_ids])
+        eqn = step.lifted[0]
+        outs = eqn.primitive.bind(*ordered, **eqn.primitive.get_bind_params(eqn.params))
+        env.update(zip(step.out_ids, outs if eqn.primitive.multiple_results else [outs]))
       else:
         env.update(zip(step.out_ids, step.function()(*[resolve(env, i) for i in step.in_ids])))
     return tuple(resolve(env, i) for i in plan.out_ids)

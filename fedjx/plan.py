@@ -83,6 +83,9 @@ class MapStep:
   const_ids: list[int]       # server values passed whole
   x_ids: list[int]           # placed inputs (any kind)
   out_ids: list[int]         # client values
+  lifted: Any = None         # for an op lifted from the top level: the equation
+                             # (which also applies to stacked values) and, per
+                             # operand, whether it is placed (an x) or a const
 
   def function(self) -> Callable[..., Any]:
     return jex_core.jaxpr_as_fun(self.body)
@@ -257,10 +260,19 @@ class _Builder:
       self.consts[i] = c
       env[v] = i
     found_scan = False
+    client_scans = [e for e in inner.jaxpr.eqns
+                    if e.primitive.name == 'scan' and e.params['num_carry'] == 0]
+    n = self.num_clients
+    if n is None and client_scans:
+      n = client_scans[-1].params['length']
     for e in inner.jaxpr.eqns:
       e_ids = [self.read(env, v) for v in e.invars]
       kinds = [self.kinds[i] for i in e_ids]
-      if e.primitive.name == 'scan' and e.params['num_carry'] == 0:
+      if (e.primitive.name == 'scan' and e.params['num_carry'] == 0 and
+          e.params['length'] == n and
+          (any(k != SERVER for k in kinds) or
+           any(v.aval.ndim and v.aval.shape[0] == n
+               for v in e.invars[e.params['num_consts']:]))):
         outs = self.scan_over_clients(e, e_ids, name)
         found_scan = True
       elif all(k != CLIENT for k in kinds):
@@ -307,7 +319,7 @@ class _Builder:
     self.flush()
     out_ids = [self.new_id(v.aval, CLIENT) for v in eqn.outvars]
     self.steps.append(MapStep(body, [self.materialize(i) for i in const_ids],
-                              x_ids, out_ids))
+                              x_ids, out_ids, lifted=(eqn, tuple(placed))))
     return out_ids
 
   def scan_over_clients(self, scan, scan_ids, name):
@@ -437,8 +449,15 @@ def trace_plan_with_clients(fn: Callable[..., Any], args: Sequence[Any],
                             client_args: Sequence[int]) -> Plan:
   """Like :func:`trace_plan`; ``args[i]`` for ``i`` in ``client_args`` are
   placed values held by the clients (e.g. a cohort)."""
-  with placements_lib.force_map_strategy('sequential'):
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  # JAX caches traces by function, not by fedjx's context: clear the caches so
+  # that functions traced earlier with another strategy are traced again, and
+  # again afterwards so later calls do not reuse the sequential traces.
+  jax.clear_caches()
+  try:
+    with placements_lib.force_map_strategy('sequential'):
+      closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
+  finally:
+    jax.clear_caches()
   flat_args, in_tree = jax.tree.flatten(tuple(args))
   client_leaf = []
   for position, arg in enumerate(args):
