@@ -6,6 +6,7 @@ compare the algorithms against independent computations.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -86,6 +87,11 @@ def minibatches(data: dict[str, np.ndarray], batch_size: int) -> list[dict]:
           for i in range(0, n, batch_size)]
 
 
+@functools.lru_cache(maxsize=None)
+def _mean_loss_grad(loss_fn):
+  return jax.jit(jax.grad(lambda p, b: jnp.mean(loss_fn(p, b))))
+
+
 def reference_sgd(loss_fn, params, data, batch_size: int, lr: float,
                   epochs: int = 1, momentum: float = 0.0, correction=None):
   """Hand-written local (momentum) SGD over unpadded minibatches.
@@ -93,7 +99,7 @@ def reference_sgd(loss_fn, params, data, batch_size: int, lr: float,
   ``correction(grads, params)`` is added to each minibatch gradient. Returns
   the trained params and the number of steps taken.
   """
-  grad = jax.grad(lambda p, b: jnp.mean(loss_fn(p, b)))
+  grad = _mean_loss_grad(loss_fn)
   trace = jax.tree.map(jnp.zeros_like, params)
   steps = 0
   for _ in range(epochs):
