@@ -1,0 +1,267 @@
+"""Benchmark of FedAvg round time against cohort size, per map strategy.
+
+For each model and cohort size, one FedAvg round (``S`` local SGD steps of
+batch ``B`` per client) is timed under each ``map_fn`` strategy, next to
+references computed in the same process:
+
+* ``ref_vmap``: a hand-written ``jax.vmap`` round (what DrJAX does);
+* ``ref_lax_map``: a hand-written ``lax.map`` round (one client at a time);
+* ``central``: the centralized trajectory with the same FLOPs, ``S`` steps on
+  the pooled batch of ``C * B`` examples;
+* ``drjax``: DrJAX's ``map_fn`` when the package is installed.
+
+Each record is one JSON line: milliseconds per round (median of repeats),
+clients per second, TFLOP/s from the XLA cost analysis of one client's update
+(times ``C``), compile seconds, peak memory, and ratios to the centralized
+reference and to the fastest strategy of the same cohort. Timing belongs
+here, never in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjx import algorithms
+from fedjx import datasets
+from fedjx import mapping
+from fedjx import models
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """A model and the shape of one client's data."""
+  name: str
+  model: Any
+  example: Callable[[np.random.Generator, tuple[int, ...]], dict[str, np.ndarray]]
+
+
+def workloads() -> dict[str, Workload]:
+  """The benchmarked models: logistic regression, the EMNIST CNN, a transformer."""
+  def images(rng, shape, classes):
+    return {'x': rng.normal(size=shape + (28, 28, 1)).astype(np.float32),
+            'y': rng.integers(0, classes, size=shape).astype(np.int32)}
+
+  def features(rng, shape):
+    return {'x': rng.normal(size=shape + (60,)).astype(np.float32),
+            'y': rng.integers(0, 10, size=shape).astype(np.int32)}
+
+  def tokens(rng, shape):
+    return {'x': rng.integers(1, 256, size=shape + (65,)).astype(np.int32)}
+
+  return {
+      'logreg': Workload('logreg', models.logistic_regression(10), features),
+      'cnn': Workload('cnn', models.emnist_cnn(62, dropout=False),
+                      lambda rng, shape: images(rng, shape, 62)),
+      'transformer': Workload('transformer',
+                              models.transformer_lm(256, max_len=64, width=64,
+                                                    num_layers=2, num_heads=4),
+                              tokens),
+  }
+
+
+def make_cohort(workload: Workload, clients: int, steps: int, batch: int,
+                seed: int = 0) -> datasets.Cohort:
+  rng = np.random.default_rng(seed)
+  batches = workload.example(rng, (clients, steps, batch))
+  mask = np.ones((clients, steps, batch), bool)
+  return datasets.Cohort(batches, mask, np.full((clients,), steps * batch, np.float32),
+                         np.arange(clients, dtype=np.int32))
+
+
+def _time(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+  """(compile+first run seconds, median seconds of ``repeats`` later runs)."""
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  first = time.perf_counter() - start
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return first, statistics.median(times)
+
+
+def _client_sgd(loss_fn, lr):
+  def train(params, batches):
+    def step(p, batch):
+      g = jax.grad(lambda q: jnp.mean(loss_fn(q, batch)))(p)
+      return jax.tree.map(lambda a, b: a - lr * b, p, g), None
+    return jax.lax.scan(step, params, batches)[0]
+  return train
+
+
+def reference_rounds(loss_fn, lr: float) -> dict[str, Callable]:
+  """Hand-written FedAvg rounds (no fedjx) and the centralized reference."""
+  train = _client_sgd(loss_fn, lr)
+
+  def average(stacked, weights):
+    w = weights / weights.sum()
+    return jax.tree.map(lambda x: jnp.tensordot(w, x, axes=1), stacked)
+
+  @jax.jit
+  def ref_vmap(params, batches, weights):
+    return average(jax.vmap(train, in_axes=(None, 0))(params, batches), weights)
+
+  @jax.jit
+  def ref_lax_map(params, batches, weights):
+    return average(jax.lax.map(lambda b: train(params, b), batches), weights)
+
+  @jax.jit
+  def central(params, batches, weights):
+    del weights
+    pooled = jax.tree.map(
+        lambda x: jnp.swapaxes(x, 0, 1).reshape((x.shape[1], -1) + x.shape[3:]), batches)
+    return train(params, pooled)
+
+  return {'ref_vmap': ref_vmap, 'ref_lax_map': ref_lax_map, 'central': central}
+
+
+def _drjax_round(loss_fn, lr, clients):
+  try:
+    import drjax  # noqa: F401 - optional
+  except ImportError:
+    return None
+  train = _client_sgd(loss_fn, lr)
+
+  @jax.jit
+  @drjax.program(placements={'clients': clients})
+  def round_(params, batches, weights):
+    del weights
+    trained = drjax.map_fn(train, (drjax.broadcast(params), batches))
+    return drjax.reduce_mean(trained)
+  return round_
+
+
+def client_flops(loss_fn, lr, params, batches_one) -> float:
+  """FLOPs of one client's local training, from XLA's cost analysis."""
+  compiled = jax.jit(_client_sgd(loss_fn, lr)).lower(params, batches_one).compile()
+  cost = compiled.cost_analysis()
+  if isinstance(cost, list):
+    cost = cost[0]
+  return float((cost or {}).get('flops', float('nan')))
+
+
+def peak_bytes(compiled) -> int | None:
+  """Peak device memory of a compiled program, where the backend reports it."""
+  stats = jax.devices()[0].memory_stats() if hasattr(jax.devices()[0], 'memory_stats') else None
+  if stats and 'peak_bytes_in_use' in stats:
+    return int(stats['peak_bytes_in_use'])
+  try:
+    analysis = compiled.memory_analysis()
+    return int(analysis.temp_size_in_bytes + analysis.argument_size_in_bytes +
+               analysis.output_size_in_bytes)
+  except Exception:  # pragma: no cover - backend without analysis
+    return None
+
+
+def parse_strategy(spec: str) -> tuple[str, int | None]:
+  """``'chunked:16'`` -> ('chunked', 16); ``'vmap'`` -> ('vmap', None)."""
+  name, _, size = spec.partition(':')
+  return name, int(size) if size else None
+
+
+def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
+        strategies: Sequence[str], steps: int, batch: int, repeats: int,
+        lr: float = 0.01, emit: Callable[[dict], None] = print,
+        references: bool = True, seed: int = 0) -> list[dict]:
+  """Runs the benchmark; ``emit`` receives each record as it is measured."""
+  all_workloads = workloads()
+  records = []
+  for name in model_names:
+    if name not in all_workloads:
+      raise ValueError(f'benchmark: model={name!r} is not one of {sorted(all_workloads)}.')
+    workload = all_workloads[name]
+    loss_fn = workload.model.loss_fn
+    for clients in cohort_sizes:
+      cohort = make_cohort(workload, clients, steps, batch, seed)
+      params = workload.model.init(jax.random.key(seed),
+                                   jax.tree.map(lambda a: a[0, 0], cohort.batches))
+      one = jax.tree.map(lambda a: a[0], cohort.batches)
+      flops = client_flops(loss_fn, lr, params, one) * clients
+      client_bytes = mapping._client_bytes(
+          jax.tree.leaves(jax.tree.map(lambda a: jnp.broadcast_to(a, (clients,) + a.shape),
+                                       params)) + jax.tree.leaves(cohort.batches))
+      row = []
+
+      def record(kind, strategy, first, seconds, compiled=None, **extra):
+        rec = {'model': name, 'clients': clients, 'steps': steps, 'batch': batch,
+               'kind': kind, 'strategy': strategy, 'backend': jax.default_backend(),
+               'ms_per_round': 1e3 * seconds, 'clients_per_s': clients / seconds,
+               'tflops': flops / seconds / 1e12, 'first_call_s': first,
+               'peak_bytes': peak_bytes(compiled) if compiled is not None else None}
+        rec.update(extra)
+        row.append(rec)
+
+      placed = datasets.place_cohort(cohort)
+      for spec in strategies:
+        strategy, chunk = parse_strategy(spec)
+        algo = algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr),
+                                 local_steps=steps, map_strategy=strategy,
+                                 chunk_size=chunk)
+        holder = {'state': algo.init(params)}
+        key = jax.random.key(seed)
+
+        def one_round():
+          holder['state'], metrics = algo.round(holder['state'], placed, key)
+          return metrics
+        first, seconds = _time(one_round, repeats)
+        compiled = jax.jit(algo.apply).lower(algo.init(params), placed, key).compile()
+        k = mapping.choose_chunk_size(strategy, clients, client_bytes, 1, chunk)
+        record('fedjx', spec, first, seconds, compiled, chunk_clients=k)
+      if references:
+        refs = reference_rounds(loss_fn, lr)
+        drjax_round = _drjax_round(loss_fn, lr, clients)
+        if drjax_round is not None:
+          refs['drjax'] = drjax_round
+        for ref_name, fn in refs.items():
+          args = (params, placed.batches, placed.num_examples)
+          first, seconds = _time(lambda fn=fn: fn(*args), repeats)
+          record('reference', ref_name, first, seconds, fn.lower(*args).compile())
+      central = next((r['ms_per_round'] for r in row if r['strategy'] == 'central'), None)
+      best = min(r['ms_per_round'] for r in row if r['kind'] == 'fedjx')
+      for rec in row:
+        if central:
+          rec['ratio_vs_central'] = rec['ms_per_round'] / central
+        rec['ratio_vs_best_strategy'] = rec['ms_per_round'] / best
+        emit(rec)
+      records.extend(row)
+  return records
+
+
+def plot(records: Sequence[dict], path: str) -> None:
+  """ms per round against cohort size, one panel per model, one line per strategy."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  names = sorted({r['model'] for r in records})
+  fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+  for ax, name in zip(axes[0], names):
+    rows = [r for r in records if r['model'] == name]
+    for strategy in dict.fromkeys(r['strategy'] for r in rows):
+      pts = sorted((r['clients'], r['ms_per_round']) for r in rows if r['strategy'] == strategy)
+      style = '--' if any(r['kind'] == 'reference' and r['strategy'] == strategy for r in rows) else '-'
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker='o', label=strategy)
+    ax.set_xscale('log', base=2)
+    ax.set_yscale('log')
+    ax.set_xlabel('clients per round')
+    ax.set_ylabel('ms per FedAvg round')
+    ax.set_title(f'{name} ({rows[0]["backend"]})')
+    ax.grid(True, which='both', alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def dumps(record: dict) -> str:
+  return json.dumps(record, sort_keys=True)

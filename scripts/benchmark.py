@@ -1,0 +1,48 @@
+"""FedAvg round time against cohort size for each map strategy (JSON lines).
+
+Example (CPU):
+  python scripts/benchmark.py --models=logreg,cnn,transformer \
+      --clients=4,8,16,32,64 --strategies=vmap,chunked:4,sequential,auto \
+      --steps=2 --batch=8 --out=runs/benchmark_cpu.jsonl --plot=runs/benchmark_cpu.png
+On a GPU use --clients=16,64,256,1024,4096 and chunk sizes such as chunked:64.
+"""
+
+from absl import app
+from absl import flags
+
+from fedjx.experiments import benchmark
+
+_MODELS = flags.DEFINE_list('models', ['logreg', 'cnn', 'transformer'], 'Models.')
+_CLIENTS = flags.DEFINE_list('clients', ['4', '8', '16', '32', '64'], 'Cohort sizes.')
+_STRATEGIES = flags.DEFINE_list('strategies', ['vmap', 'chunked:4', 'sequential', 'auto'],
+                                'Map strategies; chunked:K sets the chunk size.')
+_STEPS = flags.DEFINE_integer('steps', 2, 'Local SGD steps per client.')
+_BATCH = flags.DEFINE_integer('batch', 8, 'Examples per local step.')
+_REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed rounds after the first.')
+_OUT = flags.DEFINE_string('out', None, 'Also append the JSON lines to this file.')
+_PLOT = flags.DEFINE_string('plot', None, 'Write a plot of ms/round to this PNG.')
+_NO_REFS = flags.DEFINE_bool('no_references', False, 'Skip the reference rounds.')
+
+
+def main(argv):
+  del argv
+  out = open(_OUT.value, 'a') if _OUT.value else None
+
+  def emit(record):
+    line = benchmark.dumps(record)
+    print(line, flush=True)
+    if out:
+      out.write(line + '\n')
+      out.flush()
+
+  records = benchmark.run(_MODELS.value, [int(c) for c in _CLIENTS.value],
+                          _STRATEGIES.value, _STEPS.value, _BATCH.value,
+                          _REPEATS.value, emit=emit, references=not _NO_REFS.value)
+  if _PLOT.value:
+    benchmark.plot(records, _PLOT.value)
+  if out:
+    out.close()
+
+
+if __name__ == '__main__':
+  app.run(main)
