@@ -124,14 +124,12 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     correction: optional ``c(grads, params) -> grads`` applied to each
       minibatch gradient before the optimizer sees it.
   """
-  index, active = step_schedule(mask, schedule)
   grad_fn = jax.grad(masked_mean_loss, argnums=1)
 
   def step(carry, xs):
     params, opt_state = carry
-    i, is_real = xs
-    batch = jax.tree.map(lambda x: x[i], batches)
-    grads = grad_fn(loss_fn, params, batch, mask[i])
+    batch, m, is_real = xs
+    grads = grad_fn(loss_fn, params, batch, m)
     if correction is not None:
       grads = correction(grads, params)
     updates, new_state = optimizer.update(grads, opt_state, params)
@@ -140,8 +138,22 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     return (jax.tree.map(keep, new_params, params),
             jax.tree.map(keep, new_state, opt_state)), None
 
-  (params, opt_state), _ = jax.lax.scan(step, (params, opt_state), (index, active))
-  return params, opt_state, jnp.sum(active, dtype=jnp.int32)
+  carry = (params, opt_state)
+  if schedule.steps is None:  # Epochs: scan over the steps as they are.
+    active = jnp.any(mask, axis=-1)
+    epoch = lambda c, _: (jax.lax.scan(step, c, (batches, mask, active))[0], None)
+    carry, _ = jax.lax.scan(epoch, carry, None, length=schedule.epochs)
+    num_steps = schedule.epochs * jnp.sum(active, dtype=jnp.int32)
+  else:  # A fixed number of steps: gather each step's batch.
+    index, active = step_schedule(mask, schedule)
+    take = lambda i: jax.tree.map(lambda x: x[i], (batches, mask))
+    def indexed_step(carry, xs):
+      i, is_real = xs
+      return step(carry, take(i) + (is_real,))
+    carry, _ = jax.lax.scan(indexed_step, carry, (index, active))
+    num_steps = jnp.sum(active, dtype=jnp.int32)
+  params, opt_state = carry
+  return params, opt_state, num_steps
 
 
 def evaluate(loss_fn: LossFn, metrics_fn: MetricsFn | None, params: Params,
