@@ -32,7 +32,10 @@ Evaluation: :func:`split_clients`, :func:`split_examples`,
 from fedjx.datasets.cohort import Cohort
 from fedjx.datasets.cohort import CohortSampler
 from fedjx.datasets.cohort import bucket_steps
+from fedjx.datasets.cohort import cohort_steps
+from fedjx.datasets.cohort import local_client_slice
 from fedjx.datasets.cohort import make_cohort
+from fedjx.datasets.cohort import place_local_cohort
 from fedjx.datasets.cohort import place_cohort
 from fedjx.datasets.digits import load_digits
 from fedjx.datasets.evaluation import eval_batches
@@ -85,6 +88,9 @@ __all__ = [
     'partition_iid',
     'partition_quantity_skew',
     'place_cohort',
+    'place_local_cohort',
+    'cohort_steps',
+    'local_client_slice',
     'quantity_skew_sizes',
     'read_fedjax_sqlite',
     'read_tff_hdf5',

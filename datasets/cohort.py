@@ -154,7 +154,7 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
                 batch_size: int, *, num_epochs: int | None = None,
                 num_steps: int | None = None, max_steps: int | None = None,
                 shuffle_seed: int | None = 0, round_num: int = 0,
-                bucket: bool = True) -> Cohort:
+                bucket: bool = True, steps: int | None = None) -> Cohort:
   """Batches clients ``client_ids`` of ``dataset`` into a NumPy :class:`Cohort`.
 
   Each client's examples are visited as ``example_order`` describes: shuffled
@@ -176,6 +176,9 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
     shuffle_seed: seed of the per-epoch shuffles, or None for data order.
     round_num: the round, so each round shuffles differently.
     bucket: pad ``S`` to a power of two.
+    steps: pad to exactly this ``S`` (at least what the clients need), e.g.
+      the step count of the whole cohort when each process of a multi-process
+      run builds only its own clients (see :func:`cohort_steps`).
 
   Returns:
     A :class:`Cohort` of NumPy arrays; ``num_examples[c]`` counts the distinct
@@ -205,11 +208,16 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
                           num_steps=num_steps, max_steps=max_steps, rng=gen)
     clients.append((cid, data, order, n))
   _check_features(clients)
-  steps = max(math.ceil(len(order) / batch_size) for _, _, order, _ in clients)
-  if bucket and num_steps is None:
-    steps = bucket_steps(steps)
-    if max_steps is not None:
-      steps = min(steps, max_steps)
+  needed = max(math.ceil(len(order) / batch_size) for _, _, order, _ in clients)
+  if steps is None:
+    steps = needed
+    if bucket and num_steps is None:
+      steps = bucket_steps(steps)
+      if max_steps is not None:
+        steps = min(steps, max_steps)
+  elif steps < needed:
+    raise ValueError(f'steps={steps} is fewer than the {needed} steps these '
+                     'clients need.')
   stacked = [pad_batches(data, order, batch_size, steps)
              for _, data, order, _ in clients]
   batches = {k: np.stack([b[k] for b, _ in stacked]) for k in stacked[0][0]}
@@ -218,6 +226,57 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
                       dtype=np.float32)
   cids = np.array([cid for cid, _, _, _ in clients], dtype=np.int32)
   return Cohort(batches, mask, distinct, cids)
+
+
+def cohort_steps(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarray,
+                 batch_size: int, *, num_epochs: int | None = None,
+                 num_steps: int | None = None, max_steps: int | None = None,
+                 bucket: bool = True) -> int:
+  """The step count ``S`` that :func:`make_cohort` gives these clients.
+
+  Computed from example counts alone (no client data is read), so every
+  process of a multi-process run agrees on the shape of the whole cohort.
+  """
+  if num_steps is not None:
+    return int(num_steps)
+  sizes = []
+  for cid in np.asarray(client_ids).reshape(-1).tolist():
+    n = int(dataset.num_examples(dataset.check_client(cid)))
+    total = (1 if num_epochs is None else num_epochs) * n
+    if max_steps is not None:
+      total = min(total, max_steps * batch_size)
+    sizes.append(math.ceil(total / batch_size))
+  steps = max(sizes)
+  if bucket:
+    steps = bucket_steps(steps)
+    if max_steps is not None:
+      steps = min(steps, max_steps)
+  return steps
+
+
+def local_client_slice(mesh: jax.sharding.Mesh, num_clients: int) -> slice:
+  """The clients of a ``[C]`` cohort sharded ``P('clients')`` that this
+  process's devices hold (a contiguous range)."""
+  sharding = NamedSharding(mesh, P(CLIENTS_AXIS))
+  indices = sharding.addressable_devices_indices_map((num_clients,)).values()
+  starts = [ix[0].start or 0 for ix in indices]
+  stops = [num_clients if ix[0].stop is None else ix[0].stop for ix in indices]
+  return slice(min(starts), max(stops))
+
+
+def place_local_cohort(local: Cohort, mesh: jax.sharding.Mesh,
+                       num_clients: int) -> Cohort:
+  """Assembles a global cohort from each process's own clients.
+
+  ``local`` holds this process's clients (:func:`local_client_slice`); the
+  result is sharded ``P('clients')`` over all processes' devices, built with
+  ``jax.make_array_from_process_local_data`` so no process loads another's
+  clients.
+  """
+  sharding = NamedSharding(mesh, P(CLIENTS_AXIS))
+  return jax.tree.map(
+      lambda a: jax.make_array_from_process_local_data(
+          sharding, np.asarray(a), (num_clients,) + np.shape(a)[1:]), local)
 
 
 def _check_features(clients: list[tuple[int, dict, np.ndarray, int]]) -> None:

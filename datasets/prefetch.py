@@ -19,7 +19,8 @@ from typing import Generic, TypeVar
 
 import jax
 
-from fedjx.datasets.cohort import Cohort, CohortSampler, make_cohort, place_cohort
+from fedjx.datasets.cohort import (Cohort, CohortSampler, cohort_steps, local_client_slice,
+                                   make_cohort, place_cohort, place_local_cohort)
 from fedjx.datasets.federated import FederatedDataset
 
 T = TypeVar('T')
@@ -180,7 +181,20 @@ def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int
                      f"axis 'clients' of size {mesh.shape['clients']}; use a "
                      'multiple of it.')
 
+  multi_process = (jax.process_count() > 1 and mesh is not None and
+                   'clients' in mesh.axis_names)
+
   def produce(round_num: int) -> Cohort:
+    if multi_process:  # Each process builds only the clients it holds.
+      ids = sampler.sample(round_num)
+      steps = cohort_steps(dataset, ids, batch_size, num_epochs=num_epochs,
+                           num_steps=num_steps, max_steps=max_steps, bucket=bucket)
+      local = make_cohort(dataset, ids[local_client_slice(mesh, len(ids))],
+                          batch_size, num_epochs=num_epochs, num_steps=num_steps,
+                          max_steps=max_steps,
+                          shuffle_seed=sampler.seed if shuffle else None,
+                          round_num=round_num, bucket=bucket, steps=steps)
+      return place_local_cohort(local, mesh, len(ids))
     cohort = cohort_for_round(dataset, sampler, round_num, batch_size,
                               num_epochs=num_epochs, num_steps=num_steps,
                               max_steps=max_steps, shuffle=shuffle, bucket=bucket)
