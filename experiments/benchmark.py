@@ -173,8 +173,16 @@ def parse_strategy(spec: str) -> tuple[str, int | None]:
 def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
         strategies: Sequence[str], steps: int, batch: int, repeats: int,
         lr: float = 0.01, emit: Callable[[dict], None] = print,
-        references: bool = True, seed: int = 0) -> list[dict]:
-  """Runs the benchmark; ``emit`` receives each record as it is measured."""
+        references: bool = True, seed: int = 0,
+        precision: str = 'float32') -> list[dict]:
+  """Runs the benchmark; ``emit`` receives each record as it is measured.
+
+  ``precision='bfloat16'`` computes in bfloat16 with float32 master weights
+  (:func:`fedjx.models.mixed_precision`), for fedjx and the references alike.
+  """
+  if precision not in ('float32', 'bfloat16'):
+    raise ValueError(f"benchmark: precision={precision!r} is not one of "
+                     "('float32', 'bfloat16').")
   all_workloads = workloads()
   records = []
   for name in model_names:
@@ -182,6 +190,8 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
       raise ValueError(f'benchmark: model={name!r} is not one of {sorted(all_workloads)}.')
     workload = all_workloads[name]
     loss_fn = workload.model.loss_fn
+    if precision == 'bfloat16':
+      loss_fn = models.mixed_precision(loss_fn)
     for clients in cohort_sizes:
       cohort = make_cohort(workload, clients, steps, batch, seed)
       params = workload.model.init(jax.random.key(seed),
@@ -195,6 +205,7 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
 
       def record(kind, strategy, first, seconds, compiled=None, **extra):
         rec = {'model': name, 'clients': clients, 'steps': steps, 'batch': batch,
+               'precision': precision,
                'kind': kind, 'strategy': strategy, 'backend': jax.default_backend(),
                'ms_per_round': 1e3 * seconds, 'clients_per_s': clients / seconds,
                'tflops': flops / seconds / 1e12, 'first_call_s': first,

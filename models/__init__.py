@@ -28,6 +28,7 @@ from fedjx.models.losses import masked_sequence_mean
 from fedjx.models.losses import softmax_cross_entropy
 from fedjx.models.mlp import MLP
 from fedjx.models.mlp import mlp
+from fedjx.models.precision import mixed_precision
 from fedjx.models.resnet import ResNet
 from fedjx.models.resnet import resnet
 from fedjx.models.rnn import LSTMLanguageModel
@@ -49,6 +50,7 @@ __all__ = [
     'logistic_regression',
     'lstm_lm',
     'masked_sequence_mean',
+    'mixed_precision',
     'mlp',
     'resnet',
     'softmax_cross_entropy',

@@ -21,6 +21,8 @@ _BATCH = flags.DEFINE_integer('batch', 8, 'Examples per local step.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed rounds after the first.')
 _OUT = flags.DEFINE_string('out', None, 'Also append the JSON lines to this file.')
 _PLOT = flags.DEFINE_string('plot', None, 'Write a plot of ms/round to this PNG.')
+_PRECISION = flags.DEFINE_enum('precision', 'float32', ['float32', 'bfloat16'],
+                               'Compute dtype (bfloat16 keeps float32 master weights).')
 _NO_REFS = flags.DEFINE_bool('no_references', False, 'Skip the reference rounds.')
 
 
@@ -37,7 +39,8 @@ def main(argv):
 
   records = benchmark.run(_MODELS.value, [int(c) for c in _CLIENTS.value],
                           _STRATEGIES.value, _STEPS.value, _BATCH.value,
-                          _REPEATS.value, emit=emit, references=not _NO_REFS.value)
+                          _REPEATS.value, emit=emit, references=not _NO_REFS.value,
+                          precision=_PRECISION.value)
   if _PLOT.value:
     benchmark.plot(records, _PLOT.value)
   if out:
