@@ -48,3 +48,52 @@ def base_config(**overrides: Any) -> ml_collections.ConfigDict:
 def optimizer(name: str, **kwargs: Any) -> ml_collections.ConfigDict:
   """An optimizer spec: ``optimizer('sgd', learning_rate=0.1)``."""
   return ml_collections.ConfigDict(dict(name=name, **kwargs))
+
+
+# Reddi et al. 2021, "Adaptive Federated Optimization" (ICLR), Table 8: the
+# best client and server learning rates (log10) per task and algorithm, with
+# server beta1 = 0.9, beta2 = 0.99, tau (eps) = 1e-3, and server momentum 0.9
+# for FedAvgM. Entries are (log10 client lr, log10 server lr).
+REDDI_2021_LEARNING_RATES = {
+    'emnist': {'fedadagrad': (-1.5, -1.0), 'fedadam': (-1.5, -2.5),
+               'fedyogi': (-1.5, -2.5), 'fedavgm': (-1.5, 0.0),
+               'fedavg': (-1.0, 0.0)},
+    'shakespeare': {'fedadagrad': (0.0, -0.5), 'fedadam': (0.0, -2.0),
+                    'fedyogi': (0.0, -2.0), 'fedavgm': (0.0, 0.0),
+                    'fedavg': (0.0, 0.0)},
+    'stackoverflow': {'fedadagrad': (-0.5, -1.5), 'fedadam': (-0.5, -2.0),
+                      'fedyogi': (-0.5, -2.0), 'fedavgm': (-0.5, 0.0),
+                      'fedavg': (-0.5, 0.0)},
+    'cifar100': {'fedadagrad': (-1.0, -1.0), 'fedadam': (-1.5, 0.0),
+                 'fedyogi': (-1.5, 0.0), 'fedavgm': (-1.5, 0.0),
+                 'fedavg': (-1.0, 0.0)},
+}
+
+
+def fedopt_algorithm(task: str, name: str) -> ml_collections.ConfigDict:
+  """``config.algorithm`` for FedOpt ``name`` with Reddi et al.'s rates on ``task``.
+
+  Args:
+    task: a key of :data:`REDDI_2021_LEARNING_RATES`.
+    name: ``'fedavg'``, ``'fedavgm'``, ``'fedadagrad'``, ``'fedadam'`` or
+      ``'fedyogi'``.
+  """
+  table = REDDI_2021_LEARNING_RATES[task]
+  if name not in table:
+    raise ValueError(f'algorithm {name!r} has no tuned rates for {task!r}; '
+                     f'valid: {sorted(table)}.')
+  client_lr, server_lr = (10.0 ** e for e in table[name])
+  algorithm = ml_collections.ConfigDict(dict(
+      name=name, client_optimizer=optimizer('sgd', learning_rate=client_lr)))
+  if name == 'fedavg':
+    algorithm.server_optimizer = optimizer('sgd', learning_rate=server_lr)
+  elif name == 'fedavgm':
+    algorithm.server_learning_rate = server_lr
+    algorithm.server_momentum = 0.9
+  else:
+    algorithm.server_learning_rate = server_lr
+    algorithm.b1 = 0.9
+    algorithm.eps = 1e-3
+    if name != 'fedadagrad':
+      algorithm.b2 = 0.99
+  return algorithm

@@ -8,9 +8,13 @@ names to these builders.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from fedjx import datasets
 
@@ -40,6 +44,263 @@ def digits(num_clients: int = 50, alpha: float | None = 0.5, seed: int = 0,
   return ExperimentData(train, test, {'num_classes': 10})
 
 
+def synthetic(alpha: float = 1.0, beta: float = 1.0, num_clients: int = 30,
+              seed: int = 0, iid: bool = False, test_fraction: float = 0.2,
+              **kwargs: Any) -> ExperimentData:
+  """Synthetic(alpha, beta) of FedProx; each client holds out ``test_fraction``.
+
+  The per-client train/test split is that of the FedProx paper (Li et al.
+  2020); the test examples of all clients are pooled for evaluation. Extra
+  keyword arguments go to ``fedjx.datasets.synthetic`` (``dim``,
+  ``num_classes``, ``max_examples``, ...).
+  """
+  population = datasets.synthetic(alpha, beta, num_clients=num_clients,
+                                  seed=seed, iid=iid, **kwargs)
+  train, test = datasets.split_examples(population, test_fraction, seed)
+  return ExperimentData(train, test, {'num_classes': population.num_classes})
+
+
+def text(seq_len: int = 64, level: str = 'byte',
+         modules: Sequence[str] | None = None, num_shards: int | None = None,
+         test_fraction: float = 0.1, max_examples: int | None = None,
+         seed: int = 0) -> ExperimentData:
+  """Python's standard library source as a language-modelling corpus.
+
+  With ``num_shards=None``, clients are the library's modules (natural,
+  non-IID groups; see ``fedjx.datasets.text_corpus``) and each holds out
+  ``test_fraction`` of its sequences. With ``num_shards=K``, the sequences of
+  all modules are pooled, shuffled (``seed``), ``test_fraction`` held out, and
+  the rest split IID into ``K`` equal shards: the data-parallel replicas of
+  DiLoCo (Douillard et al. 2023). ``max_examples`` caps the pooled sequences.
+  """
+  corpus = datasets.text_corpus(seq_len=seq_len, level=level, modules=modules,
+                                min_examples=2)
+  info = {'vocab_size': corpus.vocab_size, 'max_len': seq_len}
+  if num_shards is None:
+    train, test = datasets.split_examples(corpus, test_fraction, seed)
+    return ExperimentData(train, test, info)
+  parts = [corpus.client_data(c) for c in range(corpus.num_clients)]
+  pooled = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+  n = len(pooled['x'])
+  order = np.random.default_rng(seed).permutation(n)
+  if max_examples is not None:
+    order = order[:max_examples]
+  num_test = max(1, int(round(test_fraction * len(order))))
+  test = {k: v[np.sort(order[:num_test])] for k, v in pooled.items()}
+  train = {k: v[np.sort(order[num_test:])] for k, v in pooled.items()}
+  groups = datasets.partition_iid(len(train['x']), num_shards, seed)
+  return ExperimentData(datasets.from_arrays(train, groups=groups), test, info)
+
+
+class _Reshaped(datasets.FederatedDataset):
+  """Clients of ``base`` turned into new examples by ``fn`` (count may change).
+
+  ``fn(client_examples) -> examples``. Example counts are computed on first
+  use of a client and cached.
+  """
+
+  def __init__(self, base: Any, fn: Callable[[dict[str, np.ndarray]],
+                                             dict[str, np.ndarray]]):
+    self._base, self._fn, self._sizes = base, fn, {}
+
+  @property
+  def num_clients(self) -> int:
+    return self._base.num_clients
+
+  def client_name(self, cid: int) -> str:
+    return self._base.client_name(cid)
+
+  def num_examples(self, cid: int) -> int:
+    cid = self.check_client(cid)
+    if cid not in self._sizes:
+      self._client_data(cid)
+    return self._sizes[cid]
+
+  def _client_data(self, cid: int) -> dict[str, np.ndarray]:
+    out = self._fn(self._base.client_data(cid))
+    self._sizes[cid] = len(next(iter(out.values())))
+    return out
+
+
+def _images(pixels_key: str, label_key: str, scale: float):
+  def fn(data):
+    x = np.asarray(data[pixels_key], dtype=np.float32) / scale
+    return {'x': x[..., None] if x.ndim == 3 else x,
+            'y': np.asarray(data[label_key]).astype(np.int32)}
+  return fn
+
+
+def _tfds_partitioned(name: str, split: str, num_clients: int, alpha: float | None,
+                      seed: int, data_dir: str | None):
+  if alpha is None:
+    part = lambda y: datasets.partition_iid(y, num_clients, seed)
+  else:
+    part = lambda y: datasets.partition_dirichlet(y, num_clients, alpha, seed)
+  return datasets.from_tfds(name, split, partition=part, data_dir=data_dir)
+
+
+def _pooled(dataset: Any, max_clients: int | None) -> Any:
+  if max_clients is None or max_clients >= dataset.num_clients:
+    return dataset
+  return dataset.subset(np.arange(max_clients))
+
+
+def emnist(source: str = 'tff', train_path: str | None = None,
+           test_path: str | None = None, num_clients: int = 3400,
+           alpha: float | None = 0.5, tfds_name: str = 'emnist/byclass',
+           data_dir: str | None = None, seed: int = 0,
+           max_test_clients: int | None = None) -> ExperimentData:
+  """Federated EMNIST-62 (Caldas et al. 2018): 28x28 characters, 62 classes.
+
+  ``source='tff'``: TensorFlow Federated's HDF5 files
+  (``fed_emnist_train.h5``, ``fed_emnist_test.h5``: one client per writer,
+  features ``pixels`` and ``label``). ``source='tfds'``: the TFDS builder
+  ``tfds_name``, which has no writer ids, partitioned over ``num_clients``
+  clients with Dirichlet ``alpha`` (IID if None); its test split is central.
+  """
+  _check_source('emnist', source)
+  if source == 'tff':
+    train = _Reshaped(_read_tff('emnist', train_path), _images('pixels', 'label', 1.0))
+    test = (None if test_path is None else _pooled(
+        _Reshaped(_read_tff('emnist', test_path), _images('pixels', 'label', 1.0)),
+        max_test_clients))
+  else:
+    raw = _tfds_partitioned(tfds_name, 'train', num_clients, alpha, seed, data_dir)
+    train = raw.map(_images('image', 'label', 255.0))
+    test = _pooled(_tfds_partitioned(tfds_name, 'test', 100, None, seed, data_dir)
+                   .map(_images('image', 'label', 255.0)), max_test_clients)
+  return ExperimentData(train, test, {'num_classes': 62})
+
+
+def cifar100(source: str = 'tff', train_path: str | None = None,
+             test_path: str | None = None, num_clients: int = 500,
+             alpha: float | None = 0.1, data_dir: str | None = None,
+             seed: int = 0) -> ExperimentData:
+  """Federated CIFAR-100: 500 training clients of 100 images (Reddi et al. 2021).
+
+  ``source='tff'``: TensorFlow Federated's HDF5 files (features ``image``
+  uint8 ``[32, 32, 3]``, ``label``; clients from Pachinko allocation).
+  ``source='tfds'``: TFDS ``cifar100`` split over ``num_clients`` clients by
+  Dirichlet ``alpha`` label skew. Images are scaled to [0, 1].
+  """
+  _check_source('cifar100', source)
+  if source == 'tff':
+    train = _Reshaped(_read_tff('cifar100', train_path), _images('image', 'label', 255.0))
+    test = (None if test_path is None else
+            _Reshaped(_read_tff('cifar100', test_path), _images('image', 'label', 255.0)))
+  else:
+    train = _tfds_partitioned('cifar100', 'train', num_clients, alpha, seed,
+                              data_dir).map(_images('image', 'label', 255.0))
+    test = _tfds_partitioned('cifar100', 'test', 100, None, seed,
+                             data_dir).map(_images('image', 'label', 255.0))
+  return ExperimentData(train, test, {'num_classes': 100})
+
+
+# Shakespeare: characters as code points below 128, 0 for padding, 128 for
+# any other character, 129 for begin- and 130 for end-of-snippet.
+_SHAKESPEARE_VOCAB = 131
+
+
+def _shakespeare_sequences(seq_len: int):
+  def fn(data):
+    rows = []
+    for snippet in np.asarray(data['snippets']).reshape(-1):
+      text = snippet.decode('utf-8', 'replace') if isinstance(snippet, bytes) else str(snippet)
+      ids = [129] + [ord(c) if 0 < ord(c) < 128 else 128 for c in text] + [130]
+      for start in range(0, max(len(ids) - 1, 1), seq_len):
+        chunk = ids[start:start + seq_len + 1]
+        rows.append(chunk + [0] * (seq_len + 1 - len(chunk)))
+    arr = np.asarray(rows, dtype=np.int32).reshape(-1, seq_len + 1)
+    return {'x': arr[:, :-1], 'y': arr[:, 1:]}
+  return fn
+
+
+def shakespeare(train_path: str, test_path: str | None = None,
+                seq_len: int = 80) -> ExperimentData:
+  """Federated Shakespeare (Caldas et al. 2018) from TensorFlow Federated HDF5.
+
+  One client per speaking role; each ``snippets`` string becomes
+  ``[begin] chars [end]`` cut into windows of ``seq_len + 1`` characters
+  (next-character prediction, padding id 0 ignored by the loss).
+  """
+  fn = _shakespeare_sequences(seq_len)
+  train = _Reshaped(_read_tff('shakespeare', train_path), fn)
+  test = None if test_path is None else _Reshaped(_read_tff('shakespeare', test_path), fn)
+  return ExperimentData(train, test, {'vocab_size': _SHAKESPEARE_VOCAB,
+                                      'max_len': seq_len})
+
+
+def _word_vocab(dataset: Any, vocab_path: str | None, vocab_size: int,
+                vocab_clients: int) -> dict[str, int]:
+  """Word -> id (ids 4.. by frequency); 0 pad, 1 unknown, 2 begin, 3 end."""
+  if vocab_path is not None:
+    with open(vocab_path, encoding='utf-8') as f:
+      words = [line.split()[0] for line in f if line.strip()][:vocab_size]
+  else:
+    counts: collections.Counter = collections.Counter()
+    for cid in range(min(vocab_clients, dataset.num_clients)):
+      for sentence in np.asarray(dataset.client_data(cid)['tokens']).reshape(-1):
+        text = sentence.decode('utf-8', 'replace') if isinstance(sentence, bytes) else str(sentence)
+        counts.update(text.split())
+    words = [w for w, _ in counts.most_common(vocab_size)]
+  return {w: i + 4 for i, w in enumerate(words)}
+
+
+def stackoverflow(train_path: str, test_path: str | None = None,
+                  vocab_path: str | None = None, vocab_size: int = 10000,
+                  vocab_clients: int = 1000, seq_len: int = 20,
+                  max_test_clients: int | None = 1000) -> ExperimentData:
+  """Stack Overflow next-word prediction (Reddi et al. 2021) from TFF HDF5.
+
+  One client per user; each ``tokens`` sentence becomes ``[begin] words
+  [end]`` over the ``vocab_size`` most frequent words (from ``vocab_path``,
+  one word per line most frequent first, or counted over the first
+  ``vocab_clients`` clients), truncated or padded to ``seq_len + 1``.
+  """
+  raw = _read_tff('stackoverflow', train_path)
+  vocab = _word_vocab(raw, vocab_path, vocab_size, vocab_clients)
+
+  def fn(data):
+    rows = []
+    for sentence in np.asarray(data['tokens']).reshape(-1):
+      text = sentence.decode('utf-8', 'replace') if isinstance(sentence, bytes) else str(sentence)
+      ids = ([2] + [vocab.get(w, 1) for w in text.split()] + [3])[:seq_len + 1]
+      rows.append(ids + [0] * (seq_len + 1 - len(ids)))
+    arr = np.asarray(rows, dtype=np.int32).reshape(-1, seq_len + 1)
+    return {'x': arr[:, :-1], 'y': arr[:, 1:]}
+
+  train = _Reshaped(raw, fn)
+  test = None if test_path is None else _pooled(
+      _Reshaped(_read_tff('stackoverflow', test_path), fn), max_test_clients)
+  return ExperimentData(train, test, {'vocab_size': vocab_size + 4,
+                                      'max_len': seq_len})
+
+
+SOURCES = ('tff', 'tfds')
+
+
+def _check_source(name: str, source: str) -> None:
+  if source not in SOURCES:
+    raise ValueError(f'dataset {name!r}: source={source!r} is not one of {SOURCES}.')
+
+
+def _read_tff(name: str, path: str | None) -> Any:
+  if path is None:
+    raise ValueError(
+        f'dataset {name!r} needs the path of its TensorFlow Federated HDF5 file: '
+        f'set config.dataset.train_path (and test_path), e.g. '
+        f'--config.dataset.train_path=/data/{name}/train.h5.')
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'dataset {name!r}: no such file {path!r}.')
+  return datasets.read_tff_hdf5(path)
+
+
 BUILDERS: dict[str, Callable[..., ExperimentData]] = {
     'digits': digits,
+    'synthetic': synthetic,
+    'text': text,
+    'emnist': emnist,
+    'cifar100': cifar100,
+    'shakespeare': shakespeare,
+    'stackoverflow': stackoverflow,
 }

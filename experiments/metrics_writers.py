@@ -59,7 +59,7 @@ class JsonlWriter(MetricsWriter):
 
   def __init__(self, path: str):
     self.path = path
-    self._file = open(path, 'a', encoding='utf-8')
+    self._file = open(path, 'a', encoding='utf-8', buffering=1)
 
   def write(self, round_: int, metrics: Mapping[str, Any]) -> None:
     row = {'round': int(round_)}
@@ -73,7 +73,7 @@ class JsonlWriter(MetricsWriter):
       for row in rows:
         if row['round'] <= last_round:
           f.write(json.dumps(row) + '\n')
-    self._file = open(self.path, 'a', encoding='utf-8')
+    self._file = open(self.path, 'a', encoding='utf-8', buffering=1)
 
   def flush(self) -> None:
     self._file.flush()
@@ -100,7 +100,7 @@ class CsvWriter(MetricsWriter):
   def _rewrite(self) -> None:
     if self._file is not None:
       self._file.close()
-    self._file = open(self.path, 'w', encoding='utf-8', newline='')
+    self._file = open(self.path, 'w', encoding='utf-8', newline='', buffering=1)
     self._writer = csv.DictWriter(self._file, fieldnames=self._columns)
     self._writer.writeheader()
     for row in self._rows:

@@ -53,9 +53,17 @@ def accepted_kwargs(fn: Callable[..., Any]) -> tuple[list[str], bool]:
 
 
 def check_kwargs(kind: str, name: str, fn: Callable[..., Any],
-                 kwargs: Mapping[str, Any], reserved: tuple[str, ...] = ()) -> None:
-  """Raises a ConfigError if ``fn`` does not take every key of ``kwargs``."""
+                 kwargs: Mapping[str, Any], reserved: tuple[str, ...] = (),
+                 forwards_to: Callable[..., Any] | None = None) -> None:
+  """Raises a ConfigError if ``fn`` does not take every key of ``kwargs``.
+
+  A builder with ``**kwargs`` accepts anything, unless ``forwards_to`` names
+  the function those go to: then the valid keys are both functions'.
+  """
   names, var = accepted_kwargs(fn)
+  if var and forwards_to is not None:
+    more, var = accepted_kwargs(forwards_to)
+    names = names + [n for n in more if n not in names]
   if var:
     return
   valid = [n for n in names if n not in reserved]
@@ -130,21 +138,32 @@ def _algorithms() -> dict[str, Callable[..., Any]]:
 
 
 ALGORITHMS: dict[str, Callable[..., Any]] = _algorithms()
+# FedOpt builders pass their other keyword arguments on to fedavg.
+_FORWARDS = {'fedadam': 'fedavg', 'fedyogi': 'fedavg', 'fedadagrad': 'fedavg',
+             'fedavgm': 'fedavg'}
+
+
+def forwarded_builder(name: str) -> Callable[..., Any] | None:
+  """The builder that algorithm ``name`` passes its ``**kwargs`` to, if any."""
+  return ALGORITHMS.get(_FORWARDS.get(name, ''))
 
 
 def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto',
-                    chunk_size: int | None = None) -> Any:
+                    chunk_size: int | None = None,
+                    num_clients: int | None = None) -> Any:
   """An algorithm from ``config.algorithm``.
 
   Options whose name ends in ``optimizer`` are optimizer specs (see
   :func:`build_optimizer`); the others are passed through. The model's
   ``loss_fn`` and ``metrics_fn``, and ``map_strategy`` / ``chunk_size``, are
-  passed when the builder takes them.
+  passed when the builder takes them. Algorithms with per-client state
+  (SCAFFOLD's ``num_clients``, DiLoCo's ``num_replicas``) get the population
+  size ``num_clients`` unless the config sets it.
   """
   name, kwargs = split_name('algorithm', spec)
   fn = lookup('algorithm', ALGORITHMS, name)
   reserved = ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size')
-  check_kwargs('algorithm', name, fn, kwargs, reserved)
+  check_kwargs('algorithm', name, fn, kwargs, reserved, forwarded_builder(name))
   for key, value in list(kwargs.items()):
     if key.endswith('optimizer') and isinstance(value, Mapping):
       kwargs[key] = build_optimizer(value, where=f'algorithm.{key}')
@@ -154,6 +173,9 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
   for key, value in extra.items():
     if var or key in accepted:
       kwargs[key] = value
+  for key in ('num_clients', 'num_replicas'):
+    if key in accepted and key not in kwargs and num_clients is not None:
+      kwargs[key] = num_clients
   return fn(model.loss_fn, **kwargs)
 
 

@@ -129,6 +129,27 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   return config
 
 
+def validate(config: Any) -> ml_collections.ConfigDict:
+  """Checks a config without loading data: fields, names and their options.
+
+  Returns the config with defaults filled in; raises :class:`ConfigError`
+  naming the first problem and listing what is valid.
+  """
+  config = with_defaults(config)
+  for kind, table in (('dataset', registry.DATASETS), ('model', registry.MODELS)):
+    name, kwargs = registry.split_name(kind, config[kind])
+    registry.check_kwargs(kind, name, registry.lookup(kind, table, name), kwargs)
+  name, kwargs = registry.split_name('algorithm', config.algorithm)
+  fn = registry.lookup('algorithm', registry.ALGORITHMS, name)
+  registry.check_kwargs('algorithm', name, fn, kwargs,
+                        ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size'),
+                        registry.forwarded_builder(name))
+  for key, value in kwargs.items():
+    if key.endswith('optimizer') and isinstance(value, Mapping):
+      registry.build_optimizer(value, where=f'algorithm.{key}')
+  return config
+
+
 def _names(key: str) -> list[str]:
   table = {'dataset': registry.DATASETS, 'model': registry.MODELS,
            'algorithm': registry.ALGORITHMS}[key]
@@ -246,7 +267,7 @@ def build(config: Any) -> Experiment:
   model = registry.build_model(config.model, data.info)
   algorithm = registry.build_algorithm(
       config.algorithm, model, map_strategy=config.map_strategy,
-      chunk_size=config.chunk_size)
+      chunk_size=config.chunk_size, num_clients=data.train.num_clients)
   init_key, round_key = jax.random.split(jax.random.key(config.seed))
   params = model.init(init_key, _sample_batch(config, data))
   examples = _pool_examples(data.test, config.eval_max_examples)

@@ -1,0 +1,248 @@
+"""The experiment runner: exact resumption, metrics files, plots, CLI errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from fedjx.experiments import checkpointing
+from fedjx.experiments import metrics_writers
+from fedjx.experiments import plotting
+from fedjx.experiments import registry
+from fedjx.experiments import runner
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A small, fast experiment: 12 rounds of FedAvg on digits with softmax
+# regression; checkpoints after rounds 4, 8 and 12.
+CONFIG_FILE = textwrap.dedent('''
+    from fedjx.experiments.config_base import base_config, optimizer
+
+    def get_config():
+      config = base_config()
+      config.seed = 3
+      config.rounds = 12
+      config.cohort_size = 5
+      config.batch_size = 16
+      config.local_epochs = 1
+      config.eval_every = 4
+      config.checkpoint_every = 4
+      config.progress = False
+      config.prefetch = 1
+      config.dataset = dict(name='digits', num_clients=20, alpha=0.5)
+      config.model = dict(name='logistic_regression')
+      config.algorithm = dict(
+          name='fedadam',
+          client_optimizer=optimizer('sgd', learning_rate=0.1),
+          server_learning_rate=0.05)
+      return config
+''')
+
+# Runs the config and stops itself after round STOP_AT (once the checkpoint
+# of round WAIT_FOR is on disk) with signal SIG: SIGKILL (no chance to save)
+# or SIGINT (the runner saves and exits).
+STOPPER = textwrap.dedent('''
+    import os, sys, time
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import signal
+    import config_file
+    from fedjx.experiments import runner
+
+    workdir, stop_at, wait_for, sig = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+
+    def hook(step, state, row):
+      if step == stop_at:
+        done = os.path.join(workdir, 'checkpoints', str(wait_for))
+        deadline = time.time() + 60
+        while not os.path.isdir(done) and time.time() < deadline:
+          time.sleep(0.01)
+        os.kill(os.getpid(), getattr(signal, sig))
+
+    result = runner.run(config_file.get_config(), workdir, hooks=[hook])
+    sys.exit(130 if result.interrupted else 0)
+''')
+
+
+@pytest.fixture(scope='module')
+def files(tmp_path_factory):
+  d = tmp_path_factory.mktemp('cfg')
+  (d / 'config_file.py').write_text(CONFIG_FILE)
+  (d / 'stopper.py').write_text(STOPPER)
+  return d
+
+
+def _load_config(files):
+  sys.path.insert(0, str(files))
+  try:
+    import config_file  # pylint: disable=import-outside-toplevel
+    return config_file.get_config()
+  finally:
+    sys.path.remove(str(files))
+
+
+@pytest.fixture(scope='module')
+def reference(files, tmp_path_factory):
+  """An uninterrupted run of the config."""
+  workdir = tmp_path_factory.mktemp('reference')
+  return runner.run(_load_config(files), str(workdir))
+
+
+def _env():
+  env = dict(os.environ)
+  env.setdefault('JAX_PLATFORMS', 'cpu')
+  return env
+
+
+def _assert_same_params(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_reference_run_learns_and_writes_everything(reference):
+  rows = reference.history
+  assert [r['round'] for r in rows if 'eval_accuracy' in r] == [0, 4, 8, 12]
+  assert rows[-1]['eval_accuracy'] > rows[0]['eval_accuracy'] + 0.3
+  workdir = reference.workdir
+  assert os.path.exists(os.path.join(workdir, 'learning_curve.png'))
+  assert os.listdir(os.path.join(workdir, 'tensorboard'))
+  on_disk = metrics_writers.read_metrics(workdir)
+  assert [r['round'] for r in on_disk] == list(range(13))
+  state, step = runner.load_state(workdir)
+  assert step == 12
+  _assert_same_params(state.params, reference.state.params)
+
+
+def test_kill_9_then_rerun_gives_bit_identical_params(files, reference, tmp_path):
+  workdir = str(tmp_path / 'run')
+  killed = subprocess.run(
+      [sys.executable, str(files / 'stopper.py'), workdir, '6', '4', 'SIGKILL'],
+      env=_env(), capture_output=True, text=True, timeout=300)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  assert checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints')).latest_step() == 4
+  # Rows for rounds 5 and 6 were written after the checkpoint.
+  assert max(r['round'] for r in metrics_writers.read_metrics(workdir)) == 6
+
+  resumed = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'scripts', 'run.py'),
+       '--config', str(files / 'config_file.py'), '--workdir', workdir,
+       '--config.progress=False'],
+      env=_env(), capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert 'resuming' in resumed.stderr and 'after round 4' in resumed.stderr
+  state, step = runner.load_state(workdir)
+  assert step == 12
+  _assert_same_params(state.params, reference.state.params)
+  rows = metrics_writers.read_metrics(workdir)
+  assert [r['round'] for r in rows] == list(range(13))  # No duplicates.
+  for got, want in zip(rows, reference.history):
+    assert got.get('eval_accuracy') == want.get('eval_accuracy')
+
+
+def test_sigint_saves_a_checkpoint_and_exits_cleanly(files, reference, tmp_path):
+  workdir = str(tmp_path / 'run')
+  stopped = subprocess.run(
+      [sys.executable, str(files / 'stopper.py'), workdir, '5', '4', 'SIGINT'],
+      env=_env(), capture_output=True, text=True, timeout=300)
+  assert stopped.returncode == 130, stopped.stderr[-2000:]
+  assert 'Traceback' not in stopped.stderr
+  assert 'interrupted after round 5' in stopped.stderr
+  assert checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints')).latest_step() == 5
+  result = runner.run(_load_config(files), workdir)
+  assert not result.interrupted and result.step == 12
+  _assert_same_params(result.state.params, reference.state.params)
+
+
+def test_extending_rounds_continues_a_finished_run(files, reference, tmp_path):
+  config = _load_config(files)
+  config.rounds = 8
+  workdir = str(tmp_path / 'run')
+  first = runner.run(config, workdir)
+  assert first.step == 8
+  config.rounds = 12
+  second = runner.run(config, workdir)
+  _assert_same_params(second.state.params, reference.state.params)
+
+
+def test_resuming_with_a_different_experiment_fails(files, tmp_path):
+  config = _load_config(files)
+  config.rounds = 4
+  workdir = str(tmp_path / 'run')
+  runner.run(config, workdir)
+  config.algorithm.server_learning_rate = 0.5
+  with pytest.raises(registry.ConfigError, match='different experiment'):
+    runner.run(config, workdir)
+
+
+def test_unknown_names_list_the_valid_choices(files, tmp_path):
+  config = _load_config(files)
+  for field, bad, valid in (('algorithm', 'fedavgg', 'fedavg'),
+                            ('dataset', 'digit', 'digits'),
+                            ('model', 'cnn', 'emnist_cnn')):
+    broken = _load_config(files)
+    broken[field].name = bad
+    with pytest.raises(registry.ConfigError) as e:
+      runner.build(broken)
+    assert repr(bad) in str(e.value) and repr(valid) in str(e.value)
+  broken = _load_config(files)
+  broken.model.hidden_size = 3
+  with pytest.raises(registry.ConfigError, match='no option .hidden_size'):
+    runner.build(broken)
+  broken = _load_config(files)
+  broken.algorithm.client_optimizer.name = 'sgdd'
+  with pytest.raises(registry.ConfigError, match="'sgd'"):
+    runner.build(broken)
+  with pytest.raises(registry.ConfigError, match="Valid top-level fields"):
+    runner.with_defaults(dict(config.to_dict(), round=3))
+
+
+def test_cli_unknown_override_lists_fields(files, tmp_path):
+  out = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'scripts', 'run.py'),
+       '--config', str(files / 'config_file.py'), '--workdir', str(tmp_path),
+       '--config.round=3', '--config.model.widht=2'],
+      env=_env(), capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2
+  assert 'unknown config field config.round' in out.stderr
+  assert "'rounds'" in out.stderr and 'Traceback' not in out.stderr
+
+
+def test_metrics_writers_round_trip_and_truncate(tmp_path):
+  for fmt in metrics_writers.FORMATS:
+    d = tmp_path / fmt
+    d.mkdir()
+    w = metrics_writers.make_writer(str(d), fmt, tensorboard=False)
+    w.write(0, {'eval_accuracy': 0.5})
+    w.write(1, {'loss': np.float32(2.0), 'clients': 3})
+    w.write(2, {'loss': 1.5, 'eval_accuracy': 0.75})
+    w.close()
+    rows = metrics_writers.read_metrics(str(d))
+    assert rows == [{'round': 0, 'eval_accuracy': 0.5},
+                    {'round': 1, 'loss': 2.0, 'clients': 3},
+                    {'round': 2, 'loss': 1.5, 'eval_accuracy': 0.75}]
+    w = metrics_writers.make_writer(str(d), fmt, tensorboard=False, resume_round=1)
+    w.write(2, {'loss': 1.25})
+    w.close()
+    assert metrics_writers.read_metrics(str(d))[-1] == {'round': 2, 'loss': 1.25}
+    assert len(metrics_writers.read_metrics(str(d))) == 3
+
+
+def test_plot_runs_overlays(tmp_path):
+  for name, acc in (('a', 0.5), ('b', 0.7)):
+    d = tmp_path / name
+    d.mkdir()
+    with open(d / 'metrics.jsonl', 'w') as f:
+      for r in range(3):
+        f.write(json.dumps({'round': r, 'loss': 1.0 / (r + 1),
+                            'eval_accuracy': acc + 0.1 * r}) + '\n')
+  out = plotting.plot_runs([str(tmp_path / 'a'), str(tmp_path / 'b')],
+                           str(tmp_path / 'cmp.png'))
+  with open(out, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
