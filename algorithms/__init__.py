@@ -7,6 +7,7 @@ plain round, for ``jax.grad`` and friends). See docs/algorithms.md.
 """
 
 from fedjx.algorithms import client_update
+from fedjx.algorithms import hypergradients
 from fedjx.algorithms import quantization
 from fedjx.algorithms.base import Algorithm
 from fedjx.algorithms.base import ServerState
@@ -35,6 +36,13 @@ from fedjx.algorithms.yogi import adaptive_adam
 from fedjx.algorithms.yogi import scale_by_adaptive
 from fedjx.algorithms.yogi import scale_by_yogi
 from fedjx.algorithms.yogi import yogi
+from fedjx.algorithms.hypergradients import hypergradient
+from fedjx.algorithms.hypergradients import learn_client_weights
+from fedjx.algorithms.hypergradients import reweight_cohort
+from fedjx.algorithms.hypergradients import unrolled_objective
+from fedjx.algorithms.tuner import TunerState
+from fedjx.algorithms.tuner import fedavg_hypergradient_tuner
+from fedjx.algorithms.tuner import hypergradient_tuner
 
 __all__ = [
     'Algorithm',
@@ -66,4 +74,12 @@ __all__ = [
     'scan_rounds',
     'streaming_diloco',
     'yogi',
+    'TunerState',
+    'fedavg_hypergradient_tuner',
+    'hypergradient',
+    'hypergradient_tuner',
+    'hypergradients',
+    'learn_client_weights',
+    'reweight_cohort',
+    'unrolled_objective',
 ]
