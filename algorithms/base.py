@@ -273,6 +273,35 @@ def server_update(optimizer: optax.GradientTransformation,
   return optax.apply_updates(params, updates), opt_state
 
 
+def _replicated(tree: PyTree) -> PyTree:
+  # Under an Explicit mesh, indexing a replicated store with client-sharded
+  # ids is ambiguous; gather and scatter with replicated operands instead.
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or (
+      jax.sharding.AxisType.Explicit not in mesh.axis_types):
+    return tree
+  return jax.tree.map(lambda x: jax.sharding.reshard(
+      x, jax.sharding.PartitionSpec()), tree)
+
+
+def gather_clients(store: PyTree, ids: jax.Array) -> PyTree:
+  """Per-client state of the cohort: ``store[ids]`` for every leaf ``[N, ...]``."""
+  ids = _replicated(jnp.asarray(ids, jnp.int32))
+  return jax.tree.map(lambda a: a[ids], store)
+
+
+def scatter_clients(store: PyTree, ids: jax.Array, values: PyTree,
+                    real: jax.Array) -> PyTree:
+  """``store[ids] = values`` for the clients with ``real`` True (others kept)."""
+  leaves = jax.tree.leaves(store)
+  if not leaves:
+    return store
+  n = leaves[0].shape[0]
+  ids = _replicated(jnp.where(real, jnp.asarray(ids, jnp.int32), n))
+  values = _replicated(values)
+  return jax.tree.map(lambda a, v: a.at[ids].set(v, mode='drop'), store, values)
+
+
 def round_metrics(stats: Mapping[str, jax.Array], num_examples: jax.Array,
                   **extra: jax.Array) -> Metrics:
   """Metrics of a round from the clients' placed statistics.

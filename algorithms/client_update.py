@@ -105,6 +105,18 @@ def step_schedule(mask: jax.Array, schedule: LocalSchedule) -> tuple[jax.Array, 
   return index, jnp.broadcast_to(n > 0, t.shape)
 
 
+def tie_to(tree: PyTree, mask: jax.Array) -> PyTree:
+  """``tree`` unchanged, but computed from the client's data.
+
+  Inside ``vmap`` over clients sharded on an Explicit mesh axis, JAX cannot
+  broadcast a ``lax.scan`` carry that does not depend on the mapped inputs
+  (e.g. an optimizer's step count); a carry tied to the data is mapped
+  already.
+  """
+  never = jnp.logical_and(mask.reshape(-1)[0], False)
+  return jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x), tree)
+
+
 def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
           params: Params, opt_state: optax.OptState,
           batches: Mapping[str, jax.Array], mask: jax.Array,
@@ -138,7 +150,7 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     return (jax.tree.map(keep, new_params, params),
             jax.tree.map(keep, new_state, opt_state)), None
 
-  carry = (params, opt_state)
+  carry = tie_to((params, opt_state), mask)
   if schedule.steps is None:  # Epochs: scan over the steps as they are.
     active = jnp.any(mask, axis=-1)
     epoch = lambda c, _: (jax.lax.scan(step, c, (batches, mask, active))[0], None)
@@ -174,7 +186,7 @@ def evaluate(loss_fn: LossFn, metrics_fn: MetricsFn | None, params: Params,
 
   keys = ['loss'] + ([] if metrics_fn is None else list(jax.eval_shape(
       metrics_fn, params, jax.tree.map(lambda x: x[0], batches))))
-  zeros = {k: jnp.zeros((), jnp.float32) for k in keys + ['count']}
+  zeros = tie_to({k: jnp.zeros((), jnp.float32) for k in keys + ['count']}, mask)
   sums, _ = jax.lax.scan(step, zeros, (batches, mask))
   return sums
 

@@ -155,7 +155,7 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
     if reset_inner_state:  # A placeholder: each replica starts afresh.
       inner = fedjx.broadcast(jnp.zeros(()))
     else:  # Each replica's own inner state.
-      inner = jax.tree.map(lambda a: a[ids], state.inner_opt_states)
+      inner = base.gather_clients(state.inner_opt_states, ids)
     outer_grads, inner, stats = fedjx.map_fn(replica_fn, (
         fedjx.broadcast(state.params),
         fedjx.broadcast(state.hparams['inner_optimizer']),
@@ -167,9 +167,8 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
         state.params, outer_grad)
     inner_states = state.inner_opt_states
     if not reset_inner_state:
-      store = jnp.where(cohort.num_examples > 0, ids, num_replicas)
-      inner_states = jax.tree.map(lambda a, s: a.at[store].set(s, mode='drop'),
-                                  inner_states, inner)
+      inner_states = base.scatter_clients(inner_states, ids, inner,
+                                          cohort.num_examples > 0)
     sent = quantization.num_bytes(state.params, quantization_format)
     metrics = base.round_metrics(stats, cohort.num_examples,
                                  pseudo_grad_norm=optax.global_norm(outer_grad))

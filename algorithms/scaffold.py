@@ -126,7 +126,7 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
     del key
     real = cohort.num_examples > 0
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
-    c_i = jax.tree.map(lambda a: a[ids], state.client_controls)
+    c_i = base.gather_clients(state.client_controls, ids)
     deltas, delta_c, stats = fedjx.map_fn(client_fn, (
         fedjx.broadcast(state.params), fedjx.broadcast(state.control), c_i,
         fedjx.broadcast(state.hparams['client_learning_rate']),
@@ -139,10 +139,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
         state.params, pseudo_grad)
     control = jax.tree.map(lambda c, s: c + s / n_pop, state.control,
                            fedjx.reduce_sum(delta_c))
-    store = jnp.where(real, ids, n_pop)  # Padding clients are dropped.
-    client_controls = jax.tree.map(
-        lambda a, ci, d: a.at[store].set(ci + d, mode='drop'),
-        state.client_controls, c_i, delta_c)
+    client_controls = base.scatter_clients(  # c_i <- c_i+ (not for padding).
+        state.client_controls, ids, jax.tree.map(jnp.add, c_i, delta_c), real)
     metrics = base.round_metrics(stats, cohort.num_examples,
                                  pseudo_grad_norm=optax.global_norm(pseudo_grad),
                                  control_norm=optax.global_norm(control))

@@ -185,7 +185,7 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   def round_fn(state, cohort, key):
     del key
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
-    gather = lambda t: jax.tree.map(lambda a: a[ids], t)
+    gather = lambda t: base.gather_clients(t, ids)
     theta_k, inner, stats = fedjx.map_fn(replica_fn, (
         gather(state.replica_params),
         fedjx.broadcast(state.hparams['inner_optimizer']),
@@ -203,9 +203,8 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     leaves, replica_leaves, opt_states, norm, sent = jax.lax.switch(
         p, branches, (tuple(leaves), tuple(jax.tree.leaves(theta_k)),
                       state.opt_state))
-    store = jnp.where(cohort.num_examples > 0, ids, num_replicas)
-    scatter = lambda store_tree, new: jax.tree.map(
-        lambda a, v: a.at[store].set(v, mode='drop'), store_tree, new)
+    scatter = lambda store, new: base.scatter_clients(
+        store, ids, new, cohort.num_examples > 0)
     metrics = base.round_metrics(stats, cohort.num_examples,
                                  pseudo_grad_norm=norm, communicated_bytes=sent,
                                  synced_fragment=p)
