@@ -171,7 +171,7 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
                                           cohort.num_examples > 0)
     sent = quantization.num_bytes(state.params, quantization_format)
     metrics = base.round_metrics(stats, cohort.num_examples,
-                                 pseudo_grad_norm=optax.global_norm(outer_grad))
+                                 pseudo_grad_norm=optax.tree.norm(outer_grad))
     metrics['communicated_bytes'] = metrics['clients'] * float(sent)
     return state._replace(params=params, opt_state=opt_state,
                           inner_opt_states=inner_states,

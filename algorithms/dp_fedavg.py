@@ -124,7 +124,7 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
     clipped_count = fedjx.reduce_sum(real * (norms > clip).astype(jnp.float32))
     metrics = base.round_metrics(
         stats, cohort.num_examples,
-        pseudo_grad_norm=optax.global_norm(pseudo_grad),
+        pseudo_grad_norm=optax.tree.norm(pseudo_grad),
         clipped_fraction=clipped_count / jnp.maximum(clients, 1.0),
         mean_update_norm=fedjx.reduce_sum(real * norms) / jnp.maximum(clients, 1.0),
         noise_std=z * clip)

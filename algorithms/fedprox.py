@@ -78,7 +78,7 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)
     metrics = base.round_metrics(stats, cohort.num_examples,
-                                 pseudo_grad_norm=optax.global_norm(pseudo_grad))
+                                 pseudo_grad_norm=optax.tree.norm(pseudo_grad))
     return state._replace(params=params, opt_state=opt_state,
                           round_index=state.round_index + 1), metrics
 

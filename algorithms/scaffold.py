@@ -142,8 +142,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
     client_controls = base.scatter_clients(  # c_i <- c_i+ (not for padding).
         state.client_controls, ids, jax.tree.map(jnp.add, c_i, delta_c), real)
     metrics = base.round_metrics(stats, cohort.num_examples,
-                                 pseudo_grad_norm=optax.global_norm(pseudo_grad),
-                                 control_norm=optax.global_norm(control))
+                                 pseudo_grad_norm=optax.tree.norm(pseudo_grad),
+                                 control_norm=optax.tree.norm(control))
     return state._replace(params=params, opt_state=opt_state, control=control,
                           client_controls=client_controls,
                           round_index=state.round_index + 1), metrics

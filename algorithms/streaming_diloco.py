@@ -180,7 +180,7 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     opt_states = opt_states[:p] + (opt_state,) + opt_states[p + 1:]
     sent = num_clients * float(quantization.num_bytes(theta, quantization_format))
     return (tuple(leaves), tuple(replica_leaves), opt_states,
-            optax.global_norm(outer_grad), jnp.asarray(sent, jnp.float32))
+            optax.tree.norm(outer_grad), jnp.asarray(sent, jnp.float32))
 
   def round_fn(state, cohort, key):
     del key

@@ -25,8 +25,8 @@ def test_clip_update_bounds_every_contribution():
     u = {'a': jnp.asarray(rng.normal(size=(7,)) * scale, jnp.float32),
          'b': jnp.asarray(rng.normal(size=(2, 3)) * scale, jnp.float32)}
     clipped, norm = algos.clip_update(u, 0.5)
-    np.testing.assert_allclose(norm, optax.global_norm(u), rtol=1e-6)
-    out = float(optax.global_norm(clipped))
+    np.testing.assert_allclose(norm, optax.tree.norm(u), rtol=1e-6)
+    out = float(optax.tree.norm(clipped))
     assert out <= 0.5 * (1 + 1e-6)
     if float(norm) <= 0.5:
       jax.tree.map(np.testing.assert_array_equal, clipped, u)
@@ -51,14 +51,14 @@ def test_round_clips_then_adds_noise_of_std_z_c():
   for d in data:
     y, _ = reference_sgd(loss_fn, params, d, 3, lr)
     delta = jax.tree.map(jnp.subtract, params, y)
-    norm = float(optax.global_norm(delta))
+    norm = float(optax.tree.norm(delta))
     assert norm > clip  # Every client is clipped in this setup.
     deltas.append(jax.tree.map(lambda u: u * clip / norm, delta))
   expected = jax.tree.map(lambda p, *ds: p - sum(ds) / 3, params, *deltas)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                state.params, expected)
   for d in deltas:  # No client's contribution exceeds C after clipping.
-    assert float(optax.global_norm(d)) <= clip * (1 + 1e-6)
+    assert float(optax.tree.norm(d)) <= clip * (1 + 1e-6)
   assert float(metrics['clipped_fraction']) == 1.0
   # Noise (z traced, same compiled round): the sum gets N(0, (z C)^2); the
   # unused parameter's update is that noise over the 3 clients.
@@ -81,7 +81,7 @@ def test_fixed_denominator_and_padding_clients():
   state, metrics = algo.round(algo.init(params), make_cohort(data, 2), KEY)
   # Two real clients, each clipped to norm 1e-3, summed, divided by qN = 4.
   assert float(metrics['clients']) == 2
-  assert float(optax.global_norm(state.params)) <= 2 * 1e-3 / 4 * (1 + 1e-5)
+  assert float(optax.tree.norm(state.params)) <= 2 * 1e-3 / 4 * (1 + 1e-5)
 
 
 def test_epsilon_matches_dp_accounting():

@@ -77,7 +77,7 @@ def test_padded_clients_equal_unpadded_loop(weighting, map_strategy):
   np.testing.assert_allclose(metrics['train_loss_after'], after / total, rtol=1e-5)
   delta = jax.tree.map(jnp.subtract, params, weighted_average(trained, weights))
   np.testing.assert_allclose(metrics['pseudo_grad_norm'],
-                             optax.global_norm(delta), rtol=1e-5)
+                             optax.tree.norm(delta), rtol=1e-5)
 
 
 def test_padding_client_and_local_steps():
@@ -254,7 +254,7 @@ def test_fedavg_converges_on_synthetic_1_1():
     return jax.lax.fori_loop(0, 2000, step, p)
 
   p_star = optimum(params)
-  assert float(optax.global_norm(jax.grad(objective)(p_star))) < 1e-4
+  assert float(optax.tree.norm(jax.grad(objective)(p_star))) < 1e-4
   best = float(objective(p_star))
   # Each client's data in one batch, two local steps: local GD, so the
   # clients' step counts do not reweight the objective (FedAvg then
