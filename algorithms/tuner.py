@@ -19,9 +19,9 @@ relative), and evaluates the objective after the round,
     L_t(u) = (1 / |D_t|) sum_{e in D_t} loss(x_{t+1}(u), e)
 
 (the round's own clients' loss at the new server model, computed as a
-federated evaluation; or a held-out objective). Reverse-mode AD through the
-round (server step and every client's local training) gives ``g_t =
-dL_t / du``; then
+federated evaluation; or a held-out objective). Forward-mode AD (one tangent
+per tuned value) through the round, the server step and every client's
+local training gives ``g_t = dL_t / du``; then
 
     u <- clip(u + HyperOpt(g_t), log eta_min, log eta_max)
 
@@ -29,8 +29,15 @@ with ``HyperOpt`` an optax optimizer (default: Adam with the
 ``hyper_learning_rate``, whose normalised steps change ``eta`` by about a
 factor ``exp(hyper_learning_rate)`` per round while the hypergradient keeps
 its sign, so a learning rate that is 100x off recovers in tens of rounds).
-``x_t`` is held fixed (a one-round truncation, as in Baydin et al. and
-FedHyper), so the overhead is one backward pass through the round.
+
+With ``horizon_decay = gamma = 0`` the state ``x_t`` is held fixed (the
+one-round truncation of Baydin et al. and FedHyper). With ``gamma > 0`` the
+tangent ``Z_t = d x_t / du`` is carried across rounds,
+``Z_{t+1} = (dA/dx) gamma Z_t + dA/du``, and ``g_t = grad L_t . Z_{t+1}``:
+the derivative with respect to a learning rate held over the recent past
+(real-time forward hypergradients, Franceschi et al. 2017, ICML), which
+counters the greedy step's preference for too-small learning rates
+(short-horizon bias, Wu et al. 2018, ICLR).
 """
 
 from __future__ import annotations
@@ -153,6 +160,10 @@ def hypergradient_tuner(algo: base.Algorithm, loss_fn: base.LossFn, *,
       mean loss at the new server model) or a function
       ``objective(params, cohort) -> scalar`` (e.g.
       :func:`held_out_objective`).
+    horizon_decay: ``gamma`` in [0, 1]: 0 differentiates through this round
+      only; above 0 the tangents ``d x_t / du`` are carried across rounds
+      with this decay (memory: one copy of the state's floating leaves per
+      tuned value).
     min_value, max_value: bounds on every tuned value.
 
   Returns:

@@ -70,8 +70,10 @@ def test_fedavg_learning_rates_match_finite_differences_and_modes_agree():
       h = float(hg.get_path(state.hparams, path))
       eps = 1e-5 * h
       fd = (at(path, h + eps) - at(path, h - eps)) / (2 * eps)
-      for result in (rev, fwd):
+      for mode, result in (('reverse', rev), ('forward', fwd)):
         got = float(result.grads[path])
+        print(f'{path} {mode}: {got:.12g}, central difference {fd:.12g}, '
+              f'relative error {abs(got - fd) / abs(fd):.2e}')
         assert abs(got - fd) / abs(fd) < 1e-3, (path, got, fd)
       np.testing.assert_allclose(float(fwd.grads[path]), float(rev.grads[path]),
                                  rtol=1e-9)
