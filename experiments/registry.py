@@ -123,18 +123,18 @@ def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransf
 
 # ------------------------------------------------------------------ algorithms
 
-_ALGORITHM_NAMES = ('fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm',
-                    'fedprox', 'scaffold', 'diloco', 'streaming_diloco',
-                    'dp_fedavg')
-
-
 def _algorithms() -> dict[str, Callable[..., Any]]:
-  try:
-    from fedjx import algorithms as algorithms_lib  # pylint: disable=g-import-not-at-top
-  except ImportError:  # pragma: no cover - the package is always installed.
-    return {}
-  return {n: getattr(algorithms_lib, n) for n in _ALGORITHM_NAMES
-          if callable(getattr(algorithms_lib, n, None))}
+  """Every public builder of ``fedjx.algorithms``: a function ``f(loss_fn, ...)``."""
+  from fedjx import algorithms as algorithms_lib  # pylint: disable=g-import-not-at-top
+  found = {}
+  for name in getattr(algorithms_lib, '__all__', dir(algorithms_lib)):
+    fn = getattr(algorithms_lib, name, None)
+    if name.startswith('_') or not inspect.isfunction(fn):
+      continue
+    params = list(inspect.signature(fn).parameters)
+    if params and params[0] == 'loss_fn':
+      found[name] = fn
+  return found
 
 
 ALGORITHMS: dict[str, Callable[..., Any]] = _algorithms()

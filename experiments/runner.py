@@ -67,6 +67,7 @@ DEFAULTS: dict[str, Any] = {
     'plot': True,
     'progress': True,
     'prefetch': 1,
+    'mesh': '',                 # e.g. 'clients=-1': shard cohorts over devices
 }
 REQUIRED = ('dataset', 'model', 'algorithm')
 # Fields a resumed run may change without changing its results.
@@ -347,6 +348,38 @@ def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
         lambda msg: None)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
+  mesh = make_mesh(config)
+  if mesh is not None:
+    with jax.set_mesh(mesh):
+      return _run(config, workdir, hooks, log, lead)
+  return _run(config, workdir, hooks, log, lead)
+
+
+def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
+  """The device mesh of ``config.mesh``, e.g. ``'clients=-1'`` or ``'clients=4,model=2'``.
+
+  Axis names and sizes over all devices (-1: the devices left over). With a
+  ``clients`` axis, cohorts are sharded over it (each device trains its slice
+  of the clients); ``cohort_size`` must be a multiple of its size.
+  """
+  if not config.mesh:
+    return None
+  from fedjx import distributed  # pylint: disable=g-import-not-at-top
+  axes = {}
+  for item in str(config.mesh).split(','):
+    name, sep, size = item.partition('=')
+    try:
+      axes[name.strip()] = int(size)
+    except ValueError:
+      raise registry.ConfigError(
+          f'config.mesh={config.mesh!r}: write axis sizes as '
+          "'clients=-1' or 'clients=4,model=2'.") from None
+  return distributed.make_mesh(axes)
+
+
+def _run(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook],
+         log: Callable[[str], None], lead: bool) -> RunResult:
+  """The body of :func:`run`, inside the mesh context if there is one."""
   exp = build(config)
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                     max_to_keep=config.checkpoints_to_keep)

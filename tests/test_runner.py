@@ -246,3 +246,20 @@ def test_plot_runs_overlays(tmp_path):
                            str(tmp_path / 'cmp.png'))
   with open(out, 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def test_mesh_shards_cohorts_over_devices_with_the_same_numbers(files, tmp_path):
+  config = _load_config(files)
+  config.rounds = 3
+  config.cohort_size = 8
+  config.tensorboard = False
+  config.plot = False
+  plain = runner.run(config, str(tmp_path / 'plain'))
+  config.mesh = 'clients=-1'  # The 8 host devices of tests/conftest.py.
+  sharded = runner.run(config, str(tmp_path / 'mesh'))
+  for x, y in zip(jax.tree.leaves(plain.state.params),
+                  jax.tree.leaves(sharded.state.params)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+  with pytest.raises(registry.ConfigError, match='clients=-1'):
+    config.mesh = 'clients'
+    runner.make_mesh(runner.with_defaults(config))
