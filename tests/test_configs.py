@@ -84,3 +84,40 @@ def test_tff_datasets_say_which_file_they_need():
   config = load(os.path.join(CONFIG_DIR, 'emnist.py'))
   with pytest.raises(ValueError, match='train_path'):
     runner.build(config)
+
+
+def test_tff_builders_read_small_generated_files(tmp_path):
+  from fedjx import datasets  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import data  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  emnist_path = str(tmp_path / 'emnist.h5')
+  datasets.write_tff_hdf5(emnist_path, {
+      f'w{i}': {'pixels': rng.random((3 + i, 28, 28), dtype=np.float32),
+                'label': rng.integers(0, 62, 3 + i).astype(np.int32)}
+      for i in range(3)})
+  out = data.emnist(train_path=emnist_path, test_path=emnist_path)
+  first = out.train.client_data(0)
+  assert first['x'].shape == (3, 28, 28, 1) and first['y'].dtype == np.int32
+  assert out.info == {'num_classes': 62}
+
+  shakespeare_path = str(tmp_path / 'shakespeare.h5')
+  datasets.write_tff_hdf5(shakespeare_path, {
+      'ROLE': {'snippets': np.array([b'To be, or not', b'ay'], dtype=object)}})
+  out = data.shakespeare(shakespeare_path, seq_len=8)
+  ex = out.train.client_data(0)
+  # [begin] 'To be, or not' [end] = 15 ids: windows of 9 starting at 0 and 8;
+  # [begin] 'ay' [end] = 4 ids: one window.
+  assert ex['x'].shape == (3, 8)
+  np.testing.assert_array_equal(ex['x'][0], [129] + [ord(c) for c in 'To be, '])
+  np.testing.assert_array_equal(ex['y'][2], [ord('a'), ord('y'), 130, 0, 0, 0, 0, 0])
+  assert out.train.num_examples(0) == 3
+
+  so_path = str(tmp_path / 'so.h5')
+  datasets.write_tff_hdf5(so_path, {
+      'u1': {'tokens': np.array([b'a b c', b'a a d'], dtype=object)}})
+  out = data.stackoverflow(so_path, vocab_size=2, seq_len=4)
+  ex = out.train.client_data(0)
+  # Vocabulary: 'a' -> 4 (3 uses), 'b' -> 5; others unknown (1).
+  np.testing.assert_array_equal(ex['x'], [[2, 4, 5, 1], [2, 4, 4, 1]])
+  np.testing.assert_array_equal(ex['y'], [[4, 5, 1, 3], [4, 4, 1, 3]])
+  assert out.info['vocab_size'] == 6

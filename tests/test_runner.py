@@ -263,3 +263,22 @@ def test_mesh_shards_cohorts_over_devices_with_the_same_numbers(files, tmp_path)
   with pytest.raises(registry.ConfigError, match='clients=-1'):
     config.mesh = 'clients'
     runner.make_mesh(runner.with_defaults(config))
+
+
+def test_readme_algorithm_example_runs_through_the_registry(files, tmp_path):
+  import re  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(REPO, 'README.md'), encoding='utf-8') as f:
+    blocks = re.findall(r'```python\n(.*?)```', f.read(), re.S)
+  code = [b for b in blocks if 'def fedavg_decay' in b][0]
+  namespace = {}
+  exec(code, namespace)  # pylint: disable=exec-used
+  registry.register_algorithm('fedavg_decay', namespace['fedavg_decay'])
+  try:
+    config = _load_config(files)
+    config.rounds = 3
+    config.tensorboard = config.plot = False
+    config.algorithm = dict(name='fedavg_decay', server_learning_rate=1.0)
+    result = runner.run(config, str(tmp_path))
+    assert result.step == 3 and np.isfinite(result.history[-1]['eval_loss'])
+  finally:
+    registry.ALGORITHMS.pop('fedavg_decay')
