@@ -110,6 +110,9 @@ def _main(argv: Sequence[str]) -> int:
     return 2
   if result.interrupted:
     return INTERRUPTED_STATUS
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_index() != 0:
+    return 0
   summary = result.history[-1] if result.history else {}
   shown = {k: v for k, v in summary.items()
            if k.startswith('eval_') or k in ('round', 'elapsed_s')}

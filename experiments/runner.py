@@ -68,11 +68,17 @@ DEFAULTS: dict[str, Any] = {
     'progress': True,
     'prefetch': 1,
     'mesh': '',                 # e.g. 'clients=-1': shard cohorts over devices
+    'param_sharding': 'replicated',  # or 'fsdp': server state sharded on 'model'
+    'coordinator_address': '',  # multi-process runs: 'host:port' of process 0
+    'num_processes': None,
+    'process_id': None,
 }
 REQUIRED = ('dataset', 'model', 'algorithm')
 # Fields a resumed run may change without changing its results.
 RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
-                     'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep')
+                     'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep',
+                     'mesh', 'param_sharding', 'coordinator_address',
+                     'num_processes', 'process_id')
 
 TRAIN_LOSS_KEYS = ('train_loss', 'train_loss_before', 'loss')
 
@@ -124,6 +130,9 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
         0 if key == 'rounds' else 1):
       raise registry.ConfigError(f'config.{key}={value!r}; it must be a '
                                  f'{"non-negative" if key == "rounds" else "positive"} int.')
+  if config.param_sharding not in ('replicated', 'fsdp'):
+    raise registry.ConfigError(f'config.param_sharding={config.param_sharding!r} '
+                               "is not one of ('replicated', 'fsdp').")
   if config.metrics_format not in metrics_writers.FORMATS:
     raise registry.ConfigError(f'config.metrics_format={config.metrics_format!r} '
                                f'is not one of {metrics_writers.FORMATS}.')
@@ -196,7 +205,12 @@ class Experiment:
         bucket=c.bucket_steps, prefetch=c.prefetch)
 
   def round_key_for(self, r: int) -> jax.Array:
-    return jax.random.fold_in(self.round_key, r)
+    key = jax.random.fold_in(self.round_key, r)
+    mesh = jax.sharding.get_mesh()
+    if mesh is not None and not mesh.empty:
+      from fedjx import distributed  # pylint: disable=g-import-not-at-top
+      key = distributed.put_global(key, mesh)
+    return key
 
 
 def _sample_batch(config: ml_collections.ConfigDict,
@@ -255,7 +269,8 @@ def make_evaluator(model: models.Model, examples: Mapping[str, np.ndarray],
     return {k: jnp.sum(v) / count for k, v in totals.items()}
 
   def evaluate(params) -> dict[str, float]:
-    out = jax.device_get(sums(params, batches, mask))
+    from fedjx import distributed  # pylint: disable=g-import-not-at-top
+    out = jax.device_get(sums(distributed.to_host(params), batches, mask))
     return {f'eval_{k}': float(v) for k, v in sorted(out.items())}
 
   return evaluate
@@ -304,8 +319,9 @@ class _SigintFlag:
 
 
 def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+  from fedjx import distributed  # pylint: disable=g-import-not-at-top
   out = {}
-  for k, v in jax.device_get(dict(metrics)).items():
+  for k, v in distributed.to_host(dict(metrics)).items():
     arr = np.asarray(v)
     if arr.size == 1:
       out[k] = float(arr.reshape(()))
@@ -342,6 +358,9 @@ def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
     A :class:`RunResult`.
   """
   config = with_defaults(config)
+  from fedjx import distributed  # pylint: disable=g-import-not-at-top
+  distributed.initialize(config.coordinator_address or None, config.num_processes,
+                         config.process_id)
   lead = jax.process_index() == 0
   if log is None:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if lead else (
@@ -384,6 +403,13 @@ def _run(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook],
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                     max_to_keep=config.checkpoints_to_keep)
   state = exp.algorithm.init(exp.init_params)
+  mesh = jax.sharding.get_mesh()
+  if mesh is not None and not mesh.empty:
+    # Global arrays over every process's devices: replicated, or FSDP-sharded
+    # on the 'model' axis (each client's model spans the model axis).
+    from fedjx import distributed  # pylint: disable=g-import-not-at-top
+    state = distributed.put_global(
+        state, mesh, distributed.state_specs(state, mesh, config.param_sharding))
   fingerprint = _fingerprint(config)
   start, elapsed_before = 0, 0.0
   latest = ckpt.latest_step()

@@ -61,8 +61,10 @@ def initialize(coordinator_address: str | None = None,
       0 <= process_id < num_processes):
     raise ValueError(f'fedjx.distributed.initialize: process_id={process_id} is not '
                      f'in [0, {num_processes}).')
-  if jax.default_backend() == 'cpu' or os.environ.get('JAX_PLATFORMS', '') == 'cpu':
-    jax.config.update('jax_cpu_collectives_implementation', cpu_collectives)
+  if jax.distributed.is_initialized():
+    return True
+  # Only CPU devices use this setting; it must be made before the backend starts.
+  jax.config.update('jax_cpu_collectives_implementation', cpu_collectives)
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id)
   return True
@@ -189,3 +191,58 @@ def launch_local(argv: Sequence[str], num_processes: int, devices_per_process: i
       raise
     results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
   return results
+
+
+def _is_key(x: Any) -> bool:
+  return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_host(tree: Any) -> Any:
+  """NumPy copies of (possibly multi-process, replicated) arrays.
+
+  A replicated global array is not fully addressable in a multi-process
+  run; its local shard holds the whole value.
+  """
+  def one(x):
+    if _is_key(x):
+      x = jax.random.key_data(x)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      if not x.sharding.is_fully_replicated:
+        raise ValueError('fedjx.distributed.to_host: the array is sharded over '
+                         'processes; gather it first.')
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
+  return jax.tree.map(one, tree)
+
+
+def put_global(tree: Any, mesh: jax.sharding.Mesh, specs: Any = None) -> Any:
+  """Global arrays on ``mesh`` from host values that every process holds alike.
+
+  Args:
+    tree: the values (the same on every process, e.g. an initial state).
+    mesh: the global mesh.
+    specs: a ``PartitionSpec`` per leaf (a pytree prefix), default replicated.
+  """
+  specs = jax.tree.map(lambda _: P(), tree) if specs is None else specs
+
+  def one(x, spec):
+    if _is_key(x):
+      data = one(jax.random.key_data(x), spec)
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    arr = to_host(x)
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(arr.shape, sharding, lambda index: arr[index])
+
+  return jax.tree.map(one, tree, specs)
+
+
+def state_specs(tree: Any, mesh: jax.sharding.Mesh, param_sharding: str = 'replicated',
+                axis: str = 'model') -> Any:
+  """``PartitionSpec`` s for a server state: replicated, or FSDP on ``axis``."""
+  if param_sharding not in ('replicated', 'fsdp'):
+    raise ValueError(f"param_sharding={param_sharding!r} is not one of "
+                     "('replicated', 'fsdp').")
+  if param_sharding == 'replicated' or axis not in mesh.axis_names:
+    return jax.tree.map(lambda _: P(), tree)
+  size = mesh.shape[axis]
+  return jax.tree.map(lambda x: fsdp_spec(np.shape(x), size, axis), tree)
