@@ -78,17 +78,38 @@ def make_cohort(workload: Workload, clients: int, steps: int, batch: int,
                          np.arange(clients, dtype=np.int32))
 
 
-def _time(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
-  """(compile+first run seconds, median seconds of ``repeats`` later runs)."""
+def _compile(jitted: Any, *args: Any) -> tuple[Any, float]:
+  """Lowers and compiles ``jitted`` for ``args``: (executable, seconds)."""
   start = time.perf_counter()
-  jax.block_until_ready(fn())
-  first = time.perf_counter() - start
-  times = []
-  for _ in range(repeats):
+  compiled = jitted.lower(*args).compile()
+  return compiled, time.perf_counter() - start
+
+
+def _time_interleaved(calls: Sequence[Callable[[], Any]], repeats: int,
+                      min_seconds: float = 1.0,
+                      max_repeats: int = 200) -> list[tuple[float, float, float]]:
+  """Times ``calls`` round-robin: (first call s, median s, min s) for each.
+
+  After one untimed-for-statistics first call each (compilation), at least
+  ``repeats`` rounds of all calls are timed, and more (up to ``max_repeats``)
+  until ``min_seconds`` have passed, so millisecond rounds get stable numbers.
+  """
+  firsts = []
+  for call in calls:
     start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return first, statistics.median(times)
+    jax.block_until_ready(call())
+    firsts.append(time.perf_counter() - start)
+  times: list[list[float]] = [[] for _ in calls]
+  began = time.perf_counter()
+  rounds = 0
+  while rounds < repeats or (time.perf_counter() - began < min_seconds and
+                             rounds < max_repeats):
+    for k, call in enumerate(calls):
+      start = time.perf_counter()
+      jax.block_until_ready(call())
+      times[k].append(time.perf_counter() - start)
+    rounds += 1
+  return [(f, statistics.median(t), min(t)) for f, t in zip(firsts, times)]
 
 
 def _client_sgd(loss_fn, lr):
@@ -201,19 +222,10 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
       client_bytes = mapping._client_bytes(
           jax.tree.leaves(jax.tree.map(lambda a: jnp.broadcast_to(a, (clients,) + a.shape),
                                        params)) + jax.tree.leaves(cohort.batches))
-      row = []
-
-      def record(kind, strategy, first, seconds, compiled=None, **extra):
-        rec = {'model': name, 'clients': clients, 'steps': steps, 'batch': batch,
-               'precision': precision,
-               'kind': kind, 'strategy': strategy, 'backend': jax.default_backend(),
-               'ms_per_round': 1e3 * seconds, 'clients_per_s': clients / seconds,
-               'tflops': flops / seconds / 1e12, 'first_call_s': first,
-               'peak_bytes': peak_bytes(compiled) if compiled is not None else None}
-        rec.update(extra)
-        row.append(rec)
-
       placed = datasets.place_cohort(cohort)
+      # Every contender first (each call compiles and warms up), then timed
+      # calls interleaved round-robin, so drifts in machine load hit all alike.
+      contenders = []  # (kind, name, call, compiled, extra)
       for spec in strategies:
         strategy, chunk = parse_strategy(spec)
         algo = algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr),
@@ -222,28 +234,41 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
         holder = {'state': algo.init(params)}
         key = jax.random.key(seed)
 
-        def one_round():
+        def one_round(algo=algo, holder=holder, key=key):
           holder['state'], metrics = algo.round(holder['state'], placed, key)
           return metrics
-        first, seconds = _time(one_round, repeats)
-        compiled = jax.jit(algo.apply).lower(algo.init(params), placed, key).compile()
+        compiled, compile_s = _compile(jax.jit(algo.apply), algo.init(params), placed, key)
         k = mapping.choose_chunk_size(strategy, clients, client_bytes, 1, chunk)
-        record('fedjx', spec, first, seconds, compiled, chunk_clients=k)
+        contenders.append(('fedjx', spec, one_round, compiled,
+                           {'chunk_clients': k, 'compile_s': compile_s}))
       if references:
         refs = reference_rounds(loss_fn, lr)
         drjax_round = _drjax_round(loss_fn, lr, clients)
         if drjax_round is not None:
           refs['drjax'] = drjax_round
+        args = (params, placed.batches, placed.num_examples)
         for ref_name, fn in refs.items():
-          args = (params, placed.batches, placed.num_examples)
-          first, seconds = _time(lambda fn=fn: fn(*args), repeats)
-          record('reference', ref_name, first, seconds, fn.lower(*args).compile())
+          compiled, compile_s = _compile(fn, *args)
+          contenders.append(('reference', ref_name, lambda fn=fn: fn(*args),
+                             compiled, {'compile_s': compile_s}))
+      timings = _time_interleaved([c[2] for c in contenders], repeats)
+      row = []
+      for (kind, label, _, compiled, extra), (first, median, best) in zip(contenders, timings):
+        rec = {'model': name, 'clients': clients, 'steps': steps, 'batch': batch,
+               'precision': precision, 'kind': kind, 'strategy': label,
+               'backend': jax.default_backend(),
+               'ms_per_round': 1e3 * median, 'min_ms_per_round': 1e3 * best,
+               'clients_per_s': clients / median, 'tflops': flops / median / 1e12,
+               'first_call_s': first, 'peak_bytes': peak_bytes(compiled), **extra}
+        row.append(rec)
       central = next((r['ms_per_round'] for r in row if r['strategy'] == 'central'), None)
       best = min(r['ms_per_round'] for r in row if r['kind'] == 'fedjx')
+      best_min = min(r['min_ms_per_round'] for r in row if r['kind'] == 'fedjx')
       for rec in row:
         if central:
           rec['ratio_vs_central'] = rec['ms_per_round'] / central
         rec['ratio_vs_best_strategy'] = rec['ms_per_round'] / best
+        rec['min_ratio_vs_best_strategy'] = rec['min_ms_per_round'] / best_min
         emit(rec)
       records.extend(row)
   return records

@@ -42,10 +42,15 @@ from fedjx import sharding as sharding_lib
 # Per-device memory budget for the inputs of one chunk of clients under the
 # ``auto`` strategy; the activations of client training are several times this.
 _AUTO_CHUNK_INPUT_BYTES = {'cpu': 64 << 20, 'gpu': 512 << 20, 'tpu': 512 << 20}
-# On CPU, vmapped convolutions run far slower than a loop over clients
-# (measured 12.3 s vs 2.6 s for a FedAvg round of a 1.2M-parameter CNN over 16
-# clients); so do large vmapped matmuls. Small per-client inputs favour vmap.
-_CPU_VMAP_MAX_CLIENT_BYTES = 1 << 20
+# CPU (measured on 2 cores, docs/benchmarks.md): vmap wins only for tiny client
+# computations (logistic regression); mid-sized ones (a 135k-parameter
+# transformer) run best a few clients at a time; large ones (the 1.2M-parameter
+# EMNIST CNN, whose vmapped convolutions are 3x slower) one at a time.
+_CPU_VMAP_MAX_CLIENT_BYTES = 256 << 10
+_CPU_SMALL_CHUNK_MAX_CLIENT_BYTES = 2 << 20
+_CPU_SMALL_CHUNK = 4
+# Accelerators (measured on an H200, EMNIST CNN): vmap up to ~128 clients,
+# chunks of 64 beyond (4.8 s vmap vs 0.84 s chunks of 64 at 1024 clients).
 _ACCELERATOR_VMAP_MAX_CLIENTS = 128
 _ACCELERATOR_CHUNK = 64
 
@@ -90,7 +95,12 @@ def choose_chunk_size(strategy: str, n: int, client_bytes: int, devices: int,
     budget = _AUTO_CHUNK_INPUT_BYTES.get(backend, _AUTO_CHUNK_INPUT_BYTES['gpu'])
     by_memory = max(1, budget // max(client_bytes, 1)) * devices
     if backend == 'cpu':
-      k = full if client_bytes <= _CPU_VMAP_MAX_CLIENT_BYTES else devices
+      if client_bytes <= _CPU_VMAP_MAX_CLIENT_BYTES:
+        k = full
+      elif client_bytes <= _CPU_SMALL_CHUNK_MAX_CLIENT_BYTES:
+        k = _CPU_SMALL_CHUNK * devices
+      else:
+        k = devices
     elif n <= _ACCELERATOR_VMAP_MAX_CLIENTS:
       k = full
     else:

@@ -70,9 +70,12 @@ def test_chunk_size_choice():
   assert mapping.choose_chunk_size('chunked', 10, 100, 1, chunk_size=3) == 3
   # Chunks are a multiple of the devices on the clients axis.
   assert mapping.choose_chunk_size('chunked', 16, 100, 4, chunk_size=3) == 4
-  # Auto on CPU: small clients vmapped, large ones one at a time per device.
+  # Auto on CPU: tiny clients vmapped, mid-sized ones in chunks of 4, large
+  # ones one at a time per device.
   assert mapping.choose_chunk_size('auto', 16, 1000, 1, backend='cpu') == 16
+  assert mapping.choose_chunk_size('auto', 16, 600 << 10, 1, backend='cpu') == 4
   assert mapping.choose_chunk_size('auto', 16, 5 << 20, 1, backend='cpu') == 1
+  assert mapping.choose_chunk_size('auto', 16, 5 << 20, 2, backend='cpu') == 2
   # Auto on an accelerator: chunks for large cohorts.
   assert mapping.choose_chunk_size('auto', 1024, 1 << 20, 1, backend='gpu') == 64
   with pytest.raises(ValueError, match='strategy'):
