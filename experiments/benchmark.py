@@ -280,13 +280,16 @@ def plot(records: Sequence[dict], path: str) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   names = sorted({r['model'] for r in records})
+  labels = list(dict.fromkeys(r['strategy'] for r in records))
+  colors = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
   fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
   for ax, name in zip(axes[0], names):
     rows = [r for r in records if r['model'] == name]
     for strategy in dict.fromkeys(r['strategy'] for r in rows):
       pts = sorted((r['clients'], r['ms_per_round']) for r in rows if r['strategy'] == strategy)
       style = '--' if any(r['kind'] == 'reference' and r['strategy'] == strategy for r in rows) else '-'
-      ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker='o', label=strategy)
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker='o',
+              label=strategy, color=colors[strategy])
     ax.set_xscale('log', base=2)
     ax.set_yscale('log')
     ax.set_xlabel('clients per round')
