@@ -24,6 +24,8 @@ The mapped computation is wrapped in a ``jax.jit`` named
 ``fedjx_map_<placement>``, so it stays recognisable in a traced program (the
 ``sequential`` strategy keeps the per-client computation as the body of a
 ``scan`` inside it, which is how :mod:`fedjx.beam` recovers client work).
+Jit the program that calls ``map_fn``: called eagerly, each call compiles its
+mapped computation afresh.
 """
 
 from __future__ import annotations
