@@ -42,7 +42,6 @@ from typing import Any
 
 import apache_beam as beam
 import jax
-import jax.numpy as jnp
 import numpy as np
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions

@@ -140,6 +140,7 @@ class _Builder:
     self.steps: list[Step] = []
     self.server_block: list[Any] = []
     self.num_clients: int | None = None
+    self.broadcast_source: dict[int, int] = {}
 
   def new_id(self, aval, kind):
     i = self.next_id
@@ -177,18 +178,13 @@ class _Builder:
     """A broadcast value as a server array of shape [n, ...]."""
     if self.kinds[i] != BROADCAST:
       return i
-    src = self._broadcast_source[i]
+    src = self.broadcast_source[i]
     out = self.new_id(self.avals[i], SERVER)
-    n = self.num_clients
-    eqn = _broadcast_eqn(self.avals[src], n)
-    self.server_block.append((eqn, [src], [out]))
+    self.server_block.append((_BroadcastToEqn(self.num_clients), [src], [out]))
     return out
 
   def run(self, jaxpr, in_ids):
-    self._broadcast_source = getattr(self, '_broadcast_source', {})
     env = dict(zip(jaxpr.invars, in_ids))
-    for v, c in zip(jaxpr.constvars, []):
-      env[v] = c
     for eqn in jaxpr.eqns:
       ids = [self.read(env, v) for v in eqn.invars]
       kinds = [self.kinds[i] for i in ids]
@@ -201,7 +197,7 @@ class _Builder:
               'interpreted; interpreters support one placement.')
         self.set_clients(eqn.params['n'], 'broadcast')
         out = self.new_id(eqn.outvars[0].aval, BROADCAST)
-        self._broadcast_source[out] = ids[0]
+        self.broadcast_source[out] = ids[0]
         self.flush()
         self.steps.append(BroadcastStep(ids[0], out))
         outs = [out]
@@ -382,11 +378,6 @@ def _uses_fedjx(jaxpr) -> bool:
       if _uses_fedjx(sub):
         return True
   return False
-
-
-def _broadcast_eqn(aval, n):
-  """A stand-in equation that broadcasts a server value to [n, ...]."""
-  return _BroadcastToEqn(n)
 
 
 class _BroadcastToEqn:

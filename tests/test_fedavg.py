@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
-from test_algorithms_util import KEY, Cohort, assert_trees_close, copy
+from test_algorithms_util import KEY, assert_trees_close, copy
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params
 from test_algorithms_util import make_cohort, mean_loss, reference_sgd
 from test_algorithms_util import stack_cohorts, weighted_average
