@@ -1,0 +1,148 @@
+"""Convolution as patches times a kernel matrix, against NumPy and XLA."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.test_util import check_grads
+
+from fedjx import models
+from fedjx.models import conv as conv_lib
+
+
+def _numpy_conv_nhwc(x, w, strides, padding):
+  """Direct loops: y[n, i, j, o] = sum_{a, b, c} x_pad[n, s i + a, s j + b, c] w[a, b, c, o]."""
+  x = np.pad(x, [(0, 0), padding[0], padding[1], (0, 0)])
+  kh, kw, _, out = w.shape
+  rows = (x.shape[1] - kh) // strides[0] + 1
+  cols = (x.shape[2] - kw) // strides[1] + 1
+  y = np.zeros((x.shape[0], rows, cols, out))
+  for i, j in itertools.product(range(rows), range(cols)):
+    window = x[:, i * strides[0]:i * strides[0] + kh, j * strides[1]:j * strides[1] + kw]
+    y[:, i, j] = np.einsum('nabc,abco->no', window, w)
+  return y
+
+
+def test_patch_conv_matches_direct_numpy_loops():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(3, 9, 8, 2))
+  w = rng.normal(size=(3, 2, 2, 4))
+  got = conv_lib.patch_conv(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32),
+                            (2, 1), ((1, 2), (0, 1)),
+                            dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+  np.testing.assert_allclose(got, _numpy_conv_nhwc(x, w, (2, 1), ((1, 2), (0, 1))),
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('dims', [('NHWC', 'HWIO', 'NHWC'), None, ('NCHW', 'OIHW', 'NHWC')])
+@pytest.mark.parametrize('strides,padding,lhs_dilation,rhs_dilation', [
+    ((1, 1), 'VALID', None, None),
+    ((2, 1), 'SAME', None, (1, 2)),
+    ((1, 2), ((1, 2), (0, 1)), (2, 1), None),
+    ((2, 3), ((0, 0), (2, 2)), (1, 2), (2, 1)),
+])
+def test_patch_conv_matches_lax_conv(dims, strides, padding, lhs_dilation, rhs_dilation):
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(4, 12, 11, 3)).astype(np.float32)   # NHWC
+  w = rng.normal(size=(3, 2, 3, 5)).astype(np.float32)     # HWIO
+  if dims is None or dims[0] == 'NCHW':
+    x, w = x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1)
+  args = (x, w, strides, padding, lhs_dilation, rhs_dilation, dims)
+  want = lax.conv_general_dilated(*args, precision='highest')
+  got = conv_lib.patch_conv(*args, precision='highest')
+  assert got.shape == want.shape
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('shape,dims', [((2, 9, 3), ('NWC', 'WIO', 'NWC')),
+                                        ((2, 5, 4, 6, 2), ('NDHWC', 'DHWIO', 'NDHWC'))])
+def test_patch_conv_in_one_and_three_dimensions(shape, dims):
+  rng = np.random.default_rng(2)
+  spatial = len(shape) - 2
+  x = rng.normal(size=shape).astype(np.float32)
+  w = rng.normal(size=(2,) * spatial + (shape[-1], 3)).astype(np.float32)
+  args = (x, w, (1,) * spatial, 'SAME', None, None, dims)
+  np.testing.assert_allclose(conv_lib.patch_conv(*args, precision='highest'),
+                             lax.conv_general_dilated(*args, precision='highest'),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_patch_conv_second_order_gradients_match_finite_differences():
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(2, 5, 4, 2)))
+  w = jnp.asarray(rng.normal(size=(2, 3, 2, 3)))
+
+  def f(x, w):
+    y = conv_lib.patch_conv(x, w, (2, 1), 'SAME', rhs_dilation=(1, 2),
+                            dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+    return jnp.sum(jnp.tanh(y))
+
+  with jax.enable_x64():
+    check_grads(f, (x.astype(jnp.float64), w.astype(jnp.float64)), order=2,
+                modes=('fwd', 'rev'))
+
+
+def test_vmapped_per_client_kernels_become_a_batched_matrix_product():
+  """One kernel per client: values and gradients equal XLA's, with no grouped conv."""
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(6, 4, 10, 10, 3)), jnp.float32)  # [clients, N, H, W, C]
+  w = jnp.asarray(rng.normal(size=(6, 3, 3, 3, 8)), jnp.float32)    # [clients, H, W, I, O]
+
+  def client_loss(conv):
+    def loss(w, x):
+      y = conv(x, w, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'),
+               precision='highest')
+      return jnp.sum(y ** 2)
+    return jax.vmap(jax.value_and_grad(loss))
+
+  got = client_loss(conv_lib.patch_conv)(w, x)
+  want = client_loss(lax.conv_general_dilated)(w, x)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4)
+  jaxpr = str(jax.make_jaxpr(client_loss(conv_lib.patch_conv))(w, x))
+  assert 'conv_general_dilated' not in jaxpr
+  assert 'dot_general' in jaxpr
+
+
+def test_grouped_convolutions_are_delegated_to_xla():
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(2, 6, 6, 4)).astype(np.float32)
+  w = rng.normal(size=(3, 3, 2, 6)).astype(np.float32)
+  args = (x, w, (1, 1), 'SAME', None, None, ('NHWC', 'HWIO', 'NHWC'))
+  np.testing.assert_allclose(
+      conv_lib.patch_conv(*args, feature_group_count=2),
+      lax.conv_general_dilated(*args, feature_group_count=2), rtol=1e-5)
+
+
+def test_string_padding_with_lhs_dilation_is_refused():
+  x, w = jnp.zeros((1, 4, 4, 1)), jnp.zeros((2, 2, 1, 1))
+  with pytest.raises(ValueError, match=r"padding='SAME' with lhs_dilation=\(2, 2\)"):
+    conv_lib.patch_conv(x, w, (1, 1), 'SAME', lhs_dilation=(2, 2),
+                        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
+@pytest.mark.parametrize('build,batch_shape', [
+    (lambda conv: models.emnist_cnn(10, dropout=False, conv=conv), (3, 28, 28)),
+    (lambda conv: models.resnet(10, widths=(4, 8, 8), conv=conv), (3, 16, 16, 3)),
+])
+def test_models_give_the_same_numbers_with_either_convolution(build, batch_shape):
+  rng = np.random.default_rng(6)
+  batch = {'x': rng.normal(size=batch_shape).astype(np.float32),
+           'y': rng.integers(0, 10, size=batch_shape[0]).astype(np.int32)}
+  patches, xla = build('patches'), build('xla')
+  params = jax.jit(patches.init)(jax.random.key(0), batch)
+  assert (jax.tree.structure(params) ==
+          jax.tree.structure(jax.eval_shape(xla.init, jax.random.key(0), batch)))
+  loss = lambda model: jax.jit(jax.value_and_grad(lambda p: model.loss_fn(p, batch).mean()))
+  (a, ga), (b, gb) = loss(patches)(params), loss(xla)(params)
+  np.testing.assert_allclose(a, b, rtol=1e-5)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-5)
+
+
+def test_unknown_convolution_is_named():
+  with pytest.raises(ValueError, match=r"emnist_cnn: conv='cudnn' is not one of \('patches', 'xla'\)"):
+    models.emnist_cnn(conv='cudnn')
