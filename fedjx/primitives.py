@@ -19,9 +19,17 @@ If the weights sum to zero, the weighted mean is defined to be zero (as is its
 derivative), never NaN: a round where every client carries zero weight leaves
 an aggregate of zeros. A mean of integers is a float, in abstract evaluation
 and in execution alike.
+
+On CPU, the reductions of floating-point values are lowered as a product with
+a vector of (weights or) ones: XLA:CPU reduces the leading axis of a large
+array tens of times slower than it multiplies it by a vector (a FedAvg
+average of 16 copies of a 1.2M-parameter model: 170 ms against 3 ms on two
+cores). Other backends lower them as sums.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -108,14 +116,43 @@ batching.primitive_batchers[broadcast_p] = _broadcast_batch
 
 # ---------------------------------------------------------------- reductions
 
-def _reduce_sum_impl(x, *, placement):
-  del placement
-  return jnp.sum(x, axis=0)
+def _expand_weights(w, x):
+  """Weights of shape x.shape[:w.ndim], broadcast against x."""
+  return jnp.reshape(w, w.shape + (1,) * (x.ndim - w.ndim))
 
 
-def _reduce_mean_impl(x, *, placement):
+def _sum_leading(x, w=None):
+  """``sum_i w_i x_i`` over the placed axis 0 (``w_i = 1`` if ``w`` is None)."""
+  return jnp.sum(x if w is None else _expand_weights(w, x) * x, axis=0)
+
+
+def _leading_axis_is_explicitly_sharded(x) -> bool:
+  sharding = getattr(jax.typeof(x), 'sharding', None)
+  mesh = getattr(sharding, 'mesh', None)
+  return (mesh is not None and not mesh.empty and _spec(jax.typeof(x))[0] is not None
+          and jax.sharding.AxisType.Explicit in mesh.axis_types)
+
+
+def _contract_leading(x, w=None):
+  """:func:`_sum_leading` as a vector-matrix product, for floating ``x``."""
+  if (not jnp.issubdtype(x.dtype, jnp.floating) or (w is not None and w.ndim != 1)
+      or _leading_axis_is_explicitly_sharded(x)):
+    return _sum_leading(x, w)
+  w = jnp.ones(x.shape[:1], x.dtype) if w is None else w.astype(x.dtype)
+  accumulate = jnp.promote_types(x.dtype, jnp.float32)
+  out = jnp.tensordot(w, x, axes=1, precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=accumulate)
+  return out.astype(x.dtype)
+
+
+def _reduce_sum_impl(x, *, placement, contract=_sum_leading):
   del placement
-  return jnp.mean(x, axis=0, dtype=mean_dtype(x.dtype))
+  return contract(x)
+
+
+def _reduce_mean_impl(x, *, placement, contract=_sum_leading):
+  del placement
+  return contract(x.astype(mean_dtype(x.dtype))) / x.shape[0]
 
 
 def _reduced_aval(x, dtype):
@@ -169,7 +206,6 @@ for _prim, _impl, _aeval, _transpose in (
     (reduce_mean_p, _reduce_mean_impl, _reduce_mean_abstract_eval, _reduce_mean_transpose)):
   _prim.def_impl(_impl)
   _prim.def_abstract_eval(_aeval)
-  mlir.register_lowering(_prim, mlir.lower_fun(_impl, multiple_results=False))
   ad.primitive_transposes[_prim] = _transpose
   batching.primitive_batchers[_prim] = _reduction_batch(_prim)
 ad.deflinear2(reduce_sum_p, _reduce_sum_transpose)
@@ -178,23 +214,18 @@ ad.primitive_jvps[reduce_mean_p] = _reduce_mean_jvp
 
 # ------------------------------------------------------- reduce_weighted_mean
 
-def _expand_weights(w, x):
-  """Weights of shape x.shape[:w.ndim], broadcast against x."""
-  return jnp.reshape(w, w.shape + (1,) * (x.ndim - w.ndim))
-
-
 def _total_and_safe(w):
   total = jnp.sum(w, axis=0)
   nonzero = total != 0
   return nonzero, jnp.where(nonzero, total, jnp.ones_like(total))
 
 
-def _reduce_weighted_mean_impl(x, w, *, placement):
+def _reduce_weighted_mean_impl(x, w, *, placement, contract=_sum_leading):
   del placement
   dtype = mean_dtype(jnp.result_type(x.dtype, w.dtype))
   x, w = x.astype(dtype), w.astype(dtype)
   nonzero, safe = _total_and_safe(w)
-  numer = jnp.sum(_expand_weights(w, x) * x, axis=0)
+  numer = contract(x, w)
   shape = nonzero.shape + (1,) * (numer.ndim - nonzero.ndim)
   return jnp.where(nonzero.reshape(shape), numer / safe.reshape(shape),
                    jnp.zeros_like(numer))
@@ -253,9 +284,15 @@ def _reduce_weighted_mean_batch(args, dims, *, placement):
 
 reduce_weighted_mean_p.def_impl(_reduce_weighted_mean_impl)
 reduce_weighted_mean_p.def_abstract_eval(_reduce_weighted_mean_abstract_eval)
-mlir.register_lowering(
-    reduce_weighted_mean_p,
-    mlir.lower_fun(_reduce_weighted_mean_impl, multiple_results=False))
 ad.primitive_jvps[reduce_weighted_mean_p] = _reduce_weighted_mean_jvp
 ad.primitive_transposes[reduce_weighted_mean_p] = _reduce_weighted_mean_transpose
 batching.primitive_batchers[reduce_weighted_mean_p] = _reduce_weighted_mean_batch
+
+
+for _prim, _impl in ((reduce_sum_p, _reduce_sum_impl),
+                     (reduce_mean_p, _reduce_mean_impl),
+                     (reduce_weighted_mean_p, _reduce_weighted_mean_impl)):
+  mlir.register_lowering(_prim, mlir.lower_fun(_impl, multiple_results=False))
+  mlir.register_lowering(
+      _prim, mlir.lower_fun(functools.partial(_impl, contract=_contract_leading),
+                            multiple_results=False), platform='cpu')

@@ -55,6 +55,29 @@ def test_integer_mean_is_float_in_abstract_eval_and_execution():
   np.testing.assert_allclose(g(ints), (np.arange(N)[:, None] * np.asarray(ints)).sum(0) / 6)
 
 
+def test_cpu_reductions_of_floats_are_vector_products_and_match_numpy():
+  """On CPU, float reductions lower to dot_general (fast); integer ones to sums."""
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(N, 5, 3)).astype(np.float32)
+  w = rng.uniform(size=N).astype(np.float32)
+  ops = {'sum': (fedjx.reduce_sum, x.sum(0)), 'mean': (fedjx.reduce_mean, x.mean(0)),
+         'weighted': (lambda v: fedjx.reduce_weighted_mean(v, w),
+                      np.tensordot(w, x, axes=1) / w.sum())}
+  for name, (op, expected) in ops.items():
+    f = jax.jit(fedjx.program(op, clients=N))
+    assert 'dot_general' in f.lower(x).as_text(), name
+    np.testing.assert_allclose(f(x), expected, rtol=1e-5, atol=1e-6)
+  ints = jnp.arange(N * 2, dtype=jnp.int32).reshape(N, 2)
+  f = jax.jit(fedjx.program(fedjx.reduce_sum, clients=N))
+  assert 'dot_general' not in f.lower(ints).as_text()
+  np.testing.assert_array_equal(f(ints), np.asarray(ints).sum(0))
+  halves = x.astype(jnp.bfloat16)
+  mean = jax.jit(fedjx.program(fedjx.reduce_mean, clients=N))(halves)
+  assert mean.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(mean, np.float32),
+                             np.asarray(halves, np.float32).mean(0), rtol=1e-2, atol=1e-2)
+
+
 def test_broadcast_and_map_match_numpy():
   rng = np.random.default_rng(1)
   server = {'a': rng.normal(size=(3,)).astype(np.float32), 'k': np.int32(7)}
