@@ -311,7 +311,8 @@ def round_metrics(stats: Mapping[str, jax.Array], num_examples: jax.Array,
   over the cohort (example-weighted means): ``train_loss_before`` (the server
   model on the cohort's training data), ``train_loss_after`` (each client's
   trained model on its own data), the same for every metric of
-  ``metrics_fn``, ``clients`` (participating clients, those with data) and
+  ``metrics_fn`` (or, without client evaluation, ``train_loss_during``: the
+  loss of the local steps), ``clients`` (participating clients, those with data) and
   ``examples``; ``extra`` scalars are added as given.
   """
   sums = fedjx.reduce_sum(stats)

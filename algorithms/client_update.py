@@ -40,16 +40,21 @@ Correction = Callable[[PyTree, Params], PyTree]
 
 
 class LocalSchedule(NamedTuple):
-  """Which steps a client takes (static, part of the compiled program).
+  """What a client does locally (static, part of the compiled program).
 
   Attributes:
     epochs: passes over the cohort's ``S`` steps (used when ``steps`` is None).
     steps: if set, exactly this many steps, cycling through the client's real
       (not all-padding) steps in order; a client with no data takes none.
+    evaluate: whether to evaluate the loss and metrics on all of the client's
+      data before and after training (two extra forward passes over it; the
+      ``*_before`` / ``*_after`` statistics). If False, the only statistic is
+      the training loss of the local steps themselves, which is free.
   """
 
   epochs: int = 1
   steps: int | None = None
+  evaluate: bool = True
 
 
 class ClientUpdate(NamedTuple):
@@ -62,7 +67,9 @@ class ClientUpdate(NamedTuple):
     stats: per-client sums for the round's metrics: ``loss_before`` and
       ``loss_after`` (sums of per-example losses at ``w_0`` and ``w_T`` over
       the client's cohort data), the same for each ``metrics_fn`` output, and
-      ``count`` (the number of real examples they sum over).
+      ``count`` (the number of real examples they sum over); without
+      evaluation, ``loss_during`` (the sum of the losses of the examples of
+      the local steps) and its ``count``.
   """
 
   params: Params
@@ -77,9 +84,15 @@ def masked_mean_loss(loss_fn: LossFn, params: Params,
 
   Zero for a batch with no real examples.
   """
+  return _masked_mean_and_sums(loss_fn, params, batch, mask)[0]
+
+
+def _masked_mean_and_sums(loss_fn, params, batch, mask):
+  """The masked mean loss, and (sum of losses, number of real examples)."""
   losses = loss_fn(params, batch)
   total = jnp.sum(jnp.where(mask, losses, 0.0))
-  return total / jnp.maximum(jnp.sum(mask), 1).astype(total.dtype)
+  count = jnp.sum(mask).astype(total.dtype)
+  return total / jnp.maximum(count, 1), (total, count)
 
 
 def step_schedule(mask: jax.Array, schedule: LocalSchedule) -> tuple[jax.Array, jax.Array]:
@@ -122,8 +135,13 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
           batches: Mapping[str, jax.Array], mask: jax.Array,
           schedule: LocalSchedule,
           correction: Correction | None = None
-          ) -> tuple[Params, optax.OptState, jax.Array]:
-  """Local training of one client: returns ``(params, opt_state, num_steps)``.
+          ) -> tuple[Params, optax.OptState, jax.Array, dict[str, jax.Array]]:
+  """Local training of one client.
+
+  Returns ``(params, opt_state, num_steps, sums)``, where ``sums`` holds
+  ``loss`` (the sum of the per-example losses of every real example of every
+  local step, at the parameters of that step) and ``count`` (how many there
+  were): the client's training loss, at no extra cost.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
@@ -136,25 +154,27 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     correction: optional ``c(grads, params) -> grads`` applied to each
       minibatch gradient before the optimizer sees it.
   """
-  grad_fn = jax.grad(masked_mean_loss, argnums=1)
+  grad_fn = jax.grad(_masked_mean_and_sums, argnums=1, has_aux=True)
 
   def step(carry, xs):
     params, opt_state = carry
     batch, m, is_real = xs
-    grads = grad_fn(loss_fn, params, batch, m)
+    grads, (total, count) = grad_fn(loss_fn, params, batch, m)
     if correction is not None:
       grads = correction(grads, params)
     updates, new_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jnp.where(is_real, new, old)
+    sums = {'loss': jnp.where(is_real, total, 0.0).astype(jnp.float32),
+            'count': jnp.where(is_real, count, 0.0).astype(jnp.float32)}
     return (jax.tree.map(keep, new_params, params),
-            jax.tree.map(keep, new_state, opt_state)), None
+            jax.tree.map(keep, new_state, opt_state)), sums
 
   carry = tie_to((params, opt_state), mask)
   if schedule.steps is None:  # Epochs: scan over the steps as they are.
     active = jnp.any(mask, axis=-1)
-    epoch = lambda c, _: (jax.lax.scan(step, c, (batches, mask, active))[0], None)
-    carry, _ = jax.lax.scan(epoch, carry, None, length=schedule.epochs)
+    epoch = lambda c, _: jax.lax.scan(step, c, (batches, mask, active))
+    carry, per_step = jax.lax.scan(epoch, carry, None, length=schedule.epochs)
     num_steps = schedule.epochs * jnp.sum(active, dtype=jnp.int32)
   else:  # A fixed number of steps: gather each step's batch.
     index, active = step_schedule(mask, schedule)
@@ -162,10 +182,10 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     def indexed_step(carry, xs):
       i, is_real = xs
       return step(carry, take(i) + (is_real,))
-    carry, _ = jax.lax.scan(indexed_step, carry, (index, active))
+    carry, per_step = jax.lax.scan(indexed_step, carry, (index, active))
     num_steps = jnp.sum(active, dtype=jnp.int32)
   params, opt_state = carry
-  return params, opt_state, num_steps
+  return params, opt_state, num_steps, jax.tree.map(jnp.sum, per_step)
 
 
 def evaluate(loss_fn: LossFn, metrics_fn: MetricsFn | None, params: Params,
@@ -196,9 +216,20 @@ def local_update(loss_fn: LossFn, metrics_fn: MetricsFn | None,
                  opt_state: optax.OptState, batches: Mapping[str, jax.Array],
                  mask: jax.Array, schedule: LocalSchedule,
                  correction: Correction | None = None) -> ClientUpdate:
-  """:func:`train` plus the client's training metrics before and after."""
+  """:func:`train` plus the client's statistics.
+
+  With ``schedule.evaluate`` (the default), the statistics are the sums of
+  the loss and metrics over the client's data before and after training
+  (:class:`ClientUpdate`); otherwise they are ``loss_during`` and ``count``
+  from :func:`train`, the training loss of the local steps.
+  """
+  if not schedule.evaluate:
+    new_params, opt_state, num_steps, sums = train(
+        loss_fn, optimizer, params, opt_state, batches, mask, schedule, correction)
+    stats = {'loss_during': sums['loss'], 'count': sums['count']}
+    return ClientUpdate(new_params, opt_state, num_steps, stats)
   before = evaluate(loss_fn, metrics_fn, params, batches, mask)
-  new_params, opt_state, num_steps = train(
+  new_params, opt_state, num_steps, _ = train(
       loss_fn, optimizer, params, opt_state, batches, mask, schedule, correction)
   after = evaluate(loss_fn, metrics_fn, new_params, batches, mask)
   stats = {'count': before.pop('count')}
@@ -208,12 +239,17 @@ def local_update(loss_fn: LossFn, metrics_fn: MetricsFn | None,
   return ClientUpdate(new_params, opt_state, num_steps, stats)
 
 
-def check_schedule(fn: str, local_epochs: int, local_steps: int | None) -> LocalSchedule:
+def check_schedule(fn: str, local_epochs: int, local_steps: int | None,
+                   client_evaluation: bool = True) -> LocalSchedule:
   """Validates the builder arguments and returns the schedule."""
   check_positive_int(fn, 'local_epochs', local_epochs)
   check_positive_int(fn, 'local_steps', local_steps, allow_none=True)
   if local_steps is not None and local_epochs != 1:
     raise ValueError(f'{fn}: pass local_steps={local_steps!r} or '
                      f'local_epochs={local_epochs!r}, not both.')
-  return LocalSchedule(epochs=local_epochs, steps=local_steps)
+  if not isinstance(client_evaluation, bool):
+    raise ValueError(f'{fn}: client_evaluation={client_evaluation!r}; it must '
+                     'be True or False.')
+  return LocalSchedule(epochs=local_epochs, steps=local_steps,
+                       evaluate=client_evaluation)
 

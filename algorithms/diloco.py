@@ -99,7 +99,8 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
            quantization_format: str = 'float32',
            metrics_fn: base.MetricsFn | None = None,
            weighting: str = 'num_examples', map_strategy: str = 'auto',
-           chunk_size: int | None = None) -> base.Algorithm:
+           chunk_size: int | None = None,
+           client_evaluation: bool = True) -> base.Algorithm:
   """DiLoCo with ``num_replicas`` replicas.
 
   Args:
@@ -116,7 +117,8 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
       the replica's own (the paper keeps it).
     quantization_format: format of the outer gradients sent
       (``quantization.FORMATS``).
-    metrics_fn, weighting, map_strategy, chunk_size: as for :func:`fedavg`.
+    metrics_fn, weighting, map_strategy, chunk_size, client_evaluation: as
+      for :func:`fedavg`.
   """
   name = 'diloco'
   base.check_positive_int(name, 'num_replicas', num_replicas)
@@ -127,7 +129,8 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
   base.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
   quantization.check_format(name, 'quantization_format', quantization_format)
-  schedule = client_update.check_schedule(name, 1, inner_steps)
+  schedule = client_update.check_schedule(name, 1, inner_steps,
+                                          client_evaluation)
 
   def init(params):
     inner = () if reset_inner_state else stack_states(

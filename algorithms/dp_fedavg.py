@@ -59,7 +59,8 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
               metrics_fn: base.MetricsFn | None = None,
               local_epochs: int = 1, local_steps: int | None = None,
               map_strategy: str = 'auto',
-              chunk_size: int | None = None) -> base.Algorithm:
+              chunk_size: int | None = None,
+              client_evaluation: bool = True) -> base.Algorithm:
   """DP-FedAvg with clipping norm ``C`` and noise multiplier ``z``.
 
   Args:
@@ -69,7 +70,8 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
     expected_clients_per_round: ``qN``, the fixed denominator; None divides
       by the number of participating clients.
     client_optimizer, server_optimizer, metrics_fn, local_epochs,
-    local_steps, map_strategy, chunk_size: as for :func:`fedavg`.
+    local_steps, map_strategy, chunk_size, client_evaluation: as for
+      :func:`fedavg`.
   """
   name = 'dp_fedavg'
   base.check_number(name, 'clip_norm', clip_norm, strict=True)
@@ -81,7 +83,8 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
   server_optimizer = server_optimizer or base.default_sgd(1.0)
   base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
-  schedule = client_update.check_schedule(name, local_epochs, local_steps)
+  schedule = client_update.check_schedule(name, local_epochs, local_steps,
+                                          client_evaluation)
 
   def init(params):
     return base.ServerState(

@@ -33,7 +33,8 @@ def fedavg(loss_fn: base.LossFn, *,
            metrics_fn: base.MetricsFn | None = None,
            local_epochs: int = 1, local_steps: int | None = None,
            weighting: str = 'num_examples', map_strategy: str = 'auto',
-           chunk_size: int | None = None) -> base.Algorithm:
+           chunk_size: int | None = None,
+           client_evaluation: bool = True) -> base.Algorithm:
   """Federated Averaging with any optax client and server optimizer.
 
   Args:
@@ -48,6 +49,11 @@ def fedavg(loss_fn: base.LossFn, *,
     weighting: ``'num_examples'`` (``w_i = n_i``) or ``'uniform'``.
     map_strategy: how clients run, see ``fedjx.program``.
     chunk_size: clients per chunk for ``map_strategy='chunked'``.
+    client_evaluation: evaluate each client's loss and metrics on all its
+      data before and after local training (``train_loss_before`` /
+      ``train_loss_after``; two extra forward passes over the data). False
+      reports only ``train_loss_during``, the loss of the local steps
+      themselves, at no extra cost.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
@@ -59,7 +65,8 @@ def fedavg(loss_fn: base.LossFn, *,
   base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
-  schedule = client_update.check_schedule(name, local_epochs, local_steps)
+  schedule = client_update.check_schedule(name, local_epochs, local_steps,
+                                          client_evaluation)
 
   def init(params):
     return base.ServerState(

@@ -29,14 +29,16 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
             metrics_fn: base.MetricsFn | None = None,
             local_epochs: int = 1, local_steps: int | None = None,
             weighting: str = 'num_examples', map_strategy: str = 'auto',
-            chunk_size: int | None = None) -> base.Algorithm:
+            chunk_size: int | None = None,
+            client_evaluation: bool = True) -> base.Algorithm:
   """FedProx with proximal coefficient ``mu`` (``state.hparams['mu']``).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
     mu: the proximal coefficient, >= 0.
     client_optimizer, server_optimizer, metrics_fn, local_epochs, local_steps,
-    weighting, map_strategy, chunk_size: as for :func:`fedavg`.
+    weighting, map_strategy, chunk_size, client_evaluation: as for
+      :func:`fedavg`.
   """
   name = 'fedprox'
   base.check_number(name, 'mu', mu)
@@ -45,7 +47,8 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
   base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
-  schedule = client_update.check_schedule(name, local_epochs, local_steps)
+  schedule = client_update.check_schedule(name, local_epochs, local_steps,
+                                          client_evaluation)
 
   def init(params):
     return base.ServerState(

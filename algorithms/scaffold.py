@@ -63,7 +63,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
              metrics_fn: base.MetricsFn | None = None,
              local_epochs: int = 1, local_steps: int | None = None,
              weighting: str = 'num_examples', map_strategy: str = 'auto',
-             chunk_size: int | None = None) -> base.Algorithm:
+             chunk_size: int | None = None,
+             client_evaluation: bool = True) -> base.Algorithm:
   """SCAFFOLD (option II) over a population of ``num_clients`` clients.
 
   Args:
@@ -77,7 +78,7 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
     server_optimizer: on the pseudo-gradient ``-sum w_i Delta y_i / sum w_i``
       (default SGD with ``eta_g = 1``).
     metrics_fn, local_epochs, local_steps, weighting, map_strategy,
-    chunk_size: as for :func:`fedavg`.
+    chunk_size, client_evaluation: as for :func:`fedavg`.
   """
   name = 'scaffold'
   base.check_positive_int(name, 'num_clients', num_clients)
@@ -87,7 +88,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
     base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
-  schedule = client_update.check_schedule(name, local_epochs, local_steps)
+  schedule = client_update.check_schedule(name, local_epochs, local_steps,
+                                          client_evaluation)
   n_pop = num_clients
 
   def local_optimizer(eta_l):

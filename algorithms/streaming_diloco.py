@@ -107,7 +107,8 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
                      inner_steps: int | None = None,
                      metrics_fn: base.MetricsFn | None = None,
                      weighting: str = 'num_examples', map_strategy: str = 'auto',
-                     chunk_size: int | None = None) -> base.Algorithm:
+                     chunk_size: int | None = None,
+                     client_evaluation: bool = True) -> base.Algorithm:
   """Streaming DiLoCo with ``num_replicas`` replicas and ``P`` fragments.
 
   Args:
@@ -122,7 +123,8 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
       fragment when merging.
     inner_optimizer, outer_optimizer, outer_learning_rate, outer_momentum,
     inner_steps: as for :func:`diloco`.
-    metrics_fn, weighting, map_strategy, chunk_size: as for :func:`fedavg`.
+    metrics_fn, weighting, map_strategy, chunk_size, client_evaluation: as
+      for :func:`fedavg`.
   """
   name = 'streaming_diloco'
   base.check_positive_int(name, 'num_replicas', num_replicas)
@@ -135,7 +137,8 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   outer_optimizer = check_outer(name, outer_optimizer, outer_learning_rate,
                                 outer_momentum)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
-  schedule = client_update.check_schedule(name, 1, inner_steps)
+  schedule = client_update.check_schedule(name, 1, inner_steps,
+                                          client_evaluation)
   stack = lambda t: jax.tree.map(
       lambda x: jnp.broadcast_to(x, (num_replicas,) + jnp.shape(x)), t)
 

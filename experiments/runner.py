@@ -80,7 +80,8 @@ RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
                      'mesh', 'param_sharding', 'coordinator_address',
                      'num_processes', 'process_id')
 
-TRAIN_LOSS_KEYS = ('train_loss', 'train_loss_before', 'loss')
+TRAIN_LOSS_KEYS = ('train_loss', 'train_loss_before', 'train_loss_during',
+                   'loss')
 
 Hook = Callable[[int, Any, Mapping[str, float]], None]
 

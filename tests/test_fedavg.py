@@ -9,7 +9,7 @@ import pytest
 import fedjx.algorithms as algos
 from test_algorithms_util import KEY, assert_trees_close, copy
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params
-from test_algorithms_util import make_cohort, mean_loss, reference_sgd
+from test_algorithms_util import make_cohort, mean_loss, minibatches, reference_sgd
 from test_algorithms_util import stack_cohorts, weighted_average
 
 
@@ -270,3 +270,39 @@ def test_fedavg_converges_on_synthetic_1_1():
   assert best <= final <= best * 1.01, (final, best)
   np.testing.assert_allclose(metrics['train_loss_before'][0], np.log(classes),
                              rtol=1e-6)
+
+
+@pytest.mark.parametrize('map_strategy', ['vmap', 'sequential'])
+def test_without_client_evaluation_the_training_loss_comes_free(map_strategy):
+  """Same model; metrics are the losses of the local steps, pooled over examples."""
+  rng = np.random.default_rng(7)
+  sizes = [3, 7, 10]
+  data = linreg_data(rng, sizes)
+  params = linreg_params()
+  lr, batch, epochs = 0.05, 4, 2
+  cohort = make_cohort(data, batch_size=batch)
+  build = lambda evaluate: algos.fedavg(
+      linreg_loss, client_optimizer=optax.sgd(lr), local_epochs=epochs,
+      map_strategy=map_strategy, client_evaluation=evaluate)
+  with_eval, without = build(True), build(False)
+  state_a, metrics_a = with_eval.round(with_eval.init(params), cohort, KEY)
+  state_b, metrics_b = without.round(without.init(params), cohort, KEY)
+  assert_trees_close(state_a.params, state_b.params, rtol=1e-6)
+  assert 'train_loss_before' in metrics_a and 'train_loss_during' not in metrics_a
+  assert 'train_loss_before' not in metrics_b
+  # Reference: hand-written SGD, summing each step's minibatch losses.
+  total, count = 0.0, 0
+  for d in data:
+    p = params
+    for _ in range(epochs):
+      for mb in minibatches(d, batch):
+        losses = np.asarray(linreg_loss(p, mb))
+        total, count = total + losses.sum(), count + losses.size
+        p = reference_sgd(linreg_loss, p, mb, batch, lr)[0]
+  np.testing.assert_allclose(metrics_b['train_loss_during'], total / count, rtol=1e-5)
+  np.testing.assert_allclose(metrics_b['examples'], sum(sizes))
+
+
+def test_client_evaluation_must_be_a_bool():
+  with pytest.raises(ValueError, match=r"fedavg: client_evaluation='no'"):
+    algos.fedavg(linreg_loss, client_evaluation='no')
