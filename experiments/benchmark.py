@@ -46,7 +46,12 @@ class Workload:
 
 
 def workloads() -> dict[str, Workload]:
-  """The benchmarked models: logistic regression, the EMNIST CNN, a transformer."""
+  """The benchmarked models: logistic regression, the EMNIST CNN, a transformer.
+
+  ``cnn`` runs its convolutions as patch matrix products (the default of
+  :func:`fedjx.models.emnist_cnn`), ``cnn_xla`` the same network with XLA's
+  convolutions.
+  """
   def images(rng, shape, classes):
     return {'x': rng.normal(size=shape + (28, 28, 1)).astype(np.float32),
             'y': rng.integers(0, classes, size=shape).astype(np.int32)}
@@ -62,6 +67,8 @@ def workloads() -> dict[str, Workload]:
       'logreg': Workload('logreg', models.logistic_regression(10), features),
       'cnn': Workload('cnn', models.emnist_cnn(62, dropout=False),
                       lambda rng, shape: images(rng, shape, 62)),
+      'cnn_xla': Workload('cnn_xla', models.emnist_cnn(62, dropout=False, conv='xla'),
+                          lambda rng, shape: images(rng, shape, 62)),
       'transformer': Workload('transformer',
                               models.transformer_lm(256, max_len=64, width=64,
                                                     num_layers=2, num_heads=4),
@@ -195,11 +202,13 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
         strategies: Sequence[str], steps: int, batch: int, repeats: int,
         lr: float = 0.01, emit: Callable[[dict], None] = print,
         references: bool = True, seed: int = 0,
-        precision: str = 'float32') -> list[dict]:
+        precision: str = 'float32', client_evaluation: bool = False) -> list[dict]:
   """Runs the benchmark; ``emit`` receives each record as it is measured.
 
   ``precision='bfloat16'`` computes in bfloat16 with float32 master weights
   (:func:`fedjx.models.mixed_precision`), for fedjx and the references alike.
+  ``client_evaluation=True`` adds fedjx's before/after evaluation of every
+  client (two forward passes over its data) that the references do not do.
   """
   if precision not in ('float32', 'bfloat16'):
     raise ValueError(f"benchmark: precision={precision!r} is not one of "
@@ -230,7 +239,8 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
         strategy, chunk = parse_strategy(spec)
         algo = algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr),
                                  local_steps=steps, map_strategy=strategy,
-                                 chunk_size=chunk)
+                                 chunk_size=chunk,
+                                 client_evaluation=client_evaluation)
         holder = {'state': algo.init(params)}
         key = jax.random.key(seed)
 
@@ -255,7 +265,8 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
       row = []
       for (kind, label, _, compiled, extra), (first, median, best) in zip(contenders, timings):
         rec = {'model': name, 'clients': clients, 'steps': steps, 'batch': batch,
-               'precision': precision, 'kind': kind, 'strategy': label,
+               'precision': precision, 'client_evaluation': client_evaluation,
+               'kind': kind, 'strategy': label,
                'backend': jax.default_backend(),
                'ms_per_round': 1e3 * median, 'min_ms_per_round': 1e3 * best,
                'clients_per_s': clients / median, 'tflops': flops / median / 1e12,
@@ -271,6 +282,63 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
         rec['min_ratio_vs_best_strategy'] = rec['min_ms_per_round'] / best_min
         emit(rec)
       records.extend(row)
+  return records
+
+
+def compile_only(model_names: Sequence[str], cohort_sizes: Sequence[int],
+                 strategies: Sequence[str], steps: int, batch: int,
+                 lr: float = 0.01, emit: Callable[[dict], None] = print,
+                 seed: int = 0, precision: str = 'float32',
+                 client_evaluation: bool = False) -> list[dict]:
+  """Compiles rounds without data and reports XLA's memory plan for each.
+
+  Nothing is allocated: the cohort is given as shapes. A record's
+  ``argument_bytes`` are the state and the cohort, ``temp_bytes`` the
+  working memory of the round, and ``peak_bytes`` their sum with the outputs;
+  this is how a cohort size is checked against a device's memory before
+  running it (on the device's own backend: layouts differ between backends).
+  """
+  all_workloads = workloads()
+  records = []
+  for name in model_names:
+    if name not in all_workloads:
+      raise ValueError(f'benchmark: model={name!r} is not one of {sorted(all_workloads)}.')
+    workload = all_workloads[name]
+    loss_fn = workload.model.loss_fn
+    if precision == 'bfloat16':
+      loss_fn = models.mixed_precision(loss_fn)
+    example = workload.example(np.random.default_rng(seed), (1, 1, 1))
+    params = workload.model.init(jax.random.key(seed),
+                                 jax.tree.map(lambda a: a[0, 0], example))
+    for clients in cohort_sizes:
+      shaped = lambda a: jax.ShapeDtypeStruct((clients, steps, batch) + a.shape[3:], a.dtype)
+      cohort = datasets.Cohort(
+          jax.tree.map(shaped, example),
+          jax.ShapeDtypeStruct((clients, steps, batch), jnp.bool_),
+          jax.ShapeDtypeStruct((clients,), jnp.float32),
+          jax.ShapeDtypeStruct((clients,), jnp.int32))
+      for spec in strategies:
+        strategy, chunk = parse_strategy(spec)
+        algo = algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr),
+                                 local_steps=steps, map_strategy=strategy,
+                                 chunk_size=chunk,
+                                 client_evaluation=client_evaluation)
+        state = jax.eval_shape(algo.init, params)
+        compiled, compile_s = _compile(jax.jit(algo.apply), state, cohort,
+                                       jax.random.key(seed))
+        analysis = compiled.memory_analysis()
+        rec = {'model': name, 'clients': clients, 'steps': steps, 'batch': batch,
+               'precision': precision, 'client_evaluation': client_evaluation,
+               'kind': 'compile_only', 'strategy': spec,
+               'backend': jax.default_backend(), 'compile_s': compile_s,
+               'argument_bytes': int(analysis.argument_size_in_bytes),
+               'output_bytes': int(analysis.output_size_in_bytes),
+               'temp_bytes': int(analysis.temp_size_in_bytes),
+               'peak_bytes': int(analysis.argument_size_in_bytes +
+                                 analysis.output_size_in_bytes +
+                                 analysis.temp_size_in_bytes)}
+        emit(rec)
+        records.append(rec)
   return records
 
 

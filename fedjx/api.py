@@ -41,7 +41,9 @@ def broadcast(x: Any, *, placement: str | None = None, mesh: Any = None) -> Any:
   def one(leaf):
     leaf = jnp.asarray(leaf)
     out = primitives.broadcast_p.bind(leaf, placement=p.name, n=n)
-    return sharding_lib.place_leading_axis(out, p.name, mesh)
+    out = sharding_lib.place_leading_axis(out, p.name, mesh)
+    frame.broadcasts[id(out)] = (out, leaf, p.name)
+    return out
 
   return jax.tree.map(one, x)
 

@@ -54,9 +54,18 @@ class MapOptions:
 
 @dataclasses.dataclass(frozen=True)
 class _Frame:
+  """One program call's placements and options.
+
+  ``broadcasts`` maps ``id(out)`` to ``(out, x, placement)`` for each leaf
+  ``out = broadcast(x)`` made during the call, so ``map_fn`` can hand the
+  mapped function ``x`` itself instead of ``n`` copies of it.
+  """
+
   placements: tuple[Placement, ...]
   map_options: MapOptions
   mesh: Any
+  broadcasts: dict[int, tuple[Any, Any, str]] = dataclasses.field(
+      default_factory=dict, compare=False)
 
 
 _STACK: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar(

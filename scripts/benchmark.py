@@ -24,6 +24,13 @@ _PLOT = flags.DEFINE_string('plot', None, 'Write a plot of ms/round to this PNG.
 _PRECISION = flags.DEFINE_enum('precision', 'float32', ['float32', 'bfloat16'],
                                'Compute dtype (bfloat16 keeps float32 master weights).')
 _NO_REFS = flags.DEFINE_bool('no_references', False, 'Skip the reference rounds.')
+_COMPILE_ONLY = flags.DEFINE_bool(
+    'compile_only', False,
+    "Only compile each round from shapes and print XLA's memory plan.")
+_EVALUATION = flags.DEFINE_bool(
+    'client_evaluation', False,
+    "Also evaluate each client before and after training (fedjx's default in "
+    'experiments; the references do not do it).')
 
 
 def main(argv):
@@ -37,10 +44,19 @@ def main(argv):
       out.write(line + '\n')
       out.flush()
 
+  if _COMPILE_ONLY.value:
+    benchmark.compile_only(_MODELS.value, [int(c) for c in _CLIENTS.value],
+                           _STRATEGIES.value, _STEPS.value, _BATCH.value,
+                           emit=emit, precision=_PRECISION.value,
+                           client_evaluation=_EVALUATION.value)
+    if out:
+      out.close()
+    return
   records = benchmark.run(_MODELS.value, [int(c) for c in _CLIENTS.value],
                           _STRATEGIES.value, _STEPS.value, _BATCH.value,
                           _REPEATS.value, emit=emit, references=not _NO_REFS.value,
-                          precision=_PRECISION.value)
+                          precision=_PRECISION.value,
+                          client_evaluation=_EVALUATION.value)
   if _PLOT.value:
     benchmark.plot(records, _PLOT.value)
   if out:

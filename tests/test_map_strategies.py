@@ -7,6 +7,7 @@ import pytest
 
 import fedjx
 from fedjx import mapping
+from fedjx import placements as placements_lib
 
 
 def _cnn_params(key):
@@ -78,5 +79,29 @@ def test_chunk_size_choice():
   assert mapping.choose_chunk_size('auto', 16, 5 << 20, 2, backend='cpu') == 2
   # Auto on an accelerator: chunks for large cohorts.
   assert mapping.choose_chunk_size('auto', 1024, 1 << 20, 1, backend='gpu') == 64
+  # One device: a divisor of the cohort near the chunk size avoids padding.
+  assert mapping.choose_chunk_size('chunked', 10_000, 100, 1, chunk_size=64) == 50
+  assert mapping.choose_chunk_size('chunked', 10_007, 100, 1, chunk_size=64) == 64
   with pytest.raises(ValueError, match='strategy'):
     mapping.choose_chunk_size('fast', 4, 1, 1)
+
+
+def test_broadcast_inputs_reach_the_mapped_function_without_copies():
+  """map_fn(f, (broadcast(x), d)) passes x itself, not n copies of it."""
+  x = jnp.arange(3.0)
+  d = jnp.arange(15.0).reshape(5, 3)
+  prog = fedjx.program(
+      lambda x, d: fedjx.map_fn(lambda s, di: s * di, (fedjx.broadcast(x), d)),
+      clients=5)
+
+  def map_input_shapes(jaxpr):
+    (eqn,) = [e for e in jaxpr.eqns if e.params.get('name') == 'fedjx_map_clients']
+    return sorted(v.aval.shape for v in eqn.invars)
+
+  trace = lambda: jax.make_jaxpr(lambda *a: prog(*a))(x, d)  # Uncached.
+  assert map_input_shapes(trace()) == [(3,), (5, 3)]
+  with placements_lib.force_map_strategy('sequential'):  # Interpreters see copies.
+    assert map_input_shapes(trace()) == [(5, 3), (5, 3)]
+  np.testing.assert_allclose(prog(x, d), x * d)
+  # d/dx sum_i sum_j x_j d_ij = sum_i d_i: the broadcast's transpose, a sum.
+  np.testing.assert_allclose(jax.grad(lambda x: prog(x, d).sum())(x), d.sum(0))
