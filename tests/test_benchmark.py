@@ -1,0 +1,51 @@
+"""The benchmark's records (no timing is asserted: speed is not tested)."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from fedjx import algorithms
+from fedjx import datasets
+from fedjx.experiments import benchmark
+
+
+def test_a_fedjx_round_equals_the_hand_written_references():
+  """What the benchmark compares is the same computation."""
+  workload = benchmark.workloads()['logreg']
+  cohort = benchmark.make_cohort(workload, clients=4, steps=2, batch=3)
+  params = workload.model.init(jax.random.key(0),
+                               jax.tree.map(lambda a: a[0, 0], cohort.batches))
+  placed = datasets.place_cohort(cohort)
+  algo = algorithms.fedavg(workload.model.loss_fn, client_optimizer=optax.sgd(0.1),
+                           local_steps=2, client_evaluation=False)
+  state, _ = algo.round(algo.init(params), placed, jax.random.key(0))
+  for name, ref in benchmark.reference_rounds(workload.model.loss_fn, 0.1).items():
+    if name == 'central':
+      continue
+    got = ref(params, placed.batches, placed.num_examples)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(got)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_records_and_memory_plans():
+  records = []
+  benchmark.run(['logreg'], [2], ['vmap', 'chunked:1'], steps=1, batch=2,
+                repeats=1, emit=records.append)
+  by_strategy = {r['strategy']: r for r in records}
+  assert {'vmap', 'chunked:1', 'ref_vmap', 'ref_lax_map', 'central'} <= set(by_strategy)
+  assert by_strategy['chunked:1']['chunk_clients'] == 1
+  for r in records:
+    assert r['ms_per_round'] > 0 and r['ratio_vs_best_strategy'] > 0
+  plans = []
+  benchmark.compile_only(['logreg'], [8, 64], ['vmap'], steps=1, batch=2,
+                         emit=plans.append)
+  # The cohort (8 or 64 clients of 2 examples of 60 floats) is an argument.
+  assert plans[1]['argument_bytes'] - plans[0]['argument_bytes'] >= 56 * 2 * 60 * 4
+  assert all(p['peak_bytes'] >= p['argument_bytes'] for p in plans)
+
+
+def test_unknown_model_is_named():
+  with pytest.raises(ValueError, match=r"model='vgg'"):
+    benchmark.run(['vgg'], [2], ['vmap'], steps=1, batch=2, repeats=1,
+                  emit=lambda r: None)
