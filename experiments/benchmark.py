@@ -12,8 +12,9 @@ references computed in the same process:
 
 Each record is one JSON line: milliseconds per round (median of repeats),
 clients per second, TFLOP/s from the XLA cost analysis of one client's update
-(times ``C``), compile seconds, peak memory, and ratios to the centralized
-reference and to the fastest strategy of the same cohort. Timing belongs
+(times ``C``), compile seconds, peak memory (XLA's plan for the program, and
+on GPUs the allocator's peak so far in the process), and ratios to the
+centralized reference and to the fastest strategy of the same cohort. Timing belongs
 here, never in tests.
 """
 
@@ -180,16 +181,19 @@ def client_flops(loss_fn, lr, params, batches_one) -> float:
 
 
 def peak_bytes(compiled) -> int | None:
-  """Peak device memory of a compiled program, where the backend reports it."""
-  stats = jax.devices()[0].memory_stats() if hasattr(jax.devices()[0], 'memory_stats') else None
-  if stats and 'peak_bytes_in_use' in stats:
-    return int(stats['peak_bytes_in_use'])
+  """XLA's planned peak memory of a compiled program (arguments, outputs, temps)."""
   try:
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes + analysis.argument_size_in_bytes +
                analysis.output_size_in_bytes)
   except Exception:  # pragma: no cover - backend without analysis
     return None
+
+
+def device_peak_bytes() -> int | None:
+  """The device allocator's peak so far in this process, where it reports one."""
+  stats = jax.devices()[0].memory_stats()
+  return int(stats['peak_bytes_in_use']) if stats and 'peak_bytes_in_use' in stats else None
 
 
 def parse_strategy(spec: str) -> tuple[str, int | None]:
@@ -270,7 +274,8 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
                'backend': jax.default_backend(),
                'ms_per_round': 1e3 * median, 'min_ms_per_round': 1e3 * best,
                'clients_per_s': clients / median, 'tflops': flops / median / 1e12,
-               'first_call_s': first, 'peak_bytes': peak_bytes(compiled), **extra}
+               'first_call_s': first, 'peak_bytes': peak_bytes(compiled),
+               'device_peak_bytes_so_far': device_peak_bytes(), **extra}
         row.append(rec)
       central = next((r['ms_per_round'] for r in row if r['strategy'] == 'central'), None)
       best = min(r['ms_per_round'] for r in row if r['kind'] == 'fedjx')
