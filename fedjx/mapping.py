@@ -205,7 +205,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     leading axis, sharded over the placement's mesh axis when there is one.
   """
   p, frame = placements_lib.lookup(placement, 'map_fn')
-  leaves = jax.tree.leaves(args)
+  leaves, treedef = jax.tree.flatten(args)
   if not leaves:
     raise ValueError('fedjx.map_fn: args has no arrays; pass placed values '
                      '(e.g. the output of fedjx.broadcast or a cohort).')
@@ -227,7 +227,6 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
                      'positive int.')
   devices = _mesh_axis_size(p.name, mesh)
   k = choose_chunk_size(strategy, n, _client_bytes(leaves), devices, chunk_size)
-  leaves, treedef = jax.tree.flatten(args)
   shared = ({} if placements_lib.forced_map_strategy()
             else _broadcast_sources(frame, leaves, p.name))
 
