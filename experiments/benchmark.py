@@ -196,6 +196,29 @@ def device_peak_bytes() -> int | None:
   return int(stats['peak_bytes_in_use']) if stats and 'peak_bytes_in_use' in stats else None
 
 
+def _workload_and_loss(name: str, precision: str) -> tuple[Workload, Callable]:
+  """The named workload and its loss function at ``precision``."""
+  if precision not in ('float32', 'bfloat16'):
+    raise ValueError(f"benchmark: precision={precision!r} is not one of "
+                     "('float32', 'bfloat16').")
+  all_workloads = workloads()
+  if name not in all_workloads:
+    raise ValueError(f'benchmark: model={name!r} is not one of {sorted(all_workloads)}.')
+  workload = all_workloads[name]
+  loss_fn = workload.model.loss_fn
+  if precision == 'bfloat16':
+    loss_fn = models.mixed_precision(loss_fn)
+  return workload, loss_fn
+
+
+def _fedavg(loss_fn, lr: float, steps: int, strategy: str, chunk: int | None,
+            client_evaluation: bool) -> algorithms.Algorithm:
+  """The benchmarked round: FedAvg with ``steps`` local SGD steps."""
+  return algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr),
+                           local_steps=steps, map_strategy=strategy,
+                           chunk_size=chunk, client_evaluation=client_evaluation)
+
+
 def parse_strategy(spec: str) -> tuple[str, int | None]:
   """``'chunked:16'`` -> ('chunked', 16); ``'vmap'`` -> ('vmap', None)."""
   name, _, size = spec.partition(':')
@@ -214,18 +237,9 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
   ``client_evaluation=True`` adds fedjx's before/after evaluation of every
   client (two forward passes over its data) that the references do not do.
   """
-  if precision not in ('float32', 'bfloat16'):
-    raise ValueError(f"benchmark: precision={precision!r} is not one of "
-                     "('float32', 'bfloat16').")
-  all_workloads = workloads()
   records = []
   for name in model_names:
-    if name not in all_workloads:
-      raise ValueError(f'benchmark: model={name!r} is not one of {sorted(all_workloads)}.')
-    workload = all_workloads[name]
-    loss_fn = workload.model.loss_fn
-    if precision == 'bfloat16':
-      loss_fn = models.mixed_precision(loss_fn)
+    workload, loss_fn = _workload_and_loss(name, precision)
     for clients in cohort_sizes:
       cohort = make_cohort(workload, clients, steps, batch, seed)
       params = workload.model.init(jax.random.key(seed),
@@ -241,10 +255,7 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
       contenders = []  # (kind, name, call, compiled, extra)
       for spec in strategies:
         strategy, chunk = parse_strategy(spec)
-        algo = algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr),
-                                 local_steps=steps, map_strategy=strategy,
-                                 chunk_size=chunk,
-                                 client_evaluation=client_evaluation)
+        algo = _fedavg(loss_fn, lr, steps, strategy, chunk, client_evaluation)
         holder = {'state': algo.init(params)}
         key = jax.random.key(seed)
 
@@ -303,15 +314,9 @@ def compile_only(model_names: Sequence[str], cohort_sizes: Sequence[int],
   this is how a cohort size is checked against a device's memory before
   running it (on the device's own backend: layouts differ between backends).
   """
-  all_workloads = workloads()
   records = []
   for name in model_names:
-    if name not in all_workloads:
-      raise ValueError(f'benchmark: model={name!r} is not one of {sorted(all_workloads)}.')
-    workload = all_workloads[name]
-    loss_fn = workload.model.loss_fn
-    if precision == 'bfloat16':
-      loss_fn = models.mixed_precision(loss_fn)
+    workload, loss_fn = _workload_and_loss(name, precision)
     example = workload.example(np.random.default_rng(seed), (1, 1, 1))
     params = workload.model.init(jax.random.key(seed),
                                  jax.tree.map(lambda a: a[0, 0], example))
@@ -324,10 +329,7 @@ def compile_only(model_names: Sequence[str], cohort_sizes: Sequence[int],
           jax.ShapeDtypeStruct((clients,), jnp.int32))
       for spec in strategies:
         strategy, chunk = parse_strategy(spec)
-        algo = algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr),
-                                 local_steps=steps, map_strategy=strategy,
-                                 chunk_size=chunk,
-                                 client_evaluation=client_evaluation)
+        algo = _fedavg(loss_fn, lr, steps, strategy, chunk, client_evaluation)
         state = jax.eval_shape(algo.init, params)
         compiled, compile_s = _compile(jax.jit(algo.apply), state, cohort,
                                        jax.random.key(seed))
