@@ -12,13 +12,22 @@ arXiv 2301.07806) and DrJAX (arXiv 2403.07128):
 * ``reduce_sum`` s(x) = sum_i x_i           (linear)  s^T = broadcast
 * ``reduce_mean`` m(x) = (1/n) sum_i x_i    (linear)  m^T = broadcast / n
 * ``reduce_weighted_mean`` w(x, a) = sum_i a_i x_i / sum_i a_i, linear in x
-  (transpose: ct -> a_i ct / sum a); its tangent in the weights,
-  sum_i da_i (x_i - w(x, a)) / sum_i a_i, is written with ``reduce_sum``.
+  (transpose: ct -> a_i ct / sum a, with ``sum a`` a ``reduce_sum``); its
+  tangent in the weights is sum_i da_i (x_i - w(x, a)) / sum_i a_i.
+
+The JVP and transpose rules are themselves written with these primitives (and
+elementwise operations on placed values), so ``jax.grad`` or ``jax.jvp`` of a
+program is again a MapReduce program that :mod:`fedjx.plan` can place.
 
 If the weights sum to zero, the weighted mean is defined to be zero (as is its
 derivative), never NaN: a round where every client carries zero weight leaves
-an aggregate of zeros. A mean of integers is a float, in abstract evaluation
-and in execution alike.
+an aggregate of zeros.
+
+Output dtypes follow ``jnp.sum``, ``jnp.mean`` and ``jnp.average`` (under the
+current ``jax_enable_x64``): a sum of booleans or small integers is a default
+int, a mean of integers is a float, a weighted mean is in the promoted dtype of
+values and weights. Abstract evaluation, execution, every lowering, JVP and
+transpose agree on it.
 
 On CPU, the reductions of floating-point values are lowered as a product with
 a vector of (weights or) ones: XLA:CPU reduces the leading axis of a large
@@ -43,11 +52,51 @@ reduce_mean_p = Primitive('fedjx_reduce_mean')
 reduce_weighted_mean_p = Primitive('fedjx_reduce_weighted_mean')
 
 
+def _jnp_dtype(reduction, *dtypes) -> jnp.dtype:
+  """The dtype ``reduction`` (a ``jnp`` function over axis 0) gives ``dtypes``.
+
+  Asked of ``jnp`` itself (under the current ``jax_enable_x64`` setting), so
+  that the primitives follow NumPy-style promotion exactly as ``jnp.sum``,
+  ``jnp.mean`` and ``jnp.average`` do.
+  """
+  x64 = jax.dtypes.canonicalize_dtype(jnp.int64) == jnp.int64
+  return _jnp_dtype_cached(reduction, tuple(jnp.dtype(d) for d in dtypes), x64)
+
+
+@functools.lru_cache(maxsize=None)
+def _jnp_dtype_cached(reduction, dtypes, x64):
+  del x64  # Part of the cache key only.
+  specs = [jax.ShapeDtypeStruct((1,), d) for d in dtypes]
+  return jnp.dtype(jax.eval_shape(reduction, *specs).dtype)
+
+
+def _sum0(x):
+  return jnp.sum(x, axis=0)
+
+
+def _mean0(x):
+  return jnp.mean(x, axis=0)
+
+
+def _average0(x, w):
+  return jnp.average(x, axis=0, weights=w)
+
+
+def sum_dtype(dtype) -> jnp.dtype:
+  """The dtype of ``reduce_sum``: ``jnp.sum``'s (booleans count as ints, small
+  ints widen to the default int)."""
+  return _jnp_dtype(_sum0, dtype)
+
+
 def mean_dtype(dtype) -> jnp.dtype:
-  """The dtype of a mean of ``dtype`` values: floats stay, ints become float."""
-  if jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.dtype(dtype)
-  return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
+  """The dtype of ``reduce_mean``: ``jnp.mean``'s (a mean of ints is a float)."""
+  return _jnp_dtype(_mean0, dtype)
+
+
+def weighted_mean_dtype(x_dtype, w_dtype) -> jnp.dtype:
+  """The dtype of ``reduce_weighted_mean``: ``jnp.average``'s, the promoted
+  dtype of values and weights, made inexact."""
+  return _jnp_dtype(_average0, x_dtype, w_dtype)
 
 
 def _spec(aval) -> tuple:
@@ -147,7 +196,7 @@ def _contract_leading(x, w=None):
 
 def _reduce_sum_impl(x, *, placement, contract=_sum_leading):
   del placement
-  return contract(x)
+  return contract(x.astype(sum_dtype(x.dtype)))
 
 
 def _reduce_mean_impl(x, *, placement, contract=_sum_leading):
@@ -161,7 +210,7 @@ def _reduced_aval(x, dtype):
 
 def _reduce_sum_abstract_eval(x, *, placement):
   del placement
-  return _reduced_aval(x, x.dtype)
+  return _reduced_aval(x, sum_dtype(x.dtype))
 
 
 def _reduce_mean_abstract_eval(x, *, placement):
@@ -172,7 +221,8 @@ def _reduce_mean_abstract_eval(x, *, placement):
 def _reduce_sum_transpose(ct, x, *, placement):
   if type(ct) is ad.Zero:
     return [ad.Zero(x.aval)]
-  return [_like(broadcast_p.bind(ct, placement=placement, n=x.aval.shape[0]), x.aval)]
+  ct = broadcast_p.bind(ct, placement=placement, n=x.aval.shape[0])
+  return [_like(ct.astype(x.aval.dtype), x.aval)]
 
 
 def _reduce_mean_transpose(ct, x, *, placement):
@@ -214,27 +264,33 @@ ad.primitive_jvps[reduce_mean_p] = _reduce_mean_jvp
 
 # ------------------------------------------------------- reduce_weighted_mean
 
-def _total_and_safe(w):
-  total = jnp.sum(w, axis=0)
+def _inverse_total(total):
+  """``1 / total``, or 0 where ``total`` is 0 (the zero-weight convention)."""
   nonzero = total != 0
-  return nonzero, jnp.where(nonzero, total, jnp.ones_like(total))
+  return jnp.where(nonzero, 1 / jnp.where(nonzero, total, jnp.ones_like(total)),
+                   jnp.zeros_like(total))
+
+
+def _scale(y, s):
+  """``y * s`` with ``s`` of shape ``y.shape[:s.ndim]``."""
+  return y * _expand_weights(s, y)
 
 
 def _reduce_weighted_mean_impl(x, w, *, placement, contract=_sum_leading):
   del placement
-  dtype = mean_dtype(jnp.result_type(x.dtype, w.dtype))
+  dtype = weighted_mean_dtype(x.dtype, w.dtype)
   x, w = x.astype(dtype), w.astype(dtype)
-  nonzero, safe = _total_and_safe(w)
-  numer = contract(x, w)
-  shape = nonzero.shape + (1,) * (numer.ndim - nonzero.ndim)
-  return jnp.where(nonzero.reshape(shape), numer / safe.reshape(shape),
-                   jnp.zeros_like(numer))
+  return _scale(contract(x, w), _inverse_total(jnp.sum(w, axis=0)))
 
 
 def _reduce_weighted_mean_abstract_eval(x, w, *, placement):
   del placement
-  return _reduced_aval(x, mean_dtype(jnp.result_type(x.dtype, w.dtype)))
+  return _reduced_aval(x, weighted_mean_dtype(x.dtype, w.dtype))
 
+
+# The JVP and transpose below are written with the fedjx primitives (and
+# elementwise operations on placed values), never with a plain reduction over
+# the placed axis: a transformed program must stay a MapReduce plan.
 
 def _reduce_weighted_mean_jvp(primals, tangents, *, placement):
   x, w = primals
@@ -244,13 +300,13 @@ def _reduce_weighted_mean_jvp(primals, tangents, *, placement):
   if type(tx) is not ad.Zero and jnp.issubdtype(x.dtype, jnp.inexact):
     tangent = reduce_weighted_mean_p.bind(tx, w, placement=placement)
   if type(tw) is not ad.Zero and jnp.issubdtype(w.dtype, jnp.inexact):
-    nonzero, safe = _total_and_safe(w)
-    deviation = x.astype(out.dtype) - out[None]
-    dw = reduce_sum_p.bind(_expand_weights(tw, x).astype(out.dtype) * deviation,
-                           placement=placement)
-    shape = nonzero.shape + (1,) * (dw.ndim - nonzero.ndim)
-    dw = jnp.where(nonzero.reshape(shape), dw / safe.reshape(shape),
-                   jnp.zeros_like(dw))
+    # d out = sum_i dw_i (x_i - out) / sum_i w_i.
+    dtype = out.dtype
+    inverse = _inverse_total(reduce_sum_p.bind(w.astype(dtype), placement=placement))
+    deviation = x.astype(dtype) - broadcast_p.bind(out, placement=placement,
+                                                  n=x.shape[0])
+    dw = reduce_sum_p.bind(_scale(deviation, tw.astype(dtype)), placement=placement)
+    dw = _scale(dw, inverse)
     tangent = dw if type(tangent) is ad.Zero else tangent + dw
   return out, tangent
 
@@ -261,12 +317,13 @@ def _reduce_weighted_mean_transpose(ct, x, w, *, placement):
         'fedjx_reduce_weighted_mean is linear only in its values, not weights.')
   if type(ct) is ad.Zero:
     return [ad.Zero(x.aval), None]
-  n = x.aval.shape[0]
-  nonzero, safe = _total_and_safe(w)
-  scale = jnp.where(nonzero[None], w / safe[None], jnp.zeros_like(w))
-  ct_x = _like(broadcast_p.bind(ct, placement=placement, n=n), x.aval)
-  ct_x = (_expand_weights(scale, ct_x) * ct_x).astype(x.aval.dtype)
-  return [_like(ct_x, x.aval), None]
+  # ct_x_i = w_i ct / sum_j w_j, in the promoted dtype of values and weights.
+  dtype = weighted_mean_dtype(x.aval.dtype, w.dtype)
+  w = w.astype(dtype)
+  inverse = _inverse_total(reduce_sum_p.bind(w, placement=placement))
+  ct = _scale(ct.astype(dtype), inverse)
+  ct_x = _scale(broadcast_p.bind(ct, placement=placement, n=x.aval.shape[0]), w)
+  return [_like(ct_x.astype(x.aval.dtype), x.aval), None]
 
 
 def _reduce_weighted_mean_batch(args, dims, *, placement):
