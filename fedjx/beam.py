@@ -77,9 +77,9 @@ class ClientData:
   @classmethod
   def from_arrays(cls, placed: Any) -> 'ClientData':
     """Wraps in-memory placed arrays (leading axis = clients)."""
-    placed = jax.tree.map(np.asarray, placed)
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), placed)
+    placed = jax.tree.map(plan_lib.to_host, placed)
     n = jax.tree.leaves(placed)[0].shape[0]
-    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), placed)
     return cls(list(range(n)), _IndexLoader(placed), spec)
 
 
@@ -128,8 +128,10 @@ class _IndexLoader:
 
 
 def _export(fn: Callable[..., Any], avals: Sequence[Any]) -> bytes:
-  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-  return bytes(jax.export.export(jax.jit(fn))(*specs).serialize())
+  """``fn`` as StableHLO bytes, on host values (typed keys as key data)."""
+  specs = [plan_lib.host_spec(a) for a in avals]
+  wrapped = plan_lib.on_host_values(fn, avals)
+  return bytes(jax.export.export(jax.jit(wrapped))(*specs).serialize())
 
 
 class _Computation:
@@ -165,7 +167,7 @@ class _LoadClient(beam.DoFn):
       raise ValueError(
           f'fedjx.beam: ClientData.load({client_id!r}) returned {len(leaves)} '
           f'arrays; its spec has {len(self.leaf_ids)}.')
-    yield index, {i: np.asarray(x) for i, x in zip(self.leaf_ids, leaves)}
+    yield index, {i: plan_lib.to_host(x) for i, x in zip(self.leaf_ids, leaves)}
 
 
 def _merge(grouped):
@@ -360,7 +362,7 @@ def run(fn: Callable[..., Any], *args: Any,
       raise ValueError(
           f'fedjx.beam.run: ClientData has {len(source.client_ids)} clients but '
           f'the program places {plan.num_clients}.')
-  server_inputs = {i: np.array(v) for i, v in plan.consts.items()}
+  server_inputs = {i: plan_lib.to_host(v) for i, v in plan.consts.items()}
   leaf_ids_by_source = []
   position = 0
   for arg, traced in zip(args, trace_args):
@@ -369,7 +371,7 @@ def run(fn: Callable[..., Any], *args: Any,
     if isinstance(arg, ClientData):
       leaf_ids_by_source.append(ids)
     else:
-      server_inputs.update(zip(ids, (np.array(x) for x in jax.tree.leaves(arg))))
+      server_inputs.update(zip(ids, (plan_lib.to_host(x) for x in jax.tree.leaves(arg))))
     position += n_leaves
 
   output_dir = output_dir or tempfile.mkdtemp(prefix='fedjx_beam_')
@@ -453,6 +455,7 @@ def run(fn: Callable[..., Any], *args: Any,
                                  *[beam.pvalue.AsSingleton(p) for p in pcolls])
          | 'write' >> beam.Map(_write_outputs, path))
   outs = _read_outputs(path, len(plan.out_ids))
+  outs = [plan_lib.from_host(o, plan.avals[i]) for o, i in zip(outs, plan.out_ids)]
   return jax.tree.unflatten(plan.out_tree, outs)
 
 

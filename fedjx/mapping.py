@@ -58,7 +58,7 @@ _ACCELERATOR_CHUNK = 64
 
 
 def _client_bytes(leaves: list[Any]) -> int:
-  return sum(int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize for x in leaves)
+  return sum(int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in leaves)
 
 
 def _mesh_axis_size(placement: str, mesh: Any) -> int:

@@ -26,6 +26,8 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import jax
+
 MAP_STRATEGIES = ('auto', 'vmap', 'chunked', 'sequential')
 
 
@@ -176,8 +178,11 @@ def program(fn: Callable[..., Any] | None = None,
   return decorate if fn is None else decorate(fn)
 
 
-_FORCED_STRATEGY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    'fedjx_forced_map_strategy', default=None)
+# A JAX user context, not a ContextVar: its value is part of the key of JAX's
+# tracing, lowering and compilation caches, so a function jitted by the user
+# and traced under a forced strategy gets its own cache entry, and neither
+# trace is reused for the other.
+_FORCED_STRATEGY = jax.make_user_context(default_value=None)
 
 
 @contextlib.contextmanager
@@ -185,18 +190,17 @@ def force_map_strategy(strategy: str) -> Iterator[None]:
   """Runs every ``map_fn`` in the block with ``strategy``, whatever it asks for.
 
   Interpreters use this to trace a program with ``'sequential'``, whose traced
-  form keeps the per-client computation as the body of a ``scan``.
+  form keeps the per-client computation as the body of a ``scan``. The
+  strategy is part of what JAX keys its caches on, so jitted functions traced
+  in the block are cached apart from (and do not evict) their ordinary traces.
   """
   _check_map_options(strategy, None)
-  token = _FORCED_STRATEGY.set(strategy)
-  try:
+  with _FORCED_STRATEGY(strategy):
     yield
-  finally:
-    _FORCED_STRATEGY.reset(token)
 
 
 def forced_map_strategy() -> str | None:
-  return _FORCED_STRATEGY.get()
+  return _FORCED_STRATEGY.value
 
 
 def current_frames() -> tuple[_Frame, ...]:

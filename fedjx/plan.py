@@ -83,9 +83,8 @@ class MapStep:
   const_ids: list[int]       # server values passed whole
   x_ids: list[int]           # placed inputs (any kind)
   out_ids: list[int]         # client values
-  lifted: Any = None         # for an op lifted from the top level: the equation
-                             # (which also applies to stacked values) and, per
-                             # operand, whether it is placed (an x) or a const
+  lifted: bool = False       # an op lifted from outside map_fn (elementwise
+                             # on client values), not a map_fn body
 
   def function(self) -> Callable[..., Any]:
     return jex_core.jaxpr_as_fun(self.body)
@@ -218,13 +217,15 @@ class _Builder:
         outs = self.run_closed(eqn.params['jaxpr'], ids)
       elif all(k != CLIENT for k in kinds):
         outs = self.server_eqn(eqn, [self.materialize(i) for i in ids])
-      elif _per_client_form(eqn) is not None:
-        outs = self.lift_per_client(eqn, ids)
+      elif (form := _per_client_form(eqn, kinds, self.num_clients)) is not None:
+        outs = self.lift_per_client(eqn, ids, form)
       else:
         raise UnplaceableOperationError(
-            f'fedjx: the operation {prim.name!r} combines client values outside '
-            'map_fn, so it cannot be placed. Move it into the function given to '
-            'fedjx.map_fn.')
+            f'fedjx: the operation {prim.name!r}{_where(eqn)} combines client '
+            'values outside map_fn, so it cannot be placed. Move it into the '
+            'function given to fedjx.map_fn. Outside map_fn, client values may '
+            'only go through elementwise operations and reshapes or broadcasts '
+            'that keep the client axis first (docs/beam.md).')
       for v, i in zip(eqn.outvars, outs):
         env[v] = i
     return [self.read(env, v) for v in jaxpr.outvars]
@@ -289,21 +290,28 @@ class _Builder:
           "fedjx.placements.force_map_strategy('sequential') with no mesh.")
     return [self.read(env, v) for v in inner.jaxpr.outvars]
 
-  def lift_per_client(self, eqn, ids):
-    """An elementwise (or non-leading-axis) op on client values, per client."""
-    n = self.num_clients
-    placed = [not isinstance(v, jex_core.Literal) and v.aval.ndim > 0 and
-              v.aval.shape[0] == n and self.kinds[i] != SERVER or
-              (self.kinds[i] == SERVER and v.aval.shape == eqn.invars[0].aval.shape
-               and v.aval.ndim > 0 and v.aval.shape[0] == n)
-              for v, i in zip(eqn.invars, ids)]
-    prim, params = _per_client_form(eqn)
-    const_ids = [i for i, p in zip(ids, placed) if not p]
-    x_ids = [i for i, p in zip(ids, placed) if p]
+  def lift_per_client(self, eqn, ids, form):
+    """An op that acts on each client's slice alone, run per client.
+
+    Operands with a leading axis of the number of clients are sliced (client
+    values, and server arrays of that shape); server operands of the output's
+    rank with a leading axis of 1 (implicit broadcasting) lose that axis;
+    others (scalars, literals) are passed whole.
+    """
+    prim, params, modes = form
+    const_ids = [i for i, m in zip(ids, modes) if m != _PLACED]
+    x_ids = [i for i, m in zip(ids, modes) if m == _PLACED]
 
     def one_client(*args):
-      consts, xs = iter(args[:len(const_ids)]), iter(args[len(const_ids):])
-      operands = [next(xs) if p else next(consts) for p in placed]
+      consts = iter(args[:len(const_ids)])
+      xs = iter(args[len(const_ids):])
+      operands = []
+      for m in modes:
+        if m == _PLACED:
+          operands.append(next(xs))
+        else:
+          c = next(consts)
+          operands.append(c[0] if m == _SQUEEZED else c)
       out = prim.bind(*operands, **params)
       return out if prim.multiple_results else [out]
 
@@ -315,7 +323,7 @@ class _Builder:
     self.flush()
     out_ids = [self.new_id(v.aval, CLIENT) for v in eqn.outvars]
     self.steps.append(MapStep(body, [self.materialize(i) for i in const_ids],
-                              x_ids, out_ids, lifted=(eqn, tuple(placed))))
+                              x_ids, out_ids, lifted=True))
     return out_ids
 
   def scan_over_clients(self, scan, scan_ids, name):
@@ -335,33 +343,97 @@ class _Builder:
     return out_ids
 
 
-# Elementwise primitives: on placed operands of one shape, each client's
-# output depends on its own slice only.
+# Elementwise primitives: on placed operands, each client's output depends on
+# its own slice only.
 _ELEMENTWISE = frozenset((
-    'abs', 'add', 'and', 'ceil', 'convert_element_type', 'cos', 'div', 'eq',
-    'exp', 'floor', 'ge', 'gt', 'integer_pow', 'is_finite', 'le', 'log',
-    'log1p', 'lt', 'max', 'min', 'mul', 'ne', 'neg', 'not', 'or', 'pow',
-    'rem', 'round', 'rsqrt', 'select_n', 'sign', 'sin', 'sqrt', 'square',
-    'sub', 'tanh', 'logistic', 'xor', 'stop_gradient', 'copy', 'copy_p'))
+    'abs', 'acos', 'acosh', 'add', 'and', 'asin', 'asinh', 'atan', 'atan2',
+    'atanh', 'cbrt', 'ceil', 'clamp', 'convert_element_type', 'copy', 'copy_p',
+    'cos', 'cosh', 'div', 'eq', 'erf', 'erf_inv', 'exp', 'exp2', 'expm1',
+    'floor', 'ge', 'gt', 'integer_pow', 'is_finite', 'le', 'log', 'log1p',
+    'logistic', 'lt', 'max', 'min', 'mul', 'ne', 'neg', 'nextafter', 'not',
+    'or', 'pow', 'reduce_precision', 'rem', 'round', 'rsqrt', 'select_n',
+    'shift_left', 'shift_right_arithmetic', 'shift_right_logical', 'sign',
+    'sin', 'sinh', 'sqrt', 'square', 'stop_gradient', 'sub', 'tan', 'tanh',
+    'xor'))
 _AXIS_REDUCTIONS = frozenset(('reduce_sum', 'reduce_max', 'reduce_min',
                               'reduce_prod', 'reduce_and', 'reduce_or',
                               'argmax', 'argmin'))
+# How an operand reaches the per-client form of a lifted op.
+_PLACED, _WHOLE, _SQUEEZED = 'placed', 'whole', 'squeezed'
 
 
-def _per_client_form(eqn):
-  """(primitive, params) computing ``eqn`` on one client's slice, or None."""
+def _per_client_form(eqn, kinds, n):
+  """``(primitive, params, operand modes)`` computing ``eqn`` on one client's
+  slice, or None if the op mixes clients.
+
+  Lifted: elementwise ops (with implicit broadcasting of size-1 axes), reductions
+  over non-client axes, and reshapes, ``broadcast_in_dim`` s, transposes and
+  squeezes that keep the client axis first.
+  """
   name = eqn.primitive.name
+  params = dict(eqn.params)
+  avals = [v.aval for v in eqn.invars]
+  out = eqn.outvars[0].aval
+  if n is None or not out.ndim or out.shape[0] != n:
+    return None
+
+  def leading_n(aval):
+    return aval.ndim > 0 and aval.shape[0] == n
+
   if name in _ELEMENTWISE:
-    shapes = {v.aval.shape for v in eqn.invars if v.aval.ndim > 0}
-    return (eqn.primitive, dict(eqn.params)) if len(shapes) <= 1 else None
+    modes = []
+    for aval, kind in zip(avals, kinds):
+      if aval.ndim == 0:
+        modes.append(_WHOLE)
+      elif aval.ndim != out.ndim:
+        return None
+      elif leading_n(aval):
+        modes.append(_PLACED)
+      elif kind == SERVER and aval.shape[0] == 1:
+        modes.append(_SQUEEZED)
+      else:
+        return None
+    return eqn.primitive, params, modes
+  if len(avals) != 1 or not leading_n(avals[0]) or kinds[0] == SERVER:
+    return None
   if name in _AXIS_REDUCTIONS:
-    axes = tuple(eqn.params['axes'])
+    axes = tuple(params['axes'])
     if 0 in axes:
       return None
-    params = dict(eqn.params)
     params['axes'] = tuple(a - 1 for a in axes)
-    return eqn.primitive, params
-  return None
+  elif name == 'reshape':
+    if params.get('dimensions') is not None or params['new_sizes'][0] != n:
+      return None
+    params['new_sizes'] = tuple(params['new_sizes'][1:])
+  elif name == 'broadcast_in_dim':
+    dims = tuple(params['broadcast_dimensions'])
+    if not dims or dims[0] != 0 or params['shape'][0] != n:
+      return None
+    params['shape'] = tuple(params['shape'][1:])
+    params['broadcast_dimensions'] = tuple(d - 1 for d in dims[1:])
+  elif name == 'transpose':
+    perm = tuple(params['permutation'])
+    if perm[0] != 0:
+      return None
+    params['permutation'] = tuple(p - 1 for p in perm[1:])
+  elif name == 'squeeze':
+    if 0 in params['dimensions']:
+      return None
+    params['dimensions'] = tuple(d - 1 for d in params['dimensions'])
+  else:
+    return None
+  if 'sharding' in params:
+    params['sharding'] = None
+  return eqn.primitive, params, [_PLACED]
+
+
+def _where(eqn) -> str:
+  """`` at file:line (function)`` of the user's code that made ``eqn``."""
+  try:
+    from jax._src import source_info_util  # No public API names an eqn's line.
+    return f' at {source_info_util.summarize(eqn.source_info)}'
+  except Exception:  # pragma: no cover - a JAX without it
+    return ''
 
 
 _FEDJX_PRIMITIVES = (primitives.broadcast_p, *REDUCTIONS)
@@ -440,15 +512,10 @@ def trace_plan_with_clients(fn: Callable[..., Any], args: Sequence[Any],
                             client_args: Sequence[int]) -> Plan:
   """Like :func:`trace_plan`; ``args[i]`` for ``i`` in ``client_args`` are
   placed values held by the clients (e.g. a cohort)."""
-  # JAX caches traces by function, not by fedjx's context: clear the caches so
-  # that functions traced earlier with another strategy are traced again, and
-  # again afterwards so later calls do not reuse the sequential traces.
-  jax.clear_caches()
-  try:
-    with placements_lib.force_map_strategy('sequential'):
-      closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
-  finally:
-    jax.clear_caches()
+  # The forced strategy is part of JAX's cache keys (a user context), so a
+  # jitted ``fn`` traced here neither reuses nor replaces its ordinary traces.
+  with placements_lib.force_map_strategy('sequential'):
+    closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
   flat_args, in_tree = jax.tree.flatten(tuple(args))
   client_leaf = []
   for position, arg in enumerate(args):
@@ -468,6 +535,40 @@ def trace_plan_with_clients(fn: Callable[..., Any], args: Sequence[Any],
               builder.consts, builder.num_clients)
   _liveness(plan)
   return plan
+
+
+def is_key(dtype) -> bool:
+  """Whether ``dtype`` is a typed PRNG key dtype (``jax.random.key``)."""
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def host_spec(aval) -> jax.ShapeDtypeStruct:
+  """How a value of ``aval`` travels outside JAX: keys as their key data."""
+  spec = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+  return jax.eval_shape(jax.random.key_data, spec) if is_key(aval.dtype) else spec
+
+
+def to_host(x: Any) -> np.ndarray:
+  """A NumPy array of ``x``; a typed key array becomes its key data."""
+  if is_key(getattr(x, 'dtype', None) or np.asarray(x).dtype):
+    x = jax.random.key_data(x)
+  return np.asarray(x)
+
+
+def from_host(x: Any, aval) -> Any:
+  """Inverse of :func:`to_host` for a value of ``aval``."""
+  if is_key(aval.dtype):
+    # The key's implementation is only reachable from its dtype.
+    return jax.random.wrap_key_data(x, impl=aval.dtype._impl)
+  return x
+
+
+def on_host_values(fn: Callable[..., Any], avals: Sequence[Any]) -> Callable[..., Any]:
+  """``fn`` taking and returning host values (key data for typed keys)."""
+  def wrapped(*args):
+    outs = fn(*[from_host(a, v) for a, v in zip(args, avals)])
+    return tuple(jax.random.key_data(o) if is_key(o.dtype) else o for o in outs)
+  return wrapped
 
 
 def evaluate(plan: Plan, *flat_args: Any) -> list[Any]:
