@@ -1,24 +1,33 @@
-"""Splitting a round into server and client computations with ``jax.export``.
+"""Splitting a round into the four pieces a cross-device system runs.
 
-Cross-device systems run client work on phones and server work in a data
-centre; they need the two as separate, portable programs. :func:`split_round`
-traces a round written with the fedjx primitives (:mod:`fedjx.plan`) and
-exports three StableHLO computations:
+Cross-device systems run client work on phones, aggregation in a (possibly
+secure) aggregation service, and server work in a data centre; they need
+these as separate, portable programs. :func:`split_round` traces a round
+written with the fedjx primitives (:mod:`fedjx.plan`) and returns one
+broadcast-map-aggregate-update stage, with aggregation a stage of its own as
+in TensorFlow Federated's MapReduceForm (``tff.backends.mapreduce``):
 
-1. ``server_prepare(*server_inputs) -> (to_clients, residuals)``: server code
-   before client work; ``to_clients`` are the values sent to every client
-   (broadcasts and values the client function closes over), ``residuals``
-   the server values kept for step 3.
-2. ``client_work(*to_clients, *client_inputs) -> client_outputs``: one
-   client's computation, run once per client.
-3. ``server_update(*residuals, *stacked_client_values) -> outputs``: the
-   aggregations (sum, mean, weighted mean over the stacked per-client values,
-   the part a secure-aggregation service would take over) and the server code
-   after them.
+1. ``server_prepare(*server_inputs) -> (*to_clients, *placed, *residuals)``
+   (a ``jax.export.Exported``): the server code before client work.
+   ``to_clients`` go whole to every client; ``placed`` are server arrays
+   with a leading client axis, of which client ``i`` receives slice ``i``;
+   ``residuals`` stay on the server for step 4.
+2. ``client_work(*to_clients, *placed_i, *client_inputs_i) -> client_outputs``
+   (a ``jax.export.Exported``): one client's computation. ``placed_i`` and
+   ``client_inputs_i`` are the client's slices of ``placed`` and of every
+   flat client input (e.g. the leaves of its cohort), in order.
+3. ``aggregations``: a tuple of :class:`Aggregation` (plain data): aggregate
+   ``k`` is the ``op`` (``'sum'``, ``'mean'`` or ``'weighted_mean'``) over
+   clients of ``client_outputs[value]``, weighted by ``client_outputs[weight]``
+   for a weighted mean (``sum_i w_i x_i / sum_i w_i``, zero when the weights
+   sum to zero). This is the part to hand to a secure-aggregation service.
+4. ``server_update(*residuals, *aggregates) -> outputs`` (a
+   ``jax.export.Exported``): the server code after aggregation; its flat
+   outputs unflatten with ``SplitRound.out_tree`` to the round's outputs.
 
-Each is a ``jax.export.Exported``; ``.serialize()`` gives bytes that
-``jax.export.deserialize`` turns back into a callable anywhere JAX (or an
-XLA/StableHLO runtime) runs. :meth:`SplitRound.run` composes them by hand.
+Each ``Exported`` ``.serialize()`` s to bytes that ``jax.export.deserialize``
+turns back into a callable wherever JAX (or an XLA/StableHLO runtime) runs.
+:meth:`SplitRound.run` composes the four by hand, aggregating in NumPy.
 """
 
 from __future__ import annotations
@@ -29,36 +38,82 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjx import plan as plan_lib
-from fedjx import primitives
+
+AGGREGATION_OPS = ('sum', 'mean', 'weighted_mean')
+
+
+@dataclasses.dataclass(frozen=True)
+class Aggregation:
+  """One aggregate over clients of an output of ``client_work``.
+
+  Attributes:
+    op: ``'sum'`` (``sum_i x_i``), ``'mean'`` (``(1/n) sum_i x_i``) or
+      ``'weighted_mean'`` (``sum_i w_i x_i / sum_i w_i``, 0 if the weights
+      sum to 0).
+    value: the index of ``x`` among ``client_work``'s outputs.
+    weight: the index of ``w`` among ``client_work``'s outputs
+      (``'weighted_mean'`` only; ``w_i`` has shape ``[]``), else None.
+    dtype: the aggregate's dtype, as ``server_update`` takes it.
+  """
+
+  op: str
+  value: int
+  weight: int | None
+  dtype: str
+
+  def to_dict(self) -> dict[str, Any]:
+    """The aggregation as JSON-compatible data."""
+    return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
 class SplitRound:
-  """A round as three exported computations (see the module docstring).
+  """A round as four pieces (see the module docstring for their signatures).
 
   Attributes:
     server_prepare, client_work, server_update: ``jax.export.Exported``.
-    client_input_kinds: for each input of ``client_work`` after the
-      ``to_clients`` values: ``'client'`` (a slice of a client argument) or
-      ``'server'`` (a slice of a placed value computed by the server, taken
-      from ``to_clients_placed``).
+    aggregations: one :class:`Aggregation` per input of ``server_update``
+      after the residuals, in order.
     num_clients: the cohort size the round was traced for.
+    num_to_clients, num_placed, num_residuals: how ``server_prepare``'s
+      outputs divide into ``to_clients``, ``placed`` and ``residuals``.
+    out_tree: the pytree structure of the round's outputs.
   """
 
   server_prepare: Any
   client_work: Any
+  aggregations: tuple[Aggregation, ...]
   server_update: Any
   num_clients: int
-  _client_sources: list[tuple[str, int]]
-  _stacked_sources: list[tuple[str, int]]
-  _out_tree: Any
-  _num_to_clients: int
-  _num_placed_from_server: int
+  num_to_clients: int
+  num_placed: int
+  num_residuals: int
+  out_tree: Any
+
+  def prepare(self, server_inputs: Sequence[Any]) -> tuple[list, list, list]:
+    """Runs ``server_prepare``: ``(to_clients, placed, residuals)``."""
+    prepared = list(self.server_prepare.call(*server_inputs))
+    a, b = self.num_to_clients, self.num_to_clients + self.num_placed
+    return prepared[:a], prepared[a:b], prepared[b:]
+
+  def aggregate(self, client_outputs: Sequence[Sequence[Any]]) -> list[np.ndarray]:
+    """Computes :attr:`aggregations` in NumPy (64-bit accumulators).
+
+    Args:
+      client_outputs: for each client, the outputs of its ``client_work``.
+    """
+    out = []
+    for agg in self.aggregations:
+      xs = [outs[agg.value] for outs in client_outputs]
+      ws = None if agg.weight is None else [outs[agg.weight] for outs in client_outputs]
+      out.append(plan_lib.combine(agg.op, xs, ws, jnp.dtype(agg.dtype)))
+    return out
 
   def run(self, server_inputs: Sequence[Any], client_inputs: Sequence[Any]) -> Any:
-    """Composes the three computations by hand, client by client.
+    """Composes the four pieces by hand, client by client.
 
     Args:
       server_inputs: the flat server arguments, in order.
@@ -67,206 +122,184 @@ class SplitRound:
     Returns:
       The round's outputs.
     """
-    prepared = self.server_prepare.call(*server_inputs)
-    to_clients = prepared[:self._num_to_clients]
-    placed = prepared[self._num_to_clients:
-                      self._num_to_clients + self._num_placed_from_server]
-    residuals = prepared[self._num_to_clients + self._num_placed_from_server:]
-    per_client = []
+    to_clients, placed, residuals = self.prepare(server_inputs)
+    client_outputs = []
     for c in range(self.num_clients):
-      xs = [client_inputs[i][c] if kind == 'client' else placed[i][c]
-            for kind, i in self._client_sources]
-      per_client.append(self.client_work.call(*to_clients, *xs))
-    stacked = []
-    for kind, i in self._stacked_sources:
-      if kind == 'output':
-        stacked.append(jnp.stack([outs[i] for outs in per_client]))
-      else:
-        stacked.append(client_inputs[i])
-    outs = self.server_update.call(*residuals, *stacked)
-    return jax.tree.unflatten(self._out_tree, list(outs))
+      mine = [x[c] for x in placed] + [x[c] for x in client_inputs]
+      client_outputs.append(self.client_work.call(*to_clients, *mine))
+    aggregates = self.aggregate(client_outputs)
+    outs = self.server_update.call(*residuals, *aggregates)
+    return jax.tree.unflatten(self.out_tree, list(outs))
 
 
-def _lifted_operands(step, consts, xs):
-  """The operands of a lifted equation, in its own order."""
-  _, placed = step.lifted
-  consts, xs = iter(consts), iter(xs)
-  return [next(xs) if p else next(consts) for p in placed]
+_PREPARE, _CLIENT, _UPDATE = 'prepare', 'client', 'update'
+
+
+def _stage_error(what: str) -> ValueError:
+  return ValueError(
+      f'fedjx.export.split_round: {what}, so the program has more than one '
+      'broadcast-map-aggregate stage; a round to split must have one (split '
+      'it into several rounds, or run it with fedjx.beam).')
 
 
 def split_round(fn: Callable[..., Any], *args: Any,
                 client_args: Sequence[int] = ()) -> SplitRound:
-  """Exports ``fn`` (a round with one ``map_fn``) as three computations.
+  """Exports ``fn`` as ``server_prepare``, ``client_work``, aggregations and
+  ``server_update``.
 
   Args:
-    fn: a function that calls a ``fedjx.program`` with exactly one
-      ``map_fn`` whose outputs are only reduced after it.
+    fn: a function that calls a ``fedjx.program`` with one MapReduce stage:
+      server code, then client work (any number of ``map_fn`` s and
+      elementwise operations on client values), then reductions, then server
+      code that no longer reaches clients.
     *args: example arguments (arrays or ``jax.ShapeDtypeStruct`` s).
     client_args: positions of the arguments the clients hold (e.g. the
       cohort); the others are server inputs.
+
+  Returns:
+    The :class:`SplitRound`.
   """
   plan = plan_lib.trace_plan_with_clients(fn, args, client_args)
-  maps = [k for k, s in enumerate(plan.steps)
-          if isinstance(s, plan_lib.MapStep) and s.lifted is None]
-  if len(maps) != 1:
-    raise ValueError(f'fedjx.export.split_round: the program has {len(maps)} '
-                     'map_fn calls; a round to split must have exactly one.')
-  m = maps[0]
-  # Elementwise ops on client values outside map_fn apply to stacked values
-  # too: the server runs them while aggregating.
-  lifted = [s for s in plan.steps[:m]
-            if isinstance(s, plan_lib.MapStep) and s.lifted is not None]
-  before = [s for s in plan.steps[:m] if not any(s is l for l in lifted)]
-  map_step = plan.steps[m]
-  after = lifted + plan.steps[m + 1:]
-  lifted_outs = {o for s in lifted for o in s.out_ids}
-  if lifted_outs & set(map_step.x_ids):
-    raise ValueError('fedjx.export.split_round: client values computed outside '
-                     'map_fn feed client work; compute them inside map_fn.')
-  for step in before:
-    if isinstance(step, plan_lib.ReduceStep):
-      raise ValueError('fedjx.export.split_round: a reduction before client work '
-                       'is not supported; reduce after map_fn.')
-  for step in after:
-    if (isinstance(step, plan_lib.BroadcastStep) or
-        isinstance(step, plan_lib.MapStep) and step.lifted is None):
-      raise ValueError('fedjx.export.split_round: broadcasts after client work '
-                       'are not supported.')
-
-  flat_leaves_per_arg = [len(jax.tree.leaves(a)) for a in args]
   client_leaf_ids, server_leaf_ids = [], []
   position = 0
-  for k, count in enumerate(flat_leaves_per_arg):
+  for k, arg in enumerate(args):
+    count = len(jax.tree.leaves(arg))
     ids = plan.in_ids[position:position + count]
     (client_leaf_ids if k in client_args else server_leaf_ids).extend(ids)
     position += count
 
-  broadcast_source = {s.out_id: s.in_id for s in before
-                      if isinstance(s, plan_lib.BroadcastStep)}
-  # Inputs of client work.
-  to_clients = list(map_step.const_ids)
-  client_sources, placed_from_server = [], []
-  for i in map_step.x_ids:
-    if i in broadcast_source:
-      to_clients.append(broadcast_source[i])
-      client_sources.append(None)  # Filled below: broadcasts go with consts.
-    elif plan.kinds[i] == plan_lib.CLIENT:
-      client_sources.append(('client', client_leaf_ids.index(i)))
-    else:
-      placed_from_server.append(i)
-      client_sources.append(('server', len(placed_from_server) - 1))
-  # client_work takes (consts, broadcasts) then per-client slices, in x order.
-  x_broadcast = [i for i in map_step.x_ids if i in broadcast_source]
-  x_sliced = [(i, src) for i, src in zip(map_step.x_ids, client_sources) if src is not None]
-
-  # What server_update needs.
-  map_out = {o: k for k, o in enumerate(map_step.out_ids)}
-  defined_after = set()
-  needed_server, stacked_sources, stacked_ids = [], [], []
-  for step in after:
-    if isinstance(step, plan_lib.ReduceStep):
-      reads = [step.x_id] + ([step.weight_id] if step.weight_id is not None else [])
-      defined = [step.out_id]
+  # Assign every step to a stage by what it reads.
+  stage = {i: _PREPARE for i in list(server_leaf_ids) + list(plan.consts)}
+  stage.update({i: _CLIENT for i in client_leaf_ids})
+  broadcast_source: dict[int, int] = {}
+  prepare_steps, client_steps, reductions, update_steps = [], [], [], []
+  for step in plan.steps:
+    if isinstance(step, plan_lib.ServerStep):
+      where = _UPDATE if any(stage.get(i) == _UPDATE for i in step.in_ids) else _PREPARE
+      (update_steps if where == _UPDATE else prepare_steps).append(step)
+      stage.update({i: where for i in step.out_ids})
+    elif isinstance(step, plan_lib.BroadcastStep):
+      source = broadcast_source.get(step.in_id, step.in_id)
+      if stage.get(source) == _UPDATE:
+        raise _stage_error('a value computed from an aggregate is broadcast')
+      broadcast_source[step.out_id] = source
+      stage[step.out_id] = _PREPARE
     elif isinstance(step, plan_lib.MapStep):
-      reads, defined = list(step.const_ids) + list(step.x_ids), step.out_ids
+      if any(stage.get(i) == _UPDATE for i in list(step.const_ids) + list(step.x_ids)):
+        raise _stage_error('client work reads a value computed from an aggregate')
+      client_steps.append(step)
+      stage.update({i: _CLIENT for i in step.out_ids})
     else:
-      reads, defined = step.in_ids, step.out_ids
-    for i in reads:
-      if i in defined_after or i in stacked_ids or i in needed_server:
-        continue
-      if i in map_out:
-        stacked_ids.append(i)
-        stacked_sources.append(('output', map_out[i]))
-      elif plan.kinds.get(i) == plan_lib.CLIENT:
-        stacked_ids.append(i)
-        stacked_sources.append(('input', client_leaf_ids.index(i)))
-      else:
-        needed_server.append(i)
-    defined_after.update(defined)
+      operands = [step.x_id] + ([step.weight_id] if step.weight_id is not None else [])
+      if any(stage.get(i) == _UPDATE for i in operands):
+        raise _stage_error('an aggregate is aggregated again')
+      reductions.append(step)
+      stage[step.out_id] = _UPDATE
   for i in plan.out_ids:
-    if i not in defined_after and i not in needed_server and i not in stacked_ids:
-      if i in map_out:
-        stacked_ids.append(i)
-        stacked_sources.append(('output', map_out[i]))
-      else:
-        needed_server.append(i)
+    if stage.get(i) == _CLIENT:
+      raise ValueError(
+          'fedjx.export.split_round: the round returns a value placed at the '
+          'clients; only server values (aggregates and what the server '
+          'computes from them) can be outputs. Reduce it first.')
 
-  def resolve(env, i):
-    if i in env:
-      return env[i]
-    if i in broadcast_source:
-      src = env[broadcast_source[i]] if broadcast_source[i] in env else plan.consts[broadcast_source[i]]
-      return jnp.broadcast_to(src, (plan.num_clients,) + jnp.shape(src))
-    return plan.consts[i]
+  # What client work reads: whole server values, slices of server-placed
+  # values, slices of client inputs.
+  def is_client_local(i):
+    return stage.get(i) == _CLIENT
+
+  to_clients, placed = [], []
+  for step in client_steps:
+    for i in step.const_ids:
+      if i not in to_clients:
+        to_clients.append(i)
+    for i in step.x_ids:
+      if i in broadcast_source:
+        if broadcast_source[i] not in to_clients:
+          to_clients.append(broadcast_source[i])
+      elif not is_client_local(i) and i not in placed:
+        placed.append(i)
+  client_outputs = []
+  for step in reductions:
+    for i in (step.x_id, step.weight_id):
+      if i is None or i in client_outputs:
+        continue
+      client_outputs.append(i)
+      if i in broadcast_source:
+        if broadcast_source[i] not in to_clients:
+          to_clients.append(broadcast_source[i])
+      elif not is_client_local(i) and i not in placed:
+        placed.append(i)
+
+  # What the server keeps for the update.
+  update_reads = [i for s in update_steps for i in s.in_ids] + list(plan.out_ids)
+  residuals = []
+  for i in update_reads:
+    i = broadcast_source.get(i, i)
+    if stage.get(i) == _PREPARE and i not in plan.consts and i not in residuals:
+      residuals.append(i)
+  aggregate_ids = [s.out_id for s in reductions]
+
+  def value(env, i):
+    return env[i] if i in env else plan.consts[i]
 
   def prepare(*server_inputs):
     env = dict(zip(server_leaf_ids, server_inputs))
-    for step in before:
-      if isinstance(step, plan_lib.ServerStep):
-        env.update(zip(step.out_ids, step.function()(*[resolve(env, i) for i in step.in_ids])))
-    return (tuple(resolve(env, i) for i in map_step.const_ids) +
-            tuple(resolve(env, broadcast_source[i]) for i in x_broadcast) +
-            tuple(resolve(env, i) for i in placed_from_server) +
-            tuple(resolve(env, i) for i in needed_server))
-
-  body = map_step.function()
-  n_consts = len(map_step.const_ids)
-  x_order = {i: k for k, i in enumerate(map_step.x_ids)}
+    for step in prepare_steps:
+      env.update(zip(step.out_ids, step.function()(*[value(env, i) for i in step.in_ids])))
+    return tuple(value(env, i) for i in to_clients + placed + residuals)
 
   def client_work(*inputs):
-    consts = inputs[:n_consts]
-    broadcasts = inputs[n_consts:n_consts + len(x_broadcast)]
-    sliced = inputs[n_consts + len(x_broadcast):]
-    xs = [None] * len(map_step.x_ids)
-    for i, v in zip(x_broadcast, broadcasts):
-      xs[x_order[i]] = v
-    for (i, _), v in zip(x_sliced, sliced):
-      xs[x_order[i]] = v
-    return tuple(body(*consts, *xs))
+    whole = dict(zip(to_clients, inputs[:len(to_clients)]))
+    mine = dict(zip(placed + client_leaf_ids, inputs[len(to_clients):]))
 
-  reduce_fns = {'sum': primitives.reduce_sum_p, 'mean': primitives.reduce_mean_p,
-                'weighted_mean': primitives.reduce_weighted_mean_p}
+    def local(i):
+      if i in broadcast_source:
+        return value(whole, broadcast_source[i])
+      return mine[i]
+
+    for step in client_steps:
+      outs = step.function()(*[value(whole, i) for i in step.const_ids],
+                             *[local(i) for i in step.x_ids])
+      mine.update(zip(step.out_ids, outs))
+    return tuple(local(i) for i in client_outputs)
 
   def update(*inputs):
-    env = dict(zip(needed_server, inputs[:len(needed_server)]))
-    env.update(zip(stacked_ids, inputs[len(needed_server):]))
-    for step in after:
-      if isinstance(step, plan_lib.ReduceStep):
-        operands = [resolve(env, step.x_id)]
-        if step.weight_id is not None:
-          operands.append(resolve(env, step.weight_id))
-        prim = reduce_fns[step.op]
-        env[step.out_id] = prim.impl(*operands, placement='clients')
-      elif isinstance(step, plan_lib.MapStep):
-        ordered = _lifted_operands(step, [resolve(env, i) for i in step.const_ids],
-                                   [resolve(env, i) for i in step.x_ids])
-        eqn = step.lifted[0]
-        outs = eqn.primitive.bind(*ordered, **eqn.primitive.get_bind_params(eqn.params))
-        env.update(zip(step.out_ids, outs if eqn.primitive.multiple_results else [outs]))
+    env = dict(zip(residuals + aggregate_ids, inputs))
+    for step in update_steps:
+      env.update(zip(step.out_ids, step.function()(*[value(env, i) for i in step.in_ids])))
+    outs = []
+    for i in plan.out_ids:
+      if i in broadcast_source:
+        v = value(env, broadcast_source[i])
+        outs.append(jnp.broadcast_to(v, (plan.num_clients,) + jnp.shape(v)))
       else:
-        env.update(zip(step.out_ids, step.function()(*[resolve(env, i) for i in step.in_ids])))
-    return tuple(resolve(env, i) for i in plan.out_ids)
+        outs.append(value(env, i))
+    return tuple(outs)
 
   def spec(i, drop_leading=False):
     aval = plan.avals[i]
-    shape = aval.shape[1:] if drop_leading else aval.shape
-    return jax.ShapeDtypeStruct(shape, aval.dtype)
+    return jax.ShapeDtypeStruct(aval.shape[1:] if drop_leading else aval.shape, aval.dtype)
 
-  server_specs = [spec(i) for i in server_leaf_ids]
-  to_client_specs = ([spec(i) for i in map_step.const_ids] +
-                     [spec(broadcast_source[i]) for i in x_broadcast])
-  sliced_specs = [spec(i, drop_leading=True) for i, _ in x_sliced]
-  update_specs = [spec(i) for i in needed_server] + [spec(i) for i in stacked_ids]
-  exported_prepare = jax.export.export(jax.jit(prepare))(*server_specs)
-  exported_client = jax.export.export(jax.jit(client_work))(*to_client_specs, *sliced_specs)
-  exported_update = jax.export.export(jax.jit(update))(*update_specs)
+  output_index = {i: k for k, i in enumerate(client_outputs)}
+  aggregations = tuple(
+      Aggregation(s.op, output_index[s.x_id],
+                  None if s.weight_id is None else output_index[s.weight_id],
+                  str(plan.avals[s.out_id].dtype))
+      for s in reductions)
+  exported_prepare = jax.export.export(jax.jit(prepare))(
+      *[spec(i) for i in server_leaf_ids])
+  exported_client = jax.export.export(jax.jit(client_work))(
+      *[spec(i) for i in to_clients],
+      *[spec(i, drop_leading=True) for i in placed + client_leaf_ids])
+  exported_update = jax.export.export(jax.jit(update))(
+      *[spec(i) for i in residuals + aggregate_ids])
   return SplitRound(
       server_prepare=exported_prepare,
       client_work=exported_client,
+      aggregations=aggregations,
       server_update=exported_update,
       num_clients=plan.num_clients,
-      _client_sources=[src for _, src in x_sliced],
-      _stacked_sources=stacked_sources,
-      _out_tree=plan.out_tree,
-      _num_to_clients=len(to_client_specs),
-      _num_placed_from_server=len(placed_from_server))
+      num_to_clients=len(to_clients),
+      num_placed=len(placed),
+      num_residuals=len(residuals),
+      out_tree=plan.out_tree)
