@@ -346,7 +346,7 @@ class _Builder:
 # Elementwise primitives: on placed operands, each client's output depends on
 # its own slice only.
 _ELEMENTWISE = frozenset((
-    'abs', 'acos', 'acosh', 'add', 'and', 'asin', 'asinh', 'atan', 'atan2',
+    'abs', 'acos', 'acosh', 'add', 'add_any', 'and', 'asin', 'asinh', 'atan', 'atan2',
     'atanh', 'cbrt', 'ceil', 'clamp', 'convert_element_type', 'copy', 'copy_p',
     'cos', 'cosh', 'div', 'eq', 'erf', 'erf_inv', 'exp', 'exp2', 'expm1',
     'floor', 'ge', 'gt', 'integer_pow', 'is_finite', 'le', 'log', 'log1p',
