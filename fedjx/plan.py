@@ -26,6 +26,7 @@ programs (``jax.grad`` of a round) are plans too, since the transpose of
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -220,12 +221,7 @@ class _Builder:
       elif (form := _per_client_form(eqn, kinds, self.num_clients)) is not None:
         outs = self.lift_per_client(eqn, ids, form)
       else:
-        raise UnplaceableOperationError(
-            f'fedjx: the operation {prim.name!r}{_where(eqn)} combines client '
-            'values outside map_fn, so it cannot be placed. Move it into the '
-            'function given to fedjx.map_fn. Outside map_fn, client values may '
-            'only go through elementwise operations and reshapes or broadcasts '
-            'that keep the client axis first (docs/beam.md).')
+        raise _unplaceable(eqn)
       for v, i in zip(eqn.outvars, outs):
         env[v] = i
     return [self.read(env, v) for v in jaxpr.outvars]
@@ -427,13 +423,40 @@ def _per_client_form(eqn, kinds, n):
   return eqn.primitive, params, [_PLACED]
 
 
-def _where(eqn) -> str:
-  """`` at file:line (function)`` of the user's code that made ``eqn``."""
+def _where(eqn, depth: int = 3) -> str:
+  """`` at file:line (function) <- ...``: the innermost frames (outside JAX)
+  of the code that made ``eqn``, so an error names what the user wrote."""
   try:
-    from jax._src import source_info_util  # No public API names an eqn's line.
-    return f' at {source_info_util.summarize(eqn.source_info)}'
+    from jax._src import source_info_util  # No public API reads an eqn's frames.
+    frames = list(source_info_util.user_frames(eqn.source_info.traceback))[:depth]
   except Exception:  # pragma: no cover - a JAX without it
     return ''
+  if not frames:
+    return ''
+  return ' at ' + ' <- '.join(
+      f'{os.path.basename(f.file_name)}:{f.start_line} ({f.function_name})'
+      for f in frames)
+
+
+_INDEXING = frozenset(('gather', 'scatter', 'scatter-add', 'scatter_add',
+                       'dynamic_slice', 'dynamic_update_slice'))
+
+
+def _unplaceable(eqn) -> UnplaceableOperationError:
+  name = eqn.primitive.name
+  hint = ('Outside map_fn, client values may only go through elementwise '
+          'operations, reductions over non-client axes, and reshapes, '
+          'broadcasts, transposes or squeezes that keep the client axis first '
+          '(docs/beam.md).')
+  if name in _INDEXING:
+    hint = ('Indexing a server array with client values (per-client state '
+            'looked up or written by client id, as in SCAFFOLD) is not '
+            'supported in plans; docs/beam.md lists the algorithms that run. '
+            + hint)
+  return UnplaceableOperationError(
+      f'fedjx: the operation {name!r}{_where(eqn)} combines client values '
+      f'outside map_fn, so it cannot be placed. Move it into the function given '
+      f'to fedjx.map_fn. {hint}')
 
 
 _FEDJX_PRIMITIVES = (primitives.broadcast_p, *REDUCTIONS)

@@ -130,3 +130,13 @@ def test_an_op_that_cannot_be_placed_is_named():
 
   with pytest.raises(plan_lib.UnplaceableOperationError, match='cumsum'):
     fedjx_beam.run(program, fedjx_beam.ClientData.from_arrays(jnp.ones((4, 2))))
+
+
+def test_per_client_state_by_client_id_is_named_with_the_users_line():
+  """SCAFFOLD looks its control variates up by client id: not a plan."""
+  algo = algorithms.scaffold(_loss, CLIENTS, client_optimizer=optax.sgd(0.1))
+  state = algo.init(_params())
+  with pytest.raises(plan_lib.UnplaceableOperationError,
+                     match=r"'gather' at .*scaffold\.py:\d+ .*per-client state"):
+    fedjx_beam.run(algo.apply, state, fedjx_beam.ClientData.from_arrays(_cohort(0)),
+                   jax.random.PRNGKey(0))
