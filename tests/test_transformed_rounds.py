@@ -182,3 +182,42 @@ def test_beam_run_does_not_recompile_the_users_jitted_functions():
     jax.monitoring.unregister_event_duration_listener(listener)
   assert compiles == []
   assert (round_fn._cache_size(), helper._cache_size()) == sizes
+
+
+# Every algorithm whose round is a plan (docs/beam.md); SCAFFOLD and the
+# DiLoCo variants keep per-client state by client id and are not.
+BEAM_SUPPORTED = {
+    'fedavg': lambda: algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1)),
+    'fedadam': lambda: algorithms.fedadam(_loss, client_optimizer=optax.sgd(0.1)),
+    'fedyogi': lambda: algorithms.fedyogi(_loss, client_optimizer=optax.sgd(0.1)),
+    'fedadagrad': lambda: algorithms.fedadagrad(_loss, client_optimizer=optax.sgd(0.1)),
+    'fedavgm': lambda: algorithms.fedavgm(_loss, client_optimizer=optax.sgd(0.1)),
+    'fedprox': lambda: algorithms.fedprox(_loss, mu=0.1, client_optimizer=optax.sgd(0.1)),
+    'dp_fedavg': lambda: algorithms.dp_fedavg(_loss, clip_norm=0.05,
+                                              client_optimizer=optax.sgd(0.1)),
+    'fedavg_hypergradient_tuner': lambda: algorithms.fedavg_hypergradient_tuner(_loss),
+}
+
+
+def _grad_in_beam_matches_jax(name):
+  objective = _objective(BEAM_SUPPORTED[name]())
+  grad = jax.grad(objective)
+  cohort = _cohort(1)
+  got = fedjx_beam.run(grad, _params(), fedjx_beam.ClientData.from_arrays(cohort))
+  _assert_close(got, grad(_params(), cohort))
+
+
+def test_grad_of_every_supported_round_is_a_plan():
+  """Each gradient traces to a plan: every operation on client values is
+  placed (running them all in Beam is the slow test below)."""
+  cohort = _cohort(1)
+  for name, build in sorted(BEAM_SUPPORTED.items()):
+    grad = jax.grad(_objective(build()))
+    plan = plan_lib.trace_plan_with_clients(grad, (_params(), cohort), client_args=(1,))
+    assert any(isinstance(s, plan_lib.ReduceStep) for s in plan.steps), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', sorted(BEAM_SUPPORTED))
+def test_grad_of_every_supported_round_in_beam(name):
+  _grad_in_beam_matches_jax(name)
