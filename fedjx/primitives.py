@@ -303,8 +303,9 @@ def _reduce_weighted_mean_jvp(primals, tangents, *, placement):
     # d out = sum_i dw_i (x_i - out) / sum_i w_i.
     dtype = out.dtype
     inverse = _inverse_total(reduce_sum_p.bind(w.astype(dtype), placement=placement))
-    deviation = x.astype(dtype) - broadcast_p.bind(out, placement=placement,
-                                                  n=x.shape[0])
+    mean = _like(broadcast_p.bind(out, placement=placement, n=x.shape[0]),
+                 jax.typeof(x))
+    deviation = x.astype(dtype) - mean
     dw = reduce_sum_p.bind(_scale(deviation, tw.astype(dtype)), placement=placement)
     dw = _scale(dw, inverse)
     tangent = dw if type(tangent) is ad.Zero else tangent + dw
@@ -322,7 +323,8 @@ def _reduce_weighted_mean_transpose(ct, x, w, *, placement):
   w = w.astype(dtype)
   inverse = _inverse_total(reduce_sum_p.bind(w, placement=placement))
   ct = _scale(ct.astype(dtype), inverse)
-  ct_x = _scale(broadcast_p.bind(ct, placement=placement, n=x.aval.shape[0]), w)
+  ct_x = _like(broadcast_p.bind(ct, placement=placement, n=x.aval.shape[0]), x.aval)
+  ct_x = _scale(ct_x, w)
   return [_like(ct_x.astype(x.aval.dtype), x.aval), None]
 
 

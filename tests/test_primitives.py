@@ -354,3 +354,30 @@ def test_bad_program_arguments():
     fedjx.program(fedjx.program(lambda: None, clients=2), clients=3)()
   with pytest.raises(ValueError, match="placement='silos' is not declared"):
     fedjx.program(lambda: fedjx.broadcast(1.0, placement='silos'), clients=2)()
+
+
+@pytest.mark.parametrize('axis_type', ['Auto', 'Explicit'])
+def test_weighted_mean_derivatives_on_a_mesh_match_no_mesh(axis_type):
+  """Reverse and forward rules in values and weights keep client shardings."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec
+  n = 8
+  rng = np.random.default_rng(1)
+  data = jnp.asarray(rng.normal(size=(n, 3)), jnp.float32)
+  weights = jnp.asarray(rng.uniform(0.5, 2.0, size=n), jnp.float32)
+
+  @fedjx.program(clients=n)
+  def f(theta, w, data):
+    local = fedjx.map_fn(lambda t, d: jnp.tanh(t * d), (fedjx.broadcast(theta), data))
+    return jnp.sum(fedjx.reduce_weighted_mean(local, w) ** 2)
+
+  theta = jnp.asarray([0.5, -1.0, 2.0])
+  want = jax.grad(f, argnums=(0, 1))(theta, weights, data)
+  want_fwd = jax.jacfwd(f, argnums=(0, 1))(theta, weights, data)
+  mesh = jax.make_mesh((n,), ('clients',), axis_types=(getattr(AxisType, axis_type),))
+  placed = NamedSharding(mesh, PartitionSpec('clients'))
+  with jax.set_mesh(mesh):
+    args = (theta, jax.device_put(weights, placed), jax.device_put(data, placed))
+    got = jax.jit(jax.grad(f, argnums=(0, 1)))(*args)
+    got_fwd = jax.jit(jax.jacfwd(f, argnums=(0, 1)))(*args)
+  for g, w in zip(jax.tree.leaves((got, got_fwd)), jax.tree.leaves((want, want_fwd))):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
