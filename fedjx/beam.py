@@ -330,10 +330,11 @@ def _write_outputs(outs, path):
     f.write(buffer.getvalue())
 
 
-def _read_outputs(path, count):
+def _read_outputs(path, dtypes):
+  """The outputs, in ``dtypes`` (``.npz`` keeps ``bfloat16`` only as raw bytes)."""
   with FileSystems.open(path) as f:
     data = np.load(io.BytesIO(f.read()), allow_pickle=False)
-    return [data[f'arr_{k}'] for k in range(count)]
+    return [data[f'arr_{k}'].view(dtype) for k, dtype in enumerate(dtypes)]
 
 
 def run(fn: Callable[..., Any], *args: Any,
@@ -454,7 +455,7 @@ def run(fn: Callable[..., Any], *args: Any,
          | 'outputs' >> beam.Map(_Outputs(out_refs, n),
                                  *[beam.pvalue.AsSingleton(p) for p in pcolls])
          | 'write' >> beam.Map(_write_outputs, path))
-  outs = _read_outputs(path, len(plan.out_ids))
+  outs = _read_outputs(path, [plan_lib.host_spec(plan.avals[i]).dtype for i in plan.out_ids])
   outs = [plan_lib.from_host(o, plan.avals[i]) for o, i in zip(outs, plan.out_ids)]
   return jax.tree.unflatten(plan.out_tree, outs)
 
