@@ -28,6 +28,13 @@ in TensorFlow Federated's MapReduceForm (``tff.backends.mapreduce``):
 Each ``Exported`` ``.serialize()`` s to bytes that ``jax.export.deserialize``
 turns back into a callable wherever JAX (or an XLA/StableHLO runtime) runs.
 :meth:`SplitRound.run` composes the four by hand, aggregating in NumPy.
+
+A program of several stages (a value computed from an aggregate reaches the
+clients again, as in ``jax.grad`` of a round) is split by
+:func:`split_program` into a :class:`SplitProgram`: a sequence of
+:class:`Stage` s, each a ``server_prepare``, a ``client_work`` and its
+aggregations, with server and per-client values carried between stages, and
+a final ``server_update``.
 """
 
 from __future__ import annotations
@@ -100,17 +107,8 @@ class SplitRound:
     return prepared[:a], prepared[a:b], prepared[b:]
 
   def aggregate(self, client_outputs: Sequence[Sequence[Any]]) -> list[np.ndarray]:
-    """Computes :attr:`aggregations` in NumPy (64-bit accumulators).
-
-    Args:
-      client_outputs: for each client, the outputs of its ``client_work``.
-    """
-    out = []
-    for agg in self.aggregations:
-      xs = [outs[agg.value] for outs in client_outputs]
-      ws = None if agg.weight is None else [outs[agg.weight] for outs in client_outputs]
-      out.append(plan_lib.combine(agg.op, xs, ws, jnp.dtype(agg.dtype)))
-    return out
+    """Computes :attr:`aggregations` in NumPy (see :func:`aggregate`)."""
+    return aggregate(self.aggregations, client_outputs)
 
   def run(self, server_inputs: Sequence[Any], client_inputs: Sequence[Any]) -> Any:
     """Composes the four pieces by hand, client by client.
@@ -132,32 +130,97 @@ class SplitRound:
     return jax.tree.unflatten(self.out_tree, list(outs))
 
 
-_PREPARE, _CLIENT, _UPDATE = 'prepare', 'client', 'update'
+@dataclasses.dataclass
+class Stage:
+  """One broadcast-map-aggregate stage of a :class:`SplitProgram`.
+
+  Attributes:
+    server_prepare: ``(*carry, *previous_aggregates) -> (*to_clients,
+      *placed, *carry')`` (stage 0 takes the flat server inputs).
+    client_work: ``(*to_clients, *placed_i, *client_inputs_i,
+      *client_carry_i) -> (*client_outputs, *client_carry_i')`` for one client.
+    aggregations: the aggregates of ``client_outputs`` (see :class:`Aggregation`).
+    num_to_clients, num_placed: how ``server_prepare``'s outputs begin.
+    num_client_carry: how many of ``client_work``'s outputs (at the end) the
+      client keeps for the next stage.
+  """
+
+  server_prepare: Any
+  client_work: Any
+  aggregations: tuple[Aggregation, ...]
+  num_to_clients: int
+  num_placed: int
+  num_client_carry: int
 
 
-def _stage_error(what: str) -> ValueError:
-  return ValueError(
-      f'fedjx.export.split_round: {what}, so the program has more than one '
-      'broadcast-map-aggregate stage; a round to split must have one (split '
-      'it into several rounds, or run it with fedjx.beam).')
+@dataclasses.dataclass
+class SplitProgram:
+  """A program of any number of stages, then ``server_update``.
+
+  Between stages the server keeps its carry (what later stages read) and
+  each client keeps its client carry (e.g. the residuals a gradient's
+  backward pass reads), so the same clients take part in every stage.
+  """
+
+  stages: tuple[Stage, ...]
+  server_update: Any
+  num_clients: int
+  out_tree: Any
+
+  def run(self, server_inputs: Sequence[Any], client_inputs: Sequence[Any]) -> Any:
+    """Runs the stages by hand, aggregating in NumPy (64-bit accumulators)."""
+    carry, aggregates = list(server_inputs), []
+    client_carry = [[] for _ in range(self.num_clients)]
+    for stage in self.stages:
+      prepared = list(stage.server_prepare.call(*carry, *aggregates))
+      a, b = stage.num_to_clients, stage.num_to_clients + stage.num_placed
+      to_clients, placed, carry = prepared[:a], prepared[a:b], prepared[b:]
+      outputs = []
+      for c in range(self.num_clients):
+        outs = list(stage.client_work.call(
+            *to_clients, *[x[c] for x in placed], *[x[c] for x in client_inputs],
+            *client_carry[c]))
+        cut = len(outs) - stage.num_client_carry
+        outputs.append(outs[:cut])
+        client_carry[c] = outs[cut:]
+      aggregates = aggregate(stage.aggregations, outputs)
+    outs = self.server_update.call(*carry, *aggregates)
+    return jax.tree.unflatten(self.out_tree, list(outs))
 
 
-def split_round(fn: Callable[..., Any], *args: Any,
-                client_args: Sequence[int] = ()) -> SplitRound:
-  """Exports ``fn`` as ``server_prepare``, ``client_work``, aggregations and
-  ``server_update``.
+def aggregate(aggregations: Sequence[Aggregation],
+              client_outputs: Sequence[Sequence[Any]]) -> list[np.ndarray]:
+  """Computes ``aggregations`` in NumPy with 64-bit accumulators.
 
   Args:
-    fn: a function that calls a ``fedjx.program`` with one MapReduce stage:
-      server code, then client work (any number of ``map_fn`` s and
-      elementwise operations on client values), then reductions, then server
-      code that no longer reaches clients.
+    aggregations: the stage's :class:`Aggregation` s.
+    client_outputs: for each client, the outputs of its ``client_work``.
+  """
+  out = []
+  for agg in aggregations:
+    xs = [outs[agg.value] for outs in client_outputs]
+    ws = None if agg.weight is None else [outs[agg.weight] for outs in client_outputs]
+    out.append(plan_lib.combine(agg.op, xs, ws, jnp.dtype(agg.dtype)))
+  return out
+
+
+def split_program(fn: Callable[..., Any], *args: Any,
+                  client_args: Sequence[int] = ()) -> SplitProgram:
+  """Exports ``fn`` as stages of (``server_prepare``, ``client_work``,
+  aggregations), then ``server_update``.
+
+  A value's stage is the number of aggregations it (transitively) depends
+  on: server code of stage ``k`` runs in stage ``k``'s ``server_prepare``
+  (``server_update`` after the last), client work of stage ``k`` in its
+  ``client_work``, and a reduction of stage-``k`` values is an aggregation
+  of stage ``k``. A gradient of a round has two stages: the forward
+  aggregation, then the cotangent broadcast back to the clients.
+
+  Args:
+    fn: a function that calls a ``fedjx.program`` and returns server values.
     *args: example arguments (arrays or ``jax.ShapeDtypeStruct`` s).
     client_args: positions of the arguments the clients hold (e.g. the
       cohort); the others are server inputs.
-
-  Returns:
-    The :class:`SplitRound`.
   """
   plan = plan_lib.trace_plan_with_clients(fn, args, client_args)
   client_leaf_ids, server_leaf_ids = [], []
@@ -168,138 +231,215 @@ def split_round(fn: Callable[..., Any], *args: Any,
     (client_leaf_ids if k in client_args else server_leaf_ids).extend(ids)
     position += count
 
-  # Assign every step to a stage by what it reads.
-  stage = {i: _PREPARE for i in list(server_leaf_ids) + list(plan.consts)}
-  stage.update({i: _CLIENT for i in client_leaf_ids})
+  # The stage of every value and step.
+  level = {i: 0 for i in list(server_leaf_ids) + list(plan.consts) + client_leaf_ids}
+  is_client = set(client_leaf_ids)
   broadcast_source: dict[int, int] = {}
-  prepare_steps, client_steps, reductions, update_steps = [], [], [], []
+  server_steps, client_steps, reductions = [], [], []
+
+  def source(i):
+    return broadcast_source.get(i, i)
+
+  def level_of(ids):
+    return max((level[source(i)] for i in ids), default=0)
+
   for step in plan.steps:
     if isinstance(step, plan_lib.ServerStep):
-      where = _UPDATE if any(stage.get(i) == _UPDATE for i in step.in_ids) else _PREPARE
-      (update_steps if where == _UPDATE else prepare_steps).append(step)
-      stage.update({i: where for i in step.out_ids})
+      k = level_of(step.in_ids)
+      server_steps.append((k, step))
+      level.update({i: k for i in step.out_ids})
     elif isinstance(step, plan_lib.BroadcastStep):
-      source = broadcast_source.get(step.in_id, step.in_id)
-      if stage.get(source) == _UPDATE:
-        raise _stage_error('a value computed from an aggregate is broadcast')
-      broadcast_source[step.out_id] = source
-      stage[step.out_id] = _PREPARE
+      broadcast_source[step.out_id] = source(step.in_id)
     elif isinstance(step, plan_lib.MapStep):
-      if any(stage.get(i) == _UPDATE for i in list(step.const_ids) + list(step.x_ids)):
-        raise _stage_error('client work reads a value computed from an aggregate')
-      client_steps.append(step)
-      stage.update({i: _CLIENT for i in step.out_ids})
+      k = level_of(list(step.const_ids) + list(step.x_ids))
+      client_steps.append((k, step))
+      level.update({i: k for i in step.out_ids})
+      is_client.update(step.out_ids)
     else:
       operands = [step.x_id] + ([step.weight_id] if step.weight_id is not None else [])
-      if any(stage.get(i) == _UPDATE for i in operands):
-        raise _stage_error('an aggregate is aggregated again')
-      reductions.append(step)
-      stage[step.out_id] = _UPDATE
+      k = level_of(operands)
+      reductions.append((k, step))
+      level[step.out_id] = k + 1
   for i in plan.out_ids:
-    if stage.get(i) == _CLIENT:
+    if i in is_client:
       raise ValueError(
-          'fedjx.export.split_round: the round returns a value placed at the '
-          'clients; only server values (aggregates and what the server '
-          'computes from them) can be outputs. Reduce it first.')
+          'fedjx.export: the program returns a value placed at the clients; '
+          'only server values (aggregates and what the server computes from '
+          'them) can be outputs. Reduce it first.')
+  num_stages = max((k + 1 for k, _ in reductions), default=1)
 
-  # What client work reads: whole server values, slices of server-placed
-  # values, slices of client inputs.
-  def is_client_local(i):
-    return stage.get(i) == _CLIENT
+  # Who reads what, at which stage (``num_stages``: server_update).
+  reads: list[tuple[int, int]] = []   # (stage, id)
+  for k, step in server_steps:
+    reads += [(min(k, num_stages), i) for i in step.in_ids]
+  for k, step in client_steps:
+    reads += [(k, i) for i in list(step.const_ids) + list(step.x_ids)]
+  for k, step in reductions:
+    reads += [(k, i) for i in (step.x_id, step.weight_id) if i is not None]
+  reads += [(num_stages, i) for i in plan.out_ids]
 
-  to_clients, placed = [], []
-  for step in client_steps:
-    for i in step.const_ids:
-      if i not in to_clients:
-        to_clients.append(i)
-    for i in step.x_ids:
-      if i in broadcast_source:
-        if broadcast_source[i] not in to_clients:
-          to_clients.append(broadcast_source[i])
-      elif not is_client_local(i) and i not in placed:
-        placed.append(i)
-  client_outputs = []
-  for step in reductions:
-    for i in (step.x_id, step.weight_id):
-      if i is None or i in client_outputs:
-        continue
-      client_outputs.append(i)
-      if i in broadcast_source:
-        if broadcast_source[i] not in to_clients:
-          to_clients.append(broadcast_source[i])
-      elif not is_client_local(i) and i not in placed:
-        placed.append(i)
-
-  # What the server keeps for the update.
-  update_reads = [i for s in update_steps for i in s.in_ids] + list(plan.out_ids)
-  residuals = []
-  for i in update_reads:
-    i = broadcast_source.get(i, i)
-    if stage.get(i) == _PREPARE and i not in plan.consts and i not in residuals:
-      residuals.append(i)
-  aggregate_ids = [s.out_id for s in reductions]
+  def aggregates_of(k):
+    return [s.out_id for j, s in reductions if j == k]
 
   def value(env, i):
     return env[i] if i in env else plan.consts[i]
 
-  def prepare(*server_inputs):
-    env = dict(zip(server_leaf_ids, server_inputs))
-    for step in prepare_steps:
-      env.update(zip(step.out_ids, step.function()(*[value(env, i) for i in step.in_ids])))
-    return tuple(value(env, i) for i in to_clients + placed + residuals)
+  def spec(i, drop_leading=False):
+    aval = plan.avals[i]
+    shape = aval.shape[1:] if drop_leading else aval.shape
+    return jax.ShapeDtypeStruct(shape, aval.dtype)
 
-  def client_work(*inputs):
-    whole = dict(zip(to_clients, inputs[:len(to_clients)]))
-    mine = dict(zip(placed + client_leaf_ids, inputs[len(to_clients):]))
+  def server_carry(into):
+    """The server values ``server_prepare`` of stage ``into`` receives, besides
+    the previous stage's aggregates."""
+    if into == 0:
+      return list(server_leaf_ids)
+    previous = set(aggregates_of(into - 1))
+    ids = []
+    for k, i in reads:
+      i = source(i)
+      if (k >= into and i not in is_client and i not in plan.consts
+          and i not in previous and level[i] < into and i not in ids):
+        ids.append(i)
+    return ids
 
-    def local(i):
+  def client_carry(into):
+    ids = []
+    for k, i in reads:
+      if (k >= into and i in is_client and i not in client_leaf_ids
+          and level[i] < into and i not in ids):
+        ids.append(i)
+    return ids
+
+  stages = []
+  for k in range(num_stages):
+    carry_in = server_carry(k)
+    new_aggregates = aggregates_of(k - 1) if k else []
+    carry_out = server_carry(k + 1)
+    mine_in = client_carry(k)
+    mine_out = client_carry(k + 1)
+    steps_here = [s for j, s in client_steps if j == k]
+    reduce_here = [s for j, s in reductions if j == k]
+    to_clients, placed = [], []
+
+    def needs(i):
       if i in broadcast_source:
-        return value(whole, broadcast_source[i])
-      return mine[i]
+        if source(i) not in to_clients:
+          to_clients.append(source(i))
+      elif i not in is_client and i not in placed:
+        placed.append(i)
 
-    for step in client_steps:
-      outs = step.function()(*[value(whole, i) for i in step.const_ids],
-                             *[local(i) for i in step.x_ids])
-      mine.update(zip(step.out_ids, outs))
-    return tuple(local(i) for i in client_outputs)
+    for step in steps_here:
+      for i in step.const_ids:
+        if i not in to_clients:
+          to_clients.append(i)
+      for i in step.x_ids:
+        needs(i)
+    client_outputs = []
+    for step in reduce_here:
+      for i in (step.x_id, step.weight_id):
+        if i is not None and i not in client_outputs:
+          client_outputs.append(i)
+          needs(i)
+
+    def prepare(*inputs, k=k, carry_in=carry_in, new_aggregates=new_aggregates,
+                carry_out=carry_out, to_clients=to_clients, placed=placed):
+      env = dict(zip(carry_in + new_aggregates, inputs))
+      for j, step in server_steps:
+        if j == k:
+          env.update(zip(step.out_ids, step.function()(
+              *[value(env, i) for i in step.in_ids])))
+      return tuple(value(env, i) for i in to_clients + placed + carry_out)
+
+    def client_work(*inputs, steps_here=steps_here, to_clients=to_clients,
+                    placed=placed, mine_in=mine_in, mine_out=mine_out,
+                    client_outputs=client_outputs):
+      whole = dict(zip(to_clients, inputs[:len(to_clients)]))
+      mine = dict(zip(placed + client_leaf_ids + mine_in, inputs[len(to_clients):]))
+
+      def local(i):
+        return value(whole, source(i)) if i in broadcast_source else mine[i]
+
+      for step in steps_here:
+        outs = step.function()(*[value(whole, i) for i in step.const_ids],
+                               *[local(i) for i in step.x_ids])
+        mine.update(zip(step.out_ids, outs))
+      return tuple(local(i) for i in client_outputs + mine_out)
+
+    output_index = {i: n for n, i in enumerate(client_outputs)}
+    aggregations = tuple(
+        Aggregation(s.op, output_index[s.x_id],
+                    None if s.weight_id is None else output_index[s.weight_id],
+                    str(plan.avals[s.out_id].dtype))
+        for s in reduce_here)
+    stages.append(Stage(
+        server_prepare=jax.export.export(jax.jit(prepare))(
+            *[spec(i) for i in carry_in + new_aggregates]),
+        client_work=jax.export.export(jax.jit(client_work))(
+            *[spec(i) for i in to_clients],
+            *[spec(i, drop_leading=True) for i in placed + client_leaf_ids + mine_in]),
+        aggregations=aggregations,
+        num_to_clients=len(to_clients),
+        num_placed=len(placed),
+        num_client_carry=len(mine_out)))
+
+  final_carry = server_carry(num_stages)
+  final_aggregates = aggregates_of(num_stages - 1)
 
   def update(*inputs):
-    env = dict(zip(residuals + aggregate_ids, inputs))
-    for step in update_steps:
-      env.update(zip(step.out_ids, step.function()(*[value(env, i) for i in step.in_ids])))
+    env = dict(zip(final_carry + final_aggregates, inputs))
+    for j, step in server_steps:
+      if j >= num_stages:
+        env.update(zip(step.out_ids, step.function()(
+            *[value(env, i) for i in step.in_ids])))
     outs = []
     for i in plan.out_ids:
       if i in broadcast_source:
-        v = value(env, broadcast_source[i])
+        v = value(env, source(i))
         outs.append(jnp.broadcast_to(v, (plan.num_clients,) + jnp.shape(v)))
       else:
         outs.append(value(env, i))
     return tuple(outs)
 
-  def spec(i, drop_leading=False):
-    aval = plan.avals[i]
-    return jax.ShapeDtypeStruct(aval.shape[1:] if drop_leading else aval.shape, aval.dtype)
+  server_update = jax.export.export(jax.jit(update))(
+      *[spec(i) for i in final_carry + final_aggregates])
+  return SplitProgram(tuple(stages), server_update, plan.num_clients, plan.out_tree)
 
-  output_index = {i: k for k, i in enumerate(client_outputs)}
-  aggregations = tuple(
-      Aggregation(s.op, output_index[s.x_id],
-                  None if s.weight_id is None else output_index[s.weight_id],
-                  str(plan.avals[s.out_id].dtype))
-      for s in reductions)
-  exported_prepare = jax.export.export(jax.jit(prepare))(
-      *[spec(i) for i in server_leaf_ids])
-  exported_client = jax.export.export(jax.jit(client_work))(
-      *[spec(i) for i in to_clients],
-      *[spec(i, drop_leading=True) for i in placed + client_leaf_ids])
-  exported_update = jax.export.export(jax.jit(update))(
-      *[spec(i) for i in residuals + aggregate_ids])
+
+def split_round(fn: Callable[..., Any], *args: Any,
+                client_args: Sequence[int] = ()) -> SplitRound:
+  """Exports a one-stage ``fn`` as ``server_prepare``, ``client_work``,
+  aggregations and ``server_update`` (see :func:`split_program` for several).
+
+  Args:
+    fn: a function that calls a ``fedjx.program`` with one stage: server
+      code, then client work (any number of ``map_fn`` s and elementwise
+      operations on client values), then reductions, then server code that
+      no longer reaches clients.
+    *args: example arguments (arrays or ``jax.ShapeDtypeStruct`` s).
+    client_args: positions of the arguments the clients hold (e.g. the
+      cohort); the others are server inputs.
+
+  Returns:
+    The :class:`SplitRound`.
+  """
+  program = split_program(fn, *args, client_args=client_args)
+  if len(program.stages) != 1:
+    raise ValueError(
+        f'fedjx.export.split_round: the program has {len(program.stages)} '
+        'broadcast-map-aggregate stages, more than one (a value computed from '
+        'an aggregate reaches the clients again, as in a gradient of a round); '
+        'a round to split must have one. Use fedjx.export.split_program for '
+        'several.')
+  (stage,) = program.stages
+  prepare_outs = stage.server_prepare.out_avals
   return SplitRound(
-      server_prepare=exported_prepare,
-      client_work=exported_client,
-      aggregations=aggregations,
-      server_update=exported_update,
-      num_clients=plan.num_clients,
-      num_to_clients=len(to_clients),
-      num_placed=len(placed),
-      num_residuals=len(residuals),
-      out_tree=plan.out_tree)
+      server_prepare=stage.server_prepare,
+      client_work=stage.client_work,
+      aggregations=stage.aggregations,
+      server_update=program.server_update,
+      num_clients=program.num_clients,
+      num_to_clients=stage.num_to_clients,
+      num_placed=stage.num_placed,
+      num_residuals=len(prepare_outs) - stage.num_to_clients - stage.num_placed,
+      out_tree=program.out_tree)

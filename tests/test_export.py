@@ -145,6 +145,30 @@ def test_a_second_stage_is_an_error():
 
   with pytest.raises(ValueError, match='more than one'):
     fedjx_export.split_round(two_stages, jnp.ones(2))
+  program = fedjx_export.split_program(two_stages, jnp.ones(2))
+  assert len(program.stages) == 2
+  assert [s.num_client_carry for s in program.stages] == [0, 0]
+  x = jnp.asarray([0.5, -1.0])
+  want = 3 * np.cos(3 * np.sin(np.asarray(x, np.float64)))
+  np.testing.assert_allclose(program.run([x], []), want, rtol=1e-6)
+
+
+def test_client_values_carried_between_stages():
+  @fedjx.program(clients=3)
+  def carried(x, data):
+    local = fedjx.map_fn(lambda x, d: x * d, (fedjx.broadcast(x), data))
+    total = fedjx.reduce_sum(local)
+    # Stage 2 reads `local` again: each client keeps it.
+    again = fedjx.map_fn(lambda t, l: t - l, (fedjx.broadcast(total), local))
+    return fedjx.reduce_mean(again ** 2)
+
+  data = jnp.arange(6.0).reshape(3, 2)
+  x = jnp.asarray([1.0, -2.0])
+  program = fedjx_export.split_program(carried, x, data, client_args=(1,))
+  assert [s.num_client_carry for s in program.stages] == [1, 0]
+  local = np.asarray(x) * np.asarray(data)
+  want = ((local.sum(0) - local) ** 2).mean(0)
+  np.testing.assert_allclose(program.run([x], [data]), want, rtol=1e-6)
 
 
 def test_placed_outputs_are_an_error():

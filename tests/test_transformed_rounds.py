@@ -1,6 +1,6 @@
 """Transformed rounds stay plans: ``jax.grad`` / ``jax.jvp`` of rounds whose
-weights are client data run in Beam (and a round's JVP, one stage, splits
-for export), and match JAX.
+weights are client data run in Beam and split for export (a round's JVP in
+one stage, its gradient in two), and match JAX.
 
 Tolerances: float32 rounds of 6 clients; Beam reduces in float64 and JAX in
 float32, so the results differ by a few float32 ulps of order-1 values
@@ -105,10 +105,35 @@ def test_grad_and_jvp_of_a_round_split_for_export(name):
 
   # A gradient has two stages: the forward aggregation, then the cotangent
   # (scaled by 1 / sum of the client-held weights, itself an aggregate)
-  # broadcast back to clients. Beam runs it (above); a split refuses it.
+  # broadcast back to clients. split_round refuses it; split_program exports
+  # it as two stages, each client keeping its residuals between them.
+  grad = jax.grad(_objective(algo))
   with pytest.raises(ValueError, match='more than one'):
-    fedjx_export.split_round(jax.grad(_objective(algo)), _params(), cohort,
-                             client_args=(1,))
+    fedjx_export.split_round(grad, _params(), cohort, client_args=(1,))
+  _assert_split_program_matches(grad, [cohort], expected_stages=2)
+
+
+def _deserialized(exported):
+  return jax.export.deserialize(exported.serialize())
+
+
+def _assert_split_program_matches(fn, cohorts, expected_stages):
+  client_args = tuple(range(1, len(cohorts) + 1))
+  program = fedjx_export.split_program(fn, _params(), *cohorts, client_args=client_args)
+  assert len(program.stages) == expected_stages
+  for stage in program.stages:
+    stage.server_prepare = _deserialized(stage.server_prepare)
+    stage.client_work = _deserialized(stage.client_work)
+  program.server_update = _deserialized(program.server_update)
+  got = program.run(jax.tree.leaves(_params()), jax.tree.leaves(cohorts))
+  _assert_close(got, fn(_params(), *cohorts))
+
+
+def test_grad_of_two_rounds_split_into_four_stages():
+  """Two FedAvg rounds: two forward and two backward stages."""
+  objective = _objective(ALGORITHMS['fedavg'](), rounds=2)
+  _assert_split_program_matches(jax.grad(objective), [_cohort(0), _cohort(1)],
+                                expected_stages=4)
 
 
 def test_grad_of_every_reduction_with_client_held_weights_is_a_plan():
