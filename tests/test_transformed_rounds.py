@@ -230,6 +230,9 @@ def _grad_in_beam_matches_jax(name):
   cohort = _cohort(1)
   got = fedjx_beam.run(grad, _params(), fedjx_beam.ClientData.from_arrays(cohort))
   _assert_close(got, grad(_params(), cohort))
+  program = fedjx_export.split_program(grad, _params(), cohort, client_args=(1,))
+  got = program.run(jax.tree.leaves(_params()), jax.tree.leaves(cohort))
+  _assert_close(got, grad(_params(), cohort))
 
 
 def test_grad_of_every_supported_round_is_a_plan():
@@ -244,5 +247,5 @@ def test_grad_of_every_supported_round_is_a_plan():
 
 @pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(BEAM_SUPPORTED))
-def test_grad_of_every_supported_round_in_beam(name):
+def test_grad_of_every_supported_round_in_beam_and_split(name):
   _grad_in_beam_matches_jax(name)
