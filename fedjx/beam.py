@@ -314,13 +314,19 @@ class _Outputs:
     for kind, i in self.out_refs:
       if kind == plan_lib.CLIENT:
         pairs = server[('clients', i)]
-        outs.append(np.stack([v for _, v in sorted(pairs, key=lambda p: p[0])]))
+        outs.append(_stack(pairs))
       elif kind == plan_lib.BROADCAST:
         v = np.asarray(server[i])
         outs.append(np.broadcast_to(v, (self.num_clients,) + v.shape))
       else:
         outs.append(np.asarray(server[i]))
     return outs
+
+
+def _stack(pairs, dtype=None):
+  """``(client index, array)`` pairs stacked in client order."""
+  stacked = np.stack([v for _, v in sorted(pairs, key=lambda p: p[0])])
+  return stacked if dtype is None else stacked.astype(dtype)
 
 
 def _write_outputs(outs, path):
@@ -430,6 +436,14 @@ def run(fn: Callable[..., Any], *args: Any,
         table = table | f'client_work{s}' >> beam.ParDo(
             _ClientWork(computation, step.const_ids, x_refs, step.out_ids, keep_after[s]),
             *side(server_ids))
+      elif step.op == 'collect':
+        # Per-client values to the server, stacked in client order.
+        home[step.out_id] = (
+            table | f'collect_values{s}' >> beam.Map(lambda e, i=step.x_id: (e[0], e[1][i]))
+            | f'collect_list{s}' >> beam.combiners.ToList()
+            | f'collect_stack{s}' >> beam.Map(
+                lambda pairs, i=step.out_id, dtype=plan_lib.host_spec(
+                    plan.avals[step.out_id]).dtype: {i: _stack(pairs, dtype)}))
       else:
         refs = [(kinds[step.x_id], source_of(step.x_id)),
                 None if step.weight_id is None else

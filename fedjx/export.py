@@ -17,10 +17,13 @@ in TensorFlow Federated's MapReduceForm (``tff.backends.mapreduce``):
    ``client_inputs_i`` are the client's slices of ``placed`` and of every
    flat client input (e.g. the leaves of its cohort), in order.
 3. ``aggregations``: a tuple of :class:`Aggregation` (plain data): aggregate
-   ``k`` is the ``op`` (``'sum'``, ``'mean'`` or ``'weighted_mean'``) over
-   clients of ``client_outputs[value]``, weighted by ``client_outputs[weight]``
-   for a weighted mean (``sum_i w_i x_i / sum_i w_i``, zero when the weights
-   sum to zero). This is the part to hand to a secure-aggregation service.
+   ``k`` is the ``op`` (``'sum'``, ``'mean'``, ``'weighted_mean'`` or
+   ``'collect'``) over clients of ``client_outputs[value]``, weighted by
+   ``client_outputs[weight]`` for a weighted mean (``sum_i w_i x_i / sum_i
+   w_i``, zero when the weights sum to zero). Sums and means are the part
+   to hand to a secure-aggregation service; ``'collect'`` (per-client values
+   stacked for the server to index by, as SCAFFOLD's client ids and control
+   variates) reveals each client's value.
 4. ``server_update(*residuals, *aggregates) -> outputs`` (a
    ``jax.export.Exported``): the server code after aggregation; its flat
    outputs unflatten with ``SplitRound.out_tree`` to the round's outputs.
@@ -49,7 +52,7 @@ import numpy as np
 
 from fedjx import plan as plan_lib
 
-AGGREGATION_OPS = ('sum', 'mean', 'weighted_mean')
+AGGREGATION_OPS = ('sum', 'mean', 'weighted_mean', 'collect')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +60,11 @@ class Aggregation:
   """One aggregate over clients of an output of ``client_work``.
 
   Attributes:
-    op: ``'sum'`` (``sum_i x_i``), ``'mean'`` (``(1/n) sum_i x_i``) or
+    op: ``'sum'`` (``sum_i x_i``), ``'mean'`` (``(1/n) sum_i x_i``),
       ``'weighted_mean'`` (``sum_i w_i x_i / sum_i w_i``, 0 if the weights
-      sum to 0).
+      sum to 0), or ``'collect'`` (``[x_0, ..., x_{n-1}]`` stacked in client
+      order: per-client values the server indexes by, e.g. client ids, or
+      writes to per-client state, as in SCAFFOLD; not private).
     value: the index of ``x`` among ``client_work``'s outputs.
     weight: the index of ``w`` among ``client_work``'s outputs
       (``'weighted_mean'`` only; ``w_i`` has shape ``[]``), else None.

@@ -93,7 +93,7 @@ class MapStep:
 
 @dataclasses.dataclass
 class ReduceStep:
-  op: str                    # 'sum' | 'mean' | 'weighted_mean'
+  op: str                    # 'sum' | 'mean' | 'weighted_mean' | 'collect'
   x_id: int
   weight_id: int | None
   out_id: int
@@ -141,6 +141,7 @@ class _Builder:
     self.server_block: list[Any] = []
     self.num_clients: int | None = None
     self.broadcast_source: dict[int, int] = {}
+    self.collected: dict[int, int] = {}
 
   def new_id(self, aval, kind):
     i = self.next_id
@@ -173,6 +174,16 @@ class _Builder:
     out_ids = [self.new_id(v.aval, SERVER) for v in eqn.outvars]
     self.server_block.append((eqn, in_ids, out_ids))
     return out_ids
+
+  def collect(self, i):
+    """A client value gathered to the server as an array of shape [n, ...]."""
+    if self.kinds[i] != CLIENT:
+      return i
+    if i not in self.collected:
+      self.flush()
+      self.collected[i] = self.new_id(self.avals[i], SERVER)
+      self.steps.append(ReduceStep('collect', i, None, self.collected[i]))
+    return self.collected[i]
 
   def materialize(self, i):
     """A broadcast value as a server array of shape [n, ...]."""
@@ -220,6 +231,8 @@ class _Builder:
         outs = self.server_eqn(eqn, [self.materialize(i) for i in ids])
       elif (form := _per_client_form(eqn, kinds, self.num_clients)) is not None:
         outs = self.lift_per_client(eqn, ids, form)
+      elif prim.name in _INDEXING:
+        outs = self.server_eqn(eqn, [self.materialize(self.collect(i)) for i in ids])
       else:
         raise _unplaceable(eqn)
       for v, i in zip(eqn.outvars, outs):
@@ -438,21 +451,21 @@ def _where(eqn, depth: int = 3) -> str:
       for f in frames)
 
 
+# Indexing with client-held indices (per-client state looked up or written by
+# client id, as in SCAFFOLD): the client operands are collected to the server
+# (a 'collect' step, which stacks them in client order) and the op runs there.
 _INDEXING = frozenset(('gather', 'scatter', 'scatter-add', 'scatter_add',
-                       'dynamic_slice', 'dynamic_update_slice'))
+                       'scatter-mul', 'scatter_mul', 'scatter-min', 'scatter_min',
+                       'scatter-max', 'scatter_max'))
 
 
 def _unplaceable(eqn) -> UnplaceableOperationError:
   name = eqn.primitive.name
   hint = ('Outside map_fn, client values may only go through elementwise '
-          'operations, reductions over non-client axes, and reshapes, '
-          'broadcasts, transposes or squeezes that keep the client axis first '
+          'operations, reductions over non-client axes, reshapes, broadcasts, '
+          'transposes or squeezes that keep the client axis first, and '
+          'gathers/scatters of server arrays at client-held indices '
           '(docs/beam.md).')
-  if name in _INDEXING:
-    hint = ('Indexing a server array with client values (per-client state '
-            'looked up or written by client id, as in SCAFFOLD) is not '
-            'supported in plans; docs/beam.md lists the algorithms that run. '
-            + hint)
   return UnplaceableOperationError(
       f'fedjx: the operation {name!r}{_where(eqn)} combines client values '
       f'outside map_fn, so it cannot be placed. Move it into the function given '
@@ -631,7 +644,10 @@ def evaluate(plan: Plan, *flat_args: Any) -> list[Any]:
 
 
 def combine(op: str, xs: Sequence[Any], ws: Sequence[Any] | None, dtype) -> np.ndarray:
-  """Sum, mean or weighted mean of per-client arrays, accumulated in 64 bits."""
+  """Sum, mean or weighted mean of per-client arrays, accumulated in 64 bits
+  (or, for ``'collect'``, the arrays stacked in client order)."""
+  if op == 'collect':
+    return np.stack([np.asarray(x) for x in xs]).astype(dtype)
   acc = accumulator_dtype(np.asarray(xs[0]).dtype)
   total = np.sum([np.asarray(x, acc) for x in xs], axis=0)
   if op == 'sum':

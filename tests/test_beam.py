@@ -132,11 +132,21 @@ def test_an_op_that_cannot_be_placed_is_named():
     fedjx_beam.run(program, fedjx_beam.ClientData.from_arrays(jnp.ones((4, 2))))
 
 
-def test_per_client_state_by_client_id_is_named_with_the_users_line():
-  """SCAFFOLD looks its control variates up by client id: not a plan."""
-  algo = algorithms.scaffold(_loss, CLIENTS, client_optimizer=optax.sgd(0.1))
+def test_scaffold_per_client_state_is_collected_and_written_per_client():
+  """SCAFFOLD looks its control variates up by client id and writes them
+  back: the ids and the new variates are collected to the server."""
+  algo = algorithms.scaffold(_loss, CLIENTS + 5, client_optimizer=optax.sgd(0.1))
   state = algo.init(_params())
-  with pytest.raises(plan_lib.UnplaceableOperationError,
-                     match=r"'gather' at .*scaffold\.py:\d+ .*per-client state"):
-    fedjx_beam.run(algo.apply, state, fedjx_beam.ClientData.from_arrays(_cohort(0)),
-                   jax.random.PRNGKey(0))
+  key = jax.random.PRNGKey(0)
+  for r in range(2):  # The second round reads the variates the first wrote.
+    cohort = _cohort(r, clients=8)
+    cohort = cohort._replace(client_ids=np.arange(8, dtype=np.int32) * 3 + r)
+    want = algo.apply(state, cohort, key)
+    plan = plan_lib.trace_plan_with_clients(algo.apply, (state, cohort, key), (1,))
+    assert any(isinstance(s, plan_lib.ReduceStep) and s.op == 'collect'
+               for s in plan.steps)
+    got = fedjx_beam.run(algo.apply, state, fedjx_beam.ClientData.from_arrays(cohort), key)
+    _assert_close(got, want)
+    written = np.asarray(want[0].client_controls['w'])[np.asarray(cohort.client_ids)]
+    assert np.abs(written).max() > 0
+    state = jax.tree.map(jnp.asarray, got[0])
