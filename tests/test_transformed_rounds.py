@@ -209,8 +209,9 @@ def test_beam_run_does_not_recompile_the_users_jitted_functions():
   assert (round_fn._cache_size(), helper._cache_size()) == sizes
 
 
-# Every algorithm whose round is a plan (docs/beam.md); SCAFFOLD and the
-# DiLoCo variants keep per-client state by client id and are not.
+# Every algorithm whose round is a plan (docs/beam.md). SCAFFOLD and DiLoCo
+# keep per-client state by client id (collected to the server); Streaming
+# DiLoCo branches on client values (a `cond`) and is not a plan.
 BEAM_SUPPORTED = {
     'fedavg': lambda: algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1)),
     'fedadam': lambda: algorithms.fedadam(_loss, client_optimizer=optax.sgd(0.1)),
@@ -221,6 +222,9 @@ BEAM_SUPPORTED = {
     'dp_fedavg': lambda: algorithms.dp_fedavg(_loss, clip_norm=0.05,
                                               client_optimizer=optax.sgd(0.1)),
     'fedavg_hypergradient_tuner': lambda: algorithms.fedavg_hypergradient_tuner(_loss),
+    'scaffold': lambda: algorithms.scaffold(_loss, CLIENTS,
+                                            client_optimizer=optax.sgd(0.1)),
+    'diloco': lambda: algorithms.diloco(_loss, CLIENTS),
 }
 
 
