@@ -8,8 +8,12 @@ a :class:`Plan`: a list of steps that an interpreter outside JAX can run,
   (server code between MapReduce stages);
 * :class:`BroadcastStep`: a server value made available to every client;
 * :class:`MapStep`: the per-client computation of a ``map_fn`` (recovered from
-  the body of the ``scan`` that the ``sequential`` strategy produces);
-* :class:`ReduceStep`: ``sum``, ``mean`` or ``weighted_mean`` over clients.
+  the body of the ``scan`` that the ``sequential`` strategy produces), or an
+  operation on client values outside ``map_fn`` that acts on each client's
+  slice alone (elementwise, or a reshape keeping the client axis first);
+* :class:`ReduceStep`: ``sum``, ``mean`` or ``weighted_mean`` over clients,
+  or ``collect`` (the per-client values stacked on the server, for a gather
+  or scatter of a server array at client-held indices, as in SCAFFOLD).
 
 Every value has an integer id. A value's *kind* says where it lives:
 ``'server'`` (an array on the server; it may still be used as a placed value
@@ -17,10 +21,12 @@ whose leading axis indexes the clients, for example per-client random keys),
 ``'broadcast'`` (a server value seen by every client), or ``'client'`` (one
 slice per client, held by the clients).
 
-Computation on client values outside ``map_fn`` cannot be placed: tracing
-raises :class:`UnplaceableOperationError` naming the operation. Transformed
-programs (``jax.grad`` of a round) are plans too, since the transpose of
-``broadcast`` is ``reduce_sum`` and the backward pass of a map is a map.
+Other computation on client values outside ``map_fn`` cannot be placed:
+tracing raises :class:`UnplaceableOperationError` naming the operation and the
+lines that made it. Transformed programs (``jax.grad`` or ``jax.jvp`` of a
+round) are plans too: the rules of the primitives are written with the
+primitives (the transpose of ``broadcast`` is ``reduce_sum``) and the
+backward pass of a map is a map.
 """
 
 from __future__ import annotations
@@ -355,8 +361,8 @@ class _Builder:
 # Elementwise primitives: on placed operands, each client's output depends on
 # its own slice only.
 _ELEMENTWISE = frozenset((
-    'abs', 'acos', 'acosh', 'add', 'add_any', 'and', 'asin', 'asinh', 'atan', 'atan2',
-    'atanh', 'cbrt', 'ceil', 'clamp', 'convert_element_type', 'copy', 'copy_p',
+    'abs', 'acos', 'acosh', 'add', 'add_any', 'and', 'asin', 'asinh', 'atan',
+    'atan2', 'atanh', 'cbrt', 'ceil', 'clamp', 'convert_element_type', 'copy', 'copy_p',
     'cos', 'cosh', 'div', 'eq', 'erf', 'erf_inv', 'exp', 'exp2', 'expm1',
     'floor', 'ge', 'gt', 'integer_pow', 'is_finite', 'le', 'log', 'log1p',
     'logistic', 'lt', 'max', 'min', 'mul', 'ne', 'neg', 'nextafter', 'not',
@@ -375,8 +381,8 @@ def _per_client_form(eqn, kinds, n):
   """``(primitive, params, operand modes)`` computing ``eqn`` on one client's
   slice, or None if the op mixes clients.
 
-  Lifted: elementwise ops (with implicit broadcasting of size-1 axes), reductions
-  over non-client axes, and reshapes, ``broadcast_in_dim`` s, transposes and
+  Lifted: elementwise ops (with implicit broadcasting of size-1 axes),
+  reductions over non-client axes, and reshapes, ``broadcast_in_dim`` s, transposes and
   squeezes that keep the client axis first.
   """
   name = eqn.primitive.name
@@ -454,9 +460,8 @@ def _where(eqn, depth: int = 3) -> str:
 # Indexing with client-held indices (per-client state looked up or written by
 # client id, as in SCAFFOLD): the client operands are collected to the server
 # (a 'collect' step, which stacks them in client order) and the op runs there.
-_INDEXING = frozenset(('gather', 'scatter', 'scatter-add', 'scatter_add',
-                       'scatter-mul', 'scatter_mul', 'scatter-min', 'scatter_min',
-                       'scatter-max', 'scatter_max'))
+_INDEXING = frozenset(('gather', 'scatter', 'scatter-add', 'scatter-sub',
+                       'scatter-mul', 'scatter-min', 'scatter-max'))
 
 
 def _unplaceable(eqn) -> UnplaceableOperationError:
