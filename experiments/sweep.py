@@ -23,8 +23,8 @@ Everything else (model, cohort size, algorithm, local steps, ...) is
 previous one.
 
 Each trial writes ``trials/<name>/metrics.jsonl`` (or ``.csv``) and its own
-TensorBoard events, exactly as a run would. A trial whose server model
-becomes non-finite is marked ``diverged`` at that round, frozen at its last
+TensorBoard events, exactly as a run would. A trial whose server model or
+round metrics (e.g. its training loss) become non-finite is marked ``diverged`` at that round, frozen at its last
 finite state, and stops writing; the others are untouched (trials share no
 computation). Groups are checkpointed like runs (``checkpoint_every``,
 SIGINT/SIGTERM save and stop); running the same sweep again resumes. At the
@@ -239,8 +239,9 @@ def make_sweep_round(algorithm: Any, policy: str = 'skip'
   ``states`` leaves are ``[S, H, ...]`` (seeds, settings), ``cohorts`` leaves
   ``[S, ...]`` (a cohort per seed, shared by its settings), ``keys`` ``[S]``
   and ``alive`` ``[S, H]``. A trial that is not alive, or whose new server
-  model is non-finite (or, with ``policy='stop'``, whose round reported
-  non-finite clients), keeps its state and is no longer alive. Jit-compiled,
+  model or round metrics (e.g. its training loss) are non-finite (or, with
+  ``policy='stop'``, whose round reported non-finite clients), keeps its
+  state and is no longer alive. Jit-compiled,
   donating ``states``.
   """
   def per_seed(states_h, cohort, key):
@@ -249,6 +250,9 @@ def make_sweep_round(algorithm: Any, policy: str = 'skip'
   def sweep_round(states, cohorts, keys, alive):
     new, metrics = jax.vmap(per_seed)(states, cohorts, keys)
     keep = alive & _finite(new.params)
+    for value in metrics.values():  # E.g. an infinite training loss.
+      if jnp.issubdtype(value.dtype, jnp.inexact) and value.ndim == 2:
+        keep = keep & jnp.isfinite(value)
     if policy == 'stop' and 'nonfinite_clients' in metrics:
       keep = keep & (metrics['nonfinite_clients'] == 0)
     return _select(keep, new, states), metrics, keep
@@ -288,6 +292,22 @@ def _trial_sharding(shape: tuple[int, int]) -> jax.sharding.NamedSharding | None
   if shape[0] % n == 0:
     return jax.sharding.NamedSharding(mesh, P('trials'))
   return None
+
+
+def _uncommitted(tree: Any) -> Any:
+  """Restored arrays as fresh, uncommitted ones, like those of a run that never stopped.
+
+  JAX compiles a function called with device-committed arrays (what a
+  checkpoint restores) separately from one called with uncommitted arrays,
+  and XLA may then fuse and order float operations differently: a resumed
+  sweep would differ from an uninterrupted one in the last bits.
+  """
+  def one(x):
+    if _is_key(x):
+      return jax.random.wrap_key_data(one(jax.random.key_data(x)),
+                                      impl=jax.random.key_impl(x))
+    return jnp.asarray(np.asarray(x))
+  return jax.tree.map(one, tree)
 
 
 def _place(tree: Any, sharding: jax.sharding.NamedSharding | None) -> Any:
@@ -332,21 +352,26 @@ def _scalars_per_trial(metrics: Mapping[str, Any], s: int, h: int) -> dict[str, 
           if np.asarray(v).ndim == 2}
 
 
-def _run_group(config: Any, group: Group, workdir: str, flag: _StopFlag,
-               log: Callable[[str], None], bar: Any, fingerprint: dict[str, Any]) -> bool:
-  """Trains one group to ``config.rounds``; returns True when interrupted."""
+def _group_states(config: Any, group: Group
+                  ) -> tuple[list[runner.Experiment], Any, Any, ml_collections.ConfigDict]:
+  """Each seed's experiment, the group's algorithm and the ``[S, H]`` initial states."""
   seeds, settings = group.seeds, group.settings
   configs = [[trial_config(config, h, s) for h in settings] for s in seeds]
-  c = configs[0][0]
   exps = [runner.build(configs[i][0]) for i in range(len(seeds))]
-  algorithm = exps[0].algorithm
   states = []
   for i, exp in enumerate(exps):
     row = [exp.algorithm.init(exp.init_params)]
     row += [_algorithm(configs[i][j], exp).init(exp.init_params)
             for j in range(1, len(settings))]
     states.append(_stack(row))
-  states = _stack(states)
+  return exps, exps[0].algorithm, _stack(states), configs[0][0]
+
+
+def _run_group(config: Any, group: Group, workdir: str, flag: _StopFlag,
+               log: Callable[[str], None], bar: Any, fingerprint: dict[str, Any]) -> bool:
+  """Trains one group to ``config.rounds``; returns True when interrupted."""
+  seeds, settings = group.seeds, group.settings
+  exps, algorithm, states, c = _group_states(config, group)
   shape = (len(seeds), len(settings))
   alive = jnp.ones(shape, bool)
   sharding = _trial_sharding(shape)
@@ -357,6 +382,7 @@ def _run_group(config: Any, group: Group, workdir: str, flag: _StopFlag,
   latest = ckpt.latest_step()
   if latest is not None:
     (states, alive), meta = ckpt.restore(latest, (states, alive))
+    states, alive = _uncommitted(states), _uncommitted(alive)
     if meta.get('sweep') != fingerprint:
       ckpt.close()
       raise SweepError(f'{group_dir} holds a checkpoint of a different sweep; '
@@ -423,7 +449,7 @@ def _run_group(config: Any, group: Group, workdir: str, flag: _StopFlag,
         for i, j in zip(*np.nonzero(was_alive & ~alive_host)):
           rows[i][j]['diverged'] = 1.0
           log(f'fedjx-sweep: trial {group.trials[i][j].name} diverged in round '
-              f'{step} (non-finite server model); it stops, the others go on.')
+              f'{step} (non-finite model or metrics); it stops, the others go on.')
         if step % c.eval_every == 0 or step == c.rounds:
           evaluate(step, rows)
         emit(step, rows, was_alive)
@@ -454,8 +480,10 @@ def _run_group(config: Any, group: Group, workdir: str, flag: _StopFlag,
 
 def _fingerprint(config: Any, settings: Sequence[Mapping[str, Any]],
                  seeds: Sequence[int]) -> dict[str, Any]:
-  base = runner.validate(config)
-  return {'config': json.loads(base.to_json_best_effort(sort_keys=True)),
+  base = json.loads(runner.validate(config).to_json_best_effort(sort_keys=True))
+  for key in runner.RESUMABLE_CHANGES:  # As for runs: these may change on resume.
+    base.pop(key, None)
+  return {'config': base,
           'settings': json.loads(json.dumps(list(settings), sort_keys=True)),
           'seeds': list(seeds)}
 
@@ -524,3 +552,36 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
         plot=c.plot)
   return SweepResult(trials, traced, structural, len(groups), interrupted,
                      summary, workdir)
+
+
+def load_trial_state(workdir: str, trial: str) -> tuple[Any, int]:
+  """The latest saved state of one trial of the sweep in ``workdir``.
+
+  Rebuilds the trial's group from ``workdir/sweep.json`` for the state's
+  structure, restores the group's latest checkpoint and returns
+  ``(state, step)`` for the trial named ``trial`` (its directory name under
+  ``trials/``), like :func:`fedjx.experiments.runner.load_state` for a run.
+  """
+  with open(os.path.join(workdir, 'sweep.json'), encoding='utf-8') as f:
+    spec = json.load(f)
+  config = ml_collections.ConfigDict(spec['config'])
+  groups, _, _ = plan(config, spec['settings'], spec['seeds'])
+  for group in groups:
+    for i, row in enumerate(group.trials):
+      for j, t in enumerate(row):
+        if t.name != trial:
+          continue
+        _, _, states, _ = _group_states(config, group)
+        alive = jnp.ones((len(group.seeds), len(group.settings)), bool)
+        ckpt = checkpointing.Checkpointer(
+            os.path.join(workdir, 'groups', group.name, 'checkpoints'))
+        try:
+          step = ckpt.latest_step()
+          if step is None:
+            raise FileNotFoundError(f'{workdir}: {group.name} holds no checkpoint.')
+          (states, _), _ = ckpt.restore(step, (states, alive))
+        finally:
+          ckpt.close()
+        return jax.tree.map(lambda x: x[i, j], states), step
+  names = [t.name for g in groups for row in g.trials for t in row]
+  raise SweepError(f'{workdir} has no trial {trial!r}; its trials: {names}.')
