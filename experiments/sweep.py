@@ -172,11 +172,21 @@ def classify(config: Any, axes_values: Mapping[str, Sequence[Any]],
 
 
 def plan(config: Any, settings: Sequence[Mapping[str, Any]],
-         seeds: Sequence[int]) -> tuple[list[Group], list[str], list[str]]:
+         seeds: Sequence[int], settings_per_program: int | None = None
+         ) -> tuple[list[Group], list[str], list[str]]:
   """Groups the trials by their structural fields.
+
+  Settings that share their structural fields form one group, split into
+  groups of at most ``settings_per_program`` settings when that is given
+  (each group a compiled program over ``[seeds, settings]``).
 
   Returns ``(groups, traced_fields, structural_fields)``.
   """
+  if settings_per_program is not None and (
+      isinstance(settings_per_program, bool) or
+      not isinstance(settings_per_program, int) or settings_per_program < 1):
+    raise SweepError(f'settings_per_program={settings_per_program!r} must be a '
+                     'positive int or None (all settings of a group at once).')
   paths = list(settings[0]) if settings else []
   values = {p: list(dict.fromkeys(
       (json.dumps(s[p], sort_keys=True) for s in settings))) for p in paths}
@@ -190,8 +200,12 @@ def plan(config: Any, settings: Sequence[Mapping[str, Any]],
   for s in settings:
     key = json.dumps({p: s[p] for p in structural}, sort_keys=True)
     keyed.setdefault(key, []).append(dict(s))
+  chunks = []
+  for group_settings in keyed.values():
+    k = settings_per_program or len(group_settings)
+    chunks += [group_settings[i:i + k] for i in range(0, len(group_settings), k)]
   groups = []
-  for i, group_settings in enumerate(keyed.values()):
+  for i, group_settings in enumerate(chunks):
     trials = [[Trial(sweep_spec.trial_name(s, seed, names), s, seed)
                for s in group_settings] for seed in seeds]
     groups.append(Group(i, group_settings, tuple(seeds), trials))
@@ -352,6 +366,31 @@ def _scalars_per_trial(metrics: Mapping[str, Any], s: int, h: int) -> dict[str, 
           if np.asarray(v).ndim == 2}
 
 
+def _check_memory(step_fn: Any, group: Group, args: tuple[Any, ...]) -> None:
+  """Refuses a group whose compiled round would not fit the device's memory.
+
+  Only where the backend reports a memory limit (GPUs, TPUs); XLA's memory
+  plan of the compiled round (arguments, outputs and temporaries, less
+  donated buffers) must fit in 90% of it.
+  """
+  stats = jax.local_devices()[0].memory_stats() or {}
+  limit = stats.get('bytes_limit')
+  if not limit:
+    return
+  m = step_fn.lower(*args).compile().memory_analysis()
+  if m is None:
+    return
+  need = (m.argument_size_in_bytes + m.output_size_in_bytes +
+          m.temp_size_in_bytes - m.alias_size_in_bytes)
+  if need > 0.9 * limit:
+    per_setting = need / len(group.settings)
+    k = max(1, int(0.9 * limit // per_setting))
+    raise SweepError(
+        f'{group.name}: {len(group.seeds)} seeds x {len(group.settings)} settings '
+        f'need {need / 2**30:.1f} GiB of the device\'s {limit / 2**30:.1f} GiB; '
+        f'rerun in a new workdir with --settings_per_program={k} (or fewer seeds).')
+
+
 def _group_states(config: Any, group: Group
                   ) -> tuple[list[runner.Experiment], Any, Any, ml_collections.ConfigDict]:
   """Each seed's experiment, the group's algorithm and the ``[S, H]`` initial states."""
@@ -405,6 +444,8 @@ def _run_group(config: Any, group: Group, workdir: str, flag: _StopFlag,
         f.write(trial_config(config, t.setting, t.seed).to_json_best_effort(
             indent=2, sort_keys=True) + '\n')
   step_fn = make_sweep_round(algorithm, str(c.get('nonfinite', 'skip')))
+  _check_memory(step_fn, group, (states, jax.device_put(_stacked_cohort(exps, c, start)),
+                                 jnp.stack([e.round_key_for(start) for e in exps]), alive))
   t0 = time.perf_counter()
   elapsed = lambda: elapsed_before + time.perf_counter() - t0
 
@@ -479,17 +520,19 @@ def _run_group(config: Any, group: Group, workdir: str, flag: _StopFlag,
 
 
 def _fingerprint(config: Any, settings: Sequence[Mapping[str, Any]],
-                 seeds: Sequence[int]) -> dict[str, Any]:
+                 seeds: Sequence[int], settings_per_program: int | None
+                 ) -> dict[str, Any]:
   base = json.loads(runner.validate(config).to_json_best_effort(sort_keys=True))
   for key in runner.RESUMABLE_CHANGES:  # As for runs: these may change on resume.
     base.pop(key, None)
   return {'config': base,
           'settings': json.loads(json.dumps(list(settings), sort_keys=True)),
-          'seeds': list(seeds)}
+          'seeds': list(seeds), 'settings_per_program': settings_per_program}
 
 
 def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
               seeds: Sequence[int] = (0,), *, target: str | None = None,
+              settings_per_program: int | None = None,
               log: Callable[[str], None] | None = None) -> SweepResult:
   """Trains every (setting, seed) trial of a sweep, vectorized where possible.
 
@@ -500,6 +543,10 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
     seeds: the seeds every setting runs with.
     target: e.g. ``'eval_accuracy=0.9'``: the summary's rounds-to-target
       (first round at or above it; at or below it for a loss).
+    settings_per_program: at most this many settings (times every seed) in
+      one compiled program; None: every setting of a structural group at
+      once. On a device with a memory limit, a program that would not fit
+      stops the sweep with the value to use.
     log: where one-line messages go (default stderr).
 
   Returns:
@@ -512,7 +559,7 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
   target_spec = sweep_summary.parse_target(target)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  fingerprint = _fingerprint(config, settings, seeds)
+  fingerprint = _fingerprint(config, settings, seeds, settings_per_program)
   spec_path = os.path.join(workdir, 'sweep.json')
   if os.path.exists(spec_path):
     with open(spec_path, encoding='utf-8') as f:
@@ -524,7 +571,7 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
     with open(tmp, 'w', encoding='utf-8') as f:
       json.dump(fingerprint, f, indent=2, sort_keys=True)
     os.replace(tmp, spec_path)
-  groups, traced, structural = plan(config, settings, seeds)
+  groups, traced, structural = plan(config, settings, seeds, settings_per_program)
   n_trials = len(settings) * len(seeds)
   log(f'fedjx-sweep: {n_trials} trials in {len(groups)} program(s); vectorized: '
       f'seed{"".join(", " + p for p in traced)}; separate programs: '
@@ -565,7 +612,8 @@ def load_trial_state(workdir: str, trial: str) -> tuple[Any, int]:
   with open(os.path.join(workdir, 'sweep.json'), encoding='utf-8') as f:
     spec = json.load(f)
   config = ml_collections.ConfigDict(spec['config'])
-  groups, _, _ = plan(config, spec['settings'], spec['seeds'])
+  groups, _, _ = plan(config, spec['settings'], spec['seeds'],
+                      spec.get('settings_per_program'))
   for group in groups:
     for i, row in enumerate(group.trials):
       for j, t in enumerate(row):

@@ -42,6 +42,9 @@ _NUM_SAMPLES = flags.DEFINE_integer(
     'num_samples', None, 'Random search: how many settings to draw.')
 _SAMPLE_SEED = flags.DEFINE_integer(
     'sample_seed', 0, 'Random search: the seed of the draws.')
+_PER_PROGRAM = flags.DEFINE_integer(
+    'settings_per_program', None,
+    'At most this many settings (x every seed) per compiled program.')
 _TARGET = flags.DEFINE_string(
     'target', None, "Rounds to reach e.g. 'eval_accuracy=0.9' (in the summary).")
 
@@ -93,7 +96,8 @@ def _main(argv: Sequence[str]) -> int:
     axes = [sweep_spec.parse_axis(a) for a in args['sweep']]
     settings = sweep_spec.settings(axes, args['num_samples'], args['sample_seed'])
     seeds = sweep_spec.parse_seeds(str(args['seeds']))
-    result = sweep.run_sweep(config, workdir, settings, seeds, target=args['target'])
+    result = sweep.run_sweep(config, workdir, settings, seeds, target=args['target'],
+                             settings_per_program=_PER_PROGRAM.value)
   except (registry.ConfigError, sweep_spec.SweepError, ValueError) as e:
     if os.environ.get('FEDJX_DEBUG'):
       raise

@@ -203,6 +203,16 @@ def test_resume_continues_exactly(tmp_path):
                     log=lambda m: None)
 
 
+def test_settings_per_program_splits_groups():
+  settings = [{'algorithm.server_learning_rate': v} for v in (0.01, 0.02, 0.03)]
+  groups, traced, _ = sweep.plan(small_config(), settings, (0, 1), settings_per_program=2)
+  assert traced == ['algorithm.server_learning_rate']
+  assert [len(g.settings) for g in groups] == [2, 1]
+  assert [[t.seed for t in row] for row in groups[1].trials] == [[0], [1]]
+  with pytest.raises(sweep_spec.SweepError, match='settings_per_program'):
+    sweep.plan(small_config(), settings, (0,), settings_per_program=0)
+
+
 def test_trials_are_sharded_over_devices(tmp_path):
   n = len(jax.devices())
   settings = [{'algorithm.server_learning_rate': 0.01 * (i + 1)} for i in range(n)]
@@ -232,3 +242,28 @@ def test_cli_one_line_errors(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_cli_sweep_from_the_config_file(tmp_path):
+  config_file = tmp_path / 'grid.py'
+  config_file.write_text(
+      'import sys\n'
+      f'sys.path.insert(0, {os.path.join(REPO, "tests")!r})\n'
+      'from test_sweep import small_config\n\n'
+      'def get_config():\n'
+      '  return small_config(rounds=1, eval_every=1, plot=True)\n\n'
+      'def get_sweep():\n'
+      "  return {'sweep': ['algorithm.server_learning_rate=0.01,0.1'], 'seeds': '0-1',\n"
+      "          'target': 'eval_accuracy=0.01'}\n")
+  proc = subprocess.run(
+      [sys.executable, '-m', 'fedjx.experiments.sweep_cli', '--config', str(config_file),
+       '--workdir', str(tmp_path / 'w'), '--seeds', '3'],  # The flag wins.
+      capture_output=True, text=True, cwd=str(tmp_path), check=False,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  with open(tmp_path / 'w' / 'summary_trials.csv', encoding='utf-8') as f:
+    rows = list(csv.DictReader(f))
+  assert sorted(r['trial'] for r in rows) == [
+      'server_learning_rate=0.01,seed=3', 'server_learning_rate=0.1,seed=3']
+  assert all(r['rounds_to_target'] == '0' for r in rows)  # Reached at round 0.
+  assert (tmp_path / 'w' / 'sweep_eval_accuracy.png').exists()
