@@ -196,17 +196,18 @@ def set_path(tree: dict[str, Any], path: str, value: Any) -> None:
 
 
 def short_names(paths: Iterable[str]) -> dict[str, str]:
-  """The last component of each path, or more of it where that is ambiguous."""
+  """Each path without its section (``algorithm.``, ``dataset.``, ``model.``).
+
+  ``'algorithm.client_optimizer.learning_rate'`` becomes
+  ``'client_optimizer.learning_rate'``; a top-level field keeps its name. If
+  two paths would get the same name, both keep their full path.
+  """
   paths = list(paths)
-  names = {}
-  for p in paths:
-    parts = p.split('.')
-    for k in range(1, len(parts) + 1):
-      name = '.'.join(parts[-k:])
-      if sum(q == name or q.endswith('.' + name) for q in paths) == 1:
-        break
-    names[p] = name
-  return names
+  names = {p: p.split('.', 1)[1] if '.' in p else p for p in paths}
+  counts: dict[str, int] = {}
+  for name in names.values():
+    counts[name] = counts.get(name, 0) + 1
+  return {p: (n if counts[n] == 1 else p) for p, n in names.items()}
 
 
 def format_value(value: Any) -> str:

@@ -74,6 +74,16 @@ def test_axis_and_seed_parsing():
       sweep_spec.parse_seeds(bad)
 
 
+def test_short_names():
+  assert sweep_spec.short_names(['algorithm.client_optimizer.learning_rate',
+                                 'algorithm.server_learning_rate', 'batch_size',
+                                 'model.hidden', 'dataset.hidden']) == {
+      'algorithm.client_optimizer.learning_rate': 'client_optimizer.learning_rate',
+      'algorithm.server_learning_rate': 'server_learning_rate',
+      'batch_size': 'batch_size', 'model.hidden': 'model.hidden',
+      'dataset.hidden': 'dataset.hidden'}
+
+
 def test_grid_and_random_settings():
   grid = sweep_spec.settings([sweep_spec.parse_axis('a=1,2'),
                               sweep_spec.parse_axis('b.c=x,y,z')])
