@@ -532,7 +532,7 @@ def _fingerprint(config: Any, settings: Sequence[Mapping[str, Any]],
 
 def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
               seeds: Sequence[int] = (0,), *, target: str | None = None,
-              settings_per_program: int | None = None,
+              settings_per_program: int | None = None, metric: str | None = None,
               log: Callable[[str], None] | None = None) -> SweepResult:
   """Trains every (setting, seed) trial of a sweep, vectorized where possible.
 
@@ -547,6 +547,8 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
       one compiled program; None: every setting of a structural group at
       once. On a device with a memory limit, a program that would not fit
       stops the sweep with the value to use.
+    metric: the main metric of ``summary.md`` and the plots (default:
+      ``eval_accuracy`` if reported, else ``eval_loss``, else a training loss).
     log: where one-line messages go (default stderr).
 
   Returns:
@@ -596,7 +598,7 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
   if not interrupted:
     summary = sweep_summary.write_summary(
         workdir, trials, list(settings[0]), c.metrics_format, target_spec,
-        plot=c.plot)
+        plot=c.plot, metric=metric)
   return SweepResult(trials, traced, structural, len(groups), interrupted,
                      summary, workdir)
 

@@ -45,6 +45,9 @@ _SAMPLE_SEED = flags.DEFINE_integer(
 _PER_PROGRAM = flags.DEFINE_integer(
     'settings_per_program', None,
     'At most this many settings (x every seed) per compiled program.')
+_METRIC = flags.DEFINE_string(
+    'metric', None, 'Main metric of summary.md and the plots (default: '
+    'eval_accuracy, else eval_loss, else a training loss).')
 _TARGET = flags.DEFINE_string(
     'target', None, "Rounds to reach e.g. 'eval_accuracy=0.9' (in the summary).")
 
@@ -97,7 +100,8 @@ def _main(argv: Sequence[str]) -> int:
     settings = sweep_spec.settings(axes, args['num_samples'], args['sample_seed'])
     seeds = sweep_spec.parse_seeds(str(args['seeds']))
     result = sweep.run_sweep(config, workdir, settings, seeds, target=args['target'],
-                             settings_per_program=_PER_PROGRAM.value)
+                             settings_per_program=_PER_PROGRAM.value,
+                             metric=_METRIC.value)
   except (registry.ConfigError, sweep_spec.SweepError, ValueError) as e:
     if os.environ.get('FEDJX_DEBUG'):
       raise

@@ -173,8 +173,12 @@ def main_metric(trial_rows: Sequence[Mapping[str, Any]]) -> str | None:
 
 def write_summary(workdir: str, trials: Sequence[Any], fields: Sequence[str],
                   fmt: str, target: tuple[str, float] | None,
-                  plot: bool = True) -> list[dict[str, Any]]:
-  """Writes the tables (and plots) of a finished sweep; returns the trial rows."""
+                  plot: bool = True, metric: str | None = None) -> list[dict[str, Any]]:
+  """Writes the tables (and plots) of a finished sweep; returns the trial rows.
+
+  ``metric`` is the main metric of ``summary.md`` and the plots (default: the
+  first of :data:`MAIN_METRICS` that the trials report).
+  """
   histories = {t.name: metrics_writers.read_metrics(
       metrics_writers.metrics_path(os.path.join(workdir, 'trials', t.name), fmt))
                for t in trials}
@@ -183,6 +187,13 @@ def write_summary(workdir: str, trials: Sequence[Any], fields: Sequence[str],
   _write_csv(os.path.join(workdir, 'summary_trials.csv'), trial_rows)
   _write_csv(os.path.join(workdir, 'summary.csv'), per_setting)
   main = main_metric(trial_rows)
+  if metric is not None:
+    if not any(f'final_{metric}' in r for r in trial_rows):
+      present = sorted({k[len('final_'):] for r in trial_rows for k in r
+                        if k.startswith('final_')})
+      raise sweep_spec.SweepError(f'--metric={metric!r}: the trials report no such '
+                                  f'metric; they report {present}.')
+    main = metric
   if main is not None:
     text = (f'# Sweep summary\n\nMean ± sample sd over seeds; main metric '
             f'`{main}` ({"lower" if lower_is_better(main) else "higher"} is '
