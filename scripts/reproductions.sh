@@ -34,7 +34,7 @@ for name in $WHICH; do
       run --config configs/${algo}_digits.py --workdir "$OUT/fedopt_tuned_$algo" "${TUNED[@]}"
     done ;;
   fedprox)  # Li et al. 2020: mu at the config's local work and at 5x the local steps.
-    PROX=(--seeds 0,1,2 --config.eval_every=10 --metric train_loss_before
+    PROX=(--seeds 0,1,2 --config.eval_every=10 --metric eval_loss
           --sweep 'algorithm.mu=0.0,0.001,0.01,0.1,1.0')
     run --config configs/fedprox_synthetic.py --workdir "$OUT/fedprox_e20" "${PROX[@]}"
     run --config configs/fedprox_synthetic.py --workdir "$OUT/fedprox_e100" "${PROX[@]}" \
@@ -42,9 +42,9 @@ for name in $WHICH; do
   scaffold)  # Karimireddy et al. 2020: SCAFFOLD against FedAvg (FedProx, mu = 0)
     # with the same clients on Synthetic(1, 1).
     run --config configs/scaffold_synthetic.py --workdir "$OUT/scaffold" --seeds 0,1,2 \
-        --config.eval_every=10 --metric train_loss_before
+        --config.eval_every=10 --metric eval_loss
     run --config configs/fedprox_synthetic.py --workdir "$OUT/scaffold_fedavg" --seeds 0,1,2 \
-        --config.eval_every=10 --metric train_loss_before --sweep 'algorithm.mu=0.0' ;;
+        --config.eval_every=10 --metric eval_loss --sweep 'algorithm.mu=0.0' ;;
   *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold" >&2
      exit 2 ;;
   esac
