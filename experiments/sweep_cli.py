@@ -1,0 +1,124 @@
+"""Command-line entry point of sweeps: ``fedjx-sweep`` and ``python scripts/sweep.py``.
+
+::
+
+  fedjx-sweep --config configs/fedadam_digits.py --workdir runs/grid \\
+      --sweep 'algorithm.server_learning_rate=0.003,0.01,0.03,0.1,0.3' \\
+      --seeds 0,1,2 --target eval_accuracy=0.9
+
+``--sweep FIELD=V1,V2,...`` (repeatable) makes a grid; ``--sweep
+FIELD=loguniform(LOW,HIGH)`` / ``uniform(...)`` / ``choice(...)`` with
+``--num_samples N`` makes a random search. A config file may instead define
+``get_sweep()`` returning ``{'sweep': [...axis strings...], 'seeds': '0,1,2',
+'num_samples': None, 'target': 'eval_accuracy=0.9'}``; flags given on the
+command line take precedence. ``--config.<field>=<value>`` overrides the base
+config as for ``fedjx-run``. Running again with the same ``--workdir``
+resumes. Errors are one line with exit status 2; SIGINT/SIGTERM save
+checkpoints and exit with status 130.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Base experiment config file (a Python file with get_config()).',
+    lock_config=False)
+_WORKDIR = flags.DEFINE_string(
+    'workdir', None, 'Sweep directory (default: runs/<config name>_sweep).')
+_SWEEP = flags.DEFINE_multi_string(
+    'sweep', None, "A swept field: 'FIELD=V1,V2,...' (grid) or "
+    "'FIELD=loguniform(LOW,HIGH)' (random search). Repeatable.")
+_SEEDS = flags.DEFINE_string('seeds', None, "Seeds of every setting: '0,1,2' or '0-4'.")
+_NUM_SAMPLES = flags.DEFINE_integer(
+    'num_samples', None, 'Random search: how many settings to draw.')
+_SAMPLE_SEED = flags.DEFINE_integer(
+    'sample_seed', 0, 'Random search: the seed of the draws.')
+_PER_PROGRAM = flags.DEFINE_integer(
+    'settings_per_program', None,
+    'At most this many settings (x every seed) per compiled program.')
+_METRIC = flags.DEFINE_string(
+    'metric', None, 'Main metric of summary.md and the plots (default: '
+    'eval_accuracy, else eval_loss, else a training loss).')
+_TARGET = flags.DEFINE_string(
+    'target', None, "Rounds to reach e.g. 'eval_accuracy=0.9' (in the summary).")
+
+INTERRUPTED_STATUS = 130
+
+
+def _config_module(path: str):
+  path = path.partition(':')[0]
+  spec = importlib.util.spec_from_file_location('_fedjx_sweep_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def sweep_arguments(config_path: str) -> dict:
+  """The sweep of the command line, completed by the config's ``get_sweep()``."""
+  module = _config_module(config_path)
+  defaults = dict(module.get_sweep()) if hasattr(module, 'get_sweep') else {}
+  unknown = set(defaults) - {'sweep', 'seeds', 'num_samples', 'target', 'sample_seed'}
+  if unknown:
+    from fedjx.experiments import sweep_spec  # pylint: disable=g-import-not-at-top
+    raise sweep_spec.SweepError(
+        f'get_sweep() in {config_path} returns unknown keys {sorted(unknown)}; '
+        "valid: ['num_samples', 'sample_seed', 'seeds', 'sweep', 'target'].")
+  pick = lambda flag, key, default: flag.value if flag.present else defaults.get(key, default)
+  return {'sweep': list(pick(_SWEEP, 'sweep', []) or []),
+          'seeds': pick(_SEEDS, 'seeds', '0'),
+          'num_samples': pick(_NUM_SAMPLES, 'num_samples', None),
+          'sample_seed': pick(_SAMPLE_SEED, 'sample_seed', 0),
+          'target': pick(_TARGET, 'target', None)}
+
+
+def _main(argv: Sequence[str]) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments {argv[1:]}.')
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  config = _CONFIG.value
+  if config is None:
+    raise app.UsageError('--config is required, e.g. --config configs/fedadam_digits.py.')
+  config_path = flags.FLAGS['config'].config_filename
+  workdir = _WORKDIR.value or os.path.join(
+      'runs', os.path.splitext(os.path.basename(config_path))[0] + '_sweep')
+  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import sweep  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import sweep_spec  # pylint: disable=g-import-not-at-top
+  try:
+    args = sweep_arguments(config_path)
+    axes = [sweep_spec.parse_axis(a) for a in args['sweep']]
+    settings = sweep_spec.settings(axes, args['num_samples'], args['sample_seed'])
+    seeds = sweep_spec.parse_seeds(str(args['seeds']))
+    result = sweep.run_sweep(config, workdir, settings, seeds, target=args['target'],
+                             settings_per_program=_PER_PROGRAM.value,
+                             metric=_METRIC.value)
+  except (registry.ConfigError, sweep_spec.SweepError, ValueError) as e:
+    if os.environ.get('FEDJX_DEBUG'):
+      raise
+    print(f'fedjx-sweep: {str(e).splitlines()[0] if str(e) else type(e).__name__}',
+          file=sys.stderr)
+    return 2
+  if result.interrupted:
+    return INTERRUPTED_STATUS
+  print(f'fedjx-sweep: done; {len(result.trials)} trials in {result.groups} '
+        f'program(s); summary.md, summary.csv and plots in {result.workdir}')
+  return 0
+
+
+def main() -> None:
+  """Console-script entry point."""
+  app.run(_main)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Runs the sweeps behind docs/reproductions.md; each writes summary.md in its
+# own directory under OUT (default runs/reproductions).
+#   bash scripts/reproductions.sh [OUT] [NAME ...]
+# NAME: fedopt (grids, seeds 0-2), fedopt_tuned (the grid winners on fresh
+# seeds 3-7), fedprox, scaffold. Default: all of them.
+set -euo pipefail
+OUT=${1:-runs/reproductions}
+shift || true
+WHICH=${*:-fedopt fedopt_tuned fedprox scaffold}
+COMMON=(--config.tensorboard=False --config.progress=False)
+
+run() { echo "== fedjx-sweep $*" >&2; fedjx-sweep "$@" "${COMMON[@]}"; }
+
+for name in $WHICH; do
+  case $name in
+  fedopt)  # Reddi et al. 2021 on digits: rounds to 90% test accuracy.
+    FEDOPT=(--seeds 0,1,2 --target eval_accuracy=0.9 --config.rounds=150
+            --config.eval_every=1
+            --sweep 'algorithm.client_optimizer.learning_rate=0.03,0.1,0.3')
+    run --config configs/fedavg_digits.py --workdir "$OUT/fedopt_fedavg" "${FEDOPT[@]}" \
+        --sweep 'algorithm.server_optimizer.learning_rate=0.3,1.0,2.0,3.0,5.0,10.0'
+    run --config configs/fedavgm_digits.py --workdir "$OUT/fedopt_fedavgm" "${FEDOPT[@]}" \
+        --sweep 'algorithm.server_learning_rate=0.03,0.1,0.3,1.0,3.0'
+    for algo in fedadam fedyogi; do
+      run --config configs/${algo}_digits.py --workdir "$OUT/fedopt_$algo" "${FEDOPT[@]}" \
+          --sweep 'algorithm.server_learning_rate=0.001,0.003,0.01,0.03,0.1,0.3,1.0'
+    done ;;
+  fedopt_tuned)  # Each grid's winner (fewest mean rounds to 90%, every seed
+    # reaching it), measured again on seeds the selection did not see.
+    TUNED=(--seeds 3-7 --target eval_accuracy=0.9 --config.rounds=150
+           --config.eval_every=1)
+    for algo in fedavg fedavgm fedadam fedyogi; do
+      run --config configs/${algo}_digits.py --workdir "$OUT/fedopt_tuned_$algo" "${TUNED[@]}"
+    done ;;
+  fedprox)  # Li et al. 2020: mu at the config's local work and at 5x the local steps.
+    PROX=(--seeds 0,1,2 --config.eval_every=10 --metric eval_loss
+          --sweep 'algorithm.mu=0.0,0.001,0.01,0.1,1.0')
+    run --config configs/fedprox_synthetic.py --workdir "$OUT/fedprox_e20" "${PROX[@]}"
+    run --config configs/fedprox_synthetic.py --workdir "$OUT/fedprox_e100" "${PROX[@]}" \
+        --config.local_epochs=100 --config.max_local_steps=1280 ;;
+  scaffold)  # Karimireddy et al. 2020: SCAFFOLD against FedAvg (FedProx, mu = 0)
+    # with the same clients on Synthetic(1, 1).
+    run --config configs/scaffold_synthetic.py --workdir "$OUT/scaffold" --seeds 0,1,2 \
+        --config.eval_every=10 --metric eval_loss
+    run --config configs/fedprox_synthetic.py --workdir "$OUT/scaffold_fedavg" --seeds 0,1,2 \
+        --config.eval_every=10 --metric eval_loss --sweep 'algorithm.mu=0.0' ;;
+  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold" >&2
+     exit 2 ;;
+  esac
+done

@@ -1,0 +1,279 @@
+"""Sweeps: vectorized trials equal their single runs; summaries, divergence, resume."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from fedjx.experiments import config_base
+from fedjx.experiments import metrics_writers
+from fedjx.experiments import runner
+from fedjx.experiments import sweep
+from fedjx.experiments import sweep_spec
+from fedjx.experiments import sweep_summary
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Trials and single runs add the same float32 numbers, but a batched matrix
+# product may sum in another order than an unbatched one: each of the 3
+# rounds adds up ~10^2-10^3 terms per output (16 examples x 65 features, then
+# 5 clients), so relative differences stay within a few hundred float32 ulps
+# (2^-24 ~ 6e-8 each): 1e-4 relative, with absolute 1e-6 for values near 0.
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def small_config(**changes):
+  config = config_base.base_config()
+  config.rounds = 3
+  config.cohort_size = 5
+  config.batch_size = 16
+  config.eval_every = 2
+  config.checkpoint_every = 2
+  config.progress = False
+  config.tensorboard = False
+  config.plot = False
+  config.prefetch = 0
+  config.dataset = dict(name='digits', num_clients=12, alpha=0.5)
+  config.model = dict(name='logistic_regression')
+  config.algorithm = dict(
+      name='fedadam', client_optimizer=config_base.optimizer('sgd', learning_rate=0.1),
+      server_learning_rate=0.05)
+  for k, v in changes.items():
+    setattr(config, k, v)
+  return config
+
+
+def trial_params(workdir, trial):
+  state, _ = sweep.load_trial_state(str(workdir), trial.name)
+  return jax.device_get(state.params)
+
+
+def assert_trees_close(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL), a, b)
+
+
+def test_axis_and_seed_parsing():
+  axis = sweep_spec.parse_axis('config.algorithm.server_learning_rate=0.01,1e-1,(1,2)')
+  assert axis.path == 'algorithm.server_learning_rate'
+  assert axis.values == (0.01, 0.1, (1, 2))
+  rand = sweep_spec.parse_axis('algorithm.b1=loguniform(1e-3, 1)')
+  assert (rand.distribution, rand.arguments) == ('loguniform', (1e-3, 1.0))
+  assert sweep_spec.parse_seeds('0-2,7') == (0, 1, 2, 7)
+  for bad in ('algorithm.x', 'algorithm.x=', '1x=2', 'seed=1,2', 'a=1,1',
+              'a=loguniform(0,1)', 'a=uniform(2,1)', 'a=uniform(1)'):
+    with pytest.raises(sweep_spec.SweepError):
+      sweep_spec.parse_axis(bad)
+  for bad in ('', 'a', '1,1', '-1'):
+    with pytest.raises(sweep_spec.SweepError):
+      sweep_spec.parse_seeds(bad)
+
+
+def test_short_names():
+  assert sweep_spec.short_names(['algorithm.client_optimizer.learning_rate',
+                                 'algorithm.server_learning_rate', 'batch_size',
+                                 'model.hidden', 'dataset.hidden']) == {
+      'algorithm.client_optimizer.learning_rate': 'client_optimizer.learning_rate',
+      'algorithm.server_learning_rate': 'server_learning_rate',
+      'batch_size': 'batch_size', 'model.hidden': 'model.hidden',
+      'dataset.hidden': 'dataset.hidden'}
+
+
+def test_grid_and_random_settings():
+  grid = sweep_spec.settings([sweep_spec.parse_axis('a=1,2'),
+                              sweep_spec.parse_axis('b.c=x,y,z')])
+  assert grid == [{'a': a, 'b.c': c} for a in (1, 2) for c in 'xyz']
+  axes = [sweep_spec.parse_axis('a=loguniform(1e-3,1)'), sweep_spec.parse_axis('b=3,4')]
+  draws = sweep_spec.settings(axes, num_samples=20, sample_seed=5)
+  assert draws == sweep_spec.settings(axes, num_samples=20, sample_seed=5)
+  assert all(1e-3 <= d['a'] <= 1 and d['b'] in (3, 4) for d in draws)
+  logs = np.log10([d['a'] for d in draws])
+  assert logs.min() < -2 and logs.max() > -1  # Spread over the decades.
+  with pytest.raises(sweep_spec.SweepError, match='num_samples'):
+    sweep_spec.settings(axes)
+
+
+def test_classification_traced_and_structural():
+  values = {'algorithm.server_learning_rate': [0.01, 0.1],
+            'algorithm.client_optimizer.learning_rate': [0.05, 0.2],
+            'algorithm.local_epochs': [1, 2],
+            'batch_size': [8, 16]}
+  traced, structural = sweep.classify(small_config(), values)
+  assert traced == ['algorithm.server_learning_rate',
+                    'algorithm.client_optimizer.learning_rate']
+  assert structural == ['algorithm.local_epochs', 'batch_size']
+
+
+def test_trials_equal_single_runs(tmp_path):
+  config = small_config()
+  settings = sweep_spec.settings(
+      [sweep_spec.parse_axis('algorithm.server_learning_rate=0.02,0.1'),
+       sweep_spec.parse_axis('batch_size=8,16')])
+  result = sweep.run_sweep(config, str(tmp_path / 'sweep'), settings, (0, 4),
+                           target='eval_accuracy=0.3', log=lambda m: None)
+  assert result.traced == ['algorithm.server_learning_rate']
+  assert result.structural == ['batch_size']
+  assert result.groups == 2 and len(result.trials) == 8
+  # Every trial against its own single run.
+  for trial in result.trials:
+    single = runner.run(sweep.trial_config(config, trial.setting, trial.seed),
+                        str(tmp_path / 'single' / trial.name), log=lambda m: None)
+    rows = metrics_writers.read_metrics(str(tmp_path / 'sweep' / 'trials' / trial.name))
+    assert [r['round'] for r in rows] == [r['round'] for r in single.history]
+    for got, want in zip(rows, single.history):
+      for key in want:
+        if key != 'elapsed_s':
+          np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL,
+                                     err_msg=f'{trial.name} round {want["round"]} {key}')
+    assert_trees_close(trial_params(tmp_path / 'sweep', trial),
+                       jax.device_get(single.state.params))
+  # The summary: one row per trial, mean and sd over the two seeds per setting.
+  with open(tmp_path / 'sweep' / 'summary.csv', encoding='utf-8') as f:
+    per_setting = list(csv.DictReader(f))
+  assert len(per_setting) == 4
+  trial_rows = {r['trial']: r for r in result.summary}
+  for row in per_setting:
+    finals = [trial_rows[t.name]['final_eval_accuracy'] for t in result.trials
+              if t.setting == {'algorithm.server_learning_rate': float(
+                  row['algorithm.server_learning_rate']),
+                               'batch_size': int(row['batch_size'])}]
+    assert len(finals) == 2
+    np.testing.assert_allclose(float(row['final_eval_accuracy_mean']), np.mean(finals))
+    np.testing.assert_allclose(float(row['final_eval_accuracy_sd']), np.std(finals, ddof=1))
+  text = (tmp_path / 'sweep' / 'summary.md').read_text()
+  assert '| server_learning_rate | batch_size | seeds |' in text
+
+
+def test_rounds_to_target_and_best():
+  rows = [{'round': 0, 'eval_accuracy': 0.1, 'eval_loss': 2.0},
+          {'round': 2, 'eval_accuracy': 0.6, 'eval_loss': 1.0},
+          {'round': 4, 'eval_accuracy': 0.5, 'eval_loss': 1.5}]
+  trial = sweep.Trial('t', {'a': 1}, 0)
+  row = sweep_summary.trial_row(trial, rows, ('eval_loss', 1.2))
+  assert row['best_eval_accuracy'] == 0.6 and row['best_round_eval_accuracy'] == 2
+  assert row['best_eval_loss'] == 1.0 and row['final_eval_loss'] == 1.5
+  assert row['rounds_to_target'] == 2 and row['diverged_round'] is None
+  assert sweep_summary.trial_row(trial, rows, ('eval_accuracy', 0.9))[
+      'rounds_to_target'] is None
+
+
+def test_a_diverging_trial_stops_alone(tmp_path):
+  config = small_config()
+  config.algorithm = dict(name='fedavg', server_optimizer=config_base.optimizer(
+      'sgd', learning_rate=1.0))
+  settings = [{'algorithm.server_optimizer.learning_rate': v} for v in (1.0, 1e38)]
+  messages = []
+  result = sweep.run_sweep(config, str(tmp_path / 'sweep'), settings, (0,),
+                           log=messages.append)
+  assert result.groups == 1
+  good, bad = result.trials
+  bad_rows = metrics_writers.read_metrics(str(tmp_path / 'sweep' / 'trials' / bad.name))
+  last = bad_rows[-1]['round']
+  assert any(bad.name in m and f'diverged in round {last}' in m for m in messages)
+  assert last < config.rounds and bad_rows[-1]['diverged'] == 1.0
+  assert [r['round'] for r in bad_rows] == list(range(last + 1))
+  summary = {r['trial']: r for r in result.summary}
+  assert summary[bad.name]['diverged_round'] == last
+  assert summary[good.name]['diverged_round'] is None
+  single = runner.run(sweep.trial_config(config, good.setting, 0),
+                      str(tmp_path / 'single'), log=lambda m: None)
+  good_rows = metrics_writers.read_metrics(str(tmp_path / 'sweep' / 'trials' / good.name))
+  np.testing.assert_allclose([r['eval_accuracy'] for r in good_rows if 'eval_accuracy' in r],
+                             [r['eval_accuracy'] for r in single.history if 'eval_accuracy' in r],
+                             rtol=RTOL)
+  frozen = jax.tree.leaves(trial_params(tmp_path / 'sweep', bad))
+  assert frozen and all(np.isfinite(x).all() for x in frozen)  # Its last finite model.
+
+
+def test_resume_continues_exactly(tmp_path):
+  settings = [{'algorithm.server_learning_rate': v} for v in (0.02, 0.1)]
+  whole = sweep.run_sweep(small_config(rounds=4), str(tmp_path / 'whole'), settings,
+                          (1,), log=lambda m: None)
+  sweep.run_sweep(small_config(rounds=2), str(tmp_path / 'parts'), settings, (1,),
+                  log=lambda m: None)
+  parts = sweep.run_sweep(small_config(rounds=4), str(tmp_path / 'parts'), settings,
+                          (1,), log=lambda m: None)
+  for t in whole.trials:
+    a, _ = sweep.load_trial_state(str(tmp_path / 'whole'), t.name)
+    b, step = sweep.load_trial_state(str(tmp_path / 'parts'), t.name)
+    assert step == 4
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+    rows_a = metrics_writers.read_metrics(str(tmp_path / 'whole' / 'trials' / t.name))
+    rows_b = metrics_writers.read_metrics(str(tmp_path / 'parts' / 'trials' / t.name))
+    strip = lambda rows: [{k: v for k, v in r.items() if k != 'elapsed_s'} for r in rows]
+    assert strip(rows_a) == strip(rows_b)
+  assert [r['trial'] for r in parts.summary] == [t.name for t in whole.trials]
+  with pytest.raises(sweep_spec.SweepError, match='different sweep'):
+    sweep.run_sweep(small_config(rounds=4), str(tmp_path / 'parts'), settings[:1], (1,),
+                    log=lambda m: None)
+
+
+def test_settings_per_program_splits_groups():
+  settings = [{'algorithm.server_learning_rate': v} for v in (0.01, 0.02, 0.03)]
+  groups, traced, _ = sweep.plan(small_config(), settings, (0, 1), settings_per_program=2)
+  assert traced == ['algorithm.server_learning_rate']
+  assert [len(g.settings) for g in groups] == [2, 1]
+  assert [[t.seed for t in row] for row in groups[1].trials] == [[0], [1]]
+  with pytest.raises(sweep_spec.SweepError, match='settings_per_program'):
+    sweep.plan(small_config(), settings, (0,), settings_per_program=0)
+
+
+def test_trials_are_sharded_over_devices(tmp_path):
+  n = len(jax.devices())
+  settings = [{'algorithm.server_learning_rate': 0.01 * (i + 1)} for i in range(n)]
+  assert sweep._trial_sharding((1, n)) is not None or n == 1  # pylint: disable=protected-access
+  result = sweep.run_sweep(small_config(rounds=1, eval_every=1), str(tmp_path / 's'),
+                           settings, (0,), log=lambda m: None)
+  single = runner.run(sweep.trial_config(small_config(rounds=1, eval_every=1),
+                                         settings[-1], 0), str(tmp_path / 'one'),
+                      log=lambda m: None)
+  got = {r['trial']: r for r in result.summary}[result.trials[-1].name]
+  np.testing.assert_allclose(got['final_eval_loss'], single.history[-1]['eval_loss'],
+                             rtol=RTOL)
+
+
+def test_cli_one_line_errors(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  cmd = [sys.executable, '-m', 'fedjx.experiments.sweep_cli',
+         '--config', os.path.join(REPO, 'configs', 'fedavg_digits.py'),
+         '--workdir', str(tmp_path / 'w')]
+  for extra, message in (
+      (['--sweep', 'algorithm.client_optimizer.lr=0.1'], "has no option 'lr'"),
+      (['--sweep', 'algorithm.x=uniform(2,1)'], 'low < high'),
+      (['--seeds', '1,x'], 'not an int'),
+      (['--sweep', 'rounds=1', '--target', 'eval_accuracy'], 'METRIC=NUMBER')):
+    proc = subprocess.run(cmd + extra, capture_output=True, text=True, env=env,
+                          cwd=str(tmp_path), check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_cli_sweep_from_the_config_file(tmp_path):
+  config_file = tmp_path / 'grid.py'
+  config_file.write_text(
+      'import sys\n'
+      f'sys.path.insert(0, {os.path.join(REPO, "tests")!r})\n'
+      'from test_sweep import small_config\n\n'
+      'def get_config():\n'
+      '  return small_config(rounds=1, eval_every=1, plot=True)\n\n'
+      'def get_sweep():\n'
+      "  return {'sweep': ['algorithm.server_learning_rate=0.01,0.1'], 'seeds': '0-1',\n"
+      "          'target': 'eval_accuracy=0.01'}\n")
+  proc = subprocess.run(
+      [sys.executable, '-m', 'fedjx.experiments.sweep_cli', '--config', str(config_file),
+       '--workdir', str(tmp_path / 'w'), '--seeds', '3'],  # The flag wins.
+      capture_output=True, text=True, cwd=str(tmp_path), check=False,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  with open(tmp_path / 'w' / 'summary_trials.csv', encoding='utf-8') as f:
+    rows = list(csv.DictReader(f))
+  assert sorted(r['trial'] for r in rows) == [
+      'server_learning_rate=0.01,seed=3', 'server_learning_rate=0.1,seed=3']
+  assert all(r['rounds_to_target'] == '0' for r in rows)  # Reached at round 0.
+  assert (tmp_path / 'w' / 'sweep_eval_accuracy.png').exists()
