@@ -215,8 +215,9 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[tuple[st
   ``--config.<path>=<value>`` naming an existing field is left for
   ``ml_collections`` to parse. One naming no field is accepted when it is
 
-  * ``algorithm.<option>``: an option of the selected algorithm's builder
-    (after any ``--config.algorithm.name=`` override), or
+  * ``algorithm.<option>`` (``dataset.<option>``, ``model.<option>``): an
+    option of the selected builder (after any ``--config.algorithm.name=``
+    override), or
   * ``algorithm.<x>optimizer.<option>``: an option of the selected optax
     optimizer of that spec (``name`` included, which creates the spec when
     the file leaves the builder's default optimizer).
@@ -260,17 +261,20 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[tuple[st
   new_names = {p[:-1] + ('name',): _value(a).strip('\'"') for a, p in pending
                if len(p) == 3 and p[0] == 'algorithm' and p[2] == 'name'
                and '=' in a}
-  algo_name = name_of(('algorithm',), named)
+  tables = {'algorithm': registry.ALGORITHMS, 'dataset': registry.DATASETS,
+            'model': registry.MODELS}
   for arg, parts in pending:
-    if parts[0] != 'algorithm' or algo_name not in registry.ALGORITHMS or (
-        '=' not in arg) or len(parts) not in (2, 3):
+    kind = parts[0]
+    builder = name_of((kind,), named) if kind in tables else None
+    if builder not in tables.get(kind, {}) or '=' not in arg or (
+        len(parts) not in (2, 3) or (len(parts) == 3 and kind != 'algorithm')):
       raise _unknown_field(arg, config, parts)
-    options = registry.builder_options(algo_name)
+    options = registry.builder_options(builder, kind)
     where = f'--config.{".".join(parts)}'
     if len(parts) == 2:
       if parts[1] not in options:
         raise UsageError(
-            f'algorithm {algo_name!r} has no option {parts[1]!r} (in {arg}).'
+            f'{kind} {builder!r} has no option {parts[1]!r} (in {arg}).'
             f'{registry._suggest(parts[1], options)} Valid options: '  # pylint: disable=protected-access
             f'{sorted(options)}.')
       extras.append((parts, parse_value(_value(arg), options[parts[1]], where)))

@@ -180,13 +180,18 @@ def forwarded_builder(name: str) -> Callable[..., Any] | None:
   return ALGORITHMS.get(_FORWARDS.get(name, ''))
 
 
-def builder_options(name: str) -> dict[str, inspect.Parameter]:
-  """The options of algorithm ``name`` a config may set, by name.
+def builder_options(name: str, kind: str = 'algorithm') -> dict[str, inspect.Parameter]:
+  """The options of builder ``name`` of ``kind`` a config may set, by name.
 
-  The builder's keyword parameters, and for a builder that forwards
+  The builder's keyword parameters, and for an algorithm that forwards
   ``**kwargs`` (the FedOpt conveniences) those of the builder it forwards to;
   the runner's :data:`RESERVED` options are left out.
   """
+  if kind != 'algorithm':
+    table = {'dataset': DATASETS, 'model': MODELS}[kind]
+    params = inspect.signature(lookup(kind, table, name)).parameters.values()
+    return {p.name: p for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
   fns = [lookup('algorithm', ALGORITHMS, name), forwarded_builder(name)]
   options: dict[str, inspect.Parameter] = {}
   for fn in fns:

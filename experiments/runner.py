@@ -545,7 +545,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
             if not finite or (config.nonfinite == 'stop' and
                               row.get('nonfinite_clients', 0) > 0):
               writer.flush()
-              raise NonFiniteError(_nonfinite_message(r, row, finite, saved))
+              raise NonFiniteError(_nonfinite_message(step, row, finite, saved))
             last_row.update(row)
             postfix = {'loss': _train_loss(last_row)}
             if 'eval_accuracy' in last_row:
@@ -583,9 +583,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
                    sigint.signum if interrupted else None)
 
 
-def _nonfinite_message(r: int, row: Mapping[str, Any], finite: bool,
+def _nonfinite_message(step: int, row: Mapping[str, Any], finite: bool,
                        saved: int | None) -> str:
-  """One line: the round, what was non-finite, and the last good checkpoint."""
+  """One line: the round (as in the metrics file), what was non-finite, and
+  the last good checkpoint."""
   count = int(row.get('nonfinite_clients', 0))
   if finite:
     what = (f"{count} client(s) had a non-finite update or weight "
@@ -596,7 +597,7 @@ def _nonfinite_message(r: int, row: Mapping[str, Any], finite: bool,
       what += f' ({count} non-finite client(s) were skipped)'
   where = ('no checkpoint was saved' if saved is None else
            f'the last good checkpoint is the one after round {saved}')
-  return f'round {r}: {what}; stopped without saving this state; {where}.'
+  return f'round {step}: {what}; stopped without saving this state; {where}.'
 
 
 def _title(config: ml_collections.ConfigDict) -> str:
