@@ -66,9 +66,14 @@ def check_kwargs(kind: str, name: str, fn: Callable[..., Any],
   if var and forwards_to is not None:
     more, var = accepted_kwargs(forwards_to)
     names = names + [n for n in more if n not in names]
+  valid = [n for n in names if n not in reserved]
+  for key in kwargs:
+    if key in reserved:
+      raise ConfigError(
+          f'{kind} {name!r} has no option {key!r}: the runner sets it. Valid '
+          f'options of {kind} {name!r}: {sorted(valid)}.')
   if var:
     return
-  valid = [n for n in names if n not in reserved]
   for key in kwargs:
     if key not in valid:
       raise ConfigError(
