@@ -532,12 +532,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
         try:
           for r, cohort in zip(range(start, config.rounds), cohorts):
             state, metrics = exp.algorithm.round(state, cohort, exp.round_key_for(r))
+            # Dispatched behind the round; fetched below with its metrics.
+            finite = None if config.nonfinite == 'off' else _all_finite(state.params)
             if pending:  # The round runs meanwhile (JAX dispatch is async).
               ckpt.wait()
               pending = False
             step = r + 1
             row = _scalars(metrics)
-            finite = config.nonfinite == 'off' or bool(_all_finite(state.params))
+            finite = finite is None or bool(finite)
             if exp.evaluate is not None and finite and (
                 step % config.eval_every == 0 or step == config.rounds):
               row.update(exp.evaluate(state.params))
