@@ -20,6 +20,7 @@ import json
 import math
 import os
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -151,25 +152,45 @@ class CsvWriter(MetricsWriter):
 
 
 class TensorBoardWriter(MetricsWriter):
-  """Scalars to TensorBoard event files under ``logdir`` (tensorboardX)."""
+  """Scalars to a TensorBoard event file under ``logdir`` (tensorboardX).
+
+  Events are written synchronously (tensorboardX's ``EventsWriter``, not the
+  ``SummaryWriter`` whose background queue ``flush()`` does not drain), so
+  after :meth:`flush` every row written so far is on disk, as in the metrics
+  file. ``purge_round`` writes a ``SessionLog.START`` at that step, which
+  makes TensorBoard hide the events of earlier attempts from that step on
+  (what ``SummaryWriter(purge_step=...)`` does).
+  """
 
   def __init__(self, logdir: str, purge_round: int | None = None):
-    from tensorboardX import SummaryWriter  # Imported lazily: it is slow.
-    # purge_step makes TensorBoard hide the events an interrupted run wrote
-    # after the checkpoint we resumed from.
-    self._writer = SummaryWriter(logdir, purge_step=purge_round)
+    # Imported lazily: tensorboardX is slow to import.
+    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
+    from tensorboardX.event_file_writer import EventsWriter  # pylint: disable=g-import-not-at-top
+    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+    self._summary, self._pb = summary, event_pb2
+    os.makedirs(logdir, exist_ok=True)
+    # The pid keeps two attempts started in the same second apart.
+    self._events = EventsWriter(os.path.join(logdir, 'events'), f'.{os.getpid()}')
+    if purge_round is not None:
+      self._events.write_event(event_pb2.Event(
+          step=purge_round, wall_time=time.time(),
+          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+    self._events.flush()
 
   def write(self, round_: int, metrics: Mapping[str, Any]) -> None:
+    now = time.time()
     for name, value in metrics.items():
       value = _scalar(value)
       if not isinstance(value, str):
-        self._writer.add_scalar(name, value, global_step=int(round_))
+        self._events.write_event(self._pb.Event(
+            step=int(round_), wall_time=now,
+            summary=self._summary.scalar(name, value)))
 
   def flush(self) -> None:
-    self._writer.flush()
+    self._events.flush()
 
   def close(self) -> None:
-    self._writer.close()
+    self._events.close()
 
 
 class MultiWriter(MetricsWriter):

@@ -163,6 +163,39 @@ def _fedjx_run(files, workdir, *args, fault=None, env=None, wait=True):
   return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+def _tensorboard_scalars(workdir):
+  """``{tag: {step: value}}`` as TensorBoard shows a run's event files.
+
+  Reads the TFRecord files in order (a record cut short by a kill ends a
+  file); a ``SessionLog.START`` at step ``s`` (tensorboardX's ``purge_step``)
+  discards the earlier events of steps ``>= s``, as TensorBoard does.
+  """
+  import glob  # pylint: disable=import-outside-toplevel
+  import struct  # pylint: disable=import-outside-toplevel
+  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
+  scalars = {}
+  paths = sorted(glob.glob(os.path.join(workdir, 'tensorboard', 'events.out.tfevents.*')),
+                 key=lambda p: int(os.path.basename(p).split('.')[3]))
+  for path in paths:
+    with open(path, 'rb') as f:
+      data = f.read()
+    pos = 0
+    while pos + 12 <= len(data):
+      (length,) = struct.unpack('<Q', data[pos:pos + 8])
+      if pos + 12 + length + 4 > len(data):
+        break
+      event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+      pos += 12 + length + 4
+      if (event.HasField('session_log') and
+          event.session_log.status == event_pb2.SessionLog.START):
+        for steps in scalars.values():
+          for step in [s for s in steps if s >= event.step]:
+            del steps[step]
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+  return scalars
+
+
 def _assert_finished_like(reference, workdir):
   """Bit-identical final parameters; every round's row once, as in the reference."""
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'))
@@ -187,6 +220,16 @@ def _assert_finished_like(reference, workdir):
     for line in f:
       json.loads(line)  # No torn line is left behind.
   assert not [n for n in os.listdir(workdir) if n.endswith('.tmp')]
+  assert not [n for n in os.listdir(os.path.join(workdir, 'checkpoints'))
+              if 'tmp' in n]
+  # TensorBoard shows what the metrics file holds, every round once.
+  shown = _tensorboard_scalars(workdir)
+  expected = {}
+  for row in rows:
+    for key, value in row.items():
+      if key != 'round':
+        expected.setdefault(key, {})[row['round']] = float(np.float32(value))
+  assert shown == expected
 
 
 def _one_line(stderr):
