@@ -472,12 +472,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
            log: Callable[[str], None], lead: bool, exp: Experiment,
            ckpt: checkpointing.Checkpointer) -> RunResult:
   """Restores the newest intact checkpoint (if any) and trains to the end."""
+  from fedjx import distributed  # pylint: disable=g-import-not-at-top
   state = exp.algorithm.init(exp.init_params)
   mesh = jax.sharding.get_mesh()
   if mesh is not None and not mesh.empty:
     # Global arrays over every process's devices: replicated, or FSDP-sharded
     # on the 'model' axis (each client's model spans the model axis).
-    from fedjx import distributed  # pylint: disable=g-import-not-at-top
     state = distributed.put_global(
         state, mesh, distributed.state_specs(state, mesh, config.param_sharding))
   fingerprint = _fingerprint(config)
@@ -533,13 +533,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
           for r, cohort in zip(range(start, config.rounds), cohorts):
             state, metrics = exp.algorithm.round(state, cohort, exp.round_key_for(r))
             # Dispatched behind the round; fetched below with its metrics.
-            finite = None if config.nonfinite == 'off' else _all_finite(state.params)
+            flag = None if config.nonfinite == 'off' else _all_finite(state.params)
             if pending:  # The round runs meanwhile (JAX dispatch is async).
               ckpt.wait()
               pending = False
             step = r + 1
             row = _scalars(metrics)
-            finite = finite is None or bool(finite)
+            finite = flag is None or bool(distributed.to_host(flag))
             if exp.evaluate is not None and finite and (
                 step % config.eval_every == 0 or step == config.rounds):
               row.update(exp.evaluate(state.params))

@@ -450,3 +450,48 @@ def test_a_metrics_rewrite_interrupted_before_the_replace_keeps_the_old_file(
     w.close()
     assert [r['round'] for r in metrics_writers.read_metrics(str(d))] == [0, 1]
     assert sorted(os.listdir(d)) == [f'metrics.{fmt}']
+
+
+def test_a_restored_state_that_differs_from_its_checksum_falls_back(tmp_path, monkeypatch):
+  state = {'w': np.arange(6, dtype=np.float32).reshape(2, 3),
+           'count': np.int32(3)}
+  ckpt = checkpointing.Checkpointer(str(tmp_path), max_to_keep=2, async_save=False)
+  try:
+    ckpt.save(1, state, {'step': 1})
+    ckpt.save(2, jax.tree.map(lambda x: x + 1, state), {'step': 2})
+    real_restore = checkpointing.Checkpointer.restore
+
+    def altered(self, step, like):  # One bit of step 2 changes on the way.
+      restored, meta = real_restore(self, step, like)
+      if step == 2:
+        w = np.array(restored['w'])
+        w.view(np.uint32)[0, 0] ^= 1
+        restored = dict(restored, w=w)
+      return restored, meta
+    monkeypatch.setattr(checkpointing.Checkpointer, 'restore', altered)
+    warnings = []
+    restored, meta = ckpt.restore_latest_intact(state, warn=warnings.append)
+  finally:
+    ckpt.close()
+  assert meta['step'] == 1
+  np.testing.assert_array_equal(restored['w'], state['w'])
+  assert len(warnings) == 1 and 'step 2' in warnings[0] and 'checksum' in warnings[0]
+  ckpt = checkpointing.Checkpointer(str(tmp_path))
+  try:
+    assert ckpt.all_steps() == [1]  # The damaged step was deleted.
+  finally:
+    ckpt.close()
+
+
+def test_checksum_and_structure_see_every_leaf():
+  a = {'w': np.zeros((2, 3), np.float32), 'b': np.zeros(3, np.float32)}
+  assert checkpointing.checksum(a) == checkpointing.checksum(jax.tree.map(np.copy, a))
+  flipped = dict(a, b=np.array([0.0, -0.0, 0.0], np.float32))  # Sign bit only.
+  assert checkpointing.checksum(flipped) != checkpointing.checksum(a)
+  same = checkpointing.structure(a)
+  assert checkpointing.structure_difference(same, same) is None
+  wider = checkpointing.structure(dict(a, w=np.zeros((2, 4), np.float32)))
+  assert checkpointing.structure_difference(same, wider) == (
+      "state leaf ['w']: shape (2, 3) float32 -> (2, 4) float32")
+  more = checkpointing.structure(dict(a, c=np.zeros(1, np.int32)))
+  assert 'is new' in checkpointing.structure_difference(same, more)
