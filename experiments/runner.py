@@ -49,7 +49,6 @@ from fedjx import datasets
 from fedjx import models
 from fedjx.experiments import checkpointing
 from fedjx.experiments import metrics_writers
-from fedjx.experiments import plotting
 from fedjx.experiments import registry
 from fedjx.experiments import workdir_lock
 
@@ -578,6 +577,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
     writer.close()
     ckpt.wait()
   if lead and config.plot and not interrupted and history:
+    from fedjx.experiments import plotting  # pylint: disable=g-import-not-at-top  # matplotlib is slow to import
     plotting.plot_curves({os.path.basename(workdir): history},
                          os.path.join(workdir, 'learning_curve.png'),
                          title=_title(config))

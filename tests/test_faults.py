@@ -141,10 +141,23 @@ def reference(files, tmp_path_factory):
   return runner.run(_config(files), str(tmp_path_factory.mktemp('reference')))
 
 
+@pytest.fixture(scope='module', autouse=True)
+def compilation_cache(tmp_path_factory):
+  """A persistent XLA cache shared by the module's processes (compile once)."""
+  path = str(tmp_path_factory.mktemp('xla_cache'))
+  os.environ['FEDJX_TEST_XLA_CACHE'] = path
+  yield path
+  os.environ.pop('FEDJX_TEST_XLA_CACHE', None)
+
+
 def _env(**extra):
   env = dict(os.environ)
   env.setdefault('JAX_PLATFORMS', 'cpu')
   env.pop('FEDJX_DEBUG', None)
+  if 'FEDJX_TEST_XLA_CACHE' in env:
+    env.update(JAX_COMPILATION_CACHE_DIR=env['FEDJX_TEST_XLA_CACHE'],
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
   env.update({k: str(v) for k, v in extra.items()})
   return env
 
