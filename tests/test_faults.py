@@ -114,7 +114,12 @@ FAULT = textwrap.dedent('''
 ''')
 
 FEDJX_RUN = os.path.join(os.path.dirname(sys.executable), 'fedjx-run')
-RNG = random.Random(20261130)  # Kill points: drawn once, the same every run.
+
+
+@pytest.fixture
+def rng(request):
+  """Draws kill points: seeded by the test's name, the same on every run."""
+  return random.Random(f'20261130:{request.node.name}')
 
 
 @pytest.fixture(scope='module')
@@ -251,17 +256,18 @@ def _one_line(stderr):
   return lines[0]
 
 
-def test_sigkill_mid_row_then_again_mid_metrics_rewrite(files, reference, tmp_path):
+@pytest.mark.parametrize('when', [0, 1], ids=['before_replace', 'after_replace'])
+def test_sigkill_mid_row_then_again_mid_metrics_rewrite(files, reference, tmp_path,
+                                                        rng, when):
   workdir = tmp_path / 'run'
-  kill_round = RNG.randint(3, ROUNDS - 1)
+  kill_round = rng.randint(3, ROUNDS - 1)
   killed = _fedjx_run(files, workdir, fault=f'kill_in_row:{kill_round}')
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
   # The dead process's lock file is left behind; it must not block the rest.
   with open(workdir / '.lock', encoding='utf-8') as f:
     assert json.load(f)['pid'] > 0
   # Killed while resuming, as the truncated metrics file replaces the old one
-  # (before or after the replacement, drawn by the RNG).
-  when = RNG.randint(0, 1)
+  # (just before or just after the replacement).
   again = _fedjx_run(files, workdir, fault=f'kill_in_rewrite:{when}')
   assert again.returncode == -signal.SIGKILL, again.stderr[-3000:]
   rows = metrics_writers.read_metrics(str(workdir))
@@ -274,9 +280,9 @@ def test_sigkill_mid_row_then_again_mid_metrics_rewrite(files, reference, tmp_pa
   _assert_finished_like(reference, str(workdir))
 
 
-def test_sigkill_during_a_checkpoint_write(files, reference, tmp_path):
+def test_sigkill_during_a_checkpoint_write(files, reference, tmp_path, rng):
   workdir = tmp_path / 'run'
-  step = RNG.choice([4, 6])
+  step = rng.choice([4, 6])
   killed = _fedjx_run(files, workdir, fault=f'kill_in_save:{step}')
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
   ckpt = checkpointing.Checkpointer(str(workdir / 'checkpoints'))
@@ -290,9 +296,9 @@ def test_sigkill_during_a_checkpoint_write(files, reference, tmp_path):
   _assert_finished_like(reference, str(workdir))
 
 
-def test_sigterm_saves_and_exits_like_ctrl_c(files, reference, tmp_path):
+def test_sigterm_saves_and_exits_like_ctrl_c(files, reference, tmp_path, rng):
   workdir = tmp_path / 'run'
-  at = RNG.randint(1, ROUNDS - 1)
+  at = rng.randint(1, ROUNDS - 1)
   stopped = _fedjx_run(files, workdir, fault=f'term_after_row:{at}')
   assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
   line = _one_line(stopped.stderr)
@@ -375,13 +381,34 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(
     files, reference, stopped_at_six, tmp_path, damage):
   workdir = str(tmp_path / 'run')
   shutil.copytree(stopped_at_six, workdir)
-  damage(_largest_data_file(workdir, 6))
+  damaged = _largest_data_file(workdir, 6)
+  damage(damaged)
   done = _fedjx_run(files, workdir)
   assert done.returncode == 0, done.stderr[-3000:]
   lines = done.stderr.splitlines()
   assert len(lines) == 2, done.stderr[-3000:]
-  assert lines[0].startswith('fedjx: warning: the checkpoint of step 6 is damaged')
+  name = os.path.relpath(damaged, os.path.join(workdir, 'checkpoints', '6'))
+  assert lines[0].startswith(
+      f'fedjx: warning: the checkpoint of step 6 is damaged: its file {name} ')
   assert 'after round 4' in lines[1]
+  _assert_finished_like(reference, workdir)
+
+
+@pytest.mark.parametrize('damage', [_truncate, _flip], ids=['truncated', 'flipped'])
+def test_damage_is_caught_without_the_file_manifest(
+    files, reference, stopped_at_six, tmp_path, damage):
+  # A run killed between a checkpoint's completion and its manifest: Orbax's
+  # read error or the state's checksum catches the damage (a flipped byte in
+  # zstd-compressed data usually decompresses to other values, which only
+  # the checksum sees; tests/test_runner.py checks that path directly).
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(stopped_at_six, workdir)
+  shutil.rmtree(os.path.join(workdir, 'checkpoint_manifests'))
+  damage(_largest_data_file(workdir, 6))
+  done = _fedjx_run(files, workdir)
+  assert done.returncode == 0, done.stderr[-3000:]
+  warnings = [l for l in done.stderr.splitlines() if l.startswith('fedjx: warning')]
+  assert len(warnings) == 1 and 'step 6 is damaged' in warnings[0]
   _assert_finished_like(reference, workdir)
 
 
