@@ -7,8 +7,22 @@ A checkpoint at step ``r`` (after ``r`` rounds) holds:
   inside it are stored as their raw key data and re-wrapped on restore.
 * ``meta`` (JSON): the round, the run's seed and base PRNG key data, the
   sampler position (the next round to sample: cohorts are a pure function of
-  ``(seed, round)``, so this is all the sampler needs), and a fingerprint of
-  the config so a workdir is not resumed with a different experiment.
+  ``(seed, round)``, so this is all the sampler needs), a fingerprint of
+  the config so a workdir is not resumed with a different experiment, the
+  state's ``structure`` (every leaf's tree path, shape and dtype) and a
+  SHA-256 ``checksum`` of the state's bytes.
+
+Once a checkpoint is completely written, the size and SHA-256 of each of its
+files go to ``checkpoint_manifests/<step>.json`` next to the checkpoint
+directory (single-process runs).
+
+Restoring reads ``meta`` first and compares the structure with the state the
+current code builds (:func:`structure_difference`), so a changed model or
+optimizer is one line naming the leaf instead of an error deep in Orbax.
+:meth:`Checkpointer.restore_latest_intact` checks the files against their
+manifest before Orbax reads them, verifies the checksum of what it restored,
+and falls back to the next older checkpoint when a file is truncated,
+deleted or altered.
 
 Per-round randomness is ``fold_in(key(seed), round)`` and cohorts are
 ``sampler.sample(round)``, so restoring ``state`` and the round reproduces the
@@ -17,12 +31,54 @@ uninterrupted run bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import hashlib
+import inspect
+import json
 import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+
+class StructureMismatch(ValueError):
+  """The checkpoint's state has other leaves, shapes or dtypes than the run's."""
+
+
+def _one_line(e: BaseException) -> str:
+  text = ' '.join(str(e).split())
+  return f'{type(e).__name__}: {text[:200]}'
+
+
+@contextlib.contextmanager
+def _quiet_abandoned_reads() -> Iterator[None]:
+  """Silences Orbax's read coroutines that a failed restore leaves behind.
+
+  When a damaged file fails a restore, Orbax's other pending reads of it are
+  abandoned; once collected they print their own copy of the error as
+  "Exception ignored in: <coroutine ...>". That error is already reported in
+  one line, so within this block (which collects them before it ends) such
+  coroutines from Orbax are not printed; anything else is.
+  """
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    obj = unraisable.object
+    if inspect.iscoroutine(obj) and 'orbax' in obj.cr_code.co_filename:
+      return
+    previous(unraisable)
+  sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    gc.collect()
+    sys.unraisablehook = previous
 
 
 def _is_key(x: Any) -> bool:
@@ -60,6 +116,51 @@ def _from_saved(restored: Any, like: Any) -> Any:
   return jax.tree.map(one, restored, like)
 
 
+class CheckpointError(RuntimeError):
+  """No checkpoint in the directory can be restored intact."""
+
+
+def structure(tree: Any) -> list[list[Any]]:
+  """Every leaf of ``tree`` as ``[path, shape, dtype]`` (JSON-ready)."""
+  leaves = jax.tree_util.tree_leaves_with_path(_abstract(tree))
+  return [[jax.tree_util.keystr(path), list(leaf.shape), str(leaf.dtype)]
+          for path, leaf in leaves]
+
+
+def structure_difference(saved: list[list[Any]], current: list[list[Any]]
+                         ) -> str | None:
+  """The first difference of two :func:`structure` lists in words, or None."""
+  old = {p: (tuple(s), d) for p, s, d in saved}
+  new = {p: (tuple(s), d) for p, s, d in current}
+  for path in [p for p, _, _ in current] + [p for p, _, _ in saved]:
+    if path not in old:
+      return f'state leaf {path} is new (shape {new[path][0]}, {new[path][1]})'
+    if path not in new:
+      return f'state leaf {path} is gone (it was {old[path][0]}, {old[path][1]})'
+    if old[path] != new[path]:
+      (s0, d0), (s1, d1) = old[path], new[path]
+      return f'state leaf {path}: shape {s0} {d0} -> {s1} {d1}'
+  return None
+
+
+def checksum(tree: Any) -> str | None:
+  """SHA-256 over every leaf's path, dtype, shape and bytes, in tree order.
+
+  None when the state is sharded over processes (no process sees all of it).
+  """
+  from fedjx import distributed  # pylint: disable=g-import-not-at-top
+  try:
+    host = distributed.to_host(_to_savable(tree))
+  except ValueError:
+    return None
+  digest = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(host):
+    leaf = np.ascontiguousarray(leaf)
+    digest.update(f'{jax.tree_util.keystr(path)}|{leaf.dtype}|{leaf.shape}|'.encode())
+    digest.update(leaf.tobytes())
+  return digest.hexdigest()
+
+
 class Checkpointer:
   """Saves and restores run state under ``workdir/checkpoints``.
 
@@ -73,20 +174,88 @@ class Checkpointer:
 
   def __init__(self, directory: str, max_to_keep: int = 2, async_save: bool = True):
     self.directory = os.path.abspath(directory)
+    self.manifests = os.path.join(os.path.dirname(self.directory),
+                                  'checkpoint_manifests')
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True,
+        max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True,
         enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._saved = False  # Only a writer records manifests.
+
+  # The files of a checkpoint Orbax does not change after writing it.
+  _HASHED = ('state', 'meta')
+
+  def _files(self, step: int) -> dict[str, list[Any]]:
+    """``{relative path: [size, sha256]}`` of step ``step``'s data files."""
+    root = os.path.join(self.directory, str(step))
+    out = {}
+    for item in self._HASHED:
+      for d, _, names in os.walk(os.path.join(root, item)):
+        for name in names:
+          path = os.path.join(d, name)
+          digest = hashlib.sha256()
+          with open(path, 'rb') as f:
+            for block in iter(lambda: f.read(1 << 20), b''):
+              digest.update(block)
+          out[os.path.relpath(path, root)] = [os.path.getsize(path),
+                                              digest.hexdigest()]
+    return out
+
+  def _record_files(self) -> None:
+    """Writes the manifest of every complete step that lacks one; drops stale ones."""
+    if jax.process_count() != 1 or not self._saved:
+      return  # Each process's files may live on its own disk.
+    steps = set(self.all_steps())
+    os.makedirs(self.manifests, exist_ok=True)
+    for name in os.listdir(self.manifests):
+      stem = name.split('.')[0]
+      if not name.endswith('.json') or not stem.isdigit() or int(stem) not in steps:
+        os.remove(os.path.join(self.manifests, name))
+    for step in steps:
+      path = os.path.join(self.manifests, f'{step}.json')
+      if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(dir=self.manifests, suffix='.tmp')
+        with os.fdopen(fd, 'w', encoding='utf-8') as f:
+          json.dump(self._files(step), f, sort_keys=True)
+        os.replace(tmp, path)
+
+  def _check_files(self, step: int) -> str | None:
+    """What is wrong with step ``step``'s files per its manifest, or None."""
+    path = os.path.join(self.manifests, f'{step}.json')
+    if jax.process_count() != 1 or not os.path.exists(path):
+      return None
+    with open(path, encoding='utf-8') as f:
+      written = json.load(f)
+    found = self._files(step)
+    for name, (size, digest) in sorted(written.items()):
+      if name not in found:
+        return f'its file {name} is missing'
+      if found[name][0] != size:
+        return f'its file {name} has {found[name][0]} bytes, {size} were written'
+      if found[name][1] != digest:
+        return f'its file {name} differs from what was written (SHA-256)'
+    return None
 
   def latest_step(self) -> int | None:
     """The last completely written step, or None."""
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """Every completely written step, oldest first."""
+    return sorted(self._manager.all_steps())
+
   def save(self, step: int, state: Any, meta: dict[str, Any],
            force: bool = False) -> None:
-    """Saves ``state`` and ``meta`` as step ``step`` (asynchronously)."""
+    """Saves ``state`` and ``meta`` as step ``step`` (asynchronously).
+
+    ``meta`` gains the state's ``structure`` and ``checksum``. Orbax first
+    waits for any save still in flight, so at most one is pending.
+    """
     if self._manager.latest_step() == step:
       return
+    self.wait()
+    self._saved = True
+    meta = dict(meta, structure=structure(state), checksum=checksum(state))
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(_to_savable(state)),
         meta=ocp.args.JsonSave(meta)), force=force)
@@ -106,10 +275,81 @@ class Checkpointer:
         meta=ocp.args.JsonRestore()))
     return _from_saved(restored.state, like), dict(restored.meta)
 
+  def read_meta(self, step: int) -> dict[str, Any]:
+    """The JSON metadata of step ``step`` alone (the state is not read)."""
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))
+    return dict(restored.meta)
+
+  def restore_latest_intact(
+      self, like: Any, check_meta: Callable[[dict[str, Any]], None] = lambda m: None,
+      warn: Callable[[str], None] = lambda msg: None,
+  ) -> tuple[Any, dict[str, Any]] | None:
+    """Restores the newest checkpoint that reads back intact, or None if none exist.
+
+    For each step, newest first: reads ``meta`` and calls ``check_meta(meta)``
+    (which raises to refuse a different experiment: that error propagates),
+    compares the saved structure with ``like``'s, restores the state and
+    verifies its checksum. A checkpoint that fails to read or verify is
+    reported through ``warn`` in one line and deleted, and the next older one
+    is tried, so training continues from the newest intact state.
+
+    Raises:
+      CheckpointError: checkpoints exist but none is intact.
+      ValueError: (from ``check_meta``) or a structure different from ``like``.
+    """
+    steps = self.all_steps()
+    if not steps:
+      return None
+    current = structure(like)
+    for step in reversed(steps):
+      problem = self._check_files(step)
+      if problem is not None:
+        self._discard(step, problem, warn)
+        continue
+      try:
+        meta = self.read_meta(step)
+      except Exception as e:  # pylint: disable=broad-except
+        self._discard(step, f'its metadata cannot be read ({_one_line(e)})', warn)
+        continue
+      check_meta(meta)
+      if 'structure' in meta:
+        diff = structure_difference(meta['structure'], current)
+        if diff is not None:
+          raise StructureMismatch(
+              f'{os.path.dirname(self.directory)} holds a checkpoint of a '
+              f'different model or optimizer: {diff}.')
+      failure = None
+      with _quiet_abandoned_reads():
+        try:
+          state, meta = self.restore(step, like)
+        except Exception as e:  # pylint: disable=broad-except
+          failure = _one_line(e)
+      if failure is not None:
+        self._discard(step, f'it cannot be read ({failure})', warn)
+        continue
+      expected = meta.get('checksum')
+      if expected is not None and checksum(state) != expected:
+        self._discard(step, 'its checksum does not match its contents', warn)
+        continue
+      return state, meta
+    raise CheckpointError(
+        f'no checkpoint in {self.directory} is intact (steps {steps} failed to '
+        'read or verify); delete the directory to start over.')
+
+  def _discard(self, step: int, why: str, warn: Callable[[str], None]) -> None:
+    warn(f'fedjx: warning: the checkpoint of step {step} is damaged: {why}; '
+         'falling back to the previous checkpoint.')
+    self._manager.delete(step)
+    manifest = os.path.join(self.manifests, f'{step}.json')
+    if os.path.exists(manifest):
+      os.remove(manifest)
+
   def wait(self) -> None:
-    """Blocks until pending asynchronous saves are on disk."""
+    """Blocks until pending asynchronous saves are on disk (and recorded)."""
     self._manager.wait_until_finished()
+    self._record_files()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self.wait()
     self._manager.close()

@@ -6,20 +6,31 @@
       --config.rounds=100 --config.algorithm.client_optimizer.learning_rate=0.05
 
 ``--config`` is an ``ml_collections`` config file (``get_config()``); every
-field can be overridden with ``--config.<path>=<value>``. An unknown field
-stops with the list of valid fields; an unknown algorithm, dataset or model
-name with the list of valid names. Running again with the same ``--workdir``
-resumes from its latest checkpoint. SIGINT (Ctrl-C) saves a checkpoint after
-the current round and exits with status 130.
+field can be overridden with ``--config.<path>=<value>``, and so can every
+option of the selected algorithm's builder and of a selected optax optimizer
+even when the file does not set it (``--config.algorithm.client_evaluation=False``,
+``--config.algorithm.server_optimizer.b1=0.8``): see :func:`split_overrides`.
+
+Every error a user can cause is one line on stderr and exit status 2: an
+unknown field (with "did you mean"), a bad value, a missing file, a busy
+workdir, a non-finite run. ``--debug`` (or ``FEDJX_DEBUG=1``) shows the full
+traceback instead. Running again with the same ``--workdir`` resumes from its
+newest intact checkpoint. SIGINT (Ctrl-C) or SIGTERM saves a checkpoint after
+the current round and exits with status 130 or 143; during start-up it exits
+at once with one line.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import inspect
 import os
 import re
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from absl import app
 from absl import flags
@@ -32,84 +43,332 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     'workdir', None, 'Directory for checkpoints, metrics, event files and plots '
     '(default: runs/<config file name>).')
+_DEBUG = flags.DEFINE_bool(
+    'debug', False, 'Show full tracebacks instead of one-line errors (also '
+    'FEDJX_DEBUG=1).')
 
 _OVERRIDE = re.compile(r'^--?config\.([A-Za-z0-9_.]+)(=|$)')
-INTERRUPTED_STATUS = 130
+USAGE_STATUS = 2
+INTERRUPTED_STATUS = 128 + signal.SIGINT  # 130; SIGTERM gives 143.
+HELP_FLAGS = ('--help', '-help', '-h', '--helpshort', '-helpshort')
+
+USAGE = """\
+fedjx-run: trains the federated experiment of a config file.
+
+usage: fedjx-run --config FILE[:ARG] [--workdir DIR] [--config.PATH=VALUE ...]
+                 [--debug]
+
+  --config FILE[:ARG]   a Python file whose get_config([ARG]) returns an
+                        ml_collections ConfigDict (see configs/)
+  --workdir DIR         checkpoints, metrics, TensorBoard events and the plot
+                        (default runs/<config file name>); the same DIR again
+                        resumes the run
+  --config.PATH=VALUE   overrides a config field, an option of the selected
+                        algorithm's builder, or of its optax optimizers, e.g.
+                        --config.rounds=100
+                        --config.algorithm.client_optimizer.learning_rate=0.05
+                        --config.algorithm.server_optimizer.b1=0.8
+                        --config.algorithm.client_evaluation=False
+  --debug               full tracebacks instead of one-line errors (or set
+                        FEDJX_DEBUG=1)
+  --helpfull            every flag, absl's logging flags included
+
+example:
+  fedjx-run --config configs/fedavg_digits.py --workdir runs/quickstart \\
+      --config.rounds=100 --config.algorithm.client_optimizer.learning_rate=0.05
+
+exit status: 0 done; 2 a usage or config error, a workdir in use, or a
+non-finite run; 130/143 stopped by Ctrl-C/SIGTERM (a checkpoint was saved if
+training had started: run the same command again to continue).
+"""
+
+
+class UsageError(ValueError):
+  """A command-line mistake: printed as one line, exit status 2."""
+
+
+def debug_requested(argv: Sequence[str]) -> bool:
+  """``--debug`` on the command line, or ``FEDJX_DEBUG`` set to a true value."""
+  env = os.environ.get('FEDJX_DEBUG', '').strip().lower()
+  return any(a in ('--debug', '-debug', '--debug=true', '--debug=1')
+             for a in argv) or env not in ('', '0', 'false', 'no')
+
+
+def _one_line(e: BaseException) -> str:
+  return ' '.join(str(e).split()) or type(e).__name__
 
 
 def _load_config_file(spec: str):
   path, _, arg = spec.partition(':')
   if not os.path.exists(path):
-    raise app.UsageError(f'--config={spec!r}: no such file {path!r}.')
+    raise UsageError(f'--config={spec!r}: no such file {path!r}.')
   module_spec = importlib.util.spec_from_file_location('_fedjx_config', path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
   if not hasattr(module, 'get_config'):
-    raise app.UsageError(f'--config={spec!r}: {path} defines no get_config().')
+    raise UsageError(f'--config={spec!r}: {path} defines no get_config().')
   return module.get_config(arg) if arg else module.get_config()
 
 
-def check_overrides(argv: Sequence[str]) -> None:
-  """Fails with the valid fields when ``--config.<path>`` names no field."""
+# --------------------------------------------------- builder-option overrides
+
+def _target_type(param: inspect.Parameter) -> type | None:
+  """The type a command-line value for ``param`` is parsed as (None: literal)."""
+  default = param.default
+  annotation = '' if param.annotation is inspect.Parameter.empty else str(
+      param.annotation)
+  if isinstance(default, bool):
+    return bool
+  if isinstance(default, int) and not re.search(r'\bfloat\b', annotation):
+    return int
+  if isinstance(default, float):
+    return float
+  if isinstance(default, str):
+    return str
+  for name, kind in (('float', float), ('int', int), ('bool', bool), ('str', str)):
+    if re.search(rf'\b{name}\b', annotation):
+      return kind
+  return None
+
+
+def parse_value(text: str, param: inspect.Parameter, where: str) -> Any:
+  """``text`` as the type of ``param`` (its default's type, else its annotation).
+
+  Booleans accept true/false/1/0/yes/no; ``None`` is accepted when the default
+  is None or the annotation allows it; an option of unknown type is read as a
+  Python literal, or else as a string.
+  """
+  kind = _target_type(param)
+  if text == 'None' and (param.default is None or 'None' in str(param.annotation)
+                         or 'Optional' in str(param.annotation)):
+    return None
+  if kind is bool:
+    low = text.strip().lower()
+    if low in ('true', '1', 'yes'):
+      return True
+    if low in ('false', '0', 'no'):
+      return False
+    raise UsageError(f'{where}={text!r}: not a bool; use True or False.')
+  if kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      raise UsageError(f'{where}={text!r}: not {"an int" if kind is int else "a number"}.'
+                       ) from None
+  if kind is str:
+    return text
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def _config_spec(argv: Sequence[str]) -> str | None:
   spec = None
   for i, arg in enumerate(argv):
     if arg.startswith(('--config=', '-config=')):
       spec = arg.split('=', 1)[1]
     elif arg in ('--config', '-config') and i + 1 < len(argv):
       spec = argv[i + 1]
+  return spec
+
+
+def _has_path(config: Any, parts: Sequence[str]) -> bool:
+  node = config
+  for part in parts:
+    if not (hasattr(node, 'keys') and part in node.keys()):
+      return False
+    node = node[part]
+  return True
+
+
+def _get(config: Any, parts: Sequence[str]) -> Any:
+  node = config
+  for part in parts:
+    node = node[part]
+  return node
+
+
+def _unknown_field(arg: str, config: Any, parts: Sequence[str],
+                   extra: Sequence[str] = ()) -> UsageError:
+  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  node, walked = config, 'config'
+  for part in parts:
+    keys = list(node.keys()) if hasattr(node, 'keys') else []
+    if part not in keys:
+      valid = sorted(set(keys) | set(extra))
+      return UsageError(
+          f'unknown config field {walked}.{part} (in {arg}).'
+          f'{registry._suggest(part, valid)} Valid fields of {walked}: '  # pylint: disable=protected-access
+          f'{valid}.')
+    node, walked = node[part], f'{walked}.{part}'
+  return UsageError(f'unknown config field {walked} (in {arg}).')
+
+
+def _value(arg: str) -> str:
+  return arg.split('=', 1)[1]
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[tuple[str, ...], Any]]]:
+  """Separates overrides of builder options the config file does not set.
+
+  ``--config.<path>=<value>`` naming an existing field is left for
+  ``ml_collections`` to parse. One naming no field is accepted when it is
+
+  * ``algorithm.<option>`` (``dataset.<option>``, ``model.<option>``): an
+    option of the selected builder (after any ``--config.algorithm.name=``
+    override), or
+  * ``algorithm.<x>optimizer.<option>``: an option of the selected optax
+    optimizer of that spec (``name`` included, which creates the spec when
+    the file leaves the builder's default optimizer).
+
+  Its value is parsed as the builder parameter's type (:func:`parse_value`).
+  Anything else is an unknown field, named with a "did you mean".
+
+  Returns:
+    ``(argv without those overrides, [(path parts, value), ...])``.
+  Raises:
+    UsageError: an unknown field or a value of the wrong type.
+  """
+  spec = _config_spec(argv)
   if spec is None:
-    return
+    return list(argv), []
   config = _load_config_file(spec)
+  named = {}  # Overrides of existing fields, as text, for the names below.
+  pending = []
   for arg in argv:
     match = _OVERRIDE.match(arg)
     if not match:
       continue
-    node, walked = config, 'config'
-    for part in match.group(1).split('.'):
-      keys = list(node.keys()) if hasattr(node, 'keys') else []
-      if part not in keys:
-        from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
-        raise app.UsageError(
-            f'unknown config field {walked}.{part} (in {arg}).'
-            f'{registry._suggest(part, keys)} Valid fields of {walked}: '  # pylint: disable=protected-access
-            f'{sorted(keys)}.')
-      node, walked = node[part], f'{walked}.{part}'
+    parts = tuple(match.group(1).split('.'))
+    if _has_path(config, parts):
+      if '=' in arg:
+        named[parts] = _value(arg)
+    else:
+      pending.append((arg, parts))
+  if not pending:
+    return list(argv), []
+
+  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+
+  def name_of(parts: tuple[str, ...], text_overrides: Mapping[Any, str]) -> Any:
+    key = parts + ('name',)
+    if key in text_overrides:
+      return text_overrides[key].strip('\'"')
+    return _get(config, key) if _has_path(config, key) else None
+
+  extras: list[tuple[tuple[str, ...], Any]] = []
+  new_names = {p[:-1] + ('name',): _value(a).strip('\'"') for a, p in pending
+               if len(p) == 3 and p[0] == 'algorithm' and p[2] == 'name'
+               and '=' in a}
+  tables = {'algorithm': registry.ALGORITHMS, 'dataset': registry.DATASETS,
+            'model': registry.MODELS}
+  for arg, parts in pending:
+    kind = parts[0]
+    builder = name_of((kind,), named) if kind in tables else None
+    if builder not in tables.get(kind, {}) or '=' not in arg or (
+        len(parts) not in (2, 3) or (len(parts) == 3 and kind != 'algorithm')):
+      raise _unknown_field(arg, config, parts)
+    options = registry.builder_options(builder, kind)
+    where = f'--config.{".".join(parts)}'
+    if len(parts) == 2:
+      if parts[1] not in options:
+        raise UsageError(
+            f'{kind} {builder!r} has no option {parts[1]!r} (in {arg}).'
+            f'{registry._suggest(parts[1], options)} Valid options: '  # pylint: disable=protected-access
+            f'{sorted(options)}.')
+      extras.append((parts, parse_value(_value(arg), options[parts[1]], where)))
+      continue
+    slot, option = parts[1], parts[2]
+    if not slot.endswith('optimizer') or slot not in options:
+      raise _unknown_field(arg, config, parts)
+    opt_name = new_names.get(('algorithm', slot, 'name')) or name_of(
+        ('algorithm', slot), named)
+    if opt_name is None:
+      raise UsageError(
+          f'{where}: config.algorithm.{slot} is not set in the config file; name '
+          f'its optimizer too, e.g. --config.algorithm.{slot}.name=sgd '
+          f'--config.algorithm.{slot}.learning_rate=1.0.')
+    fn = registry.lookup(f'algorithm.{slot} (optax optimizer)',
+                         registry.OPTIMIZERS, opt_name)
+    if option == 'name':
+      extras.append((parts, opt_name))
+      continue
+    params = {p.name: p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if option not in params:
+      raise UsageError(
+          f'optax optimizer {opt_name!r} (config.algorithm.{slot}) has no option '
+          f'{option!r} (in {arg}).{registry._suggest(option, params)} Valid '  # pylint: disable=protected-access
+          f'options: {sorted(params)}.')
+    extras.append((parts, parse_value(_value(arg), params[option], where)))
+  dropped = {arg for arg, _ in pending}
+  return [a for a in argv if a not in dropped], extras
 
 
-def parse_flags(argv: Sequence[str]) -> list[str]:
-  """absl flag parsing, after checking ``--config.*`` overrides name fields."""
+def apply_overrides(config: Any, extras: Sequence[tuple[tuple[str, ...], Any]]) -> Any:
+  """Sets the builder-option overrides of :func:`split_overrides` on ``config``."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  with config.unlocked():
+    for parts, value in sorted(extras, key=lambda e: e[0][-1] != 'name'):
+      node = config
+      for part in parts[:-1]:
+        if part not in node:
+          node[part] = ml_collections.ConfigDict()
+        node = node[part]
+      node[parts[-1]] = value
+  return config
+
+
+# ------------------------------------------------------------------ main
+
+def parse_flags(argv: Sequence[str], extras: list[Any]) -> list[str]:
+  """absl flag parsing; builder-option overrides are put in ``extras``."""
+  if any(a in HELP_FLAGS for a in argv[1:]):
+    print(USAGE, end='')
+    sys.exit(0)
   try:
-    check_overrides(argv[1:])
-    return flags.FLAGS(argv)
-  except (app.UsageError, flags.Error) as e:
-    print(f'fedjx-run: {e}', file=sys.stderr)
-    sys.exit(2)
+    rest, found = split_overrides(argv[1:])
+    extras.extend(found)
+    # ml_collections reads the overrides from sys.argv itself.
+    sys.argv = [argv[0]] + rest
+    return flags.FLAGS(sys.argv)
+  except Exception as e:  # pylint: disable=broad-except
+    if debug_requested(argv):
+      raise
+    print(f'fedjx-run: {_one_line(e)}', file=sys.stderr)
+    sys.exit(USAGE_STATUS)
 
 
-def _main(argv: Sequence[str]) -> int:
+def _user_errors() -> tuple[type[BaseException], ...]:
+  from fedjx.experiments import checkpointing  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import workdir_lock  # pylint: disable=g-import-not-at-top
+  return (UsageError, app.UsageError, ValueError, TypeError, OSError, KeyError,
+          runner.NonFiniteError, workdir_lock.WorkdirLocked,
+          checkpointing.CheckpointError)
+
+
+def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
   if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments {argv[1:]}; settings go in '
-                         '--config.<field>=<value>.')
+    raise UsageError(f'unexpected arguments {argv[1:]}; settings go in '
+                     '--config.<field>=<value> (see --help).')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   config = _CONFIG.value
   if config is None:
-    raise app.UsageError('--config is required, e.g. --config '
-                         'configs/fedavg_digits.py.')
+    raise UsageError('--config is required, e.g. --config '
+                     'configs/fedavg_digits.py (see --help).')
+  apply_overrides(config, extras)
   workdir = _WORKDIR.value
   if workdir is None:
     name = os.path.splitext(os.path.basename(
         flags.FLAGS['config'].config_filename))[0]
     workdir = os.path.join('runs', name)
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
   from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
-  try:
-    result = runner.run(config, workdir)
-  except registry.ConfigError as e:
-    print(f'fedjx-run: {e}', file=sys.stderr)
-    return 2
+  result = runner.run(config, workdir)
   if result.interrupted:
-    return INTERRUPTED_STATUS
+    return 128 + (result.signal or signal.SIGINT)
   import jax  # pylint: disable=g-import-not-at-top
   if jax.process_index() != 0:
     return 0
@@ -123,9 +382,65 @@ def _main(argv: Sequence[str]) -> int:
   return 0
 
 
+class _Signals:
+  """SIGINT and SIGTERM raise KeyboardInterrupt, remembering which arrived.
+
+  The runner replaces these handlers while it trains (the round finishes and
+  a checkpoint is saved); before that, during start-up and the imports, a
+  signal ends the program with one line.
+  """
+
+  def __init__(self):
+    self.signum = signal.SIGINT
+
+  def handle(self, signum, frame):
+    del frame
+    self.signum = signum
+    raise KeyboardInterrupt
+
+  def install(self) -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(s, self.handle)
+
+
+def _main(argv: Sequence[str], extras: Sequence[Any], signals: _Signals) -> int:
+  debug = _DEBUG.value or debug_requested(())
+  try:
+    return _train(argv, extras)
+  except KeyboardInterrupt:
+    if debug:
+      raise
+    name = signal.Signals(signals.signum).name
+    print(f'fedjx-run: stopped by {name}; the workdir keeps its last complete '
+          'checkpoint, if any.', file=sys.stderr)
+    return 128 + signals.signum
+  except Exception as e:  # pylint: disable=broad-except
+    if debug:
+      raise
+    user = isinstance(e, _user_errors())
+    from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+    plain = isinstance(e, _user_errors()[-3:] + (
+        UsageError, app.UsageError, registry.ConfigError))
+    text = _one_line(e) if plain else f'{type(e).__name__}: {_one_line(e)}'
+    hint = '' if plain else ' (--debug shows the traceback)'
+    print(f'fedjx-run: {text}{hint}', file=sys.stderr)
+    return USAGE_STATUS if user else 1
+
+
 def main() -> None:
   """Console-script entry point."""
-  app.run(_main, flags_parser=parse_flags)
+  signals = _Signals()
+  signals.install()
+  extras: list[Any] = []
+  try:
+    app.run(lambda argv: _main(argv, extras, signals),
+            flags_parser=lambda argv: parse_flags(argv, extras))
+  except KeyboardInterrupt:  # During flag parsing (the config file's imports).
+    if debug_requested(sys.argv):
+      raise
+    print(f'fedjx-run: stopped by {signal.Signals(signals.signum).name} during '
+          'start-up.', file=sys.stderr)
+    sys.exit(128 + signals.signum)
 
 
 if __name__ == '__main__':

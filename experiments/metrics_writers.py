@@ -5,15 +5,22 @@ scalars (training metrics, and ``eval_*`` metrics on evaluation rounds).
 Rows carry the round number in the ``round`` column. On resumption from a
 checkpoint at round ``r``, :meth:`MetricsWriter.truncate` drops the rows
 written after ``r`` by the interrupted run, so the files read as if the run
-had never stopped.
+had never stopped; TensorBoard is told to purge its events after ``r`` too.
+
+Every rewrite of a file goes to a temporary file in the same directory that
+then replaces it (``os.replace``, atomic on POSIX): a process killed at any
+moment leaves either the old file or the new one, never a partial one.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,6 +43,23 @@ def _json_value(value: Any) -> Any:
   if isinstance(value, float) and not math.isfinite(value):
     return str(value)  # JSON has no NaN/inf; keep them readable.
   return value
+
+
+def write_atomically(path: str, text: str) -> None:
+  """Replaces ``path`` with ``text`` in one step (temporary file + ``os.replace``)."""
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f'.{os.path.basename(path)}.',
+                             suffix='.tmp')
+  try:
+    with os.fdopen(fd, 'w', encoding='utf-8', newline='') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
 
 
 class MetricsWriter:
@@ -69,10 +93,8 @@ class JsonlWriter(MetricsWriter):
   def truncate(self, last_round: int) -> None:
     self._file.close()
     rows = read_jsonl(self.path)
-    with open(self.path, 'w', encoding='utf-8') as f:
-      for row in rows:
-        if row['round'] <= last_round:
-          f.write(json.dumps(row) + '\n')
+    write_atomically(self.path, ''.join(
+        json.dumps(row) + '\n' for row in rows if row['round'] <= last_round))
     self._file = open(self.path, 'a', encoding='utf-8', buffering=1)
 
   def flush(self) -> None:
@@ -100,11 +122,13 @@ class CsvWriter(MetricsWriter):
   def _rewrite(self) -> None:
     if self._file is not None:
       self._file.close()
-    self._file = open(self.path, 'w', encoding='utf-8', newline='', buffering=1)
+    text = io.StringIO()
+    table = csv.DictWriter(text, fieldnames=self._columns)
+    table.writeheader()
+    table.writerows(self._rows)
+    write_atomically(self.path, text.getvalue())
+    self._file = open(self.path, 'a', encoding='utf-8', newline='', buffering=1)
     self._writer = csv.DictWriter(self._file, fieldnames=self._columns)
-    self._writer.writeheader()
-    for row in self._rows:
-      self._writer.writerow(row)
 
   def write(self, round_: int, metrics: Mapping[str, Any]) -> None:
     row = {'round': int(round_)}
@@ -128,25 +152,45 @@ class CsvWriter(MetricsWriter):
 
 
 class TensorBoardWriter(MetricsWriter):
-  """Scalars to TensorBoard event files under ``logdir`` (tensorboardX)."""
+  """Scalars to a TensorBoard event file under ``logdir`` (tensorboardX).
+
+  Events are written synchronously (tensorboardX's ``EventsWriter``, not the
+  ``SummaryWriter`` whose background queue ``flush()`` does not drain), so
+  after :meth:`flush` every row written so far is on disk, as in the metrics
+  file. ``purge_round`` writes a ``SessionLog.START`` at that step, which
+  makes TensorBoard hide the events of earlier attempts from that step on
+  (what ``SummaryWriter(purge_step=...)`` does).
+  """
 
   def __init__(self, logdir: str, purge_round: int | None = None):
-    from tensorboardX import SummaryWriter  # Imported lazily: it is slow.
-    # purge_step makes TensorBoard hide the events an interrupted run wrote
-    # after the checkpoint we resumed from.
-    self._writer = SummaryWriter(logdir, purge_step=purge_round)
+    # Imported lazily: tensorboardX is slow to import.
+    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
+    from tensorboardX.event_file_writer import EventsWriter  # pylint: disable=g-import-not-at-top
+    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+    self._summary, self._pb = summary, event_pb2
+    os.makedirs(logdir, exist_ok=True)
+    # The pid keeps two attempts started in the same second apart.
+    self._events = EventsWriter(os.path.join(logdir, 'events'), f'.{os.getpid()}')
+    if purge_round is not None:
+      self._events.write_event(event_pb2.Event(
+          step=purge_round, wall_time=time.time(),
+          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+    self._events.flush()
 
   def write(self, round_: int, metrics: Mapping[str, Any]) -> None:
+    now = time.time()
     for name, value in metrics.items():
       value = _scalar(value)
       if not isinstance(value, str):
-        self._writer.add_scalar(name, value, global_step=int(round_))
+        self._events.write_event(self._pb.Event(
+            step=int(round_), wall_time=now,
+            summary=self._summary.scalar(name, value)))
 
   def flush(self) -> None:
-    self._writer.flush()
+    self._events.flush()
 
   def close(self) -> None:
-    self._writer.close()
+    self._events.close()
 
 
 class MultiWriter(MetricsWriter):
@@ -251,13 +295,18 @@ def make_writer(workdir: str, fmt: str = 'jsonl', tensorboard: bool = True,
       it are dropped), or None for a fresh run (any old rows are dropped).
   """
   path = metrics_path(workdir, fmt)
+  for name in os.listdir(workdir):  # Left by a process killed mid-rewrite.
+    if name.startswith(f'.{os.path.basename(path)}.') and name.endswith('.tmp'):
+      os.remove(os.path.join(workdir, name))
   if resume_round is None and os.path.exists(path):
     os.remove(path)
   writers: list[MetricsWriter] = [
       CsvWriter(path) if fmt == 'csv' else JsonlWriter(path)]
   writers[0].truncate(-1 if resume_round is None else resume_round)
   if tensorboard:
+    # Events of earlier attempts after the resumed round (all of them on a
+    # fresh start) are purged, as the metrics file's rows are.
     writers.append(TensorBoardWriter(
         os.path.join(workdir, 'tensorboard'),
-        purge_round=None if resume_round is None else resume_round + 1))
+        purge_round=0 if resume_round is None else resume_round + 1))
   return MultiWriter(writers)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -64,14 +66,46 @@ def check_kwargs(kind: str, name: str, fn: Callable[..., Any],
   if var and forwards_to is not None:
     more, var = accepted_kwargs(forwards_to)
     names = names + [n for n in more if n not in names]
+  valid = [n for n in names if n not in reserved]
+  for key in kwargs:
+    if key in reserved:
+      raise ConfigError(
+          f'{kind} {name!r} has no option {key!r}: the runner sets it. Valid '
+          f'options of {kind} {name!r}: {sorted(valid)}.')
   if var:
     return
-  valid = [n for n in names if n not in reserved]
   for key in kwargs:
     if key not in valid:
       raise ConfigError(
           f'{kind} {name!r} has no option {key!r}.{_suggest(key, valid)} '
           f'Valid options of {kind} {name!r}: {sorted(valid)}.')
+
+
+def check_numbers(kind: str, kwargs: Mapping[str, Any], non_negative: bool,
+                  prefix: str = '') -> None:
+  """Raises a ConfigError for a NaN or infinite number in ``kwargs`` (nested).
+
+  With ``non_negative`` (algorithm hyperparameters: learning rates, momenta,
+  decay rates, clipping norms, noise scales...), negative numbers too.
+  """
+  for key, value in kwargs.items():
+    where = f'config.{kind}.{prefix}{key}'
+    if isinstance(value, Mapping):
+      check_numbers(kind, value, non_negative, f'{prefix}{key}.')
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+      if not math.isfinite(value):
+        raise ConfigError(f'{where}={value!r}; it must be a finite number.')
+      if non_negative and value < 0:
+        raise ConfigError(f'{where}={value!r}; it must be non-negative.')
+
+
+def check_paths(kind: str, kwargs: Mapping[str, Any]) -> None:
+  """Raises a ConfigError for an option ``*_path`` naming a missing file."""
+  for key, value in kwargs.items():
+    if key.endswith('_path') and isinstance(value, str) and value:
+      if not os.path.exists(os.path.expanduser(value)):
+        raise ConfigError(f'config.{kind}.{key}={value!r}: no such file or '
+                          'directory.')
 
 
 def _plain(value: Any) -> Any:
@@ -138,6 +172,9 @@ def _algorithms() -> dict[str, Callable[..., Any]]:
 
 
 ALGORITHMS: dict[str, Callable[..., Any]] = _algorithms()
+# Algorithm options the runner sets (not config.algorithm).
+RESERVED = ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size',
+            'skip_nonfinite')
 # FedOpt builders pass their other keyword arguments on to fedavg.
 _FORWARDS = {'fedadam': 'fedavg', 'fedyogi': 'fedavg', 'fedadagrad': 'fedavg',
              'fedavgm': 'fedavg'}
@@ -148,22 +185,59 @@ def forwarded_builder(name: str) -> Callable[..., Any] | None:
   return ALGORITHMS.get(_FORWARDS.get(name, ''))
 
 
+def builder_options(name: str, kind: str = 'algorithm') -> dict[str, inspect.Parameter]:
+  """The options of builder ``name`` of ``kind`` a config may set, by name.
+
+  The builder's keyword parameters, and for an algorithm that forwards
+  ``**kwargs`` (the FedOpt conveniences) those of the builder it forwards to;
+  the runner's :data:`RESERVED` options are left out.
+  """
+  if kind != 'algorithm':
+    table = {'dataset': DATASETS, 'model': MODELS}[kind]
+    params = inspect.signature(lookup(kind, table, name)).parameters.values()
+    return {p.name: p for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  fns = [lookup('algorithm', ALGORITHMS, name), forwarded_builder(name)]
+  options: dict[str, inspect.Parameter] = {}
+  for fn in fns:
+    if fn is None:
+      continue
+    for p in inspect.signature(fn).parameters.values():
+      if (p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+          and p.name not in RESERVED and p.name not in options):
+        options[p.name] = p
+  return options
+
+
+def takes(fn: Callable[..., Any], key: str,
+          forwards_to: Callable[..., Any] | None = None) -> bool:
+  """Whether ``fn`` (or the builder its ``**kwargs`` go to) takes ``key``."""
+  names, var = accepted_kwargs(fn)
+  if key in names:
+    return True
+  if var and forwards_to is not None:
+    return key in accepted_kwargs(forwards_to)[0]
+  return False
+
+
 def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto',
                     chunk_size: int | None = None,
-                    num_clients: int | None = None) -> Any:
+                    num_clients: int | None = None,
+                    skip_nonfinite: bool | None = None) -> Any:
   """An algorithm from ``config.algorithm``.
 
   Options whose name ends in ``optimizer`` are optimizer specs (see
   :func:`build_optimizer`); the others are passed through. The model's
   ``loss_fn`` and ``metrics_fn``, and ``map_strategy`` / ``chunk_size``, are
-  passed when the builder takes them. Algorithms with per-client state
-  (SCAFFOLD's ``num_clients``, DiLoCo's ``num_replicas``) get the population
-  size ``num_clients`` unless the config sets it.
+  passed when the builder takes them, and ``skip_nonfinite`` (the runner's
+  non-finite guard) when it is not None and the builder takes it. Algorithms
+  with per-client state (SCAFFOLD's ``num_clients``, DiLoCo's
+  ``num_replicas``) get the population size ``num_clients`` unless the
+  config sets it.
   """
   name, kwargs = split_name('algorithm', spec)
   fn = lookup('algorithm', ALGORITHMS, name)
-  reserved = ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size')
-  check_kwargs('algorithm', name, fn, kwargs, reserved, forwarded_builder(name))
+  check_kwargs('algorithm', name, fn, kwargs, RESERVED, forwarded_builder(name))
   for key, value in list(kwargs.items()):
     if key.endswith('optimizer') and isinstance(value, Mapping):
       kwargs[key] = build_optimizer(value, where=f'algorithm.{key}')
@@ -173,6 +247,9 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
   for key, value in extra.items():
     if var or key in accepted:
       kwargs[key] = value
+  if skip_nonfinite is not None and takes(fn, 'skip_nonfinite',
+                                          forwarded_builder(name)):
+    kwargs['skip_nonfinite'] = skip_nonfinite
   for key in ('num_clients', 'num_replicas'):
     if key in accepted and key not in kwargs and num_clients is not None:
       kwargs[key] = num_clients

@@ -11,12 +11,20 @@
   step go to ``workdir/metrics.jsonl`` (or ``.csv``) and TensorBoard;
 * every ``eval_every`` steps (and at steps 0 and ``rounds``) the server model
   is evaluated on held-out data (``eval_loss``, ``eval_accuracy``);
-* every ``checkpoint_every`` steps (and at the end, and on SIGINT) an Orbax
-  checkpoint holds the algorithm state and the step;
+* every ``checkpoint_every`` steps (and at the end, and on SIGINT or
+  SIGTERM) an Orbax checkpoint holds the algorithm state and the step; a
+  save runs in the background during the next round, which waits for it
+  before its metrics are written, so a crash redoes at most
+  ``checkpoint_every`` rounds;
+* after every round the server parameters are checked to be finite
+  (``config.nonfinite``): a non-finite state stops the run with
+  :class:`NonFiniteError` and is never checkpointed;
 * at the end ``workdir/learning_curve.png`` plots the metrics.
 
-Starting again with the same workdir resumes from the latest checkpoint.
-Only process 0 writes metrics and plots.
+Starting again with the same workdir resumes from the newest intact
+checkpoint (see :mod:`fedjx.experiments.checkpointing`). One process at a
+time may run in a workdir (:mod:`fedjx.experiments.workdir_lock`). Only
+process 0 writes metrics and plots.
 """
 
 from __future__ import annotations
@@ -41,8 +49,8 @@ from fedjx import datasets
 from fedjx import models
 from fedjx.experiments import checkpointing
 from fedjx.experiments import metrics_writers
-from fedjx.experiments import plotting
 from fedjx.experiments import registry
+from fedjx.experiments import workdir_lock
 
 # Top-level config fields and their defaults. ``dataset``, ``model`` and
 # ``algorithm`` are required.
@@ -59,7 +67,8 @@ DEFAULTS: dict[str, Any] = {
     'eval_batch_size': 256,
     'eval_max_examples': 100_000,
     'checkpoint_every': 50,
-    'checkpoints_to_keep': 2,
+    'checkpoints_to_keep': 2,   # at least 2 are kept (damage fallback)
+    'nonfinite': 'skip',        # 'skip' / 'stop' / 'off', see NONFINITE
     'map_strategy': 'auto',
     'chunk_size': None,
     'metrics_format': 'jsonl',
@@ -74,6 +83,12 @@ DEFAULTS: dict[str, Any] = {
     'process_id': None,
 }
 REQUIRED = ('dataset', 'model', 'algorithm')
+# config.nonfinite: what a NaN/Inf does. 'skip': clients with a non-finite
+# update or weight are left out of the aggregate (builders get
+# skip_nonfinite=True) and the run stops only if the server parameters become
+# non-finite; 'stop': also stop at the first round with such a client; 'off':
+# nothing is checked (builders get skip_nonfinite=False).
+NONFINITE = ('skip', 'stop', 'off')
 # Fields a resumed run may change without changing its results.
 RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
                      'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep',
@@ -86,6 +101,10 @@ TRAIN_LOSS_KEYS = ('train_loss', 'train_loss_before', 'train_loss_during',
 Hook = Callable[[int, Any, Mapping[str, float]], None]
 
 
+class NonFiniteError(RuntimeError):
+  """The server state (or, with ``nonfinite='stop'``, a client) became NaN/Inf."""
+
+
 @dataclasses.dataclass
 class RunResult:
   """What :func:`run` returns.
@@ -93,10 +112,11 @@ class RunResult:
   Attributes:
     state: the final algorithm state (``state.params`` is the model).
     step: rounds completed.
-    interrupted: True when SIGINT stopped the run early (a checkpoint of
-      ``step`` was saved; running again continues).
+    interrupted: True when SIGINT or SIGTERM stopped the run early (a
+      checkpoint of ``step`` was saved; running again continues).
     history: the metric rows of the whole run, resumed parts included.
     workdir: the run directory.
+    signal: the signal number that interrupted the run, or None.
   """
 
   state: Any
@@ -104,6 +124,7 @@ class RunResult:
   interrupted: bool
   history: list[dict[str, Any]]
   workdir: str
+  signal: int | None = None
 
 
 def with_defaults(config: Any) -> ml_collections.ConfigDict:
@@ -131,6 +152,13 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
         0 if key == 'rounds' else 1):
       raise registry.ConfigError(f'config.{key}={value!r}; it must be a '
                                  f'{"non-negative" if key == "rounds" else "positive"} int.')
+  keep = config.checkpoints_to_keep
+  if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+    raise registry.ConfigError(f'config.checkpoints_to_keep={keep!r}; it must be '
+                               'a positive int (at least 2 are kept).')
+  if config.nonfinite not in NONFINITE:
+    raise registry.ConfigError(f'config.nonfinite={config.nonfinite!r} is not '
+                               f'one of {NONFINITE}.')
   if config.param_sharding not in ('replicated', 'fsdp'):
     raise registry.ConfigError(f'config.param_sharding={config.param_sharding!r} '
                                "is not one of ('replicated', 'fsdp').")
@@ -150,11 +178,13 @@ def validate(config: Any) -> ml_collections.ConfigDict:
   for kind, table in (('dataset', registry.DATASETS), ('model', registry.MODELS)):
     name, kwargs = registry.split_name(kind, config[kind])
     registry.check_kwargs(kind, name, registry.lookup(kind, table, name), kwargs)
+    registry.check_numbers(kind, kwargs, non_negative=False)
+  registry.check_paths('dataset', registry.split_name('dataset', config.dataset)[1])
   name, kwargs = registry.split_name('algorithm', config.algorithm)
   fn = registry.lookup('algorithm', registry.ALGORITHMS, name)
-  registry.check_kwargs('algorithm', name, fn, kwargs,
-                        ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size'),
+  registry.check_kwargs('algorithm', name, fn, kwargs, registry.RESERVED,
                         registry.forwarded_builder(name))
+  registry.check_numbers('algorithm', kwargs, non_negative=True)
   for key, value in kwargs.items():
     if key.endswith('optimizer') and isinstance(value, Mapping):
       registry.build_optimizer(value, where=f'algorithm.{key}')
@@ -282,9 +312,15 @@ def build(config: Any) -> Experiment:
   config = with_defaults(config)
   data = registry.build_dataset(config.dataset, config.seed)
   model = registry.build_model(config.model, data.info)
+  if config.cohort_size > data.train.num_clients:
+    raise registry.ConfigError(
+        f'config.cohort_size={config.cohort_size} is larger than the training '
+        f'population of {data.train.num_clients} clients; it must be at most '
+        f'{data.train.num_clients}.')
   algorithm = registry.build_algorithm(
       config.algorithm, model, map_strategy=config.map_strategy,
-      chunk_size=config.chunk_size, num_clients=data.train.num_clients)
+      chunk_size=config.chunk_size, num_clients=data.train.num_clients,
+      skip_nonfinite=config.nonfinite != 'off')
   init_key, round_key = jax.random.split(jax.random.key(config.seed))
   params = model.init(init_key, _sample_batch(config, data))
   examples = _pool_examples(data.test, config.eval_max_examples)
@@ -293,30 +329,50 @@ def build(config: Any) -> Experiment:
   return Experiment(config, data, model, algorithm, params, round_key, evaluate)
 
 
-class _SigintFlag:
-  """Turns the first SIGINT into a flag the loop polls; a second one aborts."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _StopFlag:
+  """Turns the first SIGINT or SIGTERM into a flag the loop polls.
+
+  SIGTERM is how clusters and preemptible VMs stop a job; it is treated like
+  Ctrl-C: the current round finishes, a checkpoint is saved, the run ends. A
+  second signal aborts at once (KeyboardInterrupt).
+  """
 
   def __init__(self):
-    self.raised = False
-    self._previous = None
+    self.signum: int | None = None
+
+  @property
+  def raised(self) -> bool:
+    return self.signum is not None
 
   def _handle(self, signum, frame):
-    del signum, frame
+    del frame
     if self.raised:
       raise KeyboardInterrupt
-    self.raised = True
+    self.signum = signum
 
   @contextlib.contextmanager
-  def installed(self) -> Iterator[_SigintFlag]:
+  def installed(self) -> Iterator[_StopFlag]:
     import threading  # pylint: disable=g-import-not-at-top
     if threading.current_thread() is not threading.main_thread():
       yield self  # Signals reach only the main thread.
       return
-    self._previous = signal.signal(signal.SIGINT, self._handle)
+    previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
     try:
       yield self
     finally:
-      signal.signal(signal.SIGINT, self._previous)
+      for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+  """True when every floating-point leaf of ``tree`` is free of NaN and Inf."""
+  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+           if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 
 
 def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -358,7 +414,7 @@ def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
   Returns:
     A :class:`RunResult`.
   """
-  config = with_defaults(config)
+  config = validate(config)
   from fedjx import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(config.coordinator_address or None, config.num_processes,
                          config.process_id)
@@ -369,10 +425,12 @@ def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   mesh = make_mesh(config)
-  if mesh is not None:
-    with jax.set_mesh(mesh):
-      return _run(config, workdir, hooks, log, lead)
-  return _run(config, workdir, hooks, log, lead)
+  with contextlib.ExitStack() as stack:
+    if lead:
+      stack.enter_context(workdir_lock.hold(workdir))
+    if mesh is not None:
+      stack.enter_context(jax.set_mesh(mesh))
+    return _run(config, workdir, hooks, log, lead)
 
 
 def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
@@ -402,32 +460,49 @@ def _run(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook],
   """The body of :func:`run`, inside the mesh context if there is one."""
   exp = build(config)
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
-                                    max_to_keep=config.checkpoints_to_keep)
+                                    max_to_keep=max(2, config.checkpoints_to_keep))
+  try:
+    return _train(config, workdir, hooks, log, lead, exp, ckpt)
+  finally:
+    ckpt.close()
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook],
+           log: Callable[[str], None], lead: bool, exp: Experiment,
+           ckpt: checkpointing.Checkpointer) -> RunResult:
+  """Restores the newest intact checkpoint (if any) and trains to the end."""
+  from fedjx import distributed  # pylint: disable=g-import-not-at-top
   state = exp.algorithm.init(exp.init_params)
   mesh = jax.sharding.get_mesh()
   if mesh is not None and not mesh.empty:
     # Global arrays over every process's devices: replicated, or FSDP-sharded
     # on the 'model' axis (each client's model spans the model axis).
-    from fedjx import distributed  # pylint: disable=g-import-not-at-top
     state = distributed.put_global(
         state, mesh, distributed.state_specs(state, mesh, config.param_sharding))
   fingerprint = _fingerprint(config)
   start, elapsed_before = 0, 0.0
-  latest = ckpt.latest_step()
-  if latest is not None:
-    state, meta = ckpt.restore(latest, state)
-    _check_same_experiment(meta.get('config', {}), fingerprint, workdir)
-    start, elapsed_before = int(meta['step']), float(meta.get('elapsed_s', 0.0))
+  try:
+    restored = ckpt.restore_latest_intact(
+        state, lambda m: _check_same_experiment(m.get('config', {}), fingerprint,
+                                                workdir), warn=log)
+  except checkpointing.StructureMismatch as e:
+    raise registry.ConfigError(f'{e} Use a new --workdir, or delete '
+                               f'{workdir}.') from None
+  if restored is not None:
+    state, saved_meta = restored
+    start = int(saved_meta['step'])
+    elapsed_before = float(saved_meta.get('elapsed_s', 0.0))
     log(f'fedjx: resuming {workdir} from the checkpoint after round {start}.')
   if lead:
-    with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True) + '\n')
+    metrics_writers.write_atomically(
+        os.path.join(workdir, 'config.json'),
+        config.to_json_best_effort(indent=2, sort_keys=True) + '\n')
   writer = metrics_writers.make_writer(
       workdir, config.metrics_format, config.tensorboard and lead,
-      resume_round=start if latest is not None else None) if lead else (
+      resume_round=start if restored is not None else None) if lead else (
           metrics_writers.MultiWriter([]))
   history = _previous_rows(workdir, config.metrics_format, start) if (
-      lead and latest is not None) else []
+      lead and restored is not None) else []
   t0 = time.perf_counter()
   elapsed = lambda: elapsed_before + time.perf_counter() - t0
 
@@ -443,10 +518,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook],
 
   interrupted = False
   step = start
+  saved = start if restored is not None else None  # the last good checkpoint
+  pending = False  # a save is being written in the background
   last_row: dict[str, float] = {}
   bar = _progress(config.rounds, start, lead and config.progress)
   try:
-    with _SigintFlag().installed() as sigint:
+    with _StopFlag().installed() as sigint:
       if start == 0 and exp.evaluate is not None:
         emit(0, exp.evaluate(state.params))
       if start < config.rounds:
@@ -454,12 +531,22 @@ def _run(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook],
         try:
           for r, cohort in zip(range(start, config.rounds), cohorts):
             state, metrics = exp.algorithm.round(state, cohort, exp.round_key_for(r))
+            # Dispatched behind the round; fetched below with its metrics.
+            flag = None if config.nonfinite == 'off' else _all_finite(state.params)
+            if pending:  # The round runs meanwhile (JAX dispatch is async).
+              ckpt.wait()
+              pending = False
             step = r + 1
             row = _scalars(metrics)
-            if exp.evaluate is not None and (step % config.eval_every == 0 or
-                                             step == config.rounds):
+            finite = flag is None or bool(distributed.to_host(flag))
+            if exp.evaluate is not None and finite and (
+                step % config.eval_every == 0 or step == config.rounds):
               row.update(exp.evaluate(state.params))
             emit(step, row)
+            if not finite or (config.nonfinite == 'stop' and
+                              row.get('nonfinite_clients', 0) > 0):
+              writer.flush()
+              raise NonFiniteError(_nonfinite_message(step, row, finite, saved))
             last_row.update(row)
             postfix = {'loss': _train_loss(last_row)}
             if 'eval_accuracy' in last_row:
@@ -470,6 +557,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook],
             if step % config.checkpoint_every == 0 or step == config.rounds:
               writer.flush()
               ckpt.save(step, state, meta(step))
+              saved, pending = step, True
             for hook in hooks:
               hook(step, state, row)
             if sigint.raised:
@@ -481,17 +569,37 @@ def _run(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook],
         writer.flush()
         ckpt.save(step, state, meta(step), force=True)
         ckpt.wait()
-        log(f'fedjx: interrupted after round {step}; checkpoint saved in '
+        name = signal.Signals(sigint.signum).name
+        log(f'fedjx: interrupted after round {step} ({name}); checkpoint saved in '
             f'{workdir}. Run the same command again to continue.')
   finally:
     bar.close()
     writer.close()
-    ckpt.close()
+    ckpt.wait()
   if lead and config.plot and not interrupted and history:
+    from fedjx.experiments import plotting  # pylint: disable=g-import-not-at-top  # matplotlib is slow to import
     plotting.plot_curves({os.path.basename(workdir): history},
                          os.path.join(workdir, 'learning_curve.png'),
                          title=_title(config))
-  return RunResult(state, step, interrupted, history, workdir)
+  return RunResult(state, step, interrupted, history, workdir,
+                   sigint.signum if interrupted else None)
+
+
+def _nonfinite_message(step: int, row: Mapping[str, Any], finite: bool,
+                       saved: int | None) -> str:
+  """One line: the round (as in the metrics file), what was non-finite, and
+  the last good checkpoint."""
+  count = int(row.get('nonfinite_clients', 0))
+  if finite:
+    what = (f"{count} client(s) had a non-finite update or weight "
+            "(config.nonfinite='stop')")
+  else:
+    what = 'the server parameters became NaN or Inf'
+    if count:
+      what += f' ({count} non-finite client(s) were skipped)'
+  where = ('no checkpoint was saved' if saved is None else
+           f'the last good checkpoint is the one after round {saved}')
+  return f'round {step}: {what}; stopped without saving this state; {where}.'
 
 
 def _title(config: ml_collections.ConfigDict) -> str:
@@ -511,7 +619,11 @@ def _check_same_experiment(saved: Mapping[str, Any], current: Mapping[str, Any],
   if not saved:
     return
   a, b = _flatten(saved), _flatten(current)
-  diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+  # Fields added to the runner after the checkpoint was written compare equal
+  # when the current config leaves them at their default.
+  defaults = {k: v for k, v in DEFAULTS.items() if k not in a}
+  diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
+                and not (k in defaults and b.get(k) == defaults[k]))
   if diff:
     details = ', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:8])
     raise registry.ConfigError(
@@ -540,7 +652,13 @@ def load_state(workdir: str, step: int | None = None) -> tuple[Any, int]:
     step = ckpt.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f'{workdir} holds no checkpoint.')
-    state, _ = ckpt.restore(step, exp.algorithm.init(exp.init_params))
+    like = exp.algorithm.init(exp.init_params)
+    state, meta = ckpt.restore(step, like)
+    expected = meta.get('checksum')
+    if expected is not None and checkpointing.checksum(state) != expected:
+      raise checkpointing.CheckpointError(
+          f'the checkpoint of step {step} in {workdir} does not match its '
+          'checksum (the files were altered or damaged).')
   finally:
     ckpt.close()
   return state, step

@@ -2,6 +2,8 @@
 
   python scripts/run.py --config configs/fedavg_digits.py --config.rounds=100 \
       --workdir runs/x
+
+``--help`` lists the flags; ``--debug`` shows full tracebacks.
 """
 
 from fedjx.experiments import cli

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -282,3 +283,215 @@ def test_readme_algorithm_example_runs_through_the_registry(files, tmp_path):
     assert result.step == 3 and np.isfinite(result.history[-1]['eval_loss'])
   finally:
     registry.ALGORITHMS.pop('fedavg_decay')
+
+
+def _small(files, **fields):
+  config = _load_config(files)
+  config.tensorboard = config.plot = False
+  for key, value in fields.items():
+    setattr(config, key, value)
+  return config
+
+
+def test_a_nonfinite_server_state_stops_and_is_never_checkpointed(files, tmp_path):
+  # A server learning rate of 1e38 sends the parameters to ~1e38 in round 1
+  # and to NaN in round 2 (float32 overflows at 3.4e38).
+  config = _small(files, rounds=6, checkpoint_every=1)
+  config.algorithm.server_learning_rate = 1e38
+  workdir = str(tmp_path / 'run')
+  with pytest.raises(runner.NonFiniteError) as e:
+    runner.run(config, workdir)
+  message = str(e.value)
+  assert '\n' not in message and 'NaN or Inf' in message
+  bad = int(message.split()[1].rstrip(':'))
+  assert f'after round {bad - 1}' in message
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'))
+  try:
+    assert ckpt.latest_step() == bad - 1
+    state, _ = ckpt.restore(bad - 1, runner.build(config).algorithm.init(
+        runner.build(config).init_params))
+  finally:
+    ckpt.close()
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+  # The lock is released: the workdir can be used again at once.
+  config.nonfinite = 'off'
+  config.algorithm.server_learning_rate = 1e38
+  with pytest.raises(registry.ConfigError, match='nonfinite'):
+    runner.run(config, workdir)  # A different experiment, not a busy workdir.
+
+
+def _guarded_fedavg(calls):
+  """fedavg that takes ``skip_nonfinite`` and reports one non-finite client
+  in round index 2 (as the guarded builders do)."""
+  from fedjx import algorithms  # pylint: disable=import-outside-toplevel
+
+  def builder(loss_fn, *, skip_nonfinite: bool = True, **kwargs):
+    calls.append(skip_nonfinite)
+    algo = algorithms.fedavg(loss_fn, **kwargs)
+
+    def round_(state, cohort, key):
+      index = int(state.round_index)
+      state, metrics = algo.round(state, cohort, key)
+      if skip_nonfinite:
+        metrics = dict(metrics, nonfinite_clients=np.int32(index == 2))
+      return state, metrics
+    return algo._replace(round=round_)
+  return builder
+
+
+@pytest.mark.parametrize('policy', runner.NONFINITE)
+def test_nonfinite_policy_reaches_the_builder_and_stop_stops(files, tmp_path, policy):
+  calls = []
+  registry.register_algorithm('guarded_fedavg', _guarded_fedavg(calls))
+  try:
+    config = _small(files, rounds=4, nonfinite=policy)
+    config.algorithm = dict(name='guarded_fedavg', local_epochs=1)
+    if policy == 'stop':
+      with pytest.raises(runner.NonFiniteError,
+                         match=r'^round 3: 1 client\(s\) had a non-finite'):
+        runner.run(config, str(tmp_path))
+      rows = metrics_writers.read_metrics(str(tmp_path))
+      assert rows[-1]['round'] == 3 and rows[-1]['nonfinite_clients'] == 1
+    else:
+      result = runner.run(config, str(tmp_path))
+      assert result.step == 4
+      counts = [r.get('nonfinite_clients') for r in result.history[1:]]
+      assert counts == ([0, 0, 1, 0] if policy == 'skip' else [None] * 4)
+    assert calls == [policy != 'off']
+    config.algorithm.skip_nonfinite = False
+    with pytest.raises(registry.ConfigError, match="no option 'skip_nonfinite'"):
+      runner.validate(config)
+  finally:
+    registry.ALGORITHMS.pop('guarded_fedavg')
+
+
+def test_the_all_finite_check_reads_every_float_leaf():
+  tree = {'a': np.ones(3, np.float32), 'b': {'c': np.arange(4)},
+          'd': np.zeros((2, 2), np.float16)}
+  assert bool(runner._all_finite(tree))  # pylint: disable=protected-access
+  for bad in (np.nan, np.inf, -np.inf):
+    broken = dict(tree, d=np.array([[0, 0], [0, bad]], np.float16))
+    assert not bool(runner._all_finite(broken))  # pylint: disable=protected-access
+
+
+def test_resuming_with_a_changed_state_structure_is_one_line(files, tmp_path):
+  from fedjx import models  # pylint: disable=import-outside-toplevel
+  config = _small(files, rounds=2, checkpoint_every=1, checkpoints_to_keep=1)
+  config.model = dict(name='tiny_mlp')
+  workdir = str(tmp_path / 'run')
+  registry.register_model('tiny_mlp', lambda num_classes: models.mlp(
+      num_classes, hidden=(8,)))
+  try:
+    runner.run(config, workdir)
+    ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'))
+    assert ckpt.all_steps() == [1, 2]  # At least two are kept.
+    ckpt.close()
+    # Same config, different code behind the name: the structures differ.
+    registry.register_model('tiny_mlp', lambda num_classes: models.mlp(
+        num_classes, hidden=(16,)))
+    config.rounds = 3
+    with pytest.raises(registry.ConfigError) as e:
+      runner.run(config, workdir)
+  finally:
+    registry.MODELS.pop('tiny_mlp')
+  message = str(e.value)
+  assert '\n' not in message and 'different model or optimizer' in message
+  assert re.search(r"state leaf \S+: shape \((64, )?8,?\) float32 -> "
+                   r"\((64, )?16,?\) float32", message), message
+
+
+def test_one_writer_per_workdir_and_a_dead_holder_never_blocks(tmp_path):
+  from fedjx.experiments import workdir_lock  # pylint: disable=import-outside-toplevel
+  with workdir_lock.hold(str(tmp_path)):
+    with pytest.raises(workdir_lock.WorkdirLocked,
+                       match=rf'pid {os.getpid()} on host .* running since '):
+      with workdir_lock.hold(str(tmp_path)):
+        pass
+  with workdir_lock.hold(str(tmp_path)):  # Released on exit.
+    pass
+  holder = subprocess.Popen(
+      [sys.executable, '-c', 'import sys, time\n'
+       'from fedjx.experiments import workdir_lock\n'
+       'with workdir_lock.hold(sys.argv[1]):\n'
+       '  print("held", flush=True); time.sleep(600)\n', str(tmp_path)],
+      stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'held'
+    with pytest.raises(workdir_lock.WorkdirLocked, match=f'pid {holder.pid} '):
+      with workdir_lock.hold(str(tmp_path)):
+        pass
+  finally:
+    holder.kill()
+    holder.wait()
+  with workdir_lock.hold(str(tmp_path)):  # The dead holder's file is left.
+    pass
+
+
+def test_a_metrics_rewrite_interrupted_before_the_replace_keeps_the_old_file(
+    tmp_path, monkeypatch):
+  for fmt in metrics_writers.FORMATS:
+    d = tmp_path / fmt
+    d.mkdir()
+    w = metrics_writers.make_writer(str(d), fmt, tensorboard=False)
+    for r in range(4):
+      w.write(r, {'loss': float(r)})
+    w.close()
+    before = (d / f'metrics.{fmt}').read_text()
+
+    def fail(src, dst):
+      raise KeyboardInterrupt  # As if the process stopped here.
+    monkeypatch.setattr(metrics_writers.os, 'replace', fail)
+    with pytest.raises(KeyboardInterrupt):
+      metrics_writers.make_writer(str(d), fmt, tensorboard=False, resume_round=1)
+    monkeypatch.undo()
+    assert (d / f'metrics.{fmt}').read_text() == before
+    (d / f'.metrics.{fmt}.stale.tmp').write_text('x')  # A killed rewrite's file.
+    w = metrics_writers.make_writer(str(d), fmt, tensorboard=False, resume_round=1)
+    w.close()
+    assert [r['round'] for r in metrics_writers.read_metrics(str(d))] == [0, 1]
+    assert sorted(os.listdir(d)) == [f'metrics.{fmt}']
+
+
+def test_a_restored_state_that_differs_from_its_checksum_falls_back(tmp_path, monkeypatch):
+  state = {'w': np.arange(6, dtype=np.float32).reshape(2, 3),
+           'count': np.int32(3)}
+  ckpt = checkpointing.Checkpointer(str(tmp_path), max_to_keep=2, async_save=False)
+  try:
+    ckpt.save(1, state, {'step': 1})
+    ckpt.save(2, jax.tree.map(lambda x: x + 1, state), {'step': 2})
+    real_restore = checkpointing.Checkpointer.restore
+
+    def altered(self, step, like):  # One bit of step 2 changes on the way.
+      restored, meta = real_restore(self, step, like)
+      if step == 2:
+        w = np.array(restored['w'])
+        w.view(np.uint32)[0, 0] ^= 1
+        restored = dict(restored, w=w)
+      return restored, meta
+    monkeypatch.setattr(checkpointing.Checkpointer, 'restore', altered)
+    warnings = []
+    restored, meta = ckpt.restore_latest_intact(state, warn=warnings.append)
+  finally:
+    ckpt.close()
+  assert meta['step'] == 1
+  np.testing.assert_array_equal(restored['w'], state['w'])
+  assert len(warnings) == 1 and 'step 2' in warnings[0] and 'checksum' in warnings[0]
+  ckpt = checkpointing.Checkpointer(str(tmp_path))
+  try:
+    assert ckpt.all_steps() == [1]  # The damaged step was deleted.
+  finally:
+    ckpt.close()
+
+
+def test_checksum_and_structure_see_every_leaf():
+  a = {'w': np.zeros((2, 3), np.float32), 'b': np.zeros(3, np.float32)}
+  assert checkpointing.checksum(a) == checkpointing.checksum(jax.tree.map(np.copy, a))
+  flipped = dict(a, b=np.array([0.0, -0.0, 0.0], np.float32))  # Sign bit only.
+  assert checkpointing.checksum(flipped) != checkpointing.checksum(a)
+  same = checkpointing.structure(a)
+  assert checkpointing.structure_difference(same, same) is None
+  wider = checkpointing.structure(dict(a, w=np.zeros((2, 4), np.float32)))
+  assert checkpointing.structure_difference(same, wider) == (
+      "state leaf ['w']: shape (2, 3) float32 -> (2, 4) float32")
+  more = checkpointing.structure(dict(a, c=np.zeros(1, np.int32)))
+  assert 'is new' in checkpointing.structure_difference(same, more)

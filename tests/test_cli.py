@@ -1,0 +1,254 @@
+"""fedjx-run's command line: one-line errors, --help, --debug, builder options."""
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import optax
+import pytest
+
+from fedjx.experiments import cli
+from fedjx.experiments import registry
+from fedjx.experiments import runner
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIGITS = os.path.join(REPO, 'configs', 'fedavg_digits.py')
+FEDJX_RUN = os.path.join(os.path.dirname(sys.executable), 'fedjx-run')
+
+TINY = textwrap.dedent('''
+    from fedjx.experiments.config_base import base_config, optimizer
+
+    def get_config():
+      config = base_config()
+      config.rounds = 2
+      config.cohort_size = 4
+      config.batch_size = 16
+      config.local_steps = 1
+      config.progress = False
+      config.plot = False
+      config.tensorboard = False
+      config.dataset = dict(name='digits', num_clients=8, alpha=0.5)
+      config.model = dict(name='logistic_regression')
+      config.algorithm = dict(
+          name='fedavg',
+          client_optimizer=optimizer('sgd', learning_rate=0.1),
+          server_optimizer=optimizer('adam', learning_rate=0.01))
+      return config
+''')
+
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+  path = tmp_path_factory.mktemp('cli') / 'tiny.py'
+  path.write_text(TINY)
+  return str(path)
+
+
+def _run(*args, env=None):
+  cmd = [FEDJX_RUN] if os.path.exists(FEDJX_RUN) else [
+      sys.executable, '-m', 'fedjx.experiments.cli']
+  full_env = dict(os.environ, JAX_PLATFORMS='cpu')
+  full_env.pop('FEDJX_DEBUG', None)
+  full_env.update(env or {})
+  return subprocess.run(cmd + list(args), env=full_env, capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_help_lists_the_flags_that_matter_with_an_example():
+  out = _run('--help')
+  assert out.returncode == 0
+  for flag in ('--config FILE', '--workdir DIR', '--config.PATH=VALUE', '--debug',
+               'example:', 'fedjx-run --config configs/fedavg_digits.py'):
+    assert flag in out.stdout
+  assert len(out.stdout.splitlines()) < 40  # Not absl's hundreds of flags.
+
+
+# (arguments after --config, words the one line must contain): one case of
+# each way an error reaches the user (flag parsing, override checking,
+# config validation before data loads, checks after data loads).
+USER_ERRORS = [
+    (['--config.rounds=abc'], ['--config.rounds=abc', 'int']),
+    (['--config.algorithm.server_optimizer.b11=0.8'],
+     ["no option 'b11'", "Did you mean 'b1'"]),
+    (['--config.algorithm.client_optimizer.learning_rate=nan'],
+     ['client_optimizer.learning_rate=nan', 'finite']),
+    (['--config.dataset.name=emnist', '--config.dataset.train_path=/no/such.h5'],
+     ["train_path='/no/such.h5'", 'no such file']),
+    (['--config.cohort_size=9'], ['config.cohort_size=9', 'population of 8']),
+]
+
+# The same checks in-process: (overrides, words of the ConfigError).
+CONFIG_ERRORS = [
+    ({'cohort_size': 0}, ['config.cohort_size=0', 'positive int']),
+    ({'algorithm.server_optimizer.learning_rate': -0.5},
+     ['server_optimizer.learning_rate=-0.5', 'non-negative']),
+    ({'algorithm.client_optimizer.learning_rate': float('inf')},
+     ['client_optimizer.learning_rate=inf', 'finite']),
+    ({'nonfinite': 'ignore'}, ["config.nonfinite='ignore'", "'skip'"]),
+    ({'checkpoints_to_keep': 0}, ['config.checkpoints_to_keep=0']),
+    ({'dataset.name': 'emnist', 'dataset.test_path': '/no/test.h5'},
+     ["test_path='/no/test.h5'", 'no such file']),
+    ({'algorithm.skip_nonfinite': True}, ["no option 'skip_nonfinite'"]),
+]
+
+
+@pytest.mark.parametrize('overrides,words', CONFIG_ERRORS)
+def test_config_errors_are_found_before_data_loads(tiny, overrides, words):
+  config = cli._load_config_file(tiny)  # pylint: disable=protected-access
+  for path, value in overrides.items():
+    node = config
+    *parents, leaf = path.split('.')
+    for part in parents:
+      node = node[part]
+    with node.unlocked() if hasattr(node, 'unlocked') else config.unlocked():
+      node[leaf] = value
+  with pytest.raises(registry.ConfigError) as e:
+    runner.validate(config)
+  assert '\n' not in str(e.value)
+  for word in words:
+    assert word in str(e.value)
+
+
+def test_user_errors_are_one_line_with_exit_status_2(tiny, tmp_path):
+  procs = []
+  cmd = [FEDJX_RUN] if os.path.exists(FEDJX_RUN) else [
+      sys.executable, '-m', 'fedjx.experiments.cli']
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('FEDJX_DEBUG', None)
+  for i, (args, _) in enumerate(USER_ERRORS):  # Two at a time.
+    procs.append(subprocess.Popen(
+        cmd + ['--config', tiny, '--workdir', str(tmp_path / str(i)), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    if len(procs) >= 2:
+      procs[-2].wait(timeout=300)
+  for proc, (args, words) in zip(procs, USER_ERRORS):
+    _, err = proc.communicate(timeout=300)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2, (args, err[-3000:])
+    assert len(lines) == 1 and 'Traceback' not in err, (args, err[-3000:])
+    for word in words:
+      assert word in lines[0], (args, lines[0])
+  missing = _run('--config', str(tmp_path / 'none.py'))
+  assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+  assert 'no such file' in missing.stderr
+
+
+def test_debug_flag_and_environment_variable_show_the_traceback(tiny, tmp_path,
+                                                                monkeypatch):
+  out = _run('--config', tiny, '--workdir', str(tmp_path), '--config.cohort_size=9',
+             '--debug')
+  assert out.returncode != 0
+  assert 'Traceback' in out.stderr and 'population of 8' in out.stderr
+  monkeypatch.delenv('FEDJX_DEBUG', raising=False)
+  assert cli.debug_requested(['fedjx-run', '--debug'])
+  assert not cli.debug_requested(['fedjx-run'])
+  for value, wanted in (('1', True), ('true', True), ('0', False), ('', False)):
+    monkeypatch.setenv('FEDJX_DEBUG', value)
+    assert cli.debug_requested(['fedjx-run']) is wanted
+
+
+def test_builder_and_optimizer_options_absent_from_the_file_can_be_set(tiny, tmp_path):
+  out = _run('--config', tiny, '--workdir', str(tmp_path), '--config.rounds=1',
+             '--config.algorithm.client_evaluation=False',
+             '--config.algorithm.server_optimizer.b1=0.8',
+             '--config.algorithm.client_optimizer.momentum=0.9',
+             '--config.algorithm.local_epochs=2')
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(tmp_path / 'config.json', encoding='utf-8') as f:
+    algorithm = json.load(f)['algorithm']
+  assert algorithm['client_evaluation'] is False
+  assert algorithm['server_optimizer'] == {'name': 'adam', 'learning_rate': 0.01,
+                                           'b1': 0.8}
+  assert algorithm['client_optimizer']['momentum'] == 0.9
+  assert algorithm['local_epochs'] == 2 and isinstance(algorithm['local_epochs'], int)
+  rows = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl', encoding='utf-8')]
+  assert 'train_loss_during' in rows[1] and 'train_loss_before' not in rows[1]
+
+
+def test_split_overrides_parses_by_the_builder_s_types(tiny):
+  rest, extras = cli.split_overrides([
+      '--config', tiny, '--config.rounds=3',
+      '--config.algorithm.client_evaluation=false',
+      '--config.algorithm.local_steps=4',
+      '--config.algorithm.weighting=uniform',
+      '--config.algorithm.server_optimizer.nesterov=True',
+      '--config.algorithm.server_optimizer.eps=1e-3',
+      '--config.algorithm.client_optimizer.momentum=0.5'])
+  assert rest == ['--config', tiny, '--config.rounds=3']
+  got = {'.'.join(p): v for p, v in extras}
+  assert got == {'algorithm.client_evaluation': False, 'algorithm.local_steps': 4,
+                 'algorithm.weighting': 'uniform',
+                 'algorithm.server_optimizer.nesterov': True,
+                 'algorithm.server_optimizer.eps': 1e-3,
+                 'algorithm.client_optimizer.momentum': 0.5}
+  assert type(got['algorithm.local_steps']) is int
+  assert type(got['algorithm.client_optimizer.momentum']) is float
+
+
+def test_overrides_follow_a_renamed_algorithm_or_optimizer(tiny):
+  # fedprox's mu exists once the algorithm is fedprox; adam's b2 once the
+  # client optimizer is adam.
+  _, extras = cli.split_overrides([
+      '--config', tiny, '--config.algorithm.name=fedprox',
+      '--config.algorithm.mu=0.1',
+      '--config.algorithm.client_optimizer.name=adam',
+      '--config.algorithm.client_optimizer.b2=0.95'])
+  assert {'.'.join(p): v for p, v in extras} == {
+      'algorithm.mu': 0.1, 'algorithm.client_optimizer.b2': 0.95}
+  with pytest.raises(cli.UsageError, match="no option 'mu'"):
+    cli.split_overrides(['--config', tiny, '--config.algorithm.mu=0.1'])
+
+
+def test_an_optimizer_the_file_leaves_to_the_builder_needs_its_name(tmp_path):
+  path = tmp_path / 'plain.py'
+  plain = re.sub(r",\s*server_optimizer=optimizer\('adam', learning_rate=0.01\)",
+                 '', TINY)
+  assert 'server_optimizer' not in plain
+  path.write_text(plain)
+  with pytest.raises(cli.UsageError, match='server_optimizer.name='):
+    cli.split_overrides(['--config', str(path),
+                         '--config.algorithm.server_optimizer.b1=0.8'])
+  _, extras = cli.split_overrides([
+      '--config', str(path), '--config.algorithm.server_optimizer.name=adam',
+      '--config.algorithm.server_optimizer.learning_rate=0.01',
+      '--config.algorithm.server_optimizer.b1=0.8'])
+  config = cli._load_config_file(str(path))  # pylint: disable=protected-access
+  cli.apply_overrides(config, extras)
+  assert config.algorithm.server_optimizer.to_dict() == {
+      'name': 'adam', 'learning_rate': 0.01, 'b1': 0.8}
+  runner.validate(config)
+
+
+def test_parse_value_types():
+  def f(a: float = 1, b: int | None = None, c: bool = False, d=(1, 2)):
+    del a, b, c, d
+  p = inspect.signature(f).parameters
+  assert cli.parse_value('2', p['a'], 'a') == 2.0 and isinstance(
+      cli.parse_value('2', p['a'], 'a'), float)
+  assert cli.parse_value('None', p['b'], 'b') is None
+  assert cli.parse_value('7', p['b'], 'b') == 7
+  assert cli.parse_value('yes', p['c'], 'c') is True
+  assert cli.parse_value('(3, 4)', p['d'], 'd') == (3, 4)
+  with pytest.raises(cli.UsageError, match="'x': not an int"):
+    cli.parse_value('x', p['b'], 'b')
+  momentum = inspect.signature(optax.sgd).parameters['momentum']
+  assert cli.parse_value('0.9', momentum, 'm') == 0.9
+
+
+def test_skip_nonfinite_is_reserved_for_the_runner():
+  assert 'skip_nonfinite' in registry.RESERVED
+  for name in registry.ALGORITHMS:
+    assert 'skip_nonfinite' not in registry.builder_options(name)
+
+
+def test_a_nonfinite_run_is_one_line_with_exit_status_2(tiny, tmp_path):
+  out = _run('--config', tiny, '--workdir', str(tmp_path), '--config.rounds=4',
+             '--config.algorithm.server_optimizer.learning_rate=1e38')
+  assert out.returncode == 2, out.stderr[-3000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and 'Traceback' not in out.stderr
+  assert lines[0].startswith('fedjx-run: round ') and 'NaN or Inf' in lines[0]
