@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -106,11 +107,27 @@ def _abstract(tree: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
+def _like_commitment(saved: Any, ref: jax.Array) -> Any:
+  """``saved`` uncommitted when ``ref`` is (as a state that never left the device is).
+
+  JAX compiles a function called with device-committed arrays (what Orbax
+  restores) apart from one called with uncommitted arrays, and XLA may order
+  float operations differently in the two programs: a resumed run would then
+  differ from an uninterrupted one in the last bits.
+  """
+  if ref.committed or not isinstance(saved, jax.Array):
+    return saved
+  return jnp.asarray(np.asarray(saved))
+
+
 def _from_saved(restored: Any, like: Any) -> Any:
   def one(saved, ref):
     if _is_key(ref):
-      return jax.random.wrap_key_data(saved, impl=jax.random.key_impl(ref))
-    if isinstance(ref, (jax.Array, np.ndarray)):
+      data = _like_commitment(saved, jax.random.key_data(ref))
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(ref))
+    if isinstance(ref, jax.Array):
+      return _like_commitment(saved, ref)
+    if isinstance(ref, np.ndarray):
       return saved
     return type(ref)(np.asarray(saved).item()) if np.ndim(ref) == 0 else saved
   return jax.tree.map(one, restored, like)

@@ -29,7 +29,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from absl import app
@@ -322,10 +322,11 @@ def apply_overrides(config: Any, extras: Sequence[tuple[tuple[str, ...], Any]]) 
 
 # ------------------------------------------------------------------ main
 
-def parse_flags(argv: Sequence[str], extras: list[Any]) -> list[str]:
+def parse_flags(argv: Sequence[str], extras: list[Any], prog: str = 'fedjx-run',
+                usage: str = USAGE) -> list[str]:
   """absl flag parsing; builder-option overrides are put in ``extras``."""
   if any(a in HELP_FLAGS for a in argv[1:]):
-    print(USAGE, end='')
+    print(usage, end='')
     sys.exit(0)
   try:
     rest, found = split_overrides(argv[1:])
@@ -336,7 +337,7 @@ def parse_flags(argv: Sequence[str], extras: list[Any]) -> list[str]:
   except Exception as e:  # pylint: disable=broad-except
     if debug_requested(argv):
       raise
-    print(f'fedjx-run: {_one_line(e)}', file=sys.stderr)
+    print(f'{prog}: {_one_line(e)}', file=sys.stderr)
     sys.exit(USAGE_STATUS)
 
 
@@ -347,6 +348,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
   return (UsageError, app.UsageError, ValueError, TypeError, OSError, KeyError,
           runner.NonFiniteError, workdir_lock.WorkdirLocked,
           checkpointing.CheckpointError)
+
+
+def _plain_errors() -> tuple[type[BaseException], ...]:
+  """Errors whose message is the whole story (printed without their type)."""
+  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import sweep_spec  # pylint: disable=g-import-not-at-top
+  return _user_errors()[-3:] + (UsageError, app.UsageError, registry.ConfigError,
+                                sweep_spec.SweepError)
 
 
 def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
@@ -403,42 +412,45 @@ class _Signals:
       signal.signal(s, self.handle)
 
 
-def _main(argv: Sequence[str], extras: Sequence[Any], signals: _Signals) -> int:
+def run_main(body: Callable[[Sequence[str], Sequence[Any]], int], argv: Sequence[str],
+             extras: Sequence[Any], signals: _Signals, prog: str = 'fedjx-run') -> int:
+  """Runs ``body(argv, extras)``; user errors and signals become one line and a status."""
   debug = _DEBUG.value or debug_requested(())
   try:
-    return _train(argv, extras)
+    return body(argv, extras)
   except KeyboardInterrupt:
     if debug:
       raise
     name = signal.Signals(signals.signum).name
-    print(f'fedjx-run: stopped by {name}; the workdir keeps its last complete '
+    print(f'{prog}: stopped by {name}; the workdir keeps its last complete '
           'checkpoint, if any.', file=sys.stderr)
     return 128 + signals.signum
   except Exception as e:  # pylint: disable=broad-except
     if debug:
       raise
     user = isinstance(e, _user_errors())
-    from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
-    plain = isinstance(e, _user_errors()[-3:] + (
-        UsageError, app.UsageError, registry.ConfigError))
+    plain = isinstance(e, _plain_errors())
     text = _one_line(e) if plain else f'{type(e).__name__}: {_one_line(e)}'
     hint = '' if plain else ' (--debug shows the traceback)'
-    print(f'fedjx-run: {text}{hint}', file=sys.stderr)
+    print(f'{prog}: {text}{hint}', file=sys.stderr)
     return USAGE_STATUS if user else 1
 
 
-def main() -> None:
-  """Console-script entry point."""
+def main(prog: str = 'fedjx-run',
+         body: Callable[[Sequence[str], Sequence[Any]], int] | None = None,
+         usage: str = USAGE) -> None:
+  """Console-script entry point (``prog``, ``body`` and ``usage`` serve ``fedjx-sweep`` too)."""
+  body = body or _train
   signals = _Signals()
   signals.install()
   extras: list[Any] = []
   try:
-    app.run(lambda argv: _main(argv, extras, signals),
-            flags_parser=lambda argv: parse_flags(argv, extras))
+    app.run(lambda argv: run_main(body, argv, extras, signals, prog),
+            flags_parser=lambda argv: parse_flags(argv, extras, prog, usage))
   except KeyboardInterrupt:  # During flag parsing (the config file's imports).
     if debug_requested(sys.argv):
       raise
-    print(f'fedjx-run: stopped by {signal.Signals(signals.signum).name} during '
+    print(f'{prog}: stopped by {signal.Signals(signals.signum).name} during '
           'start-up.', file=sys.stderr)
     sys.exit(128 + signals.signum)
 

@@ -307,6 +307,15 @@ def make_evaluator(model: models.Model, examples: Mapping[str, np.ndarray],
   return evaluate
 
 
+def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
+                    num_clients: int) -> Any:
+  """The algorithm of ``config`` (defaults filled) for ``model`` and a population."""
+  return registry.build_algorithm(
+      config.algorithm, model, map_strategy=config.map_strategy,
+      chunk_size=config.chunk_size, num_clients=num_clients,
+      skip_nonfinite=config.nonfinite != 'off')
+
+
 def build(config: Any) -> Experiment:
   """Builds the dataset, model, algorithm and evaluator a config names."""
   config = with_defaults(config)
@@ -317,10 +326,7 @@ def build(config: Any) -> Experiment:
         f'config.cohort_size={config.cohort_size} is larger than the training '
         f'population of {data.train.num_clients} clients; it must be at most '
         f'{data.train.num_clients}.')
-  algorithm = registry.build_algorithm(
-      config.algorithm, model, map_strategy=config.map_strategy,
-      chunk_size=config.chunk_size, num_clients=data.train.num_clients,
-      skip_nonfinite=config.nonfinite != 'off')
+  algorithm = build_algorithm(config, model, data.train.num_clients)
   init_key, round_key = jax.random.split(jax.random.key(config.seed))
   params = model.init(init_key, _sample_batch(config, data))
   examples = _pool_examples(data.test, config.eval_max_examples)
@@ -332,7 +338,7 @@ def build(config: Any) -> Experiment:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class _StopFlag:
+class StopFlag:
   """Turns the first SIGINT or SIGTERM into a flag the loop polls.
 
   SIGTERM is how clusters and preemptible VMs stop a job; it is treated like
@@ -354,7 +360,7 @@ class _StopFlag:
     self.signum = signum
 
   @contextlib.contextmanager
-  def installed(self) -> Iterator[_StopFlag]:
+  def installed(self) -> Iterator[StopFlag]:
     import threading  # pylint: disable=g-import-not-at-top
     if threading.current_thread() is not threading.main_thread():
       yield self  # Signals reach only the main thread.
@@ -523,7 +529,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
   last_row: dict[str, float] = {}
   bar = _progress(config.rounds, start, lead and config.progress)
   try:
-    with _StopFlag().installed() as sigint:
+    with StopFlag().installed() as sigint:
       if start == 0 and exp.evaluate is not None:
         emit(0, exp.evaluate(state.params))
       if start < config.rounds:

@@ -34,15 +34,13 @@ plots.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -53,10 +51,10 @@ import numpy as np
 from fedjx import datasets
 from fedjx.experiments import checkpointing
 from fedjx.experiments import metrics_writers
-from fedjx.experiments import registry
 from fedjx.experiments import runner
 from fedjx.experiments import sweep_spec
 from fedjx.experiments import sweep_summary
+from fedjx.experiments import workdir_lock
 
 SweepError = sweep_spec.SweepError
 
@@ -96,6 +94,8 @@ class SweepResult:
     interrupted: True when SIGINT/SIGTERM stopped it (run again to continue).
     summary: the per-trial summary rows (see :mod:`sweep_summary`).
     workdir: the sweep directory.
+    signal: the signal that interrupted it (``signal.SIGINT`` or
+      ``signal.SIGTERM``), or None.
   """
 
   trials: list[Trial]
@@ -105,6 +105,7 @@ class SweepResult:
   interrupted: bool
   summary: list[dict[str, Any]]
   workdir: str
+  signal: int | None = None
 
 
 def trial_config(config: Any, setting: Mapping[str, Any],
@@ -120,9 +121,7 @@ def trial_config(config: Any, setting: Mapping[str, Any],
 
 def _algorithm(config: ml_collections.ConfigDict, exp: runner.Experiment) -> Any:
   """The algorithm of ``config`` built for ``exp``'s model and data, as ``runner.build`` does."""
-  return registry.build_algorithm(
-      config.algorithm, exp.model, map_strategy=config.map_strategy,
-      chunk_size=config.chunk_size, num_clients=exp.data.train.num_clients)
+  return runner.build_algorithm(config, exp.model, exp.data.train.num_clients)
 
 
 def _lowered_round(algorithm: Any, exp: runner.Experiment) -> str:
@@ -308,22 +307,6 @@ def _trial_sharding(shape: tuple[int, int]) -> jax.sharding.NamedSharding | None
   return None
 
 
-def _uncommitted(tree: Any) -> Any:
-  """Restored arrays as fresh, uncommitted ones, like those of a run that never stopped.
-
-  JAX compiles a function called with device-committed arrays (what a
-  checkpoint restores) separately from one called with uncommitted arrays,
-  and XLA may then fuse and order float operations differently: a resumed
-  sweep would differ from an uninterrupted one in the last bits.
-  """
-  def one(x):
-    if _is_key(x):
-      return jax.random.wrap_key_data(one(jax.random.key_data(x)),
-                                      impl=jax.random.key_impl(x))
-    return jnp.asarray(np.asarray(x))
-  return jax.tree.map(one, tree)
-
-
 def _place(tree: Any, sharding: jax.sharding.NamedSharding | None) -> Any:
   if sharding is None:
     return tree
@@ -333,32 +316,6 @@ def _place(tree: Any, sharding: jax.sharding.NamedSharding | None) -> Any:
                                       impl=jax.random.key_impl(x))
     return jax.device_put(x, sharding)
   return jax.tree.map(one, tree)
-
-
-class _StopFlag:
-  """SIGINT and SIGTERM become a flag the loop polls; a second SIGINT aborts."""
-
-  def __init__(self):
-    self.raised = False
-
-  def _handle(self, signum, frame):
-    del frame
-    if self.raised and signum == signal.SIGINT:
-      raise KeyboardInterrupt
-    self.raised = True
-
-  @contextlib.contextmanager
-  def installed(self) -> Iterator[_StopFlag]:
-    if threading.current_thread() is not threading.main_thread():
-      yield self
-      return
-    previous = {s: signal.signal(s, self._handle)
-                for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-      yield self
-    finally:
-      for s, handler in previous.items():
-        signal.signal(s, handler)
 
 
 def _scalars_per_trial(metrics: Mapping[str, Any], s: int, h: int) -> dict[str, float]:
@@ -406,7 +363,7 @@ def _group_states(config: Any, group: Group
   return exps, exps[0].algorithm, _stack(states), configs[0][0]
 
 
-def _run_group(config: Any, group: Group, workdir: str, flag: _StopFlag,
+def _run_group(config: Any, group: Group, workdir: str, flag: runner.StopFlag,
                log: Callable[[str], None], bar: Any, fingerprint: dict[str, Any]) -> bool:
   """Trains one group to ``config.rounds``; returns True when interrupted."""
   seeds, settings = group.seeds, group.settings
@@ -416,17 +373,24 @@ def _run_group(config: Any, group: Group, workdir: str, flag: _StopFlag,
   sharding = _trial_sharding(shape)
   group_dir = os.path.join(workdir, 'groups', group.name)
   ckpt = checkpointing.Checkpointer(os.path.join(group_dir, 'checkpoints'),
-                                    max_to_keep=c.checkpoints_to_keep)
-  start, elapsed_before = 0, 0.0
-  latest = ckpt.latest_step()
-  if latest is not None:
-    (states, alive), meta = ckpt.restore(latest, (states, alive))
-    states, alive = _uncommitted(states), _uncommitted(alive)
+                                    max_to_keep=max(2, c.checkpoints_to_keep))
+
+  def same_sweep(meta: Mapping[str, Any]) -> None:
     if meta.get('sweep') != fingerprint:
-      ckpt.close()
       raise SweepError(f'{group_dir} holds a checkpoint of a different sweep; '
                        'use a new --workdir.')
-    start, elapsed_before = int(meta['step']), float(meta.get('elapsed_s', 0.0))
+
+  start, elapsed_before = 0, 0.0
+  try:
+    restored = ckpt.restore_latest_intact((states, alive), same_sweep, warn=log)
+  except BaseException:
+    ckpt.close()
+    raise
+  latest = None
+  if restored is not None:
+    (states, alive), meta = restored
+    latest = start = int(meta['step'])
+    elapsed_before = float(meta.get('elapsed_s', 0.0))
     log(f'fedjx-sweep: resuming {group.name} after round {start}.')
   states, alive = _place(states, sharding), _place(alive, sharding)
   alive_host = np.asarray(alive)
@@ -439,11 +403,11 @@ def _run_group(config: Any, group: Group, workdir: str, flag: _StopFlag,
       resume_round=resume) for t in row] for row in group.trials]
   for row in group.trials:
     for t in row:
-      with open(os.path.join(workdir, 'trials', t.name, 'config.json'), 'w',
-                encoding='utf-8') as f:
-        f.write(trial_config(config, t.setting, t.seed).to_json_best_effort(
-            indent=2, sort_keys=True) + '\n')
-  step_fn = make_sweep_round(algorithm, str(c.get('nonfinite', 'skip')))
+      metrics_writers.write_atomically(
+          os.path.join(workdir, 'trials', t.name, 'config.json'),
+          trial_config(config, t.setting, t.seed).to_json_best_effort(
+              indent=2, sort_keys=True) + '\n')
+  step_fn = make_sweep_round(algorithm, c.nonfinite)
   _check_memory(step_fn, group, (states, jax.device_put(_stacked_cohort(exps, c, start)),
                                  jnp.stack([e.round_key_for(start) for e in exps]), alive))
   t0 = time.perf_counter()
@@ -561,6 +525,16 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
   target_spec = sweep_summary.parse_target(target)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
+  with workdir_lock.hold(workdir):
+    return _sweep(config, workdir, settings, seeds, target_spec,
+                  settings_per_program, metric, log)
+
+
+def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
+           seeds: tuple[int, ...], target_spec: tuple[str, float] | None,
+           settings_per_program: int | None, metric: str | None,
+           log: Callable[[str], None]) -> SweepResult:
+  """The body of :func:`run_sweep`, holding the workdir's lock."""
   fingerprint = _fingerprint(config, settings, seeds, settings_per_program)
   spec_path = os.path.join(workdir, 'sweep.json')
   if os.path.exists(spec_path):
@@ -569,10 +543,8 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
         raise SweepError(f'{workdir} holds a different sweep (its sweep.json '
                          'differs); use a new --workdir or delete it.')
   else:
-    tmp = spec_path + '.tmp'
-    with open(tmp, 'w', encoding='utf-8') as f:
-      json.dump(fingerprint, f, indent=2, sort_keys=True)
-    os.replace(tmp, spec_path)
+    metrics_writers.write_atomically(
+        spec_path, json.dumps(fingerprint, indent=2, sort_keys=True) + '\n')
   groups, traced, structural = plan(config, settings, seeds, settings_per_program)
   n_trials = len(settings) * len(seeds)
   log(f'fedjx-sweep: {n_trials} trials in {len(groups)} program(s); vectorized: '
@@ -582,25 +554,26 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
   from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
   bar = tqdm.tqdm(total=c.rounds * len(groups), unit='round', dynamic_ncols=True,
                   disable=not c.progress, file=sys.stderr)
-  interrupted = False
+  stopped_by = None
   try:
-    with _StopFlag().installed() as flag:
+    with runner.StopFlag().installed() as flag:
       for group in groups:
         if _run_group(config, group, workdir, flag, log, bar, fingerprint):
-          interrupted = True
-          log(f'fedjx-sweep: interrupted; checkpoints saved in {workdir}. Run '
-              'the same command again to continue.')
+          stopped_by = flag.signum
+          log(f'fedjx-sweep: interrupted ({signal.Signals(flag.signum).name}); '
+              f'checkpoints saved in {workdir}. Run the same command again to '
+              'continue.')
           break
   finally:
     bar.close()
   trials = [t for g in groups for row in g.trials for t in row]
   summary = []
-  if not interrupted:
+  if stopped_by is None:
     summary = sweep_summary.write_summary(
         workdir, trials, list(settings[0]), c.metrics_format, target_spec,
         plot=c.plot, metric=metric)
-  return SweepResult(trials, traced, structural, len(groups), interrupted,
-                     summary, workdir)
+  return SweepResult(trials, traced, structural, len(groups), stopped_by is not None,
+                     summary, workdir, stopped_by)
 
 
 def load_trial_state(workdir: str, trial: str) -> tuple[Any, int]:
@@ -626,12 +599,13 @@ def load_trial_state(workdir: str, trial: str) -> tuple[Any, int]:
         ckpt = checkpointing.Checkpointer(
             os.path.join(workdir, 'groups', group.name, 'checkpoints'))
         try:
-          step = ckpt.latest_step()
-          if step is None:
-            raise FileNotFoundError(f'{workdir}: {group.name} holds no checkpoint.')
-          (states, _), _ = ckpt.restore(step, (states, alive))
+          restored = ckpt.restore_latest_intact((states, alive))
         finally:
           ckpt.close()
+        if restored is None:
+          raise FileNotFoundError(f'{workdir}: {group.name} holds no checkpoint.')
+        (states, _), meta = restored
+        step = int(meta['step'])
         return jax.tree.map(lambda x: x[i, j], states), step
   names = [t.name for g in groups for row in g.trials for t in row]
   raise SweepError(f'{workdir} has no trial {trial!r}; its trials: {names}.')

@@ -13,27 +13,27 @@ FIELD=loguniform(LOW,HIGH)`` / ``uniform(...)`` / ``choice(...)`` with
 'num_samples': None, 'target': 'eval_accuracy=0.9'}``; flags given on the
 command line take precedence. ``--config.<field>=<value>`` overrides the base
 config as for ``fedjx-run``. Running again with the same ``--workdir``
-resumes. Errors are one line with exit status 2; SIGINT/SIGTERM save
-checkpoints and exit with status 130.
+resumes. Errors are one line with exit status 2 (``--debug`` or
+``FEDJX_DEBUG=1`` shows the traceback); SIGINT/SIGTERM save checkpoints and
+exit with status 130/143. The shared command-line machinery is
+:mod:`fedjx.experiments.cli`'s: ``--config``, ``--workdir``, ``--debug`` and
+``--config.PATH=VALUE`` (also for builder and optimizer options the file does
+not set) mean what they mean for ``fedjx-run``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import sys
+import signal
 from collections.abc import Sequence
+from typing import Any
 
-from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'Base experiment config file (a Python file with get_config()).',
-    lock_config=False)
-_WORKDIR = flags.DEFINE_string(
-    'workdir', None, 'Sweep directory (default: runs/<config name>_sweep).')
+from fedjx.experiments import cli
+
 _SWEEP = flags.DEFINE_multi_string(
     'sweep', None, "A swept field: 'FIELD=V1,V2,...' (grid) or "
     "'FIELD=loguniform(LOW,HIGH)' (random search). Repeatable.")
@@ -41,7 +41,7 @@ _SEEDS = flags.DEFINE_string('seeds', None, "Seeds of every setting: '0,1,2' or 
 _NUM_SAMPLES = flags.DEFINE_integer(
     'num_samples', None, 'Random search: how many settings to draw.')
 _SAMPLE_SEED = flags.DEFINE_integer(
-    'sample_seed', 0, 'Random search: the seed of the draws.')
+    'sample_seed', None, 'Random search: the seed of the draws.')
 _PER_PROGRAM = flags.DEFINE_integer(
     'settings_per_program', None,
     'At most this many settings (x every seed) per compiled program.')
@@ -51,7 +51,36 @@ _METRIC = flags.DEFINE_string(
 _TARGET = flags.DEFINE_string(
     'target', None, "Rounds to reach e.g. 'eval_accuracy=0.9' (in the summary).")
 
-INTERRUPTED_STATUS = 130
+USAGE = """\
+fedjx-sweep: trains a grid (or random search) of settings x seeds of a config,
+vectorized into one compiled program wherever only traced hyperparameters
+and seeds differ.
+
+usage: fedjx-sweep --config FILE[:ARG] [--workdir DIR] [--sweep FIELD=VALUES ...]
+                   [--seeds 0,1,2] [--num_samples N] [--target METRIC=NUMBER]
+                   [--metric METRIC] [--settings_per_program K]
+                   [--config.PATH=VALUE ...] [--debug]
+
+  --sweep FIELD=V1,V2,...           a grid axis (repeatable)
+  --sweep 'FIELD=loguniform(LO,HI)' a random-search axis (also uniform(),
+                                    choice()); needs --num_samples
+  --seeds 0,1,2 | 0-4               every setting runs with every seed
+  --target eval_accuracy=0.9        rounds-to-target in the summary
+  --workdir DIR                     default runs/<config name>_sweep; the
+                                    same DIR again resumes
+
+A config file may define get_sweep() returning {'sweep': [...], 'seeds':
+..., 'num_samples': ..., 'target': ...}; flags take precedence.
+
+example:
+  fedjx-sweep --config configs/fedadam_digits.py --workdir runs/grid \\
+      --sweep 'algorithm.server_learning_rate=0.01,0.03,0.1' --seeds 0,1,2
+
+exit status: 0 done; 2 a usage, config or sweep error, or a workdir in use;
+130/143 stopped by Ctrl-C/SIGTERM (run the same command again to continue).
+"""
+
+SWEEP_KEYS = ('sweep', 'seeds', 'num_samples', 'sample_seed', 'target')
 
 
 def _config_module(path: str):
@@ -62,17 +91,18 @@ def _config_module(path: str):
   return module
 
 
-def sweep_arguments(config_path: str) -> dict:
+def sweep_arguments(config_path: str) -> dict[str, Any]:
   """The sweep of the command line, completed by the config's ``get_sweep()``."""
+  from fedjx.experiments import sweep_spec  # pylint: disable=g-import-not-at-top
   module = _config_module(config_path)
   defaults = dict(module.get_sweep()) if hasattr(module, 'get_sweep') else {}
-  unknown = set(defaults) - {'sweep', 'seeds', 'num_samples', 'target', 'sample_seed'}
+  unknown = set(defaults) - set(SWEEP_KEYS)
   if unknown:
-    from fedjx.experiments import sweep_spec  # pylint: disable=g-import-not-at-top
     raise sweep_spec.SweepError(
         f'get_sweep() in {config_path} returns unknown keys {sorted(unknown)}; '
-        "valid: ['num_samples', 'sample_seed', 'seeds', 'sweep', 'target'].")
-  pick = lambda flag, key, default: flag.value if flag.present else defaults.get(key, default)
+        f'valid: {sorted(SWEEP_KEYS)}.')
+  pick = lambda flag, key, default: (flag.value if flag.present
+                                     else defaults.get(key, default))
   return {'sweep': list(pick(_SWEEP, 'sweep', []) or []),
           'seeds': pick(_SEEDS, 'seeds', '0'),
           'num_samples': pick(_NUM_SAMPLES, 'num_samples', None),
@@ -80,36 +110,31 @@ def sweep_arguments(config_path: str) -> dict:
           'target': pick(_TARGET, 'target', None)}
 
 
-def _main(argv: Sequence[str]) -> int:
+def _sweep(argv: Sequence[str], extras: Sequence[Any]) -> int:
   if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments {argv[1:]}.')
+    raise cli.UsageError(f'unexpected arguments {argv[1:]} (see --help).')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
-  config = _CONFIG.value
+  config = flags.FLAGS['config'].value
   if config is None:
-    raise app.UsageError('--config is required, e.g. --config configs/fedadam_digits.py.')
+    raise cli.UsageError('--config is required, e.g. --config '
+                         'configs/fedadam_digits.py (see --help).')
+  cli.apply_overrides(config, extras)
   config_path = flags.FLAGS['config'].config_filename
-  workdir = _WORKDIR.value or os.path.join(
-      'runs', os.path.splitext(os.path.basename(config_path))[0] + '_sweep')
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  workdir = flags.FLAGS['workdir'].value or os.path.join(
+      'runs', os.path.splitext(os.path.basename(config_path.partition(':')[0]))[0]
+      + '_sweep')
   from fedjx.experiments import sweep  # pylint: disable=g-import-not-at-top
   from fedjx.experiments import sweep_spec  # pylint: disable=g-import-not-at-top
-  try:
-    args = sweep_arguments(config_path)
-    axes = [sweep_spec.parse_axis(a) for a in args['sweep']]
-    settings = sweep_spec.settings(axes, args['num_samples'], args['sample_seed'])
-    seeds = sweep_spec.parse_seeds(str(args['seeds']))
-    result = sweep.run_sweep(config, workdir, settings, seeds, target=args['target'],
-                             settings_per_program=_PER_PROGRAM.value,
-                             metric=_METRIC.value)
-  except (registry.ConfigError, sweep_spec.SweepError, ValueError) as e:
-    if os.environ.get('FEDJX_DEBUG'):
-      raise
-    print(f'fedjx-sweep: {str(e).splitlines()[0] if str(e) else type(e).__name__}',
-          file=sys.stderr)
-    return 2
+  args = sweep_arguments(config_path)
+  axes = [sweep_spec.parse_axis(a) for a in args['sweep']]
+  settings = sweep_spec.settings(axes, args['num_samples'], args['sample_seed'])
+  seeds = sweep_spec.parse_seeds(str(args['seeds']))
+  result = sweep.run_sweep(config, workdir, settings, seeds, target=args['target'],
+                           settings_per_program=_PER_PROGRAM.value,
+                           metric=_METRIC.value)
   if result.interrupted:
-    return INTERRUPTED_STATUS
+    return 128 + (result.signal or signal.SIGINT)
   print(f'fedjx-sweep: done; {len(result.trials)} trials in {result.groups} '
         f'program(s); summary.md, summary.csv and plots in {result.workdir}')
   return 0
@@ -117,7 +142,7 @@ def _main(argv: Sequence[str]) -> int:
 
 def main() -> None:
   """Console-script entry point."""
-  app.run(_main)
+  cli.main('fedjx-sweep', _sweep, USAGE)
 
 
 if __name__ == '__main__':

@@ -3,8 +3,10 @@
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -277,3 +279,50 @@ def test_cli_sweep_from_the_config_file(tmp_path):
       'server_learning_rate=0.01,seed=3', 'server_learning_rate=0.1,seed=3']
   assert all(r['rounds_to_target'] == '0' for r in rows)  # Reached at round 0.
   assert (tmp_path / 'w' / 'sweep_eval_accuracy.png').exists()
+
+
+def _sweep_process(config_file, workdir):
+  return subprocess.Popen(
+      [sys.executable, '-m', 'fedjx.experiments.sweep_cli', '--config', str(config_file),
+       '--workdir', str(workdir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+
+
+def test_sigterm_then_resume_equals_an_uninterrupted_sweep(tmp_path):
+  config_file = tmp_path / 'grid.py'
+  config_file.write_text(
+      'import sys\n'
+      f'sys.path.insert(0, {os.path.join(REPO, "tests")!r})\n'
+      'from test_sweep import small_config\n\n'
+      'def get_config():\n'
+      '  return small_config(rounds=40, checkpoint_every=1)\n\n'
+      'def get_sweep():\n'
+      "  return {'sweep': ['algorithm.server_learning_rate=0.02,0.1'], 'seeds': '1'}\n")
+  first = _sweep_process(config_file, tmp_path / 'parts')
+  ckpts = tmp_path / 'parts' / 'groups' / 'group_000' / 'checkpoints'
+  for _ in range(1200):  # Until a few rounds are checkpointed (at most 120 s).
+    if first.poll() is not None or (ckpts.exists() and len(
+        [p for p in ckpts.iterdir() if p.name.isdigit()]) >= 2):
+      break
+    time.sleep(0.1)
+  second = _sweep_process(config_file, tmp_path / 'parts')  # The workdir is busy.
+  _, err = second.communicate(timeout=120)
+  assert second.returncode == 2 and 'in use by' in err and len(err.strip().splitlines()) == 1
+  first.send_signal(signal.SIGTERM)
+  _, err = first.communicate(timeout=120)
+  assert first.returncode == 128 + signal.SIGTERM, err[-2000:]
+  resumed = _sweep_process(config_file, tmp_path / 'parts')
+  _, err = resumed.communicate(timeout=300)
+  assert resumed.returncode == 0, err[-2000:]
+  settings = [{'algorithm.server_learning_rate': v} for v in (0.02, 0.1)]
+  whole = sweep.run_sweep(small_config(rounds=40, checkpoint_every=1), str(tmp_path / 'whole'),
+                          settings, (1,), log=lambda m: None)
+  for t in whole.trials:
+    a, _ = sweep.load_trial_state(str(tmp_path / 'whole'), t.name)
+    b, step = sweep.load_trial_state(str(tmp_path / 'parts'), t.name)
+    assert step == 40
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+    rows = [metrics_writers.read_metrics(str(tmp_path / d / 'trials' / t.name))
+            for d in ('whole', 'parts')]
+    strip = lambda rs: [{k: v for k, v in r.items() if k != 'elapsed_s'} for r in rs]
+    assert strip(rows[0]) == strip(rows[1])  # Every row once, none lost.
