@@ -22,23 +22,23 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from fedjx.experiments import runner
+from fedjx.experiments import config as config_schema
 
 _OPTIONAL_TYPES = {'local_epochs': int, 'local_steps': int,
                    'max_local_steps': int, 'chunk_size': int}
 
 
 def base_config(**overrides: Any) -> ml_collections.ConfigDict:
-  """A ConfigDict with every runner field at its default (see ``runner.DEFAULTS``).
+  """A ConfigDict with every runner field at its default (see ``fedjx.experiments.config.DEFAULTS``).
 
   ``dataset``, ``model`` and ``algorithm`` start empty (``name=''``); set them.
   """
   config = ml_collections.ConfigDict()
-  for key, value in runner.DEFAULTS.items():
+  for key, value in config_schema.DEFAULTS.items():
     if value is None:
       value = config_dict.placeholder(_OPTIONAL_TYPES.get(key, int))
     setattr(config, key, value)
-  for key in runner.REQUIRED:
+  for key in config_schema.REQUIRED:
     setattr(config, key, ml_collections.ConfigDict({'name': ''}))
   for key, value in overrides.items():
     setattr(config, key, value)

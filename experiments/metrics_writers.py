@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
-FORMATS = ('jsonl', 'csv')
+from fedjx.experiments import config
+
+FORMATS = config.METRICS_FORMATS
 
 
 def _scalar(value: Any) -> float | int | str:

@@ -16,7 +16,6 @@ a new algorithm, dataset or model in a user's own code).
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
 import os
@@ -25,17 +24,14 @@ from typing import Any
 
 import optax
 
+from fedjx import algorithms as algorithms_lib
 from fedjx import models
+from fedjx.experiments import config as config_schema
 from fedjx.experiments import data as data_lib
 
 
-class ConfigError(ValueError):
-  """A config names something unknown or passes an argument not accepted."""
-
-
-def _suggest(name: str, choices: Any) -> str:
-  close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
-  return f' Did you mean {close[0]!r}?' if close else ''
+ConfigError = config_schema.ConfigError
+_suggest = config_schema.suggest
 
 
 def lookup(kind: str, registry: Mapping[str, Any], name: Any) -> Any:
@@ -157,32 +153,33 @@ def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransf
 
 # ------------------------------------------------------------------ algorithms
 
-def _algorithms() -> dict[str, Callable[..., Any]]:
-  """Every public builder of ``fedjx.algorithms``: a function ``f(loss_fn, ...)``."""
-  from fedjx import algorithms as algorithms_lib  # pylint: disable=g-import-not-at-top
-  found = {}
-  for name in getattr(algorithms_lib, '__all__', dir(algorithms_lib)):
-    fn = getattr(algorithms_lib, name, None)
-    if name.startswith('_') or not inspect.isfunction(fn):
-      continue
-    params = list(inspect.signature(fn).parameters)
-    if params and params[0] == 'loss_fn':
-      found[name] = fn
-  return found
-
-
-ALGORITHMS: dict[str, Callable[..., Any]] = _algorithms()
+# Every algorithm a config can name: one line each. In your own code, add one
+# with register_algorithm(name, builder); a builder is f(loss_fn, **options).
+ALGORITHMS: dict[str, Callable[..., Any]] = {
+    'fedavg': algorithms_lib.fedavg,
+    'fedadam': algorithms_lib.fedadam,
+    'fedyogi': algorithms_lib.fedyogi,
+    'fedadagrad': algorithms_lib.fedadagrad,
+    'fedavgm': algorithms_lib.fedavgm,
+    'fedprox': algorithms_lib.fedprox,
+    'scaffold': algorithms_lib.scaffold,
+    'dp_fedavg': algorithms_lib.dp_fedavg,
+    'diloco': algorithms_lib.diloco,
+    'streaming_diloco': algorithms_lib.streaming_diloco,
+    'fedavg_hypergradient_tuner': algorithms_lib.fedavg_hypergradient_tuner,
+}
 # Algorithm options the runner sets (not config.algorithm).
 RESERVED = ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size',
             'skip_nonfinite')
-# FedOpt builders pass their other keyword arguments on to fedavg.
-_FORWARDS = {'fedadam': 'fedavg', 'fedyogi': 'fedavg', 'fedadagrad': 'fedavg',
-             'fedavgm': 'fedavg'}
+# Builders that pass their other keyword arguments (**kwargs) on to another
+# builder: the options a config may give them are both builders'.
+FORWARDS = {'fedadam': 'fedavg', 'fedyogi': 'fedavg', 'fedadagrad': 'fedavg',
+            'fedavgm': 'fedavg'}
 
 
 def forwarded_builder(name: str) -> Callable[..., Any] | None:
   """The builder that algorithm ``name`` passes its ``**kwargs`` to, if any."""
-  return ALGORITHMS.get(_FORWARDS.get(name, ''))
+  return ALGORITHMS.get(FORWARDS.get(name, ''))
 
 
 def builder_options(name: str, kind: str = 'algorithm') -> dict[str, inspect.Parameter]:
@@ -316,3 +313,37 @@ def build_model(spec: Any, info: Mapping[str, Any] | None = None) -> models.Mode
     if key in accepted and key not in kwargs:
       kwargs[key] = value
   return fn(**kwargs)
+
+
+# ------------------------------------------------------------------ resolve
+
+KINDS = ('algorithm', 'dataset', 'model', 'optimizer')
+
+
+def resolve(kind: str, spec: Any, **context: Any) -> Any:
+  """Builds what the config entry ``spec`` (``{'name': ..., **options}``) names.
+
+  The one entry point over the registries:
+
+  * ``resolve('optimizer', spec)``: an optax optimizer (:func:`build_optimizer`);
+  * ``resolve('dataset', spec, seed=0)``: :func:`build_dataset`;
+  * ``resolve('model', spec, info=data.info)``: :func:`build_model`;
+  * ``resolve('algorithm', spec, model=model, num_clients=n, ...)``:
+    :func:`build_algorithm` (other keywords as it takes them).
+
+  Raises:
+    ConfigError: an unknown kind, name or option (one line, with what is valid).
+  """
+  if kind == 'optimizer':
+    return build_optimizer(spec, **context)
+  if kind == 'dataset':
+    return build_dataset(spec, context.pop('seed', 0), **context)
+  if kind == 'model':
+    return build_model(spec, context.pop('info', None), **context)
+  if kind == 'algorithm':
+    if 'model' not in context:
+      raise ConfigError("resolve('algorithm', ...) needs model=, the Model the "
+                        'algorithm trains.')
+    return build_algorithm(spec, context.pop('model'), **context)
+  raise ConfigError(f'unknown registry kind {kind!r}.{_suggest(kind, KINDS)} '
+                    f'Valid kinds: {list(KINDS)}.')

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import signal
@@ -48,52 +47,22 @@ import numpy as np
 from fedjx import datasets
 from fedjx import models
 from fedjx.experiments import checkpointing
+from fedjx.experiments import evaluation
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import registry
+# The config schema lives in fedjx.experiments.config; these names stay
+# importable from the runner, where they were documented first.
+from fedjx.experiments.config import DEFAULTS  # pylint: disable=unused-import
+from fedjx.experiments.config import NONFINITE  # pylint: disable=unused-import
+from fedjx.experiments.config import REQUIRED  # pylint: disable=unused-import
+from fedjx.experiments.config import RESUMABLE_CHANGES
+from fedjx.experiments.config import config_hash  # pylint: disable=unused-import
+from fedjx.experiments.config import fingerprint as _fingerprint
+from fedjx.experiments.config import flatten as _flatten
+from fedjx.experiments.config import validate
+from fedjx.experiments.config import with_defaults
+from fedjx.experiments.evaluation import make_evaluator  # pylint: disable=unused-import
 from fedjx.experiments import workdir_lock
-
-# Top-level config fields and their defaults. ``dataset``, ``model`` and
-# ``algorithm`` are required.
-DEFAULTS: dict[str, Any] = {
-    'seed': 0,
-    'rounds': 100,
-    'cohort_size': 10,
-    'batch_size': 20,
-    'local_epochs': None,       # passes over each client's data per round
-    'local_steps': None,        # or exactly this many batches per round
-    'max_local_steps': None,    # upper bound on batches per client
-    'bucket_steps': True,       # pad steps to a power of two (fewer compiles)
-    'eval_every': 10,
-    'eval_batch_size': 256,
-    'eval_max_examples': 100_000,
-    'checkpoint_every': 50,
-    'checkpoints_to_keep': 2,   # at least 2 are kept (damage fallback)
-    'nonfinite': 'skip',        # 'skip' / 'stop' / 'off', see NONFINITE
-    'map_strategy': 'auto',
-    'chunk_size': None,
-    'metrics_format': 'jsonl',
-    'tensorboard': True,
-    'plot': True,
-    'progress': True,
-    'prefetch': 1,
-    'mesh': '',                 # e.g. 'clients=-1': shard cohorts over devices
-    'param_sharding': 'replicated',  # or 'fsdp': server state sharded on 'model'
-    'coordinator_address': '',  # multi-process runs: 'host:port' of process 0
-    'num_processes': None,
-    'process_id': None,
-}
-REQUIRED = ('dataset', 'model', 'algorithm')
-# config.nonfinite: what a NaN/Inf does. 'skip': clients with a non-finite
-# update or weight are left out of the aggregate (builders get
-# skip_nonfinite=True) and the run stops only if the server parameters become
-# non-finite; 'stop': also stop at the first round with such a client; 'off':
-# nothing is checked (builders get skip_nonfinite=False).
-NONFINITE = ('skip', 'stop', 'off')
-# Fields a resumed run may change without changing its results.
-RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
-                     'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep',
-                     'mesh', 'param_sharding', 'coordinator_address',
-                     'num_processes', 'process_id')
 
 TRAIN_LOSS_KEYS = ('train_loss', 'train_loss_before', 'train_loss_during',
                    'loss')
@@ -125,93 +94,6 @@ class RunResult:
   history: list[dict[str, Any]]
   workdir: str
   signal: int | None = None
-
-
-def with_defaults(config: Any) -> ml_collections.ConfigDict:
-  """A copy of ``config`` with every default filled in, checked for unknown fields."""
-  config = ml_collections.ConfigDict(
-      config.to_dict() if hasattr(config, 'to_dict') else dict(config))
-  valid = sorted(set(DEFAULTS) | set(REQUIRED))
-  for key in config.keys():
-    if key not in valid:
-      raise registry.ConfigError(
-          f'unknown config field {key!r}.{registry._suggest(key, valid)} '  # pylint: disable=protected-access
-          f'Valid top-level fields: {valid}.')
-  for key in REQUIRED:
-    if key not in config:
-      raise registry.ConfigError(f'config.{key} is required (a dict with a "name" '
-                                 f'key); valid names: {_names(key)}.')
-  with config.unlocked():
-    for key, value in DEFAULTS.items():
-      if key not in config:
-        setattr(config, key, value)
-  for key in ('rounds', 'cohort_size', 'batch_size', 'eval_every',
-              'checkpoint_every', 'eval_batch_size'):
-    value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < (
-        0 if key == 'rounds' else 1):
-      raise registry.ConfigError(f'config.{key}={value!r}; it must be a '
-                                 f'{"non-negative" if key == "rounds" else "positive"} int.')
-  keep = config.checkpoints_to_keep
-  if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-    raise registry.ConfigError(f'config.checkpoints_to_keep={keep!r}; it must be '
-                               'a positive int (at least 2 are kept).')
-  if config.nonfinite not in NONFINITE:
-    raise registry.ConfigError(f'config.nonfinite={config.nonfinite!r} is not '
-                               f'one of {NONFINITE}.')
-  if config.param_sharding not in ('replicated', 'fsdp'):
-    raise registry.ConfigError(f'config.param_sharding={config.param_sharding!r} '
-                               "is not one of ('replicated', 'fsdp').")
-  if config.metrics_format not in metrics_writers.FORMATS:
-    raise registry.ConfigError(f'config.metrics_format={config.metrics_format!r} '
-                               f'is not one of {metrics_writers.FORMATS}.')
-  return config
-
-
-def validate(config: Any) -> ml_collections.ConfigDict:
-  """Checks a config without loading data: fields, names and their options.
-
-  Returns the config with defaults filled in; raises :class:`ConfigError`
-  naming the first problem and listing what is valid.
-  """
-  config = with_defaults(config)
-  for kind, table in (('dataset', registry.DATASETS), ('model', registry.MODELS)):
-    name, kwargs = registry.split_name(kind, config[kind])
-    registry.check_kwargs(kind, name, registry.lookup(kind, table, name), kwargs)
-    registry.check_numbers(kind, kwargs, non_negative=False)
-  registry.check_paths('dataset', registry.split_name('dataset', config.dataset)[1])
-  name, kwargs = registry.split_name('algorithm', config.algorithm)
-  fn = registry.lookup('algorithm', registry.ALGORITHMS, name)
-  registry.check_kwargs('algorithm', name, fn, kwargs, registry.RESERVED,
-                        registry.forwarded_builder(name))
-  registry.check_numbers('algorithm', kwargs, non_negative=True)
-  for key, value in kwargs.items():
-    if key.endswith('optimizer') and isinstance(value, Mapping):
-      registry.build_optimizer(value, where=f'algorithm.{key}')
-  return config
-
-
-def _names(key: str) -> list[str]:
-  table = {'dataset': registry.DATASETS, 'model': registry.MODELS,
-           'algorithm': registry.ALGORITHMS}[key]
-  return sorted(table)
-
-
-def _fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  d = json.loads(config.to_json_best_effort(sort_keys=True))
-  for key in RESUMABLE_CHANGES:
-    d.pop(key, None)
-  return d
-
-
-def _flatten(d: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, Mapping):
-      out.update(_flatten(v, f'{prefix}{k}.'))
-    else:
-      out[f'{prefix}{k}'] = v
-  return out
 
 
 @dataclasses.dataclass
@@ -253,60 +135,6 @@ def _sample_batch(config: ml_collections.ConfigDict,
   return {k: v[0, 0] for k, v in cohort.batches.items()}
 
 
-def _pool_examples(test: Any, limit: int) -> dict[str, np.ndarray] | None:
-  """Held-out data as one dict of arrays (held-out clients are concatenated)."""
-  if test is None:
-    return None
-  if isinstance(test, Mapping):
-    out = {k: np.asarray(v)[:limit] for k, v in test.items()}
-  else:  # A FederatedDataset of held-out clients.
-    parts, total = [], 0
-    for cid in range(test.num_clients):
-      part = test.client_data(cid)
-      parts.append(part)
-      total += len(next(iter(part.values())))
-      if total >= limit:
-        break
-    out = {k: np.concatenate([p[k] for p in parts])[:limit] for k in parts[0]}
-  if not out or len(next(iter(out.values()))) == 0:
-    return None
-  return out
-
-
-def make_evaluator(model: models.Model, examples: Mapping[str, np.ndarray],
-                   batch_size: int) -> Callable[[Any], dict[str, float]]:
-  """``evaluate(params) -> {'eval_loss', 'eval_<metric>'...}`` over ``examples``.
-
-  Example-weighted means of the model's evaluation loss and metrics (no
-  dropout) over every held-out example, computed batch by batch with
-  ``lax.map`` in one compiled call.
-  """
-  n = len(next(iter(examples.values())))
-  batch_size = min(batch_size, n)
-  batches, mask = datasets.eval_batches(dict(examples), batch_size)
-  batches = jax.device_put(batches)
-  mask = jax.device_put(mask)
-
-  @jax.jit
-  def sums(params, batches, mask):
-    def one(inputs):
-      batch, m = inputs
-      m = m.astype(jnp.float32)
-      values = dict(model.metrics_fn(params, batch))
-      values['loss'] = model.eval_loss_fn(params, batch)
-      return {k: jnp.sum(v * m) for k, v in values.items()}, jnp.sum(m)
-    totals, counts = jax.lax.map(one, (batches, mask))
-    count = jnp.maximum(jnp.sum(counts), 1.0)
-    return {k: jnp.sum(v) / count for k, v in totals.items()}
-
-  def evaluate(params) -> dict[str, float]:
-    from fedjx import distributed  # pylint: disable=g-import-not-at-top
-    out = jax.device_get(sums(distributed.to_host(params), batches, mask))
-    return {f'eval_{k}': float(v) for k, v in sorted(out.items())}
-
-  return evaluate
-
-
 def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
                     num_clients: int) -> Any:
   """The algorithm of ``config`` (defaults filled) for ``model`` and a population."""
@@ -329,8 +157,8 @@ def build(config: Any) -> Experiment:
   algorithm = build_algorithm(config, model, data.train.num_clients)
   init_key, round_key = jax.random.split(jax.random.key(config.seed))
   params = model.init(init_key, _sample_batch(config, data))
-  examples = _pool_examples(data.test, config.eval_max_examples)
-  evaluate = (make_evaluator(model, examples, config.eval_batch_size)
+  examples = evaluation.pool_examples(data.test, config.eval_max_examples)
+  evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size)
               if examples is not None else None)
   return Experiment(config, data, model, algorithm, params, round_key, evaluate)
 
@@ -636,12 +464,6 @@ def _check_same_experiment(saved: Mapping[str, Any], current: Mapping[str, Any],
         f'{workdir} holds a checkpoint of a different experiment ({details}). '
         f'Use a new --workdir, or delete {workdir}. Fields that may change on '
         f'resumption: {list(RESUMABLE_CHANGES)}.')
-
-
-def config_hash(config: Any) -> str:
-  """A short hash of a config's results-relevant fields (for run names)."""
-  text = json.dumps(_fingerprint(with_defaults(config)), sort_keys=True)
-  return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def load_state(workdir: str, step: int | None = None) -> tuple[Any, int]:

@@ -50,6 +50,7 @@ import numpy as np
 
 from fedjx import datasets
 from fedjx.experiments import checkpointing
+from fedjx.experiments import config as config_schema
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import runner
 from fedjx.experiments import sweep_spec
@@ -116,7 +117,7 @@ def trial_config(config: Any, setting: Mapping[str, Any],
   for path, value in setting.items():
     sweep_spec.set_path(tree, path, value)
   tree['seed'] = seed
-  return runner.validate(ml_collections.ConfigDict(tree))
+  return config_schema.validate(ml_collections.ConfigDict(tree))
 
 
 def _algorithm(config: ml_collections.ConfigDict, exp: runner.Experiment) -> Any:
@@ -486,8 +487,8 @@ def _run_group(config: Any, group: Group, workdir: str, flag: runner.StopFlag,
 def _fingerprint(config: Any, settings: Sequence[Mapping[str, Any]],
                  seeds: Sequence[int], settings_per_program: int | None
                  ) -> dict[str, Any]:
-  base = json.loads(runner.validate(config).to_json_best_effort(sort_keys=True))
-  for key in runner.RESUMABLE_CHANGES:  # As for runs: these may change on resume.
+  base = json.loads(config_schema.validate(config).to_json_best_effort(sort_keys=True))
+  for key in config_schema.RESUMABLE_CHANGES:  # As for runs: these may change on resume.
     base.pop(key, None)
   return {'config': base,
           'settings': json.loads(json.dumps(list(settings), sort_keys=True)),
@@ -550,7 +551,7 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
   log(f'fedjx-sweep: {n_trials} trials in {len(groups)} program(s); vectorized: '
       f'seed{"".join(", " + p for p in traced)}; separate programs: '
       f'{", ".join(structural) or "none"}.')
-  c = runner.validate(trial_config(config, settings[0], seeds[0]))
+  c = config_schema.validate(trial_config(config, settings[0], seeds[0]))
   from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
   bar = tqdm.tqdm(total=c.rounds * len(groups), unit='round', dynamic_ncols=True,
                   disable=not c.progress, file=sys.stderr)

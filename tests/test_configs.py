@@ -4,6 +4,8 @@ the offline ones build and run a round."""
 import glob
 import importlib.util
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -121,3 +123,21 @@ def test_tff_builders_read_small_generated_files(tmp_path):
   np.testing.assert_array_equal(ex['x'], [[2, 4, 5, 1], [2, 4, 4, 1]])
   np.testing.assert_array_equal(ex['y'], [[4, 5, 1, 3], [4, 4, 1, 3]])
   assert out.info['vocab_size'] == 6
+
+
+def test_loading_a_config_file_imports_no_training_machinery():
+  """Config files import the schema only: no Orbax, matplotlib or algorithm."""
+  code = (
+      'import glob, importlib.util, sys\n'
+      f'for path in {CONFIG_FILES!r}:\n'
+      '  spec = importlib.util.spec_from_file_location("c", path)\n'
+      '  module = importlib.util.module_from_spec(spec)\n'
+      '  spec.loader.exec_module(module)\n'
+      '  module.get_config()\n'
+      'heavy = [m for m in sys.modules if m.split(".")[0] in ("orbax", "matplotlib")\n'
+      '         or m.startswith(("fedjx.algorithms", "fedjx.experiments.runner",\n'
+      '                          "fedjx.experiments.registry"))]\n'
+      'print(heavy)\n')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                       check=True)
+  assert out.stdout.strip() == '[]', out.stdout

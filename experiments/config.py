@@ -1,0 +1,182 @@
+"""The schema of an experiment config: its fields, defaults and checks.
+
+Config files (``configs/*.py``) import this module (through
+:mod:`fedjx.experiments.config_base`), so it is kept light: it imports
+neither the training loop nor Orbax, matplotlib, flax or any algorithm.
+:func:`validate` looks names up in :mod:`fedjx.experiments.registry` and
+imports it only when called.
+
+* :data:`DEFAULTS`: every top-level field and its default; ``dataset``,
+  ``model`` and ``algorithm`` (:data:`REQUIRED`) are dicts with a ``name``.
+* :func:`with_defaults`: a copy with the defaults filled in and the values
+  checked (one-line :class:`ConfigError` naming the field and what is allowed).
+* :func:`validate`: also checks names and options against the registries.
+* :func:`fingerprint` / :func:`config_hash`: what identifies an experiment's
+  results (:data:`RESUMABLE_CHANGES` left out), used to refuse resuming a
+  workdir with a different experiment.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+METRICS_FORMATS = ('jsonl', 'csv')
+
+
+class ConfigError(ValueError):
+  """A config names something unknown or passes an argument not accepted."""
+
+
+def suggest(name: Any, choices: Any) -> str:
+  """`` Did you mean 'x'?`` for the closest of ``choices``, or ``''``."""
+  close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+  return f' Did you mean {close[0]!r}?' if close else ''
+
+
+# Top-level config fields and their defaults. ``dataset``, ``model`` and
+# ``algorithm`` are required.
+DEFAULTS: dict[str, Any] = {
+    'seed': 0,
+    'rounds': 100,
+    'cohort_size': 10,
+    'batch_size': 20,
+    'local_epochs': None,       # passes over each client's data per round
+    'local_steps': None,        # or exactly this many batches per round
+    'max_local_steps': None,    # upper bound on batches per client
+    'bucket_steps': True,       # pad steps to a power of two (fewer compiles)
+    'eval_every': 10,
+    'eval_batch_size': 256,
+    'eval_max_examples': 100_000,
+    'checkpoint_every': 50,
+    'checkpoints_to_keep': 2,   # at least 2 are kept (damage fallback)
+    'nonfinite': 'skip',        # 'skip' / 'stop' / 'off', see NONFINITE
+    'map_strategy': 'auto',
+    'chunk_size': None,
+    'metrics_format': 'jsonl',
+    'tensorboard': True,
+    'plot': True,
+    'progress': True,
+    'prefetch': 1,
+    'mesh': '',                 # e.g. 'clients=-1': shard cohorts over devices
+    'param_sharding': 'replicated',  # or 'fsdp': server state sharded on 'model'
+    'coordinator_address': '',  # multi-process runs: 'host:port' of process 0
+    'num_processes': None,
+    'process_id': None,
+}
+REQUIRED = ('dataset', 'model', 'algorithm')
+# config.nonfinite: what a NaN/Inf does. 'skip': clients with a non-finite
+# update or weight are left out of the aggregate (builders get
+# skip_nonfinite=True) and the run stops only if the server parameters become
+# non-finite; 'stop': also stop at the first round with such a client; 'off':
+# nothing is checked (builders get skip_nonfinite=False).
+NONFINITE = ('skip', 'stop', 'off')
+# Fields a resumed run may change without changing its results.
+RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
+                     'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep',
+                     'mesh', 'param_sharding', 'coordinator_address',
+                     'num_processes', 'process_id')
+
+
+def with_defaults(config: Any) -> ml_collections.ConfigDict:
+  """A copy of ``config`` with every default filled in, checked for unknown fields."""
+  config = ml_collections.ConfigDict(
+      config.to_dict() if hasattr(config, 'to_dict') else dict(config))
+  valid = sorted(set(DEFAULTS) | set(REQUIRED))
+  for key in config.keys():
+    if key not in valid:
+      raise ConfigError(
+          f'unknown config field {key!r}.{suggest(key, valid)} '
+          f'Valid top-level fields: {valid}.')
+  for key in REQUIRED:
+    if key not in config:
+      raise ConfigError(f'config.{key} is required (a dict with a "name" '
+                                 f'key); valid names: {_names(key)}.')
+  with config.unlocked():
+    for key, value in DEFAULTS.items():
+      if key not in config:
+        setattr(config, key, value)
+  for key in ('rounds', 'cohort_size', 'batch_size', 'eval_every',
+              'checkpoint_every', 'eval_batch_size'):
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < (
+        0 if key == 'rounds' else 1):
+      raise ConfigError(f'config.{key}={value!r}; it must be a '
+                                 f'{"non-negative" if key == "rounds" else "positive"} int.')
+  keep = config.checkpoints_to_keep
+  if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+    raise ConfigError(f'config.checkpoints_to_keep={keep!r}; it must be '
+                               'a positive int (at least 2 are kept).')
+  if config.nonfinite not in NONFINITE:
+    raise ConfigError(f'config.nonfinite={config.nonfinite!r} is not '
+                               f'one of {NONFINITE}.')
+  if config.param_sharding not in ('replicated', 'fsdp'):
+    raise ConfigError(f'config.param_sharding={config.param_sharding!r} '
+                               "is not one of ('replicated', 'fsdp').")
+  if config.metrics_format not in METRICS_FORMATS:
+    raise ConfigError(f'config.metrics_format={config.metrics_format!r} '
+                               f'is not one of {METRICS_FORMATS}.')
+  return config
+
+
+def validate(config: Any) -> ml_collections.ConfigDict:
+  """Checks a config without loading data: fields, names and their options.
+
+  Returns the config with defaults filled in; raises :class:`ConfigError`
+  naming the first problem and listing what is valid. (This looks the names
+  up in :mod:`fedjx.experiments.registry`, which imports the models and
+  algorithms; :func:`with_defaults` alone imports neither.)
+  """
+  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  config = with_defaults(config)
+  for kind, table in (('dataset', registry.DATASETS), ('model', registry.MODELS)):
+    name, kwargs = registry.split_name(kind, config[kind])
+    registry.check_kwargs(kind, name, registry.lookup(kind, table, name), kwargs)
+    registry.check_numbers(kind, kwargs, non_negative=False)
+  registry.check_paths('dataset', registry.split_name('dataset', config.dataset)[1])
+  name, kwargs = registry.split_name('algorithm', config.algorithm)
+  fn = registry.lookup('algorithm', registry.ALGORITHMS, name)
+  registry.check_kwargs('algorithm', name, fn, kwargs, registry.RESERVED,
+                        registry.forwarded_builder(name))
+  registry.check_numbers('algorithm', kwargs, non_negative=True)
+  for key, value in kwargs.items():
+    if key.endswith('optimizer') and isinstance(value, Mapping):
+      registry.build_optimizer(value, where=f'algorithm.{key}')
+  return config
+
+
+def _names(key: str) -> list[str]:
+  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  table = {'dataset': registry.DATASETS, 'model': registry.MODELS,
+           'algorithm': registry.ALGORITHMS}[key]
+  return sorted(table)
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The fields of a (defaults-filled) config that determine its results."""
+  d = json.loads(config.to_json_best_effort(sort_keys=True))
+  for key in RESUMABLE_CHANGES:
+    d.pop(key, None)
+  return d
+
+
+def flatten(d: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
+  """``{'a': {'b': 1}}`` -> ``{'a.b': 1}``."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, Mapping):
+      out.update(flatten(v, f'{prefix}{k}.'))
+    else:
+      out[f'{prefix}{k}'] = v
+  return out
+
+
+def config_hash(config: Any) -> str:
+  """A short hash of a config's results-relevant fields (for run names)."""
+  text = json.dumps(fingerprint(with_defaults(config)), sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:10]
