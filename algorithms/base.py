@@ -315,12 +315,19 @@ def round_metrics(stats: Mapping[str, jax.Array], num_examples: jax.Array,
   loss of the local steps), ``clients`` (participating clients, those with data) and
   ``examples``; ``extra`` scalars are added as given.
   """
-  sums = fedjx.reduce_sum(stats)
+  n = jnp.asarray(num_examples, jnp.float32)
+  return pooled_metrics(stats, clients=fedjx.reduce_sum((n > 0).astype(jnp.float32)),
+                        examples=fedjx.reduce_sum(n), **extra)
+
+
+def pooled_metrics(stats: Mapping[str, jax.Array], *, clients: jax.Array,
+                   examples: jax.Array, **extra: jax.Array) -> Metrics:
+  """:func:`round_metrics` given the (already reduced) clients and examples."""
+  sums = fedjx.reduce_sum(dict(stats))
   count = jnp.maximum(sums.pop('count'), 1.0)
   metrics = {f'train_{k}': v / count for k, v in sums.items()}
-  n = jnp.asarray(num_examples, jnp.float32)
-  metrics['clients'] = fedjx.reduce_sum((n > 0).astype(jnp.float32))
-  metrics['examples'] = fedjx.reduce_sum(n)
+  metrics['clients'] = clients
+  metrics['examples'] = examples
   metrics.update(extra)
   return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
