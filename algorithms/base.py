@@ -94,9 +94,11 @@ def check_choice(fn: str, name: str, value: Any, allowed: tuple[Any, ...]) -> No
 
 def check_number(fn: str, name: str, value: Any, *, low: float = 0.0,
                  strict: bool = False, high: float | None = None) -> None:
-  """Raises unless a number lies in ``[low, high]`` (``(low, high]`` if strict).
+  """Raises unless a number is finite and in ``[low, high]`` (``(low, high]`` if strict).
 
-  Traced values (inside ``jit`` or ``grad``) cannot be checked and pass.
+  NaN and +-Inf are never allowed: an infinite learning rate or coefficient
+  turns the model into NaN in the first round. Traced values (inside ``jit``
+  or ``grad``) cannot be checked and pass.
   """
   if jnp.ndim(value) > 0:
     return
@@ -107,13 +109,14 @@ def check_number(fn: str, name: str, value: Any, *, low: float = 0.0,
     return
   except (TypeError, ValueError):
     raise ValueError(f'{fn}: {name}={value!r} must be a number.') from None
-  bad = math.isnan(v) or v < low or (strict and v == low) or (
+  bad = not math.isfinite(v) or v < low or (strict and v == low) or (
       high is not None and v > high)
   if bad:
     bound = f'> {low}' if strict else f'>= {low}'
     if high is not None:
       bound += f' and <= {high}'
-    raise ValueError(f'{fn}: {name}={value!r} is not allowed; it must be {bound}.')
+    raise ValueError(f'{fn}: {name}={value!r} is not allowed; it must be a '
+                     f'finite number {bound}.')
 
 
 def check_positive_int(fn: str, name: str, value: Any, *,

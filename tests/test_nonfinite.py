@@ -222,3 +222,12 @@ def test_all_finite():
   assert not bool(nonfinite.all_finite({'a': jnp.array([1.0, jnp.inf])}))
   assert not bool(nonfinite.all_finite([jnp.ones(2), jnp.array(jnp.nan)]))
   assert bool(nonfinite.all_finite(jnp.arange(3)))  # Integers are finite.
+
+
+@pytest.mark.parametrize('value', [np.inf, -np.inf, np.nan])
+def test_nonfinite_hyperparameters_are_one_line_errors(value):
+  with pytest.raises(ValueError, match=r"fedprox: mu=.* must be a finite number >= 0"):
+    algos.fedprox(scaled_loss, mu=value)
+  algo = algos.fedavg(scaled_loss, client_optimizer=algos.base.default_sgd(value))
+  with pytest.raises(ValueError, match=r'client_optimizer learning_rate=.*finite'):
+    algo.init(linreg_params(DIM))
