@@ -170,7 +170,7 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
         inner, cohort.batches, cohort.mask),
         base.aggregation_weights(cohort.num_examples, weighting),
         cohort.num_examples, skip_nonfinite)
-    outer_grad = nonfinite.weighted_mean(clients, clients.update)
+    outer_grad = nonfinite.weighted_mean(clients)
     params, opt_state = base.server_update(
         outer_optimizer, state.opt_state, state.hparams['outer_optimizer'],
         state.params, outer_grad)

@@ -123,7 +123,8 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
     noisy = jax.tree.unflatten(treedef, [
         t + (z * clip).astype(t.dtype) * jax.random.normal(k, t.shape, t.dtype)
         for t, k in zip(leaves, keys)])
-    count = fedjx.reduce_sum(real)
+    count = (fedjx.reduce_sum(real) if clients.totals is None
+             else clients.totals['weights'])
     denom = (jnp.float32(expected_clients_per_round)
              if expected_clients_per_round is not None
              else jnp.maximum(count, 1.0))

@@ -95,7 +95,7 @@ def fedavg(loss_fn: base.LossFn, *,
         cohort.batches, cohort.mask),
         base.aggregation_weights(cohort.num_examples, weighting),
         cohort.num_examples, skip_nonfinite)
-    pseudo_grad = nonfinite.weighted_mean(clients, clients.update)
+    pseudo_grad = nonfinite.weighted_mean(clients)
     params, opt_state = base.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)

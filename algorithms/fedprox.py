@@ -80,7 +80,7 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
         cohort.batches, cohort.mask),
         base.aggregation_weights(cohort.num_examples, weighting),
         cohort.num_examples, skip_nonfinite)
-    pseudo_grad = nonfinite.weighted_mean(clients, clients.update)
+    pseudo_grad = nonfinite.weighted_mean(clients)
     params, opt_state = base.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)

@@ -28,7 +28,6 @@ still a MapReduce plan (:mod:`fedjx.plan`, Beam, ``fedjx.export``). With
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -45,10 +44,11 @@ class ClientOutput(NamedTuple):
   """What one client's work returns, as the guard sees it.
 
   Attributes:
-    update: what is aggregated (the model update ``Delta_i``, or a tuple of
-      aggregated trees); every leaf is checked.
+    update: what is averaged over the cohort with the weights ``w_i`` (the
+      model update ``Delta_i``); every leaf is checked.
     stats: per-client metric sums (:func:`base.round_metrics`).
-    extra: other per-client values (zeroed when the client is skipped).
+    extra: other per-client values (zeroed when the client is skipped), e.g.
+      SCAFFOLD's ``Delta c_i``.
     state: per-client state the server stores after the round.
     previous_state: the state before the round, stored instead of ``state``
       when the client is skipped (same structure as ``state``).
@@ -66,14 +66,14 @@ class Clients(NamedTuple):
 
   Attributes:
     update, stats, extra, state: as in :class:`ClientOutput`, stacked over
-      clients (placed).
-    weights: the aggregation weights ``w_i`` (0 for skipped clients).
-    server_weights: when guarded, the weights as given (computed outside the
-      map), non-finite ones set to 0; see :func:`weighted_mean`.
-    num_examples: ``n_i`` (0 for skipped clients).
-    present: placed float flags, 1 for a client with data that was kept;
-      None when unguarded.
-    skipped: placed float flags, 1 for a skipped client; None when unguarded.
+      clients (placed); a skipped client's are zero (``state``: the previous).
+    weights: the placed aggregation weights ``w_i`` (0 for skipped clients).
+    num_examples: the placed ``n_i`` (0 for skipped clients).
+    weighted_update: when guarded, the placed ``w_i Delta_i`` (else None).
+    totals: when guarded, the reduced ``weights`` (``sum_i w_i``),
+      ``examples`` (``sum_i n_i``), ``clients`` (kept clients with data) and
+      ``skipped`` (skipped clients with data); None when unguarded.
+    skipped: when guarded, the placed flags (1.0 for a skipped client).
   """
 
   update: base.PyTree
@@ -81,16 +81,29 @@ class Clients(NamedTuple):
   extra: base.PyTree
   state: base.PyTree
   weights: jax.Array
-  server_weights: jax.Array | None
   num_examples: jax.Array
-  present: jax.Array | None
-  skipped: jax.Array | None
+  weighted_update: base.PyTree | None = None
+  totals: dict[str, jax.Array] | None = None
+  skipped: jax.Array | None = None
 
 
 def all_finite(tree: base.PyTree) -> jax.Array:
-  """A boolean scalar: every element of every leaf of ``tree`` is finite."""
-  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-  return functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
+  """A boolean scalar: every element of every leaf of ``tree`` is finite.
+
+  Computed as ``isfinite(sum_j 0 * x_j)``: ``0 * x`` is 0 for a finite ``x``
+  and NaN for NaN or +-Inf, so the sum is 0 exactly when all are finite (it
+  cannot overflow). A float sum is one fused pass over each leaf, where
+  ``all(isfinite(x))`` materialises a boolean array first.
+  """
+  total = jnp.zeros((), jnp.float32)
+  for x in jax.tree.leaves(tree):
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+      total = total + jnp.sum(x * jnp.zeros((), jnp.result_type(x)),
+                              dtype=jnp.float32)
+  return jnp.isfinite(total)
+
+
+_TOTALS = ('weights', 'examples', 'clients', 'skipped')
 
 
 def _guarded(client_fn: Callable[..., ClientOutput],
@@ -104,11 +117,14 @@ def _guarded(client_fn: Callable[..., ClientOutput],
         lambda x: jnp.where(ok, x, jnp.zeros_like(x)), t)
     state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
                          out.state, out.previous_state)
-    n_kept = zero(jnp.asarray(n, jnp.float32))
-    present = (n_kept > 0).astype(jnp.float32)  # Counted in ``clients``.
+    w_kept, n_kept = zero(w), zero(jnp.asarray(n, jnp.float32))
+    weighted = jax.tree.map(lambda u: jnp.where(ok, w * u, 0.0), out.update)
     skipped = jnp.logical_and(jnp.logical_not(ok), n != 0).astype(jnp.float32)
-    return (zero(out.update), zero(out.stats), zero(out.extra), state,
-            zero(w), n_kept, present, skipped)
+    # One vector per client, so that the cohort's totals are one reduction.
+    scalars = jnp.stack([jnp.asarray(w_kept, jnp.float32), n_kept,
+                         (n_kept > 0).astype(jnp.float32), skipped])
+    return (zero(out.update), weighted, zero(out.stats), zero(out.extra), state,
+            w_kept, n_kept, skipped, scalars)
   return run
 
 
@@ -127,43 +143,53 @@ def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
   if not skip_nonfinite:
     out = fedjx.map_fn(client_fn, args)
     return Clients(out.update, out.stats, out.extra, out.state, weights,
-                   None, num_examples, None, None)
+                   num_examples)
   # Weights that are the counts themselves (w_i = n_i) go in once.
   same = weights is num_examples
-  update, stats, extra, state, w, n, present, skipped = fedjx.map_fn(
-      _guarded(client_fn, same),
-      ((weights,) if same else (weights, num_examples)) + tuple(args))
-  server_weights = jnp.where(jnp.isfinite(weights), weights,
-                             jnp.zeros_like(weights))
-  return Clients(update, stats, extra, state, w, server_weights, n, present,
-                 skipped)
+  (update, weighted, stats, extra, state, w, n, skipped,
+   scalars) = fedjx.map_fn(
+       _guarded(client_fn, same),
+       ((weights,) if same else (weights, num_examples)) + tuple(args))
+  totals = dict(zip(_TOTALS, jnp.unstack(fedjx.reduce_sum(scalars))))
+  return Clients(update, stats, extra, state, w, n, weighted, totals, skipped)
 
 
-def weighted_mean(clients: Clients, values: base.PyTree) -> base.PyTree:
-  """``sum_i w_i x_i / sum_i w_i`` over the kept clients (zero if none).
+def _divide(total: jax.Array, weight: jax.Array) -> jax.Array:
+  nonzero = weight != 0
+  safe = jnp.where(nonzero, weight, 1.0).astype(total.dtype)
+  return jnp.where(nonzero, total / safe, jnp.zeros_like(total))
 
-  Unguarded, this is ``fedjx.reduce_weighted_mean(values, weights)``. Guarded,
-  the skipped clients' values are zero, and the mean is taken with the
-  server's (finite) weights ``v_i`` and rescaled,
 
-      sum_i w_i x_i / sum_i w_i  =  reduce_weighted_mean(x, v) * sum_i v_i / sum_i w_i,
+def weighted_mean(clients: Clients) -> base.PyTree:
+  """``sum_i w_i Delta_i / sum_i w_i`` over the kept clients (zero if none).
 
-  where ``w_i`` (0 for skipped clients) come out of the clients' map and
-  ``v_i`` do not. The weights of the reduction are thus never outputs of the
-  map, so the round's derivatives stay MapReduce plans (the transpose of a
-  weighted mean computes with its weights outside ``map_fn``). With no client
-  skipped the rescaling is not applied, and the
-  result is bit for bit the unguarded one.
+  Unguarded, this is ``fedjx.reduce_weighted_mean(update, weights)``.
+  Guarded, the clients send ``w_i Delta_i`` (zero when skipped) and the
+  server divides the sum by ``sum_i w_i``: sums are what the derivative of a
+  round can carry back to the clients as a MapReduce plan (the transpose of
+  ``reduce_sum`` is ``broadcast``), whatever the weights are computed from.
   """
-  if clients.skipped is None:
-    return fedjx.reduce_weighted_mean(values, clients.weights)
-  mean = fedjx.reduce_weighted_mean(values, clients.server_weights)
-  total = fedjx.reduce_sum(clients.server_weights)
-  kept = fedjx.reduce_sum(clients.weights)
-  scale = jnp.where(kept != 0, total / jnp.where(kept != 0, kept, 1.0), 0.0)
-  any_skipped = fedjx.reduce_sum(clients.skipped) > 0
-  return jax.tree.map(
-      lambda m: jnp.where(any_skipped, m * scale.astype(m.dtype), m), mean)
+  if clients.totals is None:
+    return fedjx.reduce_weighted_mean(clients.update, clients.weights)
+  total = clients.totals['weights']
+  return jax.tree.map(lambda s: _divide(s, total),
+                      fedjx.reduce_sum(clients.weighted_update))
+
+
+def weighted_mean_of(clients: Clients, fn: Callable[..., base.PyTree],
+                     args: tuple) -> base.PyTree:
+  """:func:`weighted_mean` of ``fn(*args)`` computed in a further map over clients.
+
+  ``fn`` must give finite values for kept clients (e.g. Streaming DiLoCo's
+  outer gradients of the kept models); skipped clients have weight 0.
+  """
+  if clients.totals is None:
+    return fedjx.reduce_weighted_mean(fedjx.map_fn(fn, args), clients.weights)
+  weighted = fedjx.map_fn(
+      lambda w, *a: jax.tree.map(lambda v: w * v, fn(*a)),
+      (clients.weights,) + tuple(args))
+  total = clients.totals['weights']
+  return jax.tree.map(lambda s: _divide(s, total), fedjx.reduce_sum(weighted))
 
 
 def round_metrics(clients: Clients, **extra: jax.Array) -> base.Metrics:
@@ -172,12 +198,12 @@ def round_metrics(clients: Clients, **extra: jax.Array) -> base.Metrics:
   Skipped clients count neither in ``clients`` nor in ``examples`` nor in
   the pooled losses; ``nonfinite_clients`` is their number.
   """
-  if clients.skipped is None:
+  if clients.totals is None:
     return base.round_metrics(clients.stats, clients.num_examples, **extra)
-  return base.pooled_metrics(
-      clients.stats, clients=fedjx.reduce_sum(clients.present),
-      examples=fedjx.reduce_sum(clients.num_examples), **extra,
-      **{METRIC: fedjx.reduce_sum(clients.skipped)})
+  t = clients.totals
+  return base.pooled_metrics(clients.stats, clients=t['clients'],
+                             examples=t['examples'], **extra,
+                             **{METRIC: t['skipped']})
 
 
 def check_flag(fn: str, skip_nonfinite: Any) -> None:

@@ -141,8 +141,10 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
         cohort.batches, cohort.mask),
         base.aggregation_weights(cohort.num_examples, weighting),
         cohort.num_examples, skip_nonfinite)
-    deltas, delta_c = clients.update
-    pseudo_grad = nonfinite.weighted_mean(clients, deltas)  # = -Delta x
+    # The update is (Delta y_i, Delta c_i), both checked: with eta_l = 0,
+    # Delta c_i is 0 / 0.
+    pseudo_grad, _ = nonfinite.weighted_mean(clients)  # = -Delta x
+    delta_c = clients.update[1]
     params, opt_state = base.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)

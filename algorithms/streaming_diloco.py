@@ -174,10 +174,10 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     leaves, replica_leaves, opt_states = operands
     theta = tuple(leaves[i] for i in frag)
     theta_k = tuple(replica_leaves[i] for i in frag)
-    outer_grads = fedjx.map_fn(  # Q(theta^p - theta_k^p) on each replica.
+    outer_grad = nonfinite.weighted_mean_of(  # of Q(theta^p - theta_k^p)
+        clients,
         lambda g, r: quantization.quantize(base.tree_sub(g, r), quantization_format),
         (fedjx.broadcast(theta), theta_k))
-    outer_grad = nonfinite.weighted_mean(clients, outer_grads)
     theta, opt_state = base.server_update(
         outer_optimizer, opt_states[p], hparams['outer_optimizer'], theta, outer_grad)
     merge = lambda r, g, a: jax.tree.map(lambda r, g: a * r + (1 - a) * g, r, g)
@@ -211,10 +211,10 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     # Synchronise fragment p = round mod P (one branch per fragment).
     leaves, treedef = jax.tree.flatten(state.params)
     frags = fragment_leaves(state.params, num_fragments, fragment_pattern)
-    if clients.present is None:
+    if clients.totals is None:
       count = fedjx.reduce_sum((cohort.num_examples > 0).astype(jnp.float32))
     else:
-      count = fedjx.reduce_sum(clients.present)
+      count = clients.totals['clients']
     p = state.round_index % num_fragments
     branches = [
         (lambda ops, j=j, f=f: sync_fragment(
