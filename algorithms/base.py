@@ -138,7 +138,7 @@ def check_optimizer(fn: str, name: str, optimizer: Any) -> None:
 # hyperparameters and the scalar entries of ``state.hparams``.
 _HPARAM_BOUNDS = {
     'learning_rate': dict(low=0.0),
-    'client_learning_rate': dict(low=0.0),
+    'client_learning_rate': dict(low=0.0, strict=True),
     'momentum': dict(low=0.0, high=1.0),
     'weight_decay': dict(low=0.0),
     'eps': dict(low=0.0),

@@ -155,7 +155,7 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
     outer_grad = quantization.quantize(base.tree_sub(theta, out.params),
                                        quantization_format)
     return nonfinite.ClientOutput(outer_grad, out.stats, state=out.opt_state,
-                                  previous_state=inner_state)
+                                  previous_state=inner_state, checked=out.params)
 
   def round_fn(state, cohort, key):
     del key

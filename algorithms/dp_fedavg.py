@@ -103,10 +103,10 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
     opt_state = base.with_hparams(client_optimizer.init(x), hparams)
     out = client_update.local_update(loss_fn, metrics_fn, client_optimizer, x,
                                      opt_state, batches, mask, schedule)
-    # An Inf in the update becomes NaN here (Inf * 0), so the guard sees it.
     clipped, norm = clip_update(base.tree_sub(x, out.params), clip)
     clipped = jax.tree.map(lambda u: u * real.astype(u.dtype), clipped)
-    return nonfinite.ClientOutput(clipped, out.stats, extra=norm)
+    return nonfinite.ClientOutput(clipped, out.stats, extra=norm,
+                                  checked=out.params)
 
   def round_fn(state, cohort, key):
     clip, z = state.hparams['clip_norm'], state.hparams['noise_multiplier']

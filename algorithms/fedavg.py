@@ -85,7 +85,8 @@ def fedavg(loss_fn: base.LossFn, *,
     opt_state = base.with_hparams(client_optimizer.init(x), hparams)
     out = client_update.local_update(loss_fn, metrics_fn, client_optimizer, x,
                                      opt_state, batches, mask, schedule)
-    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats)
+    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
+                                  checked=out.params)
 
   def round_fn(state, cohort, key):
     del key  # FedAvg is deterministic given the cohort.

@@ -69,7 +69,8 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
     out = client_update.local_update(loss_fn, metrics_fn, client_optimizer, x,
                                      opt_state, batches, mask, schedule,
                                      correction=proximal)
-    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats)
+    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
+                                  checked=out.params)
 
   def round_fn(state, cohort, key):
     del key

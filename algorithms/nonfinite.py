@@ -52,6 +52,10 @@ class ClientOutput(NamedTuple):
     state: per-client state the server stores after the round.
     previous_state: the state before the round, stored instead of ``state``
       when the client is skipped (same structure as ``state``).
+    checked: what is checked, if not ``update``: algorithms pass the trained
+      model ``y_i``, finite exactly when ``Delta_i = x - y_i`` is (the server
+      model ``x`` is finite), so that the check reads an array that is in
+      memory anyway and ``Delta_i`` is computed in one pass with its weight.
   """
 
   update: base.PyTree
@@ -59,6 +63,7 @@ class ClientOutput(NamedTuple):
   extra: base.PyTree = ()
   state: base.PyTree = ()
   previous_state: base.PyTree = ()
+  checked: base.PyTree | None = None
 
 
 class Clients(NamedTuple):
@@ -112,7 +117,8 @@ def _guarded(client_fn: Callable[..., ClientOutput],
   def run(w, *args):
     n, args = (w, args) if weights_are_counts else (args[0], args[1:])
     out = client_fn(*args)
-    ok = all_finite((out.update, w, n))
+    checked = out.update if out.checked is None else out.checked
+    ok = all_finite((checked, w, n))
     zero = lambda t: jax.tree.map(
         lambda x: jnp.where(ok, x, jnp.zeros_like(x)), t)
     state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),

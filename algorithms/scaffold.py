@@ -85,7 +85,9 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
   """
   name = 'scaffold'
   base.check_positive_int(name, 'num_clients', num_clients)
-  base.check_number(name, 'client_learning_rate', client_learning_rate)
+  # Option II divides by K eta_l: eta_l = 0 would make every c_i 0 / 0.
+  base.check_number(name, 'client_learning_rate', client_learning_rate,
+                    strict=True)
   server_optimizer = server_optimizer or base.default_sgd(1.0)
   if client_optimizer is not None:
     base.check_optimizer(name, 'client_optimizer', client_optimizer)
@@ -126,8 +128,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
       return jnp.where(k > 0, ci - c + (x - y) / denom, ci) - ci
 
     delta_c = jax.tree.map(option_ii, c_i, c, x, out.params)
-    return nonfinite.ClientOutput((base.tree_sub(x, out.params), delta_c),
-                                  out.stats)
+    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
+                                  extra=delta_c, checked=out.params)
 
   def round_fn(state, cohort, key):
     del key
@@ -141,10 +143,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
         cohort.batches, cohort.mask),
         base.aggregation_weights(cohort.num_examples, weighting),
         cohort.num_examples, skip_nonfinite)
-    # The update is (Delta y_i, Delta c_i), both checked: with eta_l = 0,
-    # Delta c_i is 0 / 0.
-    pseudo_grad, _ = nonfinite.weighted_mean(clients)  # = -Delta x
-    delta_c = clients.update[1]
+    pseudo_grad = nonfinite.weighted_mean(clients)  # = -Delta x
+    delta_c = clients.extra
     params, opt_state = base.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)

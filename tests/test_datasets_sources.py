@@ -193,3 +193,36 @@ def test_from_tfds_partitioned_and_errors(mock_mnist):
     fd.from_tfds('mnist', 'train', group_key='writer')
   with pytest.raises(ValueError, match='exactly one'):
     fd.from_tfds('mnist', 'train')
+
+
+def test_from_tfds_offline_fails_in_one_line_within_seconds(tmp_path, monkeypatch):
+  tfds = pytest.importorskip('tensorflow_datasets')
+  import time
+  from fedjx.datasets import tfds_source
+
+  def unreachable(address, timeout=None):
+    raise OSError(101, 'Network is unreachable')
+
+  real_source = tfds.data_source
+
+  def no_download(*args, download=True, **kwargs):
+    assert not download, 'a download was attempted'
+    return real_source(*args, download=False, **kwargs)
+
+  monkeypatch.setattr(tfds_source.socket, 'create_connection', unreachable)
+  monkeypatch.setattr(tfds, 'data_source', no_download)
+  start = time.perf_counter()
+  with pytest.raises(ConnectionError) as e:
+    fd.from_tfds('mnist', 'train', group_key='label', data_dir=os.fspath(tmp_path))
+  assert time.perf_counter() - start < 30
+  message = str(e.value)
+  assert '\n' not in message
+  assert "'mnist' is not prepared" in message and 'network is unreachable' in message
+  assert 'read_tff_hdf5' in message
+
+
+def test_tfds_preparation_imports_are_installed():
+  # TFDS imports these when it prepares a dataset; a fresh install must have them.
+  import importlib_resources  # noqa: F401
+  pytest.importorskip('tensorflow_datasets')
+  from tensorflow_datasets.core import dataset_builder  # noqa: F401
