@@ -124,7 +124,7 @@ def _guarded(client_fn: Callable[..., ClientOutput],
     state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
                          out.state, out.previous_state)
     w_kept, n_kept = zero(w), zero(jnp.asarray(n, jnp.float32))
-    weighted = jax.tree.map(lambda u: jnp.where(ok, w * u, 0.0), out.update)
+    weighted = jax.tree.map(lambda u: jnp.where(ok, w_kept * u, 0.0), out.update)
     skipped = jnp.logical_and(jnp.logical_not(ok), n != 0).astype(jnp.float32)
     # One vector per client, so that the cohort's totals are one reduction.
     scalars = jnp.stack([jnp.asarray(w_kept, jnp.float32), n_kept,

@@ -231,3 +231,16 @@ def test_nonfinite_hyperparameters_are_one_line_errors(value):
   algo = algos.fedavg(scaled_loss, client_optimizer=algos.base.default_sgd(value))
   with pytest.raises(ValueError, match=r'client_optimizer learning_rate=.*finite'):
     algo.init(linreg_params(DIM))
+
+
+def test_derivatives_stay_finite_when_a_client_is_skipped_for_its_weight():
+  algo = _algo('fedavg')
+  cohort = _with_fault(_clean_cohort(), 'nan_weight')
+
+  def objective(params, cohort):
+    state, _ = algo.apply(algo.init(params), cohort, jax.random.key(0))
+    return jnp.sum(state.params['w'] ** 2)
+
+  got = jax.grad(objective)(linreg_params(DIM), cohort)
+  want = jax.grad(objective)(linreg_params(DIM), _without(_clean_cohort(), BAD))
+  _assert_states_close(got, want)
