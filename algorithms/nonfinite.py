@@ -6,10 +6,11 @@ for good. With the guard on (``skip_nonfinite=True``, the default of every
 aggregating builder), each client's work is followed, inside the same
 ``fedjx.map_fn``, by
 
-    ok_i = all(isfinite(Delta_i)) and isfinite(w_i) and isfinite(n_i)
-    Delta_i, stats_i, extra_i  <-  where(ok_i, ., 0)
-    w_i, n_i                   <-  where(ok_i, ., 0)
-    state_i                    <-  where(ok_i, new state_i, old state_i)
+    ok_i = all(isfinite(y_i)) and isfinite(w_i) and isfinite(n_i)
+           (y_i the trained model: finite exactly when Delta_i = x - y_i is)
+    w_i, n_i, Delta_i, stats_i  <-  where(ok_i, ., 0)
+    state_i                     <-  where(ok_i, new state_i, old state_i)
+    send w_i Delta_i; the server divides sum_i w_i Delta_i by sum_i w_i
 
 so a skipped client is exactly a client that was not sampled: weight 0 in
 every reduction, its values replaced by zeros before any reduction (so
@@ -20,9 +21,10 @@ number of skipped clients (padding clients, ``n_i = 0``, are never counted).
 A round on a cohort with skipped clients equals the round on the cohort
 without them.
 
-Everything happens per client inside the algorithm's one ``map_fn`` (the
-flags leave it as client values and are only reduced), so a guarded round is
-still a MapReduce plan (:mod:`fedjx.plan`, Beam, ``fedjx.export``). With
+Everything happens per client inside the algorithm's one ``map_fn``, and the
+reductions are sums (whose transpose is ``broadcast``), so a guarded round and
+its derivatives are still MapReduce plans (:mod:`fedjx.plan`, Beam,
+``fedjx.export``). The cost is one read of each client's trained model. With
 ``skip_nonfinite=False`` nothing is added: the round is the unguarded program.
 """
 
