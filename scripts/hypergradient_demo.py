@@ -66,7 +66,8 @@ def rounds_to_target(losses, target, window=5):
   return int(hit[0]) + window if hit.size else None
 
 
-def main():
+def parse_args(argv=None):
+  """The command line; ``--plot`` defaults to ``<workdir>/tuner_lr_trajectory.png``."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rounds', type=int, default=150,
                       help='rounds of the well-tuned run (the others run 2x).')
@@ -79,9 +80,14 @@ def main():
                       help='where the plot goes unless --plot is given.')
   parser.add_argument('--plot', default=None,
                       help='path of the plot (default <workdir>/tuner_lr_trajectory.png).')
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if args.plot is None:
     args.plot = os.path.join(args.workdir, 'tuner_lr_trajectory.png')
+  return args
+
+
+def main():
+  args = parse_args()
 
   train, test = datasets.load_digits(num_clients=50, alpha=0.5, seed=args.seed)
   test = jax.tree.map(jnp.asarray, test)

@@ -60,3 +60,16 @@ def test_help_names_the_subpackages():
     assert 'no_such_thing' in str(e)
   else:
     raise AssertionError('fedjx.no_such_thing did not raise')
+
+
+def test_hypergradient_demo_writes_into_its_workdir_unless_told():
+  spec = importlib.util.spec_from_file_location(
+      'hypergradient_demo', REPO / 'scripts' / 'hypergradient_demo.py')
+  demo = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(demo)
+  args = demo.parse_args([])
+  assert pathlib.Path(args.plot) == pathlib.Path('runs/hypergradient_demo/tuner_lr_trajectory.png')
+  assert not pathlib.Path(args.plot).resolve().is_relative_to(REPO / 'docs')
+  args = demo.parse_args(['--workdir', '/tmp/x'])
+  assert args.plot == '/tmp/x/tuner_lr_trajectory.png'
+  assert demo.parse_args(['--plot', 'a.png']).plot == 'a.png'
