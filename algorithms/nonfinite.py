@@ -55,8 +55,8 @@ class ClientOutput(NamedTuple):
     previous_state: the state before the round, stored instead of ``state``
       when the client is skipped (same structure as ``state``).
     checked: what is checked, if not ``update``: algorithms pass the trained
-      model ``y_i``, finite exactly when ``Delta_i = x - y_i`` is (the server
-      model ``x`` is finite), so that the check reads an array that is in
+      model ``y_i`` (with a finite server model ``x``, ``Delta_i = x - y_i``
+      is finite when ``y_i`` is), so that the check reads an array that is in
       memory anyway and ``Delta_i`` is computed in one pass with its weight.
   """
 
