@@ -110,9 +110,6 @@ def all_finite(tree: base.PyTree) -> jax.Array:
   return jnp.isfinite(total)
 
 
-_TOTALS = ('weights', 'examples', 'clients', 'skipped')
-
-
 def _guarded(client_fn: Callable[..., ClientOutput],
              weights_are_counts: bool) -> Callable[..., tuple]:
   """``client_fn`` followed by the per-client check and replacement."""
@@ -128,9 +125,8 @@ def _guarded(client_fn: Callable[..., ClientOutput],
     w_kept, n_kept = zero(w), zero(jnp.asarray(n, jnp.float32))
     weighted = jax.tree.map(lambda u: jnp.where(ok, w_kept * u, 0.0), out.update)
     skipped = jnp.logical_and(jnp.logical_not(ok), n != 0).astype(jnp.float32)
-    # One vector per client, so that the cohort's totals are one reduction.
-    scalars = jnp.stack([jnp.asarray(w_kept, jnp.float32), n_kept,
-                         (n_kept > 0).astype(jnp.float32), skipped])
+    scalars = {'weights': jnp.asarray(w_kept, jnp.float32), 'examples': n_kept,
+               'clients': (n_kept > 0).astype(jnp.float32), 'skipped': skipped}
     return (zero(out.update), weighted, zero(out.stats), zero(out.extra), state,
             w_kept, n_kept, skipped, scalars)
   return run
@@ -158,7 +154,7 @@ def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
    scalars) = fedjx.map_fn(
        _guarded(client_fn, same),
        ((weights,) if same else (weights, num_examples)) + tuple(args))
-  totals = dict(zip(_TOTALS, jnp.unstack(fedjx.reduce_sum(scalars))))
+  totals = fedjx.reduce_sum(scalars)
   return Clients(update, stats, extra, state, w, n, weighted, totals, skipped)
 
 
