@@ -17,20 +17,23 @@ import pytest
 
 import fedjx.algorithms as algos
 from fedjx.algorithms import nonfinite
+import float_tolerance as ft
 from test_algorithms_util import copy, linreg_data, linreg_params, make_cohort
 
-C, BAD, T, DIM = 5, 2, 2, 3  # Clients, the faulty one, local steps, features.
+C, BAD, T, DIM, B = 5, 2, 2, 3, 4  # Clients, the faulty one, local steps,
+                                   # features, batch size.
 
 # Tolerance of "equals the round without the client". The two rounds run the
 # same per-client float32 operations; they may differ in (a) the order of the
-# weighted sum over the cohort (C terms, the skipped one an exact zero),
-# at most C ulps of sum_i |w_i Delta_i| / sum_i w_i, (b) the guard's rescaling
-# of that mean by sum v / sum w (three more roundings), and (c) XLA choosing
-# other kernels for a vmap over 4 instead of 5 clients, which reorders each of
-# the T local steps' DIM-term dot products (T * DIM ulps of the update). The
-# server optimizers used here amplify a relative error of the pseudo-gradient
-# at most 2x (Adam's m / sqrt(v) with eps), hence
-RTOL = 2 * (C + 3 + T * DIM) * 2.0**-24
+# weighted sum over the cohort (C terms, the skipped one an exact zero), (b)
+# how the weighted mean is formed (the guard: a sum of w_i Delta_i and one
+# division; unguarded: a dot product and a division, two roundings), and (c)
+# XLA choosing other kernels for a vmap over 4 instead of 5 clients, which
+# reorders each of the T local steps' DIM-term predictions and B-example
+# means: n = C + 2 + T (DIM + B) terms, so 2 gamma_n (float_tolerance.rtol)
+# of the scale. The server optimizers used here amplify a relative error of
+# the pseudo-gradient at most 2x (Adam's m / sqrt(v) with eps), hence
+RTOL = 2 * ft.rtol(C + 2 + T * (DIM + B))
 
 
 def scaled_loss(params, batch):
@@ -48,7 +51,7 @@ def _clean_cohort(seed=0):
   data = linreg_data(np.random.default_rng(seed), [6, 8, 5, 7, 8], dim=DIM)
   for d in data:
     d['s'] = np.ones(len(d['y']), np.float32)
-  return make_cohort(data, batch_size=4)
+  return make_cohort(data, batch_size=B)
 
 
 def _with_fault(cohort, fault):
