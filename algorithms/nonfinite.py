@@ -97,16 +97,15 @@ class Clients(NamedTuple):
 def all_finite(tree: base.PyTree) -> jax.Array:
   """A boolean scalar: every element of every leaf of ``tree`` is finite.
 
-  Computed as ``isfinite(sum_j 0 * x_j)``: ``0 * x`` is 0 for a finite ``x``
-  and NaN for NaN or +-Inf, so the sum is 0 exactly when all are finite (it
-  cannot overflow). A float sum is one fused pass over each leaf, where
+  Computed as ``isfinite(sum_j (x_j - x_j))``: ``x - x`` is 0 for a finite
+  ``x`` and NaN for NaN or +-Inf, so the sum is 0 exactly when all are finite
+  (it cannot overflow). A float sum is one fused pass over each leaf, where
   ``all(isfinite(x))`` materialises a boolean array first.
   """
   total = jnp.zeros((), jnp.float32)
   for x in jax.tree.leaves(tree):
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-      total = total + jnp.sum(x * jnp.zeros((), jnp.result_type(x)),
-                              dtype=jnp.float32)
+      total = total + jnp.sum(x - x, dtype=jnp.float32)
   return jnp.isfinite(total)
 
 
