@@ -8,6 +8,7 @@ plain round, for ``jax.grad`` and friends). See docs/algorithms.md.
 
 from fedjx.algorithms import client_update
 from fedjx.algorithms import hypergradients
+from fedjx.algorithms import nonfinite
 from fedjx.algorithms import quantization
 from fedjx.algorithms.base import Algorithm
 from fedjx.algorithms.base import ServerState
@@ -66,6 +67,7 @@ __all__ = [
     'fedavgm',
     'fedprox',
     'fedyogi',
+    'nonfinite',
     'quantization',
     'quantize',
     'scaffold',

@@ -94,9 +94,11 @@ def check_choice(fn: str, name: str, value: Any, allowed: tuple[Any, ...]) -> No
 
 def check_number(fn: str, name: str, value: Any, *, low: float = 0.0,
                  strict: bool = False, high: float | None = None) -> None:
-  """Raises unless a number lies in ``[low, high]`` (``(low, high]`` if strict).
+  """Raises unless a number is finite and in ``[low, high]`` (``(low, high]`` if strict).
 
-  Traced values (inside ``jit`` or ``grad``) cannot be checked and pass.
+  NaN and +-Inf are never allowed: an infinite learning rate or coefficient
+  turns the model into NaN in the first round. Traced values (inside ``jit``
+  or ``grad``) cannot be checked and pass.
   """
   if jnp.ndim(value) > 0:
     return
@@ -107,13 +109,14 @@ def check_number(fn: str, name: str, value: Any, *, low: float = 0.0,
     return
   except (TypeError, ValueError):
     raise ValueError(f'{fn}: {name}={value!r} must be a number.') from None
-  bad = math.isnan(v) or v < low or (strict and v == low) or (
+  bad = not math.isfinite(v) or v < low or (strict and v == low) or (
       high is not None and v > high)
   if bad:
     bound = f'> {low}' if strict else f'>= {low}'
     if high is not None:
       bound += f' and <= {high}'
-    raise ValueError(f'{fn}: {name}={value!r} is not allowed; it must be {bound}.')
+    raise ValueError(f'{fn}: {name}={value!r} is not allowed; it must be a '
+                     f'finite number {bound}.')
 
 
 def check_positive_int(fn: str, name: str, value: Any, *,
@@ -135,7 +138,7 @@ def check_optimizer(fn: str, name: str, optimizer: Any) -> None:
 # hyperparameters and the scalar entries of ``state.hparams``.
 _HPARAM_BOUNDS = {
     'learning_rate': dict(low=0.0),
-    'client_learning_rate': dict(low=0.0),
+    'client_learning_rate': dict(low=0.0, strict=True),
     'momentum': dict(low=0.0, high=1.0),
     'weight_decay': dict(low=0.0),
     'eps': dict(low=0.0),
@@ -315,12 +318,19 @@ def round_metrics(stats: Mapping[str, jax.Array], num_examples: jax.Array,
   loss of the local steps), ``clients`` (participating clients, those with data) and
   ``examples``; ``extra`` scalars are added as given.
   """
-  sums = fedjx.reduce_sum(stats)
+  n = jnp.asarray(num_examples, jnp.float32)
+  return pooled_metrics(stats, clients=fedjx.reduce_sum((n > 0).astype(jnp.float32)),
+                        examples=fedjx.reduce_sum(n), **extra)
+
+
+def pooled_metrics(stats: Mapping[str, jax.Array], *, clients: jax.Array,
+                   examples: jax.Array, **extra: jax.Array) -> Metrics:
+  """:func:`round_metrics` given the (already reduced) clients and examples."""
+  sums = fedjx.reduce_sum(dict(stats))
   count = jnp.maximum(sums.pop('count'), 1.0)
   metrics = {f'train_{k}': v / count for k, v in sums.items()}
-  n = jnp.asarray(num_examples, jnp.float32)
-  metrics['clients'] = fedjx.reduce_sum((n > 0).astype(jnp.float32))
-  metrics['examples'] = fedjx.reduce_sum(n)
+  metrics['clients'] = clients
+  metrics['examples'] = examples
   metrics.update(extra)
   return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 

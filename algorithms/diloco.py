@@ -35,6 +35,7 @@ import optax
 import fedjx
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
+from fedjx.algorithms import nonfinite
 from fedjx.algorithms import quantization
 
 
@@ -100,7 +101,8 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
            metrics_fn: base.MetricsFn | None = None,
            weighting: str = 'num_examples', map_strategy: str = 'auto',
            chunk_size: int | None = None,
-           client_evaluation: bool = True) -> base.Algorithm:
+           client_evaluation: bool = True,
+           skip_nonfinite: bool = True) -> base.Algorithm:
   """DiLoCo with ``num_replicas`` replicas.
 
   Args:
@@ -117,8 +119,9 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
       the replica's own (the paper keeps it).
     quantization_format: format of the outer gradients sent
       (``quantization.FORMATS``).
-    metrics_fn, weighting, map_strategy, chunk_size, client_evaluation: as
-      for :func:`fedavg`.
+    metrics_fn, weighting, map_strategy, chunk_size, client_evaluation,
+    skip_nonfinite: as for :func:`fedavg`; a skipped replica keeps its inner
+      optimizer state from before the round.
   """
   name = 'diloco'
   base.check_positive_int(name, 'num_replicas', num_replicas)
@@ -127,6 +130,7 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
   outer_optimizer = check_outer(name, outer_optimizer, outer_learning_rate,
                                 outer_momentum)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
+  nonfinite.check_flag(name, skip_nonfinite)
   base.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
   quantization.check_format(name, 'quantization_format', quantization_format)
   schedule = client_update.check_schedule(name, 1, inner_steps,
@@ -150,7 +154,8 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
                                      inner_state, batches, mask, schedule)
     outer_grad = quantization.quantize(base.tree_sub(theta, out.params),
                                        quantization_format)
-    return outer_grad, out.opt_state, out.stats
+    return nonfinite.ClientOutput(outer_grad, out.stats, state=out.opt_state,
+                                  previous_state=inner_state, checked=out.params)
 
   def round_fn(state, cohort, key):
     del key
@@ -159,22 +164,23 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
       inner = fedjx.broadcast(jnp.zeros(()))
     else:  # Each replica's own inner state.
       inner = base.gather_clients(state.inner_opt_states, ids)
-    outer_grads, inner, stats = fedjx.map_fn(replica_fn, (
+    clients = nonfinite.map_clients(replica_fn, (
         fedjx.broadcast(state.params),
         fedjx.broadcast(state.hparams['inner_optimizer']),
-        inner, cohort.batches, cohort.mask))
-    weights = base.aggregation_weights(cohort.num_examples, weighting)
-    outer_grad = fedjx.reduce_weighted_mean(outer_grads, weights)
+        inner, cohort.batches, cohort.mask),
+        base.aggregation_weights(cohort.num_examples, weighting),
+        cohort.num_examples, skip_nonfinite)
+    outer_grad = nonfinite.weighted_mean(clients)
     params, opt_state = base.server_update(
         outer_optimizer, state.opt_state, state.hparams['outer_optimizer'],
         state.params, outer_grad)
     inner_states = state.inner_opt_states
     if not reset_inner_state:
-      inner_states = base.scatter_clients(inner_states, ids, inner,
+      inner_states = base.scatter_clients(inner_states, ids, clients.state,
                                           cohort.num_examples > 0)
     sent = quantization.num_bytes(state.params, quantization_format)
-    metrics = base.round_metrics(stats, cohort.num_examples,
-                                 pseudo_grad_norm=optax.tree.norm(outer_grad))
+    metrics = nonfinite.round_metrics(
+        clients, pseudo_grad_norm=optax.tree.norm(outer_grad))
     metrics['communicated_bytes'] = metrics['clients'] * float(sent)
     return state._replace(params=params, opt_state=opt_state,
                           inner_opt_states=inner_states,

@@ -30,6 +30,7 @@ import optax
 import fedjx
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
+from fedjx.algorithms import nonfinite
 
 ACCOUNTANTS = ('rdp', 'pld')
 
@@ -60,7 +61,8 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
               local_epochs: int = 1, local_steps: int | None = None,
               map_strategy: str = 'auto',
               chunk_size: int | None = None,
-              client_evaluation: bool = True) -> base.Algorithm:
+              client_evaluation: bool = True,
+              skip_nonfinite: bool = True) -> base.Algorithm:
   """DP-FedAvg with clipping norm ``C`` and noise multiplier ``z``.
 
   Args:
@@ -70,8 +72,9 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
     expected_clients_per_round: ``qN``, the fixed denominator; None divides
       by the number of participating clients.
     client_optimizer, server_optimizer, metrics_fn, local_epochs,
-    local_steps, map_strategy, chunk_size, client_evaluation: as for
-      :func:`fedavg`.
+    local_steps, map_strategy, chunk_size, client_evaluation, skip_nonfinite:
+      as for :func:`fedavg`. A skipped client counts as absent: it is not in
+      the sum, nor (with ``expected_clients_per_round=None``) in ``D``.
   """
   name = 'dp_fedavg'
   base.check_number(name, 'clip_norm', clip_norm, strict=True)
@@ -83,6 +86,7 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
   server_optimizer = server_optimizer or base.default_sgd(1.0)
   base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
+  nonfinite.check_flag(name, skip_nonfinite)
   schedule = client_update.check_schedule(name, local_epochs, local_steps,
                                           client_evaluation)
 
@@ -101,35 +105,39 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
                                      opt_state, batches, mask, schedule)
     clipped, norm = clip_update(base.tree_sub(x, out.params), clip)
     clipped = jax.tree.map(lambda u: u * real.astype(u.dtype), clipped)
-    return clipped, norm, out.stats
+    return nonfinite.ClientOutput(clipped, out.stats, extra=norm,
+                                  checked=out.params)
 
   def round_fn(state, cohort, key):
     clip, z = state.hparams['clip_norm'], state.hparams['noise_multiplier']
     real = (cohort.num_examples > 0).astype(jnp.float32)
-    clipped, norms, stats = fedjx.map_fn(client_fn, (
+    clients = nonfinite.map_clients(client_fn, (
         fedjx.broadcast(state.params),
         fedjx.broadcast(state.hparams['client_optimizer']),
-        fedjx.broadcast(clip), real, cohort.batches, cohort.mask))
+        fedjx.broadcast(clip), real, cohort.batches, cohort.mask),
+        real, cohort.num_examples, skip_nonfinite)
+    clipped, norms, real = clients.update, clients.extra, clients.weights
     total = fedjx.reduce_sum(clipped)
     leaves, treedef = jax.tree.flatten(total)
     keys = jax.random.split(key, len(leaves))
     noisy = jax.tree.unflatten(treedef, [
         t + (z * clip).astype(t.dtype) * jax.random.normal(k, t.shape, t.dtype)
         for t, k in zip(leaves, keys)])
-    clients = fedjx.reduce_sum(real)
+    count = (fedjx.reduce_sum(real) if clients.totals is None
+             else clients.totals['weights'])
     denom = (jnp.float32(expected_clients_per_round)
              if expected_clients_per_round is not None
-             else jnp.maximum(clients, 1.0))
+             else jnp.maximum(count, 1.0))
     pseudo_grad = jax.tree.map(lambda t: t / denom.astype(t.dtype), noisy)
     params, opt_state = base.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)
     clipped_count = fedjx.reduce_sum(real * (norms > clip).astype(jnp.float32))
-    metrics = base.round_metrics(
-        stats, cohort.num_examples,
+    metrics = nonfinite.round_metrics(
+        clients,
         pseudo_grad_norm=optax.tree.norm(pseudo_grad),
-        clipped_fraction=clipped_count / jnp.maximum(clients, 1.0),
-        mean_update_norm=fedjx.reduce_sum(real * norms) / jnp.maximum(clients, 1.0),
+        clipped_fraction=clipped_count / jnp.maximum(count, 1.0),
+        mean_update_norm=fedjx.reduce_sum(real * norms) / jnp.maximum(count, 1.0),
         noise_std=z * clip)
     return state._replace(params=params, opt_state=opt_state,
                           round_index=state.round_index + 1), metrics

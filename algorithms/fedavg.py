@@ -22,6 +22,7 @@ import optax
 import fedjx
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
+from fedjx.algorithms import nonfinite
 from fedjx.algorithms.yogi import adaptive_adagrad
 from fedjx.algorithms.yogi import adaptive_adam
 from fedjx.algorithms.yogi import yogi
@@ -34,7 +35,8 @@ def fedavg(loss_fn: base.LossFn, *,
            local_epochs: int = 1, local_steps: int | None = None,
            weighting: str = 'num_examples', map_strategy: str = 'auto',
            chunk_size: int | None = None,
-           client_evaluation: bool = True) -> base.Algorithm:
+           client_evaluation: bool = True,
+           skip_nonfinite: bool = True) -> base.Algorithm:
   """Federated Averaging with any optax client and server optimizer.
 
   Args:
@@ -54,6 +56,9 @@ def fedavg(loss_fn: base.LossFn, *,
       ``train_loss_after``; two extra forward passes over the data). False
       reports only ``train_loss_during``, the loss of the local steps
       themselves, at no extra cost.
+    skip_nonfinite: leave out of the round every client whose update or
+      weight is NaN or Inf, and report their number as ``nonfinite_clients``
+      (:mod:`fedjx.algorithms.nonfinite`); False checks nothing.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
@@ -65,6 +70,7 @@ def fedavg(loss_fn: base.LossFn, *,
   base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
+  nonfinite.check_flag(name, skip_nonfinite)
   schedule = client_update.check_schedule(name, local_epochs, local_steps,
                                           client_evaluation)
 
@@ -79,21 +85,23 @@ def fedavg(loss_fn: base.LossFn, *,
     opt_state = base.with_hparams(client_optimizer.init(x), hparams)
     out = client_update.local_update(loss_fn, metrics_fn, client_optimizer, x,
                                      opt_state, batches, mask, schedule)
-    return base.tree_sub(x, out.params), out.stats
+    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
+                                  checked=out.params)
 
   def round_fn(state, cohort, key):
     del key  # FedAvg is deterministic given the cohort.
-    deltas, stats = fedjx.map_fn(client_fn, (
+    clients = nonfinite.map_clients(client_fn, (
         fedjx.broadcast(state.params),
         fedjx.broadcast(state.hparams['client_optimizer']),
-        cohort.batches, cohort.mask))
-    weights = base.aggregation_weights(cohort.num_examples, weighting)
-    pseudo_grad = fedjx.reduce_weighted_mean(deltas, weights)
+        cohort.batches, cohort.mask),
+        base.aggregation_weights(cohort.num_examples, weighting),
+        cohort.num_examples, skip_nonfinite)
+    pseudo_grad = nonfinite.weighted_mean(clients)
     params, opt_state = base.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)
-    metrics = base.round_metrics(stats, cohort.num_examples,
-                                 pseudo_grad_norm=optax.tree.norm(pseudo_grad))
+    metrics = nonfinite.round_metrics(
+        clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad))
     return state._replace(params=params, opt_state=opt_state,
                           round_index=state.round_index + 1), metrics
 

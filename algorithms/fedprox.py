@@ -21,6 +21,7 @@ import optax
 import fedjx
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
+from fedjx.algorithms import nonfinite
 
 
 def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
@@ -30,15 +31,16 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
             local_epochs: int = 1, local_steps: int | None = None,
             weighting: str = 'num_examples', map_strategy: str = 'auto',
             chunk_size: int | None = None,
-            client_evaluation: bool = True) -> base.Algorithm:
+            client_evaluation: bool = True,
+            skip_nonfinite: bool = True) -> base.Algorithm:
   """FedProx with proximal coefficient ``mu`` (``state.hparams['mu']``).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
     mu: the proximal coefficient, >= 0.
     client_optimizer, server_optimizer, metrics_fn, local_epochs, local_steps,
-    weighting, map_strategy, chunk_size, client_evaluation: as for
-      :func:`fedavg`.
+    weighting, map_strategy, chunk_size, client_evaluation, skip_nonfinite:
+      as for :func:`fedavg`.
   """
   name = 'fedprox'
   base.check_number(name, 'mu', mu)
@@ -47,6 +49,7 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
   base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
+  nonfinite.check_flag(name, skip_nonfinite)
   schedule = client_update.check_schedule(name, local_epochs, local_steps,
                                           client_evaluation)
 
@@ -66,22 +69,24 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
     out = client_update.local_update(loss_fn, metrics_fn, client_optimizer, x,
                                      opt_state, batches, mask, schedule,
                                      correction=proximal)
-    return base.tree_sub(x, out.params), out.stats
+    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
+                                  checked=out.params)
 
   def round_fn(state, cohort, key):
     del key
-    deltas, stats = fedjx.map_fn(client_fn, (
+    clients = nonfinite.map_clients(client_fn, (
         fedjx.broadcast(state.params),
         fedjx.broadcast(state.hparams['client_optimizer']),
         fedjx.broadcast(state.hparams['mu']),
-        cohort.batches, cohort.mask))
-    weights = base.aggregation_weights(cohort.num_examples, weighting)
-    pseudo_grad = fedjx.reduce_weighted_mean(deltas, weights)
+        cohort.batches, cohort.mask),
+        base.aggregation_weights(cohort.num_examples, weighting),
+        cohort.num_examples, skip_nonfinite)
+    pseudo_grad = nonfinite.weighted_mean(clients)
     params, opt_state = base.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)
-    metrics = base.round_metrics(stats, cohort.num_examples,
-                                 pseudo_grad_norm=optax.tree.norm(pseudo_grad))
+    metrics = nonfinite.round_metrics(
+        clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad))
     return state._replace(params=params, opt_state=opt_state,
                           round_index=state.round_index + 1), metrics
 

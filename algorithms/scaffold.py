@@ -34,6 +34,7 @@ import optax
 import fedjx
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
+from fedjx.algorithms import nonfinite
 
 
 class ScaffoldState(NamedTuple):
@@ -64,7 +65,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
              local_epochs: int = 1, local_steps: int | None = None,
              weighting: str = 'num_examples', map_strategy: str = 'auto',
              chunk_size: int | None = None,
-             client_evaluation: bool = True) -> base.Algorithm:
+             client_evaluation: bool = True,
+             skip_nonfinite: bool = True) -> base.Algorithm:
   """SCAFFOLD (option II) over a population of ``num_clients`` clients.
 
   Args:
@@ -78,16 +80,20 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
     server_optimizer: on the pseudo-gradient ``-sum w_i Delta y_i / sum w_i``
       (default SGD with ``eta_g = 1``).
     metrics_fn, local_epochs, local_steps, weighting, map_strategy,
-    chunk_size, client_evaluation: as for :func:`fedavg`.
+    chunk_size, client_evaluation, skip_nonfinite: as for :func:`fedavg`; a
+      skipped client's ``c_i`` is left unchanged and its ``Delta c_i`` is 0.
   """
   name = 'scaffold'
   base.check_positive_int(name, 'num_clients', num_clients)
-  base.check_number(name, 'client_learning_rate', client_learning_rate)
+  # Option II divides by K eta_l: eta_l = 0 would make every c_i 0 / 0.
+  base.check_number(name, 'client_learning_rate', client_learning_rate,
+                    strict=True)
   server_optimizer = server_optimizer or base.default_sgd(1.0)
   if client_optimizer is not None:
     base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
+  nonfinite.check_flag(name, skip_nonfinite)
   schedule = client_update.check_schedule(name, local_epochs, local_steps,
                                           client_evaluation)
   n_pop = num_clients
@@ -122,20 +128,23 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
       return jnp.where(k > 0, ci - c + (x - y) / denom, ci) - ci
 
     delta_c = jax.tree.map(option_ii, c_i, c, x, out.params)
-    return base.tree_sub(x, out.params), delta_c, out.stats
+    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
+                                  extra=delta_c, checked=out.params)
 
   def round_fn(state, cohort, key):
     del key
     real = cohort.num_examples > 0
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
     c_i = base.gather_clients(state.client_controls, ids)
-    deltas, delta_c, stats = fedjx.map_fn(client_fn, (
+    clients = nonfinite.map_clients(client_fn, (
         fedjx.broadcast(state.params), fedjx.broadcast(state.control), c_i,
         fedjx.broadcast(state.hparams['client_learning_rate']),
         fedjx.broadcast(state.hparams['client_optimizer']),
-        cohort.batches, cohort.mask))
-    weights = base.aggregation_weights(cohort.num_examples, weighting)
-    pseudo_grad = fedjx.reduce_weighted_mean(deltas, weights)  # = -Delta x
+        cohort.batches, cohort.mask),
+        base.aggregation_weights(cohort.num_examples, weighting),
+        cohort.num_examples, skip_nonfinite)
+    pseudo_grad = nonfinite.weighted_mean(clients)  # = -Delta x
+    delta_c = clients.extra
     params, opt_state = base.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)
@@ -143,9 +152,9 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
                            fedjx.reduce_sum(delta_c))
     client_controls = base.scatter_clients(  # c_i <- c_i+ (not for padding).
         state.client_controls, ids, jax.tree.map(jnp.add, c_i, delta_c), real)
-    metrics = base.round_metrics(stats, cohort.num_examples,
-                                 pseudo_grad_norm=optax.tree.norm(pseudo_grad),
-                                 control_norm=optax.tree.norm(control))
+    metrics = nonfinite.round_metrics(clients,
+                                      pseudo_grad_norm=optax.tree.norm(pseudo_grad),
+                                      control_norm=optax.tree.norm(control))
     return state._replace(params=params, opt_state=opt_state, control=control,
                           client_controls=client_controls,
                           round_index=state.round_index + 1), metrics

@@ -44,6 +44,7 @@ import optax
 import fedjx
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
+from fedjx.algorithms import nonfinite
 from fedjx.algorithms.diloco import check_outer
 from fedjx.algorithms.diloco import default_inner_optimizer
 from fedjx.algorithms import quantization
@@ -108,7 +109,8 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
                      metrics_fn: base.MetricsFn | None = None,
                      weighting: str = 'num_examples', map_strategy: str = 'auto',
                      chunk_size: int | None = None,
-                     client_evaluation: bool = True) -> base.Algorithm:
+                     client_evaluation: bool = True,
+                     skip_nonfinite: bool = True) -> base.Algorithm:
   """Streaming DiLoCo with ``num_replicas`` replicas and ``P`` fragments.
 
   Args:
@@ -123,8 +125,10 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
       fragment when merging.
     inner_optimizer, outer_optimizer, outer_learning_rate, outer_momentum,
     inner_steps: as for :func:`diloco`.
-    metrics_fn, weighting, map_strategy, chunk_size, client_evaluation: as
-      for :func:`fedavg`.
+    metrics_fn, weighting, map_strategy, chunk_size, client_evaluation,
+    skip_nonfinite: as for :func:`fedavg`; the check is on the replica's
+      whole trained model ``theta_k``, and a skipped replica keeps its model
+      and inner state from before the round and is not merged.
   """
   name = 'streaming_diloco'
   base.check_positive_int(name, 'num_replicas', num_replicas)
@@ -137,6 +141,7 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   outer_optimizer = check_outer(name, outer_optimizer, outer_learning_rate,
                                 outer_momentum)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
+  nonfinite.check_flag(name, skip_nonfinite)
   schedule = client_update.check_schedule(name, 1, inner_steps,
                                           client_evaluation)
   stack = lambda t: jax.tree.map(
@@ -160,23 +165,30 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     inner_state = base.with_hparams(inner_state, hparams)
     out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer,
                                      theta_k, inner_state, batches, mask, schedule)
-    return out.params, out.opt_state, out.stats
+    return nonfinite.ClientOutput(out.params, out.stats,
+                                  state=(out.params, out.opt_state),
+                                  previous_state=(theta_k, inner_state))
 
-  def sync_fragment(p, frag, hparams, weights, num_clients, operands):
+  def sync_fragment(p, frag, hparams, clients, num_clients, operands):
     """Outer step on fragment ``p`` (leaves ``frag``); updates the operands."""
     leaves, replica_leaves, opt_states = operands
     theta = tuple(leaves[i] for i in frag)
     theta_k = tuple(replica_leaves[i] for i in frag)
-    outer_grads = fedjx.map_fn(  # Q(theta^p - theta_k^p) on each replica.
+    outer_grad = nonfinite.weighted_mean_of(  # of Q(theta^p - theta_k^p)
+        clients,
         lambda g, r: quantization.quantize(base.tree_sub(g, r), quantization_format),
         (fedjx.broadcast(theta), theta_k))
-    outer_grad = fedjx.reduce_weighted_mean(outer_grads, weights)
     theta, opt_state = base.server_update(
         outer_optimizer, opt_states[p], hparams['outer_optimizer'], theta, outer_grad)
-    merged = fedjx.map_fn(  # theta_k^p <- alpha theta_k^p + (1 - alpha) theta^p
-        lambda r, g, a: jax.tree.map(lambda r, g: a * r + (1 - a) * g, r, g),
-        (theta_k, fedjx.broadcast(theta),
-         fedjx.broadcast(hparams['mixing_factor'])))
+    merge = lambda r, g, a: jax.tree.map(lambda r, g: a * r + (1 - a) * g, r, g)
+    if clients.skipped is None:  # theta_k^p <- alpha theta_k^p + (1 - alpha) theta^p
+      merged = fedjx.map_fn(merge, (theta_k, fedjx.broadcast(theta),
+                                    fedjx.broadcast(hparams['mixing_factor'])))
+    else:  # A skipped replica keeps its fragment (alpha = 1).
+      merged = fedjx.map_fn(
+          lambda r, g, a, s: merge(r, g, jnp.where(s > 0, 1.0, a)),
+          (theta_k, fedjx.broadcast(theta),
+           fedjx.broadcast(hparams['mixing_factor']), clients.skipped))
     leaves, replica_leaves = list(leaves), list(replica_leaves)
     for j, i in enumerate(frag):
       leaves[i], replica_leaves[i] = theta[j], merged[j]
@@ -189,28 +201,32 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     del key
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
     gather = lambda t: base.gather_clients(t, ids)
-    theta_k, inner, stats = fedjx.map_fn(replica_fn, (
+    clients = nonfinite.map_clients(replica_fn, (
         gather(state.replica_params),
         fedjx.broadcast(state.hparams['inner_optimizer']),
-        gather(state.inner_opt_states), cohort.batches, cohort.mask))
+        gather(state.inner_opt_states), cohort.batches, cohort.mask),
+        base.aggregation_weights(cohort.num_examples, weighting),
+        cohort.num_examples, skip_nonfinite)
+    theta_k, inner = clients.state
     # Synchronise fragment p = round mod P (one branch per fragment).
     leaves, treedef = jax.tree.flatten(state.params)
     frags = fragment_leaves(state.params, num_fragments, fragment_pattern)
-    weights = base.aggregation_weights(cohort.num_examples, weighting)
-    clients = fedjx.reduce_sum((cohort.num_examples > 0).astype(jnp.float32))
+    if clients.totals is None:
+      count = fedjx.reduce_sum((cohort.num_examples > 0).astype(jnp.float32))
+    else:
+      count = clients.totals['clients']
     p = state.round_index % num_fragments
     branches = [
         (lambda ops, j=j, f=f: sync_fragment(
-            j, f, state.hparams, weights, clients, ops))
+            j, f, state.hparams, clients, count, ops))
         for j, f in enumerate(frags)]
     leaves, replica_leaves, opt_states, norm, sent = jax.lax.switch(
         p, branches, (tuple(leaves), tuple(jax.tree.leaves(theta_k)),
                       state.opt_state))
     scatter = lambda store, new: base.scatter_clients(
         store, ids, new, cohort.num_examples > 0)
-    metrics = base.round_metrics(stats, cohort.num_examples,
-                                 pseudo_grad_norm=norm, communicated_bytes=sent,
-                                 synced_fragment=p)
+    metrics = nonfinite.round_metrics(clients, pseudo_grad_norm=norm,
+                                      communicated_bytes=sent, synced_fragment=p)
     return state._replace(
         params=jax.tree.unflatten(treedef, leaves),
         replica_params=scatter(state.replica_params,

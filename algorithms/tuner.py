@@ -280,7 +280,8 @@ def fedavg_hypergradient_tuner(
     max_value: float = 1e3, metrics_fn: base.MetricsFn | None = None,
     local_epochs: int = 1, local_steps: int | None = None,
     weighting: str = 'num_examples', map_strategy: str = 'auto',
-    chunk_size: int | None = None) -> base.Algorithm:
+    chunk_size: int | None = None,
+    skip_nonfinite: bool = True) -> base.Algorithm:
   """FedAvg / FedOpt with hypergradient descent on its learning rates.
 
   :func:`~fedjx.algorithms.fedavg` (arguments as there) wrapped by
@@ -294,7 +295,8 @@ def fedavg_hypergradient_tuner(
                            server_optimizer=server_optimizer,
                            metrics_fn=metrics_fn, local_epochs=local_epochs,
                            local_steps=local_steps, weighting=weighting,
-                           map_strategy=map_strategy, chunk_size=chunk_size)
+                           map_strategy=map_strategy, chunk_size=chunk_size,
+                           skip_nonfinite=skip_nonfinite)
   return hypergradient_tuner(algo, loss_fn, tune=tune,
                              hyper_learning_rate=hyper_learning_rate,
                              hyper_optimizer=hyper_optimizer,

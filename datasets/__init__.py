@@ -24,6 +24,9 @@ arrays with a mask, padded to power-of-two step buckets; :func:`place_cohort`
 shards it ``P('clients')`` on a mesh; :func:`cohort_iterator` does all three
 for consecutive rounds with background prefetch.
 
+Labels: :func:`check_labels` makes a label outside ``[0, num_classes)`` a
+one-line error when the data is read.
+
 Evaluation: :func:`split_clients`, :func:`split_examples`,
 :func:`eval_batches`, :func:`eval_cohorts`. Partition statistics:
 :func:`summary`, :func:`format_summary`.
@@ -49,6 +52,8 @@ from fedjx.datasets.files import read_fedjax_sqlite
 from fedjx.datasets.files import read_tff_hdf5
 from fedjx.datasets.files import write_fedjax_sqlite
 from fedjx.datasets.files import write_tff_hdf5
+from fedjx.datasets.labels import LabelCheckedDataset
+from fedjx.datasets.labels import check_labels
 from fedjx.datasets.partition import partition_by_feature
 from fedjx.datasets.partition import partition_dirichlet
 from fedjx.datasets.partition import partition_iid
@@ -70,10 +75,12 @@ __all__ = [
     'CohortSampler',
     'FederatedDataset',
     'IndexedDataset',
+    'LabelCheckedDataset',
     'Prefetcher',
     'SyntheticDataset',
     'TextCorpus',
     'bucket_steps',
+    'check_labels',
     'cohort_for_round',
     'cohort_iterator',
     'eval_batches',

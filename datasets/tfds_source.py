@@ -10,12 +10,18 @@ ArrayRecord files when the client is; only the column used to group is read up
 front (one pass over the split).
 
 The dataset must be prepared in ArrayRecord format (``download=True``
-prepares it with ``file_format='array_record'`` if needed). Offline tests use
-``tfds.testing.mock_data``, under which ``tfds.data_source('mnist')`` works.
+prepares it with ``file_format='array_record'`` if needed). Without network,
+a dataset that is not prepared yet is a one-line error within seconds (TFDS
+itself would retry its downloads for minutes): when the prepared dataset
+cannot be opened, a probe of TFDS's download host (``storage.googleapis.com``,
+:data:`PROBE_TIMEOUT_S` seconds) runs before any download. Offline
+tests use ``tfds.testing.mock_data``, under which ``tfds.data_source('mnist')``
+works.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +29,42 @@ import numpy as np
 
 from fedjx.datasets.federated import Examples, IndexedDataset
 from fedjx.datasets.partition import unique_groups
+
+
+PROBE_HOST = ('storage.googleapis.com', 443)
+PROBE_TIMEOUT_S = 3.0
+
+
+def network_error(host: tuple[str, int] = PROBE_HOST,
+                  timeout: float = PROBE_TIMEOUT_S) -> str | None:
+  """None if a TCP connection to ``host`` opens within ``timeout`` s, else why not."""
+  try:
+    socket.create_connection(host, timeout=timeout).close()
+    return None
+  except OSError as e:
+    return f'{type(e).__name__}: {e}'
+
+
+def _open(tfds: Any, name: str, split: str, data_dir: str | None,
+          download: bool, builder_kwargs: dict[str, Any] | None) -> Any:
+  """``tfds.data_source``; offline, a missing dataset fails at once in one line."""
+  kwargs = dict(split=split, data_dir=data_dir, builder_kwargs=builder_kwargs)
+  if not download:
+    return tfds.data_source(name, download=False, **kwargs)
+  try:  # Already prepared: no network needed.
+    return tfds.data_source(name, download=False, **kwargs)
+  except Exception as e:  # pylint: disable=broad-except
+    why = f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
+  error = network_error()
+  if error is not None:
+    raise ConnectionError(
+        f'from_tfds: {name!r} is not prepared in data_dir={data_dir!r} ({why}) and '
+        f'the network is unreachable ({PROBE_HOST[0]}: {error}); prepare it where '
+        f'there is network (`tfds build {name.split(":")[0]} '
+        "--file_format=array_record`) and copy it to data_dir, or read TFF's "
+        "HDF5 files instead (source='tff', train_path=..., see "
+        'fedjx.datasets.read_tff_hdf5).') from None
+  return tfds.data_source(name, download=True, **kwargs)
 
 
 def _stack(records: Sequence[dict[str, Any]]) -> Examples:
@@ -71,8 +113,7 @@ def from_tfds(name: str, split: str = 'train', *, group_key: str | None = None,
     raise ValueError('from_tfds: give exactly one of group_key (a feature name) or '
                      f'partition (a function of a column); got group_key={group_key!r}'
                      f' and partition={partition!r}.')
-  source = tfds.data_source(name, split=split, data_dir=data_dir, download=download,
-                            builder_kwargs=builder_kwargs)
+  source = _open(tfds, name, split, data_dir, download, builder_kwargs)
   features = sorted(source.dataset_info.features.keys())
   key = group_key if group_key is not None else partition_key
   arg = 'group_key' if group_key is not None else 'partition_key'

@@ -377,5 +377,77 @@ def plot(records: Sequence[dict], path: str) -> None:
   plt.close(fig)
 
 
+def _cost(compiled) -> dict[str, float]:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, list):
+    cost = cost[0]
+  cost = cost or {}
+  return {k: float(cost.get(k, float('nan'))) for k in ('flops', 'bytes accessed')}
+
+
+def guard_cost(model_names: Sequence[str], cohort_sizes: Sequence[int],
+               strategy: str, steps: int, batch: int, pairs: int = 200,
+               lr: float = 0.01, emit: Callable[[dict], None] = print,
+               seed: int = 0, client_evaluation: bool = False) -> list[dict]:
+  """The cost of the non-finite guard: FedAvg with ``skip_nonfinite`` on / off.
+
+  Three programs are compiled: the guarded round (``on``), the unguarded one
+  (``off``) and a second, separately built unguarded one (``off2``, the
+  control). Then ``pairs`` times, in an order that alternates, each is run
+  once; ``ratio_on_off`` is the median over repetitions of ``t_on / t_off``
+  within the same repetition (paired, so the machine's drifts cancel), and
+  ``ratio_off2_off`` the same for the two identical programs: the noise
+  floor of the measurement. XLA's cost analysis of the compiled programs
+  gives the added work without noise (``flops_ratio``,
+  ``bytes_ratio``).
+  """
+  name_, chunk = parse_strategy(strategy)
+  records = []
+  for name in model_names:
+    workload, loss_fn = _workload_and_loss(name, 'float32')
+    for clients in cohort_sizes:
+      cohort = make_cohort(workload, clients, steps, batch, seed)
+      params = workload.model.init(jax.random.key(seed),
+                                   jax.tree.map(lambda a: a[0, 0], cohort.batches))
+      placed = datasets.place_cohort(cohort)
+      key = jax.random.key(seed)
+      calls, costs = [], []
+      for skip in (True, False, False):
+        algo = algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr),
+                                 local_steps=steps, map_strategy=name_,
+                                 chunk_size=chunk, client_evaluation=client_evaluation,
+                                 skip_nonfinite=skip)
+        holder = {'state': algo.init(params)}
+
+        def one_round(algo=algo, holder=holder):
+          holder['state'], metrics = algo.round(holder['state'], placed, key)
+          return metrics
+        compiled, _ = _compile(jax.jit(algo.apply), algo.init(params), placed, key)
+        costs.append(_cost(compiled))
+        jax.block_until_ready(one_round())  # Compile and warm up.
+        calls.append(one_round)
+      times: list[list[float]] = [[] for _ in calls]
+      for r in range(pairs):
+        order = range(len(calls)) if r % 2 == 0 else reversed(range(len(calls)))
+        for k in order:
+          start = time.perf_counter()
+          jax.block_until_ready(calls[k]())
+          times[k].append(time.perf_counter() - start)
+      on, off, off2 = times
+      rec = {'model': name, 'clients': clients, 'steps': steps, 'batch': batch,
+             'strategy': strategy, 'client_evaluation': client_evaluation,
+             'backend': jax.default_backend(), 'pairs': pairs,
+             'ms_guard_on': 1e3 * statistics.median(on),
+             'ms_guard_off': 1e3 * statistics.median(off),
+             'ratio_on_off': statistics.median(a / b for a, b in zip(on, off)),
+             'ratio_off2_off': statistics.median(a / b for a, b in zip(off2, off)),
+             'min_ratio_on_off': min(on) / min(off),
+             'flops_ratio': costs[0]['flops'] / costs[1]['flops'],
+             'bytes_ratio': costs[0]['bytes accessed'] / costs[1]['bytes accessed']}
+      emit(rec)
+      records.append(rec)
+  return records
+
+
 def dumps(record: dict) -> str:
   return json.dumps(record, sort_keys=True)

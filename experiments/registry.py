@@ -16,6 +16,7 @@ a new algorithm, dataset or model in a user's own code).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
@@ -25,6 +26,7 @@ from typing import Any
 import optax
 
 from fedjx import algorithms as algorithms_lib
+from fedjx import datasets
 from fedjx import models
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import data as data_lib
@@ -283,6 +285,9 @@ def build_dataset(spec: Any, seed: int) -> ExperimentData:
   if not isinstance(data, ExperimentData):
     raise TypeError(f'dataset builder {name!r} returned {type(data).__name__}; '
                     'it must return an ExperimentData.')
+  if 'num_classes' in data.info:  # Labels outside [0, num_classes) are errors.
+    check = lambda d: datasets.check_labels(d, data.info['num_classes'], dataset=name)
+    data = dataclasses.replace(data, train=check(data.train), test=check(data.test))
   return data
 
 

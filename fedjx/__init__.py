@@ -8,9 +8,25 @@ The primitive layer. Inside a function decorated with :func:`program`:
   placed values back to the server.
 
 All compose with ``jit``, ``grad`` (to any order), ``jvp``, ``vmap``,
-``lax.scan`` and ``jax.checkpoint``. Algorithms live in ``fedjx.algorithms``
-and data in ``fedjx.datasets``.
+``lax.scan`` and ``jax.checkpoint``.
+
+Subpackages (imported on first use, so ``import fedjx`` stays light;
+``fedjx.algorithms`` works after ``import fedjx`` alone):
+
+* ``fedjx.algorithms``: FedAvg, FedOpt, FedProx, SCAFFOLD, DiLoCo,
+  DP-FedAvg, hypergradients (docs/algorithms.md);
+* ``fedjx.datasets``: federated datasets, cohorts, partitions, file formats
+  (docs/datasets.md);
+* ``fedjx.models``: Flax models with per-example losses and metrics;
+* ``fedjx.experiments``: the config-driven runner behind ``fedjx-run``
+  (docs/experiments.md).
+
+Modules: ``fedjx.plan`` (MapReduce plans of programs), ``fedjx.beam``
+(Apache Beam), ``fedjx.export`` (exported computations), ``fedjx.sharding``,
+``fedjx.distributed``.
 """
+
+import importlib as _importlib
 
 from fedjx.api import broadcast
 from fedjx.api import reduce_mean
@@ -25,6 +41,20 @@ from fedjx.primitives import reduce_sum_p
 from fedjx.primitives import reduce_weighted_mean_p
 
 __version__ = '0.1.0'
+
+SUBPACKAGES = ('algorithms', 'datasets', 'models', 'experiments')
+
+
+def __getattr__(name):
+  # Subpackages are imported when first used (PEP 562).
+  if name in SUBPACKAGES:
+    return _importlib.import_module(f'{__name__}.{name}')
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__():
+  return sorted(set(globals()) | set(SUBPACKAGES))
+
 
 __all__ = [
     'MAP_STRATEGIES',

@@ -5,6 +5,9 @@ Example (CPU):
       --clients=4,8,16,32,64 --strategies=vmap,chunked:4,sequential,auto \
       --steps=2 --batch=8 --out=runs/benchmark_cpu.jsonl --plot=runs/benchmark_cpu.png
 On a GPU use --clients=16,64,256,1024,4096 and chunk sizes such as chunked:64.
+The cost of the non-finite guard (skip_nonfinite on / off, paired timing):
+  python scripts/benchmark.py --models=logreg,cnn --clients=8,32 --strategies=auto \
+      --guard_cost=200
 """
 
 from absl import app
@@ -27,6 +30,11 @@ _NO_REFS = flags.DEFINE_bool('no_references', False, 'Skip the reference rounds.
 _COMPILE_ONLY = flags.DEFINE_bool(
     'compile_only', False,
     "Only compile each round from shapes and print XLA's memory plan.")
+_GUARD_COST = flags.DEFINE_integer(
+    'guard_cost', 0,
+    'If > 0, instead time this many interleaved repetitions of FedAvg with '
+    'skip_nonfinite on and off (first strategy of --strategies) and print '
+    'their paired ratio.')
 _EVALUATION = flags.DEFINE_bool(
     'client_evaluation', False,
     "Also evaluate each client before and after training (fedjx's default in "
@@ -44,6 +52,14 @@ def main(argv):
       out.write(line + '\n')
       out.flush()
 
+  if _GUARD_COST.value:
+    benchmark.guard_cost(_MODELS.value, [int(c) for c in _CLIENTS.value],
+                         _STRATEGIES.value[0], _STEPS.value, _BATCH.value,
+                         pairs=_GUARD_COST.value, emit=emit,
+                         client_evaluation=_EVALUATION.value)
+    if out:
+      out.close()
+    return
   if _COMPILE_ONLY.value:
     benchmark.compile_only(_MODELS.value, [int(c) for c in _CLIENTS.value],
                            _STRATEGIES.value, _STEPS.value, _BATCH.value,

@@ -13,9 +13,12 @@ local SGD steps of 10 examples, client learning rate 0.3). Three runs:
 
 Prints one JSON line per run (rounds to reach the target: the first round
 whose 5-round moving average of the test loss is at or below it), and writes
-the tuned learning-rate trajectory to docs/tuner_lr_trajectory.png.
+the tuned learning-rate trajectory to ``<workdir>/tuner_lr_trajectory.png``
+(``--workdir``, default ``runs/hypergradient_demo``) or to ``--plot``. The
+figure in the docs was made with ``--plot docs/tuner_lr_trajectory.png``;
+nothing tracked is written unless asked.
 
-  python scripts/hypergradient_demo.py --rounds 150
+  python scripts/hypergradient_demo.py --rounds 150 --workdir runs/hg_demo
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ def rounds_to_target(losses, target, window=5):
   return int(hit[0]) + window if hit.size else None
 
 
-def main():
+def parse_args(argv=None):
+  """The command line; ``--plot`` defaults to ``<workdir>/tuner_lr_trajectory.png``."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rounds', type=int, default=150,
                       help='rounds of the well-tuned run (the others run 2x).')
@@ -72,8 +76,18 @@ def main():
   parser.add_argument('--hyper_learning_rate', type=float, default=0.1)
   parser.add_argument('--horizon_decay', type=float, default=0.99)
   parser.add_argument('--seed', type=int, default=0)
-  parser.add_argument('--plot', default='docs/tuner_lr_trajectory.png')
-  args = parser.parse_args()
+  parser.add_argument('--workdir', default=os.path.join('runs', 'hypergradient_demo'),
+                      help='where the plot goes unless --plot is given.')
+  parser.add_argument('--plot', default=None,
+                      help='path of the plot (default <workdir>/tuner_lr_trajectory.png).')
+  args = parser.parse_args(argv)
+  if args.plot is None:
+    args.plot = os.path.join(args.workdir, 'tuner_lr_trajectory.png')
+  return args
+
+
+def main():
+  args = parse_args()
 
   train, test = datasets.load_digits(num_clients=50, alpha=0.5, seed=args.seed)
   test = jax.tree.map(jnp.asarray, test)

@@ -5,6 +5,7 @@ import numpy as np
 import optax
 import pytest
 
+import float_tolerance as ft
 from fedjx import algorithms
 from fedjx import datasets
 from fedjx.experiments import benchmark
@@ -24,8 +25,12 @@ def test_a_fedjx_round_equals_the_hand_written_references():
     if name == 'central':
       continue
     got = ref(params, placed.batches, placed.num_examples)
+    # Two local steps, each a 60-term logit, a 10-class softmax and a mean
+    # over 3 examples, then 4 clients: n < 2 * (60 + 10 + 3) + 4 = 150 terms.
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(got)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+      tol = ft.rtol(150)
+      np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.max(np.abs(b))),
+                                 err_msg=name)
 
 
 def test_records_and_memory_plans():

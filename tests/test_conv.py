@@ -12,6 +12,8 @@ from jax.test_util import check_grads
 from fedjx import models
 from fedjx.models import conv as conv_lib
 
+import float_tolerance as ft
+
 
 def _numpy_conv_nhwc(x, w, strides, padding):
   """Direct loops: y[n, i, j, o] = sum_{a, b, c} x_pad[n, s i + a, s j + b, c] w[a, b, c, o]."""
@@ -26,6 +28,26 @@ def _numpy_conv_nhwc(x, w, strides, padding):
   return y
 
 
+def _assert_conv_close(got, want, x, w, *args, feature_group_count=1, one_exact=False):
+  """|got - want| <= 2 gamma_K conv(|x|, |w|), K the products summed per output.
+
+  K is the kernel's spatial size times its input channels per group; Y =
+  conv(|x|, |w|) (float64) bounds the sum of the products' magnitudes. With
+  ``one_exact`` the reference is float64 and only ``got`` rounds (gamma_K).
+  """
+  dims = args[-1] if len(args) == 5 else None
+  kernel_spec = dims[1] if dims else 'OIHW'
+  spatial = [n for n, c in zip(np.shape(w), kernel_spec) if c not in 'IO']
+  k = int(np.prod(spatial)) * np.shape(w)[kernel_spec.index('I')]
+  with jax.enable_x64():
+    y_abs = lax.conv_general_dilated(
+        jnp.abs(jnp.asarray(x, jnp.float64)), jnp.abs(jnp.asarray(w, jnp.float64)),
+        *args, feature_group_count=feature_group_count)
+  # (+2 with a float64 reference: x and w are rounded to float32 first.)
+  bound = (ft.gamma(k + 2) if one_exact else ft.atol(k, 1.0)) * np.asarray(y_abs)
+  np.testing.assert_array_less(np.abs(np.float64(got) - np.float64(want)), bound + 1e-300)
+
+
 def test_patch_conv_matches_direct_numpy_loops():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(3, 9, 8, 2))
@@ -33,8 +55,9 @@ def test_patch_conv_matches_direct_numpy_loops():
   got = conv_lib.patch_conv(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32),
                             (2, 1), ((1, 2), (0, 1)),
                             dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
-  np.testing.assert_allclose(got, _numpy_conv_nhwc(x, w, (2, 1), ((1, 2), (0, 1))),
-                             rtol=1e-5, atol=1e-5)
+  _assert_conv_close(got, _numpy_conv_nhwc(x, w, (2, 1), ((1, 2), (0, 1))), x, w,
+                     (2, 1), ((1, 2), (0, 1)), None, None, ('NHWC', 'HWIO', 'NHWC'),
+                     one_exact=True)
 
 
 @pytest.mark.parametrize('dims', [('NHWC', 'HWIO', 'NHWC'), None, ('NCHW', 'OIHW', 'NHWC')])
@@ -54,7 +77,7 @@ def test_patch_conv_matches_lax_conv(dims, strides, padding, lhs_dilation, rhs_d
   want = lax.conv_general_dilated(*args, precision='highest')
   got = conv_lib.patch_conv(*args, precision='highest')
   assert got.shape == want.shape
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  _assert_conv_close(got, want, x, w, *args[2:])
 
 
 @pytest.mark.parametrize('shape,dims', [((2, 9, 3), ('NWC', 'WIO', 'NWC')),
@@ -65,9 +88,8 @@ def test_patch_conv_in_one_and_three_dimensions(shape, dims):
   x = rng.normal(size=shape).astype(np.float32)
   w = rng.normal(size=(2,) * spatial + (shape[-1], 3)).astype(np.float32)
   args = (x, w, (1,) * spatial, 'SAME', None, None, dims)
-  np.testing.assert_allclose(conv_lib.patch_conv(*args, precision='highest'),
-                             lax.conv_general_dilated(*args, precision='highest'),
-                             rtol=1e-5, atol=1e-5)
+  _assert_conv_close(conv_lib.patch_conv(*args, precision='highest'),
+                     lax.conv_general_dilated(*args, precision='highest'), x, w, *args[2:])
 
 
 def test_patch_conv_second_order_gradients_match_finite_differences():
@@ -90,18 +112,37 @@ def test_vmapped_per_client_kernels_become_a_batched_matrix_product():
   rng = np.random.default_rng(4)
   x = jnp.asarray(rng.normal(size=(6, 4, 10, 10, 3)), jnp.float32)  # [clients, N, H, W, C]
   w = jnp.asarray(rng.normal(size=(6, 3, 3, 3, 8)), jnp.float32)    # [clients, H, W, I, O]
+  dims = ('NHWC', 'HWIO', 'NHWC')
 
   def client_loss(conv):
     def loss(w, x):
-      y = conv(x, w, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'),
-               precision='highest')
+      y = conv(x, w, (1, 1), 'VALID', dimension_numbers=dims, precision='highest')
       return jnp.sum(y ** 2)
     return jax.vmap(jax.value_and_grad(loss))
 
   got = client_loss(conv_lib.patch_conv)(w, x)
   want = client_loss(lax.conv_general_dilated)(w, x)
-  for a, b in zip(got, want):
-    np.testing.assert_allclose(a, b, rtol=1e-4)
+  # Tolerance. Each output y = conv(x, w) sums K = 3*3*3 = 27 products, so
+  # either implementation is within gamma_27 * Y of the exact value, where
+  # Y = conv(|x|, |w|). The loss sum(y**2) adds the 4*8*8*8 = 2048 squares,
+  # and dL/dw = 2 sum y x sums M = 4*8*8 = 256 products per weight; to first
+  # order their errors are at most (2 gamma_27 + gamma_2048) sum Y**2 and
+  # (gamma_27 + gamma_256) G, with G = 2 sum Y |x| (the same gradient with
+  # absolute values). Two implementations: twice that (float_tolerance.atol).
+  with jax.enable_x64():
+    ax = jnp.abs(jnp.asarray(x, jnp.float64))
+    aw = jnp.abs(jnp.asarray(w, jnp.float64))
+    conv = lambda w, x: lax.conv_general_dilated(x, w, (1, 1), 'VALID',
+                                                 dimension_numbers=dims)
+    y_abs = jax.vmap(conv)(aw, ax)
+    g_abs = jax.vmap(lambda w, x, ct: jax.vjp(lambda w: conv(w, x), w)[1](ct)[0])(
+        aw, ax, 2 * y_abs)
+    loss_abs = jnp.sum(y_abs ** 2, axis=(1, 2, 3, 4))
+  (loss_a, grad_a), (loss_b, grad_b) = got, want
+  assert np.all(np.abs(np.float64(loss_a) - np.float64(loss_b))
+                <= ft.atol(2 * 27 + 2048, np.asarray(loss_abs)))
+  assert np.all(np.abs(np.float64(grad_a) - np.float64(grad_b))
+                <= ft.atol(27 + 256, np.asarray(g_abs)))
   jaxpr = str(jax.make_jaxpr(client_loss(conv_lib.patch_conv))(w, x))
   assert 'conv_general_dilated' not in jaxpr
   assert 'dot_general' in jaxpr
@@ -112,9 +153,10 @@ def test_grouped_convolutions_are_delegated_to_xla():
   x = rng.normal(size=(2, 6, 6, 4)).astype(np.float32)
   w = rng.normal(size=(3, 3, 2, 6)).astype(np.float32)
   args = (x, w, (1, 1), 'SAME', None, None, ('NHWC', 'HWIO', 'NHWC'))
-  np.testing.assert_allclose(
+  # Delegated: the same XLA convolution, so the same numbers.
+  np.testing.assert_array_equal(
       conv_lib.patch_conv(*args, feature_group_count=2),
-      lax.conv_general_dilated(*args, feature_group_count=2), rtol=1e-5)
+      lax.conv_general_dilated(*args, feature_group_count=2))
 
 
 def test_string_padding_with_lhs_dilation_is_refused():
@@ -138,6 +180,9 @@ def test_models_give_the_same_numbers_with_either_convolution(build, batch_shape
           jax.tree.structure(jax.eval_shape(xla.init, jax.random.key(0), batch)))
   loss = lambda model: jax.jit(jax.value_and_grad(lambda p: model.loss_fn(p, batch).mean()))
   (a, ga), (b, gb) = loss(patches)(params), loss(xla)(params)
+  # Not derived from the computation yet: the models compute in float32 only,
+  # and a bound needs the magnitudes of every layer's sums (the layers
+  # themselves are checked against derived bounds above).
   np.testing.assert_allclose(a, b, rtol=1e-5)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-5)

@@ -41,6 +41,9 @@ def test_synthetic_follows_the_generative_model():
     np.testing.assert_array_equal(data['y'], np.argmax(data['x'] @ w + b, axis=1))
     # x ~ N(v, diag(j^-1.2)).
     centred = data['x'] - v
+    # Sampling error with n >= 4000 (fixed seeds, float64: the same on every
+    # machine): a mean of variance <= 1 has standard error <= 1/sqrt(n) = 0.016,
+    # a variance has relative standard error sqrt(2/n) = 0.022; bounds at ~4.
     np.testing.assert_allclose(centred.mean(0), 0, atol=0.06)
     np.testing.assert_allclose(centred.var(0), np.arange(1, 61) ** -1.2, rtol=0.1)
   np.testing.assert_array_equal(fd.synthetic(1.0, 1.0, 5, 0, size_sigma=0.1,
@@ -56,6 +59,7 @@ def test_synthetic_alpha_beta_control_heterogeneity():
     # across clients estimates alpha and beta.
     return (np.std([m[0].mean() for m in models]), np.std([m[2].mean() for m in models]))
   a, b = spread(1.0, 0.5)
+  # A standard deviation of 300 draws: relative standard error 1/sqrt(600) = 0.04.
   assert a == pytest.approx(1.0, rel=0.15) and b == pytest.approx(0.5, rel=0.15)
   a0, b0 = spread(0.0, 0.0)
   assert a0 < 0.1 and b0 < 0.2
@@ -69,6 +73,8 @@ def test_synthetic_sizes_are_lognormal_plus_50():
   extra = ds.examples_per_client() - 50
   assert extra.min() >= 0
   # floor(LogNormal(4, 2)): median e^4, and P(> e^6) = P(Z > 1) = 0.159.
+  # 4000 draws: the median's log has standard error sqrt(pi/2) 2 / sqrt(4000)
+  # = 0.04; the binomial share sqrt(0.159 * 0.841 / 4000) = 0.006.
   assert np.median(extra) == pytest.approx(np.exp(4), rel=0.1)
   assert np.mean(extra >= np.exp(6)) == pytest.approx(0.159, abs=0.02)
   capped = fd.synthetic(0.5, 0.5, num_clients=4000, seed=2, max_examples=100)
@@ -193,3 +199,36 @@ def test_from_tfds_partitioned_and_errors(mock_mnist):
     fd.from_tfds('mnist', 'train', group_key='writer')
   with pytest.raises(ValueError, match='exactly one'):
     fd.from_tfds('mnist', 'train')
+
+
+def test_from_tfds_offline_fails_in_one_line_within_seconds(tmp_path, monkeypatch):
+  tfds = pytest.importorskip('tensorflow_datasets')
+  import time
+  from fedjx.datasets import tfds_source
+
+  def unreachable(address, timeout=None):
+    raise OSError(101, 'Network is unreachable')
+
+  real_source = tfds.data_source
+
+  def no_download(*args, download=True, **kwargs):
+    assert not download, 'a download was attempted'
+    return real_source(*args, download=False, **kwargs)
+
+  monkeypatch.setattr(tfds_source.socket, 'create_connection', unreachable)
+  monkeypatch.setattr(tfds, 'data_source', no_download)
+  start = time.perf_counter()
+  with pytest.raises(ConnectionError) as e:
+    fd.from_tfds('mnist', 'train', group_key='label', data_dir=os.fspath(tmp_path))
+  assert time.perf_counter() - start < 30
+  message = str(e.value)
+  assert '\n' not in message
+  assert "'mnist' is not prepared" in message and 'network is unreachable' in message
+  assert 'read_tff_hdf5' in message
+
+
+def test_tfds_preparation_imports_are_installed():
+  # TFDS imports these when it prepares a dataset; a fresh install must have them.
+  import importlib_resources  # noqa: F401
+  pytest.importorskip('tensorflow_datasets')
+  from tensorflow_datasets.core import dataset_builder  # noqa: F401

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import float_tolerance as ft
 from fedjx import distributed
 from fedjx.experiments import runner
 
@@ -76,8 +77,14 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
   step_one, params_one = _params(tmp_path / 'one')
   step_two, params_two = _params(tmp_path / 'two')
   assert step_one == step_two == 3
+  # The runs differ only in the order of the cross-device reductions. Per
+  # round, the longest chain of float32 sums is about one epoch of the MLP
+  # (64 + 128 + 10 terms per layer, batches of 10, <= 3 steps, forward and
+  # backward) and 8 clients: < 1500 terms; 3 rounds: n = 4500, relative to
+  # each leaf's scale.
+  tol = ft.rtol(4500)
   for a, b in zip(params_one, params_two):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.max(np.abs(b))))
 
 
 def _diloco_config(**overrides):

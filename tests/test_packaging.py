@@ -27,3 +27,49 @@ def test_public_api():
   for name in ('program', 'broadcast', 'map_fn', 'reduce_sum', 'reduce_mean',
                'reduce_weighted_mean'):
     assert name in fedjx.__all__ and callable(getattr(fedjx, name))
+
+
+def _run(code):
+  import subprocess
+  import sys
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                       text=True, timeout=120, check=False)
+  assert out.returncode == 0, out.stderr
+  return out.stdout
+
+
+def test_subpackages_are_reachable_after_import_fedjx_and_imported_lazily():
+  out = _run(
+      'import sys, fedjx\n'
+      "eager = [m for m in fedjx.SUBPACKAGES if 'fedjx.' + m in sys.modules]\n"
+      'print(eager)\n'
+      'print(callable(fedjx.algorithms.fedavg), fedjx.datasets.Cohort.__name__,\n'
+      "      callable(fedjx.models.mlp), 'fedjx.algorithms' in sys.modules)\n"
+      "print(sorted(set(fedjx.SUBPACKAGES) - set(dir(fedjx))))\n")
+  assert out.splitlines() == ['[]', 'True Cohort True True', '[]']
+
+
+def test_help_names_the_subpackages():
+  out = _run('import fedjx, pydoc; print(pydoc.render_doc(fedjx, renderer=pydoc.plaintext))')
+  for name in ('fedjx.algorithms', 'fedjx.datasets', 'fedjx.models', 'fedjx.experiments'):
+    assert name in out
+  import fedjx
+  try:
+    fedjx.no_such_thing  # noqa: B018
+  except AttributeError as e:
+    assert 'no_such_thing' in str(e)
+  else:
+    raise AssertionError('fedjx.no_such_thing did not raise')
+
+
+def test_hypergradient_demo_writes_into_its_workdir_unless_told():
+  spec = importlib.util.spec_from_file_location(
+      'hypergradient_demo', REPO / 'scripts' / 'hypergradient_demo.py')
+  demo = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(demo)
+  args = demo.parse_args([])
+  assert pathlib.Path(args.plot) == pathlib.Path('runs/hypergradient_demo/tuner_lr_trajectory.png')
+  assert not pathlib.Path(args.plot).resolve().is_relative_to(REPO / 'docs')
+  args = demo.parse_args(['--workdir', '/tmp/x'])
+  assert args.plot == '/tmp/x/tuner_lr_trajectory.png'
+  assert demo.parse_args(['--plot', 'a.png']).plot == 'a.png'

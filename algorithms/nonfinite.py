@@ -1,0 +1,215 @@
+"""The non-finite guard: clients whose update is NaN or Inf are left out.
+
+One client with a NaN in its data, a NaN aggregation weight or a diverging
+local step turns ``sum_i w_i Delta_i`` into NaN, and with it the server model,
+for good. With the guard on (``skip_nonfinite=True``, the default of every
+aggregating builder), each client's work is followed, inside the same
+``fedjx.map_fn``, by
+
+    ok_i = all(isfinite(y_i)) and isfinite(w_i) and isfinite(n_i)
+           (y_i the trained model: finite exactly when Delta_i = x - y_i is)
+    w_i, n_i, Delta_i, stats_i  <-  where(ok_i, ., 0)
+    state_i                     <-  where(ok_i, new state_i, old state_i)
+    send w_i Delta_i; the server divides sum_i w_i Delta_i by sum_i w_i
+
+so a skipped client is exactly a client that was not sampled: weight 0 in
+every reduction, its values replaced by zeros before any reduction (so
+``0 * NaN`` never reaches the sum), its stored per-client state (SCAFFOLD's
+``c_i``, DiLoCo's inner optimizer state) unchanged, and its statistics out of
+the round's metrics. The round's metrics gain ``nonfinite_clients``, the
+number of skipped clients (padding clients, ``n_i = 0``, are never counted).
+A round on a cohort with skipped clients equals the round on the cohort
+without them.
+
+Everything happens per client inside the algorithm's one ``map_fn``, and the
+reductions are sums (whose transpose is ``broadcast``), so a guarded round and
+its derivatives are still MapReduce plans (:mod:`fedjx.plan`, Beam,
+``fedjx.export``). The cost is one read of each client's trained model. With
+``skip_nonfinite=False`` nothing is added: the round is the unguarded program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import fedjx
+from fedjx.algorithms import base
+
+METRIC = 'nonfinite_clients'
+
+
+class ClientOutput(NamedTuple):
+  """What one client's work returns, as the guard sees it.
+
+  Attributes:
+    update: what is averaged over the cohort with the weights ``w_i`` (the
+      model update ``Delta_i``); every leaf is checked.
+    stats: per-client metric sums (:func:`base.round_metrics`).
+    extra: other per-client values (zeroed when the client is skipped), e.g.
+      SCAFFOLD's ``Delta c_i``.
+    state: per-client state the server stores after the round.
+    previous_state: the state before the round, stored instead of ``state``
+      when the client is skipped (same structure as ``state``).
+    checked: what is checked, if not ``update``: algorithms pass the trained
+      model ``y_i`` (with a finite server model ``x``, ``Delta_i = x - y_i``
+      is finite when ``y_i`` is), so that the check reads an array that is in
+      memory anyway and ``Delta_i`` is computed in one pass with its weight.
+  """
+
+  update: base.PyTree
+  stats: Mapping[str, jax.Array]
+  extra: base.PyTree = ()
+  state: base.PyTree = ()
+  previous_state: base.PyTree = ()
+  checked: base.PyTree | None = None
+
+
+class Clients(NamedTuple):
+  """The cohort's placed results after the guard.
+
+  Attributes:
+    update, stats, extra, state: as in :class:`ClientOutput`, stacked over
+      clients (placed); a skipped client's are zero (``state``: the previous).
+    weights: the placed aggregation weights ``w_i`` (0 for skipped clients).
+    num_examples: the placed ``n_i`` (0 for skipped clients).
+    weighted_update: when guarded, the placed ``w_i Delta_i`` (else None).
+    totals: when guarded, the reduced ``weights`` (``sum_i w_i``),
+      ``examples`` (``sum_i n_i``), ``clients`` (kept clients with data) and
+      ``skipped`` (skipped clients with data); None when unguarded.
+    skipped: when guarded, the placed flags (1.0 for a skipped client).
+  """
+
+  update: base.PyTree
+  stats: Mapping[str, jax.Array]
+  extra: base.PyTree
+  state: base.PyTree
+  weights: jax.Array
+  num_examples: jax.Array
+  weighted_update: base.PyTree | None = None
+  totals: dict[str, jax.Array] | None = None
+  skipped: jax.Array | None = None
+
+
+def all_finite(tree: base.PyTree) -> jax.Array:
+  """A boolean scalar: every element of every leaf of ``tree`` is finite.
+
+  Computed as ``isfinite(sum_j (x_j - x_j))``: ``x - x`` is 0 for a finite
+  ``x`` and NaN for NaN or +-Inf, so the sum is 0 exactly when all are finite
+  (it cannot overflow). A float sum is one fused pass over each leaf, where
+  ``all(isfinite(x))`` materialises a boolean array first.
+  """
+  total = jnp.zeros((), jnp.float32)
+  for x in jax.tree.leaves(tree):
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+      total = total + jnp.sum(x - x, dtype=jnp.float32)
+  return jnp.isfinite(total)
+
+
+def _guarded(client_fn: Callable[..., ClientOutput],
+             weights_are_counts: bool) -> Callable[..., tuple]:
+  """``client_fn`` followed by the per-client check and replacement."""
+  def run(w, *args):
+    n, args = (w, args) if weights_are_counts else (args[0], args[1:])
+    out = client_fn(*args)
+    checked = out.update if out.checked is None else out.checked
+    ok = all_finite((checked, w, n))
+    zero = lambda t: jax.tree.map(
+        lambda x: jnp.where(ok, x, jnp.zeros_like(x)), t)
+    state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
+                         out.state, out.previous_state)
+    w_kept, n_kept = zero(w), zero(jnp.asarray(n, jnp.float32))
+    weighted = jax.tree.map(lambda u: jnp.where(ok, w_kept * u, 0.0), out.update)
+    skipped = jnp.logical_and(jnp.logical_not(ok), n != 0).astype(jnp.float32)
+    scalars = {'weights': jnp.asarray(w_kept, jnp.float32), 'examples': n_kept,
+               'clients': (n_kept > 0).astype(jnp.float32), 'skipped': skipped}
+    return (zero(out.update), weighted, zero(out.stats), zero(out.extra), state,
+            w_kept, n_kept, skipped, scalars)
+  return run
+
+
+def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
+                weights: jax.Array, num_examples: jax.Array,
+                skip_nonfinite: bool) -> Clients:
+  """``fedjx.map_fn(client_fn, args)``, guarded if ``skip_nonfinite``.
+
+  Args:
+    client_fn: one client's work, returning a :class:`ClientOutput`.
+    args: placed (or broadcast) arguments of ``client_fn``, as for ``map_fn``.
+    weights: the placed aggregation weights ``w_i``.
+    num_examples: the placed ``n_i`` (``cohort.num_examples``).
+    skip_nonfinite: whether to check and skip non-finite clients.
+  """
+  if not skip_nonfinite:
+    out = fedjx.map_fn(client_fn, args)
+    return Clients(out.update, out.stats, out.extra, out.state, weights,
+                   num_examples)
+  # Weights that are the counts themselves (w_i = n_i) go in once.
+  same = weights is num_examples
+  (update, weighted, stats, extra, state, w, n, skipped,
+   scalars) = fedjx.map_fn(
+       _guarded(client_fn, same),
+       ((weights,) if same else (weights, num_examples)) + tuple(args))
+  totals = fedjx.reduce_sum(scalars)
+  return Clients(update, stats, extra, state, w, n, weighted, totals, skipped)
+
+
+def _divide(total: jax.Array, weight: jax.Array) -> jax.Array:
+  nonzero = weight != 0
+  safe = jnp.where(nonzero, weight, 1.0).astype(total.dtype)
+  return jnp.where(nonzero, total / safe, jnp.zeros_like(total))
+
+
+def weighted_mean(clients: Clients) -> base.PyTree:
+  """``sum_i w_i Delta_i / sum_i w_i`` over the kept clients (zero if none).
+
+  Unguarded, this is ``fedjx.reduce_weighted_mean(update, weights)``.
+  Guarded, the clients send ``w_i Delta_i`` (zero when skipped) and the
+  server divides the sum by ``sum_i w_i``: sums are what the derivative of a
+  round can carry back to the clients as a MapReduce plan (the transpose of
+  ``reduce_sum`` is ``broadcast``), whatever the weights are computed from.
+  """
+  if clients.totals is None:
+    return fedjx.reduce_weighted_mean(clients.update, clients.weights)
+  total = clients.totals['weights']
+  return jax.tree.map(lambda s: _divide(s, total),
+                      fedjx.reduce_sum(clients.weighted_update))
+
+
+def weighted_mean_of(clients: Clients, fn: Callable[..., base.PyTree],
+                     args: tuple) -> base.PyTree:
+  """:func:`weighted_mean` of ``fn(*args)`` computed in a further map over clients.
+
+  ``fn`` must give finite values for kept clients (e.g. Streaming DiLoCo's
+  outer gradients of the kept models); skipped clients have weight 0.
+  """
+  if clients.totals is None:
+    return fedjx.reduce_weighted_mean(fedjx.map_fn(fn, args), clients.weights)
+  weighted = fedjx.map_fn(
+      lambda w, *a: jax.tree.map(lambda v: w * v, fn(*a)),
+      (clients.weights,) + tuple(args))
+  total = clients.totals['weights']
+  return jax.tree.map(lambda s: _divide(s, total), fedjx.reduce_sum(weighted))
+
+
+def round_metrics(clients: Clients, **extra: jax.Array) -> base.Metrics:
+  """:func:`base.round_metrics` of a guarded cohort, plus ``nonfinite_clients``.
+
+  Skipped clients count neither in ``clients`` nor in ``examples`` nor in
+  the pooled losses; ``nonfinite_clients`` is their number.
+  """
+  if clients.totals is None:
+    return base.round_metrics(clients.stats, clients.num_examples, **extra)
+  t = clients.totals
+  return base.pooled_metrics(clients.stats, clients=t['clients'],
+                             examples=t['examples'], **extra,
+                             **{METRIC: t['skipped']})
+
+
+def check_flag(fn: str, skip_nonfinite: Any) -> None:
+  if not isinstance(skip_nonfinite, bool):
+    raise ValueError(f'{fn}: skip_nonfinite={skip_nonfinite!r} must be True '
+                     'or False.')
