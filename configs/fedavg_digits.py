@@ -2,10 +2,17 @@
 
 The 1,437 training images are split over 50 clients by Dirichlet label skew
 (alpha = 0.5, Hsu et al. 2019); 360 images are held out centrally. Each round
-10 clients run one epoch of SGD (batch 10) on an MLP with one hidden layer
-of 128 units, and the server averages their models (McMahan et al. 2017). No
-download; the 300 rounds take about 20 seconds on a 2-core CPU (17 s measured,
-96% test accuracy).
+10 clients run one epoch of SGD (learning rate 0.3, batch 10) on an MLP with
+one hidden layer of 128 units, and the server steps along their average
+update (McMahan et al. 2017) with learning rate 2: server learning rate 1 is
+plain model averaging; a larger server step is the SGD case of FedOpt
+(Reddi et al. 2021) and reaches 90% sooner. No download.
+
+Tuned (docs/reproductions.md, ``bash scripts/reproductions.sh runs/repro
+fedopt``): a grid of client learning rates {0.03, 0.1, 0.3} x server
+learning rates {0.3, 1, 2, 3, 5, 10}, seeds 0-2, 150 rounds; the setting
+with the fewest mean rounds to 90% test accuracy among those where every
+seed reached it.
 
   fedjx-run --config configs/fedavg_digits.py --workdir runs/quickstart
 """
@@ -26,6 +33,6 @@ def get_config():
   config.model = dict(name='mlp', hidden=(128,))
   config.algorithm = dict(
       name='fedavg',
-      client_optimizer=optimizer('sgd', learning_rate=0.1),
-      server_optimizer=optimizer('sgd', learning_rate=1.0))
+      client_optimizer=optimizer('sgd', learning_rate=0.3),
+      server_optimizer=optimizer('sgd', learning_rate=2.0))
   return config

@@ -73,7 +73,8 @@ REQUIRED = ('dataset', 'model', 'algorithm')
 # config.nonfinite: what a NaN/Inf does. 'skip': clients with a non-finite
 # update or weight are left out of the aggregate (builders get
 # skip_nonfinite=True) and the run stops only if the server parameters become
-# non-finite; 'stop': also stop at the first round with such a client; 'off':
+# non-finite or every client of a round was non-finite (nothing to
+# aggregate); 'stop': also stop at the first round with such a client; 'off':
 # nothing is checked (builders get skip_nonfinite=False).
 NONFINITE = ('skip', 'stop', 'off')
 # Fields a resumed run may change without changing its results.

@@ -17,7 +17,8 @@
   before its metrics are written, so a crash redoes at most
   ``checkpoint_every`` rounds;
 * after every round the server parameters are checked to be finite
-  (``config.nonfinite``): a non-finite state stops the run with
+  (``config.nonfinite``): a non-finite state, or a round in which every
+  client's update was non-finite (nothing to aggregate), stops the run with
   :class:`NonFiniteError` and is never checkpointed;
 * at the end ``workdir/learning_curve.png`` plots the metrics.
 
@@ -377,8 +378,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
                 step % config.eval_every == 0 or step == config.rounds):
               row.update(exp.evaluate(state.params))
             emit(step, row)
-            if not finite or (config.nonfinite == 'stop' and
-                              row.get('nonfinite_clients', 0) > 0):
+            bad = row.get('nonfinite_clients', 0)
+            if not finite or bad > 0 and (config.nonfinite == 'stop' or
+                                          bad >= row.get('clients', bad)):
               writer.flush()
               raise NonFiniteError(_nonfinite_message(step, row, finite, saved))
             last_row.update(row)
@@ -424,7 +426,10 @@ def _nonfinite_message(step: int, row: Mapping[str, Any], finite: bool,
   """One line: the round (as in the metrics file), what was non-finite, and
   the last good checkpoint."""
   count = int(row.get('nonfinite_clients', 0))
-  if finite:
+  if finite and count >= row.get('clients', count):
+    what = (f'every client ({count}) had a NaN or Inf update or weight, so '
+            'nothing could be aggregated')
+  elif finite:
     what = (f"{count} client(s) had a non-finite update or weight "
             "(config.nonfinite='stop')")
   else:

@@ -327,7 +327,7 @@ def _guarded_fedavg(calls):
 
   def builder(loss_fn, *, skip_nonfinite: bool = True, **kwargs):
     calls.append(skip_nonfinite)
-    algo = algorithms.fedavg(loss_fn, **kwargs)
+    algo = algorithms.fedavg(loss_fn, skip_nonfinite=skip_nonfinite, **kwargs)
 
     def round_(state, cohort, key):
       index = int(state.round_index)
