@@ -1,4 +1,4 @@
-"""DP-FedAvg (McAndrew et al. 2018) on digits with user-level clipping and noise.
+"""DP-FedAvg (McMahan et al. 2018) on digits with user-level clipping and noise.
 
 Each client's update is clipped to L2 norm 1 and Gaussian noise of standard
 deviation ``z C / (q N)`` is added to the average (z = 0.3, fixed denominator
