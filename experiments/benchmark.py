@@ -20,6 +20,7 @@ here, never in tests.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -36,6 +37,7 @@ from fedjx import algorithms
 from fedjx import datasets
 from fedjx import mapping
 from fedjx import models
+from fedjx import placements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,9 +222,27 @@ def _fedavg(loss_fn, lr: float, steps: int, strategy: str, chunk: int | None,
 
 
 def parse_strategy(spec: str) -> tuple[str, int | None]:
-  """``'chunked:16'`` -> ('chunked', 16); ``'vmap'`` -> ('vmap', None)."""
-  name, _, size = spec.partition(':')
+  """``'chunked:16'`` -> ('chunked', 16); ``'vmap'`` -> ('vmap', None).
+
+  A ``nofuse:`` prefix (see :func:`fusion_of`) is ignored here.
+  """
+  name, _, size = fusion_of(spec)[1].partition(':')
   return name, int(size) if size else None
+
+
+UNFUSED_PREFIX = 'nofuse:'
+
+
+def fusion_of(spec: str) -> tuple[bool, str]:
+  """``'nofuse:chunked:64'`` -> (False, 'chunked:64'): the round as written,
+  its ``map_fn`` outputs stacked before the reductions (fedjx.fusion off)."""
+  if spec.startswith(UNFUSED_PREFIX):
+    return False, spec[len(UNFUSED_PREFIX):]
+  return True, spec
+
+
+def _fusion_context(spec: str):
+  return contextlib.nullcontext() if fusion_of(spec)[0] else placements.without_fusion()
 
 
 def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
@@ -259,13 +279,17 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
         holder = {'state': algo.init(params)}
         key = jax.random.key(seed)
 
-        def one_round(algo=algo, holder=holder, key=key):
-          holder['state'], metrics = algo.round(holder['state'], placed, key)
+        def one_round(algo=algo, holder=holder, key=key, spec=spec):
+          with _fusion_context(spec):
+            holder['state'], metrics = algo.round(holder['state'], placed, key)
           return metrics
-        compiled, compile_s = _compile(jax.jit(algo.apply), algo.init(params), placed, key)
+        with _fusion_context(spec):
+          compiled, compile_s = _compile(jax.jit(algo.apply), algo.init(params),
+                                         placed, key)
         k = mapping.choose_chunk_size(strategy, clients, client_bytes, 1, chunk)
         contenders.append(('fedjx', spec, one_round, compiled,
-                           {'chunk_clients': k, 'compile_s': compile_s}))
+                           {'chunk_clients': k, 'compile_s': compile_s,
+                            'fused': fusion_of(spec)[0]}))
       if references:
         refs = reference_rounds(loss_fn, lr)
         drjax_round = _drjax_round(loss_fn, lr, clients)
@@ -291,9 +315,16 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
       central = next((r['ms_per_round'] for r in row if r['strategy'] == 'central'), None)
       best = min(r['ms_per_round'] for r in row if r['kind'] == 'fedjx')
       best_min = min(r['min_ms_per_round'] for r in row if r['kind'] == 'fedjx')
+      unfused = {fusion_of(r['strategy'])[1]: r for r in row
+                 if r['kind'] == 'fedjx' and not fusion_of(r['strategy'])[0]}
       for rec in row:
         if central:
           rec['ratio_vs_central'] = rec['ms_per_round'] / central
+        base = unfused.get(rec['strategy'])
+        if base is not None and rec.get('fused'):
+          # Same round with its outputs stacked, timed interleaved with it.
+          rec['ratio_vs_unfused'] = rec['ms_per_round'] / base['ms_per_round']
+          rec['min_ratio_vs_unfused'] = rec['min_ms_per_round'] / base['min_ms_per_round']
         rec['ratio_vs_best_strategy'] = rec['ms_per_round'] / best
         rec['min_ratio_vs_best_strategy'] = rec['min_ms_per_round'] / best_min
         emit(rec)
@@ -331,16 +362,22 @@ def compile_only(model_names: Sequence[str], cohort_sizes: Sequence[int],
         strategy, chunk = parse_strategy(spec)
         algo = _fedavg(loss_fn, lr, steps, strategy, chunk, client_evaluation)
         state = jax.eval_shape(algo.init, params)
-        compiled, compile_s = _compile(jax.jit(algo.apply), state, cohort,
-                                       jax.random.key(seed))
+        with _fusion_context(spec):
+          compiled, compile_s = _compile(jax.jit(algo.apply), state, cohort,
+                                         jax.random.key(seed))
         analysis = compiled.memory_analysis()
         rec = {'model': name, 'clients': clients, 'steps': steps, 'batch': batch,
                'precision': precision, 'client_evaluation': client_evaluation,
                'kind': 'compile_only', 'strategy': spec,
+               'fused': fusion_of(spec)[0],
                'backend': jax.default_backend(), 'compile_s': compile_s,
                'argument_bytes': int(analysis.argument_size_in_bytes),
                'output_bytes': int(analysis.output_size_in_bytes),
                'temp_bytes': int(analysis.temp_size_in_bytes),
+               # XLA's planned temporaries and outputs: what the round needs
+               # beyond its inputs.
+               'peak_minus_arguments_bytes': int(analysis.output_size_in_bytes +
+                                                 analysis.temp_size_in_bytes),
                'peak_bytes': int(analysis.argument_size_in_bytes +
                                  analysis.output_size_in_bytes +
                                  analysis.temp_size_in_bytes)}

@@ -104,12 +104,13 @@ fusable_map_p.def_impl(_fusable_map_impl)
 class Recorder:
   """Per-program-call switch: whether ``map_fn`` records fusable maps now.
 
-  Off while a recorded map's own per-member function is traced, so maps
-  nested inside it run as written.
+  On only while :func:`call_program` traces the program, and off while a
+  recorded map's own per-member function is traced, so maps nested inside
+  it, and programs run as written, are never recorded.
   """
 
   def __init__(self):
-    self.active = True
+    self.active = False
 
   def record(self, fn: Callable[[list, list], Any], placed: Sequence[Any],
              shared: Sequence[Any], n: int, k: int, placement: str) -> Any:
@@ -136,7 +137,8 @@ def call_program(f: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
   frames = placements_lib.current_frames()
   frame = frames[-1]
   if (frame.recorder is None or len(frames) > 1 or len(frame.placements) > 1
-      or placements_lib.forced_map_strategy() is not None):
+      or placements_lib.forced_map_strategy() is not None
+      or not placements_lib.fusion_enabled()):
     return f(*args, **kwargs)
   leaves, treedef = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)
@@ -150,12 +152,12 @@ def call_program(f: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return f(*a, **kw)
 
   values = [leaves[i] for i in dynamic]
-  closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*values)
-  frame.recorder.active = False
+  frame.recorder.active = True
   try:
-    outs = evaluate(closed.jaxpr, closed.consts, values)
+    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*values)
   finally:
-    frame.recorder.active = True
+    frame.recorder.active = False
+  outs = evaluate(closed.jaxpr, closed.consts, values)
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 

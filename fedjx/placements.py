@@ -218,6 +218,26 @@ def forced_map_strategy() -> str | None:
   return _FORCED_STRATEGY.value
 
 
+# Also a JAX user context, for the same reason: traces with and without
+# fusion are cached apart.
+_FUSION = jax.make_user_context(default_value=True)
+
+
+@contextlib.contextmanager
+def without_fusion() -> Iterator[None]:
+  """Runs the programs called in the block as written, as ``fuse=False`` does.
+
+  For measuring what fusion saves (``scripts/benchmark.py``) and for
+  comparing fused and unfused rounds of code that builds its own programs.
+  """
+  with _FUSION(False):
+    yield
+
+
+def fusion_enabled() -> bool:
+  return bool(_FUSION.value)
+
+
 def current_frames() -> tuple[_Frame, ...]:
   return _STACK.get()
 

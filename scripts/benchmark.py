@@ -5,6 +5,12 @@ Example (CPU):
       --clients=4,8,16,32,64 --strategies=vmap,chunked:4,sequential,auto \
       --steps=2 --batch=8 --out=runs/benchmark_cpu.jsonl --plot=runs/benchmark_cpu.png
 On a GPU use --clients=16,64,256,1024,4096 and chunk sizes such as chunked:64.
+
+Fused against stacked (fedjx.fusion), memory plan and interleaved time:
+  python scripts/benchmark.py --compile_only --models=cnn --clients=1024,10000 \
+      --strategies=auto,nofuse:auto --steps=8 --batch=20
+  python scripts/benchmark.py --models=cnn --clients=16,64 \
+      --strategies=auto,nofuse:auto --no_references --repeats=10
 """
 
 from absl import app
@@ -14,8 +20,10 @@ from fedjx.experiments import benchmark
 
 _MODELS = flags.DEFINE_list('models', ['logreg', 'cnn', 'transformer'], 'Models.')
 _CLIENTS = flags.DEFINE_list('clients', ['4', '8', '16', '32', '64'], 'Cohort sizes.')
-_STRATEGIES = flags.DEFINE_list('strategies', ['vmap', 'chunked:4', 'sequential', 'auto'],
-                                'Map strategies; chunked:K sets the chunk size.')
+_STRATEGIES = flags.DEFINE_list(
+    'strategies', ['vmap', 'chunked:4', 'sequential', 'auto'],
+    'Map strategies; chunked:K sets the chunk size; a nofuse: prefix runs the '
+    'round with its client outputs stacked before the reductions (no fusion).')
 _STEPS = flags.DEFINE_integer('steps', 2, 'Local SGD steps per client.')
 _BATCH = flags.DEFINE_integer('batch', 8, 'Examples per local step.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed rounds after the first.')
