@@ -38,6 +38,7 @@ import ml_collections
 import numpy as np
 
 from fedjx import datasets
+from fedjx import execution as execution_lib
 from fedjx import models
 from fedjx.experiments import checkpointing
 from fedjx.experiments import metrics_writers
@@ -62,6 +63,7 @@ DEFAULTS: dict[str, Any] = {
     'checkpoints_to_keep': 2,
     'map_strategy': 'auto',
     'chunk_size': None,
+    'execution': 'auto',        # 'jit' | 'streaming' | 'auto' (fedjx.execution)
     'metrics_format': 'jsonl',
     'tensorboard': True,
     'plot': True,
@@ -78,7 +80,7 @@ REQUIRED = ('dataset', 'model', 'algorithm')
 RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
                      'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep',
                      'mesh', 'param_sharding', 'coordinator_address',
-                     'num_processes', 'process_id')
+                     'num_processes', 'process_id', 'execution')
 
 TRAIN_LOSS_KEYS = ('train_loss', 'train_loss_before', 'train_loss_during',
                    'loss')
@@ -158,6 +160,9 @@ def validate(config: Any) -> ml_collections.ConfigDict:
   for key, value in kwargs.items():
     if key.endswith('optimizer') and isinstance(value, Mapping):
       registry.build_optimizer(value, where=f'algorithm.{key}')
+  if config.execution not in execution_lib.EXECUTIONS:
+    raise registry.ConfigError(f'config.execution={config.execution!r} is not one of '
+                      f'{execution_lib.EXECUTIONS}.')
   return config
 
 
@@ -451,9 +456,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook],
         emit(0, exp.evaluate(state.params))
       if start < config.rounds:
         cohorts = exp.cohorts(start, config.rounds)
+        run_round = execution_lib.round_runner(exp.algorithm, config.execution,
+                                               config.chunk_size, log)
         try:
           for r, cohort in zip(range(start, config.rounds), cohorts):
-            state, metrics = exp.algorithm.round(state, cohort, exp.round_key_for(r))
+            state, metrics = run_round(state, cohort, exp.round_key_for(r))
             step = r + 1
             row = _scalars(metrics)
             if exp.evaluate is not None and (step % config.eval_every == 0 or
