@@ -339,21 +339,17 @@ def run(spec: MapSpec, operands: Sequence[Any], reductions: Sequence[_Reduction]
       w_dtype = (out_avals[r.weights[1]].dtype if r.weights[0] == 'out'
                  else jnp.result_type(r.weights[1]))
     dtypes.append(_result_dtype(r.kind, x_dtype, w_dtype))
-  padded = k * m > n
+  # Chunk c covers members [start_c, start_c + k) with start_c = min(c k, n - k):
+  # the inputs are sliced in place (no padded or reshaped copy of the
+  # cohort's data), and in a last chunk that overlaps the one before, the
+  # members counted already get zero weight.
+  overlap = k > 1 and n % k != 0
   on_cpu = jax.default_backend() == 'cpu'
-
-  def to_grid(x, fill=None):
-    if k == 1:
-      return x
-    if padded:
-      extra = k * m - n
-      tail = (jnp.zeros((extra,) + x.shape[1:], x.dtype) if fill == 0 else
-              jnp.broadcast_to(x[-1:], (extra,) + x.shape[1:]))
-      x = jnp.concatenate([x, tail])
-    return x.reshape((m, k) + x.shape[1:])
-
-  valid = (jnp.arange(k * m) < n).reshape(m, k) if padded else None
-  grid_w = [None if w is None else to_grid(jnp.asarray(w), fill=0) for w in w_values]
+  if k == 1:
+    xs = (placed, [None if w is None else jnp.asarray(w) for w in w_values])
+  else:
+    starts = jnp.minimum(jnp.arange(m) * k, n - k)
+    xs = (starts, jnp.arange(m) * k)
 
   def init(r, dtype):
     acc = carry_dtype(dtype)
@@ -361,7 +357,15 @@ def run(spec: MapSpec, operands: Sequence[Any], reductions: Sequence[_Reduction]
     return (total, jnp.zeros((), acc)) if r.kind == 'weighted_mean' else (total,)
 
   def body(carry, xs):
-    chunk, ws, ok = xs
+    if k == 1:
+      chunk, ws = xs
+      ok = None
+    else:
+      start, first = xs
+      chunk = [jax.lax.dynamic_slice_in_dim(x, start, k) for x in placed]
+      ws = [None if w is None else jax.lax.dynamic_slice_in_dim(jnp.asarray(w), start, k)
+            for w in w_values]
+      ok = start + jnp.arange(k) >= first if overlap else None
     outs = outputs(chunk)
     new = []
     for r, dtype, (total, *rest), w in zip(reductions, dtypes, carry, ws):
@@ -386,9 +390,8 @@ def run(spec: MapSpec, operands: Sequence[Any], reductions: Sequence[_Reduction]
     return new, [outs[j] for j in keep]
 
   carry0 = [init(r, d) for r, d in zip(reductions, dtypes)]
-  xs = ([to_grid(x) for x in placed], grid_w, valid)
   carry, ys = jax.lax.scan(body, carry0, xs)
-  stacked = [y if k == 1 else y.reshape((k * m,) + y.shape[2:])[:n] for y in ys]
+  stacked = [_unchunk(y, n, k, m) for y in ys]
   reduced = []
   for r, dtype, (total, *rest) in zip(reductions, dtypes, carry):
     if r.kind == 'sum':
@@ -398,3 +401,13 @@ def run(spec: MapSpec, operands: Sequence[Any], reductions: Sequence[_Reduction]
     else:
       reduced.append((total * primitives._inverse_total(rest[0])).astype(dtype))  # pylint: disable=protected-access
   return stacked, reduced
+
+
+def _unchunk(y, n, k, m):
+  """Stacked chunk outputs ``[m, k, ...]`` (last chunk ending at ``n``) -> ``[n, ...]``."""
+  if k == 1:
+    return y
+  if n % k == 0:
+    return y.reshape((n,) + y.shape[2:])
+  tail = n - (m - 1) * k  # New members in the last chunk, at its end.
+  return jnp.concatenate([y[:-1].reshape(((m - 1) * k,) + y.shape[2:]), y[-1, k - tail:]])
