@@ -386,6 +386,97 @@ def compile_only(model_names: Sequence[str], cohort_sizes: Sequence[int],
   return records
 
 
+def lazy_clients(workload: Workload, clients: int, steps: int, batch: int,
+                 seed: int = 0) -> Any:
+  """The cohort of :func:`make_cohort`'s shapes as a ``fedjx.streaming.Clients``
+  whose data is made chunk by chunk (each client's from its own seed), so
+  no more than one chunk of it is ever in host memory."""
+  from fedjx import streaming  # pylint: disable=g-import-not-at-top
+
+  def load(ids):
+    ids = np.asarray(ids)
+    parts = [workload.example(np.random.default_rng((seed, int(i))), (1, steps, batch))
+             for i in ids]
+    batches = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    mask = np.ones((len(ids), steps, batch), bool)
+    return datasets.Cohort(batches, mask, np.full((len(ids),), steps * batch, np.float32),
+                           ids.astype(np.int32))
+
+  one = load([0])
+  spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), one)
+  return streaming.Clients(range(clients), load, spec)
+
+
+def _rss_bytes() -> tuple[int, int]:
+  """(current, peak) resident memory of this process, in bytes (Linux)."""
+  import resource  # pylint: disable=g-import-not-at-top
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  current = peak
+  try:
+    with open('/proc/self/statm', encoding='ascii') as f:
+      current = int(f.read().split()[1]) * resource.getpagesize()
+  except OSError:  # pragma: no cover - not Linux
+    pass
+  return current, peak
+
+
+def streaming_round(model_name: str, clients: int, chunk: int, steps: int, batch: int,
+                    lr: float = 0.01, emit: Callable[[dict], None] = print,
+                    seed: int = 0, compare_jit: bool = False,
+                    repeats: int = 3) -> dict:
+  """One FedAvg round streamed in chunks of ``chunk`` clients: time and memory.
+
+  Reports the process's peak resident memory (``peak_rss_bytes``; run one
+  cohort size per process, as the peak never goes down) and its resident
+  memory before the round. With ``compare_jit``, the compiled round on the
+  same cohort (materialized) is timed interleaved with the streamed one and
+  ``ratio_vs_jit`` is their ratio of medians.
+  """
+  from fedjx import streaming  # pylint: disable=g-import-not-at-top
+  workload, loss_fn = _workload_and_loss(model_name, 'float32')
+  source = lazy_clients(workload, clients, steps, batch, seed)
+  example = source.load([0])
+  params = workload.model.init(jax.random.key(seed),
+                               jax.tree.map(lambda a: a[0, 0], example.batches))
+  algo = _fedavg(loss_fn, lr, steps, 'auto', None, False)
+  state, key = algo.init(params), jax.random.key(seed)
+  rss_before, _ = _rss_bytes()
+
+  def streamed():
+    return streaming.run(algo.apply, state, source, key, chunk_size=chunk)
+
+  calls = [streamed]
+  if compare_jit:
+    placed = datasets.place_cohort(source.load(range(clients)))
+    jitted = jax.jit(algo.apply)
+    calls.append(lambda: jitted(state, placed, key))
+    timings = _time_interleaved(calls, repeats, min_seconds=0.0)
+  else:
+    start = time.perf_counter()
+    jax.block_until_ready(streamed())
+    first = time.perf_counter() - start
+    timings = [(first, first, first)]
+  _, peak = _rss_bytes()
+  rec = {'model': model_name, 'clients': clients, 'steps': steps, 'batch': batch,
+         'kind': 'streaming', 'chunk_clients': chunk,
+         'backend': jax.default_backend(),
+         'first_call_s': timings[0][0], 'ms_per_round': 1e3 * timings[0][1],
+         'rss_before_round_bytes': rss_before, 'peak_rss_bytes': peak,
+         'device_peak_bytes_so_far': device_peak_bytes(),
+         'data_bytes_per_chunk': chunk * sum(
+             int(np.prod(a.shape[1:])) * a.dtype.itemsize
+             for a in jax.tree.leaves(example)),
+         'data_bytes_of_cohort': clients * sum(
+             int(np.prod(a.shape[1:])) * a.dtype.itemsize
+             for a in jax.tree.leaves(example))}
+  if compare_jit:
+    rec['jit_ms_per_round'] = 1e3 * timings[1][1]
+    rec['ratio_vs_jit'] = timings[0][1] / timings[1][1]
+    rec['min_ratio_vs_jit'] = timings[0][2] / timings[1][2]
+  emit(rec)
+  return rec
+
+
 def plot(records: Sequence[dict], path: str) -> None:
   """ms per round against cohort size, one panel per model, one line per strategy."""
   import matplotlib

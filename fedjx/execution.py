@@ -60,9 +60,10 @@ def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
                      f'{EXECUTIONS}.')
   chunk = chunk_size or DEFAULT_STREAMING_CHUNK
 
+  streamer = streaming.Streamer(algorithm.apply, chunk)
+
   def stream(state, cohort, key):
-    return streaming.run(algorithm.apply, state, streaming.Clients.from_arrays(cohort),
-                         key, chunk_size=chunk)
+    return streamer(state, streaming.Clients.from_arrays(cohort), key)
 
   if execution == 'jit':
     return algorithm.round

@@ -119,8 +119,8 @@ def run(fn: Callable[..., Any], *args: Any, chunk_size: int = 64) -> Any:
       algorithm's ``apply``; it may be jitted.
     *args: its arguments; a :class:`Clients` stands for placed values the
       clients hold, loaded ``chunk_size`` clients at a time.
-    chunk_size: clients per chunk (the last chunk is padded with copies of
-      its last client, which carry zero weight).
+    chunk_size: clients per chunk (a last, shorter chunk is padded with
+      copies of its last client, which carry zero weight).
 
   Returns:
     ``fn``'s outputs (device arrays), the same pytree as ``fn(*args)``.
@@ -128,17 +128,46 @@ def run(fn: Callable[..., Any], *args: Any, chunk_size: int = 64) -> Any:
   Raises:
     NotStreamableError: the round keeps per-client values across a
       reduction, or returns per-client values.
+
+  Each call traces and compiles afresh; :class:`Streamer` keeps both between
+  rounds.
   """
-  if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-    raise ValueError(f'fedjx.streaming.run: chunk_size={chunk_size!r}; it must '
-                     'be a positive int.')
+  return Streamer(fn, chunk_size)(*args)
+
+
+class Streamer:
+  """``Streamer(fn, chunk_size)(*args)`` is :func:`run`, keeping the plan and
+  the compiled server and chunk work between calls with the same shapes."""
+
+  def __init__(self, fn: Callable[..., Any], chunk_size: int = 64):
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+      raise ValueError(f'fedjx.streaming.run: chunk_size={chunk_size!r}; it must '
+                       'be a positive int.')
+    self.fn = fn
+    self.chunk_size = chunk_size
+    self._cache: dict[str, dict[Any, Any]] = {}
+
+  def __call__(self, *args: Any) -> Any:
+    return _run(self.fn, args, self.chunk_size, self._cache)
+
+
+def _shapes_key(args) -> str:
+  specs = [a.placed_spec() if isinstance(a, Clients) else a for a in args]
+  return str((jax.tree.structure(specs),
+              [(np.shape(x), str(getattr(x, 'dtype', type(x)))) for x in jax.tree.leaves(specs)]))
+
+
+def _run(fn, args, chunk_size, cache) -> Any:
   client_positions = [k for k, a in enumerate(args) if isinstance(a, Clients)]
   if not client_positions:
     raise ValueError('fedjx.streaming.run: no argument is a fedjx.streaming.Clients; '
                      'pass the cohort as Clients.from_arrays(...) or '
                      'Clients.from_dataset(...).')
   trace_args = [a.placed_spec() if isinstance(a, Clients) else a for a in args]
-  plan = plan_lib.trace_plan_with_clients(fn, trace_args, client_positions)
+  entry = cache.setdefault(_shapes_key(args), {})
+  if 'plan' not in entry:
+    entry['plan'] = plan_lib.trace_plan_with_clients(fn, trace_args, client_positions)
+  plan = entry['plan']
   n = plan.num_clients
   env: dict[int, Any] = {i: jnp.asarray(v) for i, v in plan.consts.items()}
   sources: list[tuple[Clients, list[int]]] = []
@@ -168,7 +197,9 @@ def run(fn: Callable[..., Any], *args: Any, chunk_size: int = 64) -> Any:
       progressed = False
       for step in list(remaining):
         if isinstance(step, plan_lib.ServerStep) and all(i in env for i in step.in_ids):
-          outs = jax.jit(step.function())(*[env[i] for i in step.in_ids])
+          if id(step) not in entry:
+            entry[id(step)] = jax.jit(step.function())
+          outs = entry[id(step)](*[env[i] for i in step.in_ids])
           env.update(zip(step.out_ids, outs))
         elif isinstance(step, plan_lib.BroadcastStep) and step.in_id in env:
           bcast[step.out_id] = step.in_id
@@ -182,7 +213,7 @@ def run(fn: Callable[..., Any], *args: Any, chunk_size: int = 64) -> Any:
     for step in one_pass.maps + one_pass.reduces:
       remaining.remove(step)
     _check_no_later_use(plan, one_pass, remaining, client_inputs)
-    env.update(_run_pass(plan, one_pass, env, bcast, sources, n, chunk_size))
+    env.update(_run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry))
   outs = [jnp.broadcast_to(env[bcast[i]], (n,) + jnp.shape(env[bcast[i]]))
           if i in bcast else env[i] for i in plan.out_ids]
   return jax.tree.unflatten(plan.out_tree, outs)
@@ -232,7 +263,7 @@ def _check_no_later_use(plan, one_pass, remaining, client_inputs) -> None:
           'with execution="jit".')
 
 
-def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size) -> dict[int, Any]:
+def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict[int, Any]:
   """Runs one pass over the clients in chunks; returns the reductions."""
   k = min(chunk_size, n)
   m = math.ceil(n / k)
@@ -293,7 +324,11 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size) -> dict[int, A
     partial, collected = chunk_work(whole_vals, server_chunk, client_chunk, valid)
     return [_add(c, p) for c, p in zip(carry, partial)], collected
 
-  step = jax.jit(step, donate_argnums=0)
+  # The chunk's work depends on the plan and the pass only: compiled once.
+  key = ('pass',) + tuple(id(x) for x in maps + reduces)
+  if key not in entry:
+    entry[key] = jax.jit(step, donate_argnums=0)
+  step = entry[key]
   carry = [_zero_carry(plan, r, d) for r, d in zip(sums, dtypes)]
   collected_host = [np.empty((n,) + plan_lib.host_spec(plan.avals[r.x_id]).shape[1:],
                              plan_lib.host_spec(plan.avals[r.x_id]).dtype)
@@ -305,7 +340,7 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size) -> dict[int, A
     start, stop = c * k, min(n, (c + 1) * k)
     chunk = {}
     for source, ids in sources:
-      values = jax.tree.leaves(source.load(list(source.client_ids)[start:stop]))
+      values = jax.tree.leaves(source.load(source.client_ids[start:stop]))
       chunk.update(zip(ids, (jax.device_put(_pad_host(np.asarray(v), k)) for v in values)))
     valid = jax.device_put(np.arange(start, start + k) < stop)
     return chunk, valid

@@ -6,6 +6,13 @@ Example (CPU):
       --steps=2 --batch=8 --out=runs/benchmark_cpu.jsonl --plot=runs/benchmark_cpu.png
 On a GPU use --clients=16,64,256,1024,4096 and chunk sizes such as chunked:64.
 
+Streamed rounds (fedjx.streaming), one cohort size per process:
+  for n in 1000 10000 100000 1000000; do
+    python scripts/benchmark.py --streaming=1000 --models=logreg --clients=$n \
+        --steps=2 --batch=8; done
+  python scripts/benchmark.py --streaming=64 --models=logreg,cnn --clients=1024 \
+      --compare_jit --steps=2 --batch=8 --repeats=5
+
 Fused against stacked (fedjx.fusion), memory plan and interleaved time:
   python scripts/benchmark.py --compile_only --models=cnn --clients=1024,10000 \
       --strategies=auto,nofuse:auto --steps=8 --batch=20
@@ -35,6 +42,14 @@ _NO_REFS = flags.DEFINE_bool('no_references', False, 'Skip the reference rounds.
 _COMPILE_ONLY = flags.DEFINE_bool(
     'compile_only', False,
     "Only compile each round from shapes and print XLA's memory plan.")
+_STREAMING = flags.DEFINE_integer(
+    'streaming', None,
+    'Stream one FedAvg round per cohort size in chunks of this many clients '
+    '(fedjx.streaming) and print its time and peak resident memory; run one '
+    'cohort size per process for the peak.')
+_COMPARE_JIT = flags.DEFINE_bool(
+    'compare_jit', False, 'With --streaming: also time the compiled round, '
+    'interleaved, and print the ratio.')
 _EVALUATION = flags.DEFINE_bool(
     'client_evaluation', False,
     "Also evaluate each client before and after training (fedjx's default in "
@@ -52,6 +67,15 @@ def main(argv):
       out.write(line + '\n')
       out.flush()
 
+  if _STREAMING.value:
+    for name in _MODELS.value:
+      for clients in _CLIENTS.value:
+        benchmark.streaming_round(name, int(clients), _STREAMING.value, _STEPS.value,
+                                  _BATCH.value, emit=emit, compare_jit=_COMPARE_JIT.value,
+                                  repeats=_REPEATS.value)
+    if out:
+      out.close()
+    return
   if _COMPILE_ONLY.value:
     benchmark.compile_only(_MODELS.value, [int(c) for c in _CLIENTS.value],
                            _STRATEGIES.value, _STEPS.value, _BATCH.value,
