@@ -387,23 +387,22 @@ def compile_only(model_names: Sequence[str], cohort_sizes: Sequence[int],
 
 
 def lazy_clients(workload: Workload, clients: int, steps: int, batch: int,
-                 seed: int = 0) -> Any:
-  """The cohort of :func:`make_cohort`'s shapes as a ``fedjx.streaming.Clients``
-  whose data is made chunk by chunk (each client's from its own seed), so
-  no more than one chunk of it is ever in host memory."""
+                 seed: int = 0, distinct: int = 256) -> Any:
+  """A cohort of :func:`make_cohort`'s shapes as a ``fedjx.streaming.Clients``
+  whose chunks are assembled when loaded, so no more than one chunk of it is
+  in host memory. Client ``i`` holds the data of ``i mod distinct`` of
+  ``distinct`` random clients made once (making 100,000 clients' random
+  images would take longer than their round)."""
   from fedjx import streaming  # pylint: disable=g-import-not-at-top
+  pool = make_cohort(workload, min(distinct, clients), steps, batch, seed)
 
   def load(ids):
     ids = np.asarray(ids)
-    parts = [workload.example(np.random.default_rng((seed, int(i))), (1, steps, batch))
-             for i in ids]
-    batches = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    mask = np.ones((len(ids), steps, batch), bool)
-    return datasets.Cohort(batches, mask, np.full((len(ids),), steps * batch, np.float32),
-                           ids.astype(np.int32))
+    rows = ids % len(pool.client_ids)
+    return datasets.Cohort(jax.tree.map(lambda a: a[rows], pool.batches), pool.mask[rows],
+                           pool.num_examples[rows], ids.astype(np.int32))
 
-  one = load([0])
-  spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), one)
+  spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), load([0]))
   return streaming.Clients(range(clients), load, spec)
 
 

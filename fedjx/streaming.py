@@ -354,6 +354,9 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
       server_chunk = {i: jax.lax.dynamic_slice_in_dim(v, c * k, k)
                       for i, v in padded_server.items()}
       carry, collected = step(carry, whole_vals, server_chunk, client_chunk, valid)
+      # One chunk computes while the next loads: waiting here keeps dispatch
+      # from queueing every chunk's data at once (memory would grow with m).
+      jax.block_until_ready(carry)
       stop = min(n, (c + 1) * k)
       for host, value in zip(collected_host, collected):
         host[c * k:stop] = plan_lib.to_host(value)[:stop - c * k]
