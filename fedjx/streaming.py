@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjx import fusion
+from fedjx import mapping
 from fedjx import plan as plan_lib
 from fedjx import primitives
 
@@ -291,10 +292,21 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
     for s in maps:
       f = s.function()
       consts = [local[i] for i in s.const_ids]
-      xs = [unmapped[i] if i in unmapped else local[i] for i in s.x_ids]
-      axes = [None if i in unmapped else 0 for i in s.x_ids]
-      outs = jax.vmap(lambda *x, f=f, consts=consts: f(*consts, *x),
-                      in_axes=axes)(*xs)
+      mapped = [local[i] for i in s.x_ids if i not in unmapped]
+
+      def one(xs, s=s, f=f, consts=consts):
+        xs = iter(xs)
+        return f(*consts, *[unmapped[i] if i in unmapped else next(xs)
+                            for i in s.x_ids])
+      # Within the chunk, clients run as map_fn's 'auto' strategy would run
+      # them (on CPU: large clients one at a time, small ones vmapped).
+      if not mapped:  # Every input is the same for all clients.
+        outs = [jnp.broadcast_to(o, (k,) + jnp.shape(o)) for o in one([])]
+      else:
+        client_bytes = sum(_nbytes(v) for v in consts + list(unmapped.values())) + sum(
+            _nbytes(x) // k for x in mapped)
+        inner = mapping.choose_chunk_size('auto', k, client_bytes, 1)
+        outs = mapping.run_mapped(one, mapped, k, inner, 'clients', None)
       local.update(zip(s.out_ids, outs))
 
     def value(i):
@@ -418,3 +430,8 @@ def _pad_host(x, total):
   if extra == 0:
     return x
   return np.concatenate([x, np.broadcast_to(x[-1:], (extra,) + x.shape[1:])])
+
+
+def _nbytes(x) -> int:
+  itemsize = getattr(getattr(x, 'dtype', None), 'itemsize', None) or 4
+  return int(np.prod(jnp.shape(x))) * itemsize
