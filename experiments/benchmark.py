@@ -441,8 +441,10 @@ def streaming_round(model_name: str, clients: int, chunk: int, steps: int, batch
   state, key = algo.init(params), jax.random.key(seed)
   rss_before, _ = _rss_bytes()
 
+  streamer = streaming.Streamer(algo.apply, chunk)  # Traced and compiled once.
+
   def streamed():
-    return streaming.run(algo.apply, state, source, key, chunk_size=chunk)
+    return streamer(state, source, key)
 
   calls = [streamed]
   if compare_jit:
