@@ -132,7 +132,7 @@ def test_grad_and_jvp_through_a_fused_round():
     def f(theta, w):
       new, after, _, total = program(theta, x, y, w)
       return jnp.sum(new ** 2) + after + jnp.sum(total)
-    return f
+    return jax.jit(f)
 
   with jax.enable_x64(True):
     theta64 = np.array([0.3, -0.2, 0.5])
