@@ -70,3 +70,24 @@ def test_config_execution_is_validated():
   assert runner.validate(config).execution == 'streaming'
   assert runner.validate({k: v for k, v in config.items() if k != 'execution'}
                          ).execution == 'auto'
+
+
+def test_runner_streams_rounds_to_the_same_results(tmp_path):
+  def config(execution):
+    return ml_collections.ConfigDict({
+        'seed': 1, 'rounds': 2, 'cohort_size': 5, 'batch_size': 16,
+        'local_epochs': 1, 'eval_every': 2, 'checkpoint_every': 2,
+        'progress': False, 'plot': False, 'tensorboard': False,
+        'chunk_size': 2, 'execution': execution,
+        'dataset': {'name': 'digits', 'num_clients': 12, 'alpha': 0.5},
+        'model': {'name': 'logistic_regression'},
+        'algorithm': {'name': 'fedavg'}})
+
+  logged = []
+  jit = runner.run(config('jit'), str(tmp_path / 'jit'), log=logged.append)
+  streamed = runner.run(config('streaming'), str(tmp_path / 'streaming'),
+                        log=logged.append)
+  for g, w in zip(jax.tree.leaves(streamed.state), jax.tree.leaves(jit.state)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  assert streamed.history[-1]['train_loss_after'] == pytest.approx(
+      jit.history[-1]['train_loss_after'], rel=1e-5)
