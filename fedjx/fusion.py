@@ -93,7 +93,8 @@ def _fusable_map_abstract_eval(*args, spec):
 
 
 def _fusable_map_impl(*args, spec):
-  # Never reached: the equation exists only between tracing and evaluate().
+  # The equation lives only between call_program's tracing and evaluate(),
+  # which never binds it; bound any other way it runs unfused.
   return run(spec, args, [], range(len(spec.out_avals)))[0]
 
 
