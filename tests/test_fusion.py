@@ -168,3 +168,36 @@ def test_program_fuse_must_be_bool():
 def test_carry_dtype():
   assert fusion.carry_dtype(jnp.bfloat16) == jnp.float32
   assert fusion.carry_dtype(jnp.int32) == jnp.int32
+
+
+@pytest.mark.parametrize('name', ['fedavg', 'scaffold'])
+def test_algorithms_fused_equal_unfused(name):
+  import optax  # pylint: disable=g-import-not-at-top
+  from fedjx import algorithms, datasets, placements  # pylint: disable=g-import-not-at-top
+  n = 10
+  rng = np.random.default_rng(0)
+
+  def loss(params, batch):
+    logits = batch['x'] @ params['w']
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch['y'])
+
+  batches = {'x': rng.normal(size=(n, 2, 4, 5)).astype(np.float32),
+             'y': rng.integers(0, 3, size=(n, 2, 4)).astype(np.int32)}
+  mask = np.ones((n, 2, 4), bool)
+  cohort = datasets.Cohort(batches, mask, mask.sum((1, 2)).astype(np.float32),
+                           np.arange(n, dtype=np.int32))
+  kwargs = dict(client_optimizer=optax.sgd(0.1), map_strategy='chunked', chunk_size=3)
+  algo = (algorithms.fedavg(loss, **kwargs) if name == 'fedavg'
+          else algorithms.scaffold(loss, n, **kwargs))
+  state, key = algo.init({'w': jnp.full((5, 3), 0.1)}), jax.random.key(0)
+  fused = jax.jit(algo.apply)(state, cohort, key)
+  with placements.without_fusion():
+    plain = jax.jit(algo.apply)(state, cohort, key)
+    plain_eqns = jax.make_jaxpr(algo.apply)(state, cohort, key).jaxpr.eqns
+  fused_eqns = jax.make_jaxpr(algo.apply)(state, cohort, key).jaxpr.eqns
+  weighted = 'fedjx_reduce_weighted_mean'
+  assert weighted in {e.primitive.name for e in plain_eqns}
+  assert weighted not in {e.primitive.name for e in fused_eqns}  # Carried in the loop.
+  tol = 4 * n * EPS  # Sums of n float32 terms in another order.
+  for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain)):
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
