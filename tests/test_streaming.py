@@ -148,3 +148,12 @@ def test_client_value_used_after_its_reduction_is_a_clear_error():
 def test_chunk_size_is_checked():
   with pytest.raises(ValueError, match='chunk_size=0'):
     streaming.run(lambda x: x, streaming.Clients.from_arrays(jnp.ones(2)), chunk_size=0)
+
+
+def test_a_round_that_is_not_a_plan_is_a_clear_error():
+  # Streaming DiLoCo branches on client values outside map_fn (docs/beam.md).
+  algo = algorithms.streaming_diloco(_loss, CLIENTS)
+  state = algo.init(_params())
+  with pytest.raises(ValueError, match="'cond' at streaming_diloco.py.*cannot be placed"):
+    streaming.run(algo.apply, state, streaming.Clients.from_arrays(_cohort(0)),
+                  jax.random.key(0), chunk_size=5)
