@@ -75,29 +75,28 @@ def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
     return algorithm.round
   if execution == 'streaming':
     return stream
-  compiled: dict[str, Any] = {}  # cohort shape -> executable, or None: stream
+  streams: dict[str, bool] = {}  # cohort shape -> whether to stream
 
   def auto(state, cohort, key):
     shape = str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), (state, cohort)))
-    if shape not in compiled:
-      # The round compiled once here is the one that runs when it fits.
-      executable = algorithm.round.lower(state, cohort, key).compile()
-      analysis = executable.memory_analysis()
+    if shape not in streams:
+      # Lowered and compiled through algorithm.round's own cache, which the
+      # round then reuses when it runs compiled (and recompiles by itself if
+      # a later state arrives with other shardings).
+      analysis = algorithm.round.lower(state, cohort, key).compile().memory_analysis()
       planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
                     analysis.temp_size_in_bytes)
       limit = device_memory_bytes()
-      fits = limit is None or planned <= headroom * limit
-      compiled[shape] = executable if fits else None
-      if fits:
-        log(f'fedjx: execution=auto: the compiled round plans {planned / 2**30:.2f} '
-            'GiB and fits the device; running it compiled.')
-      else:
+      streams[shape] = limit is not None and planned > headroom * limit
+      if streams[shape]:
         log(f'fedjx: execution=auto: the compiled round plans {planned / 2**30:.2f} '
             f"GiB, more than {headroom:.0%} of the device's {limit / 2**30:.2f} GiB; "
             f'streaming the cohort in chunks of {chunk} clients.')
-    executable = compiled[shape]
-    if executable is None:
+      else:
+        log(f'fedjx: execution=auto: the compiled round plans {planned / 2**30:.2f} '
+            'GiB and fits the device; running it compiled.')
+    if streams[shape]:
       return stream(state, cohort, key)
-    return executable(state, cohort, key)
+    return algorithm.round(state, cohort, key)
 
   return auto
