@@ -20,6 +20,7 @@ here, never in tests.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -36,6 +37,7 @@ from fedjx import algorithms
 from fedjx import datasets
 from fedjx import mapping
 from fedjx import models
+from fedjx import placements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,9 +222,27 @@ def _fedavg(loss_fn, lr: float, steps: int, strategy: str, chunk: int | None,
 
 
 def parse_strategy(spec: str) -> tuple[str, int | None]:
-  """``'chunked:16'`` -> ('chunked', 16); ``'vmap'`` -> ('vmap', None)."""
-  name, _, size = spec.partition(':')
+  """``'chunked:16'`` -> ('chunked', 16); ``'vmap'`` -> ('vmap', None).
+
+  A ``nofuse:`` prefix (see :func:`fusion_of`) is ignored here.
+  """
+  name, _, size = fusion_of(spec)[1].partition(':')
   return name, int(size) if size else None
+
+
+UNFUSED_PREFIX = 'nofuse:'
+
+
+def fusion_of(spec: str) -> tuple[bool, str]:
+  """``'nofuse:chunked:64'`` -> (False, 'chunked:64'): the round as written,
+  its ``map_fn`` outputs stacked before the reductions (fedjx.fusion off)."""
+  if spec.startswith(UNFUSED_PREFIX):
+    return False, spec[len(UNFUSED_PREFIX):]
+  return True, spec
+
+
+def _fusion_context(spec: str):
+  return contextlib.nullcontext() if fusion_of(spec)[0] else placements.without_fusion()
 
 
 def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
@@ -259,13 +279,17 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
         holder = {'state': algo.init(params)}
         key = jax.random.key(seed)
 
-        def one_round(algo=algo, holder=holder, key=key):
-          holder['state'], metrics = algo.round(holder['state'], placed, key)
+        def one_round(algo=algo, holder=holder, key=key, spec=spec):
+          with _fusion_context(spec):
+            holder['state'], metrics = algo.round(holder['state'], placed, key)
           return metrics
-        compiled, compile_s = _compile(jax.jit(algo.apply), algo.init(params), placed, key)
+        with _fusion_context(spec):
+          compiled, compile_s = _compile(jax.jit(algo.apply), algo.init(params),
+                                         placed, key)
         k = mapping.choose_chunk_size(strategy, clients, client_bytes, 1, chunk)
         contenders.append(('fedjx', spec, one_round, compiled,
-                           {'chunk_clients': k, 'compile_s': compile_s}))
+                           {'chunk_clients': k, 'compile_s': compile_s,
+                            'fused': fusion_of(spec)[0]}))
       if references:
         refs = reference_rounds(loss_fn, lr)
         drjax_round = _drjax_round(loss_fn, lr, clients)
@@ -291,9 +315,16 @@ def run(model_names: Sequence[str], cohort_sizes: Sequence[int],
       central = next((r['ms_per_round'] for r in row if r['strategy'] == 'central'), None)
       best = min(r['ms_per_round'] for r in row if r['kind'] == 'fedjx')
       best_min = min(r['min_ms_per_round'] for r in row if r['kind'] == 'fedjx')
+      unfused = {fusion_of(r['strategy'])[1]: r for r in row
+                 if r['kind'] == 'fedjx' and not fusion_of(r['strategy'])[0]}
       for rec in row:
         if central:
           rec['ratio_vs_central'] = rec['ms_per_round'] / central
+        base = unfused.get(rec['strategy'])
+        if base is not None and rec.get('fused'):
+          # Same round with its outputs stacked, timed interleaved with it.
+          rec['ratio_vs_unfused'] = rec['ms_per_round'] / base['ms_per_round']
+          rec['min_ratio_vs_unfused'] = rec['min_ms_per_round'] / base['min_ms_per_round']
         rec['ratio_vs_best_strategy'] = rec['ms_per_round'] / best
         rec['min_ratio_vs_best_strategy'] = rec['min_ms_per_round'] / best_min
         emit(rec)
@@ -331,22 +362,120 @@ def compile_only(model_names: Sequence[str], cohort_sizes: Sequence[int],
         strategy, chunk = parse_strategy(spec)
         algo = _fedavg(loss_fn, lr, steps, strategy, chunk, client_evaluation)
         state = jax.eval_shape(algo.init, params)
-        compiled, compile_s = _compile(jax.jit(algo.apply), state, cohort,
-                                       jax.random.key(seed))
+        with _fusion_context(spec):
+          compiled, compile_s = _compile(jax.jit(algo.apply), state, cohort,
+                                         jax.random.key(seed))
         analysis = compiled.memory_analysis()
         rec = {'model': name, 'clients': clients, 'steps': steps, 'batch': batch,
                'precision': precision, 'client_evaluation': client_evaluation,
                'kind': 'compile_only', 'strategy': spec,
+               'fused': fusion_of(spec)[0],
                'backend': jax.default_backend(), 'compile_s': compile_s,
                'argument_bytes': int(analysis.argument_size_in_bytes),
                'output_bytes': int(analysis.output_size_in_bytes),
                'temp_bytes': int(analysis.temp_size_in_bytes),
+               # XLA's planned temporaries and outputs: what the round needs
+               # beyond its inputs.
+               'peak_minus_arguments_bytes': int(analysis.output_size_in_bytes +
+                                                 analysis.temp_size_in_bytes),
                'peak_bytes': int(analysis.argument_size_in_bytes +
                                  analysis.output_size_in_bytes +
                                  analysis.temp_size_in_bytes)}
         emit(rec)
         records.append(rec)
   return records
+
+
+def lazy_clients(workload: Workload, clients: int, steps: int, batch: int,
+                 seed: int = 0, distinct: int = 256) -> Any:
+  """A cohort of :func:`make_cohort`'s shapes as a ``fedjx.streaming.Clients``
+  whose chunks are assembled when loaded, so no more than one chunk of it is
+  in host memory. Client ``i`` holds the data of ``i mod distinct`` of
+  ``distinct`` random clients made once (making 100,000 clients' random
+  images would take longer than their round)."""
+  from fedjx import streaming  # pylint: disable=g-import-not-at-top
+  pool = make_cohort(workload, min(distinct, clients), steps, batch, seed)
+
+  def load(ids):
+    ids = np.asarray(ids)
+    rows = ids % len(pool.client_ids)
+    return datasets.Cohort(jax.tree.map(lambda a: a[rows], pool.batches), pool.mask[rows],
+                           pool.num_examples[rows], ids.astype(np.int32))
+
+  spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), load([0]))
+  return streaming.Clients(range(clients), load, spec)
+
+
+def _rss_bytes() -> tuple[int, int]:
+  """(current, peak) resident memory of this process, in bytes (Linux)."""
+  import resource  # pylint: disable=g-import-not-at-top
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  current = peak
+  try:
+    with open('/proc/self/statm', encoding='ascii') as f:
+      current = int(f.read().split()[1]) * resource.getpagesize()
+  except OSError:  # pragma: no cover - not Linux
+    pass
+  return current, peak
+
+
+def streaming_round(model_name: str, clients: int, chunk: int, steps: int, batch: int,
+                    lr: float = 0.01, emit: Callable[[dict], None] = print,
+                    seed: int = 0, compare_jit: bool = False,
+                    repeats: int = 3) -> dict:
+  """One FedAvg round streamed in chunks of ``chunk`` clients: time and memory.
+
+  Reports the process's peak resident memory (``peak_rss_bytes``; run one
+  cohort size per process, as the peak never goes down) and its resident
+  memory before the round. With ``compare_jit``, the compiled round on the
+  same cohort (materialized) is timed interleaved with the streamed one and
+  ``ratio_vs_jit`` is their ratio of medians.
+  """
+  from fedjx import streaming  # pylint: disable=g-import-not-at-top
+  workload, loss_fn = _workload_and_loss(model_name, 'float32')
+  source = lazy_clients(workload, clients, steps, batch, seed)
+  example = source.load([0])
+  params = workload.model.init(jax.random.key(seed),
+                               jax.tree.map(lambda a: a[0, 0], example.batches))
+  algo = _fedavg(loss_fn, lr, steps, 'auto', None, False)
+  state, key = algo.init(params), jax.random.key(seed)
+  rss_before, _ = _rss_bytes()
+
+  streamer = streaming.Streamer(algo.apply, chunk)  # Traced and compiled once.
+
+  def streamed():
+    return streamer(state, source, key)
+
+  calls = [streamed]
+  if compare_jit:
+    placed = datasets.place_cohort(source.load(range(clients)))
+    jitted = jax.jit(algo.apply)
+    calls.append(lambda: jitted(state, placed, key))
+    timings = _time_interleaved(calls, repeats, min_seconds=0.0)
+  else:
+    start = time.perf_counter()
+    jax.block_until_ready(streamed())
+    first = time.perf_counter() - start
+    timings = [(first, first, first)]
+  _, peak = _rss_bytes()
+  rec = {'model': model_name, 'clients': clients, 'steps': steps, 'batch': batch,
+         'kind': 'streaming', 'chunk_clients': chunk,
+         'backend': jax.default_backend(),
+         'first_call_s': timings[0][0], 'ms_per_round': 1e3 * timings[0][1],
+         'rss_before_round_bytes': rss_before, 'peak_rss_bytes': peak,
+         'device_peak_bytes_so_far': device_peak_bytes(),
+         'data_bytes_per_chunk': chunk * sum(
+             int(np.prod(a.shape[1:])) * a.dtype.itemsize
+             for a in jax.tree.leaves(example)),
+         'data_bytes_of_cohort': clients * sum(
+             int(np.prod(a.shape[1:])) * a.dtype.itemsize
+             for a in jax.tree.leaves(example))}
+  if compare_jit:
+    rec['jit_ms_per_round'] = 1e3 * timings[1][1]
+    rec['ratio_vs_jit'] = timings[0][1] / timings[1][1]
+    rec['min_ratio_vs_jit'] = timings[0][2] / timings[1][2]
+  emit(rec)
+  return rec
 
 
 def plot(records: Sequence[dict], path: str) -> None:

@@ -58,6 +58,7 @@ DEFAULTS: dict[str, Any] = {
     'nonfinite': 'skip',        # 'skip' / 'stop' / 'off', see NONFINITE
     'map_strategy': 'auto',
     'chunk_size': None,
+    'execution': 'auto',        # 'jit' | 'streaming' | 'auto', see EXECUTIONS
     'metrics_format': 'jsonl',
     'tensorboard': True,
     'plot': True,
@@ -77,11 +78,16 @@ REQUIRED = ('dataset', 'model', 'algorithm')
 # aggregate); 'stop': also stop at the first round with such a client; 'off':
 # nothing is checked (builders get skip_nonfinite=False).
 NONFINITE = ('skip', 'stop', 'off')
+# config.execution: how a round runs (fedjx.execution): 'jit' compiles the
+# whole round; 'streaming' runs it from its plan with clients arriving from
+# the host in chunks; 'auto' streams when XLA's memory plan of the compiled
+# round would not fit the device.
+EXECUTIONS = ('auto', 'jit', 'streaming')
 # Fields a resumed run may change without changing its results.
 RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
                      'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep',
                      'mesh', 'param_sharding', 'coordinator_address',
-                     'num_processes', 'process_id')
+                     'num_processes', 'process_id', 'execution')
 
 
 def with_defaults(config: Any) -> ml_collections.ConfigDict:
@@ -116,6 +122,9 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   if config.nonfinite not in NONFINITE:
     raise ConfigError(f'config.nonfinite={config.nonfinite!r} is not '
                                f'one of {NONFINITE}.')
+  if config.execution not in EXECUTIONS:
+    raise ConfigError(f'config.execution={config.execution!r} is not one of '
+                      f'{EXECUTIONS}.')
   if config.param_sharding not in ('replicated', 'fsdp'):
     raise ConfigError(f'config.param_sharding={config.param_sharding!r} '
                                "is not one of ('replicated', 'fsdp').")

@@ -46,6 +46,7 @@ import ml_collections
 import numpy as np
 
 from fedjx import datasets
+from fedjx import execution as execution_lib
 from fedjx import models
 from fedjx.experiments import checkpointing
 from fedjx.experiments import evaluation
@@ -363,9 +364,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
         emit(0, exp.evaluate(state.params))
       if start < config.rounds:
         cohorts = exp.cohorts(start, config.rounds)
+        run_round = execution_lib.round_runner(exp.algorithm, config.execution,
+                                               config.chunk_size, log)
         try:
           for r, cohort in zip(range(start, config.rounds), cohorts):
-            state, metrics = exp.algorithm.round(state, cohort, exp.round_key_for(r))
+            state, metrics = run_round(state, cohort, exp.round_key_for(r))
             # Dispatched behind the round; fetched below with its metrics.
             flag = None if config.nonfinite == 'off' else _all_finite(state.params)
             if pending:  # The round runs meanwhile (JAX dispatch is async).

@@ -243,6 +243,16 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
 
   mapped.__name__ = f'fedjx_map_{p.name}'
   placed = [leaf for i, leaf in enumerate(leaves) if i not in shared]
+  recorder = frame.recorder
+  if (recorder is not None and recorder.active and k < n and
+      sharding_lib.spmd_axis_name(p.name, mesh) is None and
+      not placements_lib.forced_map_strategy()):
+    # Several chunks: record the map so fedjx.fusion can carry the
+    # reductions of its outputs through the loop over chunks.
+    keys = sorted(shared)
+    return recorder.record(
+        lambda one, values: call(one, dict(zip(keys, values))),
+        placed, [shared[i] for i in keys], n, k, p.name)
   return jax.jit(mapped)(placed, shared)
 
 

@@ -60,12 +60,15 @@ class _Frame:
 
   ``broadcasts`` maps ``id(out)`` to ``(out, x, placement)`` for each leaf
   ``out = broadcast(x)`` made during the call, so ``map_fn`` can hand the
-  mapped function ``x`` itself instead of ``n`` copies of it.
+  mapped function ``x`` itself instead of ``n`` copies of it. ``recorder`` is
+  the call's :class:`fedjx.fusion.Recorder` when its maps may be fused with
+  their reductions (``program(fuse=True)``), else None.
   """
 
   placements: tuple[Placement, ...]
   map_options: MapOptions
   mesh: Any
+  recorder: Any = None
   broadcasts: dict[int, tuple[Any, Any, str]] = dataclasses.field(
       default_factory=dict, compare=False)
 
@@ -102,7 +105,7 @@ def _check_map_options(strategy: str, chunk_size: int | None) -> MapOptions:
 def placement_context(placements: Mapping[str, int | None],
                       map_strategy: str = 'auto',
                       chunk_size: int | None = None,
-                      mesh: Any = None) -> Iterator[None]:
+                      mesh: Any = None, fuse: bool = False) -> Iterator[None]:
   """Enters a placement context (what :func:`program` does around a call)."""
   if not placements:
     raise ValueError('fedjx.program: declare at least one placement, e.g. '
@@ -118,8 +121,12 @@ def placement_context(placements: Mapping[str, int | None],
           f'fedjx.program: placement {name!r} is already declared by an '
           'enclosing program; nested programs must use new placement names.')
     frame_placements.append(Placement(name, _check_size(name, size)))
+  recorder = None
+  if fuse:
+    from fedjx import fusion  # pylint: disable=g-import-not-at-top
+    recorder = fusion.Recorder()
   frame = _Frame(tuple(frame_placements),
-                 _check_map_options(map_strategy, chunk_size), mesh)
+                 _check_map_options(map_strategy, chunk_size), mesh, recorder)
   token = _STACK.set(_STACK.get() + (frame,))
   try:
     yield
@@ -134,6 +141,7 @@ def program(fn: Callable[..., Any] | None = None,
             map_strategy: str = 'auto',
             chunk_size: int | None = None,
             mesh: Any = None,
+            fuse: bool = True,
             **unused_drjax_kwargs: Any) -> Any:
   """Declares the placements of a federated program.
 
@@ -152,6 +160,10 @@ def program(fn: Callable[..., Any] | None = None,
     chunk_size: clients per chunk for the ``'chunked'`` strategy.
     mesh: a ``jax.sharding.Mesh`` to place values on, for all calls in the
       program; by default the mesh set with ``jax.set_mesh``, if any.
+    fuse: carry the reductions of ``map_fn`` outputs through the loop over
+      chunks of clients instead of stacking the outputs (see
+      :mod:`fedjx.fusion`): memory set by the chunk, not the cohort. The
+      numbers are the same up to float summation order.
 
   Returns:
     The decorated function, or a decorator when ``fn`` is omitted.
@@ -159,6 +171,8 @@ def program(fn: Callable[..., Any] | None = None,
   unknown = set(unused_drjax_kwargs) - {'self_module'}
   if unknown:
     raise TypeError(f'fedjx.program: unexpected keyword arguments {sorted(unknown)}.')
+  if not isinstance(fuse, bool):
+    raise ValueError(f'fedjx.program: fuse={fuse!r}; it must be True or False.')
   if clients is not None and placements is not None:
     raise ValueError('fedjx.program: pass either clients= or placements=, not both.')
   if placements is None:
@@ -171,8 +185,9 @@ def program(fn: Callable[..., Any] | None = None,
   def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(f)
     def wrapped(*args, **kwargs):
-      with placement_context(placements, map_strategy, chunk_size, mesh):
-        return f(*args, **kwargs)
+      with placement_context(placements, map_strategy, chunk_size, mesh, fuse):
+        from fedjx import fusion  # pylint: disable=g-import-not-at-top
+        return fusion.call_program(f, args, kwargs)
     return wrapped
 
   return decorate if fn is None else decorate(fn)
@@ -201,6 +216,26 @@ def force_map_strategy(strategy: str) -> Iterator[None]:
 
 def forced_map_strategy() -> str | None:
   return _FORCED_STRATEGY.value
+
+
+# Also a JAX user context, for the same reason: traces with and without
+# fusion are cached apart.
+_FUSION = jax.make_user_context(default_value=True)
+
+
+@contextlib.contextmanager
+def without_fusion() -> Iterator[None]:
+  """Runs the programs called in the block as written, as ``fuse=False`` does.
+
+  For measuring what fusion saves (``scripts/benchmark.py``) and for
+  comparing fused and unfused rounds of code that builds its own programs.
+  """
+  with _FUSION(False):
+    yield
+
+
+def fusion_enabled() -> bool:
+  return bool(_FUSION.value)
 
 
 def current_frames() -> tuple[_Frame, ...]:

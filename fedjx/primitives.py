@@ -135,6 +135,7 @@ def _zero_tangent(primal_out):
 
 def _broadcast_impl(x, *, placement, n):
   del placement
+  x = jnp.asarray(x)
   return jnp.broadcast_to(x, (n,) + x.shape)
 
 
@@ -196,11 +197,13 @@ def _contract_leading(x, w=None):
 
 def _reduce_sum_impl(x, *, placement, contract=_sum_leading):
   del placement
+  x = jnp.asarray(x)
   return contract(x.astype(sum_dtype(x.dtype)))
 
 
 def _reduce_mean_impl(x, *, placement, contract=_sum_leading):
   del placement
+  x = jnp.asarray(x)
   return contract(x.astype(mean_dtype(x.dtype))) / x.shape[0]
 
 
@@ -278,6 +281,7 @@ def _scale(y, s):
 
 def _reduce_weighted_mean_impl(x, w, *, placement, contract=_sum_leading):
   del placement
+  x, w = jnp.asarray(x), jnp.asarray(w)
   dtype = weighted_mean_dtype(x.dtype, w.dtype)
   x, w = x.astype(dtype), w.astype(dtype)
   return _scale(contract(x, w), _inverse_total(jnp.sum(w, axis=0)))

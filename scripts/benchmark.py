@@ -8,6 +8,19 @@ On a GPU use --clients=16,64,256,1024,4096 and chunk sizes such as chunked:64.
 The cost of the non-finite guard (skip_nonfinite on / off, paired timing):
   python scripts/benchmark.py --models=logreg,cnn --clients=8,32 --strategies=auto \
       --guard_cost=200
+
+Streamed rounds (fedjx.streaming), one cohort size per process:
+  for n in 1000 10000 100000 1000000; do
+    python scripts/benchmark.py --streaming=1000 --models=logreg --clients=$n \
+        --steps=2 --batch=8; done
+  python scripts/benchmark.py --streaming=64 --models=logreg,cnn --clients=1024 \
+      --compare_jit --steps=2 --batch=8 --repeats=5
+
+Fused against stacked (fedjx.fusion), memory plan and interleaved time:
+  python scripts/benchmark.py --compile_only --models=cnn --clients=1024,10000 \
+      --strategies=auto,nofuse:auto --steps=8 --batch=20
+  python scripts/benchmark.py --models=cnn --clients=16,64 \
+      --strategies=auto,nofuse:auto --no_references --repeats=10
 """
 
 from absl import app
@@ -17,8 +30,10 @@ from fedjx.experiments import benchmark
 
 _MODELS = flags.DEFINE_list('models', ['logreg', 'cnn', 'transformer'], 'Models.')
 _CLIENTS = flags.DEFINE_list('clients', ['4', '8', '16', '32', '64'], 'Cohort sizes.')
-_STRATEGIES = flags.DEFINE_list('strategies', ['vmap', 'chunked:4', 'sequential', 'auto'],
-                                'Map strategies; chunked:K sets the chunk size.')
+_STRATEGIES = flags.DEFINE_list(
+    'strategies', ['vmap', 'chunked:4', 'sequential', 'auto'],
+    'Map strategies; chunked:K sets the chunk size; a nofuse: prefix runs the '
+    'round with its client outputs stacked before the reductions (no fusion).')
 _STEPS = flags.DEFINE_integer('steps', 2, 'Local SGD steps per client.')
 _BATCH = flags.DEFINE_integer('batch', 8, 'Examples per local step.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed rounds after the first.')
@@ -35,6 +50,14 @@ _GUARD_COST = flags.DEFINE_integer(
     'If > 0, instead time this many interleaved repetitions of FedAvg with '
     'skip_nonfinite on and off (first strategy of --strategies) and print '
     'their paired ratio.')
+_STREAMING = flags.DEFINE_integer(
+    'streaming', None,
+    'Stream one FedAvg round per cohort size in chunks of this many clients '
+    '(fedjx.streaming) and print its time and peak resident memory; run one '
+    'cohort size per process for the peak.')
+_COMPARE_JIT = flags.DEFINE_bool(
+    'compare_jit', False, 'With --streaming: also time the compiled round, '
+    'interleaved, and print the ratio.')
 _EVALUATION = flags.DEFINE_bool(
     'client_evaluation', False,
     "Also evaluate each client before and after training (fedjx's default in "
@@ -57,6 +80,15 @@ def main(argv):
                          _STRATEGIES.value[0], _STEPS.value, _BATCH.value,
                          pairs=_GUARD_COST.value, emit=emit,
                          client_evaluation=_EVALUATION.value)
+    if out:
+      out.close()
+    return
+  if _STREAMING.value:
+    for name in _MODELS.value:
+      for clients in _CLIENTS.value:
+        benchmark.streaming_round(name, int(clients), _STREAMING.value, _STEPS.value,
+                                  _BATCH.value, emit=emit, compare_jit=_COMPARE_JIT.value,
+                                  repeats=_REPEATS.value)
     if out:
       out.close()
     return

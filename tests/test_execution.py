@@ -1,0 +1,93 @@
+"""fedjx.execution and config.execution: jit, streaming and the auto choice."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from fedjx import algorithms
+from fedjx import datasets
+from fedjx import execution
+from fedjx.experiments import registry
+from fedjx.experiments import runner
+
+
+def _loss(params, batch):
+  logits = batch['x'] @ params['w'] + params['b']
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch['y'])
+
+
+def _cohort(clients=9, steps=2, batch=4):
+  rng = np.random.default_rng(0)
+  batches = {'x': rng.normal(size=(clients, steps, batch, 5)).astype(np.float32),
+             'y': rng.integers(0, 3, size=(clients, steps, batch)).astype(np.int32)}
+  mask = np.ones((clients, steps, batch), bool)
+  return datasets.Cohort(batches, mask, mask.sum((1, 2)).astype(np.float32),
+                         np.arange(clients, dtype=np.int32))
+
+
+def _state(algo):
+  return algo.init({'w': jnp.full((5, 3), 0.01), 'b': jnp.zeros(3)})
+
+
+@pytest.mark.parametrize('mode,headroom,says', [
+    ('streaming', 0.8, None), ('auto', 0.8, None),
+    ('auto', 0.0, 'streaming the cohort in chunks of 4')])
+def test_every_execution_gives_the_compiled_round(mode, headroom, says):
+  algo = algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1))
+  cohort, key = _cohort(), jax.random.key(0)
+  want = jax.jit(algo.apply)(_state(algo), cohort, key)
+  logged = []
+  run = execution.round_runner(algo, mode, chunk_size=4, log=logged.append,
+                               headroom=headroom)
+  for _ in range(2):  # The second call reuses the first one's decision.
+    got = run(_state(algo), cohort, key)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    # Float32 sums of 9 clients in another order: rtol ~ 9 * 2**-24.
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  if says is None:
+    assert not logged
+  else:
+    assert len(logged) == 1 and says in logged[0]
+
+
+def test_unknown_execution_is_an_error():
+  algo = algorithms.fedavg(_loss)
+  with pytest.raises(ValueError, match="execution='fast' is not one of"):
+    execution.round_runner(algo, 'fast')
+
+
+def test_config_execution_is_validated():
+  config = ml_collections.ConfigDict({
+      'dataset': {'name': 'digits', 'num_clients': 10},
+      'model': {'name': 'logistic_regression'},
+      'algorithm': {'name': 'fedavg'}, 'execution': 'fast'})
+  with pytest.raises(registry.ConfigError, match="config.execution='fast'"):
+    runner.validate(config)
+  config.execution = 'streaming'
+  assert runner.validate(config).execution == 'streaming'
+  assert runner.validate({k: v for k, v in config.items() if k != 'execution'}
+                         ).execution == 'auto'
+
+
+def test_runner_streams_rounds_to_the_same_results(tmp_path):
+  def config(execution):
+    return ml_collections.ConfigDict({
+        'seed': 1, 'rounds': 2, 'cohort_size': 5, 'batch_size': 16,
+        'local_epochs': 1, 'eval_every': 2, 'checkpoint_every': 2,
+        'progress': False, 'plot': False, 'tensorboard': False,
+        'chunk_size': 2, 'execution': execution,
+        'dataset': {'name': 'digits', 'num_clients': 12, 'alpha': 0.5},
+        'model': {'name': 'logistic_regression'},
+        'algorithm': {'name': 'fedavg'}})
+
+  logged = []
+  jit = runner.run(config('jit'), str(tmp_path / 'jit'), log=logged.append)
+  streamed = runner.run(config('streaming'), str(tmp_path / 'streaming'),
+                        log=logged.append)
+  for g, w in zip(jax.tree.leaves(streamed.state), jax.tree.leaves(jit.state)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  assert streamed.history[-1]['train_loss_after'] == pytest.approx(
+      jit.history[-1]['train_loss_after'], rel=1e-5)

@@ -1,0 +1,159 @@
+"""fedjx.streaming: rounds with clients streamed in chunks equal compiled rounds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjx
+from fedjx import algorithms
+from fedjx import datasets
+from fedjx import streaming
+
+CLIENTS = 23  # Not a multiple of the chunk sizes below: the last chunk is padded.
+
+
+def _loss(params, batch):
+  logits = batch['x'] @ params['w'] + params['b']
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch['y'])
+
+
+def _cohort(seed, clients=CLIENTS, steps=2, batch=4):
+  rng = np.random.default_rng(seed)
+  batches = {'x': rng.normal(size=(clients, steps, batch, 5)).astype(np.float32),
+             'y': rng.integers(0, 3, size=(clients, steps, batch)).astype(np.int32)}
+  mask = np.ones((clients, steps, batch), bool)
+  mask[::3, 1] = False
+  mask[::7, 0, 2:] = False
+  return datasets.Cohort(batches, mask, mask.sum((1, 2)).astype(np.float32),
+                         np.arange(clients, dtype=np.int32))
+
+
+def _params():
+  return {'w': jnp.full((5, 3), 0.01), 'b': jnp.zeros(3)}
+
+
+def _assert_close(got, want, tol=1e-5):
+  # The streamed sums run in another order (chunks, compensated across
+  # chunks): float32 summation-order differences of O(n eps) ~ 1e-6.
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    if jax.dtypes.issubdtype(jnp.result_type(w), jax.dtypes.prng_key):
+      g, w = jax.random.key_data(g), jax.random.key_data(w)
+    np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64),
+                               rtol=tol, atol=tol)
+
+
+SUPPORTED = {
+    'fedavg': lambda: algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1)),
+    'fedadam': lambda: algorithms.fedadam(_loss, client_optimizer=optax.sgd(0.1)),
+    'fedprox': lambda: algorithms.fedprox(_loss, mu=0.1, client_optimizer=optax.sgd(0.1)),
+    'dp_fedavg': lambda: algorithms.dp_fedavg(_loss, clip_norm=0.05, noise_multiplier=0.5,
+                                              client_optimizer=optax.sgd(0.1)),
+    'scaffold': lambda: algorithms.scaffold(_loss, CLIENTS + 5,
+                                            client_optimizer=optax.sgd(0.1)),
+    'diloco': lambda: algorithms.diloco(_loss, CLIENTS),
+}
+
+
+@pytest.mark.parametrize('name', sorted(SUPPORTED))
+def test_streamed_round_equals_compiled_round(name):
+  algo = SUPPORTED[name]()
+  state, key = algo.init(_params()), jax.random.key(3)
+  cohort = _cohort(0)
+  want = jax.jit(algo.apply)(state, cohort, key)
+  got = streaming.run(algo.apply, state, streaming.Clients.from_arrays(cohort), key,
+                      chunk_size=5)
+  _assert_close(got, want)
+
+
+def test_rounds_in_a_row_trace_once_and_chunks_of_one():
+  algo = SUPPORTED['scaffold']()
+  traces = []
+
+  def apply(*args):
+    traces.append(1)
+    return algo.apply(*args)
+
+  streamer = streaming.Streamer(apply, chunk_size=5)
+  state, key = algo.init(_params()), jax.random.key(0)
+  want, got = state, state
+  for r in range(2):
+    cohort = _cohort(r)
+    want, _ = jax.jit(algo.apply)(want, cohort, key)
+    got, _ = streamer(got, streaming.Clients.from_arrays(cohort), key)
+  _assert_close(got, want)
+  assert len(traces) == 1  # The plan and the compiled chunk work are reused.
+  got_one, _ = streaming.run(algo.apply, state, streaming.Clients.from_arrays(_cohort(0)),
+                             key, chunk_size=1)
+  _assert_close(got_one, jax.jit(algo.apply)(state, _cohort(0), key)[0])
+
+
+def test_clients_from_a_dataset_are_loaded_in_chunks():
+  population = datasets.synthetic(1.0, 1.0, num_clients=9, seed=0, max_examples=60)
+  ids = [4, 0, 7, 2, 8]
+  loads = []
+  source = streaming.Clients.from_dataset(population, ids, batch_size=2, num_steps=3)
+  counting = streaming.Clients(source.client_ids,
+                               lambda chunk: loads.append(list(chunk)) or source.load(chunk),
+                               source.spec)
+  algo = algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.05))
+  state = algo.init({'w': jnp.zeros((60, 10)), 'b': jnp.zeros(10)})
+  key = jax.random.key(0)
+  cohort = datasets.make_cohort(population, np.asarray(ids, np.int32), 2, num_steps=3,
+                                shuffle_seed=0, bucket=False)
+  want = jax.jit(algo.apply)(state, cohort, key)
+  got = streaming.run(algo.apply, state, counting, key, chunk_size=2)
+  _assert_close(got, want)
+  assert loads == [[4, 0], [7, 2], [8]]  # One chunk at a time, never all.
+
+
+def test_compensated_sum_of_many_small_terms():
+  # 3,000 chunks of one client adding 1e-4 to 1.0: float32 running sums lose
+  # ~half of every addend; the compensated sum is exact to float32.
+  n = 3000
+
+  @fedjx.program(clients=n)
+  def total(x):
+    return fedjx.reduce_sum(fedjx.map_fn(lambda v: v, x))
+
+  x = np.full((n,), 1e-4, np.float32)
+  x[0] = 1.0
+  got = streaming.run(total, streaming.Clients.from_arrays(x), chunk_size=1)
+  want = 1.0 + (n - 1) * np.float64(np.float32(1e-4))
+  assert abs(float(got) - want) <= 2 * 2.0**-24 * want
+
+
+def test_per_client_outputs_are_a_clear_error():
+  @fedjx.program(clients=4)
+  def per_client(x):
+    return fedjx.map_fn(lambda v: v * 2, x)
+
+  with pytest.raises(streaming.NotStreamableError, match='returns a per-client value'):
+    streaming.run(per_client, streaming.Clients.from_arrays(jnp.ones((4, 2))))
+
+
+def test_client_value_used_after_its_reduction_is_a_clear_error():
+  @fedjx.program(clients=4)
+  def variance(x):
+    y = fedjx.map_fn(lambda v: v * 2, x)
+    mean = fedjx.reduce_mean(y)
+    return fedjx.reduce_mean(fedjx.map_fn(lambda a, m: (a - m) ** 2,
+                                          (y, fedjx.broadcast(mean))))
+
+  with pytest.raises(streaming.NotStreamableError, match='used again after a reduction'):
+    streaming.run(variance, streaming.Clients.from_arrays(jnp.arange(4.0)))
+
+
+def test_chunk_size_is_checked():
+  with pytest.raises(ValueError, match='chunk_size=0'):
+    streaming.run(lambda x: x, streaming.Clients.from_arrays(jnp.ones(2)), chunk_size=0)
+
+
+def test_a_round_that_is_not_a_plan_is_a_clear_error():
+  # Streaming DiLoCo branches on client values outside map_fn (docs/beam.md).
+  algo = algorithms.streaming_diloco(_loss, CLIENTS)
+  state = algo.init(_params())
+  with pytest.raises(ValueError, match="'cond' at streaming_diloco.py.*cannot be placed"):
+    streaming.run(algo.apply, state, streaming.Clients.from_arrays(_cohort(0)),
+                  jax.random.key(0), chunk_size=5)
