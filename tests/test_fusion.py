@@ -195,9 +195,10 @@ def test_algorithms_fused_equal_unfused(name):
     plain = jax.jit(algo.apply)(state, cohort, key)
     plain_eqns = jax.make_jaxpr(algo.apply)(state, cohort, key).jaxpr.eqns
   fused_eqns = jax.make_jaxpr(algo.apply)(state, cohort, key).jaxpr.eqns
-  weighted = 'fedjx_reduce_weighted_mean'
-  assert weighted in {e.primitive.name for e in plain_eqns}
-  assert weighted not in {e.primitive.name for e in fused_eqns}  # Carried in the loop.
+  # The reductions of the map's outputs (the update w_i Delta_i and its
+  # weights) are carried in the chunk loop: fewer reductions stay outside it.
+  count = lambda eqns: sum(e.primitive.name.startswith('fedjx_reduce') for e in eqns)
+  assert count(fused_eqns) < count(plain_eqns)
   tol = 4 * n * EPS  # Sums of n float32 terms in another order.
   for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain)):
     np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
