@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
+from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
@@ -33,10 +34,13 @@ def fedavg(loss_fn: base.LossFn, *,
            server_optimizer: optax.GradientTransformation | None = None,
            metrics_fn: base.MetricsFn | None = None,
            local_epochs: int = 1, local_steps: int | None = None,
-           weighting: str = 'num_examples', map_strategy: str = 'auto',
-           chunk_size: int | None = None,
+           weighting: str = 'num_examples',
+           client_transform: optax.GradientTransformation | None = None,
+           aggregator: aggregators.Aggregator | None = None,
            client_evaluation: bool = True,
-           skip_nonfinite: bool = True) -> base.Algorithm:
+           skip_nonfinite: bool = True,
+           map_strategy: str | None = None,
+           chunk_size: int | None = None) -> base.Algorithm:
   """Federated Averaging with any optax client and server optimizer.
 
   Args:
@@ -49,8 +53,14 @@ def fedavg(loss_fn: base.LossFn, *,
     local_epochs: passes over each client's steps ``E``.
     local_steps: or exactly this many local steps per client.
     weighting: ``'num_examples'`` (``w_i = n_i``) or ``'uniform'``.
-    map_strategy: how clients run, see ``fedjx.program``.
-    chunk_size: clients per chunk for ``map_strategy='chunked'``.
+    client_transform: an optax transformation chained in front of the client
+      optimizer (:mod:`fedjx.algorithms.client_transforms`, e.g.
+      ``proximal(mu)``: FedProx); it is initialised from the model each
+      client receives, and its injected hyperparameters live at the top level
+      of ``state.hparams``.
+    aggregator: how updates are combined
+      (:mod:`fedjx.algorithms.aggregators`; default the weighted mean);
+      e.g. ``aggregators.gaussian(...)`` for DP.
     client_evaluation: evaluate each client's loss and metrics on all its
       data before and after local training (``train_loss_before`` /
       ``train_loss_after``; two extra forward passes over the data). False
@@ -59,51 +69,88 @@ def fedavg(loss_fn: base.LossFn, *,
     skip_nonfinite: leave out of the round every client whose update or
       weight is NaN or Inf, and report their number as ``nonfinite_clients``
       (:mod:`fedjx.algorithms.nonfinite`); False checks nothing.
+    map_strategy, chunk_size: deprecated; use ``Algorithm.compile``.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
     :class:`~fedjx.algorithms.ServerState`.
   """
-  name = 'fedavg'
+  return build('fedavg', loss_fn, client_optimizer=client_optimizer,
+               server_optimizer=server_optimizer, metrics_fn=metrics_fn,
+               local_epochs=local_epochs, local_steps=local_steps,
+               weighting=weighting, client_transform=client_transform,
+               aggregator=aggregator, client_evaluation=client_evaluation,
+               skip_nonfinite=skip_nonfinite, map_strategy=map_strategy,
+               chunk_size=chunk_size)
+
+
+def build(name: str, loss_fn: base.LossFn, *,
+          client_optimizer: optax.GradientTransformation | None,
+          server_optimizer: optax.GradientTransformation | None,
+          metrics_fn: base.MetricsFn | None, local_epochs: int,
+          local_steps: int | None, weighting: str,
+          client_transform: optax.GradientTransformation | None,
+          aggregator: aggregators.Aggregator | None, client_evaluation: bool,
+          skip_nonfinite: bool, map_strategy: str | None,
+          chunk_size: int | None) -> base.Algorithm:
+  """FedAvg's round with its parts; ``name`` names the builder in errors."""
   client_optimizer = client_optimizer or base.default_sgd(0.1)
   server_optimizer = server_optimizer or base.default_sgd(1.0)
   base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
+  if client_transform is not None:
+    base.check_optimizer(name, 'client_transform', client_transform)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
+  aggregator = aggregators.check(name, aggregator)
   nonfinite.check_flag(name, skip_nonfinite)
   schedule = client_update.check_schedule(name, local_epochs, local_steps,
                                           client_evaluation)
 
   def init(params):
+    transform_hparams = ({} if client_transform is None else
+                         base.optimizer_hparams(client_transform, params))
     return base.ServerState(
         params=params, opt_state=server_optimizer.init(params),
         hparams={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
-                 'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
-        round_index=jnp.zeros((), jnp.int32))
+                 'server_optimizer': base.optimizer_hparams(server_optimizer, params),
+                 **transform_hparams, **aggregators.init_hparams(aggregator)},
+        round_index=jnp.zeros((), jnp.int32),
+        aggregator_state=aggregator.init(params))
 
   def client_fn(x, hparams, batches, mask):
-    opt_state = base.with_hparams(client_optimizer.init(x), hparams)
-    out = client_update.local_update(loss_fn, metrics_fn, client_optimizer, x,
+    optimizer = client_optimizer
+    opt_state = base.with_hparams(client_optimizer.init(x),
+                                  hparams['client_optimizer'])
+    if client_transform is not None:
+      optimizer = optax.chain(client_transform, client_optimizer)
+      opt_state = (base.with_hparams(client_transform.init(x),
+                                     hparams['client_transform']), opt_state)
+    out = client_update.local_update(loss_fn, metrics_fn, optimizer, x,
                                      opt_state, batches, mask, schedule)
     return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
                                   checked=out.params)
 
   def round_fn(state, cohort, key):
-    del key  # FedAvg is deterministic given the cohort.
-    clients = nonfinite.map_clients(client_fn, (
-        fedjx.broadcast(state.params),
-        fedjx.broadcast(state.hparams['client_optimizer']),
-        cohort.batches, cohort.mask),
-        base.aggregation_weights(cohort.num_examples, weighting),
-        cohort.num_examples, skip_nonfinite)
-    pseudo_grad = nonfinite.weighted_mean(clients)
+    client_hparams = {'client_optimizer': state.hparams['client_optimizer']}
+    if client_transform is not None:
+      client_hparams['client_transform'] = {
+          k: state.hparams[k]
+          for k in base.hparam_names(client_transform, state.params)}
+    clients = aggregators.map_clients(
+        aggregator, state.hparams, client_fn,
+        (fedjx.broadcast(state.params), fedjx.broadcast(client_hparams),
+         cohort.batches, cohort.mask),
+        cohort.num_examples, weighting, skip_nonfinite)
+    pseudo_grad, agg_state, agg_metrics = aggregators.aggregate(
+        aggregator, state.aggregator_state, state.hparams, clients, key)
     params, opt_state = base.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)
     metrics = nonfinite.round_metrics(
-        clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad))
+        clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics)
     return state._replace(params=params, opt_state=opt_state,
-                          round_index=state.round_index + 1), metrics
+                          round_index=state.round_index + 1,
+                          aggregator_state=agg_state), metrics
 
   return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
                              metrics_fn=metrics_fn, map_strategy=map_strategy,

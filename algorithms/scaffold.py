@@ -33,6 +33,7 @@ import optax
 
 import fedjx
 from fedjx.algorithms import base
+from fedjx.algorithms import client_transforms
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
 
@@ -114,13 +115,12 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
         round_index=jnp.zeros((), jnp.int32))
 
   def client_fn(x, c, c_i, eta_l, hparams, batches, mask):
-    def corrected(grads, y):  # g_i(y) - c_i + c
-      return jax.tree.map(lambda g, ci, c: g - ci + c, grads, c_i, c)
-
     opt = local_optimizer(eta_l)
     opt_state = base.with_hparams(opt.init(x), hparams)
-    out = client_update.local_update(loss_fn, metrics_fn, opt, x, opt_state,
-                                     batches, mask, schedule, correction=corrected)
+    out = client_update.local_update(  # Steps on g_i(y) - c_i + c.
+        loss_fn, metrics_fn,
+        optax.chain(client_transforms.control_variate(c, c_i), opt), x,
+        (optax.EmptyState(), opt_state), batches, mask, schedule)
     k = out.num_steps
     denom = jnp.where(k > 0, k * eta_l, 1.0)
 
