@@ -194,14 +194,38 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
 
 # ------------------------------------------------------------ for algorithms
 
+# The aggregators a config can name: ``aggregator=dict(name='gaussian', ...)``.
+AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
+    'mean': mean,
+    'quantized_mean': quantized_mean,
+    'gaussian': gaussian,
+}
+
+
 def check(fn: str, aggregator: Any) -> Aggregator:
-  """The aggregator (default :func:`mean`), or a one-line error."""
+  """The aggregator (default :func:`mean`), or a one-line error.
+
+  ``aggregator`` is an :class:`Aggregator`, None, or a config's spec
+  ``{'name': <a key of AGGREGATORS>, **options}``.
+  """
   if aggregator is None:
     return mean()
+  if isinstance(aggregator, Mapping):
+    spec = dict(aggregator)
+    name = spec.pop('name', None)
+    if name not in AGGREGATORS:
+      raise ValueError(f'{fn}: aggregator name={name!r} is not one of '
+                       f'{tuple(AGGREGATORS)}.')
+    try:
+      return AGGREGATORS[name](**spec)
+    except TypeError as e:
+      raise ValueError(f'{fn}: aggregator {name!r} got options {sorted(spec)}: '
+                       f'{e}.') from None
   if not isinstance(aggregator, Aggregator):
     raise ValueError(f'{fn}: aggregator={aggregator!r} is not a '
                      'fedjx.algorithms.aggregators.Aggregator (e.g. mean(), '
-                     'gaussian(...), quantized_mean(...)).')
+                     'gaussian(...), quantized_mean(...)) or a spec dict with '
+                     'a "name".')
   return aggregator
 
 
@@ -272,5 +296,5 @@ def aggregate(aggregator: Aggregator, state: Any, hparams: Mapping[str, Any],
   return aggregator.combine(state, hparams_of(aggregator, hparams), clients, key)
 
 
-__all__ = ['Aggregator', 'add_gaussian_noise', 'clip_update', 'gaussian',
+__all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'clip_update', 'gaussian',
            'mean', 'quantized_mean', 'safe_global_norm']
