@@ -165,47 +165,81 @@ def _check_fedopt(fn: str, learning_rate: float, b1: float, b2: float | None,
   base.check_number(fn, 'b1', b1, high=1.0)
   if b2 is not None:
     base.check_number(fn, 'b2', b2, high=1.0)
-  base.check_number(fn, 'eps', eps, strict=True)
+  base.check_number(fn, 'eps', eps)
   if 'server_optimizer' in fedavg_kwargs:
     raise ValueError(f'{fn}: server_optimizer is set by {fn}; use fedavg to '
                      'pass your own.')
 
 
+def _fedopt_optimizer(fn, initial_accumulator_value, bias_correction,
+                      **hparams) -> optax.GradientTransformation:
+  """``fn`` with injected hyperparameters; the convention options static.
+
+  With the defaults the optimizer is the one of earlier versions (same
+  ``state.hparams`` keys: ``learning_rate``, ``b1``, ``b2``, ``eps``).
+  """
+  base.check_choice(fn.__name__, 'bias_correction', bias_correction,
+                    (False, True))
+  if initial_accumulator_value is not None:
+    base.check_number(fn.__name__, 'initial_accumulator_value',
+                      initial_accumulator_value)
+  extra = {}
+  if initial_accumulator_value is not None:
+    extra['initial_accumulator_value'] = initial_accumulator_value
+  if bias_correction:
+    extra['bias_correction'] = True
+  static = ('bias_correction',) if bias_correction else ()
+  return optax.inject_hyperparams(fn, static_args=static)(**hparams, **extra)
+
+
 def fedadam(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
             b1: float = 0.9, b2: float = 0.99, eps: float = 1e-3,
+            initial_accumulator_value: float | None = None,
+            bias_correction: bool = False,
             **fedavg_kwargs) -> base.Algorithm:
   """FedAdam (Reddi et al. 2021): FedAvg with Adam on the pseudo-gradient.
 
   ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
   ``x <- x - lr m / (sqrt(v) + eps)`` (no bias correction, ``v_{-1} =
-  eps^2``). Other arguments as :func:`fedavg`.
+  eps^2``). ``initial_accumulator_value`` sets ``v_{-1}`` and
+  ``bias_correction=True`` scales the step by ``sqrt(1 - b2^t) / (1 -
+  b1^t)``: with ``initial_accumulator_value=0.0, bias_correction=True`` and
+  their ``eps``, Flower's and TFF's FedAdam (:mod:`fedjx.algorithms.yogi`).
+  ``eps`` may be 0. Other arguments as :func:`fedavg`.
   """
   _check_fedopt('fedadam', server_learning_rate, b1, b2, eps, fedavg_kwargs)
-  opt = optax.inject_hyperparams(adaptive_adam)(
-      learning_rate=server_learning_rate, b1=b1, b2=b2, eps=eps)
+  opt = _fedopt_optimizer(adaptive_adam, initial_accumulator_value, bias_correction,
+                         learning_rate=server_learning_rate, b1=b1, b2=b2,
+                         eps=eps)
   return fedavg(loss_fn, server_optimizer=opt, **fedavg_kwargs)
 
 
 def fedyogi(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
             b1: float = 0.9, b2: float = 0.99, eps: float = 1e-3,
+            initial_accumulator_value: float | None = None,
+            bias_correction: bool = False,
             **fedavg_kwargs) -> base.Algorithm:
   """FedYogi (Reddi et al. 2021): FedAvg with Yogi on the pseudo-gradient.
 
   ``v = v - (1-b2) g^2 sign(v - g^2)``, otherwise as :func:`fedadam`.
   """
   _check_fedopt('fedyogi', server_learning_rate, b1, b2, eps, fedavg_kwargs)
-  opt = optax.inject_hyperparams(yogi)(
-      learning_rate=server_learning_rate, b1=b1, b2=b2, eps=eps)
+  opt = _fedopt_optimizer(yogi, initial_accumulator_value, bias_correction,
+                         learning_rate=server_learning_rate, b1=b1, b2=b2,
+                         eps=eps)
   return fedavg(loss_fn, server_optimizer=opt, **fedavg_kwargs)
 
 
 def fedadagrad(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-1,
                b1: float = 0.9, eps: float = 1e-3,
+               initial_accumulator_value: float | None = None,
+               bias_correction: bool = False,
                **fedavg_kwargs) -> base.Algorithm:
   """FedAdagrad (Reddi et al. 2021): ``v = v + g^2``, otherwise as FedAdam."""
   _check_fedopt('fedadagrad', server_learning_rate, b1, None, eps, fedavg_kwargs)
-  opt = optax.inject_hyperparams(adaptive_adagrad)(
-      learning_rate=server_learning_rate, b1=b1, eps=eps)
+  opt = _fedopt_optimizer(adaptive_adagrad, initial_accumulator_value,
+                         bias_correction, learning_rate=server_learning_rate,
+                         b1=b1, eps=eps)
   return fedavg(loss_fn, server_optimizer=opt, **fedavg_kwargs)
 
 
