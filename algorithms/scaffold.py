@@ -58,8 +58,33 @@ class ScaffoldState(NamedTuple):
   round_index: jax.Array
 
 
+def _check_learning_rate(fn: str, client_learning_rate: float | None,
+                         client_optimizer) -> float:
+  """``eta_l``: given, or the optimizer's; a mismatch is refused.
+
+  Option II's ``c_i+`` divides by ``K eta_l``: with an optimizer stepping at
+  another rate the controls would be silently wrong.
+  """
+  lr = None
+  if client_optimizer is not None:
+    try:
+      lr = client_transforms.learning_rate_of(client_optimizer,
+                                              jnp.zeros((1,), jnp.float32))
+    except Exception:  # pylint: disable=broad-except
+      lr = None  # An optimizer that cannot be probed: eta_l as given.
+  if client_learning_rate is None:
+    return 0.1 if lr is None else float(lr)
+  if lr is not None and not bool(jnp.isclose(lr, client_learning_rate,
+                                             rtol=2.0 ** -23, atol=0.0)):
+    raise ValueError(
+        f'{fn}: client_learning_rate={client_learning_rate!r} differs from '
+        f'the client optimizer\'s learning_rate={float(lr)!r}; option II '
+        'divides by K eta_l, so they must agree (or omit client_learning_rate).')
+  return client_learning_rate
+
+
 def scaffold(loss_fn: base.LossFn, num_clients: int, *,
-             client_learning_rate: float = 0.1,
+             client_learning_rate: float | None = None,
              client_optimizer: optax.GradientTransformation | None = None,
              server_optimizer: optax.GradientTransformation | None = None,
              metrics_fn: base.MetricsFn | None = None,
@@ -74,10 +99,13 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
     num_clients: population size ``N`` (client ids lie in ``[0, N)``).
     client_learning_rate: local step size ``eta_l`` (traced, in
-      ``state.hparams['client_learning_rate']``).
+      ``state.hparams['client_learning_rate']``); None (the default) takes
+      the client optimizer's injected ``learning_rate``, or 0.1.
     client_optimizer: by default SGD with ``eta_l``, as in the paper. Another
-      optimizer receives the corrected gradient ``g - c_i + c``; option II
-      still divides by ``K eta_l``.
+      optimizer receives the corrected gradient ``g - c_i + c`` (chained
+      after :func:`fedjx.algorithms.client_transforms.control_variate`);
+      option II still divides by ``K eta_l``, so an optimizer whose injected
+      ``learning_rate`` differs from ``client_learning_rate`` is refused.
     server_optimizer: on the pseudo-gradient ``-sum w_i Delta y_i / sum w_i``
       (default SGD with ``eta_g = 1``).
     metrics_fn, local_epochs, local_steps, weighting, map_strategy,
@@ -86,12 +114,14 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
   """
   name = 'scaffold'
   base.check_positive_int(name, 'num_clients', num_clients)
+  if client_optimizer is not None:
+    base.check_optimizer(name, 'client_optimizer', client_optimizer)
+  client_learning_rate = _check_learning_rate(name, client_learning_rate,
+                                              client_optimizer)
   # Option II divides by K eta_l: eta_l = 0 would make every c_i 0 / 0.
   base.check_number(name, 'client_learning_rate', client_learning_rate,
                     strict=True)
   server_optimizer = server_optimizer or base.default_sgd(1.0)
-  if client_optimizer is not None:
-    base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
   nonfinite.check_flag(name, skip_nonfinite)
