@@ -367,6 +367,29 @@ def round_metrics(stats: Mapping[str, jax.Array], num_examples: jax.Array,
                         examples=fedjx.reduce_sum(n), **extra)
 
 
+def client_metrics(update: PyTree, out: Any) -> dict[str, jax.Array]:
+  """One client's own metrics (``client_metrics=True``), placed: ``[C]`` arrays.
+
+  ``client_update_norm`` (``||Delta_i||_2`` of the update before the
+  aggregator's encoding), ``client_num_steps`` (real local steps taken), and
+  the client's mean loss on its own cohort data: ``client_loss_before`` /
+  ``client_loss_after`` (at the server model and at the trained model) with
+  client evaluation, else ``client_loss_during`` (over the local steps).
+  A skipped (non-finite) client's values are 0.
+
+  Args:
+    update: the client's update ``Delta_i``.
+    out: the client's :class:`fedjx.algorithms.client_update.ClientUpdate`.
+  """
+  count = jnp.maximum(out.stats['count'], 1.0)
+  metrics = {'client_update_norm': optax.tree.norm(update).astype(jnp.float32),
+             'client_num_steps': out.num_steps}
+  for k in ('loss_before', 'loss_after', 'loss_during'):
+    if k in out.stats:
+      metrics[f'client_{k}'] = out.stats[k] / count
+  return metrics
+
+
 def pooled_metrics(stats: Mapping[str, jax.Array], *, clients: jax.Array,
                    examples: jax.Array, **extra: jax.Array) -> Metrics:
   """:func:`round_metrics` given the (already reduced) clients and examples."""

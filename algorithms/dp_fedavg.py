@@ -47,6 +47,7 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
               local_epochs: int = 1, local_steps: int | None = None,
               client_evaluation: bool = True,
               skip_nonfinite: bool = True,
+              client_metrics: bool = False,
               map_strategy: str | None = None,
               chunk_size: int | None = None) -> base.Algorithm:
   """DP-FedAvg with clipping norm ``C`` and noise multiplier ``z``.
@@ -58,8 +59,8 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
     expected_clients_per_round: ``qN``, the fixed denominator; None divides
       by the number of participating clients.
     client_optimizer, server_optimizer, metrics_fn, local_epochs,
-    local_steps, client_evaluation, skip_nonfinite, map_strategy, chunk_size:
-      as for :func:`fedavg`. A skipped client counts as absent: it is not in
+    local_steps, client_evaluation, skip_nonfinite, client_metrics,
+    map_strategy, chunk_size: as for :func:`fedavg`. A skipped client counts as absent: it is not in
       the sum, nor (with ``expected_clients_per_round=None``) in ``D``.
   """
   name = 'dp_fedavg'
@@ -76,7 +77,8 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
       aggregator=aggregators.gaussian(clip_norm, noise_multiplier,
                                       expected_clients_per_round),
       client_evaluation=client_evaluation, skip_nonfinite=skip_nonfinite,
-      map_strategy=map_strategy, chunk_size=chunk_size)
+      map_strategy=map_strategy, chunk_size=chunk_size,
+      client_metrics=client_metrics)
 
 
 def dp_epsilon(noise_multiplier: float, sampling_rate: float, num_rounds: int,

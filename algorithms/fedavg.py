@@ -39,6 +39,7 @@ def fedavg(loss_fn: base.LossFn, *,
            aggregator: aggregators.Aggregator | None = None,
            client_evaluation: bool = True,
            skip_nonfinite: bool = True,
+           client_metrics: bool = False,
            map_strategy: str | None = None,
            chunk_size: int | None = None) -> base.Algorithm:
   """Federated Averaging with any optax client and server optimizer.
@@ -69,6 +70,8 @@ def fedavg(loss_fn: base.LossFn, *,
     skip_nonfinite: leave out of the round every client whose update or
       weight is NaN or Inf, and report their number as ``nonfinite_clients``
       (:mod:`fedjx.algorithms.nonfinite`); False checks nothing.
+    client_metrics: also return per-client ``[C]`` metrics (see
+      :func:`fedjx.algorithms.base.client_metrics`); False adds nothing.
     map_strategy, chunk_size: deprecated; use ``Algorithm.compile``.
 
   Returns:
@@ -80,8 +83,8 @@ def fedavg(loss_fn: base.LossFn, *,
                local_epochs=local_epochs, local_steps=local_steps,
                weighting=weighting, client_transform=client_transform,
                aggregator=aggregator, client_evaluation=client_evaluation,
-               skip_nonfinite=skip_nonfinite, map_strategy=map_strategy,
-               chunk_size=chunk_size)
+               skip_nonfinite=skip_nonfinite, client_metrics=client_metrics,
+               map_strategy=map_strategy, chunk_size=chunk_size)
 
 
 def build(name: str, loss_fn: base.LossFn, *,
@@ -92,7 +95,8 @@ def build(name: str, loss_fn: base.LossFn, *,
           client_transform: optax.GradientTransformation | None,
           aggregator: aggregators.Aggregator | None, client_evaluation: bool,
           skip_nonfinite: bool, map_strategy: str | None,
-          chunk_size: int | None) -> base.Algorithm:
+          chunk_size: int | None,
+          client_metrics: bool = False) -> base.Algorithm:
   """FedAvg's round with its parts; ``name`` names the builder in errors."""
   client_optimizer = client_optimizer or base.default_sgd(0.1)
   server_optimizer = server_optimizer or base.default_sgd(1.0)
@@ -103,6 +107,7 @@ def build(name: str, loss_fn: base.LossFn, *,
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
   aggregator = aggregators.check(name, aggregator)
   nonfinite.check_flag(name, skip_nonfinite)
+  base.check_choice(name, 'client_metrics', client_metrics, (False, True))
   schedule = client_update.check_schedule(name, local_epochs, local_steps,
                                           client_evaluation)
 
@@ -127,7 +132,9 @@ def build(name: str, loss_fn: base.LossFn, *,
                                      hparams['client_transform']), opt_state)
     out = client_update.local_update(loss_fn, metrics_fn, optimizer, x,
                                      opt_state, batches, mask, schedule)
-    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
+    delta = base.tree_sub(x, out.params)
+    extra = base.client_metrics(delta, out) if client_metrics else ()
+    return nonfinite.ClientOutput(delta, out.stats, extra=extra,
                                   checked=out.params)
 
   def round_fn(state, cohort, key):
@@ -148,6 +155,7 @@ def build(name: str, loss_fn: base.LossFn, *,
         state.params, pseudo_grad)
     metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics)
+    metrics.update(clients.extra)  # Per-client [C] metrics, if asked.
     return state._replace(params=params, opt_state=opt_state,
                           round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics

@@ -35,6 +35,7 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
             aggregator: aggregators.Aggregator | None = None,
             client_evaluation: bool = True,
             skip_nonfinite: bool = True,
+            client_metrics: bool = False,
             map_strategy: str | None = None,
             chunk_size: int | None = None) -> base.Algorithm:
   """FedProx with proximal coefficient ``mu`` (``state.hparams['mu']``).
@@ -43,8 +44,8 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
     mu: the proximal coefficient, >= 0.
     client_optimizer, server_optimizer, metrics_fn, local_epochs, local_steps,
-    weighting, aggregator, client_evaluation, skip_nonfinite, map_strategy,
-    chunk_size: as for :func:`~fedjx.algorithms.fedavg`.
+    weighting, aggregator, client_evaluation, skip_nonfinite, client_metrics,
+    map_strategy, chunk_size: as for :func:`~fedjx.algorithms.fedavg`.
   """
   name = 'fedprox'
   base.check_number(name, 'mu', mu)
@@ -55,4 +56,4 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
       client_transform=optax.inject_hyperparams(client_transforms.proximal)(mu=mu),
       aggregator=aggregator, client_evaluation=client_evaluation,
       skip_nonfinite=skip_nonfinite, map_strategy=map_strategy,
-      chunk_size=chunk_size)
+      chunk_size=chunk_size, client_metrics=client_metrics)

@@ -246,3 +246,29 @@ def test_builder_execution_options_are_deprecated_but_work():
       warnings.simplefilter('ignore')
       algos.fedavg(linreg_loss, map_strategy='pmap')
   assert callable(algo.round)
+
+
+# ----------------------------------------------------------- client metrics
+
+def test_client_metrics_are_each_client_s_own_against_hand_computed_values():
+  data, params = _data(), linreg_params()
+  cohort = make_cohort(data, batch_size=B)
+  algo = algos.fedprox(linreg_loss, mu=0.2, client_optimizer=optax.sgd(LR),
+                       client_metrics=True)
+  _, metrics = algo.round(algo.init(params), cohort, KEY)
+  prox = lambda g, y: jax.tree.map(lambda y, x: 0.2 * (y - x), y, params)
+  for i, d in enumerate(data):
+    y, steps = reference_sgd(linreg_loss, params, d, B, LR, correction=prox)
+    norm = np.sqrt(sum(np.sum(np.square(l)) for l in jax.tree.leaves(_sub(params, y))))
+    assert int(metrics['client_num_steps'][i]) == steps
+    # Each value is a chain of at most CHAIN float32 roundings of terms of
+    # its own sign: a relative bound.
+    np.testing.assert_allclose(metrics['client_update_norm'][i], norm,
+                               rtol=ft.rtol(400))
+    np.testing.assert_allclose(metrics['client_loss_before'][i],
+                               mean_loss(linreg_loss, params, d), rtol=ft.rtol(400))
+    np.testing.assert_allclose(metrics['client_loss_after'][i],
+                               mean_loss(linreg_loss, y, d), rtol=ft.rtol(400))
+  plain = algos.fedprox(linreg_loss, mu=0.2, client_optimizer=optax.sgd(LR))
+  _, without = plain.round(plain.init(params), cohort, KEY)
+  assert not [k for k in without if k.startswith('client_')]
