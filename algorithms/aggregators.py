@@ -296,5 +296,21 @@ def aggregate(aggregator: Aggregator, state: Any, hparams: Mapping[str, Any],
   return aggregator.combine(state, hparams_of(aggregator, hparams), clients, key)
 
 
+def step(aggregator: Aggregator, optimizer, state: Any,
+         optimizer_hparams: Mapping[str, jax.Array], clients: nonfinite.Clients,
+         key: jax.Array) -> tuple[base.PyTree, base.Params, Any, Any, base.Metrics]:
+  """The server's half of a round: combine, then ``x <- x + ServerOpt(Delta)``.
+
+  ``state`` has ``params``, ``opt_state``, ``hparams`` and
+  ``aggregator_state``. Returns ``(Delta, params, opt_state,
+  aggregator_state, aggregator_metrics)``.
+  """
+  delta, agg_state, metrics = aggregate(aggregator, state.aggregator_state,
+                                        state.hparams, clients, key)
+  params, opt_state = base.server_update(optimizer, state.opt_state,
+                                         optimizer_hparams, state.params, delta)
+  return delta, params, opt_state, agg_state, metrics
+
+
 __all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'clip_update', 'gaussian',
            'mean', 'quantized_mean', 'safe_global_norm']

@@ -26,6 +26,7 @@ using it, so ``state.hparams`` is the one place to read or change them.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -402,6 +403,49 @@ def pooled_metrics(stats: Mapping[str, jax.Array], *, clients: jax.Array,
   return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
 
+# ------------------------------------------------------------------ options
+
+# Options every builder takes (see docs/algorithms.md); ``map_strategy`` and
+# ``chunk_size`` are deprecated there (``Algorithm.compile`` sets them).
+COMMON_OPTIONS: dict[str, Any] = {
+    'metrics_fn': None,
+    'weighting': 'num_examples',
+    'client_evaluation': True,
+    'skip_nonfinite': True,
+    'map_strategy': None,
+    'chunk_size': None,
+}
+
+
+def with_options(options: Mapping[str, Any]) -> Callable[[Callable], Callable]:
+  """Declares the keyword options a builder's ``**options`` takes.
+
+  The builder's signature (``inspect.signature``, what config validation
+  and ``help`` read) becomes its own parameters followed by ``options`` as
+  keyword-only parameters with these defaults, so builders that share
+  options state them once.
+  """
+  def decorate(fn):
+    own = [p for p in inspect.signature(fn).parameters.values()
+           if p.kind != p.VAR_KEYWORD]
+    taken = {p.name for p in own}
+    more = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
+            for k, v in options.items() if k not in taken]
+    fn.__signature__ = inspect.signature(fn).replace(parameters=own + more)
+    return fn
+  return decorate
+
+
+def take_options(fn: str, given: Mapping[str, Any],
+                 options: Mapping[str, Any]) -> dict[str, Any]:
+  """``options`` updated with ``given``; a key not in ``options`` is a one-line error."""
+  for key in given:
+    if key not in options:
+      raise ValueError(f'{fn}: option {key}={given[key]!r} is not taken; '
+                       f'{fn} takes {sorted(options)}.')
+  return {**options, **given}
+
+
 # ---------------------------------------------------------------- assembling
 
 def scan_rounds(apply: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]],
@@ -421,9 +465,10 @@ def _fresh_copy(tree: PyTree) -> PyTree:
 
 def make_algorithm(name: str, init: Callable[[Params], Any],
                    round_fn: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]],
-                   *, loss_fn: LossFn, metrics_fn: MetricsFn | None,
+                   *, loss_fn: LossFn, metrics_fn: MetricsFn | None = None,
                    map_strategy: str | None = None,
-                   chunk_size: int | None = None) -> Algorithm:
+                   chunk_size: int | None = None,
+                   options: Mapping[str, Any] | None = None) -> Algorithm:
   """Wraps an algorithm's ``init`` and round (a fedjx program body).
 
   ``round_fn`` is written with the fedjx primitives and called inside
@@ -431,8 +476,12 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
   the cohort size read from ``cohort.mask``. The execution options are those
   of :meth:`Algorithm.compile` (default ``'auto'``, no chunks, donating);
   ``map_strategy`` and ``chunk_size`` here are the builders' deprecated
-  arguments, passed on to ``compile``.
+  arguments, passed on to ``compile``. ``options`` (a builder's
+  :data:`COMMON_OPTIONS`), if given, supplies all three.
   """
+  if options is not None:
+    metrics_fn = options['metrics_fn']
+    map_strategy, chunk_size = options['map_strategy'], options['chunk_size']
   if not callable(loss_fn):
     raise ValueError(f'{name}: loss_fn={loss_fn!r} must be callable.')
   if metrics_fn is not None and not callable(metrics_fn):

@@ -104,21 +104,37 @@ def check_aggregator(fn: str, aggregator, quantization_format: str):
   return aggregators.check(fn, aggregator)
 
 
+# The options DiLoCo and Streaming DiLoCo share, with their defaults.
+OPTIONS: dict[str, Any] = {
+    'inner_optimizer': None,
+    'outer_optimizer': None,
+    'outer_learning_rate': None,
+    'outer_momentum': None,
+    'inner_steps': None,
+    **base.COMMON_OPTIONS,
+}
+
+
+def check_options(fn: str, options: dict[str, Any]):
+  """``(inner_optimizer, outer_optimizer, schedule, options)`` from the options."""
+  o = base.take_options(fn, options, OPTIONS)
+  inner_optimizer = o['inner_optimizer'] or default_inner_optimizer()
+  base.check_optimizer(fn, 'inner_optimizer', inner_optimizer)
+  outer_optimizer = check_outer(fn, o['outer_optimizer'],
+                                o['outer_learning_rate'], o['outer_momentum'])
+  base.check_choice(fn, 'weighting', o['weighting'], base.WEIGHTINGS)
+  nonfinite.check_flag(fn, o['skip_nonfinite'])
+  schedule = client_update.check_schedule(fn, 1, o['inner_steps'],
+                                          o['client_evaluation'])
+  return inner_optimizer, outer_optimizer, schedule, o
+
+
+@base.with_options(OPTIONS)
 def diloco(loss_fn: base.LossFn, num_replicas: int, *,
-           inner_optimizer: optax.GradientTransformation | None = None,
-           outer_optimizer: optax.GradientTransformation | None = None,
-           outer_learning_rate: float | None = None,
-           outer_momentum: float | None = None,
-           inner_steps: int | None = None,
            reset_inner_state: bool = False,
            quantization_format: str = 'float32',
            aggregator: aggregators.Aggregator | None = None,
-           metrics_fn: base.MetricsFn | None = None,
-           weighting: str = 'num_examples',
-           client_evaluation: bool = True,
-           skip_nonfinite: bool = True,
-           map_strategy: str | None = None,
-           chunk_size: int | None = None) -> base.Algorithm:
+           **options: Any) -> base.Algorithm:
   """DiLoCo with ``num_replicas`` replicas.
 
   Args:
@@ -140,22 +156,17 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
       ``quantization_format``), e.g. ``aggregators.gaussian(...)``: DP
       DiLoCo, clip and noise on the outer gradient.
     metrics_fn, weighting, client_evaluation, skip_nonfinite, map_strategy,
-    chunk_size: as for :func:`fedavg`; a skipped replica keeps its inner
+    chunk_size: as for :func:`fedavg` (in ``**options``, with the inner and
+      outer optimizers' options above); a skipped replica keeps its inner
       optimizer state from before the round.
   """
   name = 'diloco'
   base.check_positive_int(name, 'num_replicas', num_replicas)
-  inner_optimizer = inner_optimizer or default_inner_optimizer()
-  base.check_optimizer(name, 'inner_optimizer', inner_optimizer)
-  outer_optimizer = check_outer(name, outer_optimizer, outer_learning_rate,
-                                outer_momentum)
-  base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
-  nonfinite.check_flag(name, skip_nonfinite)
+  inner_optimizer, outer_optimizer, schedule, o = check_options(name, options)
+  metrics_fn = o['metrics_fn']
   base.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
   quantization.check_format(name, 'quantization_format', quantization_format)
   aggregator = check_aggregator(name, aggregator, quantization_format)
-  schedule = client_update.check_schedule(name, 1, inner_steps,
-                                          client_evaluation)
 
   def init(params):
     inner = () if reset_inner_state else stack_states(
@@ -189,12 +200,10 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
         (fedjx.broadcast(state.params),
          fedjx.broadcast(state.hparams['inner_optimizer']),
          inner, cohort.batches, cohort.mask),
-        cohort.num_examples, weighting, skip_nonfinite)
-    outer_grad, agg_state, agg_metrics = aggregators.aggregate(
-        aggregator, state.aggregator_state, state.hparams, clients, key)
-    params, opt_state = base.server_update(
-        outer_optimizer, state.opt_state, state.hparams['outer_optimizer'],
-        state.params, outer_grad)
+        cohort.num_examples, o['weighting'], o['skip_nonfinite'])
+    outer_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+        aggregator, outer_optimizer, state, state.hparams['outer_optimizer'],
+        clients, key)
     inner_states = state.inner_opt_states
     if not reset_inner_state:
       inner_states = base.scatter_clients(inner_states, ids, clients.state,
@@ -208,6 +217,4 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
                           round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
-                             metrics_fn=metrics_fn, map_strategy=map_strategy,
-                             chunk_size=chunk_size)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)

@@ -27,30 +27,31 @@ same aggregator (e.g. DP-FedAdam, DP DiLoCo).
 
 from __future__ import annotations
 
-import optax
+from typing import Any
 
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms.fedavg import build as fedavg_build
+from fedjx.algorithms.fedavg import without
 from fedjx.algorithms.aggregators import clip_update  # pylint: disable=unused-import
 from fedjx.algorithms.aggregators import safe_global_norm  # pylint: disable=unused-import
 
 ACCOUNTANTS = ('rdp', 'pld')
 
+# fedavg's options but those DP-FedAvg sets: its aggregator (which weights
+# every client 1) and no client transform.
+OPTIONS = without('aggregator', 'client_transform', 'weighting')
 
+
+@base.with_options(OPTIONS)
 def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
               noise_multiplier: float = 1.0,
               expected_clients_per_round: float | None = None,
-              client_optimizer: optax.GradientTransformation | None = None,
-              server_optimizer: optax.GradientTransformation | None = None,
-              metrics_fn: base.MetricsFn | None = None,
-              local_epochs: int = 1, local_steps: int | None = None,
-              client_evaluation: bool = True,
-              skip_nonfinite: bool = True,
-              client_metrics: bool = False,
-              map_strategy: str | None = None,
-              chunk_size: int | None = None) -> base.Algorithm:
+              **options: Any) -> base.Algorithm:
   """DP-FedAvg with clipping norm ``C`` and noise multiplier ``z``.
+
+  ``fedavg(aggregator=aggregators.gaussian(clip_norm, noise_multiplier,
+  expected_clients_per_round))``.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
@@ -58,27 +59,17 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
     noise_multiplier: ``z`` >= 0 (``state.hparams['noise_multiplier']``).
     expected_clients_per_round: ``qN``, the fixed denominator; None divides
       by the number of participating clients.
-    client_optimizer, server_optimizer, metrics_fn, local_epochs,
-    local_steps, client_evaluation, skip_nonfinite, client_metrics,
-    map_strategy, chunk_size: as for :func:`fedavg`. A skipped client counts as absent: it is not in
-      the sum, nor (with ``expected_clients_per_round=None``) in ``D``.
+    **options: those of :func:`fedavg` but ``aggregator``,
+      ``client_transform`` and ``weighting``. A skipped client counts as
+      absent: it is not in the sum, nor (with
+      ``expected_clients_per_round=None``) in ``D``.
   """
   name = 'dp_fedavg'
-  base.check_number(name, 'clip_norm', clip_norm, strict=True)
-  base.check_number(name, 'noise_multiplier', noise_multiplier)
-  if expected_clients_per_round is not None:
-    base.check_number(name, 'expected_clients_per_round',
-                      expected_clients_per_round, strict=True)
-  return fedavg_build(
-      name, loss_fn, client_optimizer=client_optimizer,
-      server_optimizer=server_optimizer, metrics_fn=metrics_fn,
-      local_epochs=local_epochs, local_steps=local_steps, weighting='uniform',
-      client_transform=None,
-      aggregator=aggregators.gaussian(clip_norm, noise_multiplier,
-                                      expected_clients_per_round),
-      client_evaluation=client_evaluation, skip_nonfinite=skip_nonfinite,
-      map_strategy=map_strategy, chunk_size=chunk_size,
-      client_metrics=client_metrics)
+  aggregator = aggregators.gaussian(clip_norm, noise_multiplier,
+                                    expected_clients_per_round)
+  return fedavg_build(name, loss_fn, dict(
+      base.take_options(name, options, OPTIONS), aggregator=aggregator,
+      client_transform=None, weighting='uniform'))
 
 
 def dp_epsilon(noise_multiplier: float, sampling_rate: float, num_rounds: int,

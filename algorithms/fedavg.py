@@ -16,6 +16,10 @@ only change ``ServerOpt``.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from typing import Any
+
 import jax.numpy as jnp
 import optax
 
@@ -29,19 +33,26 @@ from fedjx.algorithms.yogi import adaptive_adam
 from fedjx.algorithms.yogi import yogi
 
 
-def fedavg(loss_fn: base.LossFn, *,
-           client_optimizer: optax.GradientTransformation | None = None,
-           server_optimizer: optax.GradientTransformation | None = None,
-           metrics_fn: base.MetricsFn | None = None,
-           local_epochs: int = 1, local_steps: int | None = None,
-           weighting: str = 'num_examples',
-           client_transform: optax.GradientTransformation | None = None,
-           aggregator: aggregators.Aggregator | None = None,
-           client_evaluation: bool = True,
-           skip_nonfinite: bool = True,
-           client_metrics: bool = False,
-           map_strategy: str | None = None,
-           chunk_size: int | None = None) -> base.Algorithm:
+# fedavg's options, by name, with their defaults (its variants take them too).
+OPTIONS: dict[str, Any] = {
+    'client_optimizer': None,
+    'server_optimizer': None,
+    'local_epochs': 1,
+    'local_steps': None,
+    'client_transform': None,
+    'aggregator': None,
+    'client_metrics': False,
+    **base.COMMON_OPTIONS,
+}
+
+
+def without(*names: str) -> dict[str, Any]:
+  """:data:`OPTIONS` less ``names`` (those a variant sets itself)."""
+  return {k: v for k, v in OPTIONS.items() if k not in names}
+
+
+@base.with_options(OPTIONS)
+def fedavg(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
   """Federated Averaging with any optax client and server optimizer.
 
   Args:
@@ -78,26 +89,20 @@ def fedavg(loss_fn: base.LossFn, *,
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
     :class:`~fedjx.algorithms.ServerState`.
   """
-  return build('fedavg', loss_fn, client_optimizer=client_optimizer,
-               server_optimizer=server_optimizer, metrics_fn=metrics_fn,
-               local_epochs=local_epochs, local_steps=local_steps,
-               weighting=weighting, client_transform=client_transform,
-               aggregator=aggregator, client_evaluation=client_evaluation,
-               skip_nonfinite=skip_nonfinite, client_metrics=client_metrics,
-               map_strategy=map_strategy, chunk_size=chunk_size)
+  return build('fedavg', loss_fn, base.take_options('fedavg', options, OPTIONS))
 
 
-def build(name: str, loss_fn: base.LossFn, *,
-          client_optimizer: optax.GradientTransformation | None,
-          server_optimizer: optax.GradientTransformation | None,
-          metrics_fn: base.MetricsFn | None, local_epochs: int,
-          local_steps: int | None, weighting: str,
-          client_transform: optax.GradientTransformation | None,
-          aggregator: aggregators.Aggregator | None, client_evaluation: bool,
-          skip_nonfinite: bool, map_strategy: str | None,
-          chunk_size: int | None,
-          client_metrics: bool = False) -> base.Algorithm:
-  """FedAvg's round with its parts; ``name`` names the builder in errors."""
+def build(name: str, loss_fn: base.LossFn,
+          options: Mapping[str, Any]) -> base.Algorithm:
+  """FedAvg's round with its parts (``options``: all of :data:`OPTIONS`).
+
+  ``name`` names the builder in errors and in the round's function name.
+  """
+  o = options
+  client_optimizer, server_optimizer = o['client_optimizer'], o['server_optimizer']
+  client_transform, metrics_fn = o['client_transform'], o['metrics_fn']
+  weighting, skip_nonfinite = o['weighting'], o['skip_nonfinite']
+  client_metrics = o['client_metrics']
   client_optimizer = client_optimizer or base.default_sgd(0.1)
   server_optimizer = server_optimizer or base.default_sgd(1.0)
   base.check_optimizer(name, 'client_optimizer', client_optimizer)
@@ -105,11 +110,11 @@ def build(name: str, loss_fn: base.LossFn, *,
   if client_transform is not None:
     base.check_optimizer(name, 'client_transform', client_transform)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
-  aggregator = aggregators.check(name, aggregator)
+  aggregator = aggregators.check(name, o['aggregator'])
   nonfinite.check_flag(name, skip_nonfinite)
   base.check_choice(name, 'client_metrics', client_metrics, (False, True))
-  schedule = client_update.check_schedule(name, local_epochs, local_steps,
-                                          client_evaluation)
+  schedule = client_update.check_schedule(name, o['local_epochs'],
+                                          o['local_steps'], o['client_evaluation'])
 
   def init(params):
     transform_hparams = ({} if client_transform is None else
@@ -148,11 +153,9 @@ def build(name: str, loss_fn: base.LossFn, *,
         (fedjx.broadcast(state.params), fedjx.broadcast(client_hparams),
          cohort.batches, cohort.mask),
         cohort.num_examples, weighting, skip_nonfinite)
-    pseudo_grad, agg_state, agg_metrics = aggregators.aggregate(
-        aggregator, state.aggregator_state, state.hparams, clients, key)
-    params, opt_state = base.server_update(
-        server_optimizer, state.opt_state, state.hparams['server_optimizer'],
-        state.params, pseudo_grad)
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+        aggregator, server_optimizer, state, state.hparams['server_optimizer'],
+        clients, key)
     metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics)
     metrics.update(clients.extra)  # Per-client [C] metrics, if asked.
@@ -160,27 +163,32 @@ def build(name: str, loss_fn: base.LossFn, *,
                           round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
-                             metrics_fn=metrics_fn, map_strategy=map_strategy,
-                             chunk_size=chunk_size)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
 
 
 # ------------------------------------------------------------------- FedOpt
 
-def _check_fedopt(fn: str, learning_rate: float, b1: float, b2: float | None,
-                  eps: float, fedavg_kwargs: dict) -> None:
+def _fedopt(fn: str, loss_fn: base.LossFn, optimizer, options: Mapping[str, Any],
+            learning_rate: float, b1: float, b2: float | None, eps: float,
+            **more: Any) -> base.Algorithm:
+  """FedAvg (named ``fn``) with the server optimizer ``optimizer(...)``."""
   base.check_number(fn, 'server_learning_rate', learning_rate)
   base.check_number(fn, 'b1', b1, high=1.0)
   if b2 is not None:
     base.check_number(fn, 'b2', b2, high=1.0)
+    more['b2'] = b2
   base.check_number(fn, 'eps', eps)
-  if 'server_optimizer' in fedavg_kwargs:
-    raise ValueError(f'{fn}: server_optimizer is set by {fn}; use fedavg to '
-                     'pass your own.')
+  options = base.take_options(fn, options, FEDOPT_OPTIONS)
+  return build(fn, loss_fn, dict(options, server_optimizer=optimizer(
+      learning_rate=learning_rate, b1=b1, eps=eps, **more)))
 
 
-def _fedopt_optimizer(fn, initial_accumulator_value, bias_correction,
-                      **hparams) -> optax.GradientTransformation:
+# What the FedOpt conveniences take besides their own: fedavg's options but
+# the server optimizer, which they set (use fedavg to pass your own).
+FEDOPT_OPTIONS = without('server_optimizer')
+
+
+def _fedopt_optimizer(fn, initial_accumulator_value, bias_correction):
   """``fn`` with injected hyperparameters; the convention options static.
 
   With the defaults the optimizer is the one of earlier versions (same
@@ -197,14 +205,15 @@ def _fedopt_optimizer(fn, initial_accumulator_value, bias_correction,
   if bias_correction:
     extra['bias_correction'] = True
   static = ('bias_correction',) if bias_correction else ()
-  return optax.inject_hyperparams(fn, static_args=static)(**hparams, **extra)
+  return functools.partial(optax.inject_hyperparams(fn, static_args=static),
+                           **extra)
 
 
+@base.with_options(FEDOPT_OPTIONS)
 def fedadam(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
             b1: float = 0.9, b2: float = 0.99, eps: float = 1e-3,
             initial_accumulator_value: float | None = None,
-            bias_correction: bool = False,
-            **fedavg_kwargs) -> base.Algorithm:
+            bias_correction: bool = False, **options: Any) -> base.Algorithm:
   """FedAdam (Reddi et al. 2021): FedAvg with Adam on the pseudo-gradient.
 
   ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
@@ -215,53 +224,51 @@ def fedadam(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
   their ``eps``, Flower's and TFF's FedAdam (:mod:`fedjx.algorithms.yogi`).
   ``eps`` may be 0. Other arguments as :func:`fedavg`.
   """
-  _check_fedopt('fedadam', server_learning_rate, b1, b2, eps, fedavg_kwargs)
-  opt = _fedopt_optimizer(adaptive_adam, initial_accumulator_value, bias_correction,
-                         learning_rate=server_learning_rate, b1=b1, b2=b2,
-                         eps=eps)
-  return fedavg(loss_fn, server_optimizer=opt, **fedavg_kwargs)
+  return _fedopt('fedadam', loss_fn, _fedopt_optimizer(
+      adaptive_adam, initial_accumulator_value, bias_correction), options,
+                 server_learning_rate, b1, b2, eps)
 
 
+@base.with_options(FEDOPT_OPTIONS)
 def fedyogi(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
             b1: float = 0.9, b2: float = 0.99, eps: float = 1e-3,
             initial_accumulator_value: float | None = None,
-            bias_correction: bool = False,
-            **fedavg_kwargs) -> base.Algorithm:
+            bias_correction: bool = False, **options: Any) -> base.Algorithm:
   """FedYogi (Reddi et al. 2021): FedAvg with Yogi on the pseudo-gradient.
 
   ``v = v - (1-b2) g^2 sign(v - g^2)``, otherwise as :func:`fedadam`.
   """
-  _check_fedopt('fedyogi', server_learning_rate, b1, b2, eps, fedavg_kwargs)
-  opt = _fedopt_optimizer(yogi, initial_accumulator_value, bias_correction,
-                         learning_rate=server_learning_rate, b1=b1, b2=b2,
-                         eps=eps)
-  return fedavg(loss_fn, server_optimizer=opt, **fedavg_kwargs)
+  return _fedopt('fedyogi', loss_fn, _fedopt_optimizer(
+      yogi, initial_accumulator_value, bias_correction), options,
+                 server_learning_rate, b1, b2, eps)
 
 
+@base.with_options(FEDOPT_OPTIONS)
 def fedadagrad(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-1,
                b1: float = 0.9, eps: float = 1e-3,
                initial_accumulator_value: float | None = None,
                bias_correction: bool = False,
-               **fedavg_kwargs) -> base.Algorithm:
+               **options: Any) -> base.Algorithm:
   """FedAdagrad (Reddi et al. 2021): ``v = v + g^2``, otherwise as FedAdam."""
-  _check_fedopt('fedadagrad', server_learning_rate, b1, None, eps, fedavg_kwargs)
-  opt = _fedopt_optimizer(adaptive_adagrad, initial_accumulator_value,
-                         bias_correction, learning_rate=server_learning_rate,
-                         b1=b1, eps=eps)
-  return fedavg(loss_fn, server_optimizer=opt, **fedavg_kwargs)
+  return _fedopt('fedadagrad', loss_fn, _fedopt_optimizer(
+      adaptive_adagrad, initial_accumulator_value, bias_correction), options,
+                 server_learning_rate, b1, None, eps)
 
 
+@base.with_options(FEDOPT_OPTIONS)
 def fedavgm(loss_fn: base.LossFn, *, server_learning_rate: float = 1.0,
-            server_momentum: float = 0.9, **fedavg_kwargs) -> base.Algorithm:
+            server_momentum: float = 0.9, **options: Any) -> base.Algorithm:
   """FedAvgM (Hsu et al. 2019, arXiv 1909.06335): server heavy-ball momentum.
 
   ``v <- server_momentum v + g``, ``x <- x - lr v``.
   """
   fn = 'fedavgm'
-  _check_fedopt(fn, server_learning_rate, 0.0, None, 1.0, fedavg_kwargs)
+  base.check_number(fn, 'server_learning_rate', server_learning_rate)
   base.check_number(fn, 'server_momentum', server_momentum, high=1.0)
-  opt = base.default_sgd(server_learning_rate, momentum=server_momentum)
-  return fedavg(loss_fn, server_optimizer=opt, **fedavg_kwargs)
+  return build(fn, loss_fn, dict(
+      base.take_options(fn, options, FEDOPT_OPTIONS),
+      server_optimizer=base.default_sgd(server_learning_rate,
+                                        momentum=server_momentum)))
 
 
 __all__ = ['fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm']

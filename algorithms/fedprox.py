@@ -18,42 +18,35 @@ at the model the client received.
 
 from __future__ import annotations
 
+from typing import Any
+
 import optax
 
-from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_transforms
 from fedjx.algorithms.fedavg import build as fedavg_build
+from fedjx.algorithms.fedavg import without
+
+# fedavg's options but the client transform, which FedProx sets.
+OPTIONS = without('client_transform')
 
 
+@base.with_options(OPTIONS)
 def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
-            client_optimizer: optax.GradientTransformation | None = None,
-            server_optimizer: optax.GradientTransformation | None = None,
-            metrics_fn: base.MetricsFn | None = None,
-            local_epochs: int = 1, local_steps: int | None = None,
-            weighting: str = 'num_examples',
-            aggregator: aggregators.Aggregator | None = None,
-            client_evaluation: bool = True,
-            skip_nonfinite: bool = True,
-            client_metrics: bool = False,
-            map_strategy: str | None = None,
-            chunk_size: int | None = None) -> base.Algorithm:
+            **options: Any) -> base.Algorithm:
   """FedProx with proximal coefficient ``mu`` (``state.hparams['mu']``).
+
+  ``fedavg(client_transform=optax.inject_hyperparams(proximal)(mu=mu))``.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
     mu: the proximal coefficient, >= 0.
-    client_optimizer, server_optimizer, metrics_fn, local_epochs, local_steps,
-    weighting, aggregator, client_evaluation, skip_nonfinite, client_metrics,
-    map_strategy, chunk_size: as for :func:`~fedjx.algorithms.fedavg`.
+    **options: those of :func:`~fedjx.algorithms.fedavg` but
+      ``client_transform`` (``client_optimizer``, ``server_optimizer``,
+      ``local_epochs``, ``local_steps``, ``weighting``, ``aggregator``, ...).
   """
   name = 'fedprox'
   base.check_number(name, 'mu', mu)
-  return fedavg_build(
-      name, loss_fn, client_optimizer=client_optimizer,
-      server_optimizer=server_optimizer, metrics_fn=metrics_fn,
-      local_epochs=local_epochs, local_steps=local_steps, weighting=weighting,
-      client_transform=optax.inject_hyperparams(client_transforms.proximal)(mu=mu),
-      aggregator=aggregator, client_evaluation=client_evaluation,
-      skip_nonfinite=skip_nonfinite, map_strategy=map_strategy,
-      chunk_size=chunk_size, client_metrics=client_metrics)
+  proximal = optax.inject_hyperparams(client_transforms.proximal)(mu=mu)
+  return fedavg_build(name, loss_fn, dict(
+      base.take_options(name, options, OPTIONS), client_transform=proximal))

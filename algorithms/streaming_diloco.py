@@ -46,9 +46,9 @@ from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
+from fedjx.algorithms.diloco import OPTIONS as DILOCO_OPTIONS
 from fedjx.algorithms.diloco import check_aggregator
-from fedjx.algorithms.diloco import check_outer
-from fedjx.algorithms.diloco import default_inner_optimizer
+from fedjx.algorithms.diloco import check_options
 from fedjx.algorithms import quantization
 
 FRAGMENT_PATTERNS = ('strided', 'sequential')
@@ -101,22 +101,13 @@ def fragment_leaves(params: base.Params, num_fragments: int,
   return tuple(groups)
 
 
+@base.with_options(DILOCO_OPTIONS)
 def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
                      num_fragments: int = 2, fragment_pattern: str = 'strided',
                      quantization_format: str | None = None,
                      aggregator: aggregators.Aggregator | None = None,
                      mixing_factor: float = 0.0,
-                     inner_optimizer: optax.GradientTransformation | None = None,
-                     outer_optimizer: optax.GradientTransformation | None = None,
-                     outer_learning_rate: float | None = None,
-                     outer_momentum: float | None = None,
-                     inner_steps: int | None = None,
-                     metrics_fn: base.MetricsFn | None = None,
-                     weighting: str = 'num_examples',
-                     client_evaluation: bool = True,
-                     skip_nonfinite: bool = True,
-                     map_strategy: str | None = None,
-                     chunk_size: int | None = None) -> base.Algorithm:
+                     **options: Any) -> base.Algorithm:
   """Streaming DiLoCo with ``num_replicas`` replicas and ``P`` fragments.
 
   Args:
@@ -150,14 +141,9 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   aggregator = check_aggregator(name, aggregator,
                                 quantization_format or 'float32')
   base.check_number(name, 'mixing_factor', mixing_factor, high=1.0)
-  inner_optimizer = inner_optimizer or default_inner_optimizer()
-  base.check_optimizer(name, 'inner_optimizer', inner_optimizer)
-  outer_optimizer = check_outer(name, outer_optimizer, outer_learning_rate,
-                                outer_momentum)
-  base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
-  nonfinite.check_flag(name, skip_nonfinite)
-  schedule = client_update.check_schedule(name, 1, inner_steps,
-                                          client_evaluation)
+  inner_optimizer, outer_optimizer, schedule, o = check_options(
+      name, options)
+  metrics_fn = o['metrics_fn']
   stack = lambda t: jax.tree.map(
       lambda x: jnp.broadcast_to(x, (num_replicas,) + jnp.shape(x)), t)
 
@@ -223,8 +209,9 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         (gather(state.replica_params),
          fedjx.broadcast(state.hparams['inner_optimizer']),
          gather(state.inner_opt_states), cohort.batches, cohort.mask),
-        aggregators.client_weights(aggregator, cohort.num_examples, weighting),
-        cohort.num_examples, skip_nonfinite)
+        aggregators.client_weights(aggregator, cohort.num_examples,
+                                   o['weighting']),
+        cohort.num_examples, o['skip_nonfinite'])
     theta_k, inner = clients.state
     # Synchronise fragment p = round mod P (one branch per fragment).
     leaves, treedef = jax.tree.flatten(state.params)
@@ -255,6 +242,4 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         inner_opt_states=scatter(state.inner_opt_states, inner),
         round_index=state.round_index + 1, aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
-                             metrics_fn=metrics_fn, map_strategy=map_strategy,
-                             chunk_size=chunk_size)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
