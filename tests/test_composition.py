@@ -272,3 +272,34 @@ def test_client_metrics_are_each_client_s_own_against_hand_computed_values():
   plain = algos.fedprox(linreg_loss, mu=0.2, client_optimizer=optax.sgd(LR))
   _, without = plain.round(plain.init(params), cohort, KEY)
   assert not [k for k in without if k.startswith('client_')]
+
+
+# ------------------------------------------------------------- the docs' example
+
+def test_the_write_your_own_algorithm_example_of_the_docs_runs_and_is_right():
+  import os
+  import re
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      'docs', 'algorithms.md')
+  text = open(path).read()
+  section = text[text.index('## Write your own algorithm from parts'):]
+  blocks = re.findall(r'```python\n(.*?)```', section, re.S)
+  assert len(blocks) == 2
+  ns = {}
+  for block in blocks:
+    exec(compile(block, path, 'exec'), ns)  # pylint: disable=exec-used
+  assert ns['metrics']['client_update_norm'].shape == (3,)
+  np.testing.assert_array_equal(ns['new'].params['w'], ns['again'].params['w'])
+  # The unit-norm DiLoCo round by hand: SGD inner steps, Delta_k / ||Delta_k||
+  # averaged with w_k = n_k, Nesterov outer step from a zero trace.
+  theta = {'w': jnp.zeros(3), 'b': jnp.zeros(())}
+  units, sizes = [], []
+  for client in ns['clients']:
+    y, _ = reference_sgd(ns['loss_fn'], theta, client, 2, 0.1)
+    delta = _sub(theta, y)
+    norm = np.sqrt(sum(np.sum(np.square(l)) for l in jax.tree.leaves(delta)))
+    units.append(jax.tree.map(lambda d: d / norm, delta))
+    sizes.append(len(client['y']))
+  g = weighted_average(units, sizes)
+  want = jax.tree.map(lambda x, g: np.asarray(x) - 0.7 * 1.9 * g, theta, g)
+  assert_trees_close(ns['diloco_state'].params, want, n=2 * 400)
