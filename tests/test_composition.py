@@ -303,3 +303,22 @@ def test_the_write_your_own_algorithm_example_of_the_docs_runs_and_is_right():
   g = weighted_average(units, sizes)
   want = jax.tree.map(lambda x, g: np.asarray(x) - 0.7 * 1.9 * g, theta, g)
   assert_trees_close(ns['diloco_state'].params, want, n=2 * 400)
+
+
+def test_a_wrapped_algorithm_compiles_with_its_inner_round():
+  data, params = _data(), linreg_params()
+  cohort = make_cohort(data, batch_size=B)
+  tuner = algos.hypergradient_tuner(
+      algos.fedavg(linreg_loss), linreg_loss,
+      tune='server_optimizer/learning_rate')
+  state0 = tuner.init(params)
+  want, _ = tuner.round(copy(state0), cohort, KEY)
+  kept = tuner.compile(map_strategy='sequential', donate=False)
+  got, metrics = kept.round(state0, cohort, KEY)
+  kept.round(state0, cohort, KEY)  # Not donated.
+  # The same per-client float32 work; only the order of the C-term
+  # reductions may differ.
+  assert_trees_close(got.inner.params, want.inner.params, n=400)
+  np.testing.assert_allclose(
+      metrics['hparams/server_optimizer/learning_rate'],
+      want.inner.hparams['server_optimizer']['learning_rate'], rtol=ft.rtol(400))
