@@ -78,6 +78,15 @@ def test_control_variate_adds_c_minus_c_i():
   np.testing.assert_array_equal(out['w'], [3.5, 7.0])
 
 
+def test_learning_rate_of_reads_injected_rates_only():
+  p = {'w': jnp.zeros(2)}
+  sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.03)
+  chained = optax.chain(client_transforms.proximal(0.1), sgd)
+  assert float(client_transforms.learning_rate_of(sgd, p)) == np.float32(0.03)
+  assert float(client_transforms.learning_rate_of(chained, p)) == np.float32(0.03)
+  assert client_transforms.learning_rate_of(optax.sgd(0.03), p) is None
+
+
 def test_fedavg_with_proximal_and_adam_matches_a_hand_written_round():
   """FedProx with any client optimizer: Adam on grad F_i(y) + mu (y - x)."""
   data, params, mu = _data(), linreg_params(), 0.5
