@@ -6,15 +6,20 @@ donated), ``run_rounds`` (many rounds in one ``lax.scan``) and ``apply`` (the
 plain round, for ``jax.grad`` and friends). See docs/algorithms.md.
 """
 
+from fedjx.algorithms import aggregators
+from fedjx.algorithms import client_transforms
 from fedjx.algorithms import client_update
 from fedjx.algorithms import hypergradients
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms import quantization
+from fedjx.algorithms.aggregators import Aggregator
 from fedjx.algorithms.base import Algorithm
 from fedjx.algorithms.base import ServerState
 from fedjx.algorithms.base import WEIGHTINGS
 from fedjx.algorithms.base import aggregation_weights
 from fedjx.algorithms.base import scan_rounds
+from fedjx.algorithms.client_transforms import control_variate
+from fedjx.algorithms.client_transforms import proximal
 from fedjx.algorithms.client_update import LocalSchedule
 from fedjx.algorithms.diloco import DiLoCoState
 from fedjx.algorithms.diloco import diloco
@@ -46,6 +51,7 @@ from fedjx.algorithms.tuner import fedavg_hypergradient_tuner
 from fedjx.algorithms.tuner import hypergradient_tuner
 
 __all__ = [
+    'Aggregator',
     'Algorithm',
     'DiLoCoState',
     'LocalSchedule',
@@ -56,7 +62,10 @@ __all__ = [
     'adaptive_adagrad',
     'adaptive_adam',
     'aggregation_weights',
+    'aggregators',
+    'client_transforms',
     'client_update',
+    'control_variate',
     'clip_update',
     'diloco',
     'dp_epsilon',
@@ -68,6 +77,7 @@ __all__ = [
     'fedprox',
     'fedyogi',
     'nonfinite',
+    'proximal',
     'quantization',
     'quantize',
     'scaffold',

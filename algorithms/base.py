@@ -26,7 +26,9 @@ using it, so ``state.hparams`` is the one place to read or change them.
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -60,13 +62,47 @@ class Algorithm(NamedTuple):
       ``lax.scan``, donating ``state``; each metric is stacked to ``[R]``.
     apply: the round as a plain, un-jitted function with the signature of
       ``round``; compose it with ``jax.grad`` (e.g. with respect to
-      ``state.hparams``), ``jax.vmap`` or :func:`scan_rounds`.
+      ``state.hparams``), ``jax.vmap`` or :func:`scan_rounds`. It does not
+      donate: ``apply(state, ...)`` twice from one state compares variants.
+    compiler: ``compiler(map_strategy, chunk_size, donate) -> Algorithm``,
+      used by :meth:`compile` (None for algorithms assembled by hand).
   """
 
   init: Callable[[Params], Any]
   round: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]]
   run_rounds: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]]
   apply: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]]
+  compiler: Callable[..., 'Algorithm'] | None = None
+
+  def compile(self, map_strategy: str = 'auto', chunk_size: int | None = None,
+              donate: bool = True) -> 'Algorithm':
+    """The algorithm with its rounds run under these execution options.
+
+    How clients run is not part of an algorithm: every builder makes the
+    same round, and ``compile`` chooses how ``fedjx.program`` maps it over
+    clients. The options are validated here, once.
+
+    Args:
+      map_strategy: one of ``fedjx.MAP_STRATEGIES`` (``'auto'``, ``'vmap'``,
+        ``'chunked'``, ``'sequential'``), see ``fedjx.program``.
+      chunk_size: clients per chunk for ``map_strategy='chunked'`` (a
+        positive int or None).
+      donate: whether ``round`` and ``run_rounds`` donate the state's
+        buffers (the default; the state passed in is consumed). False keeps
+        it, so one state can be run twice, e.g. to compare variants.
+
+    Returns:
+      A new :class:`Algorithm` whose ``round``, ``run_rounds`` and ``apply``
+      use the options; ``init`` is unchanged.
+    """
+    fn = 'Algorithm.compile'
+    check_choice(fn, 'map_strategy', map_strategy, fedjx.MAP_STRATEGIES)
+    check_positive_int(fn, 'chunk_size', chunk_size, allow_none=True)
+    check_choice(fn, 'donate', donate, (True, False))
+    if self.compiler is None:
+      raise ValueError(f'{fn}: this Algorithm has compiler=None (it was not '
+                       'made by make_algorithm), so it cannot be recompiled.')
+    return self.compiler(map_strategy, chunk_size, donate)
 
 
 class ServerState(NamedTuple):
@@ -77,12 +113,14 @@ class ServerState(NamedTuple):
     opt_state: the server optimizer's state.
     hparams: traced hyperparameters, keyed by the builder's argument names.
     round_index: number of rounds run so far (int32 scalar).
+    aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
   params: Params
   opt_state: optax.OptState
   hparams: dict[str, Any]
   round_index: jax.Array
+  aggregator_state: Any = ()
 
 
 # ------------------------------------------------------------------ checks
@@ -229,6 +267,13 @@ def optimizer_hparams(optimizer: optax.GradientTransformation,
           optimizer.init(params).hyperparams.items()}
 
 
+def hparam_names(optimizer: optax.GradientTransformation,
+                 params: Params) -> tuple[str, ...]:
+  """The names of an injected optimizer's hyperparameters (none if not injected)."""
+  state = jax.eval_shape(optimizer.init, params)
+  return tuple(getattr(state, 'hyperparams', {}))
+
+
 def with_hparams(opt_state: optax.OptState,
                  hparams: Mapping[str, jax.Array]) -> optax.OptState:
   """Writes traced hyperparameters into an injected optimizer's state."""
@@ -323,6 +368,29 @@ def round_metrics(stats: Mapping[str, jax.Array], num_examples: jax.Array,
                         examples=fedjx.reduce_sum(n), **extra)
 
 
+def client_metrics(update: PyTree, out: Any) -> dict[str, jax.Array]:
+  """One client's own metrics (``client_metrics=True``), placed: ``[C]`` arrays.
+
+  ``client_update_norm`` (``||Delta_i||_2`` of the update before the
+  aggregator's encoding), ``client_num_steps`` (real local steps taken), and
+  the client's mean loss on its own cohort data: ``client_loss_before`` /
+  ``client_loss_after`` (at the server model and at the trained model) with
+  client evaluation, else ``client_loss_during`` (over the local steps).
+  A skipped (non-finite) client's values are 0.
+
+  Args:
+    update: the client's update ``Delta_i``.
+    out: the client's :class:`fedjx.algorithms.client_update.ClientUpdate`.
+  """
+  count = jnp.maximum(out.stats['count'], 1.0)
+  metrics = {'client_update_norm': optax.tree.norm(update).astype(jnp.float32),
+             'client_num_steps': out.num_steps}
+  for k in ('loss_before', 'loss_after', 'loss_during'):
+    if k in out.stats:
+      metrics[f'client_{k}'] = out.stats[k] / count
+  return metrics
+
+
 def pooled_metrics(stats: Mapping[str, jax.Array], *, clients: jax.Array,
                    examples: jax.Array, **extra: jax.Array) -> Metrics:
   """:func:`round_metrics` given the (already reduced) clients and examples."""
@@ -333,6 +401,49 @@ def pooled_metrics(stats: Mapping[str, jax.Array], *, clients: jax.Array,
   metrics['examples'] = examples
   metrics.update(extra)
   return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+
+
+# ------------------------------------------------------------------ options
+
+# Options every builder takes (see docs/algorithms.md); ``map_strategy`` and
+# ``chunk_size`` are deprecated there (``Algorithm.compile`` sets them).
+COMMON_OPTIONS: dict[str, Any] = {
+    'metrics_fn': None,
+    'weighting': 'num_examples',
+    'client_evaluation': True,
+    'skip_nonfinite': True,
+    'map_strategy': None,
+    'chunk_size': None,
+}
+
+
+def with_options(options: Mapping[str, Any]) -> Callable[[Callable], Callable]:
+  """Declares the keyword options a builder's ``**options`` takes.
+
+  The builder's signature (``inspect.signature``, what config validation
+  and ``help`` read) becomes its own parameters followed by ``options`` as
+  keyword-only parameters with these defaults, so builders that share
+  options state them once.
+  """
+  def decorate(fn):
+    own = [p for p in inspect.signature(fn).parameters.values()
+           if p.kind != p.VAR_KEYWORD]
+    taken = {p.name for p in own}
+    more = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
+            for k, v in options.items() if k not in taken]
+    fn.__signature__ = inspect.signature(fn).replace(parameters=own + more)
+    return fn
+  return decorate
+
+
+def take_options(fn: str, given: Mapping[str, Any],
+                 options: Mapping[str, Any]) -> dict[str, Any]:
+  """``options`` updated with ``given``; a key not in ``options`` is a one-line error."""
+  for key in given:
+    if key not in options:
+      raise ValueError(f'{fn}: option {key}={given[key]!r} is not taken; '
+                       f'{fn} takes {sorted(options)}.')
+  return {**options, **given}
 
 
 # ---------------------------------------------------------------- assembling
@@ -354,20 +465,35 @@ def _fresh_copy(tree: PyTree) -> PyTree:
 
 def make_algorithm(name: str, init: Callable[[Params], Any],
                    round_fn: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]],
-                   *, loss_fn: LossFn, metrics_fn: MetricsFn | None,
-                   map_strategy: str, chunk_size: int | None) -> Algorithm:
+                   *, loss_fn: LossFn, metrics_fn: MetricsFn | None = None,
+                   map_strategy: str | None = None,
+                   chunk_size: int | None = None,
+                   options: Mapping[str, Any] | None = None) -> Algorithm:
   """Wraps an algorithm's ``init`` and round (a fedjx program body).
 
   ``round_fn`` is written with the fedjx primitives and called inside
   ``fedjx.program(clients=C, map_strategy=..., chunk_size=...)``, with ``C``
-  the cohort size read from ``cohort.mask``.
+  the cohort size read from ``cohort.mask``. The execution options are those
+  of :meth:`Algorithm.compile` (default ``'auto'``, no chunks, donating);
+  ``map_strategy`` and ``chunk_size`` here are the builders' deprecated
+  arguments, passed on to ``compile``. ``options`` (a builder's
+  :data:`COMMON_OPTIONS`), if given, supplies all three.
   """
+  if options is not None:
+    metrics_fn = options['metrics_fn']
+    map_strategy, chunk_size = options['map_strategy'], options['chunk_size']
   if not callable(loss_fn):
     raise ValueError(f'{name}: loss_fn={loss_fn!r} must be callable.')
   if metrics_fn is not None and not callable(metrics_fn):
     raise ValueError(f'{name}: metrics_fn={metrics_fn!r} must be callable or None.')
-  check_choice(name, 'map_strategy', map_strategy, fedjx.MAP_STRATEGIES)
-  check_positive_int(name, 'chunk_size', chunk_size, allow_none=True)
+  if map_strategy is not None or chunk_size is not None:
+    warnings.warn(f'{name}: map_strategy and chunk_size are deprecated '
+                  'builder arguments; use algorithm.compile(map_strategy=..., '
+                  'chunk_size=...).', DeprecationWarning, stacklevel=3)
+    # Validated with the builder's name, as before.
+    check_choice(name, 'map_strategy', map_strategy or 'auto',
+                 fedjx.MAP_STRATEGIES)
+    check_positive_int(name, 'chunk_size', chunk_size, allow_none=True)
 
   def init_state(params: Params) -> Any:
     if not jax.tree.leaves(params):
@@ -376,19 +502,23 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
     check_hparams(name, state.hparams)
     return _fresh_copy(state)
 
-  def apply(state: Any, cohort: Cohort, key: jax.Array) -> tuple[Any, Metrics]:
-    c = check_cohort(name, cohort)
-    check_model(name, loss_fn, metrics_fn, state.params, cohort)
-    program = fedjx.program(clients=c, map_strategy=map_strategy,
-                            chunk_size=chunk_size)
-    return program(round_fn)(state, cohort, key)
+  def compiler(strategy: str, chunks: int | None, donate: bool) -> Algorithm:
+    def apply(state: Any, cohort: Cohort, key: jax.Array) -> tuple[Any, Metrics]:
+      c = check_cohort(name, cohort)
+      check_model(name, loss_fn, metrics_fn, state.params, cohort)
+      program = fedjx.program(clients=c, map_strategy=strategy,
+                              chunk_size=chunks)
+      return program(round_fn)(state, cohort, key)
 
-  def run(state, cohorts, keys):
-    return scan_rounds(apply, state, cohorts, keys)
+    def run(state, cohorts, keys):
+      return scan_rounds(apply, state, cohorts, keys)
 
-  apply.__name__ = f'{name}_round'
-  run.__name__ = f'{name}_run_rounds'
-  return Algorithm(init=init_state,
-                   round=jax.jit(apply, donate_argnums=0),
-                   run_rounds=jax.jit(run, donate_argnums=0),
-                   apply=apply)
+    apply.__name__ = f'{name}_round'
+    run.__name__ = f'{name}_run_rounds'
+    donated = (0,) if donate else ()
+    return Algorithm(init=init_state,
+                     round=jax.jit(apply, donate_argnums=donated),
+                     run_rounds=jax.jit(run, donate_argnums=donated),
+                     apply=apply, compiler=compiler)
+
+  return compiler(map_strategy or 'auto', chunk_size, True)

@@ -2,12 +2,12 @@
 
 One client runs ``T`` local steps of an optax optimizer on its data,
 
-    g_t = grad_w (1/|b_t|) sum_{e in b_t} loss(w_t, e)     (+ an optional
-    correction c(g_t, w_t): FedProx's proximal term, SCAFFOLD's control
-    variates)
+    g_t = grad_w (1/|b_t|) sum_{e in b_t} loss(w_t, e)
     (u_t, s_{t+1}) = opt.update(g_t, s_t, w_t);   w_{t+1} = w_t + u_t,
 
-with a ``lax.scan`` over steps, where ``b_t`` are the real (mask True)
+with a ``lax.scan`` over steps (client-side variants such as FedProx's
+proximal term or SCAFFOLD's correction are transformations chained into
+``opt``, :mod:`fedjx.algorithms.client_transforms`), where ``b_t`` are the real (mask True)
 examples of the step's batch. A step whose mask is all False is padding and
 changes nothing (``jnp.where`` on parameters and optimizer state), so a client
 padded to the cohort's ``[S, B]`` shape gives exactly the result of its
@@ -23,7 +23,7 @@ Everything here is per client: it runs inside ``fedjx.map_fn``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -35,8 +35,6 @@ from fedjx.algorithms.base import MetricsFn
 from fedjx.algorithms.base import Params
 from fedjx.algorithms.base import PyTree
 from fedjx.algorithms.base import check_positive_int
-
-Correction = Callable[[PyTree, Params], PyTree]
 
 
 class LocalSchedule(NamedTuple):
@@ -133,9 +131,7 @@ def tie_to(tree: PyTree, mask: jax.Array) -> PyTree:
 def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
           params: Params, opt_state: optax.OptState,
           batches: Mapping[str, jax.Array], mask: jax.Array,
-          schedule: LocalSchedule,
-          correction: Correction | None = None
-          ) -> tuple[Params, optax.OptState, jax.Array, dict[str, jax.Array]]:
+          schedule: LocalSchedule) -> tuple[Params, optax.OptState, jax.Array, dict[str, jax.Array]]:
   """Local training of one client.
 
   Returns ``(params, opt_state, num_steps, sums)``, where ``sums`` holds
@@ -151,8 +147,6 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     batches: the client's data, leaves ``[S, B, ...]``.
     mask: ``[S, B]``, True for real examples.
     schedule: which steps to take.
-    correction: optional ``c(grads, params) -> grads`` applied to each
-      minibatch gradient before the optimizer sees it.
   """
   grad_fn = jax.grad(_masked_mean_and_sums, argnums=1, has_aux=True)
 
@@ -160,8 +154,6 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     params, opt_state = carry
     batch, m, is_real = xs
     grads, (total, count) = grad_fn(loss_fn, params, batch, m)
-    if correction is not None:
-      grads = correction(grads, params)
     updates, new_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jnp.where(is_real, new, old)
@@ -214,8 +206,7 @@ def evaluate(loss_fn: LossFn, metrics_fn: MetricsFn | None, params: Params,
 def local_update(loss_fn: LossFn, metrics_fn: MetricsFn | None,
                  optimizer: optax.GradientTransformation, params: Params,
                  opt_state: optax.OptState, batches: Mapping[str, jax.Array],
-                 mask: jax.Array, schedule: LocalSchedule,
-                 correction: Correction | None = None) -> ClientUpdate:
+                 mask: jax.Array, schedule: LocalSchedule) -> ClientUpdate:
   """:func:`train` plus the client's statistics.
 
   With ``schedule.evaluate`` (the default), the statistics are the sums of
@@ -225,12 +216,12 @@ def local_update(loss_fn: LossFn, metrics_fn: MetricsFn | None,
   """
   if not schedule.evaluate:
     new_params, opt_state, num_steps, sums = train(
-        loss_fn, optimizer, params, opt_state, batches, mask, schedule, correction)
+        loss_fn, optimizer, params, opt_state, batches, mask, schedule)
     stats = {'loss_during': sums['loss'], 'count': sums['count']}
     return ClientUpdate(new_params, opt_state, num_steps, stats)
   before = evaluate(loss_fn, metrics_fn, params, batches, mask)
   new_params, opt_state, num_steps, _ = train(
-      loss_fn, optimizer, params, opt_state, batches, mask, schedule, correction)
+      loss_fn, optimizer, params, opt_state, batches, mask, schedule)
   after = evaluate(loss_fn, metrics_fn, new_params, batches, mask)
   stats = {'count': before.pop('count')}
   after.pop('count')

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
+from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
@@ -49,6 +50,7 @@ class DiLoCoState(NamedTuple):
       ``[K, ...]`` (``()`` when ``reset_inner_state``).
     hparams: ``inner_optimizer`` and ``outer_optimizer`` hyperparameters.
     round_index: outer steps taken.
+    aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
   params: base.Params
@@ -56,6 +58,7 @@ class DiLoCoState(NamedTuple):
   inner_opt_states: Any
   hparams: dict[str, Any]
   round_index: jax.Array
+  aggregator_state: Any = ()
 
 
 def default_inner_optimizer() -> optax.GradientTransformation:
@@ -90,19 +93,48 @@ def check_outer(fn: str, outer_optimizer, outer_learning_rate, outer_momentum):
   return outer_nesterov(lr, momentum)
 
 
+def check_aggregator(fn: str, aggregator, quantization_format: str):
+  """The aggregator from either ``aggregator`` or ``quantization_format``."""
+  if aggregator is not None and quantization_format != 'float32':
+    raise ValueError(f'{fn}: pass aggregator={aggregator!r} or '
+                     f'quantization_format={quantization_format!r}, not both '
+                     '(aggregators.quantized_mean(fmt) is the latter).')
+  if aggregator is None:
+    return aggregators.quantized_mean(quantization_format)
+  return aggregators.check(fn, aggregator)
+
+
+# The options DiLoCo and Streaming DiLoCo share, with their defaults.
+OPTIONS: dict[str, Any] = {
+    'inner_optimizer': None,
+    'outer_optimizer': None,
+    'outer_learning_rate': None,
+    'outer_momentum': None,
+    'inner_steps': None,
+    **base.COMMON_OPTIONS,
+}
+
+
+def check_options(fn: str, options: dict[str, Any]):
+  """``(inner_optimizer, outer_optimizer, schedule, options)`` from the options."""
+  o = base.take_options(fn, options, OPTIONS)
+  inner_optimizer = o['inner_optimizer'] or default_inner_optimizer()
+  base.check_optimizer(fn, 'inner_optimizer', inner_optimizer)
+  outer_optimizer = check_outer(fn, o['outer_optimizer'],
+                                o['outer_learning_rate'], o['outer_momentum'])
+  base.check_choice(fn, 'weighting', o['weighting'], base.WEIGHTINGS)
+  nonfinite.check_flag(fn, o['skip_nonfinite'])
+  schedule = client_update.check_schedule(fn, 1, o['inner_steps'],
+                                          o['client_evaluation'])
+  return inner_optimizer, outer_optimizer, schedule, o
+
+
+@base.with_options(OPTIONS)
 def diloco(loss_fn: base.LossFn, num_replicas: int, *,
-           inner_optimizer: optax.GradientTransformation | None = None,
-           outer_optimizer: optax.GradientTransformation | None = None,
-           outer_learning_rate: float | None = None,
-           outer_momentum: float | None = None,
-           inner_steps: int | None = None,
            reset_inner_state: bool = False,
            quantization_format: str = 'float32',
-           metrics_fn: base.MetricsFn | None = None,
-           weighting: str = 'num_examples', map_strategy: str = 'auto',
-           chunk_size: int | None = None,
-           client_evaluation: bool = True,
-           skip_nonfinite: bool = True) -> base.Algorithm:
+           aggregator: aggregators.Aggregator | None = None,
+           **options: Any) -> base.Algorithm:
   """DiLoCo with ``num_replicas`` replicas.
 
   Args:
@@ -118,23 +150,23 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
     reset_inner_state: start every round from a fresh inner state instead of
       the replica's own (the paper keeps it).
     quantization_format: format of the outer gradients sent
-      (``quantization.FORMATS``).
-    metrics_fn, weighting, map_strategy, chunk_size, client_evaluation,
-    skip_nonfinite: as for :func:`fedavg`; a skipped replica keeps its inner
+      (``quantization.FORMATS``): the aggregator
+      ``aggregators.quantized_mean(quantization_format)``.
+    aggregator: how outer gradients are combined (instead of
+      ``quantization_format``), e.g. ``aggregators.gaussian(...)``: DP
+      DiLoCo, clip and noise on the outer gradient.
+    metrics_fn, weighting, client_evaluation, skip_nonfinite, map_strategy,
+    chunk_size: as for :func:`fedavg` (in ``**options``, with the inner and
+      outer optimizers' options above); a skipped replica keeps its inner
       optimizer state from before the round.
   """
   name = 'diloco'
   base.check_positive_int(name, 'num_replicas', num_replicas)
-  inner_optimizer = inner_optimizer or default_inner_optimizer()
-  base.check_optimizer(name, 'inner_optimizer', inner_optimizer)
-  outer_optimizer = check_outer(name, outer_optimizer, outer_learning_rate,
-                                outer_momentum)
-  base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
-  nonfinite.check_flag(name, skip_nonfinite)
+  inner_optimizer, outer_optimizer, schedule, o = check_options(name, options)
+  metrics_fn = o['metrics_fn']
   base.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
   quantization.check_format(name, 'quantization_format', quantization_format)
-  schedule = client_update.check_schedule(name, 1, inner_steps,
-                                          client_evaluation)
+  aggregator = check_aggregator(name, aggregator, quantization_format)
 
   def init(params):
     inner = () if reset_inner_state else stack_states(
@@ -143,8 +175,10 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
         params=params, opt_state=outer_optimizer.init(params),
         inner_opt_states=inner,
         hparams={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
-                 'outer_optimizer': base.optimizer_hparams(outer_optimizer, params)},
-        round_index=jnp.zeros((), jnp.int32))
+                 'outer_optimizer': base.optimizer_hparams(outer_optimizer, params),
+                 **aggregators.init_hparams(aggregator)},
+        round_index=jnp.zeros((), jnp.int32),
+        aggregator_state=aggregator.init(params))
 
   def replica_fn(theta, hparams, inner_state, batches, mask):
     if reset_inner_state:
@@ -152,40 +186,35 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
     inner_state = base.with_hparams(inner_state, hparams)
     out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
                                      inner_state, batches, mask, schedule)
-    outer_grad = quantization.quantize(base.tree_sub(theta, out.params),
-                                       quantization_format)
-    return nonfinite.ClientOutput(outer_grad, out.stats, state=out.opt_state,
+    return nonfinite.ClientOutput(base.tree_sub(theta, out.params), out.stats, state=out.opt_state,
                                   previous_state=inner_state, checked=out.params)
 
   def round_fn(state, cohort, key):
-    del key
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
     if reset_inner_state:  # A placeholder: each replica starts afresh.
       inner = fedjx.broadcast(jnp.zeros(()))
     else:  # Each replica's own inner state.
       inner = base.gather_clients(state.inner_opt_states, ids)
-    clients = nonfinite.map_clients(replica_fn, (
-        fedjx.broadcast(state.params),
-        fedjx.broadcast(state.hparams['inner_optimizer']),
-        inner, cohort.batches, cohort.mask),
-        base.aggregation_weights(cohort.num_examples, weighting),
-        cohort.num_examples, skip_nonfinite)
-    outer_grad = nonfinite.weighted_mean(clients)
-    params, opt_state = base.server_update(
-        outer_optimizer, state.opt_state, state.hparams['outer_optimizer'],
-        state.params, outer_grad)
+    clients = aggregators.map_clients(
+        aggregator, state.hparams, replica_fn,
+        (fedjx.broadcast(state.params),
+         fedjx.broadcast(state.hparams['inner_optimizer']),
+         inner, cohort.batches, cohort.mask),
+        cohort.num_examples, o['weighting'], o['skip_nonfinite'])
+    outer_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+        aggregator, outer_optimizer, state, state.hparams['outer_optimizer'],
+        clients, key)
     inner_states = state.inner_opt_states
     if not reset_inner_state:
       inner_states = base.scatter_clients(inner_states, ids, clients.state,
                                           cohort.num_examples > 0)
-    sent = quantization.num_bytes(state.params, quantization_format)
+    sent = aggregator.message_bytes(state.params)
     metrics = nonfinite.round_metrics(
-        clients, pseudo_grad_norm=optax.tree.norm(outer_grad))
+        clients, pseudo_grad_norm=optax.tree.norm(outer_grad), **agg_metrics)
     metrics['communicated_bytes'] = metrics['clients'] * float(sent)
     return state._replace(params=params, opt_state=opt_state,
                           inner_opt_states=inner_states,
-                          round_index=state.round_index + 1), metrics
+                          round_index=state.round_index + 1,
+                          aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
-                             metrics_fn=metrics_fn, map_strategy=map_strategy,
-                             chunk_size=chunk_size)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)

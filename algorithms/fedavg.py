@@ -16,10 +16,15 @@ only change ``ServerOpt``.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from typing import Any
+
 import jax.numpy as jnp
 import optax
 
 import fedjx
+from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
@@ -28,15 +33,26 @@ from fedjx.algorithms.yogi import adaptive_adam
 from fedjx.algorithms.yogi import yogi
 
 
-def fedavg(loss_fn: base.LossFn, *,
-           client_optimizer: optax.GradientTransformation | None = None,
-           server_optimizer: optax.GradientTransformation | None = None,
-           metrics_fn: base.MetricsFn | None = None,
-           local_epochs: int = 1, local_steps: int | None = None,
-           weighting: str = 'num_examples', map_strategy: str = 'auto',
-           chunk_size: int | None = None,
-           client_evaluation: bool = True,
-           skip_nonfinite: bool = True) -> base.Algorithm:
+# fedavg's options, by name, with their defaults (its variants take them too).
+OPTIONS: dict[str, Any] = {
+    'client_optimizer': None,
+    'server_optimizer': None,
+    'local_epochs': 1,
+    'local_steps': None,
+    'client_transform': None,
+    'aggregator': None,
+    'client_metrics': False,
+    **base.COMMON_OPTIONS,
+}
+
+
+def without(*names: str) -> dict[str, Any]:
+  """:data:`OPTIONS` less ``names`` (those a variant sets itself)."""
+  return {k: v for k, v in OPTIONS.items() if k not in names}
+
+
+@base.with_options(OPTIONS)
+def fedavg(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
   """Federated Averaging with any optax client and server optimizer.
 
   Args:
@@ -49,8 +65,14 @@ def fedavg(loss_fn: base.LossFn, *,
     local_epochs: passes over each client's steps ``E``.
     local_steps: or exactly this many local steps per client.
     weighting: ``'num_examples'`` (``w_i = n_i``) or ``'uniform'``.
-    map_strategy: how clients run, see ``fedjx.program``.
-    chunk_size: clients per chunk for ``map_strategy='chunked'``.
+    client_transform: an optax transformation chained in front of the client
+      optimizer (:mod:`fedjx.algorithms.client_transforms`, e.g.
+      ``proximal(mu)``: FedProx); it is initialised from the model each
+      client receives, and its injected hyperparameters live at the top level
+      of ``state.hparams``.
+    aggregator: how updates are combined
+      (:mod:`fedjx.algorithms.aggregators`; default the weighted mean);
+      e.g. ``aggregators.gaussian(...)`` for DP.
     client_evaluation: evaluate each client's loss and metrics on all its
       data before and after local training (``train_loss_before`` /
       ``train_loss_after``; two extra forward passes over the data). False
@@ -59,120 +81,194 @@ def fedavg(loss_fn: base.LossFn, *,
     skip_nonfinite: leave out of the round every client whose update or
       weight is NaN or Inf, and report their number as ``nonfinite_clients``
       (:mod:`fedjx.algorithms.nonfinite`); False checks nothing.
+    client_metrics: also return per-client ``[C]`` metrics (see
+      :func:`fedjx.algorithms.base.client_metrics`); False adds nothing.
+    map_strategy, chunk_size: deprecated; use ``Algorithm.compile``.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
     :class:`~fedjx.algorithms.ServerState`.
   """
-  name = 'fedavg'
+  return build('fedavg', loss_fn, base.take_options('fedavg', options, OPTIONS))
+
+
+def build(name: str, loss_fn: base.LossFn,
+          options: Mapping[str, Any]) -> base.Algorithm:
+  """FedAvg's round with its parts (``options``: all of :data:`OPTIONS`).
+
+  ``name`` names the builder in errors and in the round's function name.
+  """
+  o = options
+  client_optimizer, server_optimizer = o['client_optimizer'], o['server_optimizer']
+  client_transform, metrics_fn = o['client_transform'], o['metrics_fn']
+  weighting, skip_nonfinite = o['weighting'], o['skip_nonfinite']
+  client_metrics = o['client_metrics']
   client_optimizer = client_optimizer or base.default_sgd(0.1)
   server_optimizer = server_optimizer or base.default_sgd(1.0)
   base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
+  if client_transform is not None:
+    base.check_optimizer(name, 'client_transform', client_transform)
   base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
+  aggregator = aggregators.check(name, o['aggregator'])
   nonfinite.check_flag(name, skip_nonfinite)
-  schedule = client_update.check_schedule(name, local_epochs, local_steps,
-                                          client_evaluation)
+  base.check_choice(name, 'client_metrics', client_metrics, (False, True))
+  schedule = client_update.check_schedule(name, o['local_epochs'],
+                                          o['local_steps'], o['client_evaluation'])
 
   def init(params):
+    transform_hparams = ({} if client_transform is None else
+                         base.optimizer_hparams(client_transform, params))
     return base.ServerState(
         params=params, opt_state=server_optimizer.init(params),
         hparams={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
-                 'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
-        round_index=jnp.zeros((), jnp.int32))
+                 'server_optimizer': base.optimizer_hparams(server_optimizer, params),
+                 **transform_hparams, **aggregators.init_hparams(aggregator)},
+        round_index=jnp.zeros((), jnp.int32),
+        aggregator_state=aggregator.init(params))
 
   def client_fn(x, hparams, batches, mask):
-    opt_state = base.with_hparams(client_optimizer.init(x), hparams)
-    out = client_update.local_update(loss_fn, metrics_fn, client_optimizer, x,
+    optimizer = client_optimizer
+    opt_state = base.with_hparams(client_optimizer.init(x),
+                                  hparams['client_optimizer'])
+    if client_transform is not None:
+      optimizer = optax.chain(client_transform, client_optimizer)
+      opt_state = (base.with_hparams(client_transform.init(x),
+                                     hparams['client_transform']), opt_state)
+    out = client_update.local_update(loss_fn, metrics_fn, optimizer, x,
                                      opt_state, batches, mask, schedule)
-    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
+    delta = base.tree_sub(x, out.params)
+    extra = base.client_metrics(delta, out) if client_metrics else ()
+    return nonfinite.ClientOutput(delta, out.stats, extra=extra,
                                   checked=out.params)
 
   def round_fn(state, cohort, key):
-    del key  # FedAvg is deterministic given the cohort.
-    clients = nonfinite.map_clients(client_fn, (
-        fedjx.broadcast(state.params),
-        fedjx.broadcast(state.hparams['client_optimizer']),
-        cohort.batches, cohort.mask),
-        base.aggregation_weights(cohort.num_examples, weighting),
-        cohort.num_examples, skip_nonfinite)
-    pseudo_grad = nonfinite.weighted_mean(clients)
-    params, opt_state = base.server_update(
-        server_optimizer, state.opt_state, state.hparams['server_optimizer'],
-        state.params, pseudo_grad)
+    client_hparams = {'client_optimizer': state.hparams['client_optimizer']}
+    if client_transform is not None:
+      client_hparams['client_transform'] = {
+          k: state.hparams[k]
+          for k in base.hparam_names(client_transform, state.params)}
+    clients = aggregators.map_clients(
+        aggregator, state.hparams, client_fn,
+        (fedjx.broadcast(state.params), fedjx.broadcast(client_hparams),
+         cohort.batches, cohort.mask),
+        cohort.num_examples, weighting, skip_nonfinite)
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+        aggregator, server_optimizer, state, state.hparams['server_optimizer'],
+        clients, key)
     metrics = nonfinite.round_metrics(
-        clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad))
+        clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics)
+    metrics.update(clients.extra)  # Per-client [C] metrics, if asked.
     return state._replace(params=params, opt_state=opt_state,
-                          round_index=state.round_index + 1), metrics
+                          round_index=state.round_index + 1,
+                          aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
-                             metrics_fn=metrics_fn, map_strategy=map_strategy,
-                             chunk_size=chunk_size)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
 
 
 # ------------------------------------------------------------------- FedOpt
 
-def _check_fedopt(fn: str, learning_rate: float, b1: float, b2: float | None,
-                  eps: float, fedavg_kwargs: dict) -> None:
+def _fedopt(fn: str, loss_fn: base.LossFn, optimizer, options: Mapping[str, Any],
+            learning_rate: float, b1: float, b2: float | None, eps: float,
+            **more: Any) -> base.Algorithm:
+  """FedAvg (named ``fn``) with the server optimizer ``optimizer(...)``."""
   base.check_number(fn, 'server_learning_rate', learning_rate)
   base.check_number(fn, 'b1', b1, high=1.0)
   if b2 is not None:
     base.check_number(fn, 'b2', b2, high=1.0)
-  base.check_number(fn, 'eps', eps, strict=True)
-  if 'server_optimizer' in fedavg_kwargs:
-    raise ValueError(f'{fn}: server_optimizer is set by {fn}; use fedavg to '
-                     'pass your own.')
+    more['b2'] = b2
+  base.check_number(fn, 'eps', eps)
+  options = base.take_options(fn, options, FEDOPT_OPTIONS)
+  return build(fn, loss_fn, dict(options, server_optimizer=optimizer(
+      learning_rate=learning_rate, b1=b1, eps=eps, **more)))
 
 
+# What the FedOpt conveniences take besides their own: fedavg's options but
+# the server optimizer, which they set (use fedavg to pass your own).
+FEDOPT_OPTIONS = without('server_optimizer')
+
+
+def _fedopt_optimizer(fn, initial_accumulator_value, bias_correction):
+  """``fn`` with injected hyperparameters; the convention options static.
+
+  With the defaults the optimizer is the one of earlier versions (same
+  ``state.hparams`` keys: ``learning_rate``, ``b1``, ``b2``, ``eps``).
+  """
+  base.check_choice(fn.__name__, 'bias_correction', bias_correction,
+                    (False, True))
+  if initial_accumulator_value is not None:
+    base.check_number(fn.__name__, 'initial_accumulator_value',
+                      initial_accumulator_value)
+  extra = {}
+  if initial_accumulator_value is not None:
+    extra['initial_accumulator_value'] = initial_accumulator_value
+  if bias_correction:
+    extra['bias_correction'] = True
+  static = ('bias_correction',) if bias_correction else ()
+  return functools.partial(optax.inject_hyperparams(fn, static_args=static),
+                           **extra)
+
+
+@base.with_options(FEDOPT_OPTIONS)
 def fedadam(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
             b1: float = 0.9, b2: float = 0.99, eps: float = 1e-3,
-            **fedavg_kwargs) -> base.Algorithm:
+            initial_accumulator_value: float | None = None,
+            bias_correction: bool = False, **options: Any) -> base.Algorithm:
   """FedAdam (Reddi et al. 2021): FedAvg with Adam on the pseudo-gradient.
 
   ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
   ``x <- x - lr m / (sqrt(v) + eps)`` (no bias correction, ``v_{-1} =
-  eps^2``). Other arguments as :func:`fedavg`.
+  eps^2``). ``initial_accumulator_value`` sets ``v_{-1}`` and
+  ``bias_correction=True`` scales the step by ``sqrt(1 - b2^t) / (1 -
+  b1^t)``: with ``initial_accumulator_value=0.0, bias_correction=True`` and
+  their ``eps``, Flower's and TFF's FedAdam (:mod:`fedjx.algorithms.yogi`).
+  ``eps`` may be 0. Other arguments as :func:`fedavg`.
   """
-  _check_fedopt('fedadam', server_learning_rate, b1, b2, eps, fedavg_kwargs)
-  opt = optax.inject_hyperparams(adaptive_adam)(
-      learning_rate=server_learning_rate, b1=b1, b2=b2, eps=eps)
-  return fedavg(loss_fn, server_optimizer=opt, **fedavg_kwargs)
+  return _fedopt('fedadam', loss_fn, _fedopt_optimizer(
+      adaptive_adam, initial_accumulator_value, bias_correction), options,
+                 server_learning_rate, b1, b2, eps)
 
 
+@base.with_options(FEDOPT_OPTIONS)
 def fedyogi(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
             b1: float = 0.9, b2: float = 0.99, eps: float = 1e-3,
-            **fedavg_kwargs) -> base.Algorithm:
+            initial_accumulator_value: float | None = None,
+            bias_correction: bool = False, **options: Any) -> base.Algorithm:
   """FedYogi (Reddi et al. 2021): FedAvg with Yogi on the pseudo-gradient.
 
   ``v = v - (1-b2) g^2 sign(v - g^2)``, otherwise as :func:`fedadam`.
   """
-  _check_fedopt('fedyogi', server_learning_rate, b1, b2, eps, fedavg_kwargs)
-  opt = optax.inject_hyperparams(yogi)(
-      learning_rate=server_learning_rate, b1=b1, b2=b2, eps=eps)
-  return fedavg(loss_fn, server_optimizer=opt, **fedavg_kwargs)
+  return _fedopt('fedyogi', loss_fn, _fedopt_optimizer(
+      yogi, initial_accumulator_value, bias_correction), options,
+                 server_learning_rate, b1, b2, eps)
 
 
+@base.with_options(FEDOPT_OPTIONS)
 def fedadagrad(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-1,
                b1: float = 0.9, eps: float = 1e-3,
-               **fedavg_kwargs) -> base.Algorithm:
+               initial_accumulator_value: float | None = None,
+               bias_correction: bool = False,
+               **options: Any) -> base.Algorithm:
   """FedAdagrad (Reddi et al. 2021): ``v = v + g^2``, otherwise as FedAdam."""
-  _check_fedopt('fedadagrad', server_learning_rate, b1, None, eps, fedavg_kwargs)
-  opt = optax.inject_hyperparams(adaptive_adagrad)(
-      learning_rate=server_learning_rate, b1=b1, eps=eps)
-  return fedavg(loss_fn, server_optimizer=opt, **fedavg_kwargs)
+  return _fedopt('fedadagrad', loss_fn, _fedopt_optimizer(
+      adaptive_adagrad, initial_accumulator_value, bias_correction), options,
+                 server_learning_rate, b1, None, eps)
 
 
+@base.with_options(FEDOPT_OPTIONS)
 def fedavgm(loss_fn: base.LossFn, *, server_learning_rate: float = 1.0,
-            server_momentum: float = 0.9, **fedavg_kwargs) -> base.Algorithm:
+            server_momentum: float = 0.9, **options: Any) -> base.Algorithm:
   """FedAvgM (Hsu et al. 2019, arXiv 1909.06335): server heavy-ball momentum.
 
   ``v <- server_momentum v + g``, ``x <- x - lr v``.
   """
   fn = 'fedavgm'
-  _check_fedopt(fn, server_learning_rate, 0.0, None, 1.0, fedavg_kwargs)
+  base.check_number(fn, 'server_learning_rate', server_learning_rate)
   base.check_number(fn, 'server_momentum', server_momentum, high=1.0)
-  opt = base.default_sgd(server_learning_rate, momentum=server_momentum)
-  return fedavg(loss_fn, server_optimizer=opt, **fedavg_kwargs)
+  return build(fn, loss_fn, dict(
+      base.take_options(fn, options, FEDOPT_OPTIONS),
+      server_optimizer=base.default_sgd(server_learning_rate,
+                                        momentum=server_momentum)))
 
 
 __all__ = ['fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm']

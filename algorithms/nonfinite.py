@@ -58,6 +58,8 @@ class ClientOutput(NamedTuple):
       model ``y_i`` (with a finite server model ``x``, ``Delta_i = x - y_i``
       is finite when ``y_i`` is), so that the check reads an array that is in
       memory anyway and ``Delta_i`` is computed in one pass with its weight.
+    encoded: the aggregator's per-client values from its ``encode`` step
+      (e.g. the norm before clipping); set by :func:`map_clients`.
   """
 
   update: base.PyTree
@@ -66,6 +68,7 @@ class ClientOutput(NamedTuple):
   state: base.PyTree = ()
   previous_state: base.PyTree = ()
   checked: base.PyTree | None = None
+  encoded: base.PyTree = ()
 
 
 class Clients(NamedTuple):
@@ -81,6 +84,8 @@ class Clients(NamedTuple):
       ``examples`` (``sum_i n_i``), ``clients`` (kept clients with data) and
       ``skipped`` (skipped clients with data); None when unguarded.
     skipped: when guarded, the placed flags (1.0 for a skipped client).
+    encoded: the aggregator's per-client values (``ClientOutput.encoded``),
+      zero for skipped clients.
   """
 
   update: base.PyTree
@@ -92,6 +97,7 @@ class Clients(NamedTuple):
   weighted_update: base.PyTree | None = None
   totals: dict[str, jax.Array] | None = None
   skipped: jax.Array | None = None
+  encoded: base.PyTree = ()
 
 
 def all_finite(tree: base.PyTree) -> jax.Array:
@@ -127,13 +133,31 @@ def _guarded(client_fn: Callable[..., ClientOutput],
     scalars = {'weights': jnp.asarray(w_kept, jnp.float32), 'examples': n_kept,
                'clients': (n_kept > 0).astype(jnp.float32), 'skipped': skipped}
     return (zero(out.update), weighted, zero(out.stats), zero(out.extra), state,
-            w_kept, n_kept, skipped, scalars)
+            w_kept, n_kept, skipped, scalars, zero(out.encoded))
+  return run
+
+
+def _encoding(client_fn: Callable[..., ClientOutput], encode: Callable[..., tuple],
+              hparams: Any) -> Callable[..., ClientOutput]:
+  """``client_fn`` whose update is replaced by the aggregator's message.
+
+  The wrapped function takes the client's weight (and, if ``hparams`` is
+  None, the aggregator's broadcast hyperparameters) before ``client_fn``'s
+  arguments. The guard still checks the unencoded update (or ``checked``).
+  """
+  def run(w, *args):
+    hp, args = (args[0], args[1:]) if hparams is None else (hparams, args)
+    out = client_fn(*args)
+    message, encoded = encode(hp, out.update, w)
+    checked = out.update if out.checked is None else out.checked
+    return out._replace(update=message, checked=checked, encoded=encoded)
   return run
 
 
 def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
                 weights: jax.Array, num_examples: jax.Array,
-                skip_nonfinite: bool) -> Clients:
+                skip_nonfinite: bool, encode: Callable[..., tuple] | None = None,
+                encode_hparams: Mapping[str, jax.Array] | None = None) -> Clients:
   """``fedjx.map_fn(client_fn, args)``, guarded if ``skip_nonfinite``.
 
   Args:
@@ -142,19 +166,31 @@ def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
     weights: the placed aggregation weights ``w_i``.
     num_examples: the placed ``n_i`` (``cohort.num_examples``).
     skip_nonfinite: whether to check and skip non-finite clients.
+    encode: optional per-client step of an aggregator,
+      ``encode(hparams, update, w_i) -> (message, encoded)``, run in the same
+      map after ``client_fn``; the message replaces the update.
+    encode_hparams: the aggregator's (server) hyperparameters for ``encode``.
   """
+  if encode is not None:
+    if encode_hparams:
+      client_fn = _encoding(client_fn, encode, None)
+      args = (weights, fedjx.broadcast(dict(encode_hparams))) + tuple(args)
+    else:
+      client_fn = _encoding(client_fn, encode, {})
+      args = (weights,) + tuple(args)
   if not skip_nonfinite:
     out = fedjx.map_fn(client_fn, args)
     return Clients(out.update, out.stats, out.extra, out.state, weights,
-                   num_examples)
+                   num_examples, encoded=out.encoded)
   # Weights that are the counts themselves (w_i = n_i) go in once.
   same = weights is num_examples
   (update, weighted, stats, extra, state, w, n, skipped,
-   scalars) = fedjx.map_fn(
+   scalars, encoded) = fedjx.map_fn(
        _guarded(client_fn, same),
        ((weights,) if same else (weights, num_examples)) + tuple(args))
   totals = fedjx.reduce_sum(scalars)
-  return Clients(update, stats, extra, state, w, n, weighted, totals, skipped)
+  return Clients(update, stats, extra, state, w, n, weighted, totals, skipped,
+                 encoded)
 
 
 def _divide(total: jax.Array, weight: jax.Array) -> jax.Array:
@@ -177,22 +213,6 @@ def weighted_mean(clients: Clients) -> base.PyTree:
   total = clients.totals['weights']
   return jax.tree.map(lambda s: _divide(s, total),
                       fedjx.reduce_sum(clients.weighted_update))
-
-
-def weighted_mean_of(clients: Clients, fn: Callable[..., base.PyTree],
-                     args: tuple) -> base.PyTree:
-  """:func:`weighted_mean` of ``fn(*args)`` computed in a further map over clients.
-
-  ``fn`` must give finite values for kept clients (e.g. Streaming DiLoCo's
-  outer gradients of the kept models); skipped clients have weight 0.
-  """
-  if clients.totals is None:
-    return fedjx.reduce_weighted_mean(fedjx.map_fn(fn, args), clients.weights)
-  weighted = fedjx.map_fn(
-      lambda w, *a: jax.tree.map(lambda v: w * v, fn(*a)),
-      (clients.weights,) + tuple(args))
-  total = clients.totals['weights']
-  return jax.tree.map(lambda s: _divide(s, total), fedjx.reduce_sum(weighted))
 
 
 def round_metrics(clients: Clients, **extra: jax.Array) -> base.Metrics:

@@ -32,9 +32,12 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
+from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
+from fedjx.algorithms import client_transforms
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
+from fedjx.algorithms.fedavg import without
 
 
 class ScaffoldState(NamedTuple):
@@ -47,6 +50,7 @@ class ScaffoldState(NamedTuple):
     client_controls: every client's ``c_i``, leaves ``[N, ...]``.
     hparams: ``client_learning_rate`` (``eta_l``) and the optimizers'.
     round_index: rounds run so far.
+    aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
   params: base.Params
@@ -55,47 +59,81 @@ class ScaffoldState(NamedTuple):
   client_controls: base.Params
   hparams: dict[str, Any]
   round_index: jax.Array
+  aggregator_state: Any = ()
 
 
+def _check_learning_rate(fn: str, client_learning_rate: float | None,
+                         client_optimizer) -> float:
+  """``eta_l``: given, or the optimizer's; a mismatch is refused.
+
+  Option II's ``c_i+`` divides by ``K eta_l``: with an optimizer stepping at
+  another rate the controls would be silently wrong.
+  """
+  lr = None
+  if client_optimizer is not None:
+    try:
+      lr = client_transforms.learning_rate_of(client_optimizer,
+                                              jnp.zeros((1,), jnp.float32))
+    except Exception:  # pylint: disable=broad-except
+      lr = None  # An optimizer that cannot be probed: eta_l as given.
+  if client_learning_rate is None:
+    return 0.1 if lr is None else float(lr)
+  if lr is not None and not bool(jnp.isclose(lr, client_learning_rate,
+                                             rtol=2.0 ** -23, atol=0.0)):
+    raise ValueError(
+        f'{fn}: client_learning_rate={client_learning_rate!r} differs from '
+        f'the client optimizer\'s learning_rate={float(lr)!r}; option II '
+        'divides by K eta_l, so they must agree (or omit client_learning_rate).')
+  return client_learning_rate
+
+
+# fedavg's options but those SCAFFOLD sets itself (its client correction).
+OPTIONS = without('client_transform', 'client_metrics')
+
+
+@base.with_options(OPTIONS)
 def scaffold(loss_fn: base.LossFn, num_clients: int, *,
-             client_learning_rate: float = 0.1,
-             client_optimizer: optax.GradientTransformation | None = None,
-             server_optimizer: optax.GradientTransformation | None = None,
-             metrics_fn: base.MetricsFn | None = None,
-             local_epochs: int = 1, local_steps: int | None = None,
-             weighting: str = 'num_examples', map_strategy: str = 'auto',
-             chunk_size: int | None = None,
-             client_evaluation: bool = True,
-             skip_nonfinite: bool = True) -> base.Algorithm:
+             client_learning_rate: float | None = None,
+             **options: Any) -> base.Algorithm:
   """SCAFFOLD (option II) over a population of ``num_clients`` clients.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
     num_clients: population size ``N`` (client ids lie in ``[0, N)``).
     client_learning_rate: local step size ``eta_l`` (traced, in
-      ``state.hparams['client_learning_rate']``).
+      ``state.hparams['client_learning_rate']``); None (the default) takes
+      the client optimizer's injected ``learning_rate``, or 0.1.
     client_optimizer: by default SGD with ``eta_l``, as in the paper. Another
-      optimizer receives the corrected gradient ``g - c_i + c``; option II
-      still divides by ``K eta_l``.
+      optimizer receives the corrected gradient ``g - c_i + c`` (chained
+      after :func:`fedjx.algorithms.client_transforms.control_variate`);
+      option II still divides by ``K eta_l``, so an optimizer whose injected
+      ``learning_rate`` differs from ``client_learning_rate`` is refused.
     server_optimizer: on the pseudo-gradient ``-sum w_i Delta y_i / sum w_i``
       (default SGD with ``eta_g = 1``).
+    aggregator: how the ``Delta y_i`` are combined (default the weighted
+      mean); the ``Delta c_i`` are always summed exactly.
     metrics_fn, local_epochs, local_steps, weighting, map_strategy,
     chunk_size, client_evaluation, skip_nonfinite: as for :func:`fedavg`; a
       skipped client's ``c_i`` is left unchanged and its ``Delta c_i`` is 0.
   """
   name = 'scaffold'
+  o = base.take_options(name, options, OPTIONS)
+  client_optimizer, metrics_fn = o['client_optimizer'], o['metrics_fn']
   base.check_positive_int(name, 'num_clients', num_clients)
+  if client_optimizer is not None:
+    base.check_optimizer(name, 'client_optimizer', client_optimizer)
+  client_learning_rate = _check_learning_rate(name, client_learning_rate,
+                                              client_optimizer)
   # Option II divides by K eta_l: eta_l = 0 would make every c_i 0 / 0.
   base.check_number(name, 'client_learning_rate', client_learning_rate,
                     strict=True)
-  server_optimizer = server_optimizer or base.default_sgd(1.0)
-  if client_optimizer is not None:
-    base.check_optimizer(name, 'client_optimizer', client_optimizer)
+  server_optimizer = o['server_optimizer'] or base.default_sgd(1.0)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
-  base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
-  nonfinite.check_flag(name, skip_nonfinite)
-  schedule = client_update.check_schedule(name, local_epochs, local_steps,
-                                          client_evaluation)
+  base.check_choice(name, 'weighting', o['weighting'], base.WEIGHTINGS)
+  aggregator = aggregators.check(name, o['aggregator'])
+  nonfinite.check_flag(name, o['skip_nonfinite'])
+  schedule = client_update.check_schedule(name, o['local_epochs'],
+                                          o['local_steps'], o['client_evaluation'])
   n_pop = num_clients
 
   def local_optimizer(eta_l):
@@ -110,17 +148,18 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
         hparams={'client_learning_rate': jnp.asarray(client_learning_rate, jnp.float32),
                  'client_optimizer': ({} if client_optimizer is None else
                                       base.optimizer_hparams(client_optimizer, params)),
-                 'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
-        round_index=jnp.zeros((), jnp.int32))
+                 'server_optimizer': base.optimizer_hparams(server_optimizer, params),
+                 **aggregators.init_hparams(aggregator)},
+        round_index=jnp.zeros((), jnp.int32),
+        aggregator_state=aggregator.init(params))
 
   def client_fn(x, c, c_i, eta_l, hparams, batches, mask):
-    def corrected(grads, y):  # g_i(y) - c_i + c
-      return jax.tree.map(lambda g, ci, c: g - ci + c, grads, c_i, c)
-
     opt = local_optimizer(eta_l)
     opt_state = base.with_hparams(opt.init(x), hparams)
-    out = client_update.local_update(loss_fn, metrics_fn, opt, x, opt_state,
-                                     batches, mask, schedule, correction=corrected)
+    out = client_update.local_update(  # Steps on g_i(y) - c_i + c.
+        loss_fn, metrics_fn,
+        optax.chain(client_transforms.control_variate(c, c_i), opt), x,
+        (optax.EmptyState(), opt_state), batches, mask, schedule)
     k = out.num_steps
     denom = jnp.where(k > 0, k * eta_l, 1.0)
 
@@ -132,33 +171,31 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
                                   extra=delta_c, checked=out.params)
 
   def round_fn(state, cohort, key):
-    del key
     real = cohort.num_examples > 0
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
     c_i = base.gather_clients(state.client_controls, ids)
-    clients = nonfinite.map_clients(client_fn, (
-        fedjx.broadcast(state.params), fedjx.broadcast(state.control), c_i,
-        fedjx.broadcast(state.hparams['client_learning_rate']),
-        fedjx.broadcast(state.hparams['client_optimizer']),
-        cohort.batches, cohort.mask),
-        base.aggregation_weights(cohort.num_examples, weighting),
-        cohort.num_examples, skip_nonfinite)
-    pseudo_grad = nonfinite.weighted_mean(clients)  # = -Delta x
+    clients = aggregators.map_clients(
+        aggregator, state.hparams, client_fn,
+        (fedjx.broadcast(state.params), fedjx.broadcast(state.control), c_i,
+         fedjx.broadcast(state.hparams['client_learning_rate']),
+         fedjx.broadcast(state.hparams['client_optimizer']),
+         cohort.batches, cohort.mask),
+        cohort.num_examples, o['weighting'], o['skip_nonfinite'])
     delta_c = clients.extra
-    params, opt_state = base.server_update(
-        server_optimizer, state.opt_state, state.hparams['server_optimizer'],
-        state.params, pseudo_grad)
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+        aggregator, server_optimizer, state, state.hparams['server_optimizer'],
+        clients, key)  # pseudo_grad = -Delta x
     control = jax.tree.map(lambda c, s: c + s / n_pop, state.control,
                            fedjx.reduce_sum(delta_c))
     client_controls = base.scatter_clients(  # c_i <- c_i+ (not for padding).
         state.client_controls, ids, jax.tree.map(jnp.add, c_i, delta_c), real)
     metrics = nonfinite.round_metrics(clients,
                                       pseudo_grad_norm=optax.tree.norm(pseudo_grad),
-                                      control_norm=optax.tree.norm(control))
+                                      control_norm=optax.tree.norm(control),
+                                      **agg_metrics)
     return state._replace(params=params, opt_state=opt_state, control=control,
                           client_controls=client_controls,
-                          round_index=state.round_index + 1), metrics
+                          round_index=state.round_index + 1,
+                          aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
-                             metrics_fn=metrics_fn, map_strategy=map_strategy,
-                             chunk_size=chunk_size)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)

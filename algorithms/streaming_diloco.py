@@ -42,11 +42,13 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
+from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms.diloco import check_outer
-from fedjx.algorithms.diloco import default_inner_optimizer
+from fedjx.algorithms.diloco import OPTIONS as DILOCO_OPTIONS
+from fedjx.algorithms.diloco import check_aggregator
+from fedjx.algorithms.diloco import check_options
 from fedjx.algorithms import quantization
 
 FRAGMENT_PATTERNS = ('strided', 'sequential')
@@ -64,6 +66,7 @@ class StreamingDiLoCoState(NamedTuple):
     hparams: ``inner_optimizer``, ``outer_optimizer``, ``mixing_factor``.
     round_index: rounds run; this round synchronises fragment
       ``round_index mod P``.
+    aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
   params: base.Params
@@ -72,6 +75,7 @@ class StreamingDiLoCoState(NamedTuple):
   inner_opt_states: Any
   hparams: dict[str, Any]
   round_index: jax.Array
+  aggregator_state: Any = ()
 
 
 def fragment_leaves(params: base.Params, num_fragments: int,
@@ -97,20 +101,13 @@ def fragment_leaves(params: base.Params, num_fragments: int,
   return tuple(groups)
 
 
+@base.with_options(DILOCO_OPTIONS)
 def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
                      num_fragments: int = 2, fragment_pattern: str = 'strided',
-                     quantization_format: str = 'e3m0',
+                     quantization_format: str | None = None,
+                     aggregator: aggregators.Aggregator | None = None,
                      mixing_factor: float = 0.0,
-                     inner_optimizer: optax.GradientTransformation | None = None,
-                     outer_optimizer: optax.GradientTransformation | None = None,
-                     outer_learning_rate: float | None = None,
-                     outer_momentum: float | None = None,
-                     inner_steps: int | None = None,
-                     metrics_fn: base.MetricsFn | None = None,
-                     weighting: str = 'num_examples', map_strategy: str = 'auto',
-                     chunk_size: int | None = None,
-                     client_evaluation: bool = True,
-                     skip_nonfinite: bool = True) -> base.Algorithm:
+                     **options: Any) -> base.Algorithm:
   """Streaming DiLoCo with ``num_replicas`` replicas and ``P`` fragments.
 
   Args:
@@ -120,7 +117,10 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     num_fragments: ``P``, at most the number of parameter arrays.
     fragment_pattern: ``'strided'`` or ``'sequential'``.
     quantization_format: format of the outer gradients
-      (``quantization.FORMATS``; default the paper's 4-bit ``'e3m0'``).
+      (``quantization.FORMATS``; default the paper's 4-bit ``'e3m0'``): the
+      aggregator ``aggregators.quantized_mean(quantization_format)``.
+    aggregator: how each fragment's outer gradients are combined (instead
+      of ``quantization_format``).
     mixing_factor: ``alpha`` in ``[0, 1]``, the weight of the replica's own
       fragment when merging.
     inner_optimizer, outer_optimizer, outer_learning_rate, outer_momentum,
@@ -134,16 +134,16 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   base.check_positive_int(name, 'num_replicas', num_replicas)
   base.check_positive_int(name, 'num_fragments', num_fragments)
   base.check_choice(name, 'fragment_pattern', fragment_pattern, FRAGMENT_PATTERNS)
-  quantization.check_format(name, 'quantization_format', quantization_format)
+  if quantization_format is None and aggregator is None:
+    quantization_format = 'e3m0'
+  quantization.check_format(name, 'quantization_format',
+                            quantization_format or 'float32')
+  aggregator = check_aggregator(name, aggregator,
+                                quantization_format or 'float32')
   base.check_number(name, 'mixing_factor', mixing_factor, high=1.0)
-  inner_optimizer = inner_optimizer or default_inner_optimizer()
-  base.check_optimizer(name, 'inner_optimizer', inner_optimizer)
-  outer_optimizer = check_outer(name, outer_optimizer, outer_learning_rate,
-                                outer_momentum)
-  base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
-  nonfinite.check_flag(name, skip_nonfinite)
-  schedule = client_update.check_schedule(name, 1, inner_steps,
-                                          client_evaluation)
+  inner_optimizer, outer_optimizer, schedule, o = check_options(
+      name, options)
+  metrics_fn = o['metrics_fn']
   stack = lambda t: jax.tree.map(
       lambda x: jnp.broadcast_to(x, (num_replicas,) + jnp.shape(x)), t)
 
@@ -158,8 +158,10 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         hparams={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
                  'outer_optimizer': base.optimizer_hparams(
                      outer_optimizer, tuple(leaves[i] for i in frags[0])),
-                 'mixing_factor': jnp.asarray(mixing_factor, jnp.float32)},
-        round_index=jnp.zeros((), jnp.int32))
+                 'mixing_factor': jnp.asarray(mixing_factor, jnp.float32),
+                 **aggregators.init_hparams(aggregator)},
+        round_index=jnp.zeros((), jnp.int32),
+        aggregator_state=aggregator.init(params))
 
   def replica_fn(theta_k, hparams, inner_state, batches, mask):
     inner_state = base.with_hparams(inner_state, hparams)
@@ -169,15 +171,16 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
                                   state=(out.params, out.opt_state),
                                   previous_state=(theta_k, inner_state))
 
-  def sync_fragment(p, frag, hparams, clients, num_clients, operands):
+  def sync_fragment(p, frag, hparams, clients, num_clients, key, operands):
     """Outer step on fragment ``p`` (leaves ``frag``); updates the operands."""
-    leaves, replica_leaves, opt_states = operands
+    leaves, replica_leaves, opt_states, agg_state = operands
     theta = tuple(leaves[i] for i in frag)
     theta_k = tuple(replica_leaves[i] for i in frag)
-    outer_grad = nonfinite.weighted_mean_of(  # of Q(theta^p - theta_k^p)
-        clients,
-        lambda g, r: quantization.quantize(base.tree_sub(g, r), quantization_format),
+    fragment_clients = aggregators.encode_map(  # messages Q(theta^p - theta_k^p)
+        aggregator, hparams, clients, base.tree_sub,
         (fedjx.broadcast(theta), theta_k))
+    outer_grad, agg_state, agg_metrics = aggregators.aggregate(
+        aggregator, agg_state, hparams, fragment_clients, key)
     theta, opt_state = base.server_update(
         outer_optimizer, opt_states[p], hparams['outer_optimizer'], theta, outer_grad)
     merge = lambda r, g, a: jax.tree.map(lambda r, g: a * r + (1 - a) * g, r, g)
@@ -193,20 +196,22 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     for j, i in enumerate(frag):
       leaves[i], replica_leaves[i] = theta[j], merged[j]
     opt_states = opt_states[:p] + (opt_state,) + opt_states[p + 1:]
-    sent = num_clients * float(quantization.num_bytes(theta, quantization_format))
-    return (tuple(leaves), tuple(replica_leaves), opt_states,
-            optax.tree.norm(outer_grad), jnp.asarray(sent, jnp.float32))
+    sent = num_clients * float(aggregator.message_bytes(theta))
+    return (tuple(leaves), tuple(replica_leaves), opt_states, agg_state,
+            optax.tree.norm(outer_grad), jnp.asarray(sent, jnp.float32),
+            agg_metrics)
 
   def round_fn(state, cohort, key):
-    del key
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
     gather = lambda t: base.gather_clients(t, ids)
-    clients = nonfinite.map_clients(replica_fn, (
-        gather(state.replica_params),
-        fedjx.broadcast(state.hparams['inner_optimizer']),
-        gather(state.inner_opt_states), cohort.batches, cohort.mask),
-        base.aggregation_weights(cohort.num_examples, weighting),
-        cohort.num_examples, skip_nonfinite)
+    clients = nonfinite.map_clients(
+        replica_fn,
+        (gather(state.replica_params),
+         fedjx.broadcast(state.hparams['inner_optimizer']),
+         gather(state.inner_opt_states), cohort.batches, cohort.mask),
+        aggregators.client_weights(aggregator, cohort.num_examples,
+                                   o['weighting']),
+        cohort.num_examples, o['skip_nonfinite'])
     theta_k, inner = clients.state
     # Synchronise fragment p = round mod P (one branch per fragment).
     leaves, treedef = jax.tree.flatten(state.params)
@@ -218,23 +223,23 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     p = state.round_index % num_fragments
     branches = [
         (lambda ops, j=j, f=f: sync_fragment(
-            j, f, state.hparams, clients, count, ops))
+            j, f, state.hparams, clients, count, key, ops))
         for j, f in enumerate(frags)]
-    leaves, replica_leaves, opt_states, norm, sent = jax.lax.switch(
-        p, branches, (tuple(leaves), tuple(jax.tree.leaves(theta_k)),
-                      state.opt_state))
+    (leaves, replica_leaves, opt_states, agg_state, norm, sent,
+     agg_metrics) = jax.lax.switch(
+         p, branches, (tuple(leaves), tuple(jax.tree.leaves(theta_k)),
+                       state.opt_state, state.aggregator_state))
     scatter = lambda store, new: base.scatter_clients(
         store, ids, new, cohort.num_examples > 0)
     metrics = nonfinite.round_metrics(clients, pseudo_grad_norm=norm,
-                                      communicated_bytes=sent, synced_fragment=p)
+                                      communicated_bytes=sent, synced_fragment=p,
+                                      **agg_metrics)
     return state._replace(
         params=jax.tree.unflatten(treedef, leaves),
         replica_params=scatter(state.replica_params,
                                jax.tree.unflatten(treedef, replica_leaves)),
         opt_state=opt_states,
         inner_opt_states=scatter(state.inner_opt_states, inner),
-        round_index=state.round_index + 1), metrics
+        round_index=state.round_index + 1, aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
-                             metrics_fn=metrics_fn, map_strategy=map_strategy,
-                             chunk_size=chunk_size)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)

@@ -218,7 +218,27 @@ def hypergradient_tuner(algo: base.Algorithm, loss_fn: base.LossFn, *,
         jnp.zeros((len(names),) + x.shape, x.dtype) for x in float_leaves(inner)]
     return TunerState(inner, hyper_optimizer.init(read_log(inner.hparams)), tangents)
 
-  def apply(state, cohort, key):
+  def assemble(algo: base.Algorithm, donate: bool) -> base.Algorithm:
+    """The tuner around ``algo`` (whose ``apply`` it differentiates)."""
+
+    def apply(state, cohort, key):
+      return tuned_round(algo, state, cohort, key)
+
+    def run(state, cohorts, keys):
+      return base.scan_rounds(apply, state, cohorts, keys)
+
+    def compiler(map_strategy, chunk_size, donate):
+      return assemble(algo.compile(map_strategy, chunk_size), donate)
+
+    apply.__name__ = f'{name}_round'
+    run.__name__ = f'{name}_run_rounds'
+    donated = (0,) if donate else ()
+    return base.Algorithm(init=init, round=jax.jit(apply, donate_argnums=donated),
+                          run_rounds=jax.jit(run, donate_argnums=donated),
+                          apply=apply,
+                          compiler=None if algo.compiler is None else compiler)
+
+  def tuned_round(algo, state, cohort, key):
     inner = state.inner
     log_values = read_log(inner.hparams)
     flat, unravel = ravel_pytree(log_values)
@@ -260,13 +280,7 @@ def hypergradient_tuner(algo: base.Algorithm, loss_fn: base.LossFn, *,
     metrics['tuner_objective'] = jnp.asarray(value, jnp.float32)
     return TunerState(new_inner, hyper_state, tangents), metrics
 
-  def run(state, cohorts, keys):
-    return base.scan_rounds(apply, state, cohorts, keys)
-
-  apply.__name__ = f'{name}_round'
-  run.__name__ = f'{name}_run_rounds'
-  return base.Algorithm(init=init, round=jax.jit(apply, donate_argnums=0),
-                        run_rounds=jax.jit(run, donate_argnums=0), apply=apply)
+  return assemble(algo, True)
 
 
 def fedavg_hypergradient_tuner(
@@ -279,7 +293,7 @@ def fedavg_hypergradient_tuner(
     min_value: float = 1e-6,
     max_value: float = 1e3, metrics_fn: base.MetricsFn | None = None,
     local_epochs: int = 1, local_steps: int | None = None,
-    weighting: str = 'num_examples', map_strategy: str = 'auto',
+    weighting: str = 'num_examples', map_strategy: str | None = None,
     chunk_size: int | None = None,
     skip_nonfinite: bool = True) -> base.Algorithm:
   """FedAvg / FedOpt with hypergradient descent on its learning rates.
@@ -289,7 +303,8 @@ def fedavg_hypergradient_tuner(
   FedOpt with hypergradient descent; FedHyper-G, Wang et al. 2024, when
   ``tune`` is the server learning rate). Optimizers need injected
   hyperparameters (``optax.inject_hyperparams``) for the tuned learning rates
-  to exist in ``state.hparams``.
+  to exist in ``state.hparams``. ``map_strategy`` and ``chunk_size`` are
+  deprecated: use ``.compile(...)`` of the result.
   """
   algo = fedavg_builder(loss_fn, client_optimizer=client_optimizer,
                            server_optimizer=server_optimizer,

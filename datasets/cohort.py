@@ -53,6 +53,61 @@ class Cohort(NamedTuple):
     """``(clients, steps, batch_size)``."""
     return tuple(int(d) for d in self.mask.shape)  # type: ignore[return-value]
 
+  @classmethod
+  def from_clients(cls, clients: Sequence[Mapping[str, Any]], batch_size: int,
+                   *, steps: int | None = None,
+                   client_ids: Sequence[int] | None = None) -> 'Cohort':
+    """A cohort from explicit per-client arrays, padded for you.
+
+    Client ``i``'s examples (``clients[i]``, a dict of ``[n_i, ...]`` arrays
+    with the same keys, dtypes and trailing shapes for every client) fill its
+    first ``ceil(n_i / B)`` steps in the given order, without shuffling or
+    repetition; every client is padded with zeros (mask False) to ``S`` steps,
+    the most any client needs (or ``steps``). A client with no examples is a
+    padding client (``n_i = 0``).
+
+    Args:
+      clients: the per-client dicts, in cohort order.
+      batch_size: ``B``, examples per step.
+      steps: ``S``; default ``max_i ceil(n_i / B)`` (at least 1).
+      client_ids: the clients' ids in the population (default ``0..C-1``).
+
+    Returns:
+      A :class:`Cohort` of NumPy arrays (``place_cohort`` puts it on device).
+    """
+    batch_size = _check_positive('batch_size', batch_size)
+    if not clients:
+      raise ValueError('Cohort.from_clients: clients=[] holds no client; give '
+                       'at least one dict of [n_i, ...] arrays.')
+    keys = sorted(clients[0])
+    sizes = []
+    for i, client in enumerate(clients):
+      if sorted(client) != keys:
+        raise ValueError(f'Cohort.from_clients: clients[{i}] has keys '
+                         f'{sorted(client)}; every client needs {keys}.')
+      lengths = {k: len(np.asarray(v)) for k, v in client.items()}
+      if len(set(lengths.values())) > 1:
+        raise ValueError(f'Cohort.from_clients: clients[{i}] has arrays of '
+                         f'lengths {lengths}; they must share n_i.')
+      sizes.append(next(iter(lengths.values()), 0))
+    need = max([math.ceil(n / batch_size) for n in sizes] + [1])
+    steps = need if steps is None else _check_positive('steps', steps)
+    if steps < need:
+      raise ValueError(f'Cohort.from_clients: steps={steps} holds fewer than '
+                       f'the {need} steps of {batch_size} the largest client '
+                       'needs.')
+    padded = [pad_batches(c, np.arange(n), batch_size, steps)
+              for c, n in zip(clients, sizes)]
+    ids = (np.arange(len(clients)) if client_ids is None
+           else np.asarray(client_ids))
+    if ids.shape != (len(clients),):
+      raise ValueError(f'Cohort.from_clients: client_ids has shape {ids.shape};'
+                       f' it needs one id per client, ({len(clients)},).')
+    return cls(batches={k: np.stack([b[k] for b, _ in padded]) for k in keys},
+               mask=np.stack([m for _, m in padded]),
+               num_examples=np.asarray(sizes, np.float32),
+               client_ids=ids.astype(np.int32))
+
 
 class CohortSampler:
   """Samples ``cohort_size`` client ids per round, uniformly without replacement.

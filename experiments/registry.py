@@ -131,11 +131,20 @@ def split_name(kind: str, spec: Any) -> tuple[str, dict[str, Any]]:
 
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
     name: getattr(optax, name) for name in (
-        'sgd', 'adam', 'adamw', 'adagrad', 'yogi', 'rmsprop', 'lamb', 'lion',
+        'sgd', 'adam', 'adamw', 'adagrad', 'rmsprop', 'lamb', 'lion',
         'adafactor', 'adabelief', 'lars', 'novograd', 'radam', 'sm3', 'fromage',
         'noisy_sgd', 'nadam', 'adamax')
     if hasattr(optax, name)
 }
+# The FedOpt server optimizers (Reddi et al. 2021; fedjx.algorithms.yogi), so
+# that algorithm='fedavg', server_optimizer={'name': 'yogi', ...} is FedYogi.
+# 'yogi' is FedYogi's (its v_{-1}, no bias correction); optax's is 'optax_yogi'.
+OPTIMIZERS.update({
+    'adaptive_adam': algorithms_lib.adaptive_adam,
+    'adaptive_adagrad': algorithms_lib.adaptive_adagrad,
+    'yogi': algorithms_lib.yogi,
+    'optax_yogi': optax.yogi,
+})
 
 
 def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransformation:

@@ -248,3 +248,29 @@ def test_abandoned_prefetcher_stops_its_worker():
   gc.collect()
   worker.join(timeout=2.0)
   assert not worker.is_alive()
+
+
+def test_cohort_from_explicit_per_client_arrays():
+  rng = np.random.default_rng(5)
+  clients = [{'x': rng.normal(size=(n, 2)).astype(np.float32),
+              'y': np.arange(n, dtype=np.int32)} for n in (5, 0, 3)]
+  cohort = fd.Cohort.from_clients(clients, 2, client_ids=[7, 1, 4])
+  assert cohort.shape == (3, 3, 2)
+  np.testing.assert_array_equal(cohort.num_examples, [5, 0, 3])
+  np.testing.assert_array_equal(cohort.client_ids, [7, 1, 4])
+  for i, c in enumerate(clients):  # In order, then zeros with mask False.
+    n = len(c['y'])
+    flat = cohort.batches['x'][i].reshape(-1, 2)
+    np.testing.assert_array_equal(flat[:n], c['x'])
+    assert not flat[n:].any()
+    np.testing.assert_array_equal(cohort.mask[i].reshape(-1),
+                                  np.arange(6) < n)
+  assert fd.Cohort.from_clients(clients, 2, steps=4).shape == (3, 4, 2)
+  for kwargs, match in ((dict(steps=2), 'steps=2'),
+                        (dict(client_ids=[1]), 'client_ids'),
+                        (dict(batch_size=0), 'batch_size')):
+    args = dict(batch_size=2, **kwargs) if 'batch_size' not in kwargs else kwargs
+    with pytest.raises(ValueError, match=match):
+      fd.Cohort.from_clients(clients, **args)
+  with pytest.raises(ValueError, match='keys'):
+    fd.Cohort.from_clients([{'x': np.ones(2)}, {'z': np.ones(2)}], 2)

@@ -57,6 +57,13 @@ BUILDERS = {
     'dp_fedavg': lambda: algorithms.dp_fedavg(_loss, clip_norm=0.05,
                                               noise_multiplier=0.5,
                                               client_optimizer=optax.sgd(0.1)),
+    # Combinations of parts are plans too.
+    'dp_fedadam': lambda: algorithms.fedadam(
+        _loss, client_optimizer=optax.sgd(0.1), server_learning_rate=0.05,
+        aggregator=algorithms.aggregators.gaussian(0.05, 0.5)),
+    'int8_fedprox': lambda: algorithms.fedprox(
+        _loss, mu=0.1, client_optimizer=optax.adam(0.01),
+        aggregator=algorithms.aggregators.quantized_mean('int8')),
 }
 
 

@@ -96,6 +96,16 @@ BUILDERS = {
     'streaming_diloco': lambda **kw: algos.streaming_diloco(
         scaled_loss, C, num_fragments=2, quantization_format='float32',
         inner_steps=T, **kw),
+    # Aggregators on other algorithms: the guard works with every one.
+    'dp_fedadam': lambda **kw: algos.fedadam(
+        scaled_loss, client_optimizer=sgd(), server_learning_rate=0.05,
+        local_steps=T, aggregator=algos.aggregators.gaussian(0.5, 0.3), **kw),
+    'dp_diloco': lambda **kw: algos.diloco(
+        scaled_loss, C, inner_optimizer=sgd(), inner_steps=T,
+        aggregator=algos.aggregators.gaussian(0.5, 0.3), **kw),
+    'int8_fedavg': lambda **kw: algos.fedavg(
+        scaled_loss, client_optimizer=sgd(), local_steps=T,
+        aggregator=algos.aggregators.quantized_mean('int8'), **kw),
 }
 FAULTS = ('nan_data', 'inf_data', 'nan_weight', 'inf_learning_rate')
 

@@ -79,3 +79,20 @@ def test_scaffold_arguments():
     algos.scaffold(quadratic_loss, 0)
   with pytest.raises(ValueError, match='client_learning_rate'):
     algos.scaffold(quadratic_loss, 3, client_learning_rate=-0.1)
+
+
+def test_client_learning_rate_is_the_optimizer_s_or_a_mismatch_is_refused():
+  sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)
+  with pytest.raises(ValueError, match='client_learning_rate=0.1 differs'):
+    algos.scaffold(quadratic_loss, 3, client_learning_rate=0.1,
+                   client_optimizer=sgd)
+  rng = np.random.default_rng(32)
+  cohort = make_cohort([_client(rng, 3), _client(rng, 4)], 2)
+  params = {'y': np.zeros(DIM, np.float32)}
+  derived = algos.scaffold(quadratic_loss, 2, client_optimizer=sgd)
+  paper = algos.scaffold(quadratic_loss, 2, client_learning_rate=0.05)
+  s1, _ = derived.round(derived.init(params), cohort, KEY)
+  s2, _ = paper.round(paper.init(params), cohort, KEY)
+  assert float(s1.hparams['client_learning_rate']) == np.float32(0.05)
+  assert_trees_close(s1.client_controls['y'], s2.client_controls['y'])
+  assert_trees_close(s1.params['y'], s2.params['y'])

@@ -1,0 +1,316 @@
+"""Aggregators: how the clients' updates become the server's one update.
+
+An aggregator is a part of its own, like an optax transformation: any
+algorithm takes one (``aggregator=``), so differential privacy, compression
+and weighting are swapped without touching the algorithm. It has
+
+* a per-client step, ``encode(hparams, Delta_i, w_i) -> (m_i, e_i)``, run on
+  each client inside the algorithm's ``fedjx.map_fn`` (after the non-finite
+  guard's check, so a skipped client's ``m_i`` and ``e_i`` are zero): weight,
+  clip, quantize, add local noise; ``m_i`` is what the client sends and
+  ``e_i`` per-client values for the aggregator's metrics;
+* a server step, ``combine(state, hparams, clients, key) -> (Delta, state,
+  metrics)``: weighted mean, noisy sum, decode, written with the fedjx
+  reductions (so rounds stay MapReduce plans for Beam and ``fedjx.export``);
+  ``clients`` is the :class:`fedjx.algorithms.nonfinite.Clients` of the round,
+  whose ``update`` holds the messages ``m_i``;
+
+with its own state (``init(params)``; stored in the algorithm's state as
+``aggregator_state``), its own traced hyperparameters (``hparams``, stored at
+the top level of ``state.hparams``), its own client weights (``weights``, or
+None for the algorithm's ``weighting``) and the bytes one client sends
+(``message_bytes``).
+
+Aggregators here:
+
+| aggregator | encode | combine |
+|---|---|---|
+| :func:`mean` (default) | ``m_i = Delta_i`` | ``sum_i w_i m_i / sum_i w_i`` |
+| :func:`quantized_mean` | ``m_i = Q(Delta_i)`` | weighted mean |
+| :func:`gaussian` (DP) | ``m_i = Delta_i min(1, C / ||Delta_i||)``, ``w_i = 1`` | ``(sum_i m_i + N(0, (zC)^2 I)) / D`` |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import fedjx
+from fedjx.algorithms import base
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import quantization
+
+Encode = Callable[[Mapping[str, jax.Array], base.PyTree, jax.Array],
+                  tuple[base.PyTree, base.PyTree]]
+Combine = Callable[[Any, Mapping[str, jax.Array], nonfinite.Clients, jax.Array],
+                   tuple[base.PyTree, Any, base.Metrics]]
+
+
+class Aggregator(NamedTuple):
+  """A per-client ``encode`` and a server ``combine``, with state and metrics.
+
+  Attributes:
+    init: ``init(params) -> state`` (``()`` for a stateless aggregator).
+    combine: ``combine(state, hparams, clients, key) -> (aggregate, state,
+      metrics)``, on the server, with fedjx reductions over ``clients``.
+    encode: ``encode(hparams, update, weight) -> (message, encoded)`` per
+      client, or None to send the update as it is.
+    hparams: initial traced hyperparameters, by name (``state.hparams[name]``).
+    weights: ``weights(num_examples) -> w`` placed client weights, or None
+      for the algorithm's ``weighting``.
+    message_bytes: ``message_bytes(params) -> int``, bytes one client sends.
+  """
+
+  init: Callable[[base.Params], Any]
+  combine: Combine
+  encode: Encode | None = None
+  hparams: Mapping[str, float] = {}
+  weights: Callable[[jax.Array], jax.Array] | None = None
+  message_bytes: Callable[[base.Params], int] = (
+      lambda params: quantization.num_bytes(params, 'float32'))
+
+
+def _stateless(params: base.Params) -> tuple[()]:
+  del params
+  return ()
+
+
+def _weighted_mean(state, hparams, clients, key):
+  del hparams, key
+  return nonfinite.weighted_mean(clients), state, {}
+
+
+def mean() -> Aggregator:
+  """The weighted mean ``sum_i w_i Delta_i / sum_i w_i`` (zero if no weight).
+
+  The default of every algorithm (McMahan et al. 2017's FedAvg average).
+  """
+  return Aggregator(init=_stateless, combine=_weighted_mean)
+
+
+def quantized_mean(fmt: str) -> Aggregator:
+  """The weighted mean of quantized updates ``sum_i w_i Q(Delta_i) / sum_i w_i``.
+
+  ``Q`` is :func:`fedjx.algorithms.quantization.quantize` in ``fmt``
+  (Streaming DiLoCo's 4-bit ``'e3m0'``, Douillard et al. 2025); the sum runs
+  in the update's dtype (float32).
+  """
+  quantization.check_format('quantized_mean', 'fmt', fmt)
+  if fmt == 'float32':
+    return mean()
+  encode = lambda hparams, update, w: (quantization.quantize(update, fmt), ())
+  return Aggregator(init=_stateless, combine=_weighted_mean, encode=encode,
+                    message_bytes=lambda p: quantization.num_bytes(p, fmt))
+
+
+# ------------------------------------------------------------- DP (Gaussian)
+
+def safe_global_norm(tree: base.PyTree) -> jax.Array:
+  """``||tree||_2``, with a zero (not NaN) derivative at zero."""
+  sq = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
+  positive = sq > 0
+  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), 0.0)
+
+
+def clip_update(update: base.PyTree, clip_norm: jax.Array) -> tuple[base.PyTree, jax.Array]:
+  """``update min(1, C / ||update||)``: the update scaled into the C-ball.
+
+  Returns the clipped update and the norm before clipping.
+  """
+  norm = safe_global_norm(update)
+  factor = jnp.minimum(1.0, clip_norm / jnp.where(norm > 0, norm, 1.0))
+  return jax.tree.map(lambda u: u * factor.astype(u.dtype), update), norm
+
+
+def add_gaussian_noise(tree: base.PyTree, std: jax.Array,
+                       key: jax.Array) -> base.PyTree:
+  """``tree + N(0, std^2 I)``, one key per leaf from ``jax.random.split(key)``."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, len(leaves))
+  return jax.tree.unflatten(treedef, [
+      t + std.astype(t.dtype) * jax.random.normal(k, t.shape, t.dtype)
+      for t, k in zip(leaves, keys)])
+
+
+def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
+             expected_clients_per_round: float | None = None) -> Aggregator:
+  """User-level DP: clip each update, sum, add Gaussian noise, divide.
+
+  McMahan et al., "Learning Differentially Private Recurrent Language
+  Models", ICLR 2018, Algorithm 1:
+
+      client k:  m_k = Delta_k min(1, C / ||Delta_k||)        (clip to C)
+      server:    Delta = (sum_k m_k + N(0, (z C)^2 I)) / D
+
+  Every client has weight 1 (the algorithm's ``weighting`` is not used), so
+  one client changes the sum by at most ``C`` and the round is a Gaussian
+  mechanism with noise multiplier ``z``
+  (:func:`fedjx.algorithms.dp_epsilon` accounts for it). ``D`` is
+  ``expected_clients_per_round`` (``qN``, the fixed-denominator estimator) or,
+  if None, the number of participating clients. ``C`` and ``z`` are traced:
+  ``state.hparams['clip_norm']`` and ``state.hparams['noise_multiplier']``.
+  The noise is drawn from the round's key. Metrics: ``clipped_fraction``,
+  ``mean_update_norm`` (before clipping) and ``noise_std`` (``zC``).
+  """
+  fn = 'gaussian'
+  base.check_number(fn, 'clip_norm', clip_norm, strict=True)
+  base.check_number(fn, 'noise_multiplier', noise_multiplier)
+  if expected_clients_per_round is not None:
+    base.check_number(fn, 'expected_clients_per_round',
+                      expected_clients_per_round, strict=True)
+
+  def weights(num_examples):
+    return base.aggregation_weights(num_examples, 'uniform')
+
+  def encode(hparams, update, w):
+    clipped, norm = clip_update(update, hparams['clip_norm'])
+    return jax.tree.map(lambda u: u * w.astype(u.dtype), clipped), norm
+
+  def combine(state, hparams, clients, key):
+    clip, z = hparams['clip_norm'], hparams['noise_multiplier']
+    real, norms = clients.weights, clients.encoded
+    noisy = add_gaussian_noise(fedjx.reduce_sum(clients.update), z * clip, key)
+    count = (fedjx.reduce_sum(real) if clients.totals is None
+             else clients.totals['weights'])
+    denom = (jnp.float32(expected_clients_per_round)
+             if expected_clients_per_round is not None
+             else jnp.maximum(count, 1.0))
+    aggregate = jax.tree.map(lambda t: t / denom.astype(t.dtype), noisy)
+    clipped_count = fedjx.reduce_sum(real * (norms > clip).astype(jnp.float32))
+    metrics = {
+        'clipped_fraction': clipped_count / jnp.maximum(count, 1.0),
+        'mean_update_norm': fedjx.reduce_sum(real * norms) / jnp.maximum(count, 1.0),
+        'noise_std': z * clip}
+    return aggregate, state, metrics
+
+  return Aggregator(init=_stateless, combine=combine, encode=encode,
+                    hparams={'clip_norm': clip_norm,
+                             'noise_multiplier': noise_multiplier},
+                    weights=weights)
+
+
+# ------------------------------------------------------------ for algorithms
+
+# The aggregators a config can name: ``aggregator=dict(name='gaussian', ...)``.
+AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
+    'mean': mean,
+    'quantized_mean': quantized_mean,
+    'gaussian': gaussian,
+}
+
+
+def check(fn: str, aggregator: Any) -> Aggregator:
+  """The aggregator (default :func:`mean`), or a one-line error.
+
+  ``aggregator`` is an :class:`Aggregator`, None, or a config's spec
+  ``{'name': <a key of AGGREGATORS>, **options}``.
+  """
+  if aggregator is None:
+    return mean()
+  if isinstance(aggregator, Mapping):
+    spec = dict(aggregator)
+    name = spec.pop('name', None)
+    if name not in AGGREGATORS:
+      raise ValueError(f'{fn}: aggregator name={name!r} is not one of '
+                       f'{tuple(AGGREGATORS)}.')
+    try:
+      return AGGREGATORS[name](**spec)
+    except TypeError as e:
+      raise ValueError(f'{fn}: aggregator {name!r} got options {sorted(spec)}: '
+                       f'{e}.') from None
+  if not isinstance(aggregator, Aggregator):
+    raise ValueError(f'{fn}: aggregator={aggregator!r} is not a '
+                     'fedjx.algorithms.aggregators.Aggregator (e.g. mean(), '
+                     'gaussian(...), quantized_mean(...)) or a spec dict with '
+                     'a "name".')
+  return aggregator
+
+
+def init_hparams(aggregator: Aggregator) -> dict[str, jax.Array]:
+  """The aggregator's entries of ``state.hparams``."""
+  return {k: jnp.asarray(v, jnp.float32) for k, v in aggregator.hparams.items()}
+
+
+def hparams_of(aggregator: Aggregator,
+               hparams: Mapping[str, Any]) -> dict[str, jax.Array]:
+  """The aggregator's hyperparameters read from ``state.hparams``."""
+  return {k: hparams[k] for k in aggregator.hparams}
+
+
+def client_weights(aggregator: Aggregator, num_examples: jax.Array,
+                   weighting: str) -> jax.Array:
+  """The placed ``w_i``: the aggregator's own, or the algorithm's weighting."""
+  if aggregator.weights is not None:
+    return aggregator.weights(num_examples)
+  return base.aggregation_weights(num_examples, weighting)
+
+
+def map_clients(aggregator: Aggregator, hparams: Mapping[str, Any],
+                client_fn: Callable[..., nonfinite.ClientOutput], args: tuple,
+                num_examples: jax.Array, weighting: str,
+                skip_nonfinite: bool) -> nonfinite.Clients:
+  """:func:`fedjx.algorithms.nonfinite.map_clients` with the aggregator's encode.
+
+  ``hparams`` is the algorithm's ``state.hparams``.
+  """
+  return nonfinite.map_clients(
+      client_fn, args, client_weights(aggregator, num_examples, weighting),
+      num_examples, skip_nonfinite, encode=aggregator.encode,
+      encode_hparams=hparams_of(aggregator, hparams))
+
+
+def encode_map(aggregator: Aggregator, hparams: Mapping[str, Any],
+               clients: nonfinite.Clients, fn: Callable[..., base.PyTree],
+               args: tuple) -> nonfinite.Clients:
+  """``clients`` whose messages are the encoded ``fn(*args)``, in a further map.
+
+  For updates computed after the algorithm's client map (e.g. Streaming
+  DiLoCo's outer gradient of one fragment). ``fn`` must give finite values
+  for kept clients; skipped clients have weight 0.
+  """
+  hp = hparams_of(aggregator, hparams)
+  encode = aggregator.encode or (lambda h, u, w: (u, ()))
+  guarded = clients.totals is not None
+
+  def one(w, *a):
+    h, a = (a[0], a[1:]) if hp else ({}, a)
+    message, encoded = encode(h, fn(*a), w)
+    weighted = (jax.tree.map(lambda v: w * v, message) if guarded else ())
+    return message, weighted, encoded
+
+  hp_args = (fedjx.broadcast(hp),) if hp else ()
+  message, weighted, encoded = fedjx.map_fn(
+      one, (clients.weights,) + hp_args + tuple(args))
+  return clients._replace(update=message,
+                          weighted_update=weighted if guarded else None,
+                          encoded=encoded)
+
+
+def aggregate(aggregator: Aggregator, state: Any, hparams: Mapping[str, Any],
+              clients: nonfinite.Clients,
+              key: jax.Array) -> tuple[base.PyTree, Any, base.Metrics]:
+  """``aggregator.combine`` with its hyperparameters read from ``state.hparams``."""
+  return aggregator.combine(state, hparams_of(aggregator, hparams), clients, key)
+
+
+def step(aggregator: Aggregator, optimizer, state: Any,
+         optimizer_hparams: Mapping[str, jax.Array], clients: nonfinite.Clients,
+         key: jax.Array) -> tuple[base.PyTree, base.Params, Any, Any, base.Metrics]:
+  """The server's half of a round: combine, then ``x <- x + ServerOpt(Delta)``.
+
+  ``state`` has ``params``, ``opt_state``, ``hparams`` and
+  ``aggregator_state``. Returns ``(Delta, params, opt_state,
+  aggregator_state, aggregator_metrics)``.
+  """
+  delta, agg_state, metrics = aggregate(aggregator, state.aggregator_state,
+                                        state.hparams, clients, key)
+  params, opt_state = base.server_update(optimizer, state.opt_state,
+                                         optimizer_hparams, state.params, delta)
+  return delta, params, opt_state, agg_state, metrics
+
+
+__all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'clip_update', 'gaussian',
+           'mean', 'quantized_mean', 'safe_global_norm']

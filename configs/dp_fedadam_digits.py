@@ -1,0 +1,28 @@
+"""DP-FedAdam on digits: FedAdam's server with DP-FedAvg's clipped, noisy sum.
+
+The Gaussian aggregator (McMahan et al. 2018) clips each client's update to
+L2 norm 1, sums, adds N(0, (z C)^2) noise (z = 0.3) and divides by the
+expected cohort size q N = 10; Adam (Reddi et al. 2021: beta1 = 0.9,
+beta2 = 0.99, tau = 1e-3) then steps on that noisy pseudo-gradient. Adam's
+step is a post-processing of the privatised aggregate, so the privacy
+accounting is DP-FedAvg's (``fedjx.algorithms.dp_epsilon``).
+"""
+
+from fedjx.experiments.config_base import base_config, optimizer
+
+
+def get_config():
+  config = base_config()
+  config.rounds = 300
+  config.cohort_size = 10
+  config.batch_size = 10
+  config.local_epochs = 1
+  config.eval_every = 10
+  config.dataset = dict(name='digits', num_clients=50, alpha=0.5)
+  config.model = dict(name='mlp', hidden=(128,))
+  config.algorithm = dict(
+      name='fedadam', client_optimizer=optimizer('sgd', learning_rate=0.1),
+      server_learning_rate=0.01, b1=0.9, b2=0.99, eps=1e-3,
+      aggregator=dict(name='gaussian', clip_norm=1.0, noise_multiplier=0.3,
+                      expected_clients_per_round=10.0))
+  return config
