@@ -236,9 +236,11 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
 
   Options whose name ends in ``optimizer`` are optimizer specs (see
   :func:`build_optimizer`); the others are passed through. The model's
-  ``loss_fn`` and ``metrics_fn``, and ``map_strategy`` / ``chunk_size``, are
-  passed when the builder takes them, and ``skip_nonfinite`` (the runner's
-  non-finite guard) when it is not None and the builder takes it. Algorithms
+  ``metrics_fn`` is passed when the builder takes it, and ``skip_nonfinite``
+  (the runner's non-finite guard) when it is not None and the builder takes
+  it. How clients run is not the builder's business: a ``map_strategy`` or
+  ``chunk_size`` other than the defaults is applied once, with
+  ``algorithm.compile(map_strategy=..., chunk_size=...)``. Algorithms
   with per-client state (SCAFFOLD's ``num_clients``, DiLoCo's
   ``num_replicas``) get the population size ``num_clients`` unless the
   config sets it.
@@ -250,18 +252,22 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
     if key.endswith('optimizer') and isinstance(value, Mapping):
       kwargs[key] = build_optimizer(value, where=f'algorithm.{key}')
   accepted, var = accepted_kwargs(fn)
-  extra = {'metrics_fn': model.metrics_fn, 'map_strategy': map_strategy,
-           'chunk_size': chunk_size}
-  for key, value in extra.items():
-    if var or key in accepted:
-      kwargs[key] = value
+  if var or 'metrics_fn' in accepted:
+    kwargs['metrics_fn'] = model.metrics_fn
   if skip_nonfinite is not None and takes(fn, 'skip_nonfinite',
                                           forwarded_builder(name)):
     kwargs['skip_nonfinite'] = skip_nonfinite
   for key in ('num_clients', 'num_replicas'):
     if key in accepted and key not in kwargs and num_clients is not None:
       kwargs[key] = num_clients
-  return fn(model.loss_fn, **kwargs)
+  algorithm = fn(model.loss_fn, **kwargs)
+  if (map_strategy, chunk_size) != ('auto', None):
+    if not hasattr(algorithm, 'compile'):
+      raise ConfigError(f'algorithm {name!r} returns {type(algorithm).__name__}, '
+                        'which has no compile(); it runs with the default '
+                        "map_strategy='auto' and chunk_size=None only.")
+    algorithm = algorithm.compile(map_strategy=map_strategy, chunk_size=chunk_size)
+  return algorithm
 
 
 # ------------------------------------------------------------------ datasets

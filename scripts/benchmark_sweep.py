@@ -4,7 +4,8 @@ Times one ``fedjx-sweep`` process training a grid of server learning rates
 x seeds, and ``fedjx-run`` processes training the same trials one after
 another (each a fresh process: start-up, data, compilation and training, as
 a researcher running a grid by hand would). Both sides write metrics and
-checkpoints as usual; TensorBoard and plots are off on both sides.
+checkpoints as usual; TensorBoard, plots and the non-finite checks are off
+on both sides.
 
   python scripts/benchmark_sweep.py --rounds 300 --values 16 --seeds 0,1,2 \\
       --out docs/benchmark_sweep_cpu.jsonl
@@ -62,8 +63,11 @@ def main(argv) -> None:
   del argv
   values = [float(f'{v:.4g}') for v in np.geomspace(_LOW.value, _HIGH.value, _VALUES.value)]
   seeds = [int(s) for s in _SEEDS.value.split(',')]
+  # nonfinite=off: a diverging trial runs all its rounds on both sides, so
+  # both do the same work (a run would otherwise stop at its first NaN).
   common = [f'--config.rounds={_ROUNDS.value}', '--config.tensorboard=False',
-            '--config.plot=False', '--config.progress=False']
+            '--config.plot=False', '--config.progress=False',
+            '--config.nonfinite=off']
   bindir = os.path.dirname(sys.executable)
   work = tempfile.mkdtemp(prefix='fedjx_sweep_bench_')
   base = {'config': _CONFIG.value, 'field': _FIELD.value, 'values': len(values),
