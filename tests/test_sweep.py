@@ -256,17 +256,23 @@ def test_cli_one_line_errors(tmp_path):
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
-def test_cli_sweep_from_the_config_file(tmp_path):
-  config_file = tmp_path / 'grid.py'
-  config_file.write_text(
+def _config_file(tmp_path, changes, sweep_spec_text):
+  """A config file whose get_config() is small_config(changes), with get_sweep()."""
+  path = tmp_path / 'grid.py'
+  path.write_text(
       'import sys\n'
       f'sys.path.insert(0, {os.path.join(REPO, "tests")!r})\n'
       'from test_sweep import small_config\n\n'
-      'def get_config():\n'
-      '  return small_config(rounds=1, eval_every=1, plot=True)\n\n'
-      'def get_sweep():\n'
-      "  return {'sweep': ['algorithm.server_learning_rate=0.01,0.1'], 'seeds': '0-1',\n"
-      "          'target': 'eval_accuracy=0.01'}\n")
+      f'def get_config():\n  return small_config({changes})\n\n'
+      f'def get_sweep():\n  return {sweep_spec_text}\n')
+  return path
+
+
+def test_cli_sweep_from_the_config_file(tmp_path):
+  config_file = _config_file(
+      tmp_path, 'rounds=1, eval_every=1, plot=True',
+      "{'sweep': ['algorithm.server_learning_rate=0.01,0.1'], 'seeds': '0-1', "
+      "'target': 'eval_accuracy=0.01'}")
   proc = subprocess.run(
       [sys.executable, '-m', 'fedjx.experiments.sweep_cli', '--config', str(config_file),
        '--workdir', str(tmp_path / 'w'), '--seeds', '3'],  # The flag wins.
@@ -289,15 +295,9 @@ def _sweep_process(config_file, workdir):
 
 
 def test_sigterm_then_resume_equals_an_uninterrupted_sweep(tmp_path):
-  config_file = tmp_path / 'grid.py'
-  config_file.write_text(
-      'import sys\n'
-      f'sys.path.insert(0, {os.path.join(REPO, "tests")!r})\n'
-      'from test_sweep import small_config\n\n'
-      'def get_config():\n'
-      '  return small_config(rounds=40, checkpoint_every=1)\n\n'
-      'def get_sweep():\n'
-      "  return {'sweep': ['algorithm.server_learning_rate=0.02,0.1'], 'seeds': '1'}\n")
+  config_file = _config_file(
+      tmp_path, 'rounds=40, checkpoint_every=1',
+      "{'sweep': ['algorithm.server_learning_rate=0.02,0.1'], 'seeds': '1'}")
   first = _sweep_process(config_file, tmp_path / 'parts')
   ckpts = tmp_path / 'parts' / 'groups' / 'group_000' / 'checkpoints'
   for _ in range(1200):  # Until a few rounds are checkpointed (at most 120 s).
