@@ -13,6 +13,7 @@ point in the same process. The uninterrupted reference run is shared by the
 module.
 """
 
+import importlib.util
 import json
 import os
 import random
@@ -131,13 +132,13 @@ def files(tmp_path_factory):
 
 
 def _config(files):
-  sys.path.insert(0, str(files))
-  try:
-    import config_file  # pylint: disable=import-outside-toplevel
-    return config_file.get_config()
-  finally:
-    sys.path.remove(str(files))
-    sys.modules.pop('config_file', None)
+  # Loaded from its path, not imported by name: another test module's
+  # 'config_file' may already be in sys.modules.
+  spec = importlib.util.spec_from_file_location('_faults_config',
+                                                files / 'config_file.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 @pytest.fixture(scope='module')

@@ -1,5 +1,6 @@
 """The experiment runner: exact resumption, metrics files, plots, CLI errors."""
 
+import importlib.util
 import json
 import os
 import re
@@ -79,12 +80,13 @@ def files(tmp_path_factory):
 
 
 def _load_config(files):
-  sys.path.insert(0, str(files))
-  try:
-    import config_file  # pylint: disable=import-outside-toplevel
-    return config_file.get_config()
-  finally:
-    sys.path.remove(str(files))
+  # Loaded from its path, not imported by name: a module imported as
+  # 'config_file' would stay in sys.modules for every later test module.
+  spec = importlib.util.spec_from_file_location('_runner_config',
+                                                files / 'config_file.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 @pytest.fixture(scope='module')
