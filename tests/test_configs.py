@@ -2,7 +2,6 @@
 the offline ones build and run a round."""
 
 import glob
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,6 +9,8 @@ import sys
 import jax
 import numpy as np
 import pytest
+
+from config_files import load
 
 from fedjx.experiments import config_base
 from fedjx.experiments import registry
@@ -19,13 +20,6 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
                           'configs')
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, '*.py')))
 OFFLINE = {'digits', 'synthetic', 'text'}
-
-
-def load(path, arg=None):
-  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
 
 
 def test_the_issue_s_configs_exist():

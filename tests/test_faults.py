@@ -13,7 +13,6 @@ point in the same process. The uninterrupted reference run is shared by the
 module.
 """
 
-import importlib.util
 import json
 import os
 import random
@@ -27,6 +26,8 @@ import time
 import jax
 import numpy as np
 import pytest
+
+import config_files
 
 from fedjx.experiments import checkpointing
 from fedjx.experiments import metrics_writers
@@ -132,13 +133,7 @@ def files(tmp_path_factory):
 
 
 def _config(files):
-  # Loaded from its path, not imported by name: another test module's
-  # 'config_file' may already be in sys.modules.
-  spec = importlib.util.spec_from_file_location('_faults_config',
-                                                files / 'config_file.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return config_files.load(files / 'config_file.py')
 
 
 @pytest.fixture(scope='module')

@@ -1,6 +1,5 @@
 """The experiment runner: exact resumption, metrics files, plots, CLI errors."""
 
-import importlib.util
 import json
 import os
 import re
@@ -12,6 +11,8 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+
+import config_files
 
 from fedjx.experiments import checkpointing
 from fedjx.experiments import metrics_writers
@@ -80,13 +81,7 @@ def files(tmp_path_factory):
 
 
 def _load_config(files):
-  # Loaded from its path, not imported by name: a module imported as
-  # 'config_file' would stay in sys.modules for every later test module.
-  spec = importlib.util.spec_from_file_location('_runner_config',
-                                                files / 'config_file.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return config_files.load(files / 'config_file.py')
 
 
 @pytest.fixture(scope='module')
