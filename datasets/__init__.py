@@ -34,6 +34,8 @@ Evaluation: :func:`split_clients`, :func:`split_examples`,
 
 from fedjx.datasets.cohort import Cohort
 from fedjx.datasets.cohort import CohortSampler
+from fedjx.datasets.cohort import PADDING_CLIENT
+from fedjx.datasets.cohort import Sampler
 from fedjx.datasets.cohort import bucket_steps
 from fedjx.datasets.cohort import cohort_steps
 from fedjx.datasets.cohort import local_client_slice
@@ -73,6 +75,8 @@ from fedjx.datasets.tfds_source import from_tfds
 __all__ = [
     'Cohort',
     'CohortSampler',
+    'PADDING_CLIENT',
+    'Sampler',
     'FederatedDataset',
     'IndexedDataset',
     'LabelCheckedDataset',
