@@ -31,6 +31,9 @@ from fedjx.algorithms.fedavg import fedadam
 from fedjx.algorithms.fedavg import fedavg
 from fedjx.algorithms.fedavg import fedavgm
 from fedjx.algorithms.fedavg import fedyogi
+from fedjx.algorithms.fedbuff import AsyncCohort
+from fedjx.algorithms.fedbuff import FedBuffState
+from fedjx.algorithms.fedbuff import fedbuff
 from fedjx.algorithms.fedprox import fedprox
 from fedjx.algorithms.quantization import quantize
 from fedjx.algorithms.scaffold import ScaffoldState
@@ -53,6 +56,8 @@ from fedjx.algorithms.tuner import hypergradient_tuner
 __all__ = [
     'Aggregator',
     'Algorithm',
+    'AsyncCohort',
+    'FedBuffState',
     'DiLoCoState',
     'LocalSchedule',
     'ScaffoldState',
@@ -74,6 +79,7 @@ __all__ = [
     'fedadam',
     'fedavg',
     'fedavgm',
+    'fedbuff',
     'fedprox',
     'fedyogi',
     'nonfinite',
