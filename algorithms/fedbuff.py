@@ -40,7 +40,6 @@ round sends the ring to each client.)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -65,8 +64,6 @@ class AsyncCohort(NamedTuple):
     cohort: their data, a :class:`fedjx.datasets.Cohort` (``[K, S, B, ...]``).
     staleness: ``int32 [K]``, server steps since the version each client
       trained from (placed like ``cohort``).
-    simulated_time: the simulated clock of the step (a host float; not read
-      by the round), or None.
 
   ``batches``, ``mask``, ``num_examples`` and ``client_ids`` are the
   cohort's, so an ``AsyncCohort`` is a cohort wherever one is read.
@@ -74,7 +71,6 @@ class AsyncCohort(NamedTuple):
 
   cohort: Any
   staleness: Any
-  simulated_time: Any = None
 
   @property
   def batches(self):
@@ -319,14 +315,6 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
                           round_index=t, aggregator_state=agg_state), metrics
 
   return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
-
-
-def schedule_options(spec: Mapping[str, Any]) -> dict[str, Any]:
-  """``buffer_size``, ``concurrency`` and ``client_durations`` of a config's
-  ``algorithm`` entry, with their defaults (``concurrency``: the buffer size)."""
-  return {'buffer_size': spec.get('buffer_size'),
-          'concurrency': spec.get('concurrency') or spec.get('buffer_size'),
-          'client_durations': spec.get('client_durations')}
 
 
 __all__ = ['AsyncCohort', 'FedBuffState', 'fedbuff', 'staleness_weight']

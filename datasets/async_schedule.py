@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -116,6 +117,7 @@ class AsyncScheduler:
     self._busy = np.zeros(self.num_clients, bool)
     self._heap: list[tuple[float, int, int, int]] = []  # finish, seq, id, version
     self._started = 0
+    self._lock = threading.Lock()  # step() may be called from two threads.
     self._start(0, self.concurrency, 0.0, draw=0)
 
   def _start(self, version: int, count: int, now: float, draw: int) -> None:
@@ -143,9 +145,10 @@ class AsyncScheduler:
   def step(self, r: int) -> AsyncStep:
     """Server step ``r`` (numbered from 0)."""
     r = _check_int('r', r, 0)
-    while len(self._steps) <= r:
-      self._advance()
-    return self._steps[r]
+    with self._lock:
+      while len(self._steps) <= r:
+        self._advance()
+      return self._steps[r]
 
 
 def lognormal_durations(num_clients: int, *, median: float = 60.0,
@@ -173,22 +176,41 @@ def lognormal_durations(num_clients: int, *, median: float = 60.0,
   return duration
 
 
-DURATIONS: dict[str, Callable[..., Duration]] = {'lognormal': lognormal_durations}
+def fixed_durations(num_clients: int, *, seconds: Any) -> Duration:
+  """Client ``c`` always takes ``seconds[c]`` s (e.g. DiLoCo replicas of
+  known speeds); ``seconds`` holds one finite number ``>= 0`` per client."""
+  _check_int('num_clients', num_clients, 1)
+  table = np.asarray(seconds, np.float64)
+  if table.shape != (num_clients,) or not np.all(np.isfinite(table)) \
+      or np.any(table < 0):
+    raise ValueError(f'seconds={seconds!r}; it must hold {num_clients} finite '
+                     'numbers >= 0, one per client.')
+
+  def duration(client_id: int, start_time: float) -> float:
+    del start_time
+    return float(table[client_id])
+
+  return duration
+
+
+DURATIONS: dict[str, Callable[..., Duration]] = {'lognormal': lognormal_durations,
+                                                 'fixed': fixed_durations}
 
 
 def make_durations(spec: Mapping[str, Any] | None, num_clients: int,
                    seed: int) -> Duration:
   """A duration model from a config's ``{'name': 'lognormal', **options}``.
 
-  None is ``lognormal_durations`` with its defaults; ``seed`` is used unless
-  the spec sets one.
+  None is ``lognormal_durations`` with its defaults; ``seed`` is passed to
+  the models that take one unless the spec sets it.
   """
   spec = dict(spec or {'name': 'lognormal'})
   name = spec.pop('name', None)
   if name not in DURATIONS:
     raise ValueError(f'client_durations name={name!r} is not one of '
                      f'{tuple(DURATIONS)}.')
-  spec.setdefault('seed', seed)
+  if name == 'lognormal':
+    spec.setdefault('seed', seed)
   try:
     return DURATIONS[name](num_clients, **spec)
   except TypeError as e:
@@ -209,8 +231,8 @@ def async_cohort_iterator(dataset: FederatedDataset, scheduler: AsyncScheduler,
 
   Step ``r``'s is the cohort of ``scheduler.step(r).client_ids`` (batched by
   :func:`fedjx.datasets.make_cohort`, shuffled with ``(scheduler.seed, r,
-  client)``), the clients' staleness, placed alongside it, and the clock
-  ``simulated_time`` (a host float). Arguments as
+  client)``) and the clients' staleness, placed alongside it (the clock is
+  ``scheduler.step(r).time``). Arguments as
   :func:`fedjx.datasets.cohort_iterator`; one process only.
   """
   from fedjx.algorithms.fedbuff import AsyncCohort  # pylint: disable=g-import-not-at-top
@@ -235,12 +257,12 @@ def async_cohort_iterator(dataset: FederatedDataset, scheduler: AsyncScheduler,
                          max_steps=max_steps,
                          shuffle_seed=scheduler.seed if shuffle else None,
                          round_num=r, bucket=bucket)
-    placed = place_cohort(AsyncCohort(cohort, step.staleness), mesh)
-    return placed._replace(simulated_time=step.time)
+    return place_cohort(AsyncCohort(cohort, step.staleness), mesh)
 
   stop = None if num_rounds is None else start_round + num_rounds
   return Prefetcher(produce, start=start_round, stop=stop, prefetch=prefetch)
 
 
 __all__ = ['AsyncScheduler', 'AsyncStep', 'DURATIONS', 'Duration',
-           'async_cohort_iterator', 'lognormal_durations', 'make_durations']
+           'async_cohort_iterator', 'fixed_durations', 'lognormal_durations',
+           'make_durations']

@@ -161,7 +161,6 @@ def test_async_cohort_iterator():
     assert isinstance(c, AsyncCohort)
     np.testing.assert_array_equal(c.client_ids, step.client_ids)
     np.testing.assert_array_equal(c.staleness, step.staleness)
-    assert c.simulated_time == step.time
     expected = datasets.make_cohort(data, step.client_ids, 2,
                                     shuffle_seed=scheduler.seed, round_num=r)
     np.testing.assert_array_equal(c.batches['y'], expected.batches['y'])
