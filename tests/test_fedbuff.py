@@ -200,3 +200,47 @@ def test_round_errors_are_one_line():
   state = algo.init(linreg_params())
   with pytest.raises(ValueError, match=r'staleness must be integers'):
     algo.round(state, AsyncCohort(_cohort(), jnp.zeros(4)), KEY)
+
+
+def _runner_config(rounds):
+  from fedjx.experiments.config_base import base_config, optimizer  # pylint: disable=import-outside-toplevel
+  config = base_config()
+  config.update(dict(seed=1, rounds=rounds, cohort_size=3, batch_size=16,
+                     local_epochs=1, eval_every=4, checkpoint_every=2,
+                     progress=False, plot=False, tensorboard=False))
+  config.dataset = dict(name='digits', num_clients=20, alpha=0.5)
+  config.model = dict(name='logistic_regression')
+  config.algorithm = dict(
+      name='fedbuff', concurrency=6, max_staleness=2,
+      client_durations=dict(name='lognormal', median=10.0, sigma=1.0),
+      client_optimizer=optimizer('sgd', learning_rate=0.1))
+  return config
+
+
+def test_runner_simulated_time_and_exact_resumption(tmp_path):
+  from fedjx.experiments import runner  # pylint: disable=import-outside-toplevel
+  straight = runner.run(_runner_config(6), str(tmp_path / 'straight'))
+  scheduler = sched.AsyncScheduler(
+      20, 6, 3, sched.lognormal_durations(20, median=10.0, sigma=1.0, seed=1),
+      seed=1)
+  rows = [row for row in straight.history if row['round'] > 0]
+  assert [row['simulated_time'] for row in rows] == [
+      scheduler.step(r).time for r in range(6)]
+  assert any(row['mean_staleness'] > 0 for row in rows)
+  workdir = str(tmp_path / 'resumed')
+  runner.run(_runner_config(3), workdir)
+  resumed = runner.run(_runner_config(6), workdir)
+  jax.tree.map(np.testing.assert_array_equal, resumed.state, straight.state)
+
+
+def test_runner_refuses_a_buffer_size_other_than_the_cohort_size(tmp_path):
+  from fedjx.experiments import registry, runner  # pylint: disable=import-outside-toplevel
+  config = _runner_config(1)
+  config.algorithm.buffer_size = 4
+  with pytest.raises(registry.ConfigError, match=r'buffer_size=4 differs from '
+                     r'config.cohort_size=3'):
+    runner.run(config, str(tmp_path))
+  config = _runner_config(1)
+  config.algorithm.concurrency = 30
+  with pytest.raises(registry.ConfigError, match=r'concurrency=30'):
+    runner.run(config, str(tmp_path / 'b'))
