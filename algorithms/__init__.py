@@ -21,6 +21,9 @@ from fedjx.algorithms.base import scan_rounds
 from fedjx.algorithms.client_transforms import control_variate
 from fedjx.algorithms.client_transforms import proximal
 from fedjx.algorithms.client_update import LocalSchedule
+from fedjx.algorithms.async_diloco import AsyncDiLoCoState
+from fedjx.algorithms.async_diloco import async_diloco
+from fedjx.algorithms.async_diloco import delayed_nesterov
 from fedjx.algorithms.diloco import DiLoCoState
 from fedjx.algorithms.diloco import diloco
 from fedjx.algorithms.dp_fedavg import clip_update
@@ -57,6 +60,7 @@ __all__ = [
     'Aggregator',
     'Algorithm',
     'AsyncCohort',
+    'AsyncDiLoCoState',
     'FedBuffState',
     'DiLoCoState',
     'LocalSchedule',
@@ -68,12 +72,14 @@ __all__ = [
     'adaptive_adam',
     'aggregation_weights',
     'aggregators',
+    'async_diloco',
     'client_transforms',
     'client_update',
     'control_variate',
     'clip_update',
     'diloco',
     'dp_epsilon',
+    'delayed_nesterov',
     'dp_fedavg',
     'fedadagrad',
     'fedadam',
