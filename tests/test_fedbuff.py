@@ -244,3 +244,15 @@ def test_runner_refuses_a_buffer_size_other_than_the_cohort_size(tmp_path):
   config.algorithm.concurrency = 30
   with pytest.raises(registry.ConfigError, match=r'concurrency=30'):
     runner.run(config, str(tmp_path / 'b'))
+
+
+def test_streamed_round_is_the_compiled_round():
+  from fedjx import execution  # pylint: disable=import-outside-toplevel
+  algo = algos.fedbuff(linreg_loss, max_staleness=2).compile(donate=False)
+  state = algo.init(linreg_params())
+  cohort = AsyncCohort(_cohort(), jnp.asarray([0, 1, 2, 3], jnp.int32))
+  a, ma = algo.round(state, cohort, KEY)
+  b, mb = execution.round_runner(algo, 'streaming', 2)(state, cohort, KEY)
+  # Two chunks of two clients: the sums over 4 clients in another order.
+  assert_trees_close(b.params, a.params, CHAIN)
+  assert float(mb['stale_dropped']) == float(ma['stale_dropped']) == 1.0
