@@ -196,6 +196,10 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   buffer_size, max_staleness = o['buffer_size'], o['max_staleness']
   base.check_positive_int(name, 'buffer_size', buffer_size, allow_none=True)
   base.check_positive_int(name, 'concurrency', o['concurrency'], allow_none=True)
+  if None not in (buffer_size, o['concurrency']) and o['concurrency'] < buffer_size:
+    raise ValueError(f'{name}: concurrency={o["concurrency"]} is less than '
+                     f'buffer_size={buffer_size}; at least K replicas must '
+                     'train at once.')
   weighting, exponent = o['staleness_weighting'], o['staleness_exponent']
   check_staleness_options(name, max_staleness, weighting, exponent)
   metrics_fn = o['metrics_fn']

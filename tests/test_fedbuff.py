@@ -256,3 +256,18 @@ def test_streamed_round_is_the_compiled_round():
   # Two chunks of two clients: the sums over 4 clients in another order.
   assert_trees_close(b.params, a.params, CHAIN)
   assert float(mb['stale_dropped']) == float(ma['stale_dropped']) == 1.0
+
+
+@pytest.mark.slow
+def test_runner_on_a_mesh_gives_the_same_numbers(tmp_path):
+  from fedjx.experiments import runner  # pylint: disable=import-outside-toplevel
+  config = _runner_config(2)
+  config.cohort_size, config.algorithm.concurrency = 8, 12
+  plain = runner.run(config, str(tmp_path / 'plain'))
+  config.mesh = 'clients=-1'  # The 8 host devices of tests/conftest.py.
+  sharded = runner.run(config, str(tmp_path / 'mesh'))
+  # Per-client work is the same; the means over 8 clients are summed in
+  # another order (2 rounds).
+  assert_trees_close(sharded.state.params, plain.state.params, 2 * 8 + CHAIN)
+  assert [r['simulated_time'] for r in sharded.history if r['round']] == [
+      r['simulated_time'] for r in plain.history if r['round']]
