@@ -16,7 +16,8 @@ polynomial of Xie et al., "Asynchronous Federated Optimization", 2019)
     s(tau) = 1 / (1 + tau)^a       ('polynomial', a = staleness_exponent = 0.5)
     s(tau) = 1                     ('constant')
 
-With uniform weights this is the paper's ``(1/K) sum_i s(tau_i) Delta_i``:
+With ``weighting='uniform'`` this is the paper's ``(1/K) sum_i s(tau_i)
+Delta_i`` (the default ``'num_examples'`` weights by ``n_i``, as FedAvg):
 stale updates shrink the step, they do not only lose weight against fresh
 ones. With ``tau_i = 0`` for all clients the round is FedAvg's on the same
 cohort (``s(0) = 1``).
