@@ -56,11 +56,12 @@ from fedjx.algorithms.diloco import stack_states
 from fedjx.algorithms.fedbuff import async_metrics
 from fedjx.algorithms.fedbuff import check_async_cohort
 from fedjx.algorithms.fedbuff import check_staleness_options
+from fedjx.algorithms.fedbuff import in_ring
 from fedjx.algorithms.fedbuff import kept
 from fedjx.algorithms.fedbuff import ring_init
 from fedjx.algorithms.fedbuff import ring_push
 from fedjx.algorithms.fedbuff import ring_read
-from fedjx.algorithms.fedbuff import staleness_weight
+from fedjx.algorithms.fedbuff import staleness_scale
 
 
 class AsyncDiLoCoState(NamedTuple):
@@ -218,13 +219,13 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
 
   def replica_fn(versions, round_index, hparams, tau, inner_state, batches, mask):
     theta = ring_read(versions, round_index, tau)
-    mask = jnp.logical_and(mask, tau <= max_staleness)  # Dropped: no steps.
+    mask = jnp.logical_and(mask, in_ring(tau, max_staleness))  # Dropped: no steps.
     if reset_inner_state:
       inner_state = inner_optimizer.init(theta)
     inner_state = base.with_hparams(inner_state, hparams)
     out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
                                      inner_state, batches, mask, schedule)
-    s = staleness_weight(tau, weighting, exponent)
+    s = staleness_scale(tau, max_staleness, weighting, exponent)
     delta = jax.tree.map(lambda a, b: (a - b) * s.astype(a.dtype), theta,
                          out.params)
     return nonfinite.ClientOutput(delta, out.stats, state=out.opt_state,

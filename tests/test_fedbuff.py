@@ -150,13 +150,16 @@ def test_ring_holds_the_last_versions():
 
 
 def test_all_dropped_changes_nothing():
+  # Staleness past the ring, or negative (-1 would make s = 1/0): dropped,
+  # not non-finite.
   algo = algos.fedbuff(linreg_loss, max_staleness=1)
   params = linreg_params()
   state = algo.init(params)
-  cohort = AsyncCohort(_cohort(), jnp.full(4, 2, jnp.int32))
+  cohort = AsyncCohort(_cohort(), jnp.asarray([2, -1, 5, -3], jnp.int32))
   new, metrics = algo.round(state, cohort, KEY)
   jax.tree.map(np.testing.assert_array_equal, new.params, params)
   assert float(metrics['stale_dropped']) == 4.0 and float(metrics['clients']) == 0.0
+  assert float(metrics['nonfinite_clients']) == 0.0
 
 
 def test_run_rounds_matches_rounds():
