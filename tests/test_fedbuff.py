@@ -274,3 +274,13 @@ def test_runner_on_a_mesh_gives_the_same_numbers(tmp_path):
   assert_trees_close(sharded.state.params, plain.state.params, 2 * 8 + CHAIN)
   assert [r['simulated_time'] for r in sharded.history if r['round']] == [
       r['simulated_time'] for r in plain.history if r['round']]
+
+
+def test_round_is_a_mapreduce_plan():
+  from fedjx import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  algo = algos.fedbuff(linreg_loss, max_staleness=2)
+  state = algo.init(linreg_params())
+  cohort = AsyncCohort(_cohort(), jnp.asarray([0, 1, 2, 3], jnp.int32))
+  plan = plan_lib.trace_plan(algo.apply, state, cohort, KEY)
+  kinds = [type(step).__name__ for step in plan.steps]
+  assert kinds.count('MapStep') == 1  # One pass of client work.
