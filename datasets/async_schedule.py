@@ -90,8 +90,9 @@ class AsyncScheduler:
   ``r`` and gets what an uninterrupted run got. Steps are computed in order
   and kept (``K`` ids, ``K`` staleness values and a float each), so asking
   for step ``r`` of a fresh scheduler simulates steps ``0 .. r`` once:
-  ``O(r (K log M + N))`` host time, milliseconds per thousand steps of a
-  thousand clients.
+  ``O(r (K log M + N))`` host time: 0.09 s for 1,000 steps of
+  ``N, M, K = 1000, 100, 10``, 0.56 s for ``100000, 1000, 100`` (measured
+  on one CPU core).
 
   Args:
     num_clients: ``N``, the population (client ids ``0 .. N - 1``).
