@@ -156,9 +156,9 @@ def lognormal_durations(num_clients: int, *, median: float = 60.0,
                         sigma: float = 1.0, seed: int = 0) -> Duration:
   """A simple system model: client ``c`` always takes ``median exp(sigma z_c)`` s.
 
-  ``z_c ~ N(0, 1)`` once per client from ``(seed, ASYNC_DURATIONS)``: speeds
-  are log-normal across clients, as measured on devices (e.g. Lai et al.,
-  "Oort", OSDI 2021, and FedBuff's own simulations), and fixed in time.
+  ``z_c ~ N(0, 1)`` once per client from ``(seed, ASYNC_DURATIONS)``: job
+  times are log-normal across clients (heavy-tailed: a few stragglers) and
+  fixed in time; ``sigma = 0`` makes every client take ``median``.
   """
   _check_int('num_clients', num_clients, 1)
   for name, value, strict in (('median', median, True), ('sigma', sigma, False)):
