@@ -14,11 +14,12 @@ version it received ``tau_k`` outer steps ago:
     theta_{t+1} = theta_t + OuterOpt(g_t)
 
 Liu et al. find that Nesterov momentum on stale outer gradients hurts, and
-propose the *Delayed Nesterov* outer optimizer (their Section 4.1): the
-momentum is updated only once every ``N`` outer steps, from the mean of
-the ``N`` outer gradients buffered meanwhile; in between, each outer
-gradient is applied alone, scaled by ``c``. As implemented here
-(:func:`delayed_nesterov`, learning rate ``eta``, momentum ``beta``):
+propose the *Delayed Nesterov* outer optimizer: the momentum is updated
+only once every ``N`` outer steps, from the mean of the ``N`` outer
+gradients buffered meanwhile; in between, each outer gradient is applied
+alone, scaled by ``c``. As implemented here (:func:`delayed_nesterov`,
+learning rate ``eta``, momentum ``beta``; the equations are this module's
+reading of the paper, so a reproduction should check ``c`` against it):
 
     t + 1 a multiple of N:  m <- beta m + mean(g_{t-N+1} .. g_t)
                             theta <- theta - eta (beta m + mean(g_{t-N+1} .. g_t))

@@ -10,8 +10,8 @@ server holds version ``x_t``) with the buffer's clients ``i = 1..K``:
     g   = sum_i w_i s(tau_i) Delta_i / sum_i w_i      (w_i = n_i, or 1)
     x_{t+1} = x_t + ServerOpt(g)
 
-with the staleness weight of the paper (Section 4, "staleness scaling"; the
-polynomial of Xie et al., "Asynchronous Federated Optimization", 2019)
+with the paper's staleness scaling (the polynomial function of Xie et al.,
+"Asynchronous Federated Optimization", 2019, with the paper's ``a = 1/2``)
 
     s(tau) = 1 / (1 + tau)^a       ('polynomial', a = staleness_exponent = 0.5)
     s(tau) = 1                     ('constant')
