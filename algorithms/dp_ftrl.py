@@ -87,7 +87,7 @@ def node_noise(tree_key: jax.Array, level: jax.Array, index: jax.Array,
   key = jax.random.fold_in(jax.random.fold_in(
       jax.random.wrap_key_data(tree_key), level), index)
   zeros = jax.tree.map(jnp.zeros_like, like)
-  return aggregators.add_gaussian_noise(zeros, std, key)
+  return aggregators.add_gaussian_noise(zeros, jnp.asarray(std, jnp.float32), key)
 
 
 def tree_noise(tree_key: jax.Array, step: jax.Array, like: base.PyTree,
