@@ -28,6 +28,12 @@ Aggregators here:
 | :func:`mean` (default) | ``m_i = Delta_i`` | ``sum_i w_i m_i / sum_i w_i`` |
 | :func:`quantized_mean` | ``m_i = Q(Delta_i)`` | weighted mean |
 | :func:`gaussian` (DP) | ``m_i = Delta_i min(1, C / ||Delta_i||)``, ``w_i = 1`` | ``(sum_i m_i + N(0, (zC)^2 I)) / D`` |
+| ``adaptive_gaussian`` (DP) | clip to the state's ``C``, ``b_i = 1[||Delta_i|| <= C]`` | noisy mean, ``C`` to a quantile |
+| ``tree_gaussian`` (DP-FTRL) | clip to ``C``, ``w_i = 1`` | ``(s_t - s_{t-1}) / D``, tree prefix sums |
+
+``adaptive_gaussian`` is :func:`fedjx.algorithms.adaptive_clipping.adaptive_gaussian`
+(Andrew et al. 2021), ``tree_gaussian`` :func:`fedjx.algorithms.dp_ftrl.tree_gaussian`
+(Kairouz et al. 2021).
 """
 
 from __future__ import annotations
@@ -379,5 +385,6 @@ def step(aggregator: Aggregator, optimizer, state: Any,
   return delta, params, opt_state, agg_state, metrics
 
 
-__all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'clip_update', 'gaussian',
-           'mean', 'quantized_mean', 'safe_global_norm']
+__all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'clip_update',
+           'denominator', 'gaussian', 'mean', 'participants', 'quantized_mean',
+           'safe_global_norm']
