@@ -17,8 +17,8 @@ has a node for every dyadic interval ``[j 2^l + 1, (j + 1) 2^l]`` of rounds
 ``[1, t]``, one per set bit ``l`` of ``t`` (node ``(l, (t >> l) - 1)``). So
 each release carries noise of variance ``popcount(t) (z C)^2`` per
 coordinate, at most ``ceil(log2(t + 1)) (z C)^2``, while every ``g_r``
-enters at most ``log2(T) + 1`` nodes (the paper's Section 4 and Appendix
-B.1).
+enters at most ``ceil(log2(T)) + 1`` nodes of a tree over ``T`` rounds (the
+sensitivity the paper's tree-aggregation analysis uses).
 
 The aggregate of round ``t`` is the difference of consecutive releases over
 ``D`` (the server optimizer then applies to it, as to any aggregate):

@@ -12,7 +12,7 @@ from fedjx.algorithms import dp_ftrl
 import float_tolerance as ft
 from test_algorithms_util import (CHAIN, KEY, assert_trees_close, copy, linreg_data,
                                   linreg_loss, linreg_params, make_cohort,
-                                  reference_sgd)
+                                  reference_sgd, stack_cohorts)
 
 EXTRA = 20_000  # An unused parameter: its update is the noise alone.
 f32 = np.float32
@@ -111,7 +111,7 @@ def test_prefix_sums_match_a_numpy_binary_tree(restart_every):
 
 
 def test_noise_variance_per_release_is_popcount_times_the_node_variance():
-  """Var(B_t) = popcount(t) (z C)^2 per coordinate (Kairouz et al., Sec. 4)."""
+  """Var(B_t) = popcount(t) (z C)^2 per coordinate (Kairouz et al. 2021, tree aggregation)."""
   z, clip, d, rounds = 1.3, 0.5, 2.0, 8
   algo = algos.fedavg(linear_loss, client_optimizer=optax.sgd(1.0),
                       aggregator=dict(name='tree_gaussian', clip_norm=clip,
@@ -167,6 +167,25 @@ def test_restart_draws_a_new_tree_and_keeps_the_old_noise():
                     (models[4], first + node(keys[2], 1, 0) + node(keys[4], 0, 0))]:
     # Up to 5 rounds of 3-term aggregates (sum, B_t, B_(t-1)), |noise| < 6.
     np.testing.assert_allclose(got, want, atol=ft.atol(15, 5 * 3 * 6.0))
+
+
+def test_scanned_rounds_equal_single_rounds():
+  """``run_rounds`` (one ``lax.scan``) gives the rounds one at a time."""
+  rng = np.random.default_rng(72)
+  cohorts = [cohort_of(rng.normal(size=(2, 2))) for _ in range(5)]
+  algo = algos.fedavg(linear_loss, client_optimizer=optax.sgd(1.0),
+                      aggregator=dp_ftrl.tree_gaussian(1.0, 0.8, restart_every=2,
+                                                       expected_clients_per_round=2.0))
+  keys = jax.random.split(KEY, 5)
+  state = algo.init(params_of(2, 4))
+  for cohort, key in zip(cohorts, keys):
+    state, _ = algo.round(state, cohort, key)
+  scanned, metrics = algo.run_rounds(algo.init(params_of(2, 4)),
+                                     stack_cohorts(cohorts), keys)
+  np.testing.assert_array_equal(metrics['tree_step'], [1, 2, 1, 2, 1])
+  # Same operations; 5 rounds of 3-term aggregates of magnitude < 6.
+  for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(state)):
+    np.testing.assert_allclose(a, b, atol=ft.atol(15, 5 * 3 * 6.0))
 
 
 def test_dp_ftrlm_round_matches_the_hand_computed_ftrl_form():
