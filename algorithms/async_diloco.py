@@ -246,7 +246,8 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         (fedjx.broadcast(state.versions), fedjx.broadcast(state.round_index),
          fedjx.broadcast(state.hparams['inner_optimizer']), tau, inner,
          cohort.batches, cohort.mask),
-        num_examples, o['weighting'], o['skip_nonfinite'])
+        num_examples, o['weighting'], o['skip_nonfinite'],
+        aggregator_state=state.aggregator_state)
     outer_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, outer_optimizer, state, state.hparams['outer_optimizer'],
         clients, key)

@@ -317,7 +317,8 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.versions), fedjx.broadcast(state.round_index),
          fedjx.broadcast(client_hparams), tau, cohort.batches, cohort.mask),
-        num_examples, o['weighting'], o['skip_nonfinite'])
+        num_examples, o['weighting'], o['skip_nonfinite'],
+        aggregator_state=state.aggregator_state)
     pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, key)
