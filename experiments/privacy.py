@@ -95,7 +95,8 @@ def sampling_of(config: Any, population: int) -> accounting.Sampling:
 
 
 def make_sampler(config: Any, dataset: Any):
-  """The sampler of ``config.sampling``, or None for the default uniform one."""
+  """The sampler of ``config.sampling`` over ``dataset`` (or a client count),
+  or None for the default uniform one."""
   from fedjx.datasets import sampling as samplers  # pylint: disable=g-import-not-at-top
   spec = _as_dict(config.sampling)
   name = spec.get('name', 'uniform')
@@ -103,7 +104,7 @@ def make_sampler(config: Any, dataset: Any):
     return None  # cohort_iterator's CohortSampler: today's behaviour.
   if name == 'epochs':
     return samplers.EpochSampler(dataset, config.cohort_size, config.seed)
-  s = sampling_of(config, dataset.num_clients)
+  s = sampling_of(config, getattr(dataset, 'num_clients', dataset))
   try:
     return samplers.PoissonSampler(dataset, s.rate, config.seed,
                                    spec.get('max_cohort_size'))
