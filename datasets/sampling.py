@@ -49,7 +49,7 @@ def _num_clients(population: FederatedDataset | int) -> int:
   n = (population.num_clients if isinstance(population, FederatedDataset)
        else population)
   if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-    raise ValueError(f'population={population!r}; it must be a '
+    raise ValueError(f'population={repr(population)[:60]}; it must be a '
                      'FederatedDataset or an int >= 1 (the number of clients).')
   return int(n)
 
