@@ -116,3 +116,15 @@ def test_unaccountable_configs_are_refused_in_one_line(fields, message):
 def test_default_sampling_keeps_the_uniform_sampler():
   config = with_defaults(small_config(sampling=dict(name='uniform')))
   assert privacy.make_sampler(config, 20) is None  # cohort_iterator's default
+
+
+@pytest.mark.slow  # 13 PLD compositions: about 20 s
+def test_pld_budget_is_the_last_round_within_it():
+  # PLD epsilons are computed on demand; stop_round bisects over them.
+  p = plan_of(population=40, privacy=dict(delta=1e-3, accountant='pld',
+                                           target_epsilon=1.0))
+  eps = [p.epsilon(r) for r in range(p.rounds + 1)]
+  within = [r for r in range(p.rounds + 1) if eps[r] <= 1.0]
+  assert 0 < max(within) < p.rounds
+  assert p.stop_round() == max(within)
+  assert eps[-1] < accounting.epsilon(1.0, p.rounds, 1e-3, sampling=p.sampling)
