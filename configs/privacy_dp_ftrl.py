@@ -7,7 +7,7 @@ sums restarts at every epoch (``restart_every=10``), so each tree holds a
 client at most once. Node noise ``N(0, (z C)^2 I)`` with clip 0.5, divided
 by the 50 clients; the server's SGD with momentum 0.9 makes it DP-FTRLM.
 Without amplification by sampling, the same epsilon needs a noise multiplier
-about five times DP-FedAvg's at this population (``z = 5.7`` for epsilon 4).
+4 to 6 times DP-FedAvg's at this population (``z = 5.7`` for epsilon 4).
 """
 
 from fedjx.experiments.config_base import optimizer

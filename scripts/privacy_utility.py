@@ -2,7 +2,8 @@
 
 Trains the study's configs (``configs/privacy_*.py``: 500 clients, q = 0.1,
 100 rounds, softmax regression) on digits and Synthetic-IID: non-private
-FedAvg once, and DP-FedAvg, adaptive clipping, DP-FTRL and DP-FedAdam at
+FedAvg and DP-FedAvg's clipping without noise (z = 0) once, and DP-FedAvg,
+adaptive clipping, DP-FTRL and DP-FedAdam at
 each target epsilon, with the noise multiplier that
 ``fedjx.algorithms.accounting.noise_multiplier_for_epsilon`` calibrates for
 that config's mechanism and sampling (rounded up to 4 decimals, so the
@@ -29,11 +30,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # method -> (config file, label)
 METHODS = {
     'fedavg': ('privacy_fedavg.py', 'FedAvg (non-private)'),
+    'clip_only': ('privacy_dp_fedavg.py', 'DP-FedAvg clipping, no noise (z = 0)'),
     'dp_fedavg': ('privacy_dp_fedavg.py', 'DP-FedAvg, fixed clip'),
     'adaptive_clip': ('privacy_adaptive_clip.py', 'DP-FedAvg, adaptive clip'),
     'dp_ftrl': ('privacy_dp_ftrl.py', 'DP-FTRL (tree)'),
     'dp_fedadam': ('privacy_dp_fedadam.py', 'DP-FedAdam'),
 }
+
+NOT_PRIVATE = ('fedavg', 'clip_only')  # run once, at epsilon = infinity
 
 
 def load_config(name: str, dataset: str):
@@ -72,8 +76,11 @@ def run_one(dataset: str, method: str, target: float | None, root: str):
   workdir = os.path.join(root, dataset, method, f'eps{tag}')
   command = f'fedjx-run --config=configs/{name}:{dataset}'
   z = None
-  if target is not None:
+  if method == 'clip_only':  # the clipping's own effect: not private
+    z = 0.0
+  elif target is not None:
     z = calibrate(config, target)
+  if z is not None:
     field = noise_field(config)
     node = config
     for part in field.split('.')[:-1]:
@@ -107,9 +114,10 @@ def plot(rows, path: str, epsilons) -> None:
     for method, (_, label) in METHODS.items():
       pts = sorted((r['epsilon'], r['eval_accuracy']) for r in rows
                    if r['dataset'] == dataset and r['method'] == method)
-      if method == 'fedavg':
+      if method in NOT_PRIVATE:
         for _, acc in pts:
-          ax.axhline(acc, color='k', ls='--', lw=1, label=f'{label}, eps = inf')
+          ax.axhline(acc, color='k', ls='--' if method == 'fedavg' else ':',
+                     lw=1, label=f'{label}, eps = inf')
       elif pts:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], 'o-', label=label)
     ax.set_xscale('log', base=2)
@@ -148,7 +156,7 @@ def main() -> None:
   rows = []
   for dataset in args.datasets.split(','):
     for method in args.methods.split(','):
-      for target in ([None] if method == 'fedavg' else epsilons):
+      for target in ([None] if method in NOT_PRIVATE else epsilons):
         row = run_one(dataset, method, target, args.workdir)
         rows.append(row)
         print(json.dumps(row), flush=True)
