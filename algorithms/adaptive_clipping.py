@@ -16,7 +16,7 @@ settles at the ``gamma``-quantile of the update norms, within the geometric
 step ``exp(eta_C max(gamma, 1 - gamma))``.
 
 The bits are centred (``b_i - 1/2``) as in the paper's privacy analysis
-(Section 3): one client then changes the noisy count by at most ``1/2``,
+(the proof of its Theorem 1): one client then changes the noisy count by at most ``1/2``,
 and ``b~`` equals ``(sum_i b_i + N(0, sigma_b^2)) / D`` whenever ``D``
 clients take part. With ``D = None`` (divide by the participating count)
 the count is not centred: ``b~ = (sum_i b_i + N(0, sigma_b^2)) / n``.

@@ -244,13 +244,24 @@ def _in_module(module: str, name: str) -> Callable[..., Aggregator]:
   return build
 
 
+# DP mechanisms of their own modules, also reachable from here.
+_ELSEWHERE = {'adaptive_gaussian': 'adaptive_clipping', 'tree_gaussian': 'dp_ftrl'}
+
+
+def __getattr__(name: str) -> Any:
+  """``aggregators.adaptive_gaussian`` and ``aggregators.tree_gaussian`` (PEP 562)."""
+  if name in _ELSEWHERE:
+    module = importlib.import_module(f'fedjx.algorithms.{_ELSEWHERE[name]}')
+    return getattr(module, name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
 # The aggregators a config can name: ``aggregator=dict(name='gaussian', ...)``.
 AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
     'mean': mean,
     'quantized_mean': quantized_mean,
     'gaussian': gaussian,
-    'adaptive_gaussian': _in_module('adaptive_clipping', 'adaptive_gaussian'),
-    'tree_gaussian': _in_module('dp_ftrl', 'tree_gaussian'),
+    **{name: _in_module(module, name) for name, module in _ELSEWHERE.items()},
 }
 
 

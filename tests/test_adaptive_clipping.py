@@ -82,6 +82,21 @@ def test_one_round_matches_numpy_and_the_next_uses_the_new_clip_norm():
   np.testing.assert_allclose(state2.aggregator_state.clip_norm, c2, rtol=ft.rtol(8))
 
 
+def test_without_a_fixed_denominator_the_count_is_over_the_participants():
+  vectors = np.array([[0.1, 0.0], [0.0, 2.0], [1.0, 1.0]])  # norms 0.1, 2, 1.41.
+  algo = fedavg_adaptive(noise_multiplier=0.0, initial_clip_norm=1.5,
+                         clip_learning_rate=0.5)
+  state, metrics = algo.round(algo.init(params_of(2)), cohort_of(vectors, padding=2),
+                              KEY)
+  # Two of the three real clients are unclipped: b~ = 2 / 3, and the update
+  # is the mean of the clipped updates over the 3 participants.
+  np.testing.assert_allclose(metrics['unclipped_fraction'], 2 / 3, rtol=ft.rtol(2))
+  np.testing.assert_allclose(state.aggregator_state.clip_norm,
+                             1.5 * np.exp(-0.5 * (2 / 3 - 0.5)), rtol=ft.rtol(6))
+  w, _, _ = reference_round(vectors, 1.5, 3.0, 0.5, 0.5)
+  np.testing.assert_allclose(state.params['w'], w, atol=ft.atol(10, 3 * 1.5))
+
+
 def test_noise_on_the_updates_and_on_the_count_has_the_paper_s_std():
   z, sigma_b, d, clip = 1.0, 2.0, 4.0, 0.5
   z_delta = (z ** -2 - (2 * sigma_b) ** -2) ** -0.5

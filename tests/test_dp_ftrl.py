@@ -12,7 +12,7 @@ from fedjx.algorithms import dp_ftrl
 import float_tolerance as ft
 from test_algorithms_util import (CHAIN, KEY, assert_trees_close, copy, linreg_data,
                                   linreg_loss, linreg_params, make_cohort,
-                                  reference_sgd)
+                                  reference_sgd, stack_cohorts)
 
 EXTRA = 20_000  # An unused parameter: its update is the noise alone.
 f32 = np.float32
@@ -110,8 +110,56 @@ def test_prefix_sums_match_a_numpy_binary_tree(restart_every):
                                   jax.random.key_data(keys[0]))
 
 
+def numpy_efficient(nodes, levels):
+  """Honaker's bottom-up estimates over a full tree of ``2^(levels-1)`` leaves."""
+  a = [1.0]
+  for _ in range(1, levels):  # Inverse-variance weights, variance a_l s^2.
+    a.append(2 * a[-1] / (1 + 2 * a[-1]))
+  est = {}
+  for l in range(levels):
+    for j in range(2 ** (levels - 1 - l)):
+      est[(l, j)] = nodes[(l, j)] if l == 0 else (
+          a[l] * nodes[(l, j)] + (1 - a[l]) * (est[(l - 1, 2 * j)] + est[(l - 1, 2 * j + 1)]))
+  return est, a
+
+
+def test_efficient_estimates_match_a_numpy_tree_and_have_less_variance():
+  rounds, dim, clip, z, d = 16, 3, 1.0, 1.2, 2.0
+  algo = algos.fedavg(linear_loss, client_optimizer=optax.sgd(1.0),
+                      aggregator=dp_ftrl.tree_gaussian(
+                          clip, z, restart_every=rounds, efficient=True,
+                          expected_clients_per_round=d))
+  keys = jax.random.split(KEY, rounds)
+  zero = cohort_of(np.zeros((2, dim)))  # Zero updates: the releases are noise.
+  state = algo.init(params_of(dim, EXTRA))
+  like = {'w': jnp.zeros(dim), 'extra': jnp.zeros(EXTRA)}
+  tree_key = jax.random.key_data(keys[0])
+  levels = rounds.bit_length()
+  nodes = {(l, j): numpy_node(tree_key, l, j, like, f32(z) * f32(clip))['w']
+           for l in range(levels) for j in range(rounds >> l)}
+  est, a = numpy_efficient(nodes, levels)
+  np.testing.assert_allclose(dp_ftrl.efficient_weights(levels), a, rtol=1e-15)
+  for t in range(1, rounds + 1):
+    state, metrics = algo.round(state, zero, keys[t - 1])
+    want, _ = numpy_tree_noise(est, t, levels)
+    # Each estimate is a chain of <= levels weighted sums of 3 terms; the
+    # model accumulates t aggregates (B_t - B_(t-1), <= 2 levels terms).
+    n = levels * 3 + t * (2 * levels + 2)
+    got = -np.asarray(state.params['w'], np.float64) * d
+    np.testing.assert_allclose(got, want, atol=ft.atol(n, 4 * levels * 6 * z * clip))
+    var = sum(a[l] for l in range(levels) if t >> l & 1)
+    np.testing.assert_allclose(metrics['noise_std'], z * clip * np.sqrt(var),
+                               rtol=ft.rtol(levels + 2))
+    noise = -np.asarray(state.params['extra'], np.float64) * d
+    np.testing.assert_allclose(np.std(noise), z * clip * np.sqrt(var),
+                               rtol=6 / np.sqrt(2 * EXTRA))
+  # Less noise than the plain tree wherever a release uses a node above the
+  # leaves (t = 2: 2/3 of a node's variance; t = 15: 3.11 instead of 4).
+  assert a[1] == pytest.approx(2 / 3) and sum(a[:4]) < 4
+
+
 def test_noise_variance_per_release_is_popcount_times_the_node_variance():
-  """Var(B_t) = popcount(t) (z C)^2 per coordinate (Kairouz et al., Sec. 4)."""
+  """Var(B_t) = popcount(t) (z C)^2 per coordinate (Kairouz et al. 2021, tree aggregation)."""
   z, clip, d, rounds = 1.3, 0.5, 2.0, 8
   algo = algos.fedavg(linear_loss, client_optimizer=optax.sgd(1.0),
                       aggregator=dict(name='tree_gaussian', clip_norm=clip,
@@ -169,6 +217,25 @@ def test_restart_draws_a_new_tree_and_keeps_the_old_noise():
     np.testing.assert_allclose(got, want, atol=ft.atol(15, 5 * 3 * 6.0))
 
 
+def test_scanned_rounds_equal_single_rounds():
+  """``run_rounds`` (one ``lax.scan``) gives the rounds one at a time."""
+  rng = np.random.default_rng(72)
+  cohorts = [cohort_of(rng.normal(size=(2, 2))) for _ in range(5)]
+  algo = algos.fedavg(linear_loss, client_optimizer=optax.sgd(1.0),
+                      aggregator=dp_ftrl.tree_gaussian(1.0, 0.8, restart_every=2,
+                                                       expected_clients_per_round=2.0))
+  keys = jax.random.split(KEY, 5)
+  state = algo.init(params_of(2, 4))
+  for cohort, key in zip(cohorts, keys):
+    state, _ = algo.round(state, cohort, key)
+  scanned, metrics = algo.run_rounds(algo.init(params_of(2, 4)),
+                                     stack_cohorts(cohorts), keys)
+  np.testing.assert_array_equal(metrics['tree_step'], [1, 2, 1, 2, 1])
+  # Same operations; 5 rounds of 3-term aggregates of magnitude < 6.
+  for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(state)):
+    np.testing.assert_allclose(a, b, atol=ft.atol(15, 5 * 3 * 6.0))
+
+
 def test_dp_ftrlm_round_matches_the_hand_computed_ftrl_form():
   """Server SGD with heavy-ball momentum on ``(s_t - s_(t-1)) / D`` is
   ``x_t = x_0 - eta V_t / D``, ``V_t = beta V_(t-1) + s_t`` (DP-FTRLM)."""
@@ -210,6 +277,8 @@ def test_dp_ftrlm_round_matches_the_hand_computed_ftrl_form():
     (dict(clip_norm=0.0), 'clip_norm=0.0'),
     (dict(noise_multiplier=-1.0), 'noise_multiplier=-1.0'),
     (dict(expected_clients_per_round=-2.0), 'expected_clients_per_round=-2.0'),
+    (dict(efficient=True), 'efficient=True needs restart_every'),
+    (dict(efficient=1, restart_every=4), 'efficient=1'),
 ])
 def test_errors_are_one_line(options, match):
   with pytest.raises(ValueError, match=match) as e:
