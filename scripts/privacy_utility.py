@@ -33,7 +33,7 @@ METHODS = {
     'clip_only': ('privacy_dp_fedavg.py', 'DP-FedAvg clipping, no noise (z = 0)'),
     'dp_fedavg': ('privacy_dp_fedavg.py', 'DP-FedAvg, fixed clip'),
     'adaptive_clip': ('privacy_adaptive_clip.py', 'DP-FedAvg, adaptive clip'),
-    'dp_ftrl': ('privacy_dp_ftrl.py', 'DP-FTRL (tree)'),
+    'dp_ftrl': ('privacy_dp_ftrl.py', 'DP-FTRLM, efficient tree'),
     'dp_fedadam': ('privacy_dp_fedadam.py', 'DP-FedAdam'),
 }
 
