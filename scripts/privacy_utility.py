@@ -2,7 +2,8 @@
 
 Trains the study's configs (``configs/privacy_*.py``: 500 clients, q = 0.1,
 100 rounds, softmax regression) on digits and Synthetic-IID: non-private
-FedAvg and DP-FedAvg's clipping without noise (z = 0) once, and DP-FedAvg,
+FedAvg, DP-FedAvg's clipping without noise (z = 0) and FedAvgM with
+DP-FTRLM's server and cohorts once, and DP-FedAvg,
 adaptive clipping, DP-FTRL and DP-FedAdam at
 each target epsilon, with the noise multiplier that
 ``fedjx.algorithms.accounting.noise_multiplier_for_epsilon`` calibrates for
@@ -31,13 +32,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = {
     'fedavg': ('privacy_fedavg.py', 'FedAvg (non-private)'),
     'clip_only': ('privacy_dp_fedavg.py', 'DP-FedAvg clipping, no noise (z = 0)'),
+    'fedavgm': ('privacy_fedavgm.py', 'FedAvgM (non-private, DP-FTRLM server)'),
     'dp_fedavg': ('privacy_dp_fedavg.py', 'DP-FedAvg, fixed clip'),
     'adaptive_clip': ('privacy_adaptive_clip.py', 'DP-FedAvg, adaptive clip'),
     'dp_ftrl': ('privacy_dp_ftrl.py', 'DP-FTRLM, efficient tree'),
     'dp_fedadam': ('privacy_dp_fedadam.py', 'DP-FedAdam'),
 }
 
-NOT_PRIVATE = ('fedavg', 'clip_only')  # run once, at epsilon = infinity
+NOT_PRIVATE = ('fedavg', 'clip_only', 'fedavgm')  # run once, at epsilon = infinity
 
 
 def load_config(name: str, dataset: str):
@@ -115,9 +117,11 @@ def plot(rows, path: str, epsilons) -> None:
       pts = sorted((r['epsilon'], r['eval_accuracy']) for r in rows
                    if r['dataset'] == dataset and r['method'] == method)
       if method in NOT_PRIVATE:
+        style = {'fedavg': ('k', '--'), 'clip_only': ('k', ':'),
+                 'fedavgm': ('tab:green', '--')}[method]
         for _, acc in pts:
-          ax.axhline(acc, color='k', ls='--' if method == 'fedavg' else ':',
-                     lw=1, label=f'{label}, eps = inf')
+          ax.axhline(acc, color=style[0], ls=style[1], lw=1,
+                     label=f'{label}, eps = inf')
       elif pts:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], 'o-', label=label)
     ax.set_xscale('log', base=2)
