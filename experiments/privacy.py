@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from fedjx.algorithms import accounting
 from fedjx.experiments.config import ConfigError
 
 # Aggregators that add DP noise, and the accounting mechanism of each.
@@ -55,6 +54,13 @@ def _default(fn: Any, name: str, fallback: Any) -> Any:
   except (TypeError, ValueError):
     return fallback
   return fallback if p is None or p.default is inspect.Parameter.empty else p.default
+
+
+def _accounting():
+  # Imported when used: config files import this module (utility_task), and
+  # fedjx.algorithms is heavy (see fedjx.experiments.config).
+  from fedjx.algorithms import accounting  # pylint: disable=g-import-not-at-top
+  return accounting
 
 
 def _as_dict(value: Any) -> Any:
@@ -90,8 +96,8 @@ def sampling_of(config: Any, population: int) -> accounting.Sampling:
   if name == 'poisson':
     rate = spec.get('rate')
     rate = config.cohort_size / population if rate is None else float(rate)
-    return accounting.Sampling.poisson(population, rate)
-  return accounting.Sampling(name, population, int(config.cohort_size))
+    return _accounting().Sampling.poisson(population, rate)
+  return _accounting().Sampling(name, population, int(config.cohort_size))
 
 
 def make_sampler(config: Any, dataset: Any):
@@ -143,12 +149,12 @@ class Plan:
       return 0.0
     if self.accountant == 'rdp':
       if self._curve is None:  # Every round's epsilon, computed once.
-        self._curve = accounting.epsilons(
+        self._curve = _accounting().epsilons(
             self.mechanism.noise_multiplier, self.rounds, self.delta,
             **self._kwargs())
       if rounds <= len(self._curve):
         return float(self._curve[rounds - 1])
-    return accounting.epsilon(self.mechanism.noise_multiplier, rounds,
+    return _accounting().epsilon(self.mechanism.noise_multiplier, rounds,
                               self.delta, accountant=self.accountant,
                               **self._kwargs())
 
@@ -168,7 +174,7 @@ class Plan:
   def statement(self, rounds: int) -> dict[str, Any]:
     """The privacy statement after ``rounds`` rounds (``workdir/privacy.json``)."""
     m = self.mechanism
-    out = accounting.statement(
+    out = _accounting().statement(
         mechanism=m.mechanism, aggregator=m.aggregator,
         noise_multiplier=m.noise_multiplier, sampling=self.sampling,
         rounds=rounds, delta=self.delta, accountant=self.accountant,
@@ -213,7 +219,7 @@ def plan(config: Any, population: int) -> Plan | None:
   sampling = sampling_of(config, population)
   accountant = privacy.get('accountant', 'rdp')
   try:
-    accounting.check_supported(mech.mechanism, sampling, accountant,
+    _accounting().check_supported(mech.mechanism, sampling, accountant,
                                config.rounds, mech.restart_every,
                                fn='config')
   except ValueError as e:
