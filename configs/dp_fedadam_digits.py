@@ -9,7 +9,8 @@ accounting is DP-FedAvg's: the runner accounts it for the uniform sampling
 the run performs (10 of 50 clients without replacement) and writes epsilon
 to the metrics and ``privacy.json``. With 50 clients and z = 0.3 that
 epsilon is far too large to be a guarantee: this config demonstrates the
-combination; ``configs/privacy_dp_fedadam.py`` runs it at epsilon 1 to 8.
+combination; ``configs/privacy_utility.py:digits,dp_fedadam`` runs it at
+epsilon 1 to 8.
 """
 
 from fedjx.experiments.config_base import base_config, optimizer

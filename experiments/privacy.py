@@ -57,8 +57,8 @@ def _default(fn: Any, name: str, fallback: Any) -> Any:
 
 
 def _accounting():
-  # Imported when used: config files import this module (utility_task), and
-  # fedjx.algorithms is heavy (see fedjx.experiments.config).
+  # Imported when used: fedjx.algorithms is heavy, and the config schema
+  # (fedjx.experiments.config) must stay light.
   from fedjx.algorithms import accounting  # pylint: disable=g-import-not-at-top
   return accounting
 
@@ -260,52 +260,3 @@ def budget_message(p: Plan, stop: int) -> str:
           f'{p.delta:.3g}) reached: round {stop + 1} would bring epsilon to '
           f'{nxt:.4g}; stopped after round {stop} (epsilon '
           f'{p.epsilon(stop):.4g}).')
-
-
-
-# The privacy-utility study (docs/privacy.md, scripts/privacy_utility.py):
-# 500 clients, 50 per round (q = 0.1), 100 rounds, softmax regression.
-UTILITY_POPULATION = 500
-UTILITY_COHORT = 50
-UTILITY_ROUNDS = 100
-UTILITY_DATASETS = {
-    'digits': dict(name='digits', num_clients=UTILITY_POPULATION, alpha=0.5),
-    'synthetic': dict(name='synthetic', alpha=0.0, beta=0.0, iid=True,
-                      num_clients=UTILITY_POPULATION, max_examples=100),
-}
-# Client SGD learning rates (FedAvg, tuned on {0.1, 0.5} without noise).
-UTILITY_CLIENT_LR = {'digits': 0.1, 'synthetic': 0.5}
-
-
-def utility_task(dataset: str = 'digits'):
-  """The base config of the privacy-utility study on ``dataset``.
-
-  ``'digits'``: scikit-learn's 1,797 digits over 500 clients (Dirichlet 0.5
-  label skew). ``'synthetic'``: Synthetic-IID of Li et al. 2020 over 500
-  clients of at most 100 examples (with the non-IID Synthetic(alpha, beta)
-  one softmax model stays near 30% accuracy at this population, too low to
-  show what noise costs). Softmax regression, 50 clients per round
-  (q = 0.1), 100 rounds, one local epoch of batches of 10, delta = 500^-1.1.
-  """
-  from fedjx.experiments.config_base import base_config  # pylint: disable=g-import-not-at-top
-  if dataset not in UTILITY_DATASETS:
-    raise ConfigError(f'utility_task: dataset={dataset!r} is not one of '
-                      f'{tuple(UTILITY_DATASETS)}.')
-  config = base_config()
-  config.rounds = UTILITY_ROUNDS
-  config.cohort_size = UTILITY_COHORT
-  config.batch_size = 10
-  config.local_epochs = 1
-  config.eval_every = 20
-  config.checkpoint_every = UTILITY_ROUNDS
-  config.dataset = dict(UTILITY_DATASETS[dataset])
-  config.model = dict(name='logistic_regression')
-  config.privacy = dict(delta=UTILITY_POPULATION ** -1.1, accountant='rdp',
-                        target_epsilon=None)
-  return config
-
-
-def utility_client_optimizer(dataset: str = 'digits'):
-  """Client SGD at the study's learning rate for ``dataset``."""
-  from fedjx.experiments.config_base import optimizer  # pylint: disable=g-import-not-at-top
-  return optimizer('sgd', learning_rate=UTILITY_CLIENT_LR[dataset])

@@ -1,7 +1,7 @@
 """The privacy-utility figure: final accuracy against epsilon (docs/privacy.md).
 
-Trains the study's configs (``configs/privacy_*.py``: 500 clients, q = 0.1,
-100 rounds, softmax regression) on digits and Synthetic-IID: non-private
+Trains the study's recipes (``configs/privacy_utility.py``: 500 clients,
+q = 0.1, 100 rounds, softmax regression) on digits and Synthetic-IID: non-private
 FedAvg, DP-FedAvg's clipping without noise (z = 0) and FedAvgM with
 DP-FTRLM's server and cohorts once, and DP-FedAvg,
 adaptive clipping, DP-FTRL and DP-FedAdam at
@@ -28,26 +28,26 @@ import os
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# method -> (config file, label)
+CONFIG = 'privacy_utility.py'
+# method -> (the config's method, label)
 METHODS = {
-    'fedavg': ('privacy_fedavg.py', 'FedAvg (non-private)'),
-    'clip_only': ('privacy_dp_fedavg.py', 'DP-FedAvg clipping, no noise (z = 0)'),
-    'fedavgm': ('privacy_fedavgm.py', 'FedAvgM (non-private, DP-FTRLM server)'),
-    'dp_fedavg': ('privacy_dp_fedavg.py', 'DP-FedAvg, fixed clip'),
-    'adaptive_clip': ('privacy_adaptive_clip.py', 'DP-FedAvg, adaptive clip'),
-    'dp_ftrl': ('privacy_dp_ftrl.py', 'DP-FTRLM, efficient tree'),
-    'dp_fedadam': ('privacy_dp_fedadam.py', 'DP-FedAdam'),
+    'fedavg': ('fedavg', 'FedAvg (non-private)'),
+    'clip_only': ('dp_fedavg', 'DP-FedAvg clipping, no noise (z = 0)'),
+    'fedavgm': ('fedavgm', 'FedAvgM (non-private, DP-FTRLM server)'),
+    'dp_fedavg': ('dp_fedavg', 'DP-FedAvg, fixed clip'),
+    'adaptive_clip': ('adaptive_clip', 'DP-FedAvg, adaptive clip'),
+    'dp_ftrl': ('dp_ftrl', 'DP-FTRLM, efficient tree'),
+    'dp_fedadam': ('dp_fedadam', 'DP-FedAdam'),
 }
-
 NOT_PRIVATE = ('fedavg', 'clip_only', 'fedavgm')  # run once, at epsilon = infinity
 
 
-def load_config(name: str, dataset: str):
-  path = os.path.join(REPO, 'configs', name)
-  spec = importlib.util.spec_from_file_location(name[:-3], path)
+def load_config(arg: str):
+  path = os.path.join(REPO, 'configs', CONFIG)
+  spec = importlib.util.spec_from_file_location(CONFIG[:-3], path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config(dataset)
+  return module.get_config(arg)
 
 
 def noise_field(config) -> str:
@@ -72,11 +72,11 @@ def calibrate(config, target: float) -> float:
 
 def run_one(dataset: str, method: str, target: float | None, root: str):
   from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
-  name = METHODS[method][0]
-  config = load_config(name, dataset)
+  arg = f'{dataset},{METHODS[method][0]}'
+  config = load_config(arg)
   tag = 'inf' if target is None else f'{target:g}'
   workdir = os.path.join(root, dataset, method, f'eps{tag}')
-  command = f'fedjx-run --config=configs/{name}:{dataset}'
+  command = f'fedjx-run --config=configs/{CONFIG}:{arg}'
   z = None
   if method == 'clip_only':  # the clipping's own effect: not private
     z = 0.0
