@@ -18,7 +18,8 @@ clients (which the privacy analysis treats as public).
 
 :func:`dp_epsilon` composes ``R`` such rounds with Poisson sampling rate
 ``q`` through the ``dp_accounting`` package (RDP or PLD accountant) and
-returns epsilon at the given delta.
+returns epsilon at the given delta; :mod:`fedjx.algorithms.accounting`
+accounts for the other samplings and mechanisms (``docs/privacy.md``).
 
 DP-FedAvg is FedAvg with the DP aggregator
 :func:`fedjx.algorithms.aggregators.gaussian`; any other algorithm takes the
@@ -36,7 +37,9 @@ from fedjx.algorithms.fedavg import without
 from fedjx.algorithms.aggregators import clip_update  # pylint: disable=unused-import
 from fedjx.algorithms.aggregators import safe_global_norm  # pylint: disable=unused-import
 
-ACCOUNTANTS = ('rdp', 'pld')
+# dp_epsilon lives in fedjx.algorithms.accounting; this import path stays.
+from fedjx.algorithms.accounting import ACCOUNTANTS  # pylint: disable=unused-import
+from fedjx.algorithms.accounting import dp_epsilon  # pylint: disable=unused-import
 
 # fedavg's options but those DP-FedAvg sets: its aggregator (which weights
 # every client 1) and no client transform.
@@ -70,37 +73,3 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
   return fedavg_build(name, loss_fn, dict(
       base.take_options(name, options, OPTIONS), aggregator=aggregator,
       client_transform=None, weighting='uniform'))
-
-
-def dp_epsilon(noise_multiplier: float, sampling_rate: float, num_rounds: int,
-               delta: float, accountant: str = 'rdp') -> float:
-  """Epsilon of ``num_rounds`` DP-FedAvg rounds at ``delta`` (user level).
-
-  Each round is a Gaussian mechanism with noise multiplier ``z`` on a cohort
-  Poisson-sampled with probability ``q``; ``R`` rounds compose. Computed with
-  ``dp_accounting``'s RDP accountant (``'rdp'``) or privacy-loss-distribution
-  accountant (``'pld'``).
-
-  Args:
-    noise_multiplier: ``z`` > 0.
-    sampling_rate: ``q`` in ``(0, 1]``.
-    num_rounds: ``R`` >= 0.
-    delta: target delta in ``(0, 1)``.
-    accountant: ``'rdp'`` or ``'pld'``.
-  """
-  fn = 'dp_epsilon'
-  base.check_number(fn, 'noise_multiplier', noise_multiplier, strict=True)
-  base.check_number(fn, 'sampling_rate', sampling_rate, strict=True, high=1.0)
-  if isinstance(num_rounds, bool) or not isinstance(num_rounds, int) or num_rounds < 0:
-    raise ValueError(f'{fn}: num_rounds={num_rounds!r} must be an int >= 0.')
-  base.check_number(fn, 'delta', delta, strict=True, high=1.0)
-  base.check_choice(fn, 'accountant', accountant, ACCOUNTANTS)
-  import dp_accounting  # pylint: disable=g-import-not-at-top
-  event = dp_accounting.SelfComposedDpEvent(
-      dp_accounting.PoissonSampledDpEvent(
-          sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)),
-      num_rounds)
-  acc = (dp_accounting.rdp.RdpAccountant() if accountant == 'rdp'
-         else dp_accounting.pld.PLDAccountant())
-  acc.compose(event)
-  return float(acc.get_epsilon(delta))

@@ -9,8 +9,11 @@ heavy-ball momentum 0.9 on it is the paper's DP-FTRLM:
 x_t = x_0 - lr V_t / D with V_t = 0.9 V_(t-1) + s_t. The tree restarts every
 10 rounds, one pass over the 500 clients (the paper restarts at epoch
 boundaries). The releases are Honaker's efficient estimates of the prefix
-sums (efficient=True: less noise, the same privacy). DP-FTRL needs no sampling: the guarantee holds for any rule that
-bounds how often one client takes part between restarts.
+sums (efficient=True: less noise, the same privacy). DP-FTRL needs no
+sampling: the guarantee holds for any rule that bounds how often one client
+takes part between restarts; here shuffled epochs
+(``sampling=dict(name='epochs')``) take each client at most once per epoch,
+so each tree holds a client at most once (``docs/privacy.md``).
 
 The privacy guarantee (epsilon at the configured delta, for the participation
 the run performs) is in the run's metrics; the noise and population here are
@@ -29,6 +32,7 @@ def get_config():
   config.eval_every = 10
   config.dataset = dict(name='digits', num_clients=500, alpha=0.5)
   config.model = dict(name='mlp', hidden=(128,))
+  config.sampling = dict(name='epochs')  # each client once per 10-round epoch
   config.algorithm = dict(
       name='fedavg',
       client_optimizer=optimizer('sgd', learning_rate=0.1),

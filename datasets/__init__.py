@@ -18,7 +18,10 @@ Building populations:
 * files: :func:`read_tff_hdf5` (TensorFlow Federated HDF5) and
   :func:`read_fedjax_sqlite` (FedJAX SQLite), with writers for both.
 
-Rounds: :class:`CohortSampler` picks clients per round from ``(seed, round)``;
+Rounds: :class:`CohortSampler` picks clients per round from ``(seed, round)``
+(uniformly without replacement; :class:`PoissonSampler` and
+:class:`EpochSampler` draw the cohorts that private training accounts for,
+see ``docs/privacy.md``);
 :func:`make_cohort` batches them into a :class:`Cohort` of ``[C, S, B, ...]``
 arrays with a mask, padded to power-of-two step buckets; :func:`place_cohort`
 shards it ``P('clients')`` on a mesh; :func:`cohort_iterator` does all three
@@ -71,6 +74,9 @@ from fedjx.datasets.partition import quantity_skew_sizes
 from fedjx.datasets.prefetch import Prefetcher
 from fedjx.datasets.prefetch import cohort_for_round
 from fedjx.datasets.prefetch import cohort_iterator
+from fedjx.datasets.sampling import EpochSampler
+from fedjx.datasets.sampling import PoissonSampler
+from fedjx.datasets.sampling import poisson_bucket
 from fedjx.datasets.summary import format_summary
 from fedjx.datasets.summary import summary
 from fedjx.datasets.synthetic import SyntheticDataset
@@ -85,6 +91,8 @@ __all__ = [
     'lognormal_durations',
     'Cohort',
     'CohortSampler',
+    'EpochSampler',
+    'PoissonSampler',
     'PADDING_CLIENT',
     'Sampler',
     'FederatedDataset',
@@ -110,6 +118,7 @@ __all__ = [
     'partition_quantity_skew',
     'place_cohort',
     'place_local_cohort',
+    'poisson_bucket',
     'cohort_steps',
     'local_client_slice',
     'quantity_skew_sizes',

@@ -23,6 +23,7 @@ SYNTHETIC_SIZES = 5
 SYNTHETIC_CLIENT = 6
 SYNTHETIC_GLOBAL = 7
 SUMMARY = 8
+EPOCH = 9  # shuffled-epoch cohorts (fedjx.datasets.sampling)
 
 
 def rng(purpose: int, *keys: int) -> np.random.Generator:

@@ -69,8 +69,22 @@ DEFAULTS: dict[str, Any] = {
     'coordinator_address': '',  # multi-process runs: 'host:port' of process 0
     'num_processes': None,
     'process_id': None,
+    # Who takes part in each round, and how a DP run is accounted: see
+    # SAMPLING_OPTIONS, PRIVACY_DEFAULTS and docs/privacy.md.
+    'sampling': {'name': 'uniform'},
+    'privacy': {'delta': None, 'accountant': 'rdp', 'target_epsilon': None},
 }
 REQUIRED = ('dataset', 'model', 'algorithm')
+# config.sampling: 'uniform' (cohort_size clients without replacement, the
+# default), 'poisson' (each client with probability rate, default
+# cohort_size / N; cohorts padded to a bucket of max_cohort_size, default
+# q N + 6 standard deviations) or 'epochs' (shuffled epochs: each client at
+# most once per epoch of N // cohort_size rounds). The options each allows:
+SAMPLING_OPTIONS = {'uniform': (), 'poisson': ('rate', 'max_cohort_size'),
+                    'epochs': ()}
+# config.privacy: delta (None: N^-1.1), accountant ('rdp' or 'pld') and a
+# budget target_epsilon at which the run stops (None: no budget).
+PRIVACY_DEFAULTS = {'delta': None, 'accountant': 'rdp', 'target_epsilon': None}
 # config.nonfinite: what a NaN/Inf does. 'skip': clients with a non-finite
 # update or weight are left out of the aggregate (builders get
 # skip_nonfinite=True) and the run stops only if the server parameters become
@@ -131,7 +145,60 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   if config.metrics_format not in METRICS_FORMATS:
     raise ConfigError(f'config.metrics_format={config.metrics_format!r} '
                                f'is not one of {METRICS_FORMATS}.')
+  _check_sampling_and_privacy(config)
   return config
+
+
+def _number(value: Any) -> bool:
+  return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def _as_dict(value: Any) -> Any:
+  return value.to_dict() if hasattr(value, 'to_dict') else value
+
+
+def _check_sampling_and_privacy(config: ml_collections.ConfigDict) -> None:
+  """Checks ``config.sampling`` and ``config.privacy``; fills privacy defaults."""
+  sampling = _as_dict(config.sampling)
+  if not isinstance(sampling, Mapping) or sampling.get('name') not in SAMPLING_OPTIONS:
+    name = sampling.get('name') if isinstance(sampling, Mapping) else sampling
+    raise ConfigError(f'config.sampling name={name!r} is not one of '
+                      f'{tuple(SAMPLING_OPTIONS)}.')
+  allowed = SAMPLING_OPTIONS[sampling['name']]
+  for key in sampling.keys():
+    if key != 'name' and key not in allowed:
+      raise ConfigError(f'config.sampling[{key!r}] is not an option of '
+                        f"{sampling['name']!r} sampling; it takes {allowed}.")
+  rate = sampling.get('rate')
+  if rate is not None and not (_number(rate) and 0 < rate <= 1):
+    raise ConfigError(f"config.sampling['rate']={rate!r}; it must be a number "
+                      'in (0, 1] or None (cohort_size / number of clients).')
+  bucket = sampling.get('max_cohort_size')
+  if bucket is not None and (isinstance(bucket, bool) or
+                             not isinstance(bucket, int) or bucket < 1):
+    raise ConfigError(f"config.sampling['max_cohort_size']={bucket!r}; it must "
+                      'be an int >= 1 or None (q N + 6 standard deviations).')
+  privacy = _as_dict(config.privacy)
+  if not isinstance(privacy, Mapping):
+    raise ConfigError(f'config.privacy={privacy!r}; it must be a dict with '
+                      f'keys {sorted(PRIVACY_DEFAULTS)}.')
+  for key in privacy.keys():
+    if key not in PRIVACY_DEFAULTS:
+      raise ConfigError(f'config.privacy[{key!r}] is unknown.'
+                        f'{suggest(key, PRIVACY_DEFAULTS)} Valid keys: '
+                        f'{sorted(PRIVACY_DEFAULTS)}.')
+  with config.unlocked():
+    config.privacy = dict(PRIVACY_DEFAULTS, **privacy)
+  delta, target = config.privacy.delta, config.privacy.target_epsilon
+  if delta is not None and not (_number(delta) and 0 < delta < 1):
+    raise ConfigError(f'config.privacy.delta={delta!r}; it must be a number in '
+                      '(0, 1) or None (N^-1.1 for N clients).')
+  if config.privacy.accountant not in ('rdp', 'pld'):
+    raise ConfigError(f'config.privacy.accountant={config.privacy.accountant!r}'
+                      " is not one of ('rdp', 'pld').")
+  if target is not None and not (_number(target) and target > 0):
+    raise ConfigError(f'config.privacy.target_epsilon={target!r}; it must be a '
+                      'number > 0 or None (no budget).')
 
 
 def validate(config: Any) -> ml_collections.ConfigDict:

@@ -51,6 +51,7 @@ from fedjx import models
 from fedjx.experiments import checkpointing
 from fedjx.experiments import evaluation
 from fedjx.experiments import metrics_writers
+from fedjx.experiments import privacy as privacy_lib
 from fedjx.experiments import registry
 # The config schema lives in fedjx.experiments.config; these names stay
 # importable from the runner, where they were documented first.
@@ -111,6 +112,9 @@ class Experiment:
   evaluate: Callable[[Any], dict[str, float]] | None
   # The simulated schedule of an asynchronous algorithm (else None).
   scheduler: datasets.AsyncScheduler | None = None
+  # config.sampling's sampler (None: uniform) and the DP accounting plan.
+  sampler: Any = None
+  privacy: privacy_lib.Plan | None = None
 
   def cohorts(self, start: int, stop: int) -> Iterator[Any]:
     """Placed cohorts of rounds ``start .. stop - 1`` (prefetched)."""
@@ -125,7 +129,7 @@ class Experiment:
         self.data.train, c.cohort_size, c.batch_size, seed=c.seed,
         start_round=start, num_rounds=stop - start, num_epochs=c.local_epochs,
         num_steps=c.local_steps, max_steps=c.max_local_steps,
-        bucket=c.bucket_steps, prefetch=c.prefetch)
+        bucket=c.bucket_steps, prefetch=c.prefetch, sampler=self.sampler)
 
   def round_key_for(self, r: int) -> jax.Array:
     key = jax.random.fold_in(self.round_key, r)
@@ -164,6 +168,15 @@ def build(config: Any) -> Experiment:
         f'config.cohort_size={config.cohort_size} is larger than the training '
         f'population of {data.train.num_clients} clients; it must be at most '
         f'{data.train.num_clients}.')
+  plan = privacy_lib.plan(config, data.train.num_clients)
+  sampler = privacy_lib.make_sampler(config, data.train)
+  scheduler = async_scheduler(config, data.train.num_clients)
+  if scheduler is not None and (plan is not None or sampler is not None):
+    raise registry.ConfigError(
+        f'config.algorithm.name={config.algorithm.name!r} is asynchronous: its '
+        'clients come from its schedule, so config.sampling and differential '
+        "privacy's accounting do not apply; leave config.sampling uniform and "
+        'use a synchronous algorithm for a DP run.')
   algorithm = build_algorithm(config, model, data.train.num_clients)
   init_key, round_key = jax.random.split(jax.random.key(config.seed))
   params = model.init(init_key, _sample_batch(config, data))
@@ -171,7 +184,7 @@ def build(config: Any) -> Experiment:
   evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size)
               if examples is not None else None)
   return Experiment(config, data, model, algorithm, params, round_key, evaluate,
-                    async_scheduler(config, data.train.num_clients))
+                    scheduler=scheduler, sampler=sampler, privacy=plan)
 
 
 def async_scheduler(config: ml_collections.ConfigDict,
@@ -386,6 +399,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
     writer.write(step, row)
     history.append({'round': step, **row})
 
+  plan = exp.privacy
+  # The last round to run: config.rounds, or the last within the budget.
+  stop = config.rounds if plan is None else plan.stop_round()
+  if plan is not None and lead:
+    privacy_lib.write_statement(workdir, plan, stop)
+    log(f'fedjx: privacy: {plan.summary(stop)}.')
+
   interrupted = False
   step = start
   saved = start if restored is not None else None  # the last good checkpoint
@@ -396,12 +416,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
     with StopFlag().installed() as sigint:
       if start == 0 and exp.evaluate is not None:
         emit(0, exp.evaluate(state.params))
-      if start < config.rounds:
-        cohorts = exp.cohorts(start, config.rounds)
+      if start < stop:
+        cohorts = exp.cohorts(start, stop)
         run_round = execution_lib.round_runner(exp.algorithm, config.execution,
                                                config.chunk_size, log)
         try:
-          for r, cohort in zip(range(start, config.rounds), cohorts):
+          for r, cohort in zip(range(start, stop), cohorts):
             state, metrics = run_round(state, cohort, exp.round_key_for(r))
             # Dispatched behind the round; fetched below with its metrics.
             flag = None if config.nonfinite == 'off' else _all_finite(state.params)
@@ -414,8 +434,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
               row['simulated_time'] = exp.scheduler.step(r).time
             finite = flag is None or bool(distributed.to_host(flag))
             if exp.evaluate is not None and finite and (
-                step % config.eval_every == 0 or step == config.rounds):
+                step % config.eval_every == 0 or step in (config.rounds, stop)):
               row.update(exp.evaluate(state.params))
+            if plan is not None and (plan.accountant == 'rdp' or step == stop
+                                     or step % config.eval_every == 0):
+              row['epsilon'] = plan.epsilon(step)  # PLD: at evaluations only
             emit(step, row)
             bad = row.get('nonfinite_clients', 0)
             if not finite or bad > 0 and (config.nonfinite == 'stop' or
@@ -429,17 +452,21 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
             bar.set_postfix({k: f'{v:.4f}' for k, v in postfix.items()
                              if v is not None}, refresh=False)
             bar.update(1)
-            if step % config.checkpoint_every == 0 or step == config.rounds:
+            if step % config.checkpoint_every == 0 or step in (config.rounds, stop):
               writer.flush()
               ckpt.save(step, state, meta(step))
               saved, pending = step, True
             for hook in hooks:
               hook(step, state, row)
             if sigint.raised:
-              interrupted = step < config.rounds
+              interrupted = step < stop
               break
         finally:
           cohorts.close()
+      if stop < config.rounds and step == stop and not interrupted:
+        log(privacy_lib.budget_message(plan, stop))
+      if plan is not None and lead and step != stop:
+        privacy_lib.write_statement(workdir, plan, step)  # interrupted early
       if interrupted:
         writer.flush()
         ckpt.save(step, state, meta(step), force=True)
@@ -499,7 +526,7 @@ def _check_same_experiment(saved: Mapping[str, Any], current: Mapping[str, Any],
   a, b = _flatten(saved), _flatten(current)
   # Fields added to the runner after the checkpoint was written compare equal
   # when the current config leaves them at their default.
-  defaults = {k: v for k, v in DEFAULTS.items() if k not in a}
+  defaults = {k: v for k, v in _flatten(DEFAULTS).items() if k not in a}
   diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
                 and not (k in defaults and b.get(k) == defaults[k]))
   if diff:

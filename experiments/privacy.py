@@ -1,0 +1,262 @@
+"""The privacy side of a run: its sampler, its accounting and its statement.
+
+A config's ``sampling`` field chooses how each round's cohort is drawn and
+its ``privacy`` field how the run is accounted (``docs/privacy.md``)::
+
+  config.sampling = dict(name='poisson')    # or 'uniform' (default), 'epochs'
+  config.privacy = dict(delta=None, accountant='rdp', target_epsilon=8.0)
+
+:func:`plan` reads the DP mechanism from ``config.algorithm`` (``dp_fedavg``,
+or an ``aggregator`` named ``gaussian``, ``adaptive_gaussian`` or
+``tree_gaussian``), checks that ``fedjx.algorithms.accounting`` can account
+for it under the configured sampling (one-line :class:`ConfigError`
+otherwise) and gives a :class:`Plan`: the epsilon after each round, the last
+round within ``target_epsilon`` and the privacy statement the runner writes
+to ``workdir/privacy.json``. :func:`make_sampler` builds the sampler the
+accounting assumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fedjx.experiments.config import ConfigError
+
+# Aggregators that add DP noise, and the accounting mechanism of each.
+DP_AGGREGATORS = {'gaussian': 'gaussian', 'adaptive_gaussian': 'gaussian',
+                  'tree_gaussian': 'tree'}
+# Relative slack allowed between a fixed denominator and q N.
+DENOMINATOR_RTOL = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanism:
+  """The DP mechanism a config's algorithm uses."""
+
+  aggregator: str                  # 'gaussian', 'adaptive_gaussian', ...
+  mechanism: str                   # accounting.MECHANISMS
+  noise_multiplier: float
+  expected_clients_per_round: float | None
+  restart_every: int | None
+
+
+def _default(fn: Any, name: str, fallback: Any) -> Any:
+  try:
+    p = inspect.signature(fn).parameters.get(name)
+  except (TypeError, ValueError):
+    return fallback
+  return fallback if p is None or p.default is inspect.Parameter.empty else p.default
+
+
+def _accounting():
+  # Imported when used: fedjx.algorithms is heavy, and the config schema
+  # (fedjx.experiments.config) must stay light.
+  from fedjx.algorithms import accounting  # pylint: disable=g-import-not-at-top
+  return accounting
+
+
+def _as_dict(value: Any) -> Any:
+  return value.to_dict() if hasattr(value, 'to_dict') else (
+      dict(value) if isinstance(value, Mapping) else value)
+
+
+def mechanism_of(algorithm: Mapping[str, Any]) -> Mechanism | None:
+  """The DP mechanism of ``config.algorithm``, or None when it adds no DP noise."""
+  from fedjx.algorithms import aggregators  # pylint: disable=g-import-not-at-top
+  algorithm = _as_dict(algorithm)
+  if algorithm.get('name') == 'dp_fedavg':
+    module = importlib.import_module('fedjx.algorithms.dp_fedavg')
+    fn, spec, name = module.dp_fedavg, algorithm, 'gaussian'
+  else:
+    spec = _as_dict(algorithm.get('aggregator'))
+    if not isinstance(spec, Mapping) or spec.get('name') not in DP_AGGREGATORS:
+      return None
+    name = spec['name']
+    fn = aggregators.AGGREGATORS.get(name)
+  z = spec.get('noise_multiplier', _default(fn, 'noise_multiplier', 1.0))
+  d = spec.get('expected_clients_per_round',
+               _default(fn, 'expected_clients_per_round', None))
+  return Mechanism(name, DP_AGGREGATORS[name], float(z),
+                   None if d is None else float(d),
+                   spec.get('restart_every', _default(fn, 'restart_every', None)))
+
+
+def sampling_of(config: Any, population: int) -> accounting.Sampling:
+  """The :class:`accounting.Sampling` of ``config.sampling`` over ``population``."""
+  spec = _as_dict(config.sampling)
+  name = spec.get('name', 'uniform')
+  if name == 'poisson':
+    rate = spec.get('rate')
+    rate = config.cohort_size / population if rate is None else float(rate)
+    return _accounting().Sampling.poisson(population, rate)
+  return _accounting().Sampling(name, population, int(config.cohort_size))
+
+
+def make_sampler(config: Any, dataset: Any):
+  """The sampler of ``config.sampling`` over ``dataset`` (or a client count),
+  or None for the default uniform one."""
+  from fedjx.datasets import sampling as samplers  # pylint: disable=g-import-not-at-top
+  spec = _as_dict(config.sampling)
+  name = spec.get('name', 'uniform')
+  if name == 'uniform':
+    return None  # cohort_iterator's CohortSampler: today's behaviour.
+  if name == 'epochs':
+    return samplers.EpochSampler(dataset, config.cohort_size, config.seed)
+  s = sampling_of(config, getattr(dataset, 'num_clients', dataset))
+  try:
+    return samplers.PoissonSampler(dataset, s.rate, config.seed,
+                                   spec.get('max_cohort_size'))
+  except ValueError as e:
+    raise ConfigError(f'config.sampling: {e}') from None
+
+
+@dataclasses.dataclass
+class Plan:
+  """How a DP run is accounted: its mechanism, sampling, delta and epsilons.
+
+  Attributes:
+    mechanism: the algorithm's :class:`Mechanism`.
+    sampling: the cohorts' :class:`accounting.Sampling`.
+    delta: the delta at which epsilon is reported.
+    accountant: ``'rdp'`` or ``'pld'``.
+    target_epsilon: the budget, or None.
+    rounds: the rounds the config asks for.
+  """
+
+  mechanism: Mechanism
+  sampling: accounting.Sampling
+  delta: float
+  accountant: str
+  target_epsilon: float | None
+  rounds: int
+  _curve: np.ndarray | None = None
+
+  def _kwargs(self) -> dict[str, Any]:
+    return dict(sampling=self.sampling, mechanism=self.mechanism.mechanism,
+                restart_every=self.mechanism.restart_every)
+
+  def epsilon(self, rounds: int) -> float:
+    """Epsilon at :attr:`delta` after ``rounds`` rounds (cumulative)."""
+    if rounds == 0:
+      return 0.0
+    if self.accountant == 'rdp':
+      if self._curve is None:  # Every round's epsilon, computed once.
+        self._curve = _accounting().epsilons(
+            self.mechanism.noise_multiplier, self.rounds, self.delta,
+            **self._kwargs())
+      if rounds <= len(self._curve):
+        return float(self._curve[rounds - 1])
+    return _accounting().epsilon(self.mechanism.noise_multiplier, rounds,
+                              self.delta, accountant=self.accountant,
+                              **self._kwargs())
+
+  def stop_round(self) -> int:
+    """The last round to run: :attr:`rounds`, or the last within the budget."""
+    if self.target_epsilon is None or self.epsilon(self.rounds) <= self.target_epsilon:
+      return self.rounds
+    lo, hi = 0, self.rounds  # epsilon(lo) <= target < epsilon(hi)
+    while hi - lo > 1:
+      mid = (lo + hi) // 2
+      if self.epsilon(mid) <= self.target_epsilon:
+        lo = mid
+      else:
+        hi = mid
+    return lo
+
+  def statement(self, rounds: int) -> dict[str, Any]:
+    """The privacy statement after ``rounds`` rounds (``workdir/privacy.json``)."""
+    m = self.mechanism
+    out = _accounting().statement(
+        mechanism=m.mechanism, aggregator=m.aggregator,
+        noise_multiplier=m.noise_multiplier, sampling=self.sampling,
+        rounds=rounds, delta=self.delta, accountant=self.accountant,
+        restart_every=m.restart_every, epsilon_value=self.epsilon(rounds))
+    out['target_epsilon'] = self.target_epsilon
+    out['expected_clients_per_round'] = m.expected_clients_per_round
+    return out
+
+  def summary(self, rounds: int) -> str:
+    """One line: the guarantee after ``rounds`` rounds."""
+    eps = self.epsilon(rounds)
+    return (f'({eps:.4g}, {self.delta:.3g})-DP for each user after {rounds} '
+            f'rounds: {self.mechanism.aggregator} with noise multiplier '
+            f'{self.mechanism.noise_multiplier:g}, '
+            f'{self.sampling.describe()}, {self.accountant} accountant')
+
+
+def default_delta(population: int) -> float:
+  """``N^-1.1``, below ``1 / N`` (McMahan et al. 2018, Section 3)."""
+  return float(population) ** -1.1
+
+
+def plan(config: Any, population: int) -> Plan | None:
+  """The accounting of a (defaults-filled) config, or None when it is not DP.
+
+  Raises :class:`ConfigError` (one line) when the combination cannot be
+  accounted correctly: tree aggregation without a participation bound,
+  an accountant that does not model the sampling, a fixed denominator that
+  is not the sampler's expected cohort, or a privacy budget on an algorithm
+  that adds no noise.
+  """
+  mech = mechanism_of(config.algorithm)
+  privacy = _as_dict(config.privacy)
+  if mech is None:
+    if privacy.get('target_epsilon') is not None:
+      raise ConfigError(
+          f'config.privacy.target_epsilon={privacy["target_epsilon"]!r} but '
+          f'algorithm {config.algorithm.name!r} adds no DP noise; use '
+          "dp_fedavg or an aggregator in "
+          f'{sorted(DP_AGGREGATORS)}.')
+    return None
+  sampling = sampling_of(config, population)
+  accountant = privacy.get('accountant', 'rdp')
+  try:
+    _accounting().check_supported(mech.mechanism, sampling, accountant,
+                               config.rounds, mech.restart_every,
+                               fn='config')
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  d, expected = mech.expected_clients_per_round, sampling.cohort_size
+  if sampling.name == 'poisson' and d is None:
+    raise ConfigError(
+        f'config: {mech.aggregator} with Poisson sampling divides by the '
+        'number of participating clients, which is private and not '
+        f'accounted; set expected_clients_per_round={expected:g} (q N).')
+  if d is not None and abs(d - expected) > DENOMINATOR_RTOL * expected:
+    raise ConfigError(
+        f'config: expected_clients_per_round={d:g} is not the expected cohort '
+        f'{expected:g} of {sampling.name!r} sampling (cohort_size / rate); '
+        'set it to that or None.')
+  delta = privacy.get('delta')
+  delta = default_delta(population) if delta is None else float(delta)
+  target = privacy.get('target_epsilon')
+  return Plan(mech, sampling, delta, accountant,
+              None if target is None else float(target), int(config.rounds))
+
+
+def write_statement(workdir: str, p: Plan, rounds: int) -> dict[str, Any]:
+  """Writes ``workdir/privacy.json`` for ``rounds`` completed rounds."""
+  from fedjx.experiments import metrics_writers  # pylint: disable=g-import-not-at-top
+  out = p.statement(rounds)
+  text = json.dumps(out, indent=2, sort_keys=True,
+                    default=lambda v: None if v is None else str(v))
+  metrics_writers.write_atomically(os.path.join(workdir, 'privacy.json'),
+                                   text.replace('Infinity', '"inf"') + '\n')
+  return out
+
+
+def budget_message(p: Plan, stop: int) -> str:
+  """The line the runner prints when ``target_epsilon`` ends the run early."""
+  nxt = p.epsilon(stop + 1)
+  return (f'fedjx: privacy budget target_epsilon={p.target_epsilon:g} (delta='
+          f'{p.delta:.3g}) reached: round {stop + 1} would bring epsilon to '
+          f'{nxt:.4g}; stopped after round {stop} (epsilon '
+          f'{p.epsilon(stop):.4g}).')
