@@ -24,6 +24,10 @@ arrays with a mask, padded to power-of-two step buckets; :func:`place_cohort`
 shards it ``P('clients')`` on a mesh; :func:`cohort_iterator` does all three
 for consecutive rounds with background prefetch.
 
+Interpreters: :func:`beam_client_data` and :func:`streaming_clients` give a
+dataset's clients to Beam (``fedjx.beam.run``) and to streaming
+(``fedjx.streaming.run``), batched where they are read.
+
 Labels: :func:`check_labels` makes a label outside ``[0, num_classes)`` a
 one-line error when the data is read.
 
@@ -48,6 +52,9 @@ from fedjx.datasets.evaluation import split_examples
 from fedjx.datasets.federated import FederatedDataset
 from fedjx.datasets.federated import IndexedDataset
 from fedjx.datasets.federated import from_arrays
+from fedjx.datasets.interpreter_clients import CohortLoader
+from fedjx.datasets.interpreter_clients import beam_client_data
+from fedjx.datasets.interpreter_clients import streaming_clients
 from fedjx.datasets.files import read_fedjax_sqlite
 from fedjx.datasets.files import read_tff_hdf5
 from fedjx.datasets.files import write_fedjax_sqlite
@@ -72,6 +79,7 @@ from fedjx.datasets.tfds_source import from_tfds
 
 __all__ = [
     'Cohort',
+    'CohortLoader',
     'CohortSampler',
     'FederatedDataset',
     'IndexedDataset',
@@ -79,6 +87,7 @@ __all__ = [
     'Prefetcher',
     'SyntheticDataset',
     'TextCorpus',
+    'beam_client_data',
     'bucket_steps',
     'check_labels',
     'cohort_for_round',
@@ -103,6 +112,7 @@ __all__ = [
     'read_tff_hdf5',
     'split_clients',
     'split_examples',
+    'streaming_clients',
     'summary',
     'synthetic',
     'text_corpus',

@@ -2,7 +2,7 @@
 
 A program written with the fedjx primitives is a MapReduce program, so a batch
 system can run it (the third promise of DrJAX, arXiv 2403.07128). This module
-traces the program (:mod:`fedjx.plan`) and builds a Beam pipeline from it:
+traces the program (:mod:`fedjx.interpreters.plan`) and builds a Beam pipeline from it:
 
 * client work (the per-client body of ``map_fn``) runs as a ``ParDo`` over a
   ``PCollection`` of clients; each element is ``(index, {value id: array})``,
@@ -17,7 +17,7 @@ traces the program (:mod:`fedjx.plan`) and builds a Beam pipeline from it:
 Every JAX computation is shipped to workers serialised with ``jax.export``
 (StableHLO), not pickled as Python. Client data is read *inside* the pipeline by
 :class:`ClientData`'s loader, so a cohort never has to fit in the driver's
-memory.
+memory (``fedjx.datasets.beam_client_data`` makes one from a dataset).
 
 The DirectRunner (in-process) is the default. The same pipeline runs on
 Dataflow, Flink or Spark by passing ``pipeline_options`` (for example
@@ -37,6 +37,7 @@ import dataclasses
 import io
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,7 +47,9 @@ import numpy as np
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from fedjx import plan as plan_lib
+from fedjx.interpreters import plan as plan_lib
+
+__all__ = ['ClientData', 'StableReduce', 'run']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,36 +90,16 @@ class ClientData:
   def from_dataset(cls, dataset: Any, client_ids: Sequence[int], batch_size: int,
                    num_steps: int, *, shuffle_seed: int = 0,
                    round_num: int = 0) -> 'ClientData':
-    """Clients of a ``fedjx.datasets`` dataset, batched on the workers.
+    """Deprecated: ``fedjx.datasets.beam_client_data`` (same arguments).
 
-    Each worker calls ``fedjx.datasets.make_cohort`` for its own client, so
-    client data is read inside the pipeline. ``num_steps`` fixes the shape
-    every client is batched to (no bucketing).
+    The interpreters do not depend on the dataset layer above them.
     """
-    loader = _DatasetLoader(dataset, batch_size, num_steps, shuffle_seed, round_num)
-    first = loader(client_ids[0])
-    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
-                        first)
-    return cls(list(client_ids), loader, spec)
-
-
-class _DatasetLoader:
-  """``load(client_id)``: one client's slice of a cohort, built where it runs."""
-
-  def __init__(self, dataset, batch_size, num_steps, shuffle_seed, round_num):
-    self.dataset = dataset
-    self.batch_size = batch_size
-    self.num_steps = num_steps
-    self.shuffle_seed = shuffle_seed
-    self.round_num = round_num
-
-  def __call__(self, client_id):
-    from fedjx import datasets  # The dataset layer sits above fedjx.
-    cohort = datasets.make_cohort(
-        self.dataset, np.asarray([client_id], np.int32), self.batch_size,
-        num_steps=self.num_steps, shuffle_seed=self.shuffle_seed,
-        round_num=self.round_num, bucket=False)
-    return jax.tree.map(lambda a: np.asarray(a)[0], cohort)
+    warnings.warn('fedjx.beam.ClientData.from_dataset is deprecated; use '
+                  'fedjx.datasets.beam_client_data (same arguments).',
+                  DeprecationWarning, stacklevel=2)
+    from fedjx import datasets  # pylint: disable=g-import-not-at-top  # The deprecated path only.
+    return datasets.beam_client_data(dataset, client_ids, batch_size, num_steps,
+                                     shuffle_seed=shuffle_seed, round_num=round_num)
 
 
 class _IndexLoader:
@@ -363,43 +346,34 @@ def run(fn: Callable[..., Any], *args: Any,
   client_positions = [k for k, a in enumerate(args) if isinstance(a, ClientData)]
   trace_args = [a.placed_spec() if isinstance(a, ClientData) else a for a in args]
   plan = plan_lib.trace_plan_with_clients(fn, trace_args, client_positions)
-  sources = [a for a in args if isinstance(a, ClientData)]
-  for source in sources:
+  sources = [(args[k], plan.arg_ids[k]) for k in plan.client_args]
+  for source, _ in sources:
     if len(source.client_ids) != plan.num_clients:
       raise ValueError(
           f'fedjx.beam.run: ClientData has {len(source.client_ids)} clients but '
           f'the program places {plan.num_clients}.')
   server_inputs = {i: plan_lib.to_host(v) for i, v in plan.consts.items()}
-  leaf_ids_by_source = []
-  position = 0
-  for arg, traced in zip(args, trace_args):
-    n_leaves = len(jax.tree.leaves(traced))
-    ids = plan.in_ids[position:position + n_leaves]
-    if isinstance(arg, ClientData):
-      leaf_ids_by_source.append(ids)
-    else:
-      server_inputs.update(zip(ids, (plan_lib.to_host(x) for x in jax.tree.leaves(arg))))
-    position += n_leaves
+  for k, arg in enumerate(args):
+    if k not in plan.client_args:
+      server_inputs.update(zip(plan.arg_ids[k],
+                               (plan_lib.to_host(x) for x in jax.tree.leaves(arg))))
 
   output_dir = output_dir or tempfile.mkdtemp(prefix='fedjx_beam_')
   options = pipeline_options or PipelineOptions(runner='DirectRunner')
-  kinds = dict(plan.kinds)
+  kinds = plan.kinds
+  source_of = plan.source
   n = plan.num_clients
   with beam.Pipeline(options=options) as pipeline:
     inputs = pipeline | 'server_inputs' >> beam.Create([server_inputs])
     # Each server value lives in a singleton dict {id: array}; `home` says which.
     home: dict[Any, Any] = {i: inputs for i in server_inputs}
-    broadcast_source: dict[int, int] = {}
-
-    def source_of(i):
-      return broadcast_source.get(i, i)
 
     def side(ids):
       pcolls = list({id(home[source_of(i)]): home[source_of(i)] for i in ids}.values())
       return [beam.pvalue.AsSingleton(p) for p in pcolls]
 
     parts = []
-    for k, (source, ids) in enumerate(zip(sources, leaf_ids_by_source)):
+    for k, (source, ids) in enumerate(sources):
       pairs = list(enumerate(source.client_ids))
       parts.append(pipeline | f'client_ids{k}' >> beam.Create(pairs)
                    | f'load{k}' >> beam.ParDo(_LoadClient(source.load, ids)))
@@ -412,7 +386,6 @@ def run(fn: Callable[..., Any], *args: Any,
       table = (parts | 'flatten' >> beam.Flatten() | 'by_client' >> beam.GroupByKey()
                | 'merge' >> beam.Map(_merge))
 
-    keep_after = _client_values_needed_after(plan)
     for s, step in enumerate(plan.steps):
       if isinstance(step, plan_lib.ServerStep):
         avals = [plan.avals[i] for i in step.in_ids]
@@ -423,8 +396,6 @@ def run(fn: Callable[..., Any], *args: Any,
                     *side(step.in_ids)))
         home.update({i: outs for i in step.out_ids})
       elif isinstance(step, plan_lib.BroadcastStep):
-        broadcast_source[step.out_id] = source_of(step.in_id)
-        kinds[step.out_id] = plan_lib.BROADCAST
         home[step.out_id] = home[source_of(step.in_id)]
       elif isinstance(step, plan_lib.MapStep):
         x_refs = [(kinds[i], source_of(i)) for i in step.x_ids]
@@ -434,7 +405,8 @@ def run(fn: Callable[..., Any], *args: Any,
         computation = _Computation(_export(step.function(), const_avals + x_avals))
         server_ids = list(step.const_ids) + [i for k, i in x_refs if k != plan_lib.CLIENT]
         table = table | f'client_work{s}' >> beam.ParDo(
-            _ClientWork(computation, step.const_ids, x_refs, step.out_ids, keep_after[s]),
+            _ClientWork(computation, step.const_ids, x_refs, step.out_ids,
+                        _client_values(plan, plan.live_after[s])),
             *side(server_ids))
       elif step.op == 'collect':
         # Per-client values to the server, stacked in client order.
@@ -445,9 +417,9 @@ def run(fn: Callable[..., Any], *args: Any,
                 lambda pairs, i=step.out_id, dtype=plan_lib.host_spec(
                     plan.avals[step.out_id]).dtype: {i: _stack(pairs, dtype)}))
       else:
-        refs = [(kinds[step.x_id], source_of(step.x_id)),
-                None if step.weight_id is None else
-                (kinds[step.weight_id], source_of(step.weight_id))]
+        refs = [(kinds[i], source_of(i)) for i in step.reads]
+        if step.weight_id is None:
+          refs.append(None)
         server_ids = [r[1] for r in refs if r is not None and r[0] != plan_lib.CLIENT]
         home[step.out_id] = (
             table | f'gather{s}' >> beam.ParDo(_Gather(refs), *side(server_ids))
@@ -474,15 +446,6 @@ def run(fn: Callable[..., Any], *args: Any,
   return jax.tree.unflatten(plan.out_tree, outs)
 
 
-def _client_values_needed_after(plan: plan_lib.Plan) -> dict[int, set[int]]:
-  """For each step index, the client values read by later steps or outputs."""
-  needed = {i for i in plan.out_ids if plan.kinds.get(i) == plan_lib.CLIENT}
-  after: dict[int, set[int]] = {}
-  for s in range(len(plan.steps) - 1, -1, -1):
-    after[s] = set(needed)
-    step = plan.steps[s]
-    if isinstance(step, plan_lib.MapStep):
-      needed = (needed - set(step.out_ids)) | set(step.x_ids)
-    elif isinstance(step, plan_lib.ReduceStep):
-      needed |= {step.x_id} | ({step.weight_id} if step.weight_id is not None else set())
-  return after
+def _client_values(plan: plan_lib.Plan, ids) -> set[int]:
+  """The client-held values among ``ids`` (what a client row keeps)."""
+  return {i for i in ids if plan.kinds.get(i) == plan_lib.CLIENT}

@@ -3,7 +3,7 @@
 Cross-device systems run client work on phones, aggregation in a (possibly
 secure) aggregation service, and server work in a data centre; they need
 these as separate, portable programs. :func:`split_round` traces a round
-written with the fedjx primitives (:mod:`fedjx.plan`) and returns one
+written with the fedjx primitives (:mod:`fedjx.interpreters.plan`) and returns one
 broadcast-map-aggregate-update stage, with aggregation a stage of its own as
 in TensorFlow Federated's MapReduceForm (``tff.backends.mapreduce``):
 
@@ -50,7 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjx import plan as plan_lib
+from fedjx.interpreters import plan as plan_lib
+
+__all__ = ['AGGREGATION_OPS', 'Aggregation', 'SplitProgram', 'SplitRound',
+           'Stage', 'aggregate', 'split_program', 'split_round']
 
 AGGREGATION_OPS = ('sum', 'mean', 'weighted_mean', 'collect')
 
@@ -228,41 +231,31 @@ def split_program(fn: Callable[..., Any], *args: Any,
       cohort); the others are server inputs.
   """
   plan = plan_lib.trace_plan_with_clients(fn, args, client_args)
-  client_leaf_ids, server_leaf_ids = [], []
-  position = 0
-  for k, arg in enumerate(args):
-    count = len(jax.tree.leaves(arg))
-    ids = plan.in_ids[position:position + count]
-    (client_leaf_ids if k in client_args else server_leaf_ids).extend(ids)
-    position += count
+  client_leaf_ids = list(plan.client_in_ids)
+  server_leaf_ids = list(plan.server_in_ids)
 
   # The stage of every value and step.
   level = {i: 0 for i in list(server_leaf_ids) + list(plan.consts) + client_leaf_ids}
   is_client = set(client_leaf_ids)
-  broadcast_source: dict[int, int] = {}
+  broadcast_source = plan.broadcast_sources
+  source = plan.source
   server_steps, client_steps, reductions = [], [], []
-
-  def source(i):
-    return broadcast_source.get(i, i)
 
   def level_of(ids):
     return max((level[source(i)] for i in ids), default=0)
 
   for step in plan.steps:
+    if isinstance(step, plan_lib.BroadcastStep):
+      continue  # A broadcast value is its source, at the source's stage.
+    k = level_of(step.reads)
     if isinstance(step, plan_lib.ServerStep):
-      k = level_of(step.in_ids)
       server_steps.append((k, step))
-      level.update({i: k for i in step.out_ids})
-    elif isinstance(step, plan_lib.BroadcastStep):
-      broadcast_source[step.out_id] = source(step.in_id)
+      level.update({i: k for i in step.writes})
     elif isinstance(step, plan_lib.MapStep):
-      k = level_of(list(step.const_ids) + list(step.x_ids))
       client_steps.append((k, step))
-      level.update({i: k for i in step.out_ids})
-      is_client.update(step.out_ids)
+      level.update({i: k for i in step.writes})
+      is_client.update(step.writes)
     else:
-      operands = [step.x_id] + ([step.weight_id] if step.weight_id is not None else [])
-      k = level_of(operands)
       reductions.append((k, step))
       level[step.out_id] = k + 1
   for i in plan.out_ids:
@@ -276,11 +269,9 @@ def split_program(fn: Callable[..., Any], *args: Any,
   # Who reads what, at which stage (``num_stages``: server_update).
   reads: list[tuple[int, int]] = []   # (stage, id)
   for k, step in server_steps:
-    reads += [(min(k, num_stages), i) for i in step.in_ids]
-  for k, step in client_steps:
-    reads += [(k, i) for i in list(step.const_ids) + list(step.x_ids)]
-  for k, step in reductions:
-    reads += [(k, i) for i in (step.x_id, step.weight_id) if i is not None]
+    reads += [(min(k, num_stages), i) for i in step.reads]
+  for k, step in client_steps + reductions:
+    reads += [(k, i) for i in step.reads]
   reads += [(num_stages, i) for i in plan.out_ids]
 
   def aggregates_of(k):
@@ -342,8 +333,8 @@ def split_program(fn: Callable[..., Any], *args: Any,
         needs(i)
     client_outputs = []
     for step in reduce_here:
-      for i in (step.x_id, step.weight_id):
-        if i is not None and i not in client_outputs:
+      for i in step.reads:
+        if i not in client_outputs:
           client_outputs.append(i)
           needs(i)
 

@@ -15,6 +15,15 @@ a :class:`Plan`: a list of steps that an interpreter outside JAX can run,
   or ``collect`` (the per-client values stacked on the server, for a gather
   or scatter of a server array at client-held indices, as in SCAFFOLD).
 
+Every step carries what it reads and writes (``reads``, ``writes``, and
+``placed_reads``: the values it reads one slice per client), set once when
+it is made; the plan carries which inputs the clients hold (``arg_ids``,
+``client_args``), which server value each broadcast value is
+(``broadcast_sources``) and which values are read after each step
+(``live_after``). The interpreters (:mod:`fedjx.interpreters.beam`,
+:mod:`fedjx.interpreters.export`, :mod:`fedjx.streaming` and
+:func:`evaluate`) read these instead of working them out again.
+
 Every value has an integer id. A value's *kind* says where it lives:
 ``'server'`` (an array on the server; it may still be used as a placed value
 whose leading axis indexes the clients, for example per-client random keys),
@@ -44,6 +53,14 @@ from jax.extend import core as jex_core
 from fedjx import placements as placements_lib
 from fedjx import primitives
 
+__all__ = [
+    'BROADCAST', 'BroadcastStep', 'CLIENT', 'MapStep', 'Plan', 'REDUCTIONS',
+    'MAP_NAME_PREFIX', 'ReduceStep', 'SERVER', 'ServerStep', 'Step', 'UnplaceableOperationError',
+    'accumulator_dtype', 'combine', 'evaluate', 'from_host', 'host_spec',
+    'is_key', 'on_host_values', 'to_host', 'trace_plan',
+    'trace_plan_with_clients', 'weighted_mean_result',
+]
+
 SERVER, BROADCAST, CLIENT = 'server', 'broadcast', 'client'
 REDUCTIONS = {
     primitives.reduce_sum_p: 'sum',
@@ -57,13 +74,44 @@ class UnplaceableOperationError(ValueError):
   """An operation mixes client values outside ``map_fn``."""
 
 
-@dataclasses.dataclass
+# What a step reads and writes, set once when the step is made: ``reads``
+# (every value it uses), ``writes`` (the values it defines) and
+# ``placed_reads`` (those it reads one slice per client). Every interpreter
+# and analysis (liveness, Beam, export's stages, streaming's passes) uses
+# these instead of working them out from the step's type.
+_ACCESS = dataclasses.field(init=False, repr=False)
+
+
+def _set_access(step, reads, writes, placed_reads=()) -> None:
+  object.__setattr__(step, 'reads', tuple(reads))
+  object.__setattr__(step, 'writes', tuple(writes))
+  object.__setattr__(step, 'placed_reads', tuple(placed_reads))
+
+
+def _as_tuples(step, *names) -> None:
+  for name in names:
+    object.__setattr__(step, name, tuple(getattr(step, name)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class ServerStep:
-  """Runs JAX equations on server values: ``outs = fn(*ins)``."""
-  eqns: list[Any]            # (eqn, in_ids, out_ids) triples, in order
-  in_ids: list[int]
-  out_ids: list[int]
+  """Runs JAX equations on server values: ``outs = fn(*ins)``.
+
+  ``in_ids`` are the values it reads that earlier steps (or the inputs)
+  define, ``out_ids`` those it defines that later steps or the outputs read,
+  ``consts`` the constants its equations use.
+  """
+  eqns: tuple[Any, ...]      # (eqn, in_ids, out_ids) triples, in order
+  in_ids: tuple[int, ...]
+  out_ids: tuple[int, ...]
   consts: dict[int, Any]
+  reads: tuple[int, ...] = _ACCESS
+  writes: tuple[int, ...] = _ACCESS
+  placed_reads: tuple[int, ...] = _ACCESS
+
+  def __post_init__(self):
+    _as_tuples(self, 'eqns', 'in_ids', 'out_ids')
+    _set_access(self, self.in_ids, self.out_ids)
 
   def function(self) -> Callable[..., tuple[Any, ...]]:
     eqns, in_ids, out_ids, consts = self.eqns, self.in_ids, self.out_ids, self.consts
@@ -77,49 +125,105 @@ class ServerStep:
     return run
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class BroadcastStep:
+  """The server value ``in_id``, seen by every client as ``out_id``."""
   in_id: int
   out_id: int
+  reads: tuple[int, ...] = _ACCESS
+  writes: tuple[int, ...] = _ACCESS
+  placed_reads: tuple[int, ...] = _ACCESS
+
+  def __post_init__(self):
+    _set_access(self, (self.in_id,), (self.out_id,))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class MapStep:
   """``outs_i = body(*consts, *[x[i] for x in xs])`` for each client ``i``."""
-  body: Any                  # ClosedJaxpr of one client's computation
-  const_ids: list[int]       # server values passed whole
-  x_ids: list[int]           # placed inputs (any kind)
-  out_ids: list[int]         # client values
-  lifted: bool = False       # an op lifted from outside map_fn (elementwise
-                             # on client values), not a map_fn body
+  body: Any                   # ClosedJaxpr of one client's computation
+  const_ids: tuple[int, ...]  # server values passed whole
+  x_ids: tuple[int, ...]      # placed inputs (any kind)
+  out_ids: tuple[int, ...]    # client values
+  lifted: bool = False        # an op lifted from outside map_fn (elementwise
+                              # on client values), not a map_fn body
+  reads: tuple[int, ...] = _ACCESS
+  writes: tuple[int, ...] = _ACCESS
+  placed_reads: tuple[int, ...] = _ACCESS
+
+  def __post_init__(self):
+    _as_tuples(self, 'const_ids', 'x_ids', 'out_ids')
+    _set_access(self, self.const_ids + self.x_ids, self.out_ids, self.x_ids)
 
   def function(self) -> Callable[..., Any]:
     return jex_core.jaxpr_as_fun(self.body)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class ReduceStep:
+  """``out = op_i x_i`` over the clients (``w_i``-weighted for a weighted mean)."""
   op: str                    # 'sum' | 'mean' | 'weighted_mean' | 'collect'
   x_id: int
   weight_id: int | None
   out_id: int
+  reads: tuple[int, ...] = _ACCESS
+  writes: tuple[int, ...] = _ACCESS
+  placed_reads: tuple[int, ...] = _ACCESS
+
+  def __post_init__(self):
+    operands = (self.x_id,) if self.weight_id is None else (self.x_id, self.weight_id)
+    _set_access(self, operands, (self.out_id,), operands)
 
 
 Step = ServerStep | BroadcastStep | MapStep | ReduceStep
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-  """A fedjx program as steps over ids (see the module docstring)."""
-  steps: list[Step]
-  in_ids: list[int]
-  out_ids: list[int]
+  """A fedjx program as steps over ids (see the module docstring).
+
+  Attributes:
+    steps: the steps, in an order that runs them.
+    in_ids: the flat inputs' ids, in order; ``arg_ids[k]`` are those of
+      positional argument ``k``, and the arguments at ``client_args`` are
+      held by the clients (``client_in_ids``; the others are
+      ``server_in_ids``).
+    out_ids, in_tree, out_tree: the flat outputs and the pytrees.
+    avals, kinds: every value's abstract value and kind.
+    consts: values known when tracing (literals, closed-over arrays).
+    broadcast_sources: for each broadcast value, the server value it is.
+    live_after: for each step index, the values that later steps or the
+      outputs read.
+    num_clients: the size of the placement.
+  """
+  steps: tuple[Step, ...]
+  in_ids: tuple[int, ...]
+  out_ids: tuple[int, ...]
   in_tree: Any
   out_tree: Any
   avals: dict[int, Any]
   kinds: dict[int, str]
   consts: dict[int, Any]
   num_clients: int
+  arg_ids: tuple[tuple[int, ...], ...] = ()
+  client_args: tuple[int, ...] = ()
+  broadcast_sources: dict[int, int] = dataclasses.field(default_factory=dict)
+  live_after: tuple[frozenset[int], ...] = ()
+
+  @property
+  def client_in_ids(self) -> tuple[int, ...]:
+    """The flat inputs the clients hold, in argument order."""
+    return tuple(i for k in self.client_args for i in self.arg_ids[k])
+
+  @property
+  def server_in_ids(self) -> tuple[int, ...]:
+    """The flat server inputs, in argument order."""
+    return tuple(i for k, ids in enumerate(self.arg_ids)
+                 if k not in self.client_args for i in ids)
+
+  def source(self, i: int) -> int:
+    """The server value a broadcast value ``i`` is (else ``i``)."""
+    return self.broadcast_sources.get(i, i)
 
 
 def _bind(eqn, invals, out_ids, env):
@@ -173,7 +277,8 @@ class _Builder:
 
   def flush(self):
     if self.server_block:
-      self.steps.append(ServerStep(self.server_block, [], [], {}))
+      # In and out ids are set by _liveness, once the whole program is seen.
+      self.steps.append(ServerStep(self.server_block, (), (), {}))
       self.server_block = []
 
   def server_eqn(self, eqn, in_ids):
@@ -509,29 +614,26 @@ class _BroadcastToEqn:
     return jnp.broadcast_to(x, (self.n,) + jnp.shape(x))
 
 
-def _liveness(plan: Plan) -> None:
-  """Sets each server block's inputs and the outputs used after it."""
-  needed = set(plan.out_ids)
-  for step in reversed(plan.steps):
+def _liveness(steps: Sequence[Step], consts: dict[int, Any],
+              out_ids: Sequence[int]) -> tuple[list[Step], list[frozenset[int]]]:
+  """The steps with each server block's inputs and the outputs used after it
+  set (blocks whose outputs nobody reads are dropped), and for each kept
+  step the values read after it."""
+  needed = set(out_ids)
+  kept, after = [], []
+  for step in reversed(steps):
     if isinstance(step, ServerStep):
       defined = {o for _, _, outs in step.eqns for o in outs}
-      step.out_ids = sorted(defined & needed)
-      used = set()
-      for _, ins, _ in step.eqns:
-        used.update(ins)
-      step.consts = {i: plan.consts[i] for i in used if i in plan.consts}
-      step.in_ids = sorted((used - defined) - set(step.consts))
-      needed = (needed - defined) | set(step.in_ids)
-    elif isinstance(step, BroadcastStep):
-      needed = (needed - {step.out_id}) | {step.in_id}
-    elif isinstance(step, MapStep):
-      needed = (needed - set(step.out_ids)) | set(step.const_ids) | set(step.x_ids)
-    else:
-      needed = (needed - {step.out_id}) | {step.x_id}
-      if step.weight_id is not None:
-        needed.add(step.weight_id)
-  plan.steps = [s for s in plan.steps
-                if not (isinstance(s, ServerStep) and not s.out_ids)]
+      used = {i for _, ins, _ in step.eqns for i in ins}
+      step_consts = {i: consts[i] for i in used if i in consts}
+      step = ServerStep(step.eqns, sorted((used - defined) - set(step_consts)),
+                        sorted(defined & needed), step_consts)
+      if not step.out_ids:
+        continue
+    kept.append(step)
+    after.append(frozenset(needed))
+    needed = (needed - set(step.writes)) | set(step.reads)
+  return kept[::-1], after[::-1]
 
 
 def trace_plan(fn: Callable[..., Any], *args: Any) -> Plan:
@@ -539,8 +641,8 @@ def trace_plan(fn: Callable[..., Any], *args: Any) -> Plan:
 
   Args:
     fn: a function that calls a ``fedjx.program`` (or is one).
-    *args: example arguments or ``jax.ShapeDtypeStruct`` pytrees; positional
-      arguments listed in ``placed`` below are taken as client values.
+    *args: example arguments or ``jax.ShapeDtypeStruct`` pytrees, all taken
+      as server values.
 
   Returns:
     The plan. Its inputs are all server values; use
@@ -558,9 +660,10 @@ def trace_plan_with_clients(fn: Callable[..., Any], args: Sequence[Any],
   with placements_lib.force_map_strategy('sequential'):
     closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
   flat_args, in_tree = jax.tree.flatten(tuple(args))
+  arg_leaves = [len(jax.tree.leaves(arg)) for arg in args]
   client_leaf = []
-  for position, arg in enumerate(args):
-    client_leaf += [position in client_args] * len(jax.tree.leaves(arg))
+  for position, count in enumerate(arg_leaves):
+    client_leaf += [position in client_args] * count
   builder = _Builder()
   in_ids = [builder.new_id(v.aval, CLIENT if is_client else SERVER)
             for v, is_client in zip(closed.jaxpr.invars, client_leaf)]
@@ -571,11 +674,17 @@ def trace_plan_with_clients(fn: Callable[..., Any], args: Sequence[Any],
   builder.flush()
   if builder.num_clients is None:
     raise ValueError('fedjx: the program has no placed values to interpret.')
-  plan = Plan(builder.steps, in_ids, out_ids, in_tree,
+  steps, live_after = _liveness(builder.steps, builder.consts, out_ids)
+  arg_ids, position = [], 0
+  for count in arg_leaves:
+    arg_ids.append(tuple(in_ids[position:position + count]))
+    position += count
+  return Plan(tuple(steps), tuple(in_ids), tuple(out_ids), in_tree,
               jax.tree.structure(out_shape), builder.avals, builder.kinds,
-              builder.consts, builder.num_clients)
-  _liveness(plan)
-  return plan
+              builder.consts, builder.num_clients, arg_ids=tuple(arg_ids),
+              client_args=tuple(sorted(set(client_args))),
+              broadcast_sources=dict(builder.broadcast_source),
+              live_after=tuple(live_after))
 
 
 def is_key(dtype) -> bool:
@@ -617,30 +726,27 @@ def evaluate(plan: Plan, *flat_args: Any) -> list[Any]:
   env: dict[int, Any] = dict(plan.consts)
   env.update(zip(plan.in_ids, flat_args))
   n = plan.num_clients
-  bcast: dict[int, int] = {}
+  bcast = plan.broadcast_sources
 
   def per_client(i, c):
-    if i in bcast:
-      return env[bcast[i]]
-    return env[i][c]
+    return env[bcast[i]] if i in bcast else env[i][c]
 
   for step in plan.steps:
     if isinstance(step, ServerStep):
       env.update(zip(step.out_ids, jax.jit(step.function())(
           *[env[i] for i in step.in_ids])))
-    elif isinstance(step, BroadcastStep):
-      bcast[step.out_id] = step.in_id
     elif isinstance(step, MapStep):
       body = jax.jit(step.function())
       outs = [body(*[env[i] for i in step.const_ids],
                    *[per_client(i, c) for i in step.x_ids]) for c in range(n)]
       for k, o in enumerate(step.out_ids):
         env[o] = jnp.stack([out[k] for out in outs])
-    else:
+    elif isinstance(step, ReduceStep):
       xs = [per_client(step.x_id, c) for c in range(n)]
       ws = ([per_client(step.weight_id, c) for c in range(n)]
             if step.weight_id is not None else None)
       env[step.out_id] = combine(step.op, xs, ws, plan.avals[step.out_id].dtype)
+    # A BroadcastStep computes nothing: its value is its source's.
   outs = []
   for i in plan.out_ids:
     outs.append(jnp.broadcast_to(env[bcast[i]], (n,) + jnp.shape(env[bcast[i]]))
