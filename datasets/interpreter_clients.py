@@ -85,8 +85,8 @@ def beam_client_data(dataset: Any, client_ids: Sequence[int], batch_size: int,
     A :class:`fedjx.interpreters.beam.ClientData` whose ``i``-th client is
     ``client_ids[i]``.
   """
-  from fedjx.interpreters import beam  # pylint: disable=g-import-not-at-top  # Optional extra.
   client_ids = _check('beam_client_data', client_ids, num_steps)
+  from fedjx.interpreters import beam  # pylint: disable=g-import-not-at-top  # Optional extra.
   load = _OneClient(CohortLoader(dataset, batch_size, num_steps, shuffle_seed,
                                  round_num))
   return beam.ClientData(client_ids, load, _spec(load(client_ids[0])))
@@ -104,8 +104,8 @@ def streaming_clients(dataset: Any, client_ids: Sequence[int], batch_size: int,
     A :class:`fedjx.streaming.Clients` whose ``i``-th client is
     ``client_ids[i]``.
   """
-  from fedjx import streaming  # pylint: disable=g-import-not-at-top
   client_ids = _check('streaming_clients', client_ids, num_steps)
+  from fedjx import streaming  # pylint: disable=g-import-not-at-top
   load = CohortLoader(dataset, batch_size, num_steps, shuffle_seed, round_num)
   first = jax.tree.map(lambda a: np.asarray(a)[0], load(client_ids[:1]))
   return streaming.Clients(client_ids, load, _spec(first))
