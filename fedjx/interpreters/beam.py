@@ -2,7 +2,8 @@
 
 A program written with the fedjx primitives is a MapReduce program, so a batch
 system can run it (the third promise of DrJAX, arXiv 2403.07128). This module
-traces the program (:mod:`fedjx.interpreters.plan`) and builds a Beam pipeline from it:
+traces the program into a plan (:mod:`fedjx.interpreters.plan`) and builds a
+Beam pipeline from it:
 
 * client work (the per-client body of ``map_fn``) runs as a ``ParDo`` over a
   ``PCollection`` of clients; each element is ``(index, {value id: array})``,
@@ -84,7 +85,6 @@ class ClientData:
     placed = jax.tree.map(plan_lib.to_host, placed)
     n = jax.tree.leaves(placed)[0].shape[0]
     return cls(list(range(n)), _IndexLoader(placed), spec)
-
 
   @classmethod
   def from_dataset(cls, dataset: Any, client_ids: Sequence[int], batch_size: int,

@@ -54,11 +54,11 @@ from fedjx import placements as placements_lib
 from fedjx import primitives
 
 __all__ = [
-    'BROADCAST', 'BroadcastStep', 'CLIENT', 'MapStep', 'Plan', 'REDUCTIONS',
-    'MAP_NAME_PREFIX', 'ReduceStep', 'SERVER', 'ServerStep', 'Step', 'UnplaceableOperationError',
-    'accumulator_dtype', 'combine', 'evaluate', 'from_host', 'host_spec',
-    'is_key', 'on_host_values', 'to_host', 'trace_plan',
-    'trace_plan_with_clients', 'weighted_mean_result',
+    'BROADCAST', 'BroadcastStep', 'CLIENT', 'MAP_NAME_PREFIX', 'MapStep',
+    'Plan', 'REDUCTIONS', 'ReduceStep', 'SERVER', 'ServerStep', 'Step',
+    'UnplaceableOperationError', 'accumulator_dtype', 'combine', 'evaluate',
+    'from_host', 'host_spec', 'is_key', 'on_host_values', 'to_host',
+    'trace_plan', 'trace_plan_with_clients', 'weighted_mean_result',
 ]
 
 SERVER, BROADCAST, CLIENT = 'server', 'broadcast', 'client'
