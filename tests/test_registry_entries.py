@@ -43,6 +43,17 @@ def test_every_entry_takes_what_it_declares():
     assert inspect.signature(entry) == inspect.signature(entry.builder)
 
 
+def test_every_required_option_of_a_builder_is_its_declared_population():
+  # A config names only the algorithm's own options: anything else the
+  # builder requires must come from the runner, i.e. be declared.
+  for name in registry.ALGORITHMS:
+    entry = registry.algorithm_entry(name)
+    params = list(inspect.signature(entry.builder).parameters.values())[1:]
+    required = {p.name for p in params if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    assert required <= {entry.population}, (name, required)
+
+
 def test_population_goes_to_the_declared_option_only(register):
   calls = []
   register('by_name', _recorder(calls))
