@@ -288,7 +288,14 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
     if key.endswith('optimizer') and isinstance(value, Mapping):
       kwargs[key] = build_optimizer(value, where=f'algorithm.{key}')
   supplied = {'metrics_fn': model.metrics_fn, 'skip_nonfinite': skip_nonfinite}
+  names, var = accepted_kwargs(entry.builder)
   for key in entry.runner_options:
+    if not var and key not in names:
+      taken = tuple(k for k in entry.runner_options if k in names)
+      raise ConfigError(
+          f'algorithm {name!r}: its builder does not take {key!r}, which its '
+          'registry entry says the runner passes; declare what it takes with '
+          f'AlgorithmEntry(builder, runner_options={taken!r}).')
     if supplied[key] is not None:
       kwargs[key] = supplied[key]
   if (entry.population is not None and entry.population not in kwargs

@@ -90,6 +90,19 @@ def test_a_builder_without_skip_nonfinite_is_registered_without_it(register):
   assert calls == [MODEL.metrics_fn]
 
 
+def test_an_entry_declaring_more_than_its_builder_takes_is_one_line(register):
+  def plain(loss_fn, *, metrics_fn=None):
+    del loss_fn, metrics_fn
+  registry.ALGORITHMS['undeclared'] = plain  # A plain entry: both options.
+  try:
+    with pytest.raises(registry.ConfigError,
+                       match=r"^algorithm 'undeclared': its builder does not take "
+                             r"'skip_nonfinite'.*runner_options=\('metrics_fn',\)\)\.$"):
+      registry.build_algorithm({'name': 'undeclared'}, MODEL)
+  finally:
+    registry.ALGORITHMS.pop('undeclared')
+
+
 def test_the_package_s_per_client_algorithms_get_the_population():
   assert registry.algorithm_entry('scaffold').population == 'num_clients'
   assert registry.algorithm_entry('diloco').population == 'num_replicas'
