@@ -6,12 +6,15 @@ donated), ``run_rounds`` (many rounds in one ``lax.scan``) and ``apply`` (the
 plain round, for ``jax.grad`` and friends). See docs/algorithms.md.
 """
 
+from fedjx.algorithms import adaptive_clipping
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import client_transforms
 from fedjx.algorithms import client_update
+from fedjx.algorithms import dp_ftrl
 from fedjx.algorithms import hypergradients
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms import quantization
+from fedjx.algorithms.adaptive_clipping import adaptive_gaussian
 from fedjx.algorithms.aggregators import Aggregator
 from fedjx.algorithms.base import Algorithm
 from fedjx.algorithms.base import ServerState
@@ -21,16 +24,23 @@ from fedjx.algorithms.base import scan_rounds
 from fedjx.algorithms.client_transforms import control_variate
 from fedjx.algorithms.client_transforms import proximal
 from fedjx.algorithms.client_update import LocalSchedule
+from fedjx.algorithms.async_diloco import AsyncDiLoCoState
+from fedjx.algorithms.async_diloco import async_diloco
+from fedjx.algorithms.async_diloco import delayed_nesterov
 from fedjx.algorithms.diloco import DiLoCoState
 from fedjx.algorithms.diloco import diloco
 from fedjx.algorithms.dp_fedavg import clip_update
 from fedjx.algorithms.dp_fedavg import dp_epsilon
 from fedjx.algorithms.dp_fedavg import dp_fedavg
+from fedjx.algorithms.dp_ftrl import tree_gaussian
 from fedjx.algorithms.fedavg import fedadagrad
 from fedjx.algorithms.fedavg import fedadam
 from fedjx.algorithms.fedavg import fedavg
 from fedjx.algorithms.fedavg import fedavgm
 from fedjx.algorithms.fedavg import fedyogi
+from fedjx.algorithms.fedbuff import AsyncCohort
+from fedjx.algorithms.fedbuff import FedBuffState
+from fedjx.algorithms.fedbuff import fedbuff
 from fedjx.algorithms.fedprox import fedprox
 from fedjx.algorithms.quantization import quantize
 from fedjx.algorithms.scaffold import ScaffoldState
@@ -53,6 +63,9 @@ from fedjx.algorithms.tuner import hypergradient_tuner
 __all__ = [
     'Aggregator',
     'Algorithm',
+    'AsyncCohort',
+    'AsyncDiLoCoState',
+    'FedBuffState',
     'DiLoCoState',
     'LocalSchedule',
     'ScaffoldState',
@@ -60,20 +73,26 @@ __all__ = [
     'StreamingDiLoCoState',
     'WEIGHTINGS',
     'adaptive_adagrad',
+    'adaptive_clipping',
+    'adaptive_gaussian',
     'adaptive_adam',
     'aggregation_weights',
     'aggregators',
+    'async_diloco',
     'client_transforms',
     'client_update',
     'control_variate',
     'clip_update',
     'diloco',
     'dp_epsilon',
+    'delayed_nesterov',
     'dp_fedavg',
+    'dp_ftrl',
     'fedadagrad',
     'fedadam',
     'fedavg',
     'fedavgm',
+    'fedbuff',
     'fedprox',
     'fedyogi',
     'nonfinite',
@@ -85,6 +104,7 @@ __all__ = [
     'scale_by_yogi',
     'scan_rounds',
     'streaming_diloco',
+    'tree_gaussian',
     'yogi',
     'TunerState',
     'fedavg_hypergradient_tuner',

@@ -24,6 +24,10 @@ arrays with a mask, padded to power-of-two step buckets; :func:`place_cohort`
 shards it ``P('clients')`` on a mesh; :func:`cohort_iterator` does all three
 for consecutive rounds with background prefetch.
 
+Asynchronous training: :class:`AsyncScheduler` simulates which clients
+report at each server step of buffered asynchronous aggregation (FedBuff)
+and when; :func:`async_cohort_iterator` turns its steps into cohorts.
+
 Interpreters: :func:`beam_client_data` and :func:`streaming_clients` give a
 dataset's clients to Beam (``fedjx.beam.run``) and to streaming
 (``fedjx.streaming.run``), batched where they are read.
@@ -36,8 +40,13 @@ Evaluation: :func:`split_clients`, :func:`split_examples`,
 :func:`summary`, :func:`format_summary`.
 """
 
+from fedjx.datasets.async_schedule import AsyncScheduler
+from fedjx.datasets.async_schedule import async_cohort_iterator
+from fedjx.datasets.async_schedule import lognormal_durations
 from fedjx.datasets.cohort import Cohort
 from fedjx.datasets.cohort import CohortSampler
+from fedjx.datasets.cohort import PADDING_CLIENT
+from fedjx.datasets.cohort import Sampler
 from fedjx.datasets.cohort import bucket_steps
 from fedjx.datasets.cohort import cohort_steps
 from fedjx.datasets.cohort import local_client_slice
@@ -78,9 +87,14 @@ from fedjx.datasets.text import text_corpus
 from fedjx.datasets.tfds_source import from_tfds
 
 __all__ = [
+    'AsyncScheduler',
+    'async_cohort_iterator',
+    'lognormal_durations',
     'Cohort',
     'CohortLoader',
     'CohortSampler',
+    'PADDING_CLIENT',
+    'Sampler',
     'FederatedDataset',
     'IndexedDataset',
     'LabelCheckedDataset',

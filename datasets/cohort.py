@@ -21,14 +21,17 @@ Building one takes three steps, each a function here:
    ``NamedSharding(mesh, P('clients'))`` when the mesh has a ``clients`` axis.
 
 Padding is zeros with mask False. Steps after a client's last real example are
-all-False padding steps, which algorithms skip.
+all-False padding steps, which algorithms skip. A *padding client* (id
+``PADDING_CLIENT = -1`` in ``client_ids``, ``num_examples`` 0, mask all False)
+fills a cohort whose sampler drew fewer clients than its fixed size (e.g.
+Poisson sampling, padded to a bucket): every algorithm gives it weight 0.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -38,6 +41,9 @@ from fedjx.datasets import _seeding
 from fedjx.datasets.federated import FederatedDataset, num_rows
 
 CLIENTS_AXIS = 'clients'
+
+# The id of a padding client in a cohort's ``client_ids``.
+PADDING_CLIENT = -1
 
 
 class Cohort(NamedTuple):
@@ -143,6 +149,31 @@ class CohortSampler:
     return np.sort(ids).astype(np.int32)
 
 
+class Sampler(Protocol):
+  """Who takes part in each round: what :func:`cohort_iterator` asks of a sampler.
+
+  ``sample(r)`` gives the sorted int32 ids of round ``r``'s clients as a
+  function of ``(seed, r)`` only (so resumed runs repeat the same cohorts);
+  at most ``cohort_size`` of them, the cohort's fixed size, which padding
+  clients fill. ``seed`` also seeds the clients' example shuffles.
+  """
+
+  cohort_size: int
+  seed: int
+
+  def sample(self, round_num: int) -> np.ndarray:
+    ...
+
+
+def padded_ids(client_ids: Sequence[int] | np.ndarray, size: int) -> np.ndarray:
+  """``client_ids`` followed by ``PADDING_CLIENT`` up to ``size`` entries."""
+  ids = np.asarray(client_ids, np.int32).reshape(-1)
+  if ids.size > size:
+    raise ValueError(f'the sampler drew {ids.size} clients, more than its '
+                     f'cohort_size={size}.')
+  return np.concatenate([ids, np.full(size - ids.size, PADDING_CLIENT, np.int32)])
+
+
 def bucket_steps(steps: int) -> int:
   """The padded step count for ``steps``: the next power of two (1, 2, 4, ...)."""
   return 1 << max(0, int(steps) - 1).bit_length()
@@ -209,7 +240,8 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
                 batch_size: int, *, num_epochs: int | None = None,
                 num_steps: int | None = None, max_steps: int | None = None,
                 shuffle_seed: int | None = 0, round_num: int = 0,
-                bucket: bool = True, steps: int | None = None) -> Cohort:
+                bucket: bool = True, steps: int | None = None,
+                pad_to: int | None = None) -> Cohort:
   """Batches clients ``client_ids`` of ``dataset`` into a NumPy :class:`Cohort`.
 
   Each client's examples are visited as ``example_order`` describes: shuffled
@@ -234,6 +266,9 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
     steps: pad to exactly this ``S`` (at least what the clients need), e.g.
       the step count of the whole cohort when each process of a multi-process
       run builds only its own clients (see :func:`cohort_steps`).
+    pad_to: the cohort's size ``C``: ids equal to ``PADDING_CLIENT`` and
+      ``pad_to - len(client_ids)`` more become padding clients (default: no
+      padding; ``client_ids`` may then not hold ``PADDING_CLIENT``).
 
   Returns:
     A :class:`Cohort` of NumPy arrays; ``num_examples[c]`` counts the distinct
@@ -246,11 +281,20 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
   if num_epochs is not None and num_steps is not None:
     raise ValueError(f'give num_epochs={num_epochs} or num_steps={num_steps}, '
                      'not both.')
-  ids = np.asarray(client_ids).reshape(-1)
+  ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
+  if pad_to is not None:
+    pad_to = _check_positive('pad_to', pad_to)
+    if ids.size > pad_to:
+      raise ValueError(f'pad_to={pad_to} is smaller than the {ids.size} '
+                       'clients given.')
+    ids = np.concatenate([ids, np.full(pad_to - ids.size, PADDING_CLIENT)])
   if ids.size == 0:
     raise ValueError('client_ids is empty; a cohort needs at least one client.')
   clients = []
   for cid in ids.tolist():
+    if pad_to is not None and cid == PADDING_CLIENT:
+      clients.append((PADDING_CLIENT, None, np.zeros(0, np.int64), 0))
+      continue
     cid = dataset.check_client(cid)
     data = dataset.client_data(cid)
     n = num_rows(data, where=f'client {cid}')
@@ -262,8 +306,16 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
     order = example_order(n, batch_size, num_epochs=num_epochs,
                           num_steps=num_steps, max_steps=max_steps, rng=gen)
     clients.append((cid, data, order, n))
-  _check_features(clients)
-  needed = max(math.ceil(len(order) / batch_size) for _, _, order, _ in clients)
+  real = [c for c in clients if c[0] != PADDING_CLIENT]
+  if len(real) < len(clients):  # Padding clients take real clients' shapes.
+    template = real[0][1] if real else dataset.client_data(0)
+    clients = [c if c[0] != PADDING_CLIENT else (c[0], template, c[2], c[3])
+               for c in clients]
+  _check_features(real or clients[:1])
+  needed = max(1, max(math.ceil(len(order) / batch_size)
+                      for _, _, order, _ in clients))
+  if not real and num_steps is not None:  # The shape real clients would give.
+    needed = num_steps if max_steps is None else min(num_steps, max_steps)
   if steps is None:
     steps = needed
     if bucket and num_steps is None:
@@ -294,8 +346,10 @@ def cohort_steps(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarr
   """
   if num_steps is not None:
     return int(num_steps)
-  sizes = []
+  sizes = [1]
   for cid in np.asarray(client_ids).reshape(-1).tolist():
+    if cid == PADDING_CLIENT:
+      continue
     n = int(dataset.num_examples(dataset.check_client(cid)))
     total = (1 if num_epochs is None else num_epochs) * n
     if max_steps is not None:

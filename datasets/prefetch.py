@@ -19,8 +19,9 @@ from typing import Generic, TypeVar
 
 import jax
 
-from fedjx.datasets.cohort import (Cohort, CohortSampler, cohort_steps, local_client_slice,
-                                   make_cohort, place_cohort, place_local_cohort)
+from fedjx.datasets.cohort import (Cohort, CohortSampler, Sampler, cohort_steps,
+                                   local_client_slice, make_cohort, padded_ids,
+                                   place_cohort, place_local_cohort)
 from fedjx.datasets.federated import FederatedDataset
 
 T = TypeVar('T')
@@ -126,17 +127,22 @@ class Prefetcher(Generic[T], Iterator[T]):
       closed.set()
 
 
-def cohort_for_round(dataset: FederatedDataset, sampler: CohortSampler,
+def cohort_for_round(dataset: FederatedDataset, sampler: Sampler,
                      round_num: int, batch_size: int, *,
                      num_epochs: int | None = None, num_steps: int | None = None,
                      max_steps: int | None = None, shuffle: bool = True,
                      bucket: bool = True) -> Cohort:
-  """The NumPy cohort of round ``round_num``: sampled, shuffled with the sampler's seed."""
+  """The NumPy cohort of round ``round_num``: sampled, shuffled with the sampler's seed.
+
+  A sampler that draws fewer than ``sampler.cohort_size`` clients (e.g.
+  Poisson sampling) gets its cohort filled with padding clients.
+  """
   return make_cohort(dataset, sampler.sample(round_num), batch_size,
                      num_epochs=num_epochs, num_steps=num_steps,
                      max_steps=max_steps,
                      shuffle_seed=sampler.seed if shuffle else None,
-                     round_num=round_num, bucket=bucket)
+                     round_num=round_num, bucket=bucket,
+                     pad_to=sampler.cohort_size)
 
 
 def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int,
@@ -145,7 +151,8 @@ def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int
                     num_epochs: int | None = None, num_steps: int | None = None,
                     max_steps: int | None = None, shuffle: bool = True,
                     bucket: bool = True, mesh: jax.sharding.Mesh | None = None,
-                    prefetch: int = 1) -> Prefetcher[Cohort]:
+                    prefetch: int = 1,
+                    sampler: Sampler | None = None) -> Prefetcher[Cohort]:
   """Placed cohorts for rounds ``start_round, start_round + 1, ...``.
 
   Round ``r``'s cohort is ``place_cohort(cohort_for_round(dataset,
@@ -166,15 +173,22 @@ def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int
     mesh: where to place cohorts (default: the mesh set with ``jax.set_mesh``,
       if any); sharded over its ``clients`` axis.
     prefetch: cohorts prepared ahead (0: synchronous).
+    sampler: who takes part in each round (default
+      ``CohortSampler(dataset, cohort_size, seed)``: ``cohort_size`` clients
+      uniformly without replacement); its ``cohort_size`` is the cohort's
+      size, filled with padding clients when it draws fewer.
   """
-  sampler = CohortSampler(dataset, cohort_size, seed)
+  if sampler is None:
+    sampler = CohortSampler(dataset, cohort_size, seed)
+  cohort_size = sampler.cohort_size
   if mesh is None:
     mesh = jax.sharding.get_mesh()
     if mesh is None or getattr(mesh, 'empty', False):
       mesh = None
   # Fail on bad arguments now, not later on the worker thread.
   make_cohort(dataset, sampler.sample(start_round)[:1], batch_size,
-              num_epochs=num_epochs, num_steps=num_steps, max_steps=max_steps)
+              num_epochs=num_epochs, num_steps=num_steps, max_steps=max_steps,
+              pad_to=1)
   if mesh is not None and 'clients' in mesh.axis_names \
       and cohort_size % mesh.shape['clients']:
     raise ValueError(f'cohort_size={cohort_size} cannot be split over the mesh '
@@ -186,14 +200,15 @@ def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int
 
   def produce(round_num: int) -> Cohort:
     if multi_process:  # Each process builds only the clients it holds.
-      ids = sampler.sample(round_num)
+      ids = padded_ids(sampler.sample(round_num), cohort_size)
       steps = cohort_steps(dataset, ids, batch_size, num_epochs=num_epochs,
                            num_steps=num_steps, max_steps=max_steps, bucket=bucket)
-      local = make_cohort(dataset, ids[local_client_slice(mesh, len(ids))],
-                          batch_size, num_epochs=num_epochs, num_steps=num_steps,
-                          max_steps=max_steps,
+      mine = ids[local_client_slice(mesh, len(ids))]
+      local = make_cohort(dataset, mine, batch_size, num_epochs=num_epochs,
+                          num_steps=num_steps, max_steps=max_steps,
                           shuffle_seed=sampler.seed if shuffle else None,
-                          round_num=round_num, bucket=bucket, steps=steps)
+                          round_num=round_num, bucket=bucket, steps=steps,
+                          pad_to=len(mine))
       return place_local_cohort(local, mesh, len(ids))
     cohort = cohort_for_round(dataset, sampler, round_num, batch_size,
                               num_epochs=num_epochs, num_steps=num_steps,

@@ -109,10 +109,18 @@ class Experiment:
   init_params: Any
   round_key: jax.Array
   evaluate: Callable[[Any], dict[str, float]] | None
+  # The simulated schedule of an asynchronous algorithm (else None).
+  scheduler: datasets.AsyncScheduler | None = None
 
   def cohorts(self, start: int, stop: int) -> Iterator[Any]:
     """Placed cohorts of rounds ``start .. stop - 1`` (prefetched)."""
     c = self.config
+    if self.scheduler is not None:
+      return datasets.async_cohort_iterator(
+          self.data.train, self.scheduler, c.batch_size, start_round=start,
+          num_rounds=stop - start, num_epochs=c.local_epochs,
+          num_steps=c.local_steps, max_steps=c.max_local_steps,
+          bucket=c.bucket_steps, prefetch=c.prefetch)
     return datasets.cohort_iterator(
         self.data.train, c.cohort_size, c.batch_size, seed=c.seed,
         start_round=start, num_rounds=stop - start, num_epochs=c.local_epochs,
@@ -162,7 +170,33 @@ def build(config: Any) -> Experiment:
   examples = evaluation.pool_examples(data.test, config.eval_max_examples)
   evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size)
               if examples is not None else None)
-  return Experiment(config, data, model, algorithm, params, round_key, evaluate)
+  return Experiment(config, data, model, algorithm, params, round_key, evaluate,
+                    async_scheduler(config, data.train.num_clients))
+
+
+def async_scheduler(config: ml_collections.ConfigDict,
+                    num_clients: int) -> datasets.AsyncScheduler | None:
+  """The schedule of an asynchronous algorithm (``registry.ASYNCHRONOUS``).
+
+  ``K = config.cohort_size`` updates per server step; the concurrency ``M``
+  (``config.algorithm.concurrency``, default ``K``) and the duration model
+  (``config.algorithm.client_durations``) come from the algorithm's entry.
+  """
+  name, spec = registry.split_name('algorithm', config.algorithm)
+  if name not in registry.ASYNCHRONOUS:
+    return None
+  k = config.cohort_size
+  if spec.get('buffer_size') not in (None, k):
+    raise registry.ConfigError(
+        f'config.algorithm.buffer_size={spec["buffer_size"]} differs from '
+        f'config.cohort_size={k}; a server step takes cohort_size updates.')
+  try:
+    duration = datasets.async_schedule.make_durations(
+        spec.get('client_durations'), num_clients, config.seed)
+    return datasets.AsyncScheduler(num_clients, spec.get('concurrency') or k, k,
+                                   duration, seed=config.seed)
+  except ValueError as e:
+    raise registry.ConfigError(f'config.algorithm ({name}): {e}') from None
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -376,6 +410,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
               pending = False
             step = r + 1
             row = _scalars(metrics)
+            if exp.scheduler is not None:
+              row['simulated_time'] = exp.scheduler.step(r).time
             finite = flag is None or bool(distributed.to_host(flag))
             if exp.evaluate is not None and finite and (
                 step % config.eval_every == 0 or step == config.rounds):

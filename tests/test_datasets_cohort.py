@@ -274,3 +274,66 @@ def test_cohort_from_explicit_per_client_arrays():
       fd.Cohort.from_clients(clients, **args)
   with pytest.raises(ValueError, match='keys'):
     fd.Cohort.from_clients([{'x': np.ones(2)}, {'z': np.ones(2)}], 2)
+
+
+class _ThreeOfFive:
+  """A sampler that draws 3 clients into cohorts of 5 (padding fills the rest)."""
+
+  cohort_size = 5
+  seed = 0
+
+  def sample(self, round_num):
+    return np.array([round_num % 4, 4, 6], np.int32)
+
+
+def test_a_sampler_drawing_fewer_clients_gets_padding_clients():
+  population = fd.from_arrays(
+      {'x': np.arange(40, dtype=np.float32)[:, None],
+       'c': np.repeat(np.arange(8), 5)}, group_key='c')
+  it = fd.cohort_iterator(population, 5, 2, sampler=_ThreeOfFive(),
+                                num_rounds=2, prefetch=0)
+  cohorts = list(it)
+  assert [c.client_ids.tolist() for c in cohorts] == [
+      [0, 4, 6, -1, -1], [1, 4, 6, -1, -1]]
+  for c in cohorts:
+    assert np.asarray(c.num_examples).tolist() == [5, 5, 5, 0, 0]
+    assert not np.asarray(c.mask)[3:].any()
+    assert np.asarray(c.mask)[:3].any(axis=(1, 2)).all()
+    np.testing.assert_array_equal(np.asarray(c.batches['x'])[3:], 0)
+  # The real clients' batches are those of an unpadded cohort.
+  plain = fd.make_cohort(population, [1, 4, 6], 2, round_num=1)
+  np.testing.assert_array_equal(np.asarray(cohorts[1].batches['x'])[:3],
+                                plain.batches['x'])
+
+
+def test_a_cohort_of_only_padding_clients_has_the_real_shapes():
+  population = fd.from_arrays(
+      {'x': np.ones((6, 3), np.float32), 'c': np.repeat(np.arange(3), 2)},
+      group_key='c')
+  c = fd.make_cohort(population, [], 2, num_steps=4, pad_to=2)
+  assert c.batches['x'].shape == (2, 4, 2, 3)
+  assert not c.mask.any() and c.num_examples.tolist() == [0, 0]
+  with pytest.raises(ValueError, match='pad_to=1 is smaller than the 2'):
+    fd.make_cohort(population, [0, 1], 2, pad_to=1)
+
+
+@pytest.mark.parametrize('name', ['fedavg', 'scaffold'])
+def test_padding_clients_leave_a_round_unchanged(name):
+  import jax.numpy as jnp
+  import optax
+  from fedjx import algorithms as fa
+  rng = np.random.RandomState(0)
+  pop = fd.from_arrays({'x': rng.randn(40, 3).astype(np.float32),
+                        'y': rng.randn(40).astype(np.float32),
+                        'c': np.repeat(np.arange(8), 5)}, group_key='c')
+  loss = lambda p, b: (b['x'] @ p['w'] - b['y']) ** 2
+  opts = dict(client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0))
+  algo = (fa.fedavg(loss, **opts) if name == 'fedavg' else
+          fa.scaffold(loss, num_clients=8, client_learning_rate=0.1, **opts))
+  key = jax.random.key(0)
+  padded, _ = algo.round(algo.init({'w': jnp.zeros(3)}),
+                         fd.make_cohort(pop, [1, 4, 6], 2, pad_to=5), key)
+  plain, _ = algo.round(algo.init({'w': jnp.zeros(3)}),
+                        fd.make_cohort(pop, [1, 4, 6], 2), key)
+  # Padding clients add exact zeros to every sum: the results are identical.
+  jax.tree.map(np.testing.assert_array_equal, padded, plain)
