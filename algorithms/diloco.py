@@ -134,6 +134,7 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
            reset_inner_state: bool = False,
            quantization_format: str = 'float32',
            aggregator: aggregators.Aggregator | None = None,
+           client_metrics: bool = False,
            **options: Any) -> base.Algorithm:
   """DiLoCo with ``num_replicas`` replicas.
 
@@ -155,6 +156,10 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
     aggregator: how outer gradients are combined (instead of
       ``quantization_format``), e.g. ``aggregators.gaussian(...)``: DP
       DiLoCo, clip and noise on the outer gradient.
+    client_metrics: also return per-replica ``[C]`` metrics
+      (:func:`fedjx.algorithms.base.client_metrics` of the outer gradient
+      ``Delta_k``, before the aggregator's encoding); False adds nothing to
+      the round.
     metrics_fn, weighting, client_evaluation, skip_nonfinite, map_strategy,
     chunk_size: as for :func:`fedavg` (in ``**options``, with the inner and
       outer optimizers' options above); a skipped replica keeps its inner
@@ -167,6 +172,7 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
   base.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
   quantization.check_format(name, 'quantization_format', quantization_format)
   aggregator = check_aggregator(name, aggregator, quantization_format)
+  base.check_choice(name, 'client_metrics', client_metrics, (False, True))
 
   def init(params):
     inner = () if reset_inner_state else stack_states(
@@ -186,7 +192,9 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
     inner_state = base.with_hparams(inner_state, hparams)
     out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
                                      inner_state, batches, mask, schedule)
-    return nonfinite.ClientOutput(base.tree_sub(theta, out.params), out.stats, state=out.opt_state,
+    delta = base.tree_sub(theta, out.params)
+    extra = base.client_metrics(delta, out) if client_metrics else ()
+    return nonfinite.ClientOutput(delta, out.stats, extra=extra, state=out.opt_state,
                                   previous_state=inner_state, checked=out.params)
 
   def round_fn(state, cohort, key):
@@ -213,6 +221,7 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
     metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(outer_grad), **agg_metrics)
     metrics['communicated_bytes'] = metrics['clients'] * float(sent)
+    metrics.update(clients.extra)  # Per-replica [C] metrics, if asked.
     return state._replace(params=params, opt_state=opt_state,
                           inner_opt_states=inner_states,
                           round_index=state.round_index + 1,

@@ -87,8 +87,8 @@ def _check_learning_rate(fn: str, client_learning_rate: float | None,
   return client_learning_rate
 
 
-# fedavg's options but those SCAFFOLD sets itself (its client correction).
-OPTIONS = without('client_transform', 'client_metrics')
+# fedavg's options but the one SCAFFOLD sets itself (its client correction).
+OPTIONS = without('client_transform')
 
 
 @base.with_options(OPTIONS)
@@ -112,6 +112,9 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
       (default SGD with ``eta_g = 1``).
     aggregator: how the ``Delta y_i`` are combined (default the weighted
       mean); the ``Delta c_i`` are always summed exactly.
+    client_metrics: also return per-client ``[C]`` metrics
+      (:func:`fedjx.algorithms.base.client_metrics` of ``Delta y_i``); False
+      adds nothing to the round.
     metrics_fn, local_epochs, local_steps, weighting, map_strategy,
     chunk_size, client_evaluation, skip_nonfinite: as for :func:`fedavg`; a
       skipped client's ``c_i`` is left unchanged and its ``Delta c_i`` is 0.
@@ -132,6 +135,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
   base.check_choice(name, 'weighting', o['weighting'], base.WEIGHTINGS)
   aggregator = aggregators.check(name, o['aggregator'])
   nonfinite.check_flag(name, o['skip_nonfinite'])
+  client_metrics = o['client_metrics']
+  base.check_choice(name, 'client_metrics', client_metrics, (False, True))
   schedule = client_update.check_schedule(name, o['local_epochs'],
                                           o['local_steps'], o['client_evaluation'])
   n_pop = num_clients
@@ -167,8 +172,11 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
       return jnp.where(k > 0, ci - c + (x - y) / denom, ci) - ci
 
     delta_c = jax.tree.map(option_ii, c_i, c, x, out.params)
-    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
-                                  extra=delta_c, checked=out.params)
+    delta_y = base.tree_sub(x, out.params)
+    # Per-client metrics ride along with Delta c_i only when asked.
+    extra = (delta_c, base.client_metrics(delta_y, out)) if client_metrics else delta_c
+    return nonfinite.ClientOutput(delta_y, out.stats, extra=extra,
+                                  checked=out.params)
 
   def round_fn(state, cohort, key):
     real = cohort.num_examples > 0
@@ -182,7 +190,7 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
          cohort.batches, cohort.mask),
         cohort.num_examples, o['weighting'], o['skip_nonfinite'],
         aggregator_state=state.aggregator_state)
-    delta_c = clients.extra
+    delta_c, per_client = clients.extra if client_metrics else (clients.extra, {})
     pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, key)  # pseudo_grad = -Delta x
@@ -194,6 +202,7 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
                                       pseudo_grad_norm=optax.tree.norm(pseudo_grad),
                                       control_norm=optax.tree.norm(control),
                                       **agg_metrics)
+    metrics.update(per_client)  # Per-client [C] metrics, if asked.
     return state._replace(params=params, opt_state=opt_state, control=control,
                           client_controls=client_controls,
                           round_index=state.round_index + 1,

@@ -31,6 +31,10 @@ Asynchronous training: :class:`AsyncScheduler` simulates which clients
 report at each server step of buffered asynchronous aggregation (FedBuff)
 and when; :func:`async_cohort_iterator` turns its steps into cohorts.
 
+Interpreters: :func:`beam_client_data` and :func:`streaming_clients` give a
+dataset's clients to Beam (``fedjx.beam.run``) and to streaming
+(``fedjx.streaming.run``), batched where they are read.
+
 Labels: :func:`check_labels` makes a label outside ``[0, num_classes)`` a
 one-line error when the data is read.
 
@@ -60,6 +64,9 @@ from fedjx.datasets.evaluation import split_examples
 from fedjx.datasets.federated import FederatedDataset
 from fedjx.datasets.federated import IndexedDataset
 from fedjx.datasets.federated import from_arrays
+from fedjx.datasets.interpreter_clients import CohortLoader
+from fedjx.datasets.interpreter_clients import beam_client_data
+from fedjx.datasets.interpreter_clients import streaming_clients
 from fedjx.datasets.files import read_fedjax_sqlite
 from fedjx.datasets.files import read_tff_hdf5
 from fedjx.datasets.files import write_fedjax_sqlite
@@ -90,6 +97,7 @@ __all__ = [
     'async_cohort_iterator',
     'lognormal_durations',
     'Cohort',
+    'CohortLoader',
     'CohortSampler',
     'EpochSampler',
     'PoissonSampler',
@@ -101,6 +109,7 @@ __all__ = [
     'Prefetcher',
     'SyntheticDataset',
     'TextCorpus',
+    'beam_client_data',
     'bucket_steps',
     'check_labels',
     'cohort_for_round',
@@ -126,6 +135,7 @@ __all__ = [
     'read_tff_hdf5',
     'split_clients',
     'split_examples',
+    'streaming_clients',
     'summary',
     'synthetic',
     'text_corpus',

@@ -164,8 +164,56 @@ def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransf
 
 # ------------------------------------------------------------------ algorithms
 
-# Every algorithm a config can name: one line each. In your own code, add one
-# with register_algorithm(name, builder); a builder is f(loss_fn, **options).
+# What the runner gives every algorithm builder besides the config's options:
+# the model's metrics and its non-finite guard (every builder made with
+# fedjx.algorithms.base.with_options takes both).
+RUNNER_OPTIONS = ('metrics_fn', 'skip_nonfinite')
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmEntry:
+  """A registered algorithm: its builder and what the runner passes it.
+
+  Calling the entry calls the builder, and ``inspect.signature`` shows the
+  builder's, so an entry stands wherever a builder does.
+
+  Attributes:
+    builder: ``builder(loss_fn, **options) -> Algorithm``.
+    population: the option that takes the population size (SCAFFOLD's
+      ``num_clients``, DiLoCo's ``num_replicas``): the runner sets it to
+      the training population's size unless the config does. None: the
+      algorithm keeps no per-client state.
+    runner_options: which of :data:`RUNNER_OPTIONS` the builder takes.
+  """
+
+  builder: Callable[..., Any]
+  population: str | None = None
+  runner_options: tuple[str, ...] = RUNNER_OPTIONS
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self.builder(*args, **kwargs)
+
+  @property
+  def __signature__(self) -> inspect.Signature:
+    return inspect.signature(self.builder)
+
+
+def per_client(builder: Callable[..., Any], population: str) -> AlgorithmEntry:
+  """``builder``, whose option ``population`` takes the population size."""
+  return AlgorithmEntry(builder, population=population)
+
+
+def algorithm_entry(name: str) -> AlgorithmEntry:
+  """The :class:`AlgorithmEntry` of ``name`` (a plain builder: no population,
+  every runner option)."""
+  value = lookup('algorithm', ALGORITHMS, name)
+  return value if isinstance(value, AlgorithmEntry) else AlgorithmEntry(value)
+
+
+# Every algorithm a config can name: one line each, the builder (or, for an
+# algorithm with per-client state, per_client(builder, option)). In your own
+# code, add one with register_algorithm(name, builder); a builder is
+# f(loss_fn, **options) and takes metrics_fn and skip_nonfinite.
 ALGORITHMS: dict[str, Callable[..., Any]] = {
     'fedavg': algorithms_lib.fedavg,
     'fedadam': algorithms_lib.fedadam,
@@ -173,13 +221,13 @@ ALGORITHMS: dict[str, Callable[..., Any]] = {
     'fedadagrad': algorithms_lib.fedadagrad,
     'fedavgm': algorithms_lib.fedavgm,
     'fedprox': algorithms_lib.fedprox,
-    'scaffold': algorithms_lib.scaffold,
+    'scaffold': per_client(algorithms_lib.scaffold, 'num_clients'),
     'dp_fedavg': algorithms_lib.dp_fedavg,
-    'diloco': algorithms_lib.diloco,
-    'streaming_diloco': algorithms_lib.streaming_diloco,
+    'diloco': per_client(algorithms_lib.diloco, 'num_replicas'),
+    'streaming_diloco': per_client(algorithms_lib.streaming_diloco, 'num_replicas'),
     'fedavg_hypergradient_tuner': algorithms_lib.fedavg_hypergradient_tuner,
     'fedbuff': algorithms_lib.fedbuff,
-    'async_diloco': algorithms_lib.async_diloco,
+    'async_diloco': per_client(algorithms_lib.async_diloco, 'num_replicas'),
 }
 # Asynchronous algorithms: the runner feeds their rounds AsyncCohorts from
 # its simulated schedule (fedjx.datasets.async_schedule).
@@ -222,17 +270,6 @@ def builder_options(name: str, kind: str = 'algorithm') -> dict[str, inspect.Par
   return options
 
 
-def takes(fn: Callable[..., Any], key: str,
-          forwards_to: Callable[..., Any] | None = None) -> bool:
-  """Whether ``fn`` (or the builder its ``**kwargs`` go to) takes ``key``."""
-  names, var = accepted_kwargs(fn)
-  if key in names:
-    return True
-  if var and forwards_to is not None:
-    return key in accepted_kwargs(forwards_to)[0]
-  return False
-
-
 def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto',
                     chunk_size: int | None = None,
                     num_clients: int | None = None,
@@ -240,32 +277,36 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
   """An algorithm from ``config.algorithm``.
 
   Options whose name ends in ``optimizer`` are optimizer specs (see
-  :func:`build_optimizer`); the others are passed through. The model's
-  ``metrics_fn`` is passed when the builder takes it, and ``skip_nonfinite``
-  (the runner's non-finite guard) when it is not None and the builder takes
-  it. How clients run is not the builder's business: a ``map_strategy`` or
-  ``chunk_size`` other than the defaults is applied once, with
-  ``algorithm.compile(map_strategy=..., chunk_size=...)``. Algorithms
-  with per-client state (SCAFFOLD's ``num_clients``, DiLoCo's
-  ``num_replicas``) get the population size ``num_clients`` unless the
-  config sets it.
+  :func:`build_optimizer`); the others are passed through. The entry
+  (:class:`AlgorithmEntry`) says what else the builder receives: the model's
+  ``metrics_fn`` and ``skip_nonfinite`` (the runner's non-finite guard; left
+  to the builder's default when None), and, for an algorithm with per-client
+  state, the population size ``num_clients`` as its ``population`` option
+  unless the config sets it. How clients run is not the builder's business:
+  a ``map_strategy`` or ``chunk_size`` other than the defaults is applied
+  once, with ``algorithm.compile(map_strategy=..., chunk_size=...)``.
   """
   name, kwargs = split_name('algorithm', spec)
-  fn = lookup('algorithm', ALGORITHMS, name)
-  check_kwargs('algorithm', name, fn, kwargs, RESERVED, forwarded_builder(name))
+  entry = algorithm_entry(name)
+  check_kwargs('algorithm', name, entry, kwargs, RESERVED, forwarded_builder(name))
   for key, value in list(kwargs.items()):
     if key.endswith('optimizer') and isinstance(value, Mapping):
       kwargs[key] = build_optimizer(value, where=f'algorithm.{key}')
-  accepted, var = accepted_kwargs(fn)
-  if var or 'metrics_fn' in accepted:
-    kwargs['metrics_fn'] = model.metrics_fn
-  if skip_nonfinite is not None and takes(fn, 'skip_nonfinite',
-                                          forwarded_builder(name)):
-    kwargs['skip_nonfinite'] = skip_nonfinite
-  for key in ('num_clients', 'num_replicas'):
-    if key in accepted and key not in kwargs and num_clients is not None:
-      kwargs[key] = num_clients
-  algorithm = fn(model.loss_fn, **kwargs)
+  supplied = {'metrics_fn': model.metrics_fn, 'skip_nonfinite': skip_nonfinite}
+  names, var = accepted_kwargs(entry.builder)
+  for key in entry.runner_options:
+    if not var and key not in names:
+      taken = tuple(k for k in entry.runner_options if k in names)
+      raise ConfigError(
+          f'algorithm {name!r}: its builder does not take {key!r}, which its '
+          'registry entry says the runner passes; declare what it takes with '
+          f'AlgorithmEntry(builder, runner_options={taken!r}).')
+    if supplied[key] is not None:
+      kwargs[key] = supplied[key]
+  if (entry.population is not None and entry.population not in kwargs
+      and num_clients is not None):
+    kwargs[entry.population] = num_clients
+  algorithm = entry(model.loss_fn, **kwargs)
   if (map_strategy, chunk_size) != ('auto', None):
     if not hasattr(algorithm, 'compile'):
       raise ConfigError(f'algorithm {name!r} returns {type(algorithm).__name__}, '
@@ -288,9 +329,28 @@ def register_dataset(name: str, builder: Callable[..., ExperimentData]) -> None:
   DATASETS[name] = builder
 
 
-def register_algorithm(name: str, builder: Callable[..., Any]) -> None:
-  """Adds (or replaces) an algorithm builder ``builder(loss_fn, **kwargs)``."""
-  ALGORITHMS[name] = builder
+def register_algorithm(name: str, builder: Callable[..., Any], *,
+                       population: str | None = None,
+                       runner_options: tuple[str, ...] | None = None) -> None:
+  """Adds (or replaces) an algorithm builder ``builder(loss_fn, **kwargs)``.
+
+  Args:
+    name: the name configs use.
+    builder: the builder.
+    population: the builder's option that takes the population size, for an
+      algorithm with per-client state (see :class:`AlgorithmEntry`).
+    runner_options: which of :data:`RUNNER_OPTIONS` the builder takes; None
+      reads them from its signature here, once (all of them if it takes
+      ``**kwargs``), and the entry keeps them.
+  """
+  if runner_options is None:
+    names, var = accepted_kwargs(builder)
+    runner_options = tuple(k for k in RUNNER_OPTIONS if var or k in names)
+  for key in runner_options:
+    if key not in RUNNER_OPTIONS:
+      raise ConfigError(f'register_algorithm({name!r}): runner_options has '
+                        f'{key!r}; valid runner options: {list(RUNNER_OPTIONS)}.')
+  ALGORITHMS[name] = AlgorithmEntry(builder, population, tuple(runner_options))
 
 
 def build_dataset(spec: Any, seed: int) -> ExperimentData:

@@ -21,8 +21,10 @@ Subpackages (imported on first use, so ``import fedjx`` stays light;
 * ``fedjx.experiments``: the config-driven runner behind ``fedjx-run``
   (docs/experiments.md).
 
-Modules: ``fedjx.plan`` (MapReduce plans of programs), ``fedjx.beam``
-(Apache Beam), ``fedjx.export`` (exported computations), ``fedjx.sharding``,
+Modules: ``fedjx.interpreters`` (the MapReduce plan of a program and what
+runs it: ``plan``, ``beam`` for Apache Beam, ``export`` for exported
+computations; also reachable as ``fedjx.plan``, ``fedjx.beam`` and
+``fedjx.export``), ``fedjx.streaming``, ``fedjx.sharding``,
 ``fedjx.distributed``.
 """
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,7 +48,7 @@ import numpy as np
 
 from fedjx import fusion
 from fedjx import mapping
-from fedjx import plan as plan_lib
+from fedjx.interpreters import plan as plan_lib
 from fedjx import primitives
 
 
@@ -89,21 +90,16 @@ class Clients:
   def from_dataset(cls, dataset: Any, client_ids: Sequence[int], batch_size: int,
                    num_steps: int, *, shuffle_seed: int = 0,
                    round_num: int = 0) -> 'Clients':
-    """Clients of a ``fedjx.datasets`` dataset, batched a chunk at a time.
+    """Deprecated: ``fedjx.datasets.streaming_clients`` (same arguments).
 
-    ``num_steps`` fixes the step count of every client (no bucketing), so
-    all chunks have one shape.
+    The interpreters do not depend on the dataset layer above them.
     """
-    from fedjx import datasets  # The dataset layer sits above fedjx.
-
-    def load(ids):
-      return datasets.make_cohort(dataset, np.asarray(ids, np.int32), batch_size,
-                                  num_steps=num_steps, shuffle_seed=shuffle_seed,
-                                  round_num=round_num, bucket=False)
-    first = load(list(client_ids)[:1])
-    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], np.asarray(a).dtype),
-                        first)
-    return cls(list(client_ids), load, spec)
+    warnings.warn('fedjx.streaming.Clients.from_dataset is deprecated; use '
+                  'fedjx.datasets.streaming_clients (same arguments).',
+                  DeprecationWarning, stacklevel=2)
+    from fedjx import datasets  # pylint: disable=g-import-not-at-top  # The deprecated path only.
+    return datasets.streaming_clients(dataset, client_ids, batch_size, num_steps,
+                                      shuffle_seed=shuffle_seed, round_num=round_num)
 
 
 @dataclasses.dataclass
@@ -163,7 +159,7 @@ def _run(fn, args, chunk_size, cache) -> Any:
   if not client_positions:
     raise ValueError('fedjx.streaming.run: no argument is a fedjx.streaming.Clients; '
                      'pass the cohort as Clients.from_arrays(...) or '
-                     'Clients.from_dataset(...).')
+                     'fedjx.datasets.streaming_clients(...).')
   trace_args = [a.placed_spec() if isinstance(a, Clients) else a for a in args]
   entry = cache.setdefault(_shapes_key(args), {})
   if 'plan' not in entry:
@@ -171,10 +167,8 @@ def _run(fn, args, chunk_size, cache) -> Any:
   plan = entry['plan']
   n = plan.num_clients
   env: dict[int, Any] = {i: jnp.asarray(v) for i, v in plan.consts.items()}
-  sources: list[tuple[Clients, list[int]]] = []
-  position = 0
-  for arg, traced in zip(args, trace_args):
-    ids = plan.in_ids[position:position + len(jax.tree.leaves(traced))]
+  sources: list[tuple[Clients, tuple[int, ...]]] = []
+  for arg, ids in zip(args, plan.arg_ids):
     if isinstance(arg, Clients):
       if len(arg.client_ids) != n:
         raise ValueError(f'fedjx.streaming.run: Clients has {len(arg.client_ids)} '
@@ -182,7 +176,6 @@ def _run(fn, args, chunk_size, cache) -> Any:
       sources.append((arg, ids))
     else:
       env.update(zip(ids, jax.tree.leaves(arg)))
-    position += len(ids)
   client_inputs = {i for _, ids in sources for i in ids}
   for i in plan.out_ids:
     if plan.kinds.get(i) == plan_lib.CLIENT:
@@ -247,13 +240,7 @@ def _next_pass(plan, remaining, env, bcast, client_inputs) -> _Pass:
 def _check_no_later_use(plan, one_pass, remaining, client_inputs) -> None:
   produced = {i for s in one_pass.maps for i in s.out_ids} - client_inputs
   for step in remaining:
-    if isinstance(step, plan_lib.MapStep):
-      used = set(step.x_ids)
-    elif isinstance(step, plan_lib.ReduceStep):
-      used = {step.x_id, step.weight_id}
-    else:
-      continue
-    late = used & produced
+    late = set(step.placed_reads) & produced
     if late:
       i = min(late)
       raise NotStreamableError(

@@ -10,9 +10,9 @@ pytest.importorskip('apache_beam')
 
 import fedjx  # noqa: E402
 from fedjx import algorithms  # noqa: E402
-from fedjx import beam as fedjx_beam  # noqa: E402
+from fedjx.interpreters import beam as fedjx_beam  # noqa: E402
 from fedjx import datasets  # noqa: E402
-from fedjx import plan as plan_lib  # noqa: E402
+from fedjx.interpreters import plan as plan_lib  # noqa: E402
 
 CLIENTS = 50
 
@@ -96,7 +96,7 @@ def test_federated_gradient_of_a_round():
 def test_client_data_read_inside_the_pipeline_from_a_dataset():
   population = datasets.synthetic(1.0, 1.0, num_clients=20, seed=0, max_examples=60)
   ids = np.arange(0, 20, 2)
-  source = fedjx_beam.ClientData.from_dataset(population, ids, batch_size=8, num_steps=3)
+  source = datasets.beam_client_data(population, ids, batch_size=8, num_steps=3)
   cohort = datasets.make_cohort(population, ids, 8, num_steps=3, bucket=False)
 
   def loss(params, batch):

@@ -9,7 +9,7 @@ import pytest
 import fedjx
 from fedjx import algorithms
 from fedjx import datasets
-from fedjx import export as fedjx_export
+from fedjx.interpreters import export as fedjx_export
 
 
 def _loss(params, batch):

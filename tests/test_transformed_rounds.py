@@ -18,10 +18,10 @@ pytest.importorskip('apache_beam')
 
 import fedjx  # noqa: E402
 from fedjx import algorithms  # noqa: E402
-from fedjx import beam as fedjx_beam  # noqa: E402
+from fedjx.interpreters import beam as fedjx_beam  # noqa: E402
 from fedjx import datasets  # noqa: E402
-from fedjx import export as fedjx_export  # noqa: E402
-from fedjx import plan as plan_lib  # noqa: E402
+from fedjx.interpreters import export as fedjx_export  # noqa: E402
+from fedjx.interpreters import plan as plan_lib  # noqa: E402
 
 CLIENTS = 6
 TOL = 1e-5

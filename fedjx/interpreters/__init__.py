@@ -1,0 +1,36 @@
+"""Interpreters of a round's MapReduce plan.
+
+A program written with the fedjx primitives is traced once into a plan
+(:mod:`fedjx.interpreters.plan`): server steps, broadcasts, per-client maps
+and reductions, each step carrying what it reads and writes. The plan's
+interpreters run or rewrite it:
+
+* :mod:`fedjx.interpreters.plan`: tracing, and ``evaluate``, a reference
+  interpreter that runs a plan client by client in-process;
+* :mod:`fedjx.interpreters.beam`: the plan as an Apache Beam pipeline
+  (``pip install -e '.[beam]'``);
+* :mod:`fedjx.interpreters.export`: the plan as ``jax.export`` pieces
+  (``server_prepare``, ``client_work``, aggregations, ``server_update``) for
+  cross-device systems.
+
+:mod:`fedjx.streaming` (clients streamed from the host in chunks on local
+devices) interprets the same plans. ``fedjx.plan``, ``fedjx.beam`` and
+``fedjx.export`` are short names for the three modules here.
+
+The submodules are imported on first use (``beam`` needs Apache Beam).
+"""
+
+import importlib as _importlib
+
+MODULES = ('plan', 'beam', 'export')
+
+
+def __getattr__(name):
+  # Submodules are imported when first used (PEP 562).
+  if name in MODULES:
+    return _importlib.import_module(f'{__name__}.{name}')
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__():
+  return sorted(set(globals()) | set(MODULES))

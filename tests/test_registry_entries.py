@@ -1,0 +1,117 @@
+"""What the registry passes an algorithm builder is declared, not guessed.
+
+The entry of an algorithm says which runner options it takes and which option
+takes the population size; nothing is passed because of a parameter's name.
+"""
+
+import inspect
+import types
+
+import pytest
+
+from fedjx.experiments import registry
+
+MODEL = types.SimpleNamespace(loss_fn=lambda params, batch: None,
+                              metrics_fn=lambda params, batch: {})
+
+
+def _recorder(calls):
+  def builder(loss_fn, num_clients=None, n_pop=None, **options):
+    calls.append(dict(options, num_clients=num_clients, n_pop=n_pop))
+    return 'built'
+  return builder
+
+
+@pytest.fixture
+def register():
+  names = []
+
+  def add(name, builder, **kw):
+    names.append(name)
+    registry.register_algorithm(name, builder, **kw)
+  yield add
+  for name in names:
+    registry.ALGORITHMS.pop(name)
+
+
+def test_every_entry_takes_what_it_declares():
+  for name in registry.ALGORITHMS:
+    entry = registry.algorithm_entry(name)
+    params = inspect.signature(entry.builder).parameters
+    for key in entry.runner_options + ((entry.population,) if entry.population else ()):
+      assert key in params, (name, key)
+    assert inspect.signature(entry) == inspect.signature(entry.builder)
+
+
+def test_every_required_option_of_a_builder_is_its_declared_population():
+  # A config names only the algorithm's own options: anything else the
+  # builder requires must come from the runner, i.e. be declared.
+  for name in registry.ALGORITHMS:
+    entry = registry.algorithm_entry(name)
+    params = list(inspect.signature(entry.builder).parameters.values())[1:]
+    required = {p.name for p in params if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    assert required <= {entry.population}, (name, required)
+
+
+def test_population_goes_to_the_declared_option_only(register):
+  calls = []
+  register('by_name', _recorder(calls))
+  register('declared', _recorder(calls), population='n_pop')
+  registry.build_algorithm({'name': 'by_name'}, MODEL, num_clients=7)
+  registry.build_algorithm({'name': 'declared'}, MODEL, num_clients=7)
+  registry.build_algorithm({'name': 'declared', 'n_pop': 3}, MODEL, num_clients=7)
+  # A parameter called num_clients is not enough: it was not declared.
+  assert [(c['num_clients'], c['n_pop']) for c in calls] == [
+      (None, None), (None, 7), (None, 3)]
+
+
+def test_runner_options_are_those_declared(register):
+  calls = []
+  register('everything', _recorder(calls))  # **options: both, read once here.
+  register('nothing', _recorder(calls), runner_options=())
+  register('metrics_only', _recorder(calls), runner_options=('metrics_fn',))
+  for name in ('everything', 'nothing', 'metrics_only'):
+    registry.build_algorithm({'name': name}, MODEL, skip_nonfinite=False)
+  assert [sorted(set(c) - {'num_clients', 'n_pop'}) for c in calls] == [
+      ['metrics_fn', 'skip_nonfinite'], [], ['metrics_fn']]
+  assert calls[0]['metrics_fn'] is MODEL.metrics_fn
+  assert calls[0]['skip_nonfinite'] is False
+
+
+def test_a_builder_without_skip_nonfinite_is_registered_without_it(register):
+  calls = []
+
+  def plain(loss_fn, *, metrics_fn=None):
+    calls.append(metrics_fn)
+  register('plain', plain)
+  assert registry.algorithm_entry('plain').runner_options == ('metrics_fn',)
+  registry.build_algorithm({'name': 'plain'}, MODEL, skip_nonfinite=True)
+  assert calls == [MODEL.metrics_fn]
+
+
+def test_an_entry_declaring_more_than_its_builder_takes_is_one_line(register):
+  def plain(loss_fn, *, metrics_fn=None):
+    del loss_fn, metrics_fn
+  registry.ALGORITHMS['undeclared'] = plain  # A plain entry: both options.
+  try:
+    with pytest.raises(registry.ConfigError,
+                       match=r"^algorithm 'undeclared': its builder does not take "
+                             r"'skip_nonfinite'.*runner_options=\('metrics_fn',\)\)\.$"):
+      registry.build_algorithm({'name': 'undeclared'}, MODEL)
+  finally:
+    registry.ALGORITHMS.pop('undeclared')
+
+
+def test_the_package_s_per_client_algorithms_get_the_population():
+  assert registry.algorithm_entry('scaffold').population == 'num_clients'
+  assert registry.algorithm_entry('diloco').population == 'num_replicas'
+  assert registry.algorithm_entry('fedavg').population is None
+
+
+def test_an_unknown_runner_option_is_one_line():
+  with pytest.raises(registry.ConfigError,
+                     match=r"^register_algorithm\('x'\): runner_options has 'mesh'; "
+                           r"valid runner options: \['metrics_fn', 'skip_nonfinite'\]\.$"):
+    registry.register_algorithm('x', _recorder([]), runner_options=('mesh',))
+  assert 'x' not in registry.ALGORITHMS
