@@ -24,6 +24,10 @@ arrays with a mask, padded to power-of-two step buckets; :func:`place_cohort`
 shards it ``P('clients')`` on a mesh; :func:`cohort_iterator` does all three
 for consecutive rounds with background prefetch.
 
+Unreliable clients: :mod:`fedjx.datasets.systems`, a :class:`SystemModel`
+of availability, dropout, speed and deadlines on a simulated clock, and
+:func:`system_cohort_iterator`, the cohorts the server really aggregates.
+
 Labels: :func:`check_labels` makes a label outside ``[0, num_classes)`` a
 one-line error when the data is read.
 
@@ -68,6 +72,11 @@ from fedjx.datasets.summary import format_summary
 from fedjx.datasets.summary import summary
 from fedjx.datasets.synthetic import SyntheticDataset
 from fedjx.datasets.synthetic import synthetic
+from fedjx.datasets import systems
+from fedjx.datasets.systems import AvailableSampler
+from fedjx.datasets.systems import RoundReport
+from fedjx.datasets.systems import SystemModel
+from fedjx.datasets.systems import system_cohort_iterator
 from fedjx.datasets.text import TextCorpus
 from fedjx.datasets.text import text_corpus
 from fedjx.datasets.tfds_source import from_tfds
@@ -77,6 +86,9 @@ __all__ = [
     'CohortSampler',
     'PADDING_CLIENT',
     'Sampler',
+    'AvailableSampler',
+    'RoundReport',
+    'SystemModel',
     'FederatedDataset',
     'IndexedDataset',
     'LabelCheckedDataset',
@@ -109,6 +121,8 @@ __all__ = [
     'split_examples',
     'summary',
     'synthetic',
+    'system_cohort_iterator',
+    'systems',
     'text_corpus',
     'write_fedjax_sqlite',
     'write_tff_hdf5',
