@@ -31,6 +31,7 @@ from fedjx.algorithms.fedavg import fedadam
 from fedjx.algorithms.fedavg import fedavg
 from fedjx.algorithms.fedavg import fedavgm
 from fedjx.algorithms.fedavg import fedyogi
+from fedjx.algorithms.fednova import fednova
 from fedjx.algorithms.fedprox import fedprox
 from fedjx.algorithms.quantization import quantize
 from fedjx.algorithms.scaffold import ScaffoldState
@@ -74,6 +75,7 @@ __all__ = [
     'fedadam',
     'fedavg',
     'fedavgm',
+    'fednova',
     'fedprox',
     'fedyogi',
     'nonfinite',

@@ -173,6 +173,7 @@ ALGORITHMS: dict[str, Callable[..., Any]] = {
     'fedadagrad': algorithms_lib.fedadagrad,
     'fedavgm': algorithms_lib.fedavgm,
     'fedprox': algorithms_lib.fedprox,
+    'fednova': algorithms_lib.fednova,
     'scaffold': algorithms_lib.scaffold,
     'dp_fedavg': algorithms_lib.dp_fedavg,
     'diloco': algorithms_lib.diloco,
