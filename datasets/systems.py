@@ -92,7 +92,8 @@ LATE = ('drop', 'partial')
 
 
 def _error(where: str, name: str, value: Any, allowed: str) -> ValueError:
-  return ValueError(f'systems.{where}.{name}={value!r}; it must be {allowed}.')
+  field = f'{where}.{name}' if where else name
+  return ValueError(f'systems.{field}={value!r}; it must be {allowed}.')
 
 
 def _number(where: str, name: str, value: Any, *, low: float = 0.0,

@@ -109,6 +109,7 @@ class Experiment:
   init_params: Any
   round_key: jax.Array
   evaluate: Callable[[Any], dict[str, float]] | None
+  systems: datasets.SystemModel | None = None  # config.systems, if any
 
   def cohorts(self, start: int, stop: int) -> Iterator[Any]:
     """Placed cohorts of rounds ``start .. stop - 1`` (prefetched)."""
@@ -118,6 +119,16 @@ class Experiment:
         start_round=start, num_rounds=stop - start, num_epochs=c.local_epochs,
         num_steps=c.local_steps, max_steps=c.max_local_steps,
         bucket=c.bucket_steps, prefetch=c.prefetch)
+
+  def system_rounds(self, start: int, stop: int, start_time: float) -> Iterator[Any]:
+    """``(cohort, report)`` of rounds ``start .. stop - 1`` under ``config.systems``,
+    round ``start`` starting at simulated time ``start_time`` (seconds)."""
+    c = self.config
+    return datasets.system_cohort_iterator(
+        self.data.train, self.systems, c.cohort_size, c.batch_size,
+        start_round=start, start_time=start_time, num_rounds=stop - start,
+        num_epochs=c.local_epochs, num_steps=c.local_steps,
+        max_steps=c.max_local_steps, bucket=c.bucket_steps, prefetch=c.prefetch)
 
   def round_key_for(self, r: int) -> jax.Array:
     key = jax.random.fold_in(self.round_key, r)
@@ -162,7 +173,34 @@ def build(config: Any) -> Experiment:
   examples = evaluation.pool_examples(data.test, config.eval_max_examples)
   evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size)
               if examples is not None else None)
-  return Experiment(config, data, model, algorithm, params, round_key, evaluate)
+  system_model = _system_model(config, data.train.num_clients, params)
+  return Experiment(config, data, model, algorithm, params, round_key, evaluate,
+                    system_model)
+
+
+def _system_model(config: ml_collections.ConfigDict, num_clients: int,
+                  params: Any) -> datasets.SystemModel | None:
+  """``config.systems`` as a system model (its model bytes: ``params``'), or None."""
+  try:
+    model = datasets.systems.from_config(
+        config.systems, num_clients, config.seed,
+        model_bytes=sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))
+  except ValueError as e:
+    raise registry.ConfigError(f'config.{e}') from None
+  if model is None:
+    return None
+  if jax.process_count() > 1:
+    raise registry.ConfigError('config.systems is set; the system model runs '
+                               'in single-process runs only.')
+  algo = registry.split_name('algorithm', config.algorithm)[1]
+  if model.deadline.late == 'partial' and (
+      algo.get('local_steps') is not None or algo.get('local_epochs', 1) != 1):
+    raise registry.ConfigError(
+        "config.systems.deadline.late='partial' masks a client's later steps "
+        'in the cohort, so the algorithm must run each cohort step once: '
+        'leave algorithm.local_steps and local_epochs unset and give '
+        'config.local_epochs or config.local_steps instead.')
+  return model
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -317,6 +355,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
         state, mesh, distributed.state_specs(state, mesh, config.param_sharding))
   fingerprint = _fingerprint(config)
   start, elapsed_before = 0, 0.0
+  clock = 0.0  # config.systems: the simulated time (s) at the start of `start`
   try:
     restored = ckpt.restore_latest_intact(
         state, lambda m: _check_same_experiment(m.get('config', {}), fingerprint,
@@ -328,6 +367,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
     state, saved_meta = restored
     start = int(saved_meta['step'])
     elapsed_before = float(saved_meta.get('elapsed_s', 0.0))
+    clock = float(saved_meta.get('simulated_time', 0.0))
     log(f'fedjx: resuming {workdir} from the checkpoint after round {start}.')
   if lead:
     metrics_writers.write_atomically(
@@ -345,7 +385,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
   def meta(step: int) -> dict[str, Any]:
     return {'step': step, 'next_round': step, 'seed': config.seed,
             'round_key': np.asarray(jax.random.key_data(exp.round_key)).tolist(),
-            'elapsed_s': elapsed(), 'config': fingerprint}
+            'elapsed_s': elapsed(), 'config': fingerprint,
+            **({'simulated_time': clock} if exp.systems is not None else {})}
 
   def emit(step: int, row: dict[str, float]) -> None:
     row = dict(row, elapsed_s=round(elapsed(), 4))
@@ -361,13 +402,18 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
   try:
     with StopFlag().installed() as sigint:
       if start == 0 and exp.evaluate is not None:
-        emit(0, exp.evaluate(state.params))
+        emit(0, dict(exp.evaluate(state.params), **(
+            {'simulated_time': 0.0} if exp.systems is not None else {})))
       if start < config.rounds:
-        cohorts = exp.cohorts(start, config.rounds)
+        cohorts = (exp.cohorts(start, config.rounds) if exp.systems is None
+                   else exp.system_rounds(start, config.rounds, clock))
         run_round = execution_lib.round_runner(exp.algorithm, config.execution,
                                                config.chunk_size, log)
         try:
           for r, cohort in zip(range(start, config.rounds), cohorts):
+            report = None
+            if exp.systems is not None:
+              cohort, report = cohort
             state, metrics = run_round(state, cohort, exp.round_key_for(r))
             # Dispatched behind the round; fetched below with its metrics.
             flag = None if config.nonfinite == 'off' else _all_finite(state.params)
@@ -376,6 +422,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
               pending = False
             step = r + 1
             row = _scalars(metrics)
+            if report is not None:  # The system model's clock and counts.
+              row.update(report.metrics())
+              clock = report.end_time
             finite = flag is None or bool(distributed.to_host(flag))
             if exp.evaluate is not None and finite and (
                 step % config.eval_every == 0 or step == config.rounds):

@@ -153,6 +153,7 @@ def _numpy_optimum(clients, weights):
   return res.x
 
 
+@pytest.mark.slow  # ~15 s: two compiled 300-round scans and two L-BFGS fits.
 def test_fednova_removes_the_objective_inconsistency_of_fedavg():
   """Wang et al. 2020, Theorem 1 and Fig. 1, on Synthetic(1, 1).
 

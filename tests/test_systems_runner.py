@@ -1,0 +1,84 @@
+"""config.systems in the runner: the simulated clock, counts, and resumption."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from fedjx import datasets
+from fedjx.experiments import config as config_lib
+from fedjx.experiments import metrics_writers
+from fedjx.experiments import registry
+from fedjx.experiments import runner
+
+SYSTEMS = dict(
+    availability=dict(kind='diurnal', day_hours=2.0, threshold=-0.2),
+    dropout=dict(p=0.15),
+    speed=dict(step_seconds=3.0, sigma=1.0, jitter=0.3, bandwidth=2e5),
+    deadline=dict(seconds=40.0, reports=5, late='partial'))
+
+
+def _config(rounds, **more):
+  config = dict(
+      seed=2, rounds=rounds, cohort_size=7, batch_size=16, local_steps=4,
+      eval_every=2, checkpoint_every=2, progress=False, plot=False,
+      tensorboard=False, prefetch=1, systems=SYSTEMS,
+      dataset=dict(name='digits', num_clients=30, alpha=0.5),
+      model=dict(name='logistic_regression'),
+      algorithm=dict(name='fednova',
+                     client_optimizer=dict(name='sgd', learning_rate=0.1)))
+  config.update(more)
+  return ml_collections.ConfigDict(config)
+
+
+def _rows(workdir):
+  path = metrics_writers.metrics_path(workdir, 'jsonl')
+  return [{k: v for k, v in r.items() if k != 'elapsed_s'}
+          for r in metrics_writers.read_metrics(path)]
+
+
+def test_a_resumed_run_continues_the_simulated_clock(tmp_path):
+  config = runner.validate(_config(4))
+  whole = runner.run(config, str(tmp_path / 'whole'), log=lambda m: None)
+  rows = _rows(str(tmp_path / 'whole'))
+  # The clock and counts are the system model's, round by round.
+  exp = runner.build(config)
+  assert exp.systems.speed.model_bytes == 4 * (64 * 10 + 10)
+  with datasets.system_cohort_iterator(
+      exp.data.train, exp.systems, 7, 16, num_rounds=4, num_steps=4,
+      prefetch=0) as it:
+    reports = [r for _, r in it]
+  assert rows[0]['simulated_time'] == 0.0
+  for r, report in zip(rows[1:], reports):
+    assert {k: r[k] for k in report.metrics()} == pytest.approx(
+        report.metrics(), rel=1e-15)
+    assert r['sampled_clients'] == (r['reported_clients'] + r['partial_clients']
+                                    + r['late_clients'] + r['dropped_clients'])
+    assert r['reported_clients'] <= 5  # deadline.reports
+    assert r['round_seconds'] <= 40.0
+    # The algorithm trains exactly the clients the system model kept.
+    assert r['clients'] == r['reported_clients'] + r['partial_clients']
+  times = [r['simulated_time'] for r in rows]
+  assert all(b > a for a, b in zip(times, times[1:]))
+  assert sum(r['partial_clients'] for r in rows[1:]) > 0
+  assert sum(r['dropped_clients'] for r in rows[1:]) > 0
+  # Stopped after round 2, then continued to 4: the same clock and model.
+  part = str(tmp_path / 'part')
+  runner.run(_config(2), part, log=lambda m: None)
+  resumed = runner.run(_config(4), part, log=lambda m: None)
+  assert _rows(part) == rows
+  jax.tree.map(np.testing.assert_array_equal, resumed.state.params,
+               whole.state.params)
+
+
+def test_bad_systems_configs_are_one_line():
+  bad = dict(SYSTEMS, deadline=dict(late='later'))
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"config\.systems\.deadline\.late='later'"):
+    config_lib.validate(_config(2, systems=bad))
+  with pytest.raises(config_lib.ConfigError, match='config.systems.speed.warp'):
+    config_lib.validate(_config(2, systems=dict(speed=dict(warp=2))))
+  partial_with_steps = _config(2, algorithm=dict(name='fedavg', local_steps=3))
+  with pytest.raises(registry.ConfigError, match="late='partial'") as e:
+    runner.build(runner.validate(partial_with_steps))
+  assert '\n' not in str(e.value)
