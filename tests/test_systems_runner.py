@@ -1,5 +1,7 @@
 """config.systems in the runner: the simulated clock, counts, and resumption."""
 
+import os
+
 import jax
 import ml_collections
 import numpy as np
@@ -82,3 +84,16 @@ def test_bad_systems_configs_are_one_line():
   with pytest.raises(registry.ConfigError, match="late='partial'") as e:
     runner.build(runner.validate(partial_with_steps))
   assert '\n' not in str(e.value)
+
+
+def test_plots_against_simulated_hours(tmp_path):
+  from fedjx.experiments import plotting  # pylint: disable=g-import-not-at-top
+  rows = [{'round': 0, 'eval_accuracy': 0.1, 'simulated_time': 0.0},
+          {'round': 1, 'loss': 2.0, 'simulated_time': 1800.0},
+          {'round': 2, 'eval_accuracy': 0.5, 'simulated_time': 7200.0}]
+  assert plotting._series(rows, 'eval_accuracy', 'simulated_time') == (
+      [0.0, 2.0], [0.1, 0.5])
+  assert plotting._series(rows, 'eval_accuracy') == ([0, 2], [0.1, 0.5])
+  path = plotting.plot_curves({'a': rows}, str(tmp_path / 'p.png'),
+                              metrics=['eval_accuracy'], x='simulated_time')
+  assert os.path.getsize(path) > 0
