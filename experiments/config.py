@@ -69,9 +69,9 @@ DEFAULTS: dict[str, Any] = {
     'coordinator_address': '',  # multi-process runs: 'host:port' of process 0
     'num_processes': None,
     'process_id': None,
-    # Unreliable clients on a simulated clock (fedjx.datasets.systems): None
+    # Unreliable clients on a simulated clock (fedjx.datasets.systems): {}
     # (perfect clients) or a dict of availability/dropout/speed/deadline.
-    'systems': None,
+    'systems': {},
 }
 REQUIRED = ('dataset', 'model', 'algorithm')
 # config.nonfinite: what a NaN/Inf does. 'skip': clients with a non-finite
