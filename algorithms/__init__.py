@@ -21,6 +21,9 @@ from fedjx.algorithms.base import scan_rounds
 from fedjx.algorithms.client_transforms import control_variate
 from fedjx.algorithms.client_transforms import proximal
 from fedjx.algorithms.client_update import LocalSchedule
+from fedjx.algorithms.async_diloco import AsyncDiLoCoState
+from fedjx.algorithms.async_diloco import async_diloco
+from fedjx.algorithms.async_diloco import delayed_nesterov
 from fedjx.algorithms.diloco import DiLoCoState
 from fedjx.algorithms.diloco import diloco
 from fedjx.algorithms.dp_fedavg import clip_update
@@ -31,6 +34,9 @@ from fedjx.algorithms.fedavg import fedadam
 from fedjx.algorithms.fedavg import fedavg
 from fedjx.algorithms.fedavg import fedavgm
 from fedjx.algorithms.fedavg import fedyogi
+from fedjx.algorithms.fedbuff import AsyncCohort
+from fedjx.algorithms.fedbuff import FedBuffState
+from fedjx.algorithms.fedbuff import fedbuff
 from fedjx.algorithms.fednova import fednova
 from fedjx.algorithms.fedprox import fedprox
 from fedjx.algorithms.quantization import quantize
@@ -54,6 +60,9 @@ from fedjx.algorithms.tuner import hypergradient_tuner
 __all__ = [
     'Aggregator',
     'Algorithm',
+    'AsyncCohort',
+    'AsyncDiLoCoState',
+    'FedBuffState',
     'DiLoCoState',
     'LocalSchedule',
     'ScaffoldState',
@@ -64,17 +73,20 @@ __all__ = [
     'adaptive_adam',
     'aggregation_weights',
     'aggregators',
+    'async_diloco',
     'client_transforms',
     'client_update',
     'control_variate',
     'clip_update',
     'diloco',
     'dp_epsilon',
+    'delayed_nesterov',
     'dp_fedavg',
     'fedadagrad',
     'fedadam',
     'fedavg',
     'fedavgm',
+    'fedbuff',
     'fednova',
     'fedprox',
     'fedyogi',

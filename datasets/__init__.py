@@ -28,6 +28,10 @@ Unreliable clients: :mod:`fedjx.datasets.systems`, a :class:`SystemModel`
 of availability, dropout, speed and deadlines on a simulated clock, and
 :func:`system_cohort_iterator`, the cohorts the server really aggregates.
 
+Asynchronous training: :class:`AsyncScheduler` simulates which clients
+report at each server step of buffered asynchronous aggregation (FedBuff)
+and when; :func:`async_cohort_iterator` turns its steps into cohorts.
+
 Labels: :func:`check_labels` makes a label outside ``[0, num_classes)`` a
 one-line error when the data is read.
 
@@ -36,6 +40,9 @@ Evaluation: :func:`split_clients`, :func:`split_examples`,
 :func:`summary`, :func:`format_summary`.
 """
 
+from fedjx.datasets.async_schedule import AsyncScheduler
+from fedjx.datasets.async_schedule import async_cohort_iterator
+from fedjx.datasets.async_schedule import lognormal_durations
 from fedjx.datasets.cohort import Cohort
 from fedjx.datasets.cohort import CohortSampler
 from fedjx.datasets.cohort import PADDING_CLIENT
@@ -82,6 +89,9 @@ from fedjx.datasets.text import text_corpus
 from fedjx.datasets.tfds_source import from_tfds
 
 __all__ = [
+    'AsyncScheduler',
+    'async_cohort_iterator',
+    'lognormal_durations',
     'Cohort',
     'CohortSampler',
     'PADDING_CLIENT',

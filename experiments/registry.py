@@ -179,7 +179,12 @@ ALGORITHMS: dict[str, Callable[..., Any]] = {
     'diloco': algorithms_lib.diloco,
     'streaming_diloco': algorithms_lib.streaming_diloco,
     'fedavg_hypergradient_tuner': algorithms_lib.fedavg_hypergradient_tuner,
+    'fedbuff': algorithms_lib.fedbuff,
+    'async_diloco': algorithms_lib.async_diloco,
 }
+# Asynchronous algorithms: the runner feeds their rounds AsyncCohorts from
+# its simulated schedule (fedjx.datasets.async_schedule).
+ASYNCHRONOUS = ('fedbuff', 'async_diloco')
 # Algorithm options the runner sets (not config.algorithm).
 RESERVED = ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size',
             'skip_nonfinite')

@@ -110,10 +110,18 @@ class Experiment:
   round_key: jax.Array
   evaluate: Callable[[Any], dict[str, float]] | None
   systems: datasets.SystemModel | None = None  # config.systems, if any
+  # The simulated schedule of an asynchronous algorithm (else None).
+  scheduler: datasets.AsyncScheduler | None = None
 
   def cohorts(self, start: int, stop: int) -> Iterator[Any]:
     """Placed cohorts of rounds ``start .. stop - 1`` (prefetched)."""
     c = self.config
+    if self.scheduler is not None:
+      return datasets.async_cohort_iterator(
+          self.data.train, self.scheduler, c.batch_size, start_round=start,
+          num_rounds=stop - start, num_epochs=c.local_epochs,
+          num_steps=c.local_steps, max_steps=c.max_local_steps,
+          bucket=c.bucket_steps, prefetch=c.prefetch)
     return datasets.cohort_iterator(
         self.data.train, c.cohort_size, c.batch_size, seed=c.seed,
         start_round=start, num_rounds=stop - start, num_epochs=c.local_epochs,
@@ -174,8 +182,11 @@ def build(config: Any) -> Experiment:
   evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size)
               if examples is not None else None)
   system_model = _system_model(config, data.train.num_clients, params)
+  scheduler = async_scheduler(config, data.train, system_model)
+  if scheduler is not None:  # The system model supplies its durations only.
+    system_model = None
   return Experiment(config, data, model, algorithm, params, round_key, evaluate,
-                    system_model)
+                    system_model, scheduler)
 
 
 def _system_model(config: ml_collections.ConfigDict, num_clients: int,
@@ -201,6 +212,56 @@ def _system_model(config: ml_collections.ConfigDict, num_clients: int,
         'leave algorithm.local_steps and local_epochs unset and give '
         'config.local_epochs or config.local_steps instead.')
   return model
+
+
+def async_scheduler(config: ml_collections.ConfigDict, train: Any,
+                    systems: datasets.SystemModel | None = None
+                    ) -> datasets.AsyncScheduler | None:
+  """The schedule of an asynchronous algorithm (``registry.ASYNCHRONOUS``).
+
+  ``K = config.cohort_size`` updates per server step; the concurrency ``M``
+  (``config.algorithm.concurrency``, default ``K``) and the duration model
+  (``config.algorithm.client_durations``) come from the algorithm's entry,
+  or the durations from ``config.systems`` (``systems``): a client's
+  communication time plus its local steps (as its cohort would hold them)
+  times its step time.
+  """
+  name, spec = registry.split_name('algorithm', config.algorithm)
+  if name not in registry.ASYNCHRONOUS:
+    return None
+  num_clients = train.num_clients
+  k = config.cohort_size
+  if spec.get('buffer_size') not in (None, k):
+    raise registry.ConfigError(
+        f'config.algorithm.buffer_size={spec["buffer_size"]} differs from '
+        f'config.cohort_size={k}; a server step takes cohort_size updates.')
+  if systems is not None and spec.get('client_durations') is not None:
+    raise registry.ConfigError(
+        f'config.algorithm.client_durations and config.systems are both set '
+        f'for {name!r}; give one of them.')
+  try:
+    if systems is not None:
+      duration = _system_durations(config, train, systems)
+    else:
+      duration = datasets.async_schedule.make_durations(
+          spec.get('client_durations'), num_clients, config.seed)
+    return datasets.AsyncScheduler(num_clients, spec.get('concurrency') or k, k,
+                                   duration, seed=config.seed)
+  except ValueError as e:
+    raise registry.ConfigError(f'config.algorithm ({name}): {e}') from None
+
+
+def _system_durations(config: ml_collections.ConfigDict, train: Any,
+                      systems: datasets.SystemModel) -> Callable[[int, float], float]:
+  """``duration(client_id, start_time)`` of ``systems`` for the cohort steps
+  each client gets under ``config``."""
+  def duration(client_id: int, start_time: float) -> float:
+    steps = datasets.cohort_steps(
+        train, [client_id], config.batch_size, num_epochs=config.local_epochs,
+        num_steps=config.local_steps, max_steps=config.max_local_steps,
+        bucket=False)
+    return systems.duration(client_id, start_time, steps)
+  return duration
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -403,7 +464,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
     with StopFlag().installed() as sigint:
       if start == 0 and exp.evaluate is not None:
         emit(0, dict(exp.evaluate(state.params), **(
-            {'simulated_time': 0.0} if exp.systems is not None else {})))
+            {'simulated_time': 0.0} if exp.systems is not None or
+            exp.scheduler is not None else {})))
       if start < config.rounds:
         cohorts = (exp.cohorts(start, config.rounds) if exp.systems is None
                    else exp.system_rounds(start, config.rounds, clock))
@@ -425,6 +487,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
             if report is not None:  # The system model's clock and counts.
               row.update(report.metrics())
               clock = report.end_time
+            if exp.scheduler is not None:
+              row['simulated_time'] = exp.scheduler.step(r).time
             finite = flag is None or bool(distributed.to_host(flag))
             if exp.evaluate is not None and finite and (
                 step % config.eval_every == 0 or step == config.rounds):

@@ -1,0 +1,265 @@
+"""Asynchronous DiLoCo: replicas of unequal speed, buffered outer steps.
+
+DiLoCo (Douillard et al. 2023, :mod:`fedjx.algorithms.diloco`) waits for
+every replica before an outer step, so the slowest sets the pace. Here
+replicas report when they finish, as in Liu et al., "Asynchronous Local-SGD
+Training for Language Modeling", 2024 (arXiv 2401.09135): the server takes
+an outer step whenever ``K`` outer gradients are buffered (FedBuff's
+machinery, :mod:`fedjx.algorithms.fedbuff`), each replica having trained
+``H`` inner steps, with its own persistent inner optimizer state, from the
+version it received ``tau_k`` outer steps ago:
+
+    Delta_k = theta_{t - tau_k} - theta_k                  (outer gradient)
+    g_t     = sum_k w_k s(tau_k) Q(Delta_k) / sum_k w_k     (s as FedBuff's)
+    theta_{t+1} = theta_t + OuterOpt(g_t)
+
+Liu et al. find that Nesterov momentum on stale outer gradients hurts, and
+propose the *Delayed Nesterov* outer optimizer (their Section 4.1): the
+momentum is updated only once every ``N`` outer steps, from the mean of
+the ``N`` outer gradients buffered meanwhile; in between, each outer
+gradient is applied alone, scaled by ``c``. As implemented here
+(:func:`delayed_nesterov`, learning rate ``eta``, momentum ``beta``):
+
+    t + 1 a multiple of N:  m <- beta m + mean(g_{t-N+1} .. g_t)
+                            theta <- theta - eta (beta m + mean(g_{t-N+1} .. g_t))
+    otherwise:              theta <- theta - eta c g_t
+
+With ``N = 1`` it is DiLoCo's outer Nesterov SGD. Liu et al.'s second
+proposal, *Dynamic Local Updates* (each worker's inner steps proportional
+to its speed, so that workers finish together), is not implemented: it is
+partial work decided by the system model, which sets each client's steps
+through the cohort's step masks.
+
+With all replicas finishing together (``K = M``, every ``tau_k = 0``) and
+``N = 1``, a round is DiLoCo's exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import fedjx
+from fedjx.algorithms import aggregators
+from fedjx.algorithms import base
+from fedjx.algorithms import client_update
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import quantization
+from fedjx.algorithms.diloco import OPTIONS as DILOCO_OPTIONS
+from fedjx.algorithms.diloco import check_aggregator
+from fedjx.algorithms.diloco import check_options
+from fedjx.algorithms.diloco import outer_nesterov
+from fedjx.algorithms.diloco import stack_states
+from fedjx.algorithms.fedbuff import async_metrics
+from fedjx.algorithms.fedbuff import check_async_cohort
+from fedjx.algorithms.fedbuff import check_staleness_options
+from fedjx.algorithms.fedbuff import kept
+from fedjx.algorithms.fedbuff import ring_init
+from fedjx.algorithms.fedbuff import ring_push
+from fedjx.algorithms.fedbuff import ring_read
+from fedjx.algorithms.fedbuff import staleness_weight
+
+
+class AsyncDiLoCoState(NamedTuple):
+  """Asynchronous DiLoCo's state.
+
+  Attributes:
+    params: the global model ``theta_t``.
+    opt_state: the outer optimizer's state.
+    versions: the ring of the last ``max_staleness + 1`` versions, leaves
+      ``[V, ...]`` (``theta_v`` in slot ``v mod V``).
+    inner_opt_states: each replica's inner optimizer state, leaves
+      ``[R, ...]`` (``()`` when ``reset_inner_state``).
+    hparams: ``inner_optimizer`` and ``outer_optimizer`` hyperparameters.
+    round_index: outer steps taken, ``t``.
+    aggregator_state: the aggregator's state (``()`` when it has none).
+  """
+
+  params: base.Params
+  opt_state: optax.OptState
+  versions: base.PyTree
+  inner_opt_states: Any
+  hparams: dict[str, Any]
+  round_index: jax.Array
+  aggregator_state: Any = ()
+
+
+def _delayed_nesterov(learning_rate: float, momentum: float, gradient_scale: float,
+                      period: int) -> optax.GradientTransformation:
+  buffered = optax.MultiSteps(
+      optax.sgd(learning_rate, momentum=momentum, nesterov=True),
+      every_k_schedule=period)
+
+  def update(updates, state, params=None):
+    delayed, state = buffered.update(updates, state, params)
+    stepped = state.mini_step == 0  # The N-th gradient: the momentum step.
+    alone = jax.tree.map(lambda g: -learning_rate * gradient_scale * g, updates)
+    return jax.tree.map(lambda d, a: jnp.where(stepped, d, a.astype(d.dtype)),
+                        delayed, alone), state
+
+  return optax.GradientTransformation(buffered.init, update)
+
+
+def delayed_nesterov(learning_rate: float = 0.7, momentum: float = 0.9,
+                     period: int = 1,
+                     gradient_scale: float = 0.0) -> optax.GradientTransformation:
+  """Liu et al. 2024's Delayed Nesterov outer optimizer (module docstring).
+
+  ``optax.MultiSteps`` over Nesterov SGD (the mean of every ``period``
+  updates, one momentum step), and ``-learning_rate * gradient_scale * g``
+  on the other steps. ``learning_rate``, ``momentum`` and ``gradient_scale``
+  are injected hyperparameters; ``period`` is static. With ``period=1``
+  there are no other steps, and it returns DiLoCo's outer Nesterov SGD
+  itself (:func:`fedjx.algorithms.diloco.outer_nesterov`: the same program,
+  so the same bits, and no ``gradient_scale`` hyperparameter).
+  """
+  fn = 'delayed_nesterov'
+  base.check_number(fn, 'learning_rate', learning_rate)
+  base.check_number(fn, 'momentum', momentum, high=1.0)
+  base.check_positive_int(fn, 'period', period)
+  base.check_number(fn, 'gradient_scale', gradient_scale)
+  if period == 1:
+    return outer_nesterov(learning_rate, momentum)
+  return optax.inject_hyperparams(_delayed_nesterov, static_args=('period',))(
+      learning_rate=learning_rate, momentum=momentum,
+      gradient_scale=gradient_scale, period=period)
+
+
+OPTIONS: dict[str, Any] = {
+    **DILOCO_OPTIONS,
+    'buffer_size': None,
+    'max_staleness': 16,
+    'staleness_weighting': 'polynomial',
+    'staleness_exponent': 0.5,
+    'delay_period': 1,
+    'gradient_scale': 0.0,
+    'concurrency': None,
+    'client_durations': None,
+}
+
+
+@base.with_options(OPTIONS)
+def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
+                 reset_inner_state: bool = False,
+                 quantization_format: str = 'float32',
+                 aggregator: aggregators.Aggregator | None = None,
+                 **options: Any) -> base.Algorithm:
+  """Asynchronous DiLoCo with ``num_replicas`` replicas.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
+    num_replicas: ``R``; replica ids (``cohort.client_ids``) lie in ``[0, R)``.
+    buffer_size: ``K``, outer gradients per outer step; None accepts any.
+    max_staleness, staleness_weighting, staleness_exponent: as
+      :func:`~fedjx.algorithms.fedbuff`'s (default ``s = (1 + tau)^-0.5``).
+    delay_period: ``N`` of :func:`delayed_nesterov` [1: Nesterov SGD].
+    gradient_scale: ``c`` of :func:`delayed_nesterov` [0].
+    outer_optimizer: any optax optimizer instead of the delayed Nesterov
+      one (then ``delay_period`` and ``gradient_scale`` are not taken); or
+      ``outer_learning_rate`` [0.7] and ``outer_momentum`` [0.9] for it.
+    concurrency, client_durations: the runner's schedule, as FedBuff's
+      (default ``M = K``).
+    inner_optimizer, inner_steps, reset_inner_state, quantization_format,
+    aggregator, metrics_fn, weighting, client_evaluation, skip_nonfinite:
+      as :func:`~fedjx.algorithms.diloco`.
+
+  Returns:
+    The :class:`~fedjx.algorithms.Algorithm`; its state is an
+    :class:`AsyncDiLoCoState` and its round takes an
+    :class:`~fedjx.algorithms.AsyncCohort`.
+  """
+  name = 'async_diloco'
+  base.check_positive_int(name, 'num_replicas', num_replicas)
+  o = base.take_options(name, options, OPTIONS)
+  period, scale = o['delay_period'], o['gradient_scale']
+  base.check_positive_int(name, 'delay_period', period)
+  base.check_number(name, 'gradient_scale', scale)
+  diloco_options = {k: o[k] for k in DILOCO_OPTIONS}
+  if o['outer_optimizer'] is None:
+    lr, mu = o['outer_learning_rate'], o['outer_momentum']
+    lr, mu = 0.7 if lr is None else lr, 0.9 if mu is None else mu
+    base.check_number(name, 'outer_learning_rate', lr)
+    base.check_number(name, 'outer_momentum', mu, high=1.0)
+    diloco_options.update(outer_optimizer=delayed_nesterov(lr, mu, period, scale),
+                          outer_learning_rate=None, outer_momentum=None)
+  elif (period, scale) != (1, 0.0):
+    raise ValueError(f'{name}: delay_period={period!r} and gradient_scale='
+                     f'{scale!r} set the delayed Nesterov outer optimizer; '
+                     'they cannot apply to outer_optimizer.')
+  inner_optimizer, outer_optimizer, schedule, _ = check_options(name, diloco_options)
+  base.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
+  quantization.check_format(name, 'quantization_format', quantization_format)
+  aggregator = check_aggregator(name, aggregator, quantization_format)
+  buffer_size, max_staleness = o['buffer_size'], o['max_staleness']
+  base.check_positive_int(name, 'buffer_size', buffer_size, allow_none=True)
+  base.check_positive_int(name, 'concurrency', o['concurrency'], allow_none=True)
+  weighting, exponent = o['staleness_weighting'], o['staleness_exponent']
+  check_staleness_options(name, max_staleness, weighting, exponent)
+  metrics_fn = o['metrics_fn']
+
+  def init(params):
+    inner = () if reset_inner_state else stack_states(
+        inner_optimizer.init(params), num_replicas)
+    return AsyncDiLoCoState(
+        params=params, opt_state=outer_optimizer.init(params),
+        versions=ring_init(params, max_staleness + 1), inner_opt_states=inner,
+        hparams={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
+                 'outer_optimizer': base.optimizer_hparams(outer_optimizer, params),
+                 **aggregators.init_hparams(aggregator)},
+        round_index=jnp.zeros((), jnp.int32),
+        aggregator_state=aggregator.init(params))
+
+  def replica_fn(versions, round_index, hparams, tau, inner_state, batches, mask):
+    theta = ring_read(versions, round_index, tau)
+    mask = jnp.logical_and(mask, tau <= max_staleness)  # Dropped: no steps.
+    if reset_inner_state:
+      inner_state = inner_optimizer.init(theta)
+    inner_state = base.with_hparams(inner_state, hparams)
+    out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
+                                     inner_state, batches, mask, schedule)
+    s = staleness_weight(tau, weighting, exponent)
+    delta = jax.tree.map(lambda a, b: (a - b) * s.astype(a.dtype), theta,
+                         out.params)
+    return nonfinite.ClientOutput(delta, out.stats, state=out.opt_state,
+                                  previous_state=inner_state, checked=out.params)
+
+  def round_fn(state, cohort, key):
+    check_async_cohort(name, cohort, buffer_size)
+    ids = jnp.asarray(cohort.client_ids, jnp.int32)
+    tau = jnp.asarray(cohort.staleness, jnp.int32)
+    if reset_inner_state:  # A placeholder: each replica starts afresh.
+      inner = fedjx.broadcast(jnp.zeros(()))
+    else:  # Each replica's own inner state.
+      inner = base.gather_clients(state.inner_opt_states, ids)
+    num_examples = cohort.num_examples * kept(tau, max_staleness)
+    clients = aggregators.map_clients(
+        aggregator, state.hparams, replica_fn,
+        (fedjx.broadcast(state.versions), fedjx.broadcast(state.round_index),
+         fedjx.broadcast(state.hparams['inner_optimizer']), tau, inner,
+         cohort.batches, cohort.mask),
+        num_examples, o['weighting'], o['skip_nonfinite'])
+    outer_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+        aggregator, outer_optimizer, state, state.hparams['outer_optimizer'],
+        clients, key)
+    inner_states = state.inner_opt_states
+    if not reset_inner_state:
+      inner_states = base.scatter_clients(inner_states, ids, clients.state,
+                                          num_examples > 0)
+    sent = aggregator.message_bytes(state.params)
+    metrics = nonfinite.round_metrics(
+        clients, pseudo_grad_norm=optax.tree.norm(outer_grad), **agg_metrics,
+        **async_metrics(cohort, max_staleness))
+    metrics['communicated_bytes'] = metrics['clients'] * float(sent)
+    t = state.round_index + 1
+    return state._replace(params=params, opt_state=opt_state,
+                          versions=ring_push(state.versions, params, t),
+                          inner_opt_states=inner_states, round_index=t,
+                          aggregator_state=agg_state), metrics
+
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+
+
+__all__ = ['AsyncDiLoCoState', 'async_diloco', 'delayed_nesterov']

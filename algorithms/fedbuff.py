@@ -1,0 +1,320 @@
+"""FedBuff: buffered asynchronous aggregation, as a compiled round.
+
+Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation",
+AISTATS 2022, Algorithm 1. Clients train on the model version they received;
+the server steps whenever ``K`` updates are buffered. Server step ``t`` (the
+server holds version ``x_t``) with the buffer's clients ``i = 1..K``:
+
+    client i trained from x_{t - tau_i}:   y_i = ClientOpt^T(x_{t - tau_i}; D_i)
+    Delta_i = x_{t - tau_i} - y_i
+    g   = sum_i w_i s(tau_i) Delta_i / sum_i w_i      (w_i = n_i, or 1)
+    x_{t+1} = x_t + ServerOpt(g)
+
+with the staleness weight of the paper (Section 4, "staleness scaling"; the
+polynomial of Xie et al., "Asynchronous Federated Optimization", 2019)
+
+    s(tau) = 1 / (1 + tau)^a       ('polynomial', a = staleness_exponent = 0.5)
+    s(tau) = 1                     ('constant')
+
+With uniform weights this is the paper's ``(1/K) sum_i s(tau_i) Delta_i``:
+stale updates shrink the step, they do not only lose weight against fresh
+ones. With ``tau_i = 0`` for all clients the round is FedAvg's on the same
+cohort (``s(0) = 1``).
+
+Which clients report when is simulated on the host
+(:mod:`fedjx.datasets.async_schedule`); the round receives them as an
+:class:`AsyncCohort`: a :class:`~fedjx.datasets.Cohort` plus each client's
+staleness. The state keeps a ring of the last ``V = max_staleness + 1``
+model versions (``x_v`` in slot ``v mod V``; every slot starts as ``x_0``),
+not one model per client; a client with ``tau_i > max_staleness`` is
+dropped (weight 0, no local steps) and counted in ``stale_dropped``.
+
+How each client gets its version: the ring is broadcast (``fedjx.broadcast``
+is not copied per client: ``map_fn`` hands the one array to every client)
+and each client reads its slot ``(t - tau_i) mod V`` inside the client map.
+So a chunk of clients holds one model each, as in FedAvg, and the server
+``V`` versions; gathering the versions outside the map would instead hold
+``K`` models at once whatever the map strategy. (A MapReduce plan of the
+round sends the ring to each client.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import fedjx
+from fedjx.algorithms import aggregators
+from fedjx.algorithms import base
+from fedjx.algorithms import client_update
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms.fedavg import OPTIONS as FEDAVG_OPTIONS
+
+STALENESS_WEIGHTINGS = ('polynomial', 'constant')
+DROPPED = 'stale_dropped'
+
+
+class AsyncCohort(NamedTuple):
+  """The ``K`` buffered clients of one server step.
+
+  Attributes:
+    cohort: their data, a :class:`fedjx.datasets.Cohort` (``[K, S, B, ...]``).
+    staleness: ``int32 [K]``, server steps since the version each client
+      trained from (placed like ``cohort``).
+
+  ``batches``, ``mask``, ``num_examples`` and ``client_ids`` are the
+  cohort's, so an ``AsyncCohort`` is a cohort wherever one is read.
+  """
+
+  cohort: Any
+  staleness: Any
+
+  @property
+  def batches(self):
+    return self.cohort.batches
+
+  @property
+  def mask(self):
+    return self.cohort.mask
+
+  @property
+  def num_examples(self):
+    return self.cohort.num_examples
+
+  @property
+  def client_ids(self):
+    return self.cohort.client_ids
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    return tuple(int(d) for d in self.mask.shape)  # type: ignore[return-value]
+
+
+class FedBuffState(NamedTuple):
+  """FedBuff's state.
+
+  Attributes:
+    params: the server model ``x_t``.
+    opt_state: the server optimizer's state.
+    versions: the ring of the last ``V`` versions, leaves ``[V, ...]``
+      (``x_v`` in slot ``v mod V``).
+    hparams: ``client_optimizer``, ``server_optimizer`` (and the client
+      transform's and aggregator's) hyperparameters.
+    round_index: server steps taken, ``t``.
+    aggregator_state: the aggregator's state (``()`` when it has none).
+  """
+
+  params: base.Params
+  opt_state: optax.OptState
+  versions: base.PyTree
+  hparams: dict[str, Any]
+  round_index: jax.Array
+  aggregator_state: Any = ()
+
+
+# ------------------------------------------------------------- the pieces
+
+def staleness_weight(staleness: jax.Array, weighting: str = 'polynomial',
+                     exponent: float | jax.Array = 0.5) -> jax.Array:
+  """``s(tau) = (1 + tau)^-a`` (``'polynomial'``) or 1 (``'constant'``), float32."""
+  tau = jnp.asarray(staleness, jnp.float32)
+  if weighting == 'constant':
+    return jnp.ones_like(tau)
+  return jnp.power(1.0 + tau, -jnp.asarray(exponent, jnp.float32))
+
+
+def check_staleness_options(fn: str, max_staleness: Any, weighting: Any,
+                            exponent: Any) -> None:
+  """One-line errors for the staleness options."""
+  if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) \
+      or max_staleness < 0:
+    raise ValueError(f'{fn}: max_staleness={max_staleness!r} must be an int '
+                     '>= 0 (versions kept: max_staleness + 1).')
+  base.check_choice(fn, 'staleness_weighting', weighting, STALENESS_WEIGHTINGS)
+  base.check_number(fn, 'staleness_exponent', exponent)
+
+
+def check_async_cohort(fn: str, cohort: Any, buffer_size: int | None) -> None:
+  """Trace-time checks: an :class:`AsyncCohort` of ``buffer_size`` clients."""
+  if not isinstance(cohort, AsyncCohort):
+    raise ValueError(f'{fn}: the round takes an AsyncCohort(cohort, staleness) '
+                     f'(fedjx.datasets.async_cohort_iterator makes them); got '
+                     f'{type(cohort).__name__}.')
+  k = cohort.mask.shape[0]
+  if jnp.shape(cohort.staleness) != (k,):
+    raise ValueError(f'{fn}: staleness must have shape [K] = ({k},) (one '
+                     f'entry per client); got {jnp.shape(cohort.staleness)}.')
+  if not jnp.issubdtype(jnp.result_type(cohort.staleness), jnp.integer):
+    raise ValueError(f'{fn}: staleness must be integers; got dtype '
+                     f'{jnp.result_type(cohort.staleness)}.')
+  if buffer_size is not None and k != buffer_size:
+    raise ValueError(f'{fn}: the cohort has {k} clients but buffer_size='
+                     f'{buffer_size}; a server step takes buffer_size updates.')
+
+
+def ring_init(params: base.Params, size: int) -> base.PyTree:
+  """``size`` copies of ``params`` on a new leading axis (every slot ``x_0``)."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (size,) + jnp.shape(x)),
+                      params)
+
+
+def ring_push(versions: base.PyTree, params: base.Params,
+              version: jax.Array) -> base.PyTree:
+  """The ring with ``params`` stored as version ``version`` (slot ``version mod V``)."""
+  def put(ring, x):
+    return ring.at[version % ring.shape[0]].set(x.astype(ring.dtype))
+  return jax.tree.map(put, versions, params)
+
+
+def ring_read(versions: base.PyTree, round_index: jax.Array,
+              staleness: jax.Array) -> base.PyTree:
+  """Version ``round_index - staleness`` of the ring (one client, in the map)."""
+  def get(ring):
+    return ring[(round_index - staleness) % ring.shape[0]]
+  return jax.tree.map(get, versions)
+
+
+def kept(staleness: jax.Array, max_staleness: int) -> jax.Array:
+  """Placed: 1.0 for clients whose version is still in the ring, else 0.0."""
+  return (jnp.asarray(staleness) <= max_staleness).astype(jnp.float32)
+
+
+def async_metrics(cohort: AsyncCohort, max_staleness: int) -> dict[str, jax.Array]:
+  """``stale_dropped`` (clients with data past the ring) and ``mean_staleness``
+  (over the clients with data that were kept)."""
+  real = (jnp.asarray(cohort.num_examples) > 0).astype(jnp.float32)
+  keep = kept(cohort.staleness, max_staleness)
+  tau = jnp.asarray(cohort.staleness, jnp.float32)
+  used = fedjx.reduce_sum(real * keep)
+  return {DROPPED: fedjx.reduce_sum(real * (1.0 - keep)),
+          'mean_staleness': fedjx.reduce_sum(real * keep * tau)
+                            / jnp.maximum(used, 1.0)}
+
+
+# ------------------------------------------------------------- the builder
+
+OPTIONS: dict[str, Any] = {
+    **FEDAVG_OPTIONS,
+    'buffer_size': None,
+    'max_staleness': 16,
+    'staleness_weighting': 'polynomial',
+    'staleness_exponent': 0.5,
+    'concurrency': None,
+    'client_durations': None,
+}
+
+
+@base.with_options(OPTIONS)
+def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
+  """FedBuff: FedAvg's client work and aggregator on buffered, stale updates.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
+    buffer_size: ``K``, updates per server step (the round's cohort size);
+      None accepts any cohort size.
+    max_staleness: versions kept are ``max_staleness + 1``; staler clients
+      are dropped and counted in ``stale_dropped``.
+    staleness_weighting: ``'polynomial'`` (``s = (1 + tau)^-a``, the paper's)
+      or ``'constant'`` (``s = 1``).
+    staleness_exponent: ``a`` [0.5].
+    concurrency: ``M``, clients training at once (default ``K``), and
+    client_durations: the duration model's spec (default
+      ``{'name': 'lognormal'}``, :mod:`fedjx.datasets.async_schedule`): read
+      by the runner's schedule, not by the round.
+    client_optimizer, server_optimizer, local_epochs, local_steps,
+    client_transform, aggregator, client_metrics, metrics_fn, weighting,
+    client_evaluation, skip_nonfinite: as :func:`fedavg`.
+
+  Returns:
+    The :class:`~fedjx.algorithms.Algorithm`; its state is a
+    :class:`FedBuffState` and its round takes an :class:`AsyncCohort`.
+  """
+  name = 'fedbuff'
+  o = base.take_options(name, options, OPTIONS)
+  client_optimizer = o['client_optimizer'] or base.default_sgd(0.1)
+  server_optimizer = o['server_optimizer'] or base.default_sgd(1.0)
+  client_transform = o['client_transform']
+  base.check_optimizer(name, 'client_optimizer', client_optimizer)
+  base.check_optimizer(name, 'server_optimizer', server_optimizer)
+  if client_transform is not None:
+    base.check_optimizer(name, 'client_transform', client_transform)
+  base.check_choice(name, 'weighting', o['weighting'], base.WEIGHTINGS)
+  aggregator = aggregators.check(name, o['aggregator'])
+  nonfinite.check_flag(name, o['skip_nonfinite'])
+  base.check_choice(name, 'client_metrics', o['client_metrics'], (False, True))
+  schedule = client_update.check_schedule(name, o['local_epochs'],
+                                          o['local_steps'], o['client_evaluation'])
+  buffer_size, max_staleness = o['buffer_size'], o['max_staleness']
+  base.check_positive_int(name, 'buffer_size', buffer_size, allow_none=True)
+  base.check_positive_int(name, 'concurrency', o['concurrency'], allow_none=True)
+  if None not in (buffer_size, o['concurrency']) and o['concurrency'] < buffer_size:
+    raise ValueError(f'{name}: concurrency={o["concurrency"]} is less than '
+                     f'buffer_size={buffer_size}; at least K clients must train '
+                     'at once.')
+  weighting, exponent = o['staleness_weighting'], o['staleness_exponent']
+  check_staleness_options(name, max_staleness, weighting, exponent)
+  metrics_fn = o['metrics_fn']
+
+  def init(params):
+    transform_hparams = ({} if client_transform is None else
+                         base.optimizer_hparams(client_transform, params))
+    return FedBuffState(
+        params=params, opt_state=server_optimizer.init(params),
+        versions=ring_init(params, max_staleness + 1),
+        hparams={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
+                 'server_optimizer': base.optimizer_hparams(server_optimizer, params),
+                 **transform_hparams, **aggregators.init_hparams(aggregator)},
+        round_index=jnp.zeros((), jnp.int32),
+        aggregator_state=aggregator.init(params))
+
+  def client_fn(versions, round_index, hparams, tau, batches, mask):
+    x = ring_read(versions, round_index, tau)
+    mask = jnp.logical_and(mask, tau <= max_staleness)  # Dropped: no steps.
+    optimizer = client_optimizer
+    opt_state = base.with_hparams(client_optimizer.init(x),
+                                  hparams['client_optimizer'])
+    if client_transform is not None:
+      optimizer = optax.chain(client_transform, client_optimizer)
+      opt_state = (base.with_hparams(client_transform.init(x),
+                                     hparams['client_transform']), opt_state)
+    out = client_update.local_update(loss_fn, metrics_fn, optimizer, x,
+                                     opt_state, batches, mask, schedule)
+    s = staleness_weight(tau, weighting, exponent)
+    delta = jax.tree.map(lambda a, b: (a - b) * s.astype(a.dtype), x, out.params)
+    extra = base.client_metrics(delta, out) if o['client_metrics'] else ()
+    return nonfinite.ClientOutput(delta, out.stats, extra=extra,
+                                  checked=out.params)
+
+  def round_fn(state, cohort, key):
+    check_async_cohort(name, cohort, buffer_size)
+    client_hparams = {'client_optimizer': state.hparams['client_optimizer']}
+    if client_transform is not None:
+      client_hparams['client_transform'] = {
+          k: state.hparams[k]
+          for k in base.hparam_names(client_transform, state.params)}
+    tau = jnp.asarray(cohort.staleness, jnp.int32)
+    num_examples = cohort.num_examples * kept(tau, max_staleness)
+    clients = aggregators.map_clients(
+        aggregator, state.hparams, client_fn,
+        (fedjx.broadcast(state.versions), fedjx.broadcast(state.round_index),
+         fedjx.broadcast(client_hparams), tau, cohort.batches, cohort.mask),
+        num_examples, o['weighting'], o['skip_nonfinite'])
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+        aggregator, server_optimizer, state, state.hparams['server_optimizer'],
+        clients, key)
+    metrics = nonfinite.round_metrics(
+        clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics,
+        **async_metrics(cohort, max_staleness))
+    metrics.update(clients.extra)
+    t = state.round_index + 1
+    return state._replace(params=params, opt_state=opt_state,
+                          versions=ring_push(state.versions, params, t),
+                          round_index=t, aggregator_state=agg_state), metrics
+
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+
+
+__all__ = ['AsyncCohort', 'FedBuffState', 'fedbuff', 'staleness_weight']
