@@ -24,7 +24,11 @@ The argument picks the server:
   the steps they finished;
 * ``fednova_partial``: the same system with FedNova (Wang et al. 2020), which
   normalizes the partial clients' updates by their steps;
-* ``fedbuff``: FedBuff (Nguyen et al. 2022), see configs/fedbuff_digits.py.
+* ``fedbuff``: FedBuff (Nguyen et al. 2022): 20 clients train at once, the
+  server steps at every 10 buffered updates (staleness weight
+  1 / sqrt(1 + tau), updates over 16 steps stale dropped). The system model
+  gives its clients' durations only: its schedule samples among idle clients
+  (availability is not applied) and no client drops out.
 
   fedjx-run --config configs/heterogeneity_digits.py:fedavg_wait \\
       --workdir runs/hetero/fedavg_wait
@@ -43,7 +47,10 @@ METHODS = {
                                            late='drop')),
     'fedavg_partial': ('fedavg', 20, dict(seconds=30.0, late='partial')),
     'fednova_partial': ('fednova', 20, dict(seconds=30.0, late='partial')),
+    'fedbuff': ('fedbuff', 10, dict()),
 }
+FEDBUFF = dict(concurrency=20, max_staleness=16,
+               staleness_weighting='polynomial', staleness_exponent=0.5)
 
 
 def get_config(method: str = 'fedavg_wait'):
@@ -64,6 +71,7 @@ def get_config(method: str = 'fedavg_wait'):
   config.algorithm = dict(
       name=algorithm, client_evaluation=False,
       client_optimizer=optimizer('sgd', learning_rate=0.05),
-      server_optimizer=optimizer('sgd', learning_rate=1.0))
+      server_optimizer=optimizer('sgd', learning_rate=1.0),
+      **(FEDBUFF if algorithm == 'fedbuff' else {}))
   config.systems = dict(SYSTEMS, deadline=deadline)
   return config
