@@ -479,11 +479,13 @@ class AvailableSampler:
   def available_ids(self, round_num: int) -> np.ndarray:
     return np.flatnonzero(self.model.available(round_num, self.start_time))
 
-  def sample(self, round_num: int) -> np.ndarray:
-    """``int32``: the sorted ids of round ``round_num``'s clients."""
+  def sample(self, round_num: int, pool: np.ndarray | None = None) -> np.ndarray:
+    """``int32``: the sorted ids of round ``round_num``'s clients (``pool``:
+    ``available_ids(round_num)``, if already computed)."""
     if round_num < 0:
       raise ValueError(f'round_num={round_num}; rounds are numbered from 0.')
-    pool = self.available_ids(round_num)
+    if pool is None:
+      pool = self.available_ids(round_num)
     gen = _seeding.rng(SAMPLE, self.model.seed, round_num)
     ids = gen.choice(pool, size=min(self.cohort_size, pool.size), replace=False)
     return np.sort(ids).astype(np.int32)
@@ -568,8 +570,8 @@ def system_cohort_iterator(dataset: FederatedDataset, model: SystemModel,
       raise RuntimeError(f'system rounds run in order: asked for round '
                          f'{round_num}, the clock is at round {clock["round"]}.')
     at = sampler.at(clock['time'])
-    ids = at.sample(round_num)
-    available = int(at.available_ids(round_num).size)
+    pool = at.available_ids(round_num)
+    ids, available = at.sample(round_num, pool), int(pool.size)
     built = make_cohort(dataset, ids, batch_size, num_epochs=num_epochs,
                         num_steps=num_steps, max_steps=max_steps,
                         shuffle_seed=model.seed if shuffle else None,

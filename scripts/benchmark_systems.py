@@ -4,13 +4,16 @@ For a config of configs/heterogeneity_digits.py (any cohort size), in one
 process and interleaved (A, B, A, B, ...), prints one JSON line per
 measurement:
 
+Each pair is run in alternating order (A B, then B A); medians and minima
+are printed (the minimum is the least disturbed by other processes).
+
 * ``compiled_round``: the jitted round on the cohort as built (systems off)
   and on the same cohort after ``SystemModel.close_round`` (dropouts and
   late clients made padding, partial clients' later steps masked): the same
   compiled program, so the ratio isolates what the system model changes on
   the device;
-* ``host``: per round, building the NumPy cohort (``make_cohort``) and
-  closing it (``close_round``, including sampling among available clients);
+* ``host``: per round, sampling among the available clients and building
+  the NumPy cohort (``make_cohort``), and closing it (``close_round``);
   both run on the prefetch thread, overlapped with the previous round;
 * ``loop``: the runner's loop, rounds from ``Experiment.cohorts`` (systems
   off) against ``Experiment.system_rounds`` (systems on), prefetched, each
@@ -60,7 +63,8 @@ def _timed(fn, *args):
   return time.perf_counter() - t
 
 
-def bench(method: str, cohort_size: int, reps: int, rounds: int) -> None:
+def bench(method: str, cohort_size: int, reps: int, rounds: int,
+          blocks: int, passes: int) -> None:
   config = _config(method, cohort_size)
   exp = runner.build(config)
   model, c = exp.systems, config
@@ -76,30 +80,34 @@ def bench(method: str, cohort_size: int, reps: int, rounds: int) -> None:
   clock = 0.0
   for r in range(reps):
     t = time.perf_counter()
-    ids = sampler.at(clock).sample(r)
+    pool = sampler.at(clock).available_ids(r)
+    ids = sampler.at(clock).sample(r, pool)
     built = datasets.make_cohort(
         exp.data.train, ids, c.batch_size, num_steps=c.local_steps,
         shuffle_seed=c.seed, round_num=r, pad_to=c.cohort_size)
     t1 = time.perf_counter()
-    closed, report = model.close_round(built, r, clock,
-                                       int(sampler.at(clock).available_ids(r).size))
+    closed, report = model.close_round(built, r, clock, int(pool.size))
     t2 = time.perf_counter()
     clock = report.end_time
     build_s.append(t1 - t)
     close_s.append(t2 - t1)
     cohorts.append((datasets.place_cohort(built), datasets.place_cohort(closed)))
-  print(json.dumps(dict(common, measure='host', make_cohort_ms=_median_ms(build_s),
+  print(json.dumps(dict(common, measure='host', sample_and_build_ms=_median_ms(build_s),
                         close_round_ms=_median_ms(close_s))), flush=True)
 
   # The compiled round, on the same cohort before and after the system model.
   _timed(algo.round, state, cohorts[0][0], key)  # compile once: same program
   plain, closed = [], []
-  for built, shut in cohorts * 3:
-    plain.append(_timed(algo.round, state, built, key))
-    closed.append(_timed(algo.round, state, shut, key))
+  for i, (built, shut) in enumerate(cohorts * passes):  # A B, then B A, ...
+    for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+      (plain, closed)[which].append(
+          _timed(algo.round, state, (built, shut)[which], key))
   print(json.dumps(dict(common, measure='compiled_round',
                         off_ms=_median_ms(plain), on_ms=_median_ms(closed),
                         ratio=round(float(np.median(closed) / np.median(plain)), 4),
+                        off_min_ms=round(1e3 * min(plain), 4),
+                        on_min_ms=round(1e3 * min(closed), 4),
+                        min_ratio=round(min(closed) / min(plain), 4),
                         samples=len(plain))), flush=True)
 
   # The runner's loop: prefetched cohorts and the round, blocks interleaved.
@@ -115,13 +123,18 @@ def bench(method: str, cohort_size: int, reps: int, rounds: int) -> None:
     return time.perf_counter() - t
   off, on = [], []
   block(exp.cohorts(0, 2))  # compile
-  for i in range(3):
-    off.append(block(exp.cohorts(i * rounds, (i + 1) * rounds)))
-    on.append(block(exp.system_rounds(0, rounds, 0.0), systems_on=True))
+  for i in range(blocks):  # A B, then B A, ...
+    for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+      if which == 0:
+        off.append(block(exp.cohorts(i * rounds, (i + 1) * rounds)))
+      else:
+        on.append(block(exp.system_rounds(0, rounds, 0.0), systems_on=True))
   print(json.dumps(dict(common, measure='loop', rounds=rounds,
                         off_ms_per_round=round(1e3 * np.median(off) / rounds, 4),
                         on_ms_per_round=round(1e3 * np.median(on) / rounds, 4),
-                        ratio=round(float(np.median(on) / np.median(off)), 4))),
+                        ratio=round(float(np.median(on) / np.median(off)), 4),
+                        min_ratio=round(min(on) / min(off), 4),
+                        blocks=blocks)),
         flush=True)
 
 
@@ -131,9 +144,12 @@ def main() -> None:
   parser.add_argument('--cohort', default='20,100')
   parser.add_argument('--reps', type=int, default=10)
   parser.add_argument('--rounds', type=int, default=50)
+  parser.add_argument('--blocks', type=int, default=10)
+  parser.add_argument('--passes', type=int, default=10)
   args = parser.parse_args()
   for size in args.cohort.split(','):
-    bench(args.method, int(size), args.reps, args.rounds)
+    bench(args.method, int(size), args.reps, args.rounds, args.blocks,
+          args.passes)
 
 
 if __name__ == '__main__':
