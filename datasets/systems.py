@@ -53,9 +53,11 @@ or ``reports``, the server waits for every client that did not drop out (a
 dropout is noticed at once, as a lost connection).
 
 Everything random is drawn from generators keyed by ``(purpose, seed,
-round)`` (per-client constants by ``(purpose, seed)``), vectorised over the
-population: a round's clients, dropouts and speeds depend on the seed, the
-round and its start time only. The start time of round ``r`` is the sum of
+round)`` (per-client constants by ``(purpose, seed)``, drawn once): a
+round's clients, dropouts and speeds depend on the seed, the round and its
+start time only. A round's host work is O(cohort) (O(log N) to find the
+diurnally available clients among phases kept sorted), except for
+``'bernoulli'`` availability, which draws one number per client per round. The start time of round ``r`` is the sum of
 the durations before it; :func:`system_cohort_iterator` carries it from
 round to round, and the runner stores it with each checkpoint.
 """
@@ -337,25 +339,78 @@ class SystemModel:
       return _seeding.rng(AVAILABLE, self.seed, round_num).random(
           self.num_clients) < a.p
     if a.kind == 'diurnal':
-      day = a.day_hours * 3600.0
-      return np.sin(2 * np.pi * (time / day + self.phases)) > a.threshold
+      mask = np.zeros(self.num_clients, bool)
+      order = self._by_phase[0]
+      for lo, hi in self._diurnal_ranges(time):
+        mask[order[lo:hi]] = True
+      return mask
     return np.ones(self.num_clients, bool)
 
+  @functools.cached_property
+  def _by_phase(self) -> tuple[np.ndarray, np.ndarray]:
+    """The client ids sorted by diurnal phase, and the sorted phases."""
+    order = np.argsort(self.phases, kind='stable')
+    return order, self.phases[order]
+
+  def _diurnal_ranges(self, time: float) -> list[tuple[int, int]]:
+    """The available clients at ``time``: ranges of :attr:`_by_phase`'s order.
+
+    ``sin(2 pi x) > h`` exactly when ``x mod 1`` lies in ``(x0, 1/2 - x0)``,
+    ``x0 = asin(h) / (2 pi)``; with ``x = t / day + phi_i``, the available
+    phases are an arc of the circle: one or two ranges of the sorted phases
+    (O(log N), not O(N), per round).
+    """
+    a = self.availability
+    x0 = math.asin(a.threshold) / (2 * math.pi)
+    start = (x0 - time / (a.day_hours * 3600.0)) % 1.0
+    end = start + 0.5 - 2 * x0
+    phases = self._by_phase[1]
+    lo = int(np.searchsorted(phases, start, side='right'))
+    if end <= 1.0:
+      return [(lo, int(np.searchsorted(phases, end, side='left')))]
+    return [(lo, phases.size),
+            (0, int(np.searchsorted(phases, end - 1.0, side='left')))]
+
+  def sample_available(self, round_num: int, time: float,
+                       size: int) -> tuple[np.ndarray, int]:
+    """Up to ``size`` clients drawn uniformly without replacement among those
+    available in round ``round_num`` at ``time``: ``(sorted int32 ids,
+    number available)``, from ``(seed, round_num, time)``."""
+    gen = _seeding.rng(SAMPLE, self.seed, round_num)
+    if self.availability.kind == 'bernoulli':
+      pool = np.flatnonzero(self.available(round_num, time))
+      ids = gen.choice(pool, size=min(size, pool.size), replace=False)
+      return np.sort(ids).astype(np.int32), int(pool.size)
+    if self.availability.kind == 'always':
+      ranges = [(0, self.num_clients)]
+      order = None
+    else:
+      ranges = self._diurnal_ranges(time)
+      order = self._by_phase[0]
+    count = sum(hi - lo for lo, hi in ranges)
+    ranks = gen.choice(count, size=min(size, count), replace=False)
+    first = ranges[0][1] - ranges[0][0]
+    positions = np.where(ranks < first, ranges[0][0] + ranks,
+                         ranges[-1][0] + ranks - first)
+    ids = positions if order is None else order[positions]
+    return np.sort(ids).astype(np.int32), int(count)
+
   def step_seconds(self, round_num: int, client_ids: np.ndarray) -> np.ndarray:
-    """Seconds per local step of ``client_ids`` in round ``round_num``."""
+    """Seconds per local step of the cohort ``client_ids`` in round
+    ``round_num`` (the jitter is drawn per cohort position)."""
     ids = np.asarray(client_ids, np.int64)
     base = self.base_step_seconds[ids]
     if self.speed.jitter == 0.0:
       return base
-    z = _seeding.rng(JITTER, self.seed, round_num).standard_normal(
-        self.num_clients)[ids]
+    z = _seeding.rng(JITTER, self.seed, round_num).standard_normal(ids.shape)
     return base * np.exp(self.speed.jitter * z)
 
   def dropped_out(self, round_num: int, client_ids: np.ndarray) -> np.ndarray:
-    """``bool``: which of ``client_ids`` drop out in round ``round_num``."""
+    """``bool``: which of the cohort ``client_ids`` drop out in round
+    ``round_num`` (drawn per cohort position)."""
     ids = np.asarray(client_ids, np.int64)
-    u = _seeding.rng(DROPOUT, self.seed, round_num).random(self.num_clients)
-    return u[ids] < self.dropout_rates[ids]
+    u = _seeding.rng(DROPOUT, self.seed, round_num).random(ids.shape)
+    return u < self.dropout_rates[ids]
 
   def duration(self, client_id: int, start_time: float, steps: int) -> float:
     """Seconds from ``start_time`` until ``client_id`` reports ``steps`` steps.
@@ -479,16 +534,16 @@ class AvailableSampler:
   def available_ids(self, round_num: int) -> np.ndarray:
     return np.flatnonzero(self.model.available(round_num, self.start_time))
 
-  def sample(self, round_num: int, pool: np.ndarray | None = None) -> np.ndarray:
-    """``int32``: the sorted ids of round ``round_num``'s clients (``pool``:
-    ``available_ids(round_num)``, if already computed)."""
+  def draw(self, round_num: int) -> tuple[np.ndarray, int]:
+    """``(sorted int32 ids, number of clients available)`` of round ``round_num``."""
     if round_num < 0:
       raise ValueError(f'round_num={round_num}; rounds are numbered from 0.')
-    if pool is None:
-      pool = self.available_ids(round_num)
-    gen = _seeding.rng(SAMPLE, self.model.seed, round_num)
-    ids = gen.choice(pool, size=min(self.cohort_size, pool.size), replace=False)
-    return np.sort(ids).astype(np.int32)
+    return self.model.sample_available(round_num, self.start_time,
+                                       self.cohort_size)
+
+  def sample(self, round_num: int) -> np.ndarray:
+    """``int32``: the sorted ids of round ``round_num``'s clients."""
+    return self.draw(round_num)[0]
 
 
 # ------------------------------------------------------------------ configs
@@ -569,9 +624,7 @@ def system_cohort_iterator(dataset: FederatedDataset, model: SystemModel,
     if round_num != clock['round']:
       raise RuntimeError(f'system rounds run in order: asked for round '
                          f'{round_num}, the clock is at round {clock["round"]}.')
-    at = sampler.at(clock['time'])
-    pool = at.available_ids(round_num)
-    ids, available = at.sample(round_num, pool), int(pool.size)
+    ids, available = sampler.at(clock['time']).draw(round_num)
     built = make_cohort(dataset, ids, batch_size, num_epochs=num_epochs,
                         num_steps=num_steps, max_steps=max_steps,
                         shuffle_seed=model.seed if shuffle else None,

@@ -80,13 +80,12 @@ def bench(method: str, cohort_size: int, reps: int, rounds: int,
   clock = 0.0
   for r in range(reps):
     t = time.perf_counter()
-    pool = sampler.at(clock).available_ids(r)
-    ids = sampler.at(clock).sample(r, pool)
+    ids, available = sampler.at(clock).draw(r)
     built = datasets.make_cohort(
         exp.data.train, ids, c.batch_size, num_steps=c.local_steps,
         shuffle_seed=c.seed, round_num=r, pad_to=c.cohort_size)
     t1 = time.perf_counter()
-    closed, report = model.close_round(built, r, clock, int(pool.size))
+    closed, report = model.close_round(built, r, clock, available)
     t2 = time.perf_counter()
     clock = report.end_time
     build_s.append(t1 - t)

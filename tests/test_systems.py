@@ -30,13 +30,15 @@ def _model(num_clients=8, **parts):
 def _reference(model, cohort, round_num):
   """The round simulated client by client, in the order reports arrive."""
   d, comm = model.deadline, model.speed.comm_seconds
+  ids = np.where(cohort.client_ids == PADDING_CLIENT, 0, cohort.client_ids)
+  step_s = model.step_seconds(round_num, ids)  # drawn per cohort position
+  drops = model.dropped_out(round_num, ids)
   events = []
   for c, cid in enumerate(cohort.client_ids):
     if cid == PADDING_CLIENT:
       continue
     tau = int(np.any(cohort.mask[c], -1).sum())
-    s = float(model.step_seconds(round_num, [cid])[0])
-    drop = bool(model.dropped_out(round_num, [cid])[0])
+    s, drop = float(step_s[c]), bool(drops[c])
     events.append((comm + tau * s, c, s, tau, drop))
   reports = sorted((e for e in events if not e[4]), key=lambda e: (e[0], e[1]))
   close = reports[-1][0] if reports else math.inf
@@ -157,10 +159,11 @@ def test_sampler_draws_only_available_clients():
   model = _model(num_clients=200, availability=systems.Availability(
       kind='diurnal', threshold=0.8))
   sampler = model.sampler(40)
-  for r, t in enumerate([0.0, 3600.0, 7 * 3600.0]):
+  for r, t in enumerate([0.0, 3600.0, 7 * 3600.0, 30.5 * 3600.0]):
     s = sampler.at(t)
     pool = np.flatnonzero(model.available(r, t))
-    ids = s.sample(r)
+    ids, count = s.draw(r)
+    assert count == pool.size
     assert ids.dtype == np.int32 and np.all(np.diff(ids) > 0)
     assert len(ids) == min(40, pool.size)
     assert set(ids) <= set(pool)
@@ -228,3 +231,20 @@ def test_from_config_and_errors_name_the_field():
     with pytest.raises(ValueError) as e:
       systems.from_config(spec, 5)
     assert where in str(e.value) and '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('hours', [3.0, 20.0])  # one arc of phases, or two
+def test_sampler_is_uniform_over_the_available_clients(hours):
+  model = _model(num_clients=300, availability=systems.Availability(
+      kind='diurnal', threshold=0.5))
+  s = model.sampler(10).at(hours * 3600.0)
+  pool = s.available_ids(0)
+  counts = np.zeros(300)
+  rounds = 3000
+  for r in range(rounds):
+    np.add.at(counts, s.sample(r), 1)
+  assert set(np.flatnonzero(counts)) == set(pool)
+  # Each available client is drawn with probability 10 / |pool| a round.
+  q = 10 / pool.size
+  sd = math.sqrt(rounds * q * (1 - q))
+  assert np.all(np.abs(counts[pool] - rounds * q) < 5 * sd)
