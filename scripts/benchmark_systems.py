@@ -17,7 +17,9 @@ are printed (the minimum is the least disturbed by other processes).
   both run on the prefetch thread, overlapped with the previous round;
 * ``loop``: the runner's loop, rounds from ``Experiment.cohorts`` (systems
   off) against ``Experiment.system_rounds`` (systems on), prefetched, each
-  block of rounds timed from the first cohort to the last round's result.
+  block of rounds timed from the first cohort to the last round's result;
+  ``control_ratio`` compares two identical systems-off blocks (the noise
+  floor of the machine).
 
   python scripts/benchmark_systems.py --method fedavg_partial --cohort 20,100
 """
@@ -120,12 +122,13 @@ def bench(method: str, cohort_size: int, reps: int, rounds: int,
     jax.block_until_ready(s)
     iterator.close()
     return time.perf_counter() - t
-  off, on = [], []
+  off, off2, on = [], [], []  # off2: the same as off (the noise floor)
   block(exp.cohorts(0, 2))  # compile
-  for i in range(blocks):  # A B, then B A, ...
-    for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-      if which == 0:
-        off.append(block(exp.cohorts(i * rounds, (i + 1) * rounds)))
+  for i in range(blocks):  # A A' B, then B A' A, ...
+    for which in ((0, 1, 2) if i % 2 == 0 else (2, 1, 0)):
+      if which < 2:
+        (off, off2)[which].append(
+            block(exp.cohorts(i * rounds, (i + 1) * rounds)))
       else:
         on.append(block(exp.system_rounds(0, rounds, 0.0), systems_on=True))
   print(json.dumps(dict(common, measure='loop', rounds=rounds,
@@ -133,6 +136,8 @@ def bench(method: str, cohort_size: int, reps: int, rounds: int,
                         on_ms_per_round=round(1e3 * np.median(on) / rounds, 4),
                         ratio=round(float(np.median(on) / np.median(off)), 4),
                         min_ratio=round(min(on) / min(off), 4),
+                        control_ratio=round(float(np.median(off2) / np.median(off)), 4),
+                        control_min_ratio=round(min(off2) / min(off), 4),
                         blocks=blocks)),
         flush=True)
 
