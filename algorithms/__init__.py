@@ -6,12 +6,15 @@ donated), ``run_rounds`` (many rounds in one ``lax.scan``) and ``apply`` (the
 plain round, for ``jax.grad`` and friends). See docs/algorithms.md.
 """
 
+from fedjx.algorithms import adaptive_clipping
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import client_transforms
 from fedjx.algorithms import client_update
+from fedjx.algorithms import dp_ftrl
 from fedjx.algorithms import hypergradients
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms import quantization
+from fedjx.algorithms.adaptive_clipping import adaptive_gaussian
 from fedjx.algorithms.aggregators import Aggregator
 from fedjx.algorithms.base import Algorithm
 from fedjx.algorithms.base import ServerState
@@ -29,6 +32,7 @@ from fedjx.algorithms.diloco import diloco
 from fedjx.algorithms.dp_fedavg import clip_update
 from fedjx.algorithms.dp_fedavg import dp_epsilon
 from fedjx.algorithms.dp_fedavg import dp_fedavg
+from fedjx.algorithms.dp_ftrl import tree_gaussian
 from fedjx.algorithms.fedavg import fedadagrad
 from fedjx.algorithms.fedavg import fedadam
 from fedjx.algorithms.fedavg import fedavg
@@ -70,6 +74,8 @@ __all__ = [
     'StreamingDiLoCoState',
     'WEIGHTINGS',
     'adaptive_adagrad',
+    'adaptive_clipping',
+    'adaptive_gaussian',
     'adaptive_adam',
     'aggregation_weights',
     'aggregators',
@@ -82,6 +88,7 @@ __all__ = [
     'dp_epsilon',
     'delayed_nesterov',
     'dp_fedavg',
+    'dp_ftrl',
     'fedadagrad',
     'fedadam',
     'fedavg',
@@ -99,6 +106,7 @@ __all__ = [
     'scale_by_yogi',
     'scan_rounds',
     'streaming_diloco',
+    'tree_gaussian',
     'yogi',
     'TunerState',
     'fedavg_hypergradient_tuner',

@@ -28,10 +28,17 @@ Aggregators here:
 | :func:`mean` (default) | ``m_i = Delta_i`` | ``sum_i w_i m_i / sum_i w_i`` |
 | :func:`quantized_mean` | ``m_i = Q(Delta_i)`` | weighted mean |
 | :func:`gaussian` (DP) | ``m_i = Delta_i min(1, C / ||Delta_i||)``, ``w_i = 1`` | ``(sum_i m_i + N(0, (zC)^2 I)) / D`` |
+| ``adaptive_gaussian`` (DP) | clip to the state's ``C``, ``b_i = 1[||Delta_i|| <= C]`` | noisy mean, ``C`` to a quantile |
+| ``tree_gaussian`` (DP-FTRL) | clip to ``C``, ``w_i = 1`` | ``(s_t - s_{t-1}) / D``, tree prefix sums |
+
+``adaptive_gaussian`` is :func:`fedjx.algorithms.adaptive_clipping.adaptive_gaussian`
+(Andrew et al. 2021), ``tree_gaussian`` :func:`fedjx.algorithms.dp_ftrl.tree_gaussian`
+(Kairouz et al. 2021).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -62,6 +69,9 @@ class Aggregator(NamedTuple):
     weights: ``weights(num_examples) -> w`` placed client weights, or None
       for the algorithm's ``weighting``.
     message_bytes: ``message_bytes(params) -> int``, bytes one client sends.
+    broadcast: ``broadcast(state) -> {name: value}``, the values of the
+      aggregator's state the clients' ``encode`` reads (added to its
+      ``hparams``; e.g. adaptive clipping's current clip norm), or None.
   """
 
   init: Callable[[base.Params], Any]
@@ -71,6 +81,7 @@ class Aggregator(NamedTuple):
   weights: Callable[[jax.Array], jax.Array] | None = None
   message_bytes: Callable[[base.Params], int] = (
       lambda params: quantization.num_bytes(params, 'float32'))
+  broadcast: Callable[[Any], Mapping[str, jax.Array]] | None = None
 
 
 def _stateless(params: base.Params) -> tuple[()]:
@@ -135,6 +146,37 @@ def add_gaussian_noise(tree: base.PyTree, std: jax.Array,
       for t, k in zip(leaves, keys)])
 
 
+def participants(clients: nonfinite.Clients) -> jax.Array:
+  """``sum_i w_i``: with unit weights, the number of participating clients."""
+  if clients.totals is None:
+    return fedjx.reduce_sum(clients.weights)
+  return clients.totals['weights']
+
+
+def denominator(expected_clients_per_round: float | None,
+                count: jax.Array) -> jax.Array:
+  """The DP mean's ``D``: ``qN`` if given, else the participating count (>= 1)."""
+  if expected_clients_per_round is not None:
+    return jnp.float32(expected_clients_per_round)
+  return jnp.maximum(count, 1.0)
+
+
+def check_dp_options(fn: str, noise_multiplier: float,
+                     expected_clients_per_round: float | None,
+                     **positive: float) -> None:
+  """One-line errors for the options the DP aggregators share.
+
+  ``noise_multiplier`` >= 0, ``expected_clients_per_round`` > 0 or None, and
+  each of ``positive`` (e.g. ``clip_norm=...``) > 0.
+  """
+  for name, value in positive.items():
+    base.check_number(fn, name, value, strict=True)
+  base.check_number(fn, 'noise_multiplier', noise_multiplier)
+  if expected_clients_per_round is not None:
+    base.check_number(fn, 'expected_clients_per_round',
+                      expected_clients_per_round, strict=True)
+
+
 def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
              expected_clients_per_round: float | None = None) -> Aggregator:
   """User-level DP: clip each update, sum, add Gaussian noise, divide.
@@ -156,11 +198,8 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   ``mean_update_norm`` (before clipping) and ``noise_std`` (``zC``).
   """
   fn = 'gaussian'
-  base.check_number(fn, 'clip_norm', clip_norm, strict=True)
-  base.check_number(fn, 'noise_multiplier', noise_multiplier)
-  if expected_clients_per_round is not None:
-    base.check_number(fn, 'expected_clients_per_round',
-                      expected_clients_per_round, strict=True)
+  check_dp_options(fn, noise_multiplier, expected_clients_per_round,
+                   clip_norm=clip_norm)
 
   def weights(num_examples):
     return base.aggregation_weights(num_examples, 'uniform')
@@ -173,11 +212,8 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
     clip, z = hparams['clip_norm'], hparams['noise_multiplier']
     real, norms = clients.weights, clients.encoded
     noisy = add_gaussian_noise(fedjx.reduce_sum(clients.update), z * clip, key)
-    count = (fedjx.reduce_sum(real) if clients.totals is None
-             else clients.totals['weights'])
-    denom = (jnp.float32(expected_clients_per_round)
-             if expected_clients_per_round is not None
-             else jnp.maximum(count, 1.0))
+    count = participants(clients)
+    denom = denominator(expected_clients_per_round, count)
     aggregate = jax.tree.map(lambda t: t / denom.astype(t.dtype), noisy)
     clipped_count = fedjx.reduce_sum(real * (norms > clip).astype(jnp.float32))
     metrics = {
@@ -194,11 +230,38 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
 
 # ------------------------------------------------------------ for algorithms
 
+def _in_module(module: str, name: str) -> Callable[..., Aggregator]:
+  """``fedjx.algorithms.<module>.<name>``, imported when first called.
+
+  The DP mechanisms of their own modules build on this one, which therefore
+  cannot import them when it is imported.
+  """
+  def build(**options: Any) -> Aggregator:
+    return getattr(importlib.import_module(f'fedjx.algorithms.{module}'),
+                   name)(**options)
+  build.__name__ = build.__qualname__ = name
+  build.__doc__ = f'``fedjx.algorithms.{module}.{name}(**options)``.'
+  return build
+
+
+# DP mechanisms of their own modules, also reachable from here.
+_ELSEWHERE = {'adaptive_gaussian': 'adaptive_clipping', 'tree_gaussian': 'dp_ftrl'}
+
+
+def __getattr__(name: str) -> Any:
+  """``aggregators.adaptive_gaussian`` and ``aggregators.tree_gaussian`` (PEP 562)."""
+  if name in _ELSEWHERE:
+    module = importlib.import_module(f'fedjx.algorithms.{_ELSEWHERE[name]}')
+    return getattr(module, name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
 # The aggregators a config can name: ``aggregator=dict(name='gaussian', ...)``.
 AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
     'mean': mean,
     'quantized_mean': quantized_mean,
     'gaussian': gaussian,
+    **{name: _in_module(module, name) for name, module in _ELSEWHERE.items()},
 }
 
 
@@ -240,6 +303,23 @@ def hparams_of(aggregator: Aggregator,
   return {k: hparams[k] for k in aggregator.hparams}
 
 
+def encode_hparams(aggregator: Aggregator, hparams: Mapping[str, Any],
+                   aggregator_state: Any) -> dict[str, jax.Array]:
+  """What ``encode`` reads: the hyperparameters and the broadcast state.
+
+  ``aggregator_state`` is the algorithm's ``state.aggregator_state``; an
+  aggregator with a ``broadcast`` needs it (None is refused).
+  """
+  hp = hparams_of(aggregator, hparams)
+  if aggregator.broadcast is not None:
+    if aggregator_state is None:
+      raise ValueError('map_clients: aggregator_state=None, but this '
+                       'aggregator\'s clients read its state (pass '
+                       'aggregator_state=state.aggregator_state).')
+    hp.update(aggregator.broadcast(aggregator_state))
+  return hp
+
+
 def client_weights(aggregator: Aggregator, num_examples: jax.Array,
                    weighting: str) -> jax.Array:
   """The placed ``w_i``: the aggregator's own, or the algorithm's weighting."""
@@ -251,27 +331,31 @@ def client_weights(aggregator: Aggregator, num_examples: jax.Array,
 def map_clients(aggregator: Aggregator, hparams: Mapping[str, Any],
                 client_fn: Callable[..., nonfinite.ClientOutput], args: tuple,
                 num_examples: jax.Array, weighting: str,
-                skip_nonfinite: bool) -> nonfinite.Clients:
+                skip_nonfinite: bool,
+                aggregator_state: Any = None) -> nonfinite.Clients:
   """:func:`fedjx.algorithms.nonfinite.map_clients` with the aggregator's encode.
 
-  ``hparams`` is the algorithm's ``state.hparams``.
+  ``hparams`` is the algorithm's ``state.hparams`` and ``aggregator_state``
+  its ``state.aggregator_state`` (needed when the aggregator has a
+  ``broadcast``).
   """
   return nonfinite.map_clients(
       client_fn, args, client_weights(aggregator, num_examples, weighting),
       num_examples, skip_nonfinite, encode=aggregator.encode,
-      encode_hparams=hparams_of(aggregator, hparams))
+      encode_hparams=encode_hparams(aggregator, hparams, aggregator_state))
 
 
 def encode_map(aggregator: Aggregator, hparams: Mapping[str, Any],
                clients: nonfinite.Clients, fn: Callable[..., base.PyTree],
-               args: tuple) -> nonfinite.Clients:
+               args: tuple, aggregator_state: Any = None) -> nonfinite.Clients:
   """``clients`` whose messages are the encoded ``fn(*args)``, in a further map.
 
   For updates computed after the algorithm's client map (e.g. Streaming
   DiLoCo's outer gradient of one fragment). ``fn`` must give finite values
-  for kept clients; skipped clients have weight 0.
+  for kept clients; skipped clients have weight 0. ``aggregator_state`` as
+  for :func:`map_clients`.
   """
-  hp = hparams_of(aggregator, hparams)
+  hp = encode_hparams(aggregator, hparams, aggregator_state)
   encode = aggregator.encode or (lambda h, u, w: (u, ()))
   guarded = clients.totals is not None
 
@@ -312,5 +396,6 @@ def step(aggregator: Aggregator, optimizer, state: Any,
   return delta, params, opt_state, agg_state, metrics
 
 
-__all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'clip_update', 'gaussian',
-           'mean', 'quantized_mean', 'safe_global_norm']
+__all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'clip_update',
+           'denominator', 'gaussian', 'mean', 'participants', 'quantized_mean',
+           'safe_global_norm']

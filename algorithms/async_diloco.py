@@ -14,11 +14,12 @@ version it received ``tau_k`` outer steps ago:
     theta_{t+1} = theta_t + OuterOpt(g_t)
 
 Liu et al. find that Nesterov momentum on stale outer gradients hurts, and
-propose the *Delayed Nesterov* outer optimizer (their Section 4.1): the
-momentum is updated only once every ``N`` outer steps, from the mean of
-the ``N`` outer gradients buffered meanwhile; in between, each outer
-gradient is applied alone, scaled by ``c``. As implemented here
-(:func:`delayed_nesterov`, learning rate ``eta``, momentum ``beta``):
+propose the *Delayed Nesterov* outer optimizer: the momentum is updated
+only once every ``N`` outer steps, from the mean of the ``N`` outer
+gradients buffered meanwhile; in between, each outer gradient is applied
+alone, scaled by ``c``. As implemented here (:func:`delayed_nesterov`,
+learning rate ``eta``, momentum ``beta``; the equations are this module's
+reading of the paper, so a reproduction should check ``c`` against it):
 
     t + 1 a multiple of N:  m <- beta m + mean(g_{t-N+1} .. g_t)
                             theta <- theta - eta (beta m + mean(g_{t-N+1} .. g_t))
@@ -56,11 +57,12 @@ from fedjx.algorithms.diloco import stack_states
 from fedjx.algorithms.fedbuff import async_metrics
 from fedjx.algorithms.fedbuff import check_async_cohort
 from fedjx.algorithms.fedbuff import check_staleness_options
+from fedjx.algorithms.fedbuff import in_ring
 from fedjx.algorithms.fedbuff import kept
 from fedjx.algorithms.fedbuff import ring_init
 from fedjx.algorithms.fedbuff import ring_push
 from fedjx.algorithms.fedbuff import ring_read
-from fedjx.algorithms.fedbuff import staleness_weight
+from fedjx.algorithms.fedbuff import staleness_scale
 
 
 class AsyncDiLoCoState(NamedTuple):
@@ -196,6 +198,10 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   buffer_size, max_staleness = o['buffer_size'], o['max_staleness']
   base.check_positive_int(name, 'buffer_size', buffer_size, allow_none=True)
   base.check_positive_int(name, 'concurrency', o['concurrency'], allow_none=True)
+  if None not in (buffer_size, o['concurrency']) and o['concurrency'] < buffer_size:
+    raise ValueError(f'{name}: concurrency={o["concurrency"]} is less than '
+                     f'buffer_size={buffer_size}; at least K replicas must '
+                     'train at once.')
   weighting, exponent = o['staleness_weighting'], o['staleness_exponent']
   check_staleness_options(name, max_staleness, weighting, exponent)
   metrics_fn = o['metrics_fn']
@@ -214,13 +220,13 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
 
   def replica_fn(versions, round_index, hparams, tau, inner_state, batches, mask):
     theta = ring_read(versions, round_index, tau)
-    mask = jnp.logical_and(mask, tau <= max_staleness)  # Dropped: no steps.
+    mask = jnp.logical_and(mask, in_ring(tau, max_staleness))  # Dropped: no steps.
     if reset_inner_state:
       inner_state = inner_optimizer.init(theta)
     inner_state = base.with_hparams(inner_state, hparams)
     out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
                                      inner_state, batches, mask, schedule)
-    s = staleness_weight(tau, weighting, exponent)
+    s = staleness_scale(tau, max_staleness, weighting, exponent)
     delta = jax.tree.map(lambda a, b: (a - b) * s.astype(a.dtype), theta,
                          out.params)
     return nonfinite.ClientOutput(delta, out.stats, state=out.opt_state,
@@ -240,7 +246,8 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         (fedjx.broadcast(state.versions), fedjx.broadcast(state.round_index),
          fedjx.broadcast(state.hparams['inner_optimizer']), tau, inner,
          cohort.batches, cohort.mask),
-        num_examples, o['weighting'], o['skip_nonfinite'])
+        num_examples, o['weighting'], o['skip_nonfinite'],
+        aggregator_state=state.aggregator_state)
     outer_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, outer_optimizer, state, state.hparams['outer_optimizer'],
         clients, key)

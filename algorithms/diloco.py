@@ -200,7 +200,8 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
         (fedjx.broadcast(state.params),
          fedjx.broadcast(state.hparams['inner_optimizer']),
          inner, cohort.batches, cohort.mask),
-        cohort.num_examples, o['weighting'], o['skip_nonfinite'])
+        cohort.num_examples, o['weighting'], o['skip_nonfinite'],
+        aggregator_state=state.aggregator_state)
     outer_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, outer_optimizer, state, state.hparams['outer_optimizer'],
         clients, key)

@@ -152,7 +152,8 @@ def build(name: str, loss_fn: base.LossFn,
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.params), fedjx.broadcast(client_hparams),
          cohort.batches, cohort.mask),
-        cohort.num_examples, weighting, skip_nonfinite)
+        cohort.num_examples, weighting, skip_nonfinite,
+        aggregator_state=state.aggregator_state)
     pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, key)

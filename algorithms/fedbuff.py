@@ -10,13 +10,14 @@ server holds version ``x_t``) with the buffer's clients ``i = 1..K``:
     g   = sum_i w_i s(tau_i) Delta_i / sum_i w_i      (w_i = n_i, or 1)
     x_{t+1} = x_t + ServerOpt(g)
 
-with the staleness weight of the paper (Section 4, "staleness scaling"; the
-polynomial of Xie et al., "Asynchronous Federated Optimization", 2019)
+with the paper's staleness scaling (the polynomial function of Xie et al.,
+"Asynchronous Federated Optimization", 2019, with the paper's ``a = 1/2``)
 
     s(tau) = 1 / (1 + tau)^a       ('polynomial', a = staleness_exponent = 0.5)
     s(tau) = 1                     ('constant')
 
-With uniform weights this is the paper's ``(1/K) sum_i s(tau_i) Delta_i``:
+With ``weighting='uniform'`` this is the paper's ``(1/K) sum_i s(tau_i)
+Delta_i`` (the default ``'num_examples'`` weights by ``n_i``, as FedAvg):
 stale updates shrink the step, they do not only lose weight against fresh
 ones. With ``tau_i = 0`` for all clients the round is FedAvg's on the same
 cohort (``s(0) = 1``).
@@ -26,8 +27,9 @@ Which clients report when is simulated on the host
 :class:`AsyncCohort`: a :class:`~fedjx.datasets.Cohort` plus each client's
 staleness. The state keeps a ring of the last ``V = max_staleness + 1``
 model versions (``x_v`` in slot ``v mod V``; every slot starts as ``x_0``),
-not one model per client; a client with ``tau_i > max_staleness`` is
-dropped (weight 0, no local steps) and counted in ``stale_dropped``.
+not one model per client; a client with ``tau_i`` outside ``[0,
+max_staleness]`` is dropped (weight 0, no local steps) and counted in
+``stale_dropped``.
 
 How each client gets its version: the ring is broadcast (``fedjx.broadcast``
 is not copied per client: ``map_fn`` hands the one array to every client)
@@ -177,9 +179,23 @@ def ring_read(versions: base.PyTree, round_index: jax.Array,
   return jax.tree.map(get, versions)
 
 
+def in_ring(staleness: jax.Array, max_staleness: int) -> jax.Array:
+  """Whether ``0 <= staleness <= max_staleness``: the version is in the ring."""
+  tau = jnp.asarray(staleness)
+  return jnp.logical_and(tau >= 0, tau <= max_staleness)
+
+
 def kept(staleness: jax.Array, max_staleness: int) -> jax.Array:
-  """Placed: 1.0 for clients whose version is still in the ring, else 0.0."""
-  return (jnp.asarray(staleness) <= max_staleness).astype(jnp.float32)
+  """Placed: 1.0 for clients whose version is in the ring, else 0.0."""
+  return in_ring(staleness, max_staleness).astype(jnp.float32)
+
+
+def staleness_scale(staleness: jax.Array, max_staleness: int, weighting: str,
+                    exponent: float | jax.Array) -> jax.Array:
+  """One client's ``s(tau)``, and 0 when it is dropped (never inf or NaN)."""
+  ok = in_ring(staleness, max_staleness)
+  return jnp.where(ok, staleness_weight(jnp.where(ok, staleness, 0), weighting,
+                                        exponent), 0.0)
 
 
 def async_metrics(cohort: AsyncCohort, max_staleness: int) -> dict[str, jax.Array]:
@@ -272,7 +288,7 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
 
   def client_fn(versions, round_index, hparams, tau, batches, mask):
     x = ring_read(versions, round_index, tau)
-    mask = jnp.logical_and(mask, tau <= max_staleness)  # Dropped: no steps.
+    mask = jnp.logical_and(mask, in_ring(tau, max_staleness))  # Dropped: no steps.
     optimizer = client_optimizer
     opt_state = base.with_hparams(client_optimizer.init(x),
                                   hparams['client_optimizer'])
@@ -282,7 +298,7 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
                                      hparams['client_transform']), opt_state)
     out = client_update.local_update(loss_fn, metrics_fn, optimizer, x,
                                      opt_state, batches, mask, schedule)
-    s = staleness_weight(tau, weighting, exponent)
+    s = staleness_scale(tau, max_staleness, weighting, exponent)
     delta = jax.tree.map(lambda a, b: (a - b) * s.astype(a.dtype), x, out.params)
     extra = base.client_metrics(delta, out) if o['client_metrics'] else ()
     return nonfinite.ClientOutput(delta, out.stats, extra=extra,
@@ -301,7 +317,8 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.versions), fedjx.broadcast(state.round_index),
          fedjx.broadcast(client_hparams), tau, cohort.batches, cohort.mask),
-        num_examples, o['weighting'], o['skip_nonfinite'])
+        num_examples, o['weighting'], o['skip_nonfinite'],
+        aggregator_state=state.aggregator_state)
     pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, key)

@@ -180,7 +180,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
          fedjx.broadcast(state.hparams['client_learning_rate']),
          fedjx.broadcast(state.hparams['client_optimizer']),
          cohort.batches, cohort.mask),
-        cohort.num_examples, o['weighting'], o['skip_nonfinite'])
+        cohort.num_examples, o['weighting'], o['skip_nonfinite'],
+        aggregator_state=state.aggregator_state)
     delta_c = clients.extra
     pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],

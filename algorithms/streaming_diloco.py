@@ -178,7 +178,7 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     theta_k = tuple(replica_leaves[i] for i in frag)
     fragment_clients = aggregators.encode_map(  # messages Q(theta^p - theta_k^p)
         aggregator, hparams, clients, base.tree_sub,
-        (fedjx.broadcast(theta), theta_k))
+        (fedjx.broadcast(theta), theta_k), aggregator_state=agg_state)
     outer_grad, agg_state, agg_metrics = aggregators.aggregate(
         aggregator, agg_state, hparams, fragment_clients, key)
     theta, opt_state = base.server_update(

@@ -90,8 +90,9 @@ class AsyncScheduler:
   ``r`` and gets what an uninterrupted run got. Steps are computed in order
   and kept (``K`` ids, ``K`` staleness values and a float each), so asking
   for step ``r`` of a fresh scheduler simulates steps ``0 .. r`` once:
-  ``O(r (K log M + N))`` host time, milliseconds per thousand steps of a
-  thousand clients.
+  ``O(r (K log M + N))`` host time: 0.09 s for 1,000 steps of
+  ``N, M, K = 1000, 100, 10``, 0.56 s for ``100000, 1000, 100`` (measured
+  on one CPU core).
 
   Args:
     num_clients: ``N``, the population (client ids ``0 .. N - 1``).
@@ -155,9 +156,9 @@ def lognormal_durations(num_clients: int, *, median: float = 60.0,
                         sigma: float = 1.0, seed: int = 0) -> Duration:
   """A simple system model: client ``c`` always takes ``median exp(sigma z_c)`` s.
 
-  ``z_c ~ N(0, 1)`` once per client from ``(seed, ASYNC_DURATIONS)``: speeds
-  are log-normal across clients, as measured on devices (e.g. Lai et al.,
-  "Oort", OSDI 2021, and FedBuff's own simulations), and fixed in time.
+  ``z_c ~ N(0, 1)`` once per client from ``(seed, ASYNC_DURATIONS)``: job
+  times are log-normal across clients (heavy-tailed: a few stragglers) and
+  fixed in time; ``sigma = 0`` makes every client take ``median``.
   """
   _check_int('num_clients', num_clients, 1)
   for name, value, strict in (('median', median, True), ('sigma', sigma, False)):

@@ -133,6 +133,7 @@ def test_stale_outer_step_against_a_loop():
     (dict(gradient_scale=-1.0), r'gradient_scale=-1.0'),
     (dict(outer_optimizer=optax.sgd(1.0), delay_period=2), r'delay_period=2'),
     (dict(max_staleness=1.5), r'max_staleness=1.5'),
+    (dict(buffer_size=3, concurrency=2), r'concurrency=2'),
 ])
 def test_errors_are_one_line(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -150,13 +150,16 @@ def test_ring_holds_the_last_versions():
 
 
 def test_all_dropped_changes_nothing():
+  # Staleness past the ring, or negative (-1 would make s = 1/0): dropped,
+  # not non-finite.
   algo = algos.fedbuff(linreg_loss, max_staleness=1)
   params = linreg_params()
   state = algo.init(params)
-  cohort = AsyncCohort(_cohort(), jnp.full(4, 2, jnp.int32))
+  cohort = AsyncCohort(_cohort(), jnp.asarray([2, -1, 5, -3], jnp.int32))
   new, metrics = algo.round(state, cohort, KEY)
   jax.tree.map(np.testing.assert_array_equal, new.params, params)
   assert float(metrics['stale_dropped']) == 4.0 and float(metrics['clients']) == 0.0
+  assert float(metrics['nonfinite_clients']) == 0.0
 
 
 def test_run_rounds_matches_rounds():
@@ -217,16 +220,25 @@ def _runner_config(rounds):
   return config
 
 
-def test_runner_simulated_time_and_exact_resumption(tmp_path):
+def test_runner_reports_the_simulated_time(tmp_path):
   from fedjx.experiments import runner  # pylint: disable=import-outside-toplevel
-  straight = runner.run(_runner_config(6), str(tmp_path / 'straight'))
+  config = _runner_config(4)
+  config.checkpoint_every = 4
+  result = runner.run(config, str(tmp_path))
   scheduler = sched.AsyncScheduler(
       20, 6, 3, sched.lognormal_durations(20, median=10.0, sigma=1.0, seed=1),
       seed=1)
-  rows = [row for row in straight.history if row['round'] > 0]
+  rows = [row for row in result.history if row['round'] > 0]
   assert [row['simulated_time'] for row in rows] == [
-      scheduler.step(r).time for r in range(6)]
-  assert any(row['mean_staleness'] > 0 for row in rows)
+      scheduler.step(r).time for r in range(4)]
+  assert [row['mean_staleness'] for row in rows] == pytest.approx(
+      [np.mean(scheduler.step(r).staleness) for r in range(4)], rel=ft.rtol(3))
+
+
+@pytest.mark.slow
+def test_runner_resumes_exactly(tmp_path):
+  from fedjx.experiments import runner  # pylint: disable=import-outside-toplevel
+  straight = runner.run(_runner_config(6), str(tmp_path / 'straight'))
   workdir = str(tmp_path / 'resumed')
   runner.run(_runner_config(3), workdir)
   resumed = runner.run(_runner_config(6), workdir)
@@ -244,3 +256,40 @@ def test_runner_refuses_a_buffer_size_other_than_the_cohort_size(tmp_path):
   config.algorithm.concurrency = 30
   with pytest.raises(registry.ConfigError, match=r'concurrency=30'):
     runner.run(config, str(tmp_path / 'b'))
+
+
+def test_streamed_round_is_the_compiled_round():
+  from fedjx import execution  # pylint: disable=import-outside-toplevel
+  algo = algos.fedbuff(linreg_loss, max_staleness=2).compile(donate=False)
+  state = algo.init(linreg_params())
+  cohort = AsyncCohort(_cohort(), jnp.asarray([0, 1, 2, 3], jnp.int32))
+  a, ma = algo.round(state, cohort, KEY)
+  b, mb = execution.round_runner(algo, 'streaming', 2)(state, cohort, KEY)
+  # Two chunks of two clients: the sums over 4 clients in another order.
+  assert_trees_close(b.params, a.params, CHAIN)
+  assert float(mb['stale_dropped']) == float(ma['stale_dropped']) == 1.0
+
+
+@pytest.mark.slow
+def test_runner_on_a_mesh_gives_the_same_numbers(tmp_path):
+  from fedjx.experiments import runner  # pylint: disable=import-outside-toplevel
+  config = _runner_config(2)
+  config.cohort_size, config.algorithm.concurrency = 8, 12
+  plain = runner.run(config, str(tmp_path / 'plain'))
+  config.mesh = 'clients=-1'  # The 8 host devices of tests/conftest.py.
+  sharded = runner.run(config, str(tmp_path / 'mesh'))
+  # Per-client work is the same; the means over 8 clients are summed in
+  # another order (2 rounds).
+  assert_trees_close(sharded.state.params, plain.state.params, 2 * 8 + CHAIN)
+  assert [r['simulated_time'] for r in sharded.history if r['round']] == [
+      r['simulated_time'] for r in plain.history if r['round']]
+
+
+def test_round_is_a_mapreduce_plan():
+  from fedjx import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  algo = algos.fedbuff(linreg_loss, max_staleness=2)
+  state = algo.init(linreg_params())
+  cohort = AsyncCohort(_cohort(), jnp.asarray([0, 1, 2, 3], jnp.int32))
+  plan = plan_lib.trace_plan(algo.apply, state, cohort, KEY)
+  kinds = [type(step).__name__ for step in plan.steps]
+  assert kinds.count('MapStep') == 1  # One pass of client work.

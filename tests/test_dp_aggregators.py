@@ -1,0 +1,132 @@
+"""The DP aggregators (gaussian, adaptive_gaussian, tree_gaussian) with FedAvg,
+FedAdam, FedProx, SCAFFOLD and DiLoCo: hand-computed rounds without noise,
+finite rounds with noise."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjx.algorithms as algos
+from test_algorithms_util import (KEY, assert_trees_close, copy, linreg_data,
+                                  linreg_loss, linreg_params, make_cohort,
+                                  reference_sgd)
+
+CLIP, D, LR, ETA_C, GAMMA = 0.3, 4.0, 0.1, 0.2, 0.5
+
+# Each aggregator without noise (its noise is a traced hyperparameter).
+SPECS = {
+    'gaussian': dict(name='gaussian', clip_norm=CLIP, noise_multiplier=0.0,
+                     expected_clients_per_round=D),
+    'adaptive_gaussian': dict(name='adaptive_gaussian', noise_multiplier=0.0,
+                              initial_clip_norm=CLIP, clipped_count_stddev=0.0,
+                              target_quantile=GAMMA, clip_learning_rate=ETA_C,
+                              expected_clients_per_round=D),
+    'tree_gaussian': dict(name='tree_gaussian', clip_norm=CLIP,
+                          noise_multiplier=0.0, restart_every=None,
+                          expected_clients_per_round=D),
+}
+# The hyperparameters that turn the noise on (sigma_b > z / 2 for adaptive).
+NOISE = {'noise_multiplier': 1.0, 'clipped_count_stddev': 1.0}
+
+BUILDERS = {
+    'fedavg': lambda agg: algos.fedavg(linreg_loss, client_optimizer=optax.sgd(LR),
+                                       aggregator=agg),
+    'fedadam': lambda agg: algos.fedadam(linreg_loss, client_optimizer=optax.sgd(LR),
+                                         aggregator=agg),
+    'fedprox': lambda agg: algos.fedprox(linreg_loss, mu=0.1,
+                                         client_optimizer=optax.sgd(LR),
+                                         aggregator=agg),
+    'scaffold': lambda agg: algos.scaffold(linreg_loss, num_clients=3,
+                                           client_learning_rate=LR, aggregator=agg),
+    'diloco': lambda agg: algos.diloco(linreg_loss, num_replicas=3,
+                                       inner_optimizer=optax.sgd(LR),
+                                       aggregator=agg),
+}
+
+
+def setup():
+  data = linreg_data(np.random.default_rng(80), [6, 4, 5], dim=3, shift=4.0)
+  return data, make_cohort(data, batch_size=3)
+
+
+def clipped(delta, clip):
+  norm = float(optax.tree.norm(delta))
+  return jax.tree.map(lambda u: u * min(1.0, clip / norm), delta), norm
+
+
+def next_clip(norms, clip, name):
+  """The clip norm of the next round: adaptive's geometric step, else fixed."""
+  if name != 'adaptive_gaussian':
+    return clip
+  fraction = (np.sum(np.asarray(norms) <= clip) - 3 / 2) / D + 1 / 2
+  return clip * np.exp(-ETA_C * (fraction - GAMMA))
+
+
+def reference_fedavg(data, name, rounds=2):
+  """FedAvg (server SGD 1) on the clipped sum over D, noise off."""
+  x, clip = linreg_params(), CLIP
+  for _ in range(rounds):
+    deltas, norms = zip(*[clipped(jax.tree.map(jnp.subtract, x, reference_sgd(
+        linreg_loss, x, c, 3, LR)[0]), clip) for c in data])
+    x = jax.tree.map(lambda p, *ds: p - sum(ds) / D, x, *deltas)
+    clip = next_clip(norms, clip, name)
+  return x
+
+
+def reference_scaffold(data, name, rounds=2):
+  """SCAFFOLD option II (Karimireddy et al. 2020) with the clipped sum over D.
+
+  The control variates use the unclipped ``x - y_i``; ``c = sum_i c_i / N``.
+  """
+  x, clip = linreg_params(), CLIP
+  zeros = jax.tree.map(jnp.zeros_like, x)
+  c, c_i = zeros, [zeros] * 3
+  for _ in range(rounds):
+    outs = []
+    for i, d in enumerate(data):
+      correction = lambda g, p, i=i: jax.tree.map(lambda a, b: a - b, c, c_i[i])
+      y, k = reference_sgd(linreg_loss, x, d, 3, LR, correction=correction)
+      outs.append((jax.tree.map(jnp.subtract, x, y), k))
+    deltas, norms = zip(*[clipped(delta, clip) for delta, _ in outs])
+    new_ci = [jax.tree.map(lambda ci, c, u: ci - c + u / (k * LR), ci, c, delta)
+              for ci, (delta, k) in zip(c_i, outs)]
+    c = jax.tree.map(lambda c, *pairs: c + sum(pairs) / 3, c,
+                     *[jax.tree.map(jnp.subtract, n, o) for n, o in zip(new_ci, c_i)])
+    c_i = new_ci
+    x = jax.tree.map(lambda p, *ds: p - sum(ds) / D, x, *deltas)
+    clip = next_clip(norms, clip, name)
+  return x
+
+
+REFERENCES = {'fedavg': reference_fedavg, 'scaffold': reference_scaffold}
+
+
+@pytest.mark.parametrize('aggregator', sorted(SPECS))
+@pytest.mark.parametrize('algorithm', sorted(BUILDERS))
+def test_dp_aggregator_runs_with_the_algorithm(algorithm, aggregator):
+  data, cohort = setup()
+  algo = BUILDERS[algorithm](SPECS[aggregator])
+  state0 = algo.init(linreg_params())
+  keys = [jax.random.fold_in(KEY, r) for r in range(2)]
+  state = copy(state0)
+  for key in keys:  # Noise off.
+    state, metrics = algo.round(state, cohort, key)
+  for leaf in jax.tree.leaves((state.params, metrics)):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+  if algorithm in REFERENCES:
+    # Two rounds of local SGD and the aggregate (CHAIN covers them).
+    assert_trees_close(state.params, REFERENCES[algorithm](data, aggregator))
+  # Noise on (traced hyperparameters: the same compiled round).
+  hparams = dict(state0.hparams, **{k: jnp.float32(v) for k, v in NOISE.items()
+                                    if k in state0.hparams})
+  state = copy(state0)._replace(hparams=hparams)
+  for key in keys:
+    state, metrics = algo.round(state, cohort, key)
+  assert float(metrics['noise_std']) > 0
+  for leaf in jax.tree.leaves((state.params, metrics)):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+  moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), state.params,
+                       state0.params)
+  assert max(jax.tree.leaves(moved)) > 0
