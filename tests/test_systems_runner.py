@@ -39,9 +39,9 @@ def _rows(workdir):
           for r in metrics_writers.read_metrics(path)]
 
 
-def test_a_resumed_run_continues_the_simulated_clock(tmp_path):
+def test_the_runner_records_the_system_models_clock_and_counts(tmp_path):
   config = runner.validate(_config(4))
-  whole = runner.run(config, str(tmp_path / 'whole'), log=lambda m: None)
+  runner.run(config, str(tmp_path / 'whole'), log=lambda m: None)
   rows = _rows(str(tmp_path / 'whole'))
   # The clock and counts are the system model's, round by round.
   exp = runner.build(config)
@@ -64,6 +64,12 @@ def test_a_resumed_run_continues_the_simulated_clock(tmp_path):
   assert all(b > a for a, b in zip(times, times[1:]))
   assert sum(r['partial_clients'] for r in rows[1:]) > 0
   assert sum(r['dropped_clients'] for r in rows[1:]) > 0
+
+
+@pytest.mark.slow  # ~25 s: three runs
+def test_a_resumed_run_continues_the_simulated_clock(tmp_path):
+  whole = runner.run(_config(4), str(tmp_path / 'whole'), log=lambda m: None)
+  rows = _rows(str(tmp_path / 'whole'))
   # Stopped after round 2, then continued to 4: the same clock and model.
   part = str(tmp_path / 'part')
   runner.run(_config(2), part, log=lambda m: None)
