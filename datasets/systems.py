@@ -74,7 +74,8 @@ import jax
 import numpy as np
 
 from fedjx.datasets import _seeding
-from fedjx.datasets.cohort import PADDING_CLIENT, Cohort, make_cohort, place_cohort
+from fedjx.datasets.cohort import (PADDING_CLIENT, Cohort, CohortSampler,
+                                   make_cohort, place_cohort)
 from fedjx.datasets.federated import FederatedDataset
 from fedjx.datasets.prefetch import Prefetcher
 
@@ -375,25 +376,25 @@ class SystemModel:
                        size: int) -> tuple[np.ndarray, int]:
     """Up to ``size`` clients drawn uniformly without replacement among those
     available in round ``round_num`` at ``time``: ``(sorted int32 ids,
-    number available)``, from ``(seed, round_num, time)``."""
+    number available)``, from ``(seed, round_num, time)``. With
+    ``'always'``, the draw of :class:`fedjx.datasets.CohortSampler`: a model
+    of perfect clients trains on the cohorts of a run without one."""
+    if self.availability.kind == 'always':  # CohortSampler's own draw.
+      sampler = CohortSampler(self.num_clients, min(size, self.num_clients),
+                              self.seed)
+      return sampler.sample(round_num), self.num_clients
     gen = _seeding.rng(SAMPLE, self.seed, round_num)
     if self.availability.kind == 'bernoulli':
       pool = np.flatnonzero(self.available(round_num, time))
       ids = gen.choice(pool, size=min(size, pool.size), replace=False)
       return np.sort(ids).astype(np.int32), int(pool.size)
-    if self.availability.kind == 'always':
-      ranges = [(0, self.num_clients)]
-      order = None
-    else:
-      ranges = self._diurnal_ranges(time)
-      order = self._by_phase[0]
+    ranges = self._diurnal_ranges(time)
     count = sum(hi - lo for lo, hi in ranges)
     ranks = gen.choice(count, size=min(size, count), replace=False)
     first = ranges[0][1] - ranges[0][0]
     positions = np.where(ranks < first, ranges[0][0] + ranks,
                          ranges[-1][0] + ranks - first)
-    ids = positions if order is None else order[positions]
-    return np.sort(ids).astype(np.int32), int(count)
+    return np.sort(self._by_phase[0][positions]).astype(np.int32), int(count)
 
   def step_seconds(self, round_num: int, client_ids: np.ndarray) -> np.ndarray:
     """Seconds per local step of the cohort ``client_ids`` in round

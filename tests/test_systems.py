@@ -248,3 +248,20 @@ def test_sampler_is_uniform_over_the_available_clients(hours):
   q = 10 / pool.size
   sd = math.sqrt(rounds * q * (1 - q))
   assert np.all(np.abs(counts[pool] - rounds * q) < 5 * sd)
+
+
+def test_perfect_clients_train_on_todays_cohorts():
+  """Always available, no dropout, no deadline: the cohorts of a plain run."""
+  data = datasets.load_digits(num_clients=40, alpha=0.5, seed=0)[0]
+  model = systems.from_config(dict(speed=dict(step_seconds=1.5, sigma=0.5)),
+                              num_clients=40, seed=4)
+  kw = dict(num_rounds=4, num_epochs=1, prefetch=0)
+  with systems.system_cohort_iterator(data, model, 8, 10, **kw) as it:
+    rounds = list(it)
+  with datasets.cohort_iterator(data, 8, 10, seed=4, **kw) as it:
+    plain = list(it)
+  for (cohort, report), expected in zip(rounds, plain):
+    for x, y in zip(jax.tree.leaves(cohort), jax.tree.leaves(expected)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert report.reported == report.sampled == 8
+    assert report.late == report.dropped == report.partial == 0
