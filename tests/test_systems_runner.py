@@ -103,3 +103,18 @@ def test_plots_against_simulated_hours(tmp_path):
   path = plotting.plot_curves({'a': rows}, str(tmp_path / 'p.png'),
                               metrics=['eval_accuracy'], x='simulated_time')
   assert os.path.getsize(path) > 0
+
+
+@pytest.mark.slow  # ~15 s: two runs
+def test_perfect_clients_give_the_same_run(tmp_path):
+  plain = runner.run(_config(3, systems={}), str(tmp_path / 'a'),
+                     log=lambda m: None)
+  perfect = runner.run(_config(3, systems=dict(speed=dict(step_seconds=1.0))),
+                       str(tmp_path / 'b'), log=lambda m: None)
+  jax.tree.map(np.testing.assert_array_equal, plain.state.params,
+               perfect.state.params)
+  for a, b in zip(plain.history, perfect.history):
+    assert {k: v for k, v in b.items() if k in a and k != 'elapsed_s'} == {
+        k: v for k, v in a.items() if k != 'elapsed_s'}
+  # 4 local steps of 1 s a round, no communication time given.
+  assert [r['simulated_time'] for r in perfect.history] == [0.0, 4.0, 8.0, 12.0]
