@@ -224,12 +224,13 @@ def async_scheduler(config: ml_collections.ConfigDict, train: Any,
   (``config.algorithm.client_durations``) come from the algorithm's entry,
   or the durations from ``config.systems`` (``systems``): a client's
   communication time plus its local steps (as its cohort would hold them)
-  times its step time.
+  times its step time. ``train`` is the training population (or, without
+  ``systems``, its number of clients).
   """
   name, spec = registry.split_name('algorithm', config.algorithm)
   if name not in registry.ASYNCHRONOUS:
     return None
-  num_clients = train.num_clients
+  num_clients = train if isinstance(train, int) else train.num_clients
   k = config.cohort_size
   if spec.get('buffer_size') not in (None, k):
     raise registry.ConfigError(

@@ -118,3 +118,23 @@ def test_perfect_clients_give_the_same_run(tmp_path):
         k: v for k, v in a.items() if k != 'elapsed_s'}
   # 4 local steps of 1 s a round, no communication time given.
   assert [r['simulated_time'] for r in perfect.history] == [0.0, 4.0, 8.0, 12.0]
+
+
+def test_fedbuff_takes_its_durations_from_the_system_model():
+  fedbuff = dict(name='fedbuff', concurrency=9, max_staleness=8,
+                 client_optimizer=dict(name='sgd', learning_rate=0.1))
+  config = runner.validate(_config(3, algorithm=fedbuff, cohort_size=3))
+  exp = runner.build(config)
+  assert exp.systems is None  # No synchronous rounds: durations only.
+  model = datasets.systems.from_config(
+      SYSTEMS, 30, seed=2, model_bytes=4 * (64 * 10 + 10))
+  # 4 local steps each (config.local_steps): c + 4 s_i from its start.
+  expected = datasets.AsyncScheduler(
+      30, 9, 3, lambda cid, t: model.duration(cid, t, 4), seed=2)
+  for r in range(5):
+    got, want = exp.scheduler.step(r), expected.step(r)
+    np.testing.assert_array_equal(got.client_ids, want.client_ids)
+    assert got.time == want.time
+  both = dict(fedbuff, client_durations=dict(name='lognormal'))
+  with pytest.raises(registry.ConfigError, match='give one of them'):
+    runner.build(runner.validate(_config(2, algorithm=both, cohort_size=3)))
