@@ -1,6 +1,6 @@
 """Unreliable clients on digits: one population, one system model, five servers.
 
-The heterogeneity study of docs/heterogeneity.md. 1,437 training images of
+The heterogeneity study of docs/heterogeneity.md. 1,438 training images of
 scikit-learn's digits over 500 clients (Dirichlet label skew alpha = 0.5:
 2-3 images each), an MLP with 128 hidden units, 10 local SGD steps of batch
 2 per round (data repeated). The system model (fedjx.datasets.systems):
