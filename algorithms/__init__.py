@@ -41,6 +41,7 @@ from fedjx.algorithms.fedavg import fedyogi
 from fedjx.algorithms.fedbuff import AsyncCohort
 from fedjx.algorithms.fedbuff import FedBuffState
 from fedjx.algorithms.fedbuff import fedbuff
+from fedjx.algorithms.fednova import fednova
 from fedjx.algorithms.fedprox import fedprox
 from fedjx.algorithms.quantization import quantize
 from fedjx.algorithms.scaffold import ScaffoldState
@@ -93,6 +94,7 @@ __all__ = [
     'fedavg',
     'fedavgm',
     'fedbuff',
+    'fednova',
     'fedprox',
     'fedyogi',
     'nonfinite',

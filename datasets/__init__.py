@@ -27,6 +27,10 @@ arrays with a mask, padded to power-of-two step buckets; :func:`place_cohort`
 shards it ``P('clients')`` on a mesh; :func:`cohort_iterator` does all three
 for consecutive rounds with background prefetch.
 
+Unreliable clients: :mod:`fedjx.datasets.systems`, a :class:`SystemModel`
+of availability, dropout, speed and deadlines on a simulated clock, and
+:func:`system_cohort_iterator`, the cohorts the server really aggregates.
+
 Asynchronous training: :class:`AsyncScheduler` simulates which clients
 report at each server step of buffered asynchronous aggregation (FedBuff)
 and when; :func:`async_cohort_iterator` turns its steps into cohorts.
@@ -88,6 +92,11 @@ from fedjx.datasets.summary import format_summary
 from fedjx.datasets.summary import summary
 from fedjx.datasets.synthetic import SyntheticDataset
 from fedjx.datasets.synthetic import synthetic
+from fedjx.datasets import systems
+from fedjx.datasets.systems import AvailableSampler
+from fedjx.datasets.systems import RoundReport
+from fedjx.datasets.systems import SystemModel
+from fedjx.datasets.systems import system_cohort_iterator
 from fedjx.datasets.text import TextCorpus
 from fedjx.datasets.text import text_corpus
 from fedjx.datasets.tfds_source import from_tfds
@@ -103,6 +112,9 @@ __all__ = [
     'PoissonSampler',
     'PADDING_CLIENT',
     'Sampler',
+    'AvailableSampler',
+    'RoundReport',
+    'SystemModel',
     'FederatedDataset',
     'IndexedDataset',
     'LabelCheckedDataset',
@@ -138,6 +150,8 @@ __all__ = [
     'streaming_clients',
     'summary',
     'synthetic',
+    'system_cohort_iterator',
+    'systems',
     'text_corpus',
     'write_fedjax_sqlite',
     'write_tff_hdf5',

@@ -73,6 +73,9 @@ DEFAULTS: dict[str, Any] = {
     # SAMPLING_OPTIONS, PRIVACY_DEFAULTS and docs/privacy.md.
     'sampling': {'name': 'uniform'},
     'privacy': {'delta': None, 'accountant': 'rdp', 'target_epsilon': None},
+    # Unreliable clients on a simulated clock (fedjx.datasets.systems): {}
+    # (perfect clients) or a dict of availability/dropout/speed/deadline.
+    'systems': {},
 }
 REQUIRED = ('dataset', 'model', 'algorithm')
 # config.sampling: 'uniform' (cohort_size clients without replacement, the
@@ -221,10 +224,20 @@ def validate(config: Any) -> ml_collections.ConfigDict:
   registry.check_kwargs('algorithm', name, fn, kwargs, registry.RESERVED,
                         registry.forwarded_builder(name))
   registry.check_numbers('algorithm', kwargs, non_negative=True)
+  _check_systems(config.systems)
   for key, value in kwargs.items():
     if key.endswith('optimizer') and isinstance(value, Mapping):
       registry.build_optimizer(value, where=f'algorithm.{key}')
   return config
+
+
+def _check_systems(spec: Any) -> None:
+  """A ConfigError for a ``config.systems`` the system model does not take."""
+  from fedjx.datasets import systems  # pylint: disable=g-import-not-at-top
+  try:
+    systems.from_config(spec, num_clients=1)
+  except ValueError as e:
+    raise ConfigError(f'config.{e}') from None
 
 
 def _names(key: str) -> list[str]:

@@ -221,6 +221,7 @@ ALGORITHMS: dict[str, Callable[..., Any]] = {
     'fedadagrad': algorithms_lib.fedadagrad,
     'fedavgm': algorithms_lib.fedavgm,
     'fedprox': algorithms_lib.fedprox,
+    'fednova': algorithms_lib.fednova,
     'scaffold': per_client(algorithms_lib.scaffold, 'num_clients'),
     'dp_fedavg': algorithms_lib.dp_fedavg,
     'diloco': per_client(algorithms_lib.diloco, 'num_replicas'),

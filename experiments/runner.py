@@ -110,6 +110,7 @@ class Experiment:
   init_params: Any
   round_key: jax.Array
   evaluate: Callable[[Any], dict[str, float]] | None
+  systems: datasets.SystemModel | None = None  # config.systems, if any
   # The simulated schedule of an asynchronous algorithm (else None).
   scheduler: datasets.AsyncScheduler | None = None
   # config.sampling's sampler (None: uniform) and the DP accounting plan.
@@ -130,6 +131,16 @@ class Experiment:
         start_round=start, num_rounds=stop - start, num_epochs=c.local_epochs,
         num_steps=c.local_steps, max_steps=c.max_local_steps,
         bucket=c.bucket_steps, prefetch=c.prefetch, sampler=self.sampler)
+
+  def system_rounds(self, start: int, stop: int, start_time: float) -> Iterator[Any]:
+    """``(cohort, report)`` of rounds ``start .. stop - 1`` under ``config.systems``,
+    round ``start`` starting at simulated time ``start_time`` (seconds)."""
+    c = self.config
+    return datasets.system_cohort_iterator(
+        self.data.train, self.systems, c.cohort_size, c.batch_size,
+        start_round=start, start_time=start_time, num_rounds=stop - start,
+        num_epochs=c.local_epochs, num_steps=c.local_steps,
+        max_steps=c.max_local_steps, bucket=c.bucket_steps, prefetch=c.prefetch)
 
   def round_key_for(self, r: int) -> jax.Array:
     key = jax.random.fold_in(self.round_key, r)
@@ -170,46 +181,116 @@ def build(config: Any) -> Experiment:
         f'{data.train.num_clients}.')
   plan = privacy_lib.plan(config, data.train.num_clients)
   sampler = privacy_lib.make_sampler(config, data.train)
-  scheduler = async_scheduler(config, data.train.num_clients)
-  if scheduler is not None and (plan is not None or sampler is not None):
-    raise registry.ConfigError(
-        f'config.algorithm.name={config.algorithm.name!r} is asynchronous: its '
-        'clients come from its schedule, so config.sampling and differential '
-        "privacy's accounting do not apply; leave config.sampling uniform and "
-        'use a synchronous algorithm for a DP run.')
   algorithm = build_algorithm(config, model, data.train.num_clients)
   init_key, round_key = jax.random.split(jax.random.key(config.seed))
   params = model.init(init_key, _sample_batch(config, data))
   examples = evaluation.pool_examples(data.test, config.eval_max_examples)
   evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size)
               if examples is not None else None)
+  system_model = _system_model(config, data.train.num_clients, params)
+  scheduler = async_scheduler(config, data.train, system_model)
+  if scheduler is not None:  # The system model supplies its durations only.
+    system_model = None
+  _check_sampling(config, plan, sampler, system_model, scheduler)
   return Experiment(config, data, model, algorithm, params, round_key, evaluate,
-                    scheduler=scheduler, sampler=sampler, privacy=plan)
+                    systems=system_model, scheduler=scheduler, sampler=sampler,
+                    privacy=plan)
 
 
-def async_scheduler(config: ml_collections.ConfigDict,
-                    num_clients: int) -> datasets.AsyncScheduler | None:
+def _check_sampling(config: ml_collections.ConfigDict, plan: Any, sampler: Any,
+                    system_model: Any, scheduler: Any) -> None:
+  """One sampler per run: config.sampling (and DP accounting), the system
+  model's availability, or an asynchronous schedule; never two at once."""
+  if plan is None and sampler is None:
+    return
+  if scheduler is not None:
+    raise registry.ConfigError(
+        f'config.algorithm.name={config.algorithm.name!r} is asynchronous: its '
+        'clients come from its schedule, so config.sampling and differential '
+        "privacy's accounting do not apply; leave config.sampling uniform and "
+        'use a synchronous algorithm for a DP run.')
+  if system_model is not None:
+    raise registry.ConfigError(
+        'config.systems chooses clients by availability and drops some, which '
+        'config.sampling and the privacy accountant do not model; use '
+        'config.systems={} for a DP run or a non-DP algorithm with '
+        'config.sampling uniform.')
+
+
+def _system_model(config: ml_collections.ConfigDict, num_clients: int,
+                  params: Any) -> datasets.SystemModel | None:
+  """``config.systems`` as a system model (its model bytes: ``params``'), or None."""
+  try:
+    model = datasets.systems.from_config(
+        config.systems, num_clients, config.seed,
+        model_bytes=sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))
+  except ValueError as e:
+    raise registry.ConfigError(f'config.{e}') from None
+  if model is None:
+    return None
+  if jax.process_count() > 1:
+    raise registry.ConfigError('config.systems is set; the system model runs '
+                               'in single-process runs only.')
+  algo = registry.split_name('algorithm', config.algorithm)[1]
+  if model.deadline.late == 'partial' and (
+      algo.get('local_steps') is not None or algo.get('local_epochs', 1) != 1):
+    raise registry.ConfigError(
+        "config.systems.deadline.late='partial' masks a client's later steps "
+        'in the cohort, so the algorithm must run each cohort step once: '
+        'leave algorithm.local_steps and local_epochs unset and give '
+        'config.local_epochs or config.local_steps instead.')
+  return model
+
+
+def async_scheduler(config: ml_collections.ConfigDict, train: Any,
+                    systems: datasets.SystemModel | None = None
+                    ) -> datasets.AsyncScheduler | None:
   """The schedule of an asynchronous algorithm (``registry.ASYNCHRONOUS``).
 
   ``K = config.cohort_size`` updates per server step; the concurrency ``M``
   (``config.algorithm.concurrency``, default ``K``) and the duration model
-  (``config.algorithm.client_durations``) come from the algorithm's entry.
+  (``config.algorithm.client_durations``) come from the algorithm's entry,
+  or the durations from ``config.systems`` (``systems``): a client's
+  communication time plus its local steps (as its cohort would hold them)
+  times its step time. ``train`` is the training population (or, without
+  ``systems``, its number of clients).
   """
   name, spec = registry.split_name('algorithm', config.algorithm)
   if name not in registry.ASYNCHRONOUS:
     return None
+  num_clients = train if isinstance(train, int) else train.num_clients
   k = config.cohort_size
   if spec.get('buffer_size') not in (None, k):
     raise registry.ConfigError(
         f'config.algorithm.buffer_size={spec["buffer_size"]} differs from '
         f'config.cohort_size={k}; a server step takes cohort_size updates.')
+  if systems is not None and spec.get('client_durations') is not None:
+    raise registry.ConfigError(
+        f'config.algorithm.client_durations and config.systems are both set '
+        f'for {name!r}; give one of them.')
   try:
-    duration = datasets.async_schedule.make_durations(
-        spec.get('client_durations'), num_clients, config.seed)
+    if systems is not None:
+      duration = _system_durations(config, train, systems)
+    else:
+      duration = datasets.async_schedule.make_durations(
+          spec.get('client_durations'), num_clients, config.seed)
     return datasets.AsyncScheduler(num_clients, spec.get('concurrency') or k, k,
                                    duration, seed=config.seed)
   except ValueError as e:
     raise registry.ConfigError(f'config.algorithm ({name}): {e}') from None
+
+
+def _system_durations(config: ml_collections.ConfigDict, train: Any,
+                      systems: datasets.SystemModel) -> Callable[[int, float], float]:
+  """``duration(client_id, start_time)`` of ``systems`` for the cohort steps
+  each client gets under ``config``."""
+  def duration(client_id: int, start_time: float) -> float:
+    steps = datasets.cohort_steps(
+        train, [client_id], config.batch_size, num_epochs=config.local_epochs,
+        num_steps=config.local_steps, max_steps=config.max_local_steps,
+        bucket=False)
+    return systems.duration(client_id, start_time, steps)
+  return duration
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -364,6 +445,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
         state, mesh, distributed.state_specs(state, mesh, config.param_sharding))
   fingerprint = _fingerprint(config)
   start, elapsed_before = 0, 0.0
+  clock = 0.0  # config.systems: the simulated time (s) at the start of `start`
   try:
     restored = ckpt.restore_latest_intact(
         state, lambda m: _check_same_experiment(m.get('config', {}), fingerprint,
@@ -375,6 +457,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
     state, saved_meta = restored
     start = int(saved_meta['step'])
     elapsed_before = float(saved_meta.get('elapsed_s', 0.0))
+    clock = float(saved_meta.get('simulated_time', 0.0))
     log(f'fedjx: resuming {workdir} from the checkpoint after round {start}.')
   if lead:
     metrics_writers.write_atomically(
@@ -392,7 +475,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
   def meta(step: int) -> dict[str, Any]:
     return {'step': step, 'next_round': step, 'seed': config.seed,
             'round_key': np.asarray(jax.random.key_data(exp.round_key)).tolist(),
-            'elapsed_s': elapsed(), 'config': fingerprint}
+            'elapsed_s': elapsed(), 'config': fingerprint,
+            **({'simulated_time': clock} if exp.systems is not None else {})}
 
   def emit(step: int, row: dict[str, float]) -> None:
     row = dict(row, elapsed_s=round(elapsed(), 4))
@@ -415,13 +499,19 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
   try:
     with StopFlag().installed() as sigint:
       if start == 0 and exp.evaluate is not None:
-        emit(0, exp.evaluate(state.params))
+        emit(0, dict(exp.evaluate(state.params), **(
+            {'simulated_time': 0.0} if exp.systems is not None or
+            exp.scheduler is not None else {})))
       if start < stop:
-        cohorts = exp.cohorts(start, stop)
+        cohorts = (exp.cohorts(start, stop) if exp.systems is None
+                   else exp.system_rounds(start, stop, clock))
         run_round = execution_lib.round_runner(exp.algorithm, config.execution,
                                                config.chunk_size, log)
         try:
           for r, cohort in zip(range(start, stop), cohorts):
+            report = None
+            if exp.systems is not None:
+              cohort, report = cohort
             state, metrics = run_round(state, cohort, exp.round_key_for(r))
             # Dispatched behind the round; fetched below with its metrics.
             flag = None if config.nonfinite == 'off' else _all_finite(state.params)
@@ -430,6 +520,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
               pending = False
             step = r + 1
             row = _scalars(metrics)
+            if report is not None:  # The system model's clock and counts.
+              row.update(report.metrics())
+              clock = report.end_time
             if exp.scheduler is not None:
               row['simulated_time'] = exp.scheduler.step(r).time
             finite = flag is None or bool(distributed.to_host(flag))
