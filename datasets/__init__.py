@@ -54,6 +54,7 @@ from fedjx.datasets.cohort import Cohort
 from fedjx.datasets.cohort import CohortSampler
 from fedjx.datasets.cohort import PADDING_CLIENT
 from fedjx.datasets.cohort import Sampler
+from fedjx.datasets.cohort import padded_ids
 from fedjx.datasets.cohort import bucket_steps
 from fedjx.datasets.cohort import cohort_steps
 from fedjx.datasets.cohort import local_client_slice
@@ -112,6 +113,7 @@ __all__ = [
     'PoissonSampler',
     'PADDING_CLIENT',
     'Sampler',
+    'padded_ids',
     'AvailableSampler',
     'RoundReport',
     'SystemModel',

@@ -52,6 +52,7 @@ from fedjx import datasets
 from fedjx.experiments import checkpointing
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import metrics_writers
+from fedjx.experiments import registry
 from fedjx.experiments import runner
 from fedjx.experiments import sweep_spec
 from fedjx.experiments import sweep_summary
@@ -278,9 +279,11 @@ def _stacked_cohort(exps: Sequence[runner.Experiment], config: ml_collections.Co
                     round_num: int) -> datasets.Cohort:
   """The cohorts of every seed's run for ``round_num``, padded to one step count."""
   c = config
-  samplers = [datasets.CohortSampler(e.data.train, c.cohort_size, e.config.seed)
+  samplers = [e.sampler if e.sampler is not None else
+              datasets.CohortSampler(e.data.train, c.cohort_size, e.config.seed)
               for e in exps]
-  ids = [s.sample(round_num) for s in samplers]
+  ids = [datasets.padded_ids(s.sample(round_num), s.cohort_size)
+         for s in samplers]
   steps = max(datasets.cohort_steps(
       e.data.train, i, c.batch_size, num_epochs=c.local_epochs,
       num_steps=c.local_steps, max_steps=c.max_local_steps, bucket=c.bucket_steps)
@@ -289,7 +292,7 @@ def _stacked_cohort(exps: Sequence[runner.Experiment], config: ml_collections.Co
       e.data.train, i, c.batch_size, num_epochs=c.local_epochs,
       num_steps=c.local_steps, max_steps=c.max_local_steps,
       shuffle_seed=s.seed, round_num=round_num, bucket=c.bucket_steps,
-      steps=steps) for e, i, s in zip(exps, ids, samplers)]
+      steps=steps, pad_to=len(i)) for e, i, s in zip(exps, ids, samplers)]
   return jax.tree.map(lambda *xs: np.stack(xs), *cohorts)
 
 
@@ -495,6 +498,19 @@ def _fingerprint(config: Any, settings: Sequence[Mapping[str, Any]],
           'seeds': list(seeds), 'settings_per_program': settings_per_program}
 
 
+def _check_synchronous(config: Any) -> None:
+  """Sweeps run synchronous rounds of perfect clients: refuse the rest."""
+  name = registry.split_name('algorithm', config.algorithm)[0]
+  if name in registry.ASYNCHRONOUS:
+    raise SweepError(f'config.algorithm.name={name!r} is asynchronous; '
+                     'fedjx-sweep runs synchronous rounds only: run each trial '
+                     'with fedjx-run.')
+  if dict(config.get('systems') or {}):
+    raise SweepError('config.systems is set; fedjx-sweep simulates perfect '
+                     'clients only: run each trial with fedjx-run, or set '
+                     'config.systems={}.')
+
+
 def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
               seeds: Sequence[int] = (0,), *, target: str | None = None,
               settings_per_program: int | None = None, metric: str | None = None,
@@ -521,6 +537,7 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
     ``summary.csv``, ``summary_trials.csv``, ``summary.md`` and plots.
   """
   log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+  _check_synchronous(config)
   settings = [dict(s) for s in settings] or [{}]
   seeds = sweep_spec.parse_seeds(list(seeds))
   target_spec = sweep_summary.parse_target(target)

@@ -326,3 +326,26 @@ def test_sigterm_then_resume_equals_an_uninterrupted_sweep(tmp_path):
             for d in ('whole', 'parts')]
     strip = lambda rs: [{k: v for k, v in r.items() if k != 'elapsed_s'} for r in rs]
     assert strip(rows[0]) == strip(rows[1])  # Every row once, none lost.
+
+
+def test_trials_draw_cohorts_with_the_config_s_sampler():
+  config = small_config(sampling=dict(name='poisson', rate=0.25))
+  exps = [runner.build(sweep.trial_config(config, {}, seed)) for seed in (0, 1)]
+  stacked = sweep._stacked_cohort(exps, config, 3)
+  for row, exp in enumerate(exps):
+    ids = exp.sampler.sample(3)
+    got = np.asarray(stacked.client_ids[row])
+    # The Poisson draw, then padding clients up to the sampler's bucket.
+    assert got.shape == (exp.sampler.cohort_size,)
+    np.testing.assert_array_equal(got[:len(ids)], ids)
+    assert (got[len(ids):] == -1).all()
+    assert not np.asarray(stacked.mask[row])[len(ids):].any()
+
+
+@pytest.mark.parametrize('changes, message', [
+    (dict(algorithm=dict(name='fedbuff')), 'is asynchronous'),
+    (dict(systems=dict(dropout=dict(rate=0.1))), 'config.systems is set'),
+])
+def test_asynchronous_or_unreliable_clients_are_refused(tmp_path, changes, message):
+  with pytest.raises(sweep.SweepError, match=message):
+    sweep.run_sweep(small_config(**changes), str(tmp_path / 'w'), [{}])
