@@ -23,11 +23,13 @@ The config argument chooses the arm:
   only to evaluate every 100 steps; the rounds are not communications.
 
 Scale (a 2-core CPU): a byte-level transformer LM of width 32, 2 layers and
-4 heads (37k parameters) on sequences of 32 bytes, ``T = 2000`` inner steps
-(64k training sequences, about 2.8 epochs of the 22k-sequence training
-set), held-out loss on 512 held-out sequences. This is about 10^4 times
-smaller than the paper's 150M-parameter model and 88k steps; only the
-direction of the effect is comparable.
+4 heads (43k parameters) on sequences of 32 bytes, ``T = 2000`` inner steps
+(32k training sequences, 0.69 epoch of the 46k-sequence training set; each
+round draws its batches from a fresh shuffle of the replica's shard),
+held-out loss on the first 512 of the
+5,134 held-out sequences. This is about 3,500 times fewer parameters than
+the paper's 150M-parameter model and 44 times fewer steps than its 88k;
+only the direction of the effect is comparable.
 
   fedjx-sweep --config configs/diloco_text_equal_compute.py:500 ...
   fedjx-sweep --config configs/diloco_text_equal_compute.py:dp ...

@@ -3,12 +3,13 @@
 # own directory under OUT (default runs/reproductions).
 #   bash scripts/reproductions.sh [OUT] [NAME ...]
 # NAME: fedopt (grids, seeds 0-2), fedopt_tuned (the grid winners on fresh
-# seeds 3-7), fedprox, scaffold, diloco (diloco_rounds, diloco_dp and
-# diloco_h16/50/125/500; then scripts/diloco_study.py OUT). Default: all.
+# seeds 3-7), fedprox, scaffold, diloco (diloco_rounds, diloco_dp,
+# diloco_h16/125/500, then diloco_summary: the tables and
+# docs/diloco_equal_compute.{png,jsonl}). Default: all of them.
 set -euo pipefail
 OUT=${1:-runs/reproductions}
 shift || true
-DILOCO="diloco_rounds diloco_dp diloco_h16 diloco_h50 diloco_h125 diloco_h500"
+DILOCO="diloco_rounds diloco_dp diloco_h16 diloco_h125 diloco_h500 diloco_summary"
 WHICH=${*:-fedopt fedopt_tuned fedprox scaffold diloco}
 WHICH=$(for n in $WHICH; do if [ "$n" = diloco ]; then echo $DILOCO; else echo $n; fi; done)
 COMMON=(--config.tensorboard=False --config.progress=False)
@@ -66,7 +67,9 @@ for name in $WHICH; do
         --seeds 0,1,2 --metric eval_loss \
         --sweep 'algorithm.outer_optimizer.learning_rate=0.3,0.7,1.0' \
         --sweep 'algorithm.outer_optimizer.momentum=0.0,0.9' ;;
-  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold diloco diloco_rounds diloco_dp diloco_hH (H divides 2000)" >&2
+  diloco_summary)  # The DiLoCo section's tables, figure and JSON lines.
+    python scripts/diloco_study.py "$OUT" --out docs/diloco_equal_compute ;;
+  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold diloco diloco_rounds diloco_dp diloco_hH (H divides 2000) diloco_summary" >&2
      exit 2 ;;
   esac
 done
