@@ -207,14 +207,17 @@ def plot(study: dict[str, Any], path: str) -> str:
   bests = [best(by_h[h]) for h in hs]
   fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
   left.errorbar(hs, [b['mean'] for b in bests], yerr=[b['sd'] for b in bests],
-                marker='o', capsize=3, label='DiLoCo K=4, best outer lr/momentum')
+                marker='o', capsize=3,
+                label=f'DiLoCo K={bests[0]["replicas"]}, best outer lr/momentum')
   for setting in range(len(by_h[hs[0]])):
-    left.plot(hs, [by_h[h][setting]['mean'] for h in hs], color='C0', alpha=0.2, lw=0.8)
+    left.plot(hs, [by_h[h][setting]['mean'] for h in hs], color='C0', alpha=0.2,
+              lw=0.8, label=None if setting else 'DiLoCo, each outer setting')
   left.axhline(dp_best['mean'], color='C1', label='data-parallel, batch K·B (best lr)')
   left.axhspan(dp_best['mean'] - dp_best['sd'], dp_best['mean'] + dp_best['sd'],
                color='C1', alpha=0.2)
   left.set_xscale('log')
   left.set_xticks(hs, [str(h) for h in hs])
+  left.minorticks_off()
   left.set_xlabel('H (inner steps per outer round)')
   left.set_ylabel('held-out loss (nats/byte)')
   left.set_title(f'equal compute: T={dp_best["total_steps"]} steps')
