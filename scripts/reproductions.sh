@@ -4,12 +4,12 @@
 #   bash scripts/reproductions.sh [OUT] [NAME ...]
 # NAME: fedopt (grids, seeds 0-2), fedopt_tuned (the grid winners on fresh
 # seeds 3-7), fedprox, scaffold, diloco (diloco_rounds, diloco_dp,
-# diloco_h16/125/500, then diloco_summary: the tables and
+# diloco_h16/50/125/500, then diloco_summary: the tables and
 # docs/diloco_equal_compute.{png,jsonl}). Default: all of them.
 set -euo pipefail
 OUT=${1:-runs/reproductions}
 shift || true
-DILOCO="diloco_rounds diloco_dp diloco_h16 diloco_h125 diloco_h500 diloco_summary"
+DILOCO="diloco_rounds diloco_dp diloco_h16 diloco_h50 diloco_h125 diloco_h500 diloco_summary"
 WHICH=${*:-fedopt fedopt_tuned fedprox scaffold diloco}
 WHICH=$(for n in $WHICH; do if [ "$n" = diloco ]; then echo $DILOCO; else echo $n; fi; done)
 COMMON=(--config.tensorboard=False --config.progress=False)
