@@ -3,11 +3,15 @@
 # own directory under OUT (default runs/reproductions).
 #   bash scripts/reproductions.sh [OUT] [NAME ...]
 # NAME: fedopt (grids, seeds 0-2), fedopt_tuned (the grid winners on fresh
-# seeds 3-7), fedprox, scaffold. Default: all of them.
+# seeds 3-7), fedprox, scaffold, diloco (diloco_rounds, diloco_dp,
+# diloco_h16/50/125/500, then diloco_summary: the tables and
+# docs/diloco_equal_compute.{png,jsonl}). Default: all of them.
 set -euo pipefail
 OUT=${1:-runs/reproductions}
 shift || true
-WHICH=${*:-fedopt fedopt_tuned fedprox scaffold}
+DILOCO="diloco_rounds diloco_dp diloco_h16 diloco_h50 diloco_h125 diloco_h500 diloco_summary"
+WHICH=${*:-fedopt fedopt_tuned fedprox scaffold diloco}
+WHICH=$(for n in $WHICH; do if [ "$n" = diloco ]; then echo $DILOCO; else echo $n; fi; done)
 COMMON=(--config.tensorboard=False --config.progress=False)
 
 run() { echo "== fedjx-sweep $*" >&2; fedjx-sweep "$@" "${COMMON[@]}"; }
@@ -45,7 +49,27 @@ for name in $WHICH; do
         --config.eval_every=10 --metric eval_loss
     run --config configs/fedprox_synthetic.py --workdir "$OUT/scaffold_fedavg" --seeds 0,1,2 \
         --config.eval_every=10 --metric eval_loss --sweep 'algorithm.mu=0.0' ;;
-  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold" >&2
+  diloco_rounds)  # Douillard et al. 2023: K = 4 against K = 1 at equal
+    # rounds (each with H = 16 steps of batch 8 per replica per round).
+    run --config configs/diloco_text.py --workdir "$OUT/diloco_k4" --seeds 0,1,2 \
+        --metric eval_loss
+    run --config configs/diloco_text.py:1 --workdir "$OUT/diloco_k1" --seeds 0,1,2 \
+        --metric eval_loss ;;
+  diloco_dp)  # The data-parallel baseline at equal compute: batch K * B,
+    # T = 2000 steps, its AdamW learning rate swept.
+    run --config configs/diloco_text_equal_compute.py:dp --workdir "$OUT/diloco_dp" \
+        --seeds 0,1,2 --metric eval_loss \
+        --sweep 'algorithm.inner_optimizer.learning_rate=0.003,0.006,0.012' ;;
+  diloco_h*)  # DiLoCo, K = 4 replicas of batch B, H inner steps, T / H rounds,
+    # outer learning rate x Nesterov momentum swept.
+    H=${name#diloco_h}
+    run --config "configs/diloco_text_equal_compute.py:$H" --workdir "$OUT/diloco_h$H" \
+        --seeds 0,1,2 --metric eval_loss \
+        --sweep 'algorithm.outer_optimizer.learning_rate=0.3,0.7,1.0' \
+        --sweep 'algorithm.outer_optimizer.momentum=0.0,0.9' ;;
+  diloco_summary)  # The DiLoCo section's tables, figure and JSON lines.
+    python scripts/diloco_study.py "$OUT" --out docs/diloco_equal_compute ;;
+  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold diloco diloco_rounds diloco_dp diloco_hH (H divides 2000) diloco_summary" >&2
      exit 2 ;;
   esac
 done
