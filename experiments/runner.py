@@ -119,6 +119,22 @@ class Experiment:
         num_steps=c.local_steps, max_steps=c.max_local_steps,
         bucket=c.bucket_steps, prefetch=c.prefetch)
 
+  def lazy_cohorts(self, start: int, stop: int,
+                   whole: Callable[[Any], bool] | None = None) -> Iterator[Any]:
+    """Rounds ``start .. stop - 1`` as unloaded cohorts, for streamed rounds.
+
+    Each is a ``fedjx.streaming.Clients`` that reads its clients a chunk at a
+    time (``datasets.prefetch.lazy_cohort_iterator``); where ``whole(it)``
+    is True the round's cohort is loaded and placed ahead, as
+    :meth:`cohorts` gives it.
+    """
+    c = self.config
+    return datasets.prefetch.lazy_cohort_iterator(
+        self.data.train, c.cohort_size, c.batch_size, seed=c.seed,
+        start_round=start, num_rounds=stop - start, num_epochs=c.local_epochs,
+        num_steps=c.local_steps, max_steps=c.max_local_steps,
+        bucket=c.bucket_steps, prefetch=c.prefetch, whole=whole)
+
   def round_key_for(self, r: int) -> jax.Array:
     key = jax.random.fold_in(self.round_key, r)
     mesh = jax.sharding.get_mesh()
@@ -363,9 +379,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
       if start == 0 and exp.evaluate is not None:
         emit(0, exp.evaluate(state.params))
       if start < config.rounds:
-        cohorts = exp.cohorts(start, config.rounds)
         run_round = execution_lib.round_runner(exp.algorithm, config.execution,
                                                config.chunk_size, log)
+        if getattr(run_round, 'may_stream', False):  # Clients read per chunk.
+          cohorts = exp.lazy_cohorts(start, config.rounds, run_round.loads_whole(
+              state, exp.round_key_for(start)))
+        else:
+          cohorts = exp.cohorts(start, config.rounds)
         try:
           for r, cohort in zip(range(start, config.rounds), cohorts):
             state, metrics = run_round(state, cohort, exp.round_key_for(r))

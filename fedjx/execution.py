@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from fedjx import streaming
 
@@ -39,6 +40,91 @@ def device_memory_bytes(device: Any = None) -> int | None:
   return None
 
 
+def _spec(x: Any) -> Any:
+  """``x``'s shape, dtype and (for a JAX array) sharding, as lowering reads them."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x
+  sharding = getattr(x, 'sharding', None) if isinstance(x, jax.Array) else None
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+class RoundRunner:
+  """``run(state, cohort, key) -> (state, metrics)``, compiled or streamed.
+
+  ``cohort`` is a placed :class:`fedjx.datasets.Cohort`, or a
+  :class:`fedjx.streaming.Clients` that loads its clients when asked (e.g.
+  from :func:`fedjx.datasets.prefetch.lazy_cohort_iterator`). A streamed
+  round reads a ``Clients`` cohort ``chunk_size`` clients at a time, so the
+  cohort is never whole in host memory; a compiled round loads it whole.
+  """
+
+  def __init__(self, algorithm: Any, execution: str, chunk_size: int,
+               log: Callable[[str], None], headroom: float):
+    self.algorithm = algorithm
+    self.execution = execution
+    self.chunk_size = chunk_size
+    self._log = log
+    self._headroom = headroom
+    self._streamer = streaming.Streamer(algorithm.apply, chunk_size)
+    self._streams: dict[str, bool] = {}  # cohort shape -> whether to stream
+
+  @property
+  def may_stream(self) -> bool:
+    """Whether some cohort may be streamed (then cohorts are best given lazily)."""
+    return self.execution == 'streaming' or (
+        self.execution == 'auto' and hasattr(self.algorithm.round, 'lower'))
+
+  def streams(self, state: Any, cohort: Any, key: Any) -> bool:
+    """Whether ``cohort`` (arrays, ``Clients`` or shapes) is streamed.
+
+    For ``'auto'``: XLA's memory plan of the compiled round (arguments,
+    outputs and temporaries), lowered from shapes alone through
+    ``algorithm.round``'s own cache (which the round reuses when it runs
+    compiled), against ``headroom`` of the device's memory; decided once per
+    cohort shape, and logged when it streams. Thread-safe enough to be
+    asked from a prefetching thread: a repeated decision only recompiles.
+    """
+    if self.execution != 'auto':
+      return self.execution == 'streaming'
+    if not hasattr(self.algorithm.round, 'lower'):
+      return False  # Not a jitted round: no memory plan to read.
+    spec = (cohort.placed_spec() if isinstance(cohort, streaming.Clients)
+            else jax.tree.map(_spec, cohort))
+    shape = str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), spec))
+    if shape not in self._streams:
+      analysis = self.algorithm.round.lower(
+          jax.tree.map(_spec, state), spec, _spec(key)).compile().memory_analysis()
+      planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
+                    analysis.temp_size_in_bytes)
+      limit = device_memory_bytes()
+      stream = limit is not None and planned > self._headroom * limit
+      if stream:
+        self._log(f'fedjx: execution=auto: the compiled round plans '
+                  f'{planned / 2**30:.2f} GiB, more than {self._headroom:.0%} of the '
+                  f"device's {limit / 2**30:.2f} GiB; streaming the cohort in chunks "
+                  f'of {self.chunk_size} clients.')
+      self._streams[shape] = stream
+    return self._streams[shape]
+
+  def loads_whole(self, state: Any, key: Any) -> Callable[[Any], bool]:
+    """``whole(cohort)``: whether a cohort runs compiled (so is loaded whole).
+
+    Reads only the shapes of ``state`` and ``key`` (taken now), so it may be
+    called on another thread while the loop's state is donated and replaced.
+    """
+    state, key = jax.tree.map(_spec, state), _spec(key)
+    return lambda cohort: not self.streams(state, cohort, key)
+
+  def __call__(self, state: Any, cohort: Any, key: Any) -> Any:
+    if self.streams(state, cohort, key):
+      if not isinstance(cohort, streaming.Clients):
+        cohort = streaming.Clients.from_arrays(cohort)
+      return self._streamer(state, cohort, key)
+    if isinstance(cohort, streaming.Clients):
+      cohort = jax.device_put(cohort.load(cohort.client_ids))
+    return self.algorithm.round(state, cohort, key)
+
+
 def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
                  log: Callable[[str], None] = print,
                  headroom: float = HEADROOM) -> Callable[[Any, Any, jax.Array], Any]:
@@ -54,17 +140,17 @@ def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
     chunk_size: clients per streamed chunk (default 64).
     log: where ``'auto'`` reports its choice.
     headroom: the fraction of the device's memory a compiled round may plan.
+
+  Returns:
+    ``algorithm.round`` for ``'jit'`` (and on several processes, where
+    ``'auto'`` compiles); otherwise a :class:`RoundRunner`, which takes a
+    placed cohort or a :class:`fedjx.streaming.Clients` that loads its
+    clients lazily.
   """
   if execution not in EXECUTIONS:
     raise ValueError(f'fedjx.execution: execution={execution!r} is not one of '
                      f'{EXECUTIONS}.')
   chunk = chunk_size or DEFAULT_STREAMING_CHUNK
-
-  streamer = streaming.Streamer(algorithm.apply, chunk)
-
-  def stream(state, cohort, key):
-    return streamer(state, streaming.Clients.from_arrays(cohort), key)
-
   if execution == 'jit':
     return algorithm.round
   if jax.process_count() > 1:
@@ -73,29 +159,4 @@ def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
                        f'process; this run has {jax.process_count()}. Use '
                        "execution='jit'.")
     return algorithm.round
-  if execution == 'streaming':
-    return stream
-  if not hasattr(algorithm.round, 'lower'):
-    return algorithm.round  # Not a jitted round: no memory plan to read.
-  streams: dict[str, bool] = {}  # cohort shape -> whether to stream
-
-  def auto(state, cohort, key):
-    shape = str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), (state, cohort)))
-    if shape not in streams:
-      # Lowered and compiled through algorithm.round's own cache, which the
-      # round then reuses when it runs compiled (and recompiles by itself if
-      # a later state arrives with other shardings).
-      analysis = algorithm.round.lower(state, cohort, key).compile().memory_analysis()
-      planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
-                    analysis.temp_size_in_bytes)
-      limit = device_memory_bytes()
-      streams[shape] = limit is not None and planned > headroom * limit
-      if streams[shape]:
-        log(f'fedjx: execution=auto: the compiled round plans {planned / 2**30:.2f} '
-            f"GiB, more than {headroom:.0%} of the device's {limit / 2**30:.2f} GiB; "
-            f'streaming the cohort in chunks of {chunk} clients.')
-    if streams[shape]:
-      return stream(state, cohort, key)
-    return algorithm.round(state, cohort, key)
-
-  return auto
+  return RoundRunner(algorithm, execution, chunk, log, headroom)
