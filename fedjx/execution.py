@@ -3,8 +3,9 @@
 ``'auto'`` compiles the round for the cohort's shapes and asks XLA for its
 memory plan (arguments + outputs + temporaries). If the plan exceeds
 ``headroom`` (80%) of the device's memory, the round is streamed
-(:mod:`fedjx.streaming`) in chunks of ``chunk_size`` clients instead, and
-the choice is logged once per cohort shape. The device's memory is its
+(:mod:`fedjx.streaming`) in chunks of ``chunk_size`` clients instead (by
+default as many clients as hold 64 MiB of data, at least 64), and the
+choice is logged once per cohort shape. The device's memory is its
 allocator's limit (``Device.memory_stats()['bytes_limit']``) on accelerators
 and the machine's physical memory on CPU.
 """
@@ -21,7 +22,12 @@ import numpy as np
 from fedjx import streaming
 
 EXECUTIONS = ('auto', 'jit', 'streaming')
-DEFAULT_STREAMING_CHUNK = 64
+DEFAULT_STREAMING_CHUNK = 64  # The fewest clients per streamed chunk by default.
+# Without a chunk_size, a streamed chunk holds this much client data (at
+# least DEFAULT_STREAMING_CHUNK clients): two chunks are in memory at once
+# (one computing, the next arriving), and each chunk costs a dispatch, a
+# transfer and a wait, so small clients go in large chunks.
+STREAMING_CHUNK_BYTES = 64 * 2**20
 HEADROOM = 0.8
 
 
@@ -38,6 +44,14 @@ def device_memory_bytes(device: Any = None) -> int | None:
   if device.platform == 'cpu' and hasattr(os, 'sysconf'):
     return int(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
   return None
+
+
+def streaming_chunk(client_bytes: int, num_clients: int) -> int:
+  """Clients per streamed chunk when none is given: ``STREAMING_CHUNK_BYTES``
+  of client data, at least ``DEFAULT_STREAMING_CHUNK`` clients, at most the
+  cohort."""
+  by_bytes = STREAMING_CHUNK_BYTES // max(int(client_bytes), 1)
+  return max(1, min(num_clients, max(DEFAULT_STREAMING_CHUNK, by_bytes)))
 
 
 def _spec(x: Any) -> Any:
@@ -58,14 +72,14 @@ class RoundRunner:
   cohort is never whole in host memory; a compiled round loads it whole.
   """
 
-  def __init__(self, algorithm: Any, execution: str, chunk_size: int,
+  def __init__(self, algorithm: Any, execution: str, chunk_size: int | None,
                log: Callable[[str], None], headroom: float):
     self.algorithm = algorithm
     self.execution = execution
     self.chunk_size = chunk_size
     self._log = log
     self._headroom = headroom
-    self._streamer = streaming.Streamer(algorithm.apply, chunk_size)
+    self._streamers: dict[int, streaming.Streamer] = {}
     self._streams: dict[str, bool] = {}  # cohort shape -> whether to stream
 
   @property
@@ -102,9 +116,20 @@ class RoundRunner:
         self._log(f'fedjx: execution=auto: the compiled round plans '
                   f'{planned / 2**30:.2f} GiB, more than {self._headroom:.0%} of the '
                   f"device's {limit / 2**30:.2f} GiB; streaming the cohort in chunks "
-                  f'of {self.chunk_size} clients.')
+                  f'of {self.chunk_for(spec)} clients.')
       self._streams[shape] = stream
     return self._streams[shape]
+
+  def chunk_for(self, cohort: Any) -> int:
+    """Clients per streamed chunk: ``chunk_size``, else :func:`streaming_chunk`."""
+    leaves = jax.tree.leaves(cohort.placed_spec() if isinstance(cohort, streaming.Clients)
+                             else cohort)
+    n = int(leaves[0].shape[0])
+    if self.chunk_size is not None:
+      return min(self.chunk_size, n)
+    client_bytes = sum(int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize
+                       for x in leaves)
+    return streaming_chunk(client_bytes, n)
 
   def loads_whole(self, state: Any, key: Any) -> Callable[[Any], bool]:
     """``whole(cohort)``: whether a cohort runs compiled (so is loaded whole).
@@ -117,9 +142,12 @@ class RoundRunner:
 
   def __call__(self, state: Any, cohort: Any, key: Any) -> Any:
     if self.streams(state, cohort, key):
+      chunk = self.chunk_for(cohort)
+      if chunk not in self._streamers:
+        self._streamers[chunk] = streaming.Streamer(self.algorithm.apply, chunk)
       if not isinstance(cohort, streaming.Clients):
         cohort = streaming.Clients.from_arrays(cohort)
-      return self._streamer(state, cohort, key)
+      return self._streamers[chunk](state, cohort, key)
     if isinstance(cohort, streaming.Clients):
       cohort = jax.device_put(cohort.load(cohort.client_ids))
     return self.algorithm.round(state, cohort, key)
@@ -137,7 +165,9 @@ def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
       (:func:`fedjx.streaming.run` on the cohort in chunks of
       ``chunk_size``) or ``'auto'`` (streaming when the compiled round's
       memory plan does not fit the device with ``headroom``).
-    chunk_size: clients per streamed chunk (default 64).
+    chunk_size: clients per streamed chunk (default: as many as hold
+      ``STREAMING_CHUNK_BYTES`` of client data, at least 64;
+      :func:`streaming_chunk`).
     log: where ``'auto'`` reports its choice.
     headroom: the fraction of the device's memory a compiled round may plan.
 
@@ -150,7 +180,6 @@ def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
   if execution not in EXECUTIONS:
     raise ValueError(f'fedjx.execution: execution={execution!r} is not one of '
                      f'{EXECUTIONS}.')
-  chunk = chunk_size or DEFAULT_STREAMING_CHUNK
   if execution == 'jit':
     return algorithm.round
   if jax.process_count() > 1:
@@ -159,4 +188,4 @@ def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
                        f'process; this run has {jax.process_count()}. Use '
                        "execution='jit'.")
     return algorithm.round
-  return RoundRunner(algorithm, execution, chunk, log, headroom)
+  return RoundRunner(algorithm, execution, chunk_size, log, headroom)

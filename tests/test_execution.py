@@ -53,6 +53,18 @@ def test_every_execution_gives_the_compiled_round(mode, headroom, says):
     assert len(logged) == 1 and says in logged[0]
 
 
+def test_streamed_chunks_hold_a_budget_of_client_data():
+  # 64 MiB of data per chunk, at least 64 clients, at most the cohort.
+  assert execution.streaming_chunk(4096, 10**6) == 2**26 // 4096
+  assert execution.streaming_chunk(2**22, 10**6) == 64
+  assert execution.streaming_chunk(100, 1000) == 1000
+  algo = algorithms.fedavg(_loss)
+  run = execution.round_runner(algo, 'streaming')
+  per_client = (2 * 4 * 5 * 4) + (2 * 4 * 4) + (2 * 4) + 4 + 4  # x, y, mask, n, id
+  assert run.chunk_for(_cohort(clients=9)) == 9
+  assert execution.streaming_chunk(per_client, 10**6) == 2**26 // per_client
+
+
 def test_unknown_execution_is_an_error():
   algo = algorithms.fedavg(_loss)
   with pytest.raises(ValueError, match="execution='fast' is not one of"):
