@@ -478,6 +478,51 @@ def streaming_round(model_name: str, clients: int, chunk: int, steps: int, batch
   return rec
 
 
+def streaming_from_dataset(clients: int, chunk: int | None, steps: int, batch: int,
+                           lr: float = 0.01, emit: Callable[[dict], None] = print,
+                           seed: int = 0) -> dict:
+  """One FedAvg round of logistic regression on a Synthetic(1, 1) population
+  of ``clients`` clients, all in the cohort, streamed as the runner streams it.
+
+  The cohort comes from ``fedjx.datasets.prefetch.lazy_cohort_iterator`` (ids
+  and a step count; each chunk's clients generated, batched and transferred
+  when the round reaches them) and runs through
+  ``fedjx.execution.round_runner(..., 'streaming', chunk)``, the runner's
+  path for ``config.execution='streaming'``. Reports the process's peak
+  resident memory (run one cohort size per process).
+  """
+  from fedjx import execution  # pylint: disable=g-import-not-at-top
+  workload, loss_fn = _workload_and_loss('logreg', 'float32')
+  population = datasets.synthetic(1.0, 1.0, num_clients=clients, seed=seed,
+                                  max_examples=60)
+  algo = _fedavg(loss_fn, lr, steps, 'auto', None, False)
+  cohorts = datasets.prefetch.lazy_cohort_iterator(
+      population, clients, batch, seed=seed, num_rounds=1, num_steps=steps)
+  cohort = next(cohorts)
+  cohorts.close()
+  example = cohort.load(cohort.client_ids[:1])
+  params = workload.model.init(jax.random.key(seed),
+                               jax.tree.map(lambda a: a[0, 0], example.batches))
+  state, key = algo.init(params), jax.random.key(seed)
+  run = execution.round_runner(algo, 'streaming', chunk)
+  rss_before, _ = _rss_bytes()
+  start = time.perf_counter()
+  jax.block_until_ready(run(state, cohort, key))
+  seconds = time.perf_counter() - start
+  _, peak = _rss_bytes()
+  per_client = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
+                   for a in jax.tree.leaves(example))
+  k = run.chunk_for(cohort)
+  rec = {'model': 'logreg', 'clients': clients, 'steps': steps, 'batch': batch,
+         'kind': 'streaming_from_dataset', 'chunk_clients': k,
+         'backend': jax.default_backend(), 'first_call_s': seconds,
+         'rss_before_round_bytes': rss_before, 'peak_rss_bytes': peak,
+         'data_bytes_per_chunk': k * per_client,
+         'data_bytes_of_cohort': clients * per_client}
+  emit(rec)
+  return rec
+
+
 def plot(records: Sequence[dict], path: str) -> None:
   """ms per round against cohort size, one panel per model, one line per strategy."""
   import matplotlib
