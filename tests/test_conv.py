@@ -250,8 +250,12 @@ def test_models_give_the_same_numbers_with_either_convolution(build, batch_shape
           x, w, *args, **kw))) or shapes[-1][2]))
   jax.eval_shape(lambda p: xla.loss_fn(p, batch).mean(), params)
   zeros = [tuple(jnp.zeros(v.shape, jnp.float32) for v in (y, x, w)) for x, w, y in shapes]
-  bounds = {}
-  with_errors(zeros, bounds)  # Records the magnitudes, layer by layer.
+  def recorded():
+    bounds = {}
+    with_errors(zeros, bounds)  # Records the magnitudes, layer by layer.
+    return bounds
+
+  bounds = jax.jit(recorded)()
   sens_loss, sens_proj = jax.jit(jax.jacrev(lambda e: with_errors(e)))(zeros)
 
   def bound(sens):
