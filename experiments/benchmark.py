@@ -96,13 +96,17 @@ def _compile(jitted: Any, *args: Any) -> tuple[Any, float]:
 
 
 def _time_interleaved(calls: Sequence[Callable[[], Any]], repeats: int,
-                      min_seconds: float = 1.0,
-                      max_repeats: int = 200) -> list[tuple[float, float, float]]:
+                      min_seconds: float = 1.0, max_repeats: int = 200,
+                      cpu: list[list[float]] | None = None
+                      ) -> list[tuple[float, float, float]]:
   """Times ``calls`` round-robin: (first call s, median s, min s) for each.
 
   After one untimed-for-statistics first call each (compilation), at least
   ``repeats`` rounds of all calls are timed, and more (up to ``max_repeats``)
   until ``min_seconds`` have passed, so millisecond rounds get stable numbers.
+  With ``cpu`` (a list of one list per call), each timed call's process CPU
+  seconds (all threads) are appended too: on a machine shared with other
+  jobs, CPU time moves much less than wall time.
   """
   firsts = []
   for call in calls:
@@ -115,9 +119,11 @@ def _time_interleaved(calls: Sequence[Callable[[], Any]], repeats: int,
   while rounds < repeats or (time.perf_counter() - began < min_seconds and
                              rounds < max_repeats):
     for k, call in enumerate(calls):
-      start = time.perf_counter()
+      start, start_cpu = time.perf_counter(), time.process_time()
       jax.block_until_ready(call())
       times[k].append(time.perf_counter() - start)
+      if cpu is not None:
+        cpu[k].append(time.process_time() - start_cpu)
     rounds += 1
   return [(f, statistics.median(t), min(t)) for f, t in zip(firsts, times)]
 
@@ -451,7 +457,8 @@ def streaming_round(model_name: str, clients: int, chunk: int, steps: int, batch
     placed = datasets.place_cohort(source.load(range(clients)))
     jitted = jax.jit(algo.apply)
     calls.append(lambda: jitted(state, placed, key))
-    timings = _time_interleaved(calls, repeats, min_seconds=0.0)
+    cpu: list[list[float]] = [[], []]
+    timings = _time_interleaved(calls, repeats, min_seconds=0.0, cpu=cpu)
   else:
     start = time.perf_counter()
     jax.block_until_ready(streamed())
@@ -474,6 +481,11 @@ def streaming_round(model_name: str, clients: int, chunk: int, steps: int, batch
     rec['jit_ms_per_round'] = 1e3 * timings[1][1]
     rec['ratio_vs_jit'] = timings[0][1] / timings[1][1]
     rec['min_ratio_vs_jit'] = timings[0][2] / timings[1][2]
+    # Per repetition (interleaved pairs): wall and CPU time ratios.
+    rec['cpu_s_per_round'] = statistics.median(cpu[0])
+    rec['jit_cpu_s_per_round'] = statistics.median(cpu[1])
+    rec['cpu_ratio_vs_jit'] = statistics.median(a / b for a, b in zip(*cpu))
+    rec['cpu_ratios_vs_jit'] = [a / b for a, b in zip(*cpu)]
   emit(rec)
   return rec
 
