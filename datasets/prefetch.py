@@ -8,6 +8,11 @@ the same as calling ``produce(r)`` in the loop; only the waiting differs.
 :func:`cohort_iterator` is the usual use: sample, batch and place the cohort
 of each round, so that reading clients, padding and the host-to-device copy of
 round ``r + 1`` overlap the computation of round ``r``.
+
+:func:`lazy_cohort_iterator` gives each round's cohort *unloaded*: its client
+ids, its step count (from example counts alone) and a loader of any chunk of
+its clients (a :class:`fedjx.streaming.Clients`), so that a streamed round
+reads a chunk of clients at a time and the cohort is never in host memory.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from typing import Generic, TypeVar
 
 import jax
 
+import numpy as np
+
+from fedjx import streaming
 from fedjx.datasets.cohort import (Cohort, CohortSampler, Sampler, cohort_steps,
                                    local_client_slice, make_cohort, padded_ids,
                                    place_cohort, place_local_cohort)
@@ -214,6 +222,90 @@ def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int
                               num_epochs=num_epochs, num_steps=num_steps,
                               max_steps=max_steps, shuffle=shuffle, bucket=bucket)
     return place_cohort(cohort, mesh)
+
+  stop = None if num_rounds is None else start_round + num_rounds
+  return Prefetcher(produce, start=start_round, stop=stop, prefetch=prefetch)
+
+
+def lazy_cohort_for_round(dataset: FederatedDataset, sampler: Sampler,
+                          round_num: int, batch_size: int, *,
+                          num_epochs: int | None = None,
+                          num_steps: int | None = None,
+                          max_steps: int | None = None, shuffle: bool = True,
+                          bucket: bool = True) -> streaming.Clients:
+  """Round ``round_num``'s cohort as a loader of chunks of its clients.
+
+  The result's ``client_ids`` are ``sampler.sample(round_num)`` followed by
+  padding clients up to ``sampler.cohort_size``, and ``load(ids)`` gives the
+  rows of :func:`cohort_for_round`'s cohort for those clients (the same
+  batches, mask, counts and ids): each client's batches depend only on
+  ``(seed, round_num, client)`` and on the cohort's step count ``S``, which
+  :func:`~fedjx.datasets.cohort.cohort_steps` computes from example counts
+  without reading any client's data. Only one client is read here (for the
+  spec).
+  """
+  ids = padded_ids(sampler.sample(round_num), sampler.cohort_size)
+  steps = cohort_steps(dataset, ids, batch_size, num_epochs=num_epochs,
+                       num_steps=num_steps, max_steps=max_steps, bucket=bucket)
+  if num_steps is not None and max_steps is not None:
+    steps = min(steps, max_steps)  # As make_cohort cuts num_steps.
+  seed = sampler.seed if shuffle else None
+
+  def load(chunk) -> Cohort:
+    chunk = np.asarray(chunk, np.int32)
+    return make_cohort(dataset, chunk, batch_size, num_epochs=num_epochs,
+                       num_steps=num_steps, max_steps=max_steps,
+                       shuffle_seed=seed, round_num=round_num, bucket=bucket,
+                       steps=steps, pad_to=len(chunk))
+
+  spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype),
+                      load(ids[:1]))
+  return streaming.Clients(ids, load, spec)
+
+
+def lazy_cohort_iterator(dataset: FederatedDataset, cohort_size: int,
+                         batch_size: int, *, seed: int = 0, start_round: int = 0,
+                         num_rounds: int | None = None,
+                         num_epochs: int | None = None,
+                         num_steps: int | None = None,
+                         max_steps: int | None = None, shuffle: bool = True,
+                         bucket: bool = True,
+                         mesh: jax.sharding.Mesh | None = None,
+                         prefetch: int = 1, sampler: Sampler | None = None,
+                         whole: Callable[[streaming.Clients], bool] | None = None
+                         ) -> Prefetcher[streaming.Clients | Cohort]:
+  """Unloaded cohorts (:func:`lazy_cohort_for_round`) for rounds ``start_round, ...``.
+
+  Sampling and step counts are prepared ``prefetch`` rounds ahead on a
+  background thread; no client data is read beyond one client per round.
+  Arguments are those of :func:`cohort_iterator`, plus:
+
+  Args:
+    whole: optional ``whole(clients) -> bool``, asked on the background
+      thread for each round: where True, that round's item is the whole
+      cohort loaded and placed (exactly :func:`cohort_iterator`'s item),
+      built ahead as :func:`cohort_iterator` builds it. This is how
+      ``execution='auto'`` keeps the transfer overlap for rounds it compiles
+      and streams the others.
+  """
+  if sampler is None:
+    sampler = CohortSampler(dataset, cohort_size, seed)
+  if mesh is None:
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or getattr(mesh, 'empty', False):
+      mesh = None
+  # Fail on bad arguments now, not later on the worker thread.
+  make_cohort(dataset, sampler.sample(start_round)[:1], batch_size,
+              num_epochs=num_epochs, num_steps=num_steps, max_steps=max_steps,
+              pad_to=1)
+
+  def produce(round_num: int) -> streaming.Clients | Cohort:
+    clients = lazy_cohort_for_round(
+        dataset, sampler, round_num, batch_size, num_epochs=num_epochs,
+        num_steps=num_steps, max_steps=max_steps, shuffle=shuffle, bucket=bucket)
+    if whole is not None and whole(clients):
+      return place_cohort(clients.load(clients.client_ids), mesh)
+    return clients
 
   stop = None if num_rounds is None else start_round + num_rounds
   return Prefetcher(produce, start=start_round, stop=stop, prefetch=prefetch)

@@ -96,13 +96,17 @@ def _compile(jitted: Any, *args: Any) -> tuple[Any, float]:
 
 
 def _time_interleaved(calls: Sequence[Callable[[], Any]], repeats: int,
-                      min_seconds: float = 1.0,
-                      max_repeats: int = 200) -> list[tuple[float, float, float]]:
+                      min_seconds: float = 1.0, max_repeats: int = 200,
+                      cpu: list[list[float]] | None = None
+                      ) -> list[tuple[float, float, float]]:
   """Times ``calls`` round-robin: (first call s, median s, min s) for each.
 
   After one untimed-for-statistics first call each (compilation), at least
   ``repeats`` rounds of all calls are timed, and more (up to ``max_repeats``)
   until ``min_seconds`` have passed, so millisecond rounds get stable numbers.
+  With ``cpu`` (a list of one list per call), each timed call's process CPU
+  seconds (all threads) are appended too: on a machine shared with other
+  jobs, CPU time moves much less than wall time.
   """
   firsts = []
   for call in calls:
@@ -115,9 +119,11 @@ def _time_interleaved(calls: Sequence[Callable[[], Any]], repeats: int,
   while rounds < repeats or (time.perf_counter() - began < min_seconds and
                              rounds < max_repeats):
     for k, call in enumerate(calls):
-      start = time.perf_counter()
+      start, start_cpu = time.perf_counter(), time.process_time()
       jax.block_until_ready(call())
       times[k].append(time.perf_counter() - start)
+      if cpu is not None:
+        cpu[k].append(time.process_time() - start_cpu)
     rounds += 1
   return [(f, statistics.median(t), min(t)) for f, t in zip(firsts, times)]
 
@@ -451,7 +457,8 @@ def streaming_round(model_name: str, clients: int, chunk: int, steps: int, batch
     placed = datasets.place_cohort(source.load(range(clients)))
     jitted = jax.jit(algo.apply)
     calls.append(lambda: jitted(state, placed, key))
-    timings = _time_interleaved(calls, repeats, min_seconds=0.0)
+    cpu: list[list[float]] = [[], []]
+    timings = _time_interleaved(calls, repeats, min_seconds=0.0, cpu=cpu)
   else:
     start = time.perf_counter()
     jax.block_until_ready(streamed())
@@ -474,6 +481,56 @@ def streaming_round(model_name: str, clients: int, chunk: int, steps: int, batch
     rec['jit_ms_per_round'] = 1e3 * timings[1][1]
     rec['ratio_vs_jit'] = timings[0][1] / timings[1][1]
     rec['min_ratio_vs_jit'] = timings[0][2] / timings[1][2]
+    # Per repetition (interleaved pairs): wall and CPU time ratios.
+    rec['cpu_s_per_round'] = statistics.median(cpu[0])
+    rec['jit_cpu_s_per_round'] = statistics.median(cpu[1])
+    rec['cpu_ratio_vs_jit'] = statistics.median(a / b for a, b in zip(*cpu))
+    rec['cpu_ratios_vs_jit'] = [a / b for a, b in zip(*cpu)]
+  emit(rec)
+  return rec
+
+
+def streaming_from_dataset(clients: int, chunk: int | None, steps: int, batch: int,
+                           lr: float = 0.01, emit: Callable[[dict], None] = print,
+                           seed: int = 0) -> dict:
+  """One FedAvg round of logistic regression on a Synthetic(1, 1) population
+  of ``clients`` clients, all in the cohort, streamed as the runner streams it.
+
+  The cohort comes from ``fedjx.datasets.prefetch.lazy_cohort_iterator`` (ids
+  and a step count; each chunk's clients generated, batched and transferred
+  when the round reaches them) and runs through
+  ``fedjx.execution.round_runner(..., 'streaming', chunk)``, the runner's
+  path for ``config.execution='streaming'``. Reports the process's peak
+  resident memory (run one cohort size per process).
+  """
+  from fedjx import execution  # pylint: disable=g-import-not-at-top
+  workload, loss_fn = _workload_and_loss('logreg', 'float32')
+  population = datasets.synthetic(1.0, 1.0, num_clients=clients, seed=seed,
+                                  max_examples=60)
+  algo = _fedavg(loss_fn, lr, steps, 'auto', None, False)
+  cohorts = datasets.prefetch.lazy_cohort_iterator(
+      population, clients, batch, seed=seed, num_rounds=1, num_steps=steps)
+  cohort = next(cohorts)
+  cohorts.close()
+  example = cohort.load(cohort.client_ids[:1])
+  params = workload.model.init(jax.random.key(seed),
+                               jax.tree.map(lambda a: a[0, 0], example.batches))
+  state, key = algo.init(params), jax.random.key(seed)
+  run = execution.round_runner(algo, 'streaming', chunk)
+  rss_before, _ = _rss_bytes()
+  start = time.perf_counter()
+  jax.block_until_ready(run(state, cohort, key))
+  seconds = time.perf_counter() - start
+  _, peak = _rss_bytes()
+  per_client = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
+                   for a in jax.tree.leaves(example))
+  k = run.chunk_for(cohort)
+  rec = {'model': 'logreg', 'clients': clients, 'steps': steps, 'batch': batch,
+         'kind': 'streaming_from_dataset', 'chunk_clients': k,
+         'backend': jax.default_backend(), 'first_call_s': seconds,
+         'rss_before_round_bytes': rss_before, 'peak_rss_bytes': peak,
+         'data_bytes_per_chunk': k * per_client,
+         'data_bytes_of_cohort': clients * per_client}
   emit(rec)
   return rec
 

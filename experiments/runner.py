@@ -142,6 +142,23 @@ class Experiment:
         num_epochs=c.local_epochs, num_steps=c.local_steps,
         max_steps=c.max_local_steps, bucket=c.bucket_steps, prefetch=c.prefetch)
 
+  def lazy_cohorts(self, start: int, stop: int,
+                   whole: Callable[[Any], bool] | None = None) -> Iterator[Any]:
+    """Rounds ``start .. stop - 1`` as unloaded cohorts, for streamed rounds.
+
+    Each is a ``fedjx.streaming.Clients`` that reads its clients a chunk at a
+    time (``datasets.prefetch.lazy_cohort_iterator``); where ``whole(it)``
+    is True the round's cohort is loaded and placed ahead, as
+    :meth:`cohorts` gives it.
+    """
+    c = self.config
+    return datasets.prefetch.lazy_cohort_iterator(
+        self.data.train, c.cohort_size, c.batch_size, seed=c.seed,
+        start_round=start, num_rounds=stop - start, num_epochs=c.local_epochs,
+        num_steps=c.local_steps, max_steps=c.max_local_steps,
+        bucket=c.bucket_steps, prefetch=c.prefetch, whole=whole,
+        sampler=self.sampler)
+
   def round_key_for(self, r: int) -> jax.Array:
     key = jax.random.fold_in(self.round_key, r)
     mesh = jax.sharding.get_mesh()
@@ -503,10 +520,16 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
             {'simulated_time': 0.0} if exp.systems is not None or
             exp.scheduler is not None else {})))
       if start < stop:
-        cohorts = (exp.cohorts(start, stop) if exp.systems is None
-                   else exp.system_rounds(start, stop, clock))
         run_round = execution_lib.round_runner(exp.algorithm, config.execution,
                                                config.chunk_size, log)
+        if exp.systems is not None:  # Cohorts closed by the system model.
+          cohorts = exp.system_rounds(start, stop, clock)
+        elif getattr(run_round, 'may_stream', False) and exp.scheduler is None:
+          # Clients are read a chunk at a time.
+          cohorts = exp.lazy_cohorts(start, stop, run_round.loads_whole(
+              state, exp.round_key_for(start)))
+        else:
+          cohorts = exp.cohorts(start, stop)
         try:
           for r, cohort in zip(range(start, stop), cohorts):
             report = None

@@ -3,8 +3,9 @@
 ``'auto'`` compiles the round for the cohort's shapes and asks XLA for its
 memory plan (arguments + outputs + temporaries). If the plan exceeds
 ``headroom`` (80%) of the device's memory, the round is streamed
-(:mod:`fedjx.streaming`) in chunks of ``chunk_size`` clients instead, and
-the choice is logged once per cohort shape. The device's memory is its
+(:mod:`fedjx.streaming`) in chunks of ``chunk_size`` clients instead (by
+default as many clients as hold 64 MiB of data, at least 64), and the
+choice is logged once per cohort shape. The device's memory is its
 allocator's limit (``Device.memory_stats()['bytes_limit']``) on accelerators
 and the machine's physical memory on CPU.
 """
@@ -16,11 +17,17 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from fedjx import streaming
 
 EXECUTIONS = ('auto', 'jit', 'streaming')
-DEFAULT_STREAMING_CHUNK = 64
+DEFAULT_STREAMING_CHUNK = 64  # The fewest clients per streamed chunk by default.
+# Without a chunk_size, a streamed chunk holds this much client data (at
+# least DEFAULT_STREAMING_CHUNK clients): two chunks are in memory at once
+# (one computing, the next arriving), and each chunk costs a dispatch, a
+# transfer and a wait, so small clients go in large chunks.
+STREAMING_CHUNK_BYTES = 64 * 2**20
 HEADROOM = 0.8
 
 
@@ -39,6 +46,113 @@ def device_memory_bytes(device: Any = None) -> int | None:
   return None
 
 
+def streaming_chunk(client_bytes: int, num_clients: int) -> int:
+  """Clients per streamed chunk when none is given: ``STREAMING_CHUNK_BYTES``
+  of client data, at least ``DEFAULT_STREAMING_CHUNK`` clients, at most the
+  cohort."""
+  by_bytes = STREAMING_CHUNK_BYTES // max(int(client_bytes), 1)
+  return max(1, min(num_clients, max(DEFAULT_STREAMING_CHUNK, by_bytes)))
+
+
+def _spec(x: Any) -> Any:
+  """``x``'s shape, dtype and (for a JAX array) sharding, as lowering reads them."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x
+  sharding = getattr(x, 'sharding', None) if isinstance(x, jax.Array) else None
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+class RoundRunner:
+  """``run(state, cohort, key) -> (state, metrics)``, compiled or streamed.
+
+  ``cohort`` is a placed :class:`fedjx.datasets.Cohort`, or a
+  :class:`fedjx.streaming.Clients` that loads its clients when asked (e.g.
+  from :func:`fedjx.datasets.prefetch.lazy_cohort_iterator`). A streamed
+  round reads a ``Clients`` cohort ``chunk_size`` clients at a time, so the
+  cohort is never whole in host memory; a compiled round loads it whole.
+  """
+
+  def __init__(self, algorithm: Any, execution: str, chunk_size: int | None,
+               log: Callable[[str], None], headroom: float):
+    self.algorithm = algorithm
+    self.execution = execution
+    self.chunk_size = chunk_size
+    self._log = log
+    self._headroom = headroom
+    self._streamers: dict[int, streaming.Streamer] = {}
+    self._streams: dict[str, bool] = {}  # cohort shape -> whether to stream
+
+  @property
+  def may_stream(self) -> bool:
+    """Whether some cohort may be streamed (then cohorts are best given lazily)."""
+    return self.execution == 'streaming' or (
+        self.execution == 'auto' and hasattr(self.algorithm.round, 'lower'))
+
+  def streams(self, state: Any, cohort: Any, key: Any) -> bool:
+    """Whether ``cohort`` (arrays, ``Clients`` or shapes) is streamed.
+
+    For ``'auto'``: XLA's memory plan of the compiled round (arguments,
+    outputs and temporaries), lowered from shapes alone through
+    ``algorithm.round``'s own cache (which the round reuses when it runs
+    compiled), against ``headroom`` of the device's memory; decided once per
+    cohort shape, and logged when it streams. Thread-safe enough to be
+    asked from a prefetching thread: a repeated decision only recompiles.
+    """
+    if self.execution != 'auto':
+      return self.execution == 'streaming'
+    if not hasattr(self.algorithm.round, 'lower'):
+      return False  # Not a jitted round: no memory plan to read.
+    spec = (cohort.placed_spec() if isinstance(cohort, streaming.Clients)
+            else jax.tree.map(_spec, cohort))
+    shape = str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), spec))
+    if shape not in self._streams:
+      analysis = self.algorithm.round.lower(
+          jax.tree.map(_spec, state), spec, _spec(key)).compile().memory_analysis()
+      planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
+                    analysis.temp_size_in_bytes)
+      limit = device_memory_bytes()
+      stream = limit is not None and planned > self._headroom * limit
+      if stream:
+        self._log(f'fedjx: execution=auto: the compiled round plans '
+                  f'{planned / 2**30:.2f} GiB, more than {self._headroom:.0%} of the '
+                  f"device's {limit / 2**30:.2f} GiB; streaming the cohort in chunks "
+                  f'of {self.chunk_for(spec)} clients.')
+      self._streams[shape] = stream
+    return self._streams[shape]
+
+  def chunk_for(self, cohort: Any) -> int:
+    """Clients per streamed chunk: ``chunk_size``, else :func:`streaming_chunk`."""
+    leaves = jax.tree.leaves(cohort.placed_spec() if isinstance(cohort, streaming.Clients)
+                             else cohort)
+    n = int(leaves[0].shape[0])
+    if self.chunk_size is not None:
+      return min(self.chunk_size, n)
+    client_bytes = sum(int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize
+                       for x in leaves)
+    return streaming_chunk(client_bytes, n)
+
+  def loads_whole(self, state: Any, key: Any) -> Callable[[Any], bool]:
+    """``whole(cohort)``: whether a cohort runs compiled (so is loaded whole).
+
+    Reads only the shapes of ``state`` and ``key`` (taken now), so it may be
+    called on another thread while the loop's state is donated and replaced.
+    """
+    state, key = jax.tree.map(_spec, state), _spec(key)
+    return lambda cohort: not self.streams(state, cohort, key)
+
+  def __call__(self, state: Any, cohort: Any, key: Any) -> Any:
+    if self.streams(state, cohort, key):
+      chunk = self.chunk_for(cohort)
+      if chunk not in self._streamers:
+        self._streamers[chunk] = streaming.Streamer(self.algorithm.apply, chunk)
+      if not isinstance(cohort, streaming.Clients):
+        cohort = streaming.Clients.from_arrays(cohort)
+      return self._streamers[chunk](state, cohort, key)
+    if isinstance(cohort, streaming.Clients):
+      cohort = jax.device_put(cohort.load(cohort.client_ids))
+    return self.algorithm.round(state, cohort, key)
+
+
 def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
                  log: Callable[[str], None] = print,
                  headroom: float = HEADROOM) -> Callable[[Any, Any, jax.Array], Any]:
@@ -51,20 +165,21 @@ def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
       (:func:`fedjx.streaming.run` on the cohort in chunks of
       ``chunk_size``) or ``'auto'`` (streaming when the compiled round's
       memory plan does not fit the device with ``headroom``).
-    chunk_size: clients per streamed chunk (default 64).
+    chunk_size: clients per streamed chunk (default: as many as hold
+      ``STREAMING_CHUNK_BYTES`` of client data, at least 64;
+      :func:`streaming_chunk`).
     log: where ``'auto'`` reports its choice.
     headroom: the fraction of the device's memory a compiled round may plan.
+
+  Returns:
+    ``algorithm.round`` for ``'jit'`` (and on several processes, where
+    ``'auto'`` compiles); otherwise a :class:`RoundRunner`, which takes a
+    placed cohort or a :class:`fedjx.streaming.Clients` that loads its
+    clients lazily.
   """
   if execution not in EXECUTIONS:
     raise ValueError(f'fedjx.execution: execution={execution!r} is not one of '
                      f'{EXECUTIONS}.')
-  chunk = chunk_size or DEFAULT_STREAMING_CHUNK
-
-  streamer = streaming.Streamer(algorithm.apply, chunk)
-
-  def stream(state, cohort, key):
-    return streamer(state, streaming.Clients.from_arrays(cohort), key)
-
   if execution == 'jit':
     return algorithm.round
   if jax.process_count() > 1:
@@ -73,29 +188,4 @@ def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
                        f'process; this run has {jax.process_count()}. Use '
                        "execution='jit'.")
     return algorithm.round
-  if execution == 'streaming':
-    return stream
-  if not hasattr(algorithm.round, 'lower'):
-    return algorithm.round  # Not a jitted round: no memory plan to read.
-  streams: dict[str, bool] = {}  # cohort shape -> whether to stream
-
-  def auto(state, cohort, key):
-    shape = str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), (state, cohort)))
-    if shape not in streams:
-      # Lowered and compiled through algorithm.round's own cache, which the
-      # round then reuses when it runs compiled (and recompiles by itself if
-      # a later state arrives with other shardings).
-      analysis = algorithm.round.lower(state, cohort, key).compile().memory_analysis()
-      planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
-                    analysis.temp_size_in_bytes)
-      limit = device_memory_bytes()
-      streams[shape] = limit is not None and planned > headroom * limit
-      if streams[shape]:
-        log(f'fedjx: execution=auto: the compiled round plans {planned / 2**30:.2f} '
-            f"GiB, more than {headroom:.0%} of the device's {limit / 2**30:.2f} GiB; "
-            f'streaming the cohort in chunks of {chunk} clients.')
-    if streams[shape]:
-      return stream(state, cohort, key)
-    return algorithm.round(state, cohort, key)
-
-  return auto
+  return RoundRunner(algorithm, execution, chunk_size, log, headroom)

@@ -9,8 +9,14 @@ local devices:
   run on what the server already holds. A pass loads the cohort's clients
   in chunks of ``chunk_size`` from the host (:class:`Clients`: never the
   whole cohort in host memory), transfers chunk ``c + 1`` while chunk ``c``
-  computes, runs the chunk's client work (one compiled function, vmapped
-  over the chunk) and folds the results into on-device partial reductions;
+  computes, runs the chunk's client work (one compiled function) and folds
+  the results into on-device partial reductions. Inside a chunk, clients
+  run as ``map_fn``'s ``'auto'`` strategy would run them (on CPU: large
+  clients one at a time, small ones vmapped), and each client's terms are
+  added to the chunk's sums as soon as they exist, as in the fused compiled
+  round (:mod:`fedjx.fusion`): a chunk's outputs are never stacked (64
+  updates of a 1.2M-parameter CNN would be 307 MB written and read again
+  per chunk);
 * ``collect`` steps (per-client state, as in SCAFFOLD) are written to a host
   array chunk by chunk.
 
@@ -271,53 +277,74 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
   dtypes = [_result_dtype(plan, r) for r in sums]
   on_cpu = jax.default_backend() == 'cpu'
 
+  # Maps whose inputs are all the same for every client run once per chunk;
+  # the others run per client, all of the pass's maps for one client in a
+  # row, so that their outputs never stack for the whole chunk.
+  shared_maps = [s for s in maps if all(i in bcast for i in s.x_ids)]
+  client_maps = [s for s in maps if s not in shared_maps]
+  inner = _inner_chunk(env, bcast, client_maps, plan, k)
+  used_bcast = sorted({i for s in maps for i in s.x_ids if i in bcast} |
+                      {i for r in reduces for i in (r.x_id, r.weight_id) if i in bcast})
+
   def chunk_work(whole_vals, server_chunk, client_chunk, valid):
     local = dict(zip(whole, whole_vals))
-    local.update(server_chunk)
-    local.update(client_chunk)
-    unmapped = {i: local[bcast[i]] for s in maps for i in s.x_ids if i in bcast}
-    for s in maps:
-      f = s.function()
-      consts = [local[i] for i in s.const_ids]
-      mapped = [local[i] for i in s.x_ids if i not in unmapped]
+    shared = {i: local[bcast[i]] for i in used_bcast}
+    for s in shared_maps:
+      outs = s.function()(*[local[i] for i in s.const_ids],
+                          *[shared[i] for i in s.x_ids])
+      shared.update(zip(s.out_ids, outs))
+    per_client = dict(server_chunk)
+    per_client.update(client_chunk)
+    per_client[_VALID] = valid
 
-      def one(xs, s=s, f=f, consts=consts):
-        xs = iter(xs)
-        return f(*consts, *[unmapped[i] if i in unmapped else next(xs)
-                            for i in s.x_ids])
-      # Within the chunk, clients run as map_fn's 'auto' strategy would run
-      # them (on CPU: large clients one at a time, small ones vmapped).
-      if not mapped:  # Every input is the same for all clients.
-        outs = [jnp.broadcast_to(o, (k,) + jnp.shape(o)) for o in one([])]
-      else:
-        client_bytes = sum(_nbytes(v) for v in consts + list(unmapped.values())) + sum(
-            _nbytes(x) // k for x in mapped)
-        inner = mapping.choose_chunk_size('auto', k, client_bytes, 1)
-        outs = mapping.run_mapped(one, mapped, k, inner, 'clients', None)
-      local.update(zip(s.out_ids, outs))
+    def member(values):
+      """One client: its maps, then its terms of each sum (and collected values)."""
+      one = dict(values)
+      for s in client_maps:
+        outs = s.function()(*[local[i] for i in s.const_ids],
+                            *[one[i] if i in one else shared[i] for i in s.x_ids])
+        one.update(zip(s.out_ids, outs))
 
-    def value(i):
-      return local[bcast[i]] if i in bcast else local[i]
+      def value(i):
+        return one[i] if i in one else shared[i]
 
-    partial = []
-    for r, dtype in zip(sums, dtypes):
-      acc = fusion.carry_dtype(dtype)
-      x = value(r.x_id)
-      if r.x_id in bcast:
-        x = jnp.broadcast_to(x, (k,) + x.shape)
-      x = x.astype(dtype).astype(acc)
-      if r.op == 'weighted_mean':
-        w = value(r.weight_id)
-        if r.weight_id in bcast:
-          w = jnp.broadcast_to(w, (k,))
-        w = jnp.where(valid, w.astype(dtype).astype(acc), 0)
-        total = (primitives._contract_leading(x, w) if on_cpu  # pylint: disable=protected-access
+      terms = []
+      for r, dtype in zip(sums, dtypes):
+        acc = fusion.carry_dtype(dtype)
+        x = value(r.x_id).astype(dtype).astype(acc)
+        if r.op == 'weighted_mean':
+          w = jnp.where(one[_VALID], value(r.weight_id).astype(dtype).astype(acc), 0)
+          terms.append((x, w))
+        else:
+          terms.append((jnp.where(one[_VALID], x, jnp.zeros_like(x)),))
+      return terms, [value(r.x_id) for r in collect]
+
+    def add_inner(totals, values):
+      """Adds the terms of ``inner`` clients (vmapped) to the chunk's sums."""
+      if inner == 1:  # One client at a time, as map_fn's loop runs them.
+        terms, collected = member(jax.tree.map(lambda x: x[0], values))
+        new = [(t[0] + term[0] * term[1], t[1] + term[1]) if len(term) == 2
+               else (t[0] + term[0],) for t, term in zip(totals, terms)]
+        return new, [c[None] for c in collected]
+      terms, collected = jax.vmap(member)(values)
+      new = []
+      for total, term in zip(totals, terms):
+        if len(term) == 2:
+          x, w = term
+          dot = (primitives._contract_leading(x, w) if on_cpu  # pylint: disable=protected-access
                  else primitives._sum_leading(x, w))  # pylint: disable=protected-access
-        partial.append((total, jnp.sum(w)))
-      else:
-        x = jnp.where(primitives._expand_weights(valid, x), x, 0)  # pylint: disable=protected-access
-        partial.append((jnp.sum(x, axis=0),))
-    return partial, [value(r.x_id) for r in collect]
+          new.append((total[0] + dot, total[1] + jnp.sum(w)))
+        else:
+          new.append((total[0] + jnp.sum(term[0], axis=0),))
+      return new, collected
+
+    zeros = [tuple(jnp.zeros_like(z[0]) for z in _zero_carry(plan, r, d))
+             for r, d in zip(sums, dtypes)]
+    grid = jax.tree.map(lambda x: x.reshape((k // inner, inner) + x.shape[1:]),
+                        per_client)
+    partial, collected = jax.lax.scan(add_inner, zeros, grid)
+    collected = [c.reshape((k,) + c.shape[2:]) for c in collected]
+    return partial, collected
 
   def step(carry, whole_vals, server_chunk, client_chunk, valid):
     partial, collected = chunk_work(whole_vals, server_chunk, client_chunk, valid)
@@ -373,6 +400,39 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
     host = collected_host[collect.index(r)]
     out[r.out_id] = plan_lib.from_host(jnp.asarray(host), plan.avals[r.out_id])
   return out
+
+
+_VALID = -1  # The key of the padding mask among a chunk's per-client values.
+
+
+def _inner_chunk(env, bcast, client_maps, plan, k) -> int:
+  """Clients run at once inside a chunk of ``k``: a divisor of ``k``.
+
+  As ``map_fn``'s ``'auto'`` strategy would run them
+  (:func:`fedjx.mapping.choose_chunk_size`; on CPU: large clients one at a
+  time, small ones vmapped), from one client's inputs: the values every
+  client reads (the server model) and one client's slice of the others.
+  """
+  if not client_maps:
+    return k
+  one = 0
+  seen = set()
+  for s in client_maps:
+    for i in list(s.const_ids) + list(s.x_ids):
+      if i in seen:
+        continue
+      seen.add(i)
+      if i in bcast:
+        one += _nbytes(env[bcast[i]])
+      elif i in env and i in s.const_ids:
+        one += _nbytes(env[i])
+      elif i in plan.avals:
+        aval = plan.avals[i]
+        one += int(np.prod(aval.shape[1:])) * aval.dtype.itemsize
+  inner = mapping.choose_chunk_size('auto', k, one, 1)
+  while k % inner:  # A divisor of k, so the chunk reshapes into [k / inner, inner].
+    inner -= 1
+  return inner
 
 
 def _result_dtype(plan, r):

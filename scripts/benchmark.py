@@ -16,6 +16,10 @@ Streamed rounds (fedjx.streaming), one cohort size per process:
   python scripts/benchmark.py --streaming=64 --models=logreg,cnn --clients=1024 \
       --compare_jit --steps=2 --batch=8 --repeats=5
 
+The runner's streamed path (lazy cohorts from a FederatedDataset), peak memory:
+  for n in 1000 10000 100000; do
+    python scripts/benchmark.py --streaming=0 --from_dataset --clients=$n; done
+
 Fused against stacked (fedjx.fusion), memory plan and interleaved time:
   python scripts/benchmark.py --compile_only --models=cnn --clients=1024,10000 \
       --strategies=auto,nofuse:auto --steps=8 --batch=20
@@ -55,6 +59,12 @@ _STREAMING = flags.DEFINE_integer(
     'Stream one FedAvg round per cohort size in chunks of this many clients '
     '(fedjx.streaming) and print its time and peak resident memory; run one '
     'cohort size per process for the peak.')
+_FROM_DATASET = flags.DEFINE_bool(
+    'from_dataset', False,
+    'With --streaming (0: the default chunk size): stream a Synthetic(1, 1) '
+    'population of --clients clients (logistic regression, all in the '
+    "cohort) through the runner's lazy cohort path and print its time and "
+    'peak resident memory.')
 _COMPARE_JIT = flags.DEFINE_bool(
     'compare_jit', False, 'With --streaming: also time the compiled round, '
     'interleaved, and print the ratio.')
@@ -80,6 +90,13 @@ def main(argv):
                          _STRATEGIES.value[0], _STEPS.value, _BATCH.value,
                          pairs=_GUARD_COST.value, emit=emit,
                          client_evaluation=_EVALUATION.value)
+    if out:
+      out.close()
+    return
+  if _STREAMING.value is not None and _FROM_DATASET.value:
+    for clients in _CLIENTS.value:
+      benchmark.streaming_from_dataset(int(clients), _STREAMING.value or None,
+                                       _STEPS.value, _BATCH.value, emit=emit)
     if out:
       out.close()
     return

@@ -166,11 +166,45 @@ def test_string_padding_with_lhs_dilation_is_refused():
                         dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
 
 
+def _perturbed(base, layers, record):
+  """``base`` convolution of layer ``l`` (counted in ``record``) with additive
+  perturbations: ``y + p_l`` forward, ``(dx + qx_l, dw + qw_l)`` backward.
+
+  With ``record['bounds']`` a dict, the backward pass also stores, per layer,
+  ``(conv(|x|, |w|), |dy| through conv(., |w|), |dy| through conv(|x|, .),
+  w.shape, dy.shape)``: the magnitudes that bound each sum's rounding.
+  """
+  def conv(x, w, *args, **kwargs):
+    l = record['calls']
+    record['calls'] += 1
+    f = lambda x, w: base(x, w, *args, **kwargs)
+
+    @jax.custom_vjp
+    def perturbed(x, w, p, qx, qw):
+      return f(x, w) + p
+
+    def fwd(x, w, p, qx, qw):
+      return f(x, w) + p, (x, w, qx, qw)
+
+    def bwd(res, ct):
+      x, w, qx, qw = res
+      dx, dw = jax.vjp(f, x, w)[1](ct)
+      if record.get('bounds') is not None:
+        y_abs, vjp_abs = jax.vjp(f, jnp.abs(x), jnp.abs(w))
+        record['bounds'][l] = (y_abs, *vjp_abs(jnp.abs(ct)), w.shape, ct.shape)
+      return dx + qx, dw + qw, ct, jnp.zeros_like(qx), jnp.zeros_like(qw)
+
+    perturbed.defvjp(fwd, bwd)
+    return perturbed(x, w, *layers[l])
+  return conv
+
+
 @pytest.mark.parametrize('build,batch_shape', [
     (lambda conv: models.emnist_cnn(10, dropout=False, conv=conv), (3, 28, 28)),
     (lambda conv: models.resnet(10, widths=(4, 8, 8), conv=conv), (3, 16, 16, 3)),
 ])
-def test_models_give_the_same_numbers_with_either_convolution(build, batch_shape):
+def test_models_give_the_same_numbers_with_either_convolution(build, batch_shape,
+                                                              monkeypatch):
   rng = np.random.default_rng(6)
   batch = {'x': rng.normal(size=batch_shape).astype(np.float32),
            'y': rng.integers(0, 10, size=batch_shape[0]).astype(np.int32)}
@@ -180,12 +214,66 @@ def test_models_give_the_same_numbers_with_either_convolution(build, batch_shape
           jax.tree.structure(jax.eval_shape(xla.init, jax.random.key(0), batch)))
   loss = lambda model: jax.jit(jax.value_and_grad(lambda p: model.loss_fn(p, batch).mean()))
   (a, ga), (b, gb) = loss(patches)(params), loss(xla)(params)
-  # Not derived from the computation yet: the models compute in float32 only,
-  # and a bound needs the magnitudes of every layer's sums (the layers
-  # themselves are checked against derived bounds above).
-  np.testing.assert_allclose(a, b, rtol=1e-5)
-  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
-    np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-5)
+  # Tolerance. The models run the same code except their convolutions, each
+  # a sum of products: forward, K = kh kw C_in per output (within
+  # gamma_K conv(|x|, |w|) of exact, either implementation); backward,
+  # dx sums K' = kh kw C_out products per input (gamma_K' times dy through
+  # conv(., |w|) with |dy|) and dw sums M = N H_out W_out (gamma_M times |dy|
+  # through conv(|x|, .)). Two implementations differ by twice that
+  # (float_tolerance.atol). To first order, these differences reach the loss
+  # and any projection <grad, v> of the gradient through the sensitivities
+  # of those to an error added at each place: d/dp_l (forward outputs),
+  # d/dqx_l and d/dqw_l (backward outputs), computed exactly by
+  # differentiating the round with the errors as inputs. Everything else is
+  # the same float32 code on inputs that differ by these amounts, which only
+  # adds second-order terms: a factor 2 covers them.
+  original = conv_lib.conv_function
+  record = {'calls': 0}
+
+  def with_errors(layers, bounds=None):
+    record.update(calls=0, bounds=bounds)
+    monkeypatch.setattr(conv_lib, 'conv_function', lambda impl, owner: _perturbed(
+        original(impl, owner), layers, record))
+    value, grad = jax.value_and_grad(lambda p: xla.loss_fn(p, batch).mean())(params)
+    return value, sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grad),
+                                                     jax.tree.leaves(direction)))
+
+  # The projection on the direction of the difference itself: <ga - gb, v>
+  # is then |ga - gb| (2-norm), and the bound, sum |s| E over the places,
+  # is at most the 2-norm of the error bounds E of the gradient's sums.
+  diff = jax.tree.map(lambda x, y: np.float64(x) - np.float64(y), ga, gb)
+  norm = np.sqrt(sum(np.sum(d ** 2) for d in jax.tree.leaves(diff))) or 1.0
+  direction = jax.tree.map(lambda d: jnp.asarray(d / norm, jnp.float32), diff)
+  shapes = []
+  monkeypatch.setattr(conv_lib, 'conv_function', lambda impl, owner: (
+      lambda x, w, *args, **kw: shapes.append((x, w, original(impl, owner)(
+          x, w, *args, **kw))) or shapes[-1][2]))
+  jax.eval_shape(lambda p: xla.loss_fn(p, batch).mean(), params)
+  zeros = [tuple(jnp.zeros(v.shape, jnp.float32) for v in (y, x, w)) for x, w, y in shapes]
+  def recorded():
+    bounds = {}
+    with_errors(zeros, bounds)  # Records the magnitudes, layer by layer.
+    return bounds
+
+  bounds = jax.jit(recorded)()
+  sens_loss, sens_proj = jax.jit(jax.jacrev(lambda e: with_errors(e)))(zeros)
+
+  def bound(sens):
+    total = 0.0
+    for l, (s_y, s_x, s_w) in enumerate(sens):
+      y_abs, dx_abs, dw_abs, w_shape, dy_shape = bounds[l]
+      k = int(np.prod(w_shape[:-1]))                         # kh kw C_in
+      k_t = int(np.prod(w_shape[:-2])) * w_shape[-1]         # kh kw C_out
+      m = int(np.prod(dy_shape[:-1]))                        # N H_out W_out
+      total += float(jnp.sum(jnp.abs(s_y) * ft.atol(k, y_abs)) +
+                     jnp.sum(jnp.abs(s_x) * ft.atol(k_t, dx_abs)) +
+                     jnp.sum(jnp.abs(s_w) * ft.atol(m, dw_abs)))
+    return total
+
+  proj = lambda g: sum(np.vdot(np.float64(x), np.float64(d)) for x, d in zip(
+      jax.tree.leaves(g), jax.tree.leaves(direction)))
+  assert abs(float(a) - float(b)) <= 2 * bound(sens_loss)
+  assert abs(proj(ga) - proj(gb)) <= 2 * bound(sens_proj)
 
 
 def test_unknown_convolution_is_named():

@@ -89,6 +89,7 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
 
 def _diloco_config(**overrides):
   import importlib.util  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments.config_base import optimizer  # pylint: disable=g-import-not-at-top
   spec = importlib.util.spec_from_file_location(
       'diloco_text', os.path.join(REPO, 'configs', 'diloco_text.py'))
   module = importlib.util.module_from_spec(spec)
@@ -96,6 +97,13 @@ def _diloco_config(**overrides):
   config = module.get_config('2')
   config.rounds, config.local_steps, config.eval_every = 2, 2, 2
   config.progress = config.plot = config.tensorboard = False
+  # Inner SGD with momentum instead of the config's AdamW: its update is
+  # linear in the gradients, so float32 summation-order differences stay
+  # relative to the gradients' scale (AdamW's m / sqrt(v) turns a rounding
+  # difference of a near-zero gradient coordinate into a step of up to the
+  # learning rate, which no summation bound can limit). Its momentum buffer
+  # is sharded like AdamW's moments.
+  config.algorithm.inner_optimizer = optimizer('sgd', learning_rate=0.05, momentum=0.9)
   for key, value in overrides.items():
     setattr(config, key, value)
   return config
@@ -107,13 +115,24 @@ def test_diloco_replicas_sharded_over_model_axis_match_unsharded(tmp_path):
                        str(tmp_path / 'sharded'))
   specs = [x.sharding.spec for x in jax.tree.leaves(sharded.state.params)]
   assert any('model' in tuple(s) for s in specs)  # The model spans 4 devices.
-  assert sharded.history[-1]['eval_loss'] == pytest.approx(
-      plain.history[-1]['eval_loss'], rel=1e-5)
-  diffs = [np.abs(np.asarray(a) - np.asarray(b)) for a, b in zip(
-      jax.tree.leaves(distributed.to_host(sharded.state.params)),
-      jax.tree.leaves(plain.state.params))]
-  # AdamW divides by sqrt(v): for coordinates whose gradient is nearly zero,
-  # float32 rounding of the sharded reductions can move a step by up to the
-  # learning rate; everywhere else the two runs agree to rounding.
-  assert max(float(d.max()) for d in diffs) < 3e-3
-  assert np.mean(np.concatenate([d.ravel() for d in diffs])) < 1e-6
+  # The runs differ only in the order of float32 sums (matrix products split
+  # over the 'model' axis, replicas averaged over 'clients'). The longest
+  # chain of sums per inner step of the byte-level transformer (width 64, 2
+  # layers, MLP 256, 64 positions of batch 8, 256 byte classes): forward,
+  # per layer, layer norms, projections and attention over 64 terms (7 x 64)
+  # plus head dimension 16 and the MLP's 256, about 720, so ~1440 for two
+  # layers, plus the output projection (64), softmax (256) and the loss mean
+  # over 512 tokens: ~2300; the backward pass the same again, plus weight
+  # gradients summed over 512 tokens: ~5200 per step. 2 inner steps x 2
+  # rounds, plus the replica average and the outer step: n ~ 21,000.
+  # Momentum and the outer Nesterov step are linear in the gradients, so the
+  # difference is rtol(n) relative to each leaf's scale.
+  tol = ft.rtol(21_000)
+  for a, b in zip(jax.tree.leaves(distributed.to_host(sharded.state.params)),
+                  jax.tree.leaves(plain.state.params)):
+    b = np.asarray(b)
+    np.testing.assert_allclose(np.asarray(a), b, rtol=tol,
+                               atol=tol * float(np.max(np.abs(b))))
+  # (The evaluation losses follow from these parameters; a bound on their
+  # difference would need the loss's gradient, so they are not compared.)
+  assert np.isfinite(sharded.history[-1]['eval_loss'])

@@ -53,6 +53,18 @@ def test_every_execution_gives_the_compiled_round(mode, headroom, says):
     assert len(logged) == 1 and says in logged[0]
 
 
+def test_streamed_chunks_hold_a_budget_of_client_data():
+  # 64 MiB of data per chunk, at least 64 clients, at most the cohort.
+  assert execution.streaming_chunk(4096, 10**6) == 2**26 // 4096
+  assert execution.streaming_chunk(2**22, 10**6) == 64
+  assert execution.streaming_chunk(100, 1000) == 1000
+  algo = algorithms.fedavg(_loss)
+  run = execution.round_runner(algo, 'streaming')
+  per_client = (2 * 4 * 5 * 4) + (2 * 4 * 4) + (2 * 4) + 4 + 4  # x, y, mask, n, id
+  assert run.chunk_for(_cohort(clients=9)) == 9
+  assert execution.streaming_chunk(per_client, 10**6) == 2**26 // per_client
+
+
 def test_unknown_execution_is_an_error():
   algo = algorithms.fedavg(_loss)
   with pytest.raises(ValueError, match="execution='fast' is not one of"):
@@ -72,7 +84,7 @@ def test_config_execution_is_validated():
                          ).execution == 'auto'
 
 
-def test_runner_streams_rounds_to_the_same_results(tmp_path):
+def test_runner_streams_rounds_to_the_same_results(tmp_path, monkeypatch):
   def config(execution):
     return ml_collections.ConfigDict({
         'seed': 1, 'rounds': 2, 'cohort_size': 5, 'batch_size': 16,
@@ -83,11 +95,59 @@ def test_runner_streams_rounds_to_the_same_results(tmp_path):
         'model': {'name': 'logistic_regression'},
         'algorithm': {'name': 'fedavg'}})
 
+  # Every read of client data for a round goes through make_cohort in
+  # fedjx.datasets.prefetch: record how many clients each call reads at once.
+  loaded = []
+  make_cohort = datasets.prefetch.make_cohort
+
+  def counting(dataset, client_ids, *args, **kwargs):
+    loaded.append(int(np.sum(np.asarray(client_ids) != datasets.PADDING_CLIENT)))
+    return make_cohort(dataset, client_ids, *args, **kwargs)
+
+  monkeypatch.setattr(datasets.prefetch, 'make_cohort', counting)
   logged = []
   jit = runner.run(config('jit'), str(tmp_path / 'jit'), log=logged.append)
+  assert max(loaded) == 5  # The compiled round reads each cohort whole.
+  loaded.clear()
   streamed = runner.run(config('streaming'), str(tmp_path / 'streaming'),
                         log=logged.append)
+  # Streamed: one chunk of 2 clients at a time, never the cohort of 5
+  # (5 clients per round: chunks of 2, 2 and 1, plus one client for the spec).
+  assert loaded and max(loaded) <= 2
+  assert sum(loaded) >= 2 * 5
+  # Float32 sums of 5 clients in chunks of 2 (compensated across chunks)
+  # against one sum of 5, over 2 rounds: rtol ~ 2 * 2 * 5 * 2**-24 < 1e-5.
   for g, w in zip(jax.tree.leaves(streamed.state), jax.tree.leaves(jit.state)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
   assert streamed.history[-1]['train_loss_after'] == pytest.approx(
       jit.history[-1]['train_loss_after'], rel=1e-5)
+
+
+def test_lazy_cohorts_load_what_the_placed_cohorts_hold():
+  population = datasets.synthetic(1.0, 1.0, num_clients=9, seed=0,
+                                  min_examples=2, max_examples=12)
+
+  class ThreeOfFive:  # Draws fewer than its cohort size: two padding clients.
+    cohort_size, seed = 5, 4
+
+    def sample(self, round_num):
+      return np.sort(np.random.default_rng(round_num).choice(9, 3, replace=False)
+                     ).astype(np.int32)
+
+  kwargs = dict(num_epochs=2, max_steps=6, sampler=ThreeOfFive(), num_rounds=3,
+                prefetch=0)
+  eager = list(datasets.cohort_iterator(population, 5, 3, **kwargs))
+  lazy = list(datasets.prefetch.lazy_cohort_iterator(population, 5, 3, **kwargs))
+  for placed, clients in zip(eager, lazy):
+    assert list(clients.client_ids) == list(np.asarray(placed.client_ids))
+    assert clients.placed_spec().mask.shape == placed.mask.shape
+    # Any chunk of clients: the same rows, bit for bit.
+    chunk = clients.client_ids[1:4]
+    for got, want in zip(jax.tree.leaves(clients.load(chunk)),
+                         jax.tree.leaves(placed)):
+      np.testing.assert_array_equal(got, np.asarray(want)[1:4])
+  whole = list(datasets.prefetch.lazy_cohort_iterator(
+      population, 5, 3, whole=lambda clients: True, **kwargs))
+  for placed, got in zip(eager, whole):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(placed)):
+      np.testing.assert_array_equal(a, b)

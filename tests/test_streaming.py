@@ -67,6 +67,21 @@ def test_streamed_round_equals_compiled_round(name):
   _assert_close(got, want)
 
 
+@pytest.mark.parametrize('inner', [1, 2])
+def test_clients_inside_a_chunk_one_at_a_time_or_in_groups(monkeypatch, inner):
+  # Large clients run one at a time inside a chunk (small ones vmapped): the
+  # chunk's sums are carried from client to client, never stacked.
+  monkeypatch.setattr(streaming, '_inner_chunk', lambda *args: inner)
+  for name in ('fedavg', 'scaffold'):  # SCAFFOLD also collects per-client state.
+    algo = SUPPORTED[name]()
+    state, key = algo.init(_params()), jax.random.key(3)
+    cohort = _cohort(1)
+    want = jax.jit(algo.apply)(state, cohort, key)
+    got = streaming.run(algo.apply, state, streaming.Clients.from_arrays(cohort), key,
+                        chunk_size=6)
+    _assert_close(got, want)
+
+
 def test_rounds_in_a_row_trace_once_and_chunks_of_one():
   algo = SUPPORTED['scaffold']()
   traces = []
