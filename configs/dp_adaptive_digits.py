@@ -8,8 +8,11 @@ noise sigma_b = D / 20 = 2.5 (the paper's default), and moves C
 geometrically towards the median update norm (target_quantile 0.5, clip
 learning rate 0.2). noise_multiplier z = 2.0 is the round's total noise
 multiplier, the one the privacy accountant composes; the updates get
-z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (the paper's Theorem 1). Server SGD
-with momentum 0.9 (the paper's FedAvgM server).
+z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (the paper's Theorem 1). Server
+SGD with learning rate 1 (plain averaging): 91% test accuracy after 300
+rounds. With the paper's momentum 0.9 server the noise at this
+epsilon is amplified, update norms grow, the clip norm follows them and
+the run diverges (33%).
 
 With 50 of 500 clients sampled uniformly without replacement for 300
 rounds, z = 2.0 gives epsilon = 7.75 at delta = 500^-1.1 (RDP; the run's
@@ -32,7 +35,7 @@ def get_config():
   config.algorithm = dict(
       name='fedavg',
       client_optimizer=optimizer('sgd', learning_rate=0.1),
-      server_optimizer=optimizer('sgd', learning_rate=1.0, momentum=0.9),
+      server_optimizer=optimizer('sgd', learning_rate=1.0),
       aggregator=dict(name='adaptive_gaussian', noise_multiplier=2.0,
                       initial_clip_norm=0.1, target_quantile=0.5,
                       clip_learning_rate=0.2, expected_clients_per_round=50.0))
