@@ -53,10 +53,12 @@ from fedjx.algorithms.diloco import OPTIONS as DILOCO_OPTIONS
 from fedjx.algorithms.diloco import check_aggregator
 from fedjx.algorithms.diloco import check_options
 from fedjx.algorithms.diloco import outer_nesterov
+from fedjx.algorithms.diloco import outer_step
+from fedjx.algorithms.diloco import replica_states
 from fedjx.algorithms.diloco import stack_states
 from fedjx.algorithms.fedbuff import async_metrics
 from fedjx.algorithms.fedbuff import check_async_cohort
-from fedjx.algorithms.fedbuff import check_staleness_options
+from fedjx.algorithms.fedbuff import check_async_options
 from fedjx.algorithms.fedbuff import in_ring
 from fedjx.algorithms.fedbuff import kept
 from fedjx.algorithms.fedbuff import ring_init
@@ -195,15 +197,8 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   base.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
   quantization.check_format(name, 'quantization_format', quantization_format)
   aggregator = check_aggregator(name, aggregator, quantization_format)
-  buffer_size, max_staleness = o['buffer_size'], o['max_staleness']
-  base.check_positive_int(name, 'buffer_size', buffer_size, allow_none=True)
-  base.check_positive_int(name, 'concurrency', o['concurrency'], allow_none=True)
-  if None not in (buffer_size, o['concurrency']) and o['concurrency'] < buffer_size:
-    raise ValueError(f'{name}: concurrency={o["concurrency"]} is less than '
-                     f'buffer_size={buffer_size}; at least K replicas must '
-                     'train at once.')
-  weighting, exponent = o['staleness_weighting'], o['staleness_exponent']
-  check_staleness_options(name, max_staleness, weighting, exponent)
+  buffer_size, max_staleness, weighting, exponent = check_async_options(
+      name, o, 'replicas')
   metrics_fn = o['metrics_fn']
 
   def init(params):
@@ -236,35 +231,22 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     check_async_cohort(name, cohort, buffer_size)
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
     tau = jnp.asarray(cohort.staleness, jnp.int32)
-    if reset_inner_state:  # A placeholder: each replica starts afresh.
-      inner = fedjx.broadcast(jnp.zeros(()))
-    else:  # Each replica's own inner state.
-      inner = base.gather_clients(state.inner_opt_states, ids)
     num_examples = cohort.num_examples * kept(tau, max_staleness)
     clients = aggregators.map_clients(
         aggregator, state.hparams, replica_fn,
         (fedjx.broadcast(state.versions), fedjx.broadcast(state.round_index),
-         fedjx.broadcast(state.hparams['inner_optimizer']), tau, inner,
-         cohort.batches, cohort.mask),
+         fedjx.broadcast(state.hparams['inner_optimizer']), tau,
+         replica_states(state, ids, reset_inner_state), cohort.batches,
+         cohort.mask),
         num_examples, o['weighting'], o['skip_nonfinite'],
         aggregator_state=state.aggregator_state)
-    outer_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
-        aggregator, outer_optimizer, state, state.hparams['outer_optimizer'],
-        clients, key)
-    inner_states = state.inner_opt_states
-    if not reset_inner_state:
-      inner_states = base.scatter_clients(inner_states, ids, clients.state,
-                                          num_examples > 0)
-    sent = aggregator.message_bytes(state.params)
-    metrics = nonfinite.round_metrics(
-        clients, pseudo_grad_norm=optax.tree.norm(outer_grad), **agg_metrics,
-        **async_metrics(cohort, max_staleness))
-    metrics['communicated_bytes'] = metrics['clients'] * float(sent)
+    updated, metrics = outer_step(aggregator, outer_optimizer, state, clients,
+                                  key, ids, num_examples, reset_inner_state,
+                                  **async_metrics(cohort, max_staleness))
     t = state.round_index + 1
-    return state._replace(params=params, opt_state=opt_state,
-                          versions=ring_push(state.versions, params, t),
-                          inner_opt_states=inner_states, round_index=t,
-                          aggregator_state=agg_state), metrics
+    return state._replace(
+        versions=ring_push(state.versions, updated['params'], t),
+        round_index=t, **updated), metrics
 
   return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
 

@@ -129,6 +129,43 @@ def check_options(fn: str, options: dict[str, Any]):
   return inner_optimizer, outer_optimizer, schedule, o
 
 
+def replica_states(state: Any, ids: jax.Array, reset_inner_state: bool) -> Any:
+  """The replicas' inner optimizer states for the client map: each
+  replica's own (``state.inner_opt_states[ids]``), or a placeholder when
+  every replica starts afresh."""
+  if reset_inner_state:
+    return fedjx.broadcast(jnp.zeros(()))
+  return base.gather_clients(state.inner_opt_states, ids)
+
+
+def outer_step(aggregator: aggregators.Aggregator, outer_optimizer: Any,
+               state: Any, clients: nonfinite.Clients, key: jax.Array,
+               ids: jax.Array, num_examples: jax.Array, reset_inner_state: bool,
+               **extra_metrics: jax.Array) -> tuple[dict[str, Any], base.Metrics]:
+  """The server's half of a DiLoCo round.
+
+  Combines the replicas' outer gradients, takes the outer step
+  ``theta <- OuterOpt(theta, Delta)``, writes each replica's inner optimizer
+  state back (replicas with data only). Returns the state's new fields
+  (``params``, ``opt_state``, ``inner_opt_states``, ``aggregator_state``)
+  and the round's metrics, with ``communicated_bytes``.
+  """
+  outer_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+      aggregator, outer_optimizer, state, state.hparams['outer_optimizer'],
+      clients, key)
+  inner_states = state.inner_opt_states
+  if not reset_inner_state:
+    inner_states = base.scatter_clients(inner_states, ids, clients.state,
+                                        num_examples > 0)
+  metrics = nonfinite.round_metrics(
+      clients, pseudo_grad_norm=optax.tree.norm(outer_grad), **agg_metrics,
+      **extra_metrics)
+  sent = aggregator.message_bytes(state.params)
+  metrics['communicated_bytes'] = metrics['clients'] * float(sent)
+  return dict(params=params, opt_state=opt_state, inner_opt_states=inner_states,
+              aggregator_state=agg_state), metrics
+
+
 @base.with_options(OPTIONS)
 def diloco(loss_fn: base.LossFn, num_replicas: int, *,
            reset_inner_state: bool = False,
@@ -199,32 +236,19 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
 
   def round_fn(state, cohort, key):
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
-    if reset_inner_state:  # A placeholder: each replica starts afresh.
-      inner = fedjx.broadcast(jnp.zeros(()))
-    else:  # Each replica's own inner state.
-      inner = base.gather_clients(state.inner_opt_states, ids)
     clients = aggregators.map_clients(
         aggregator, state.hparams, replica_fn,
         (fedjx.broadcast(state.params),
          fedjx.broadcast(state.hparams['inner_optimizer']),
-         inner, cohort.batches, cohort.mask),
+         replica_states(state, ids, reset_inner_state), cohort.batches,
+         cohort.mask),
         cohort.num_examples, o['weighting'], o['skip_nonfinite'],
         aggregator_state=state.aggregator_state)
-    outer_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
-        aggregator, outer_optimizer, state, state.hparams['outer_optimizer'],
-        clients, key)
-    inner_states = state.inner_opt_states
-    if not reset_inner_state:
-      inner_states = base.scatter_clients(inner_states, ids, clients.state,
-                                          cohort.num_examples > 0)
-    sent = aggregator.message_bytes(state.params)
-    metrics = nonfinite.round_metrics(
-        clients, pseudo_grad_norm=optax.tree.norm(outer_grad), **agg_metrics)
-    metrics['communicated_bytes'] = metrics['clients'] * float(sent)
+    updated, metrics = outer_step(aggregator, outer_optimizer, state, clients,
+                                  key, ids, cohort.num_examples,
+                                  reset_inner_state)
     metrics.update(clients.extra)  # Per-replica [C] metrics, if asked.
-    return state._replace(params=params, opt_state=opt_state,
-                          inner_opt_states=inner_states,
-                          round_index=state.round_index + 1,
-                          aggregator_state=agg_state), metrics
+    return state._replace(round_index=state.round_index + 1,
+                          **updated), metrics
 
   return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import optax
@@ -92,42 +92,46 @@ def fedavg(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
   return build('fedavg', loss_fn, base.take_options('fedavg', options, OPTIONS))
 
 
-def build(name: str, loss_fn: base.LossFn,
-          options: Mapping[str, Any]) -> base.Algorithm:
-  """FedAvg's round with its parts (``options``: all of :data:`OPTIONS`).
+class Parts(NamedTuple):
+  """FedAvg's checked parts (see :func:`check_parts`)."""
 
-  ``name`` names the builder in errors and in the round's function name.
-  """
-  o = options
-  client_optimizer, server_optimizer = o['client_optimizer'], o['server_optimizer']
-  client_transform, metrics_fn = o['client_transform'], o['metrics_fn']
-  weighting, skip_nonfinite = o['weighting'], o['skip_nonfinite']
-  client_metrics = o['client_metrics']
-  client_optimizer = client_optimizer or base.default_sgd(0.1)
-  server_optimizer = server_optimizer or base.default_sgd(1.0)
+  client_optimizer: optax.GradientTransformation
+  server_optimizer: optax.GradientTransformation
+  aggregator: aggregators.Aggregator
+  schedule: Any
+
+
+def check_parts(name: str, o: Mapping[str, Any]) -> Parts:
+  """The optimizers (SGD 0.1 / SGD 1.0 by default), aggregator and local
+  schedule of FedAvg's options ``o``, every option checked (one-line errors)."""
+  client_optimizer = o['client_optimizer'] or base.default_sgd(0.1)
+  server_optimizer = o['server_optimizer'] or base.default_sgd(1.0)
   base.check_optimizer(name, 'client_optimizer', client_optimizer)
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
-  if client_transform is not None:
-    base.check_optimizer(name, 'client_transform', client_transform)
-  base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
+  if o['client_transform'] is not None:
+    base.check_optimizer(name, 'client_transform', o['client_transform'])
+  base.check_choice(name, 'weighting', o['weighting'], base.WEIGHTINGS)
   aggregator = aggregators.check(name, o['aggregator'])
-  nonfinite.check_flag(name, skip_nonfinite)
-  base.check_choice(name, 'client_metrics', client_metrics, (False, True))
+  nonfinite.check_flag(name, o['skip_nonfinite'])
+  base.check_choice(name, 'client_metrics', o['client_metrics'], (False, True))
   schedule = client_update.check_schedule(name, o['local_epochs'],
                                           o['local_steps'], o['client_evaluation'])
+  return Parts(client_optimizer, server_optimizer, aggregator, schedule)
 
-  def init(params):
-    transform_hparams = ({} if client_transform is None else
-                         base.optimizer_hparams(client_transform, params))
-    return base.ServerState(
-        params=params, opt_state=server_optimizer.init(params),
-        hparams={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
-                 'server_optimizer': base.optimizer_hparams(server_optimizer, params),
-                 **transform_hparams, **aggregators.init_hparams(aggregator)},
-        round_index=jnp.zeros((), jnp.int32),
-        aggregator_state=aggregator.init(params))
 
-  def client_fn(x, hparams, batches, mask):
+def client_training(loss_fn: base.LossFn, metrics_fn: Any,
+                    client_optimizer: optax.GradientTransformation,
+                    client_transform: optax.GradientTransformation | None,
+                    schedule: Any) -> Any:
+  """``train(x, hparams, batches, mask)``: a client's local steps from ``x``.
+
+  The client optimizer, chained after the client transform when there is
+  one (``optax.chain(transform, optimizer)``), with the traced
+  hyperparameters ``hparams`` of :func:`client_hparams_of`; returns
+  :func:`fedjx.algorithms.client_update.local_update`'s result.
+  """
+
+  def train(x, hparams, batches, mask):
     optimizer = client_optimizer
     opt_state = base.with_hparams(client_optimizer.init(x),
                                   hparams['client_optimizer'])
@@ -135,19 +139,66 @@ def build(name: str, loss_fn: base.LossFn,
       optimizer = optax.chain(client_transform, client_optimizer)
       opt_state = (base.with_hparams(client_transform.init(x),
                                      hparams['client_transform']), opt_state)
-    out = client_update.local_update(loss_fn, metrics_fn, optimizer, x,
-                                     opt_state, batches, mask, schedule)
+    return client_update.local_update(loss_fn, metrics_fn, optimizer, x,
+                                      opt_state, batches, mask, schedule)
+
+  return train
+
+
+def initial_hparams(client_optimizer, server_optimizer, client_transform,
+                    aggregator: aggregators.Aggregator,
+                    params: base.Params) -> dict[str, Any]:
+  """``state.hparams`` of FedAvg's parts: both optimizers', the client
+  transform's (top level) and the aggregator's."""
+  transform_hparams = ({} if client_transform is None else
+                       base.optimizer_hparams(client_transform, params))
+  return {'client_optimizer': base.optimizer_hparams(client_optimizer, params),
+          'server_optimizer': base.optimizer_hparams(server_optimizer, params),
+          **transform_hparams, **aggregators.init_hparams(aggregator)}
+
+
+def client_hparams_of(state: Any, client_transform: Any) -> dict[str, Any]:
+  """The hyperparameters the clients' :func:`client_training` reads."""
+  hparams = {'client_optimizer': state.hparams['client_optimizer']}
+  if client_transform is not None:
+    hparams['client_transform'] = {
+        k: state.hparams[k]
+        for k in base.hparam_names(client_transform, state.params)}
+  return hparams
+
+
+def build(name: str, loss_fn: base.LossFn,
+          options: Mapping[str, Any]) -> base.Algorithm:
+  """FedAvg's round with its parts (``options``: all of :data:`OPTIONS`).
+
+  ``name`` names the builder in errors and in the round's function name.
+  """
+  o = options
+  metrics_fn, client_transform = o['metrics_fn'], o['client_transform']
+  weighting, skip_nonfinite = o['weighting'], o['skip_nonfinite']
+  client_metrics = o['client_metrics']
+  client_optimizer, server_optimizer, aggregator, schedule = check_parts(name, o)
+
+  train = client_training(loss_fn, metrics_fn, client_optimizer,
+                          client_transform, schedule)
+
+  def init(params):
+    return base.ServerState(
+        params=params, opt_state=server_optimizer.init(params),
+        hparams=initial_hparams(client_optimizer, server_optimizer,
+                                client_transform, aggregator, params),
+        round_index=jnp.zeros((), jnp.int32),
+        aggregator_state=aggregator.init(params))
+
+  def client_fn(x, hparams, batches, mask):
+    out = train(x, hparams, batches, mask)
     delta = base.tree_sub(x, out.params)
     extra = base.client_metrics(delta, out) if client_metrics else ()
     return nonfinite.ClientOutput(delta, out.stats, extra=extra,
                                   checked=out.params)
 
   def round_fn(state, cohort, key):
-    client_hparams = {'client_optimizer': state.hparams['client_optimizer']}
-    if client_transform is not None:
-      client_hparams['client_transform'] = {
-          k: state.hparams[k]
-          for k in base.hparam_names(client_transform, state.params)}
+    client_hparams = client_hparams_of(state, client_transform)
     clients = aggregators.map_clients(
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.params), fedjx.broadcast(client_hparams),

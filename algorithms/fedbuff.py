@@ -42,6 +42,7 @@ round sends the ring to each client.)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -51,8 +52,8 @@ import optax
 import fedjx
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
-from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
+from fedjx.algorithms import fedavg
 from fedjx.algorithms.fedavg import OPTIONS as FEDAVG_OPTIONS
 
 STALENESS_WEIGHTINGS = ('polynomial', 'constant')
@@ -137,6 +138,23 @@ def check_staleness_options(fn: str, max_staleness: Any, weighting: Any,
                      '>= 0 (versions kept: max_staleness + 1).')
   base.check_choice(fn, 'staleness_weighting', weighting, STALENESS_WEIGHTINGS)
   base.check_number(fn, 'staleness_exponent', exponent)
+
+
+def check_async_options(fn: str, o: Mapping[str, Any], who: str
+                        ) -> tuple[int | None, int, str, Any]:
+  """``(buffer_size, max_staleness, staleness_weighting, staleness_exponent)``
+  of an asynchronous algorithm's options ``o``, checked (one-line errors;
+  ``who`` names what trains: clients or replicas)."""
+  buffer_size, concurrency = o['buffer_size'], o['concurrency']
+  base.check_positive_int(fn, 'buffer_size', buffer_size, allow_none=True)
+  base.check_positive_int(fn, 'concurrency', concurrency, allow_none=True)
+  if None not in (buffer_size, concurrency) and concurrency < buffer_size:
+    raise ValueError(f'{fn}: concurrency={concurrency} is less than '
+                     f'buffer_size={buffer_size}; at least K {who} must train '
+                     'at once.')
+  weighting, exponent = o['staleness_weighting'], o['staleness_exponent']
+  check_staleness_options(fn, o['max_staleness'], weighting, exponent)
+  return buffer_size, o['max_staleness'], weighting, exponent
 
 
 def check_async_cohort(fn: str, cohort: Any, buffer_size: int | None) -> None:
@@ -250,54 +268,27 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
   """
   name = 'fedbuff'
   o = base.take_options(name, options, OPTIONS)
-  client_optimizer = o['client_optimizer'] or base.default_sgd(0.1)
-  server_optimizer = o['server_optimizer'] or base.default_sgd(1.0)
-  client_transform = o['client_transform']
-  base.check_optimizer(name, 'client_optimizer', client_optimizer)
-  base.check_optimizer(name, 'server_optimizer', server_optimizer)
-  if client_transform is not None:
-    base.check_optimizer(name, 'client_transform', client_transform)
-  base.check_choice(name, 'weighting', o['weighting'], base.WEIGHTINGS)
-  aggregator = aggregators.check(name, o['aggregator'])
-  nonfinite.check_flag(name, o['skip_nonfinite'])
-  base.check_choice(name, 'client_metrics', o['client_metrics'], (False, True))
-  schedule = client_update.check_schedule(name, o['local_epochs'],
-                                          o['local_steps'], o['client_evaluation'])
-  buffer_size, max_staleness = o['buffer_size'], o['max_staleness']
-  base.check_positive_int(name, 'buffer_size', buffer_size, allow_none=True)
-  base.check_positive_int(name, 'concurrency', o['concurrency'], allow_none=True)
-  if None not in (buffer_size, o['concurrency']) and o['concurrency'] < buffer_size:
-    raise ValueError(f'{name}: concurrency={o["concurrency"]} is less than '
-                     f'buffer_size={buffer_size}; at least K clients must train '
-                     'at once.')
-  weighting, exponent = o['staleness_weighting'], o['staleness_exponent']
-  check_staleness_options(name, max_staleness, weighting, exponent)
-  metrics_fn = o['metrics_fn']
+  client_transform, metrics_fn = o['client_transform'], o['metrics_fn']
+  client_optimizer, server_optimizer, aggregator, schedule = (
+      fedavg.check_parts(name, o))
+  buffer_size, max_staleness, weighting, exponent = check_async_options(
+      name, o, 'clients')
+  train = fedavg.client_training(loss_fn, metrics_fn, client_optimizer,
+                                 client_transform, schedule)
 
   def init(params):
-    transform_hparams = ({} if client_transform is None else
-                         base.optimizer_hparams(client_transform, params))
     return FedBuffState(
         params=params, opt_state=server_optimizer.init(params),
         versions=ring_init(params, max_staleness + 1),
-        hparams={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
-                 'server_optimizer': base.optimizer_hparams(server_optimizer, params),
-                 **transform_hparams, **aggregators.init_hparams(aggregator)},
+        hparams=fedavg.initial_hparams(client_optimizer, server_optimizer,
+                                       client_transform, aggregator, params),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
   def client_fn(versions, round_index, hparams, tau, batches, mask):
     x = ring_read(versions, round_index, tau)
     mask = jnp.logical_and(mask, in_ring(tau, max_staleness))  # Dropped: no steps.
-    optimizer = client_optimizer
-    opt_state = base.with_hparams(client_optimizer.init(x),
-                                  hparams['client_optimizer'])
-    if client_transform is not None:
-      optimizer = optax.chain(client_transform, client_optimizer)
-      opt_state = (base.with_hparams(client_transform.init(x),
-                                     hparams['client_transform']), opt_state)
-    out = client_update.local_update(loss_fn, metrics_fn, optimizer, x,
-                                     opt_state, batches, mask, schedule)
+    out = train(x, hparams, batches, mask)
     s = staleness_scale(tau, max_staleness, weighting, exponent)
     delta = jax.tree.map(lambda a, b: (a - b) * s.astype(a.dtype), x, out.params)
     extra = base.client_metrics(delta, out) if o['client_metrics'] else ()
@@ -306,11 +297,7 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
 
   def round_fn(state, cohort, key):
     check_async_cohort(name, cohort, buffer_size)
-    client_hparams = {'client_optimizer': state.hparams['client_optimizer']}
-    if client_transform is not None:
-      client_hparams['client_transform'] = {
-          k: state.hparams[k]
-          for k in base.hparam_names(client_transform, state.params)}
+    client_hparams = fedavg.client_hparams_of(state, client_transform)
     tau = jnp.asarray(cohort.staleness, jnp.int32)
     num_examples = cohort.num_examples * kept(tau, max_staleness)
     clients = aggregators.map_clients(
