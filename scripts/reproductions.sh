@@ -69,7 +69,10 @@ for name in $WHICH; do
         --sweep 'algorithm.outer_optimizer.momentum=0.0,0.9' ;;
   diloco_summary)  # The DiLoCo section's tables, figure and JSON lines.
     python scripts/diloco_study.py "$OUT" --out docs/diloco_equal_compute ;;
-  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold diloco diloco_rounds diloco_dp diloco_hH (H divides 2000) diloco_summary" >&2
+  privacy)  # McMahan et al. 2018 and the DP mechanisms: accuracy against
+    # epsilon at 500 clients (docs/privacy.md's figure and table).
+    python scripts/privacy_utility.py --out docs --workdir "$OUT/privacy_utility" ;;
+  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold diloco diloco_rounds diloco_dp diloco_hH (H divides 2000) diloco_summary privacy" >&2
      exit 2 ;;
   esac
 done
