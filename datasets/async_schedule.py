@@ -48,10 +48,9 @@ import jax
 import numpy as np
 
 from fedjx.datasets import _seeding
-from fedjx.datasets.cohort import make_cohort
 from fedjx.datasets.cohort import place_cohort
 from fedjx.datasets.federated import FederatedDataset
-from fedjx.datasets.prefetch import Prefetcher
+from fedjx.datasets.prefetch import Batching, Prefetcher, calling_thread_mesh
 
 # Purpose tags of this module's random streams (apart from _seeding's).
 ASYNC_SCHEDULE = 20
@@ -237,27 +236,19 @@ def async_cohort_iterator(dataset: FederatedDataset, scheduler: AsyncScheduler,
   :func:`fedjx.datasets.cohort_iterator`; one process only.
   """
   from fedjx.algorithms.fedbuff import AsyncCohort  # pylint: disable=g-import-not-at-top
-  if mesh is None:
-    mesh = jax.sharding.get_mesh()
-    if mesh is None or getattr(mesh, 'empty', False):
-      mesh = None
+  mesh = calling_thread_mesh(mesh)
   if scheduler.num_clients != dataset.num_clients:
     raise ValueError(f'scheduler.num_clients={scheduler.num_clients} differs '
                      f'from the dataset\'s {dataset.num_clients} clients.')
   if jax.process_count() > 1:
     raise ValueError('async_cohort_iterator runs on one process; this run has '
                      f'{jax.process_count()}.')
-  # Fail on bad arguments now, not later on the worker thread.
-  make_cohort(dataset, scheduler.step(start_round).client_ids[:1], batch_size,
-              num_epochs=num_epochs, num_steps=num_steps, max_steps=max_steps)
+  batching = Batching(batch_size, num_epochs, num_steps, max_steps, shuffle, bucket)
+  batching.check(dataset, scheduler.step(start_round).client_ids)
 
   def produce(r: int) -> Any:
     step = scheduler.step(r)
-    cohort = make_cohort(dataset, step.client_ids, batch_size,
-                         num_epochs=num_epochs, num_steps=num_steps,
-                         max_steps=max_steps,
-                         shuffle_seed=scheduler.seed if shuffle else None,
-                         round_num=r, bucket=bucket)
+    cohort = batching.cohort(dataset, step.client_ids, scheduler.seed, r)
     return place_cohort(AsyncCohort(cohort, step.staleness), mesh)
 
   stop = None if num_rounds is None else start_round + num_rounds

@@ -17,9 +17,10 @@ reads a chunk of clients at a time and the cohort is never in host memory.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 import jax
@@ -135,6 +136,70 @@ class Prefetcher(Generic[T], Iterator[T]):
       closed.set()
 
 
+def calling_thread_mesh(mesh: jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
+  """``mesh``, else the mesh set with ``jax.set_mesh`` on this thread (None: none).
+
+  The iterators resolve it when they are made: the prefetch thread does not
+  see a mesh set on the thread that made them.
+  """
+  if mesh is None:
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or getattr(mesh, 'empty', False):
+      mesh = None
+  return mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Batching:
+  """How a run batches each round's clients: :func:`make_cohort`'s fixed options.
+
+  Every cohort iterator (:func:`cohort_iterator`,
+  :func:`lazy_cohort_iterator`,
+  :func:`~fedjx.datasets.async_cohort_iterator`,
+  :func:`~fedjx.datasets.system_cohort_iterator`) builds its rounds with one
+  ``Batching``, so client ``c``'s batches in round ``r`` are the same function
+  of ``(seed, r, c)`` in all of them.
+
+  Attributes:
+    batch_size: examples per step.
+    num_epochs, num_steps, max_steps, bucket: as in :func:`make_cohort`.
+    shuffle: shuffle each client's examples per epoch, seeded from
+      ``(seed, round_num, client)``; else data order.
+  """
+
+  batch_size: int
+  num_epochs: int | None = None
+  num_steps: int | None = None
+  max_steps: int | None = None
+  shuffle: bool = True
+  bucket: bool = True
+
+  def cohort(self, dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarray,
+             seed: int, round_num: int, *, steps: int | None = None,
+             pad_to: int | None = None) -> Cohort:
+    """The NumPy cohort of ``client_ids`` in round ``round_num`` (``steps``,
+    ``pad_to`` as in :func:`make_cohort`)."""
+    return make_cohort(dataset, client_ids, self.batch_size,
+                       num_epochs=self.num_epochs, num_steps=self.num_steps,
+                       max_steps=self.max_steps,
+                       shuffle_seed=seed if self.shuffle else None,
+                       round_num=round_num, bucket=self.bucket, steps=steps,
+                       pad_to=pad_to)
+
+  def steps(self, dataset: FederatedDataset,
+            client_ids: Sequence[int] | np.ndarray) -> int:
+    """The step count ``S`` of :meth:`cohort` (from example counts alone)."""
+    return cohort_steps(dataset, client_ids, self.batch_size,
+                        num_epochs=self.num_epochs, num_steps=self.num_steps,
+                        max_steps=self.max_steps, bucket=self.bucket)
+
+  def check(self, dataset: FederatedDataset,
+            client_ids: Sequence[int] | np.ndarray) -> None:
+    """Raises :func:`make_cohort`'s error for bad options now, on the calling
+    thread, not later on the prefetch thread (builds the first client only)."""
+    self.cohort(dataset, client_ids[:1], None, 0, pad_to=1)
+
+
 def cohort_for_round(dataset: FederatedDataset, sampler: Sampler,
                      round_num: int, batch_size: int, *,
                      num_epochs: int | None = None, num_steps: int | None = None,
@@ -145,12 +210,9 @@ def cohort_for_round(dataset: FederatedDataset, sampler: Sampler,
   A sampler that draws fewer than ``sampler.cohort_size`` clients (e.g.
   Poisson sampling) gets its cohort filled with padding clients.
   """
-  return make_cohort(dataset, sampler.sample(round_num), batch_size,
-                     num_epochs=num_epochs, num_steps=num_steps,
-                     max_steps=max_steps,
-                     shuffle_seed=sampler.seed if shuffle else None,
-                     round_num=round_num, bucket=bucket,
-                     pad_to=sampler.cohort_size)
+  batching = Batching(batch_size, num_epochs, num_steps, max_steps, shuffle, bucket)
+  return batching.cohort(dataset, sampler.sample(round_num), sampler.seed,
+                         round_num, pad_to=sampler.cohort_size)
 
 
 def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int,
@@ -189,14 +251,9 @@ def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int
   if sampler is None:
     sampler = CohortSampler(dataset, cohort_size, seed)
   cohort_size = sampler.cohort_size
-  if mesh is None:
-    mesh = jax.sharding.get_mesh()
-    if mesh is None or getattr(mesh, 'empty', False):
-      mesh = None
-  # Fail on bad arguments now, not later on the worker thread.
-  make_cohort(dataset, sampler.sample(start_round)[:1], batch_size,
-              num_epochs=num_epochs, num_steps=num_steps, max_steps=max_steps,
-              pad_to=1)
+  mesh = calling_thread_mesh(mesh)
+  batching = Batching(batch_size, num_epochs, num_steps, max_steps, shuffle, bucket)
+  batching.check(dataset, sampler.sample(start_round))
   if mesh is not None and 'clients' in mesh.axis_names \
       and cohort_size % mesh.shape['clients']:
     raise ValueError(f'cohort_size={cohort_size} cannot be split over the mesh '
@@ -209,18 +266,12 @@ def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int
   def produce(round_num: int) -> Cohort:
     if multi_process:  # Each process builds only the clients it holds.
       ids = padded_ids(sampler.sample(round_num), cohort_size)
-      steps = cohort_steps(dataset, ids, batch_size, num_epochs=num_epochs,
-                           num_steps=num_steps, max_steps=max_steps, bucket=bucket)
       mine = ids[local_client_slice(mesh, len(ids))]
-      local = make_cohort(dataset, mine, batch_size, num_epochs=num_epochs,
-                          num_steps=num_steps, max_steps=max_steps,
-                          shuffle_seed=sampler.seed if shuffle else None,
-                          round_num=round_num, bucket=bucket, steps=steps,
-                          pad_to=len(mine))
+      local = batching.cohort(dataset, mine, sampler.seed, round_num,
+                              steps=batching.steps(dataset, ids), pad_to=len(mine))
       return place_local_cohort(local, mesh, len(ids))
-    cohort = cohort_for_round(dataset, sampler, round_num, batch_size,
-                              num_epochs=num_epochs, num_steps=num_steps,
-                              max_steps=max_steps, shuffle=shuffle, bucket=bucket)
+    cohort = batching.cohort(dataset, sampler.sample(round_num), sampler.seed,
+                             round_num, pad_to=cohort_size)
     return place_cohort(cohort, mesh)
 
   stop = None if num_rounds is None else start_round + num_rounds
@@ -244,19 +295,16 @@ def lazy_cohort_for_round(dataset: FederatedDataset, sampler: Sampler,
   without reading any client's data. Only one client is read here (for the
   spec).
   """
+  batching = Batching(batch_size, num_epochs, num_steps, max_steps, shuffle, bucket)
   ids = padded_ids(sampler.sample(round_num), sampler.cohort_size)
-  steps = cohort_steps(dataset, ids, batch_size, num_epochs=num_epochs,
-                       num_steps=num_steps, max_steps=max_steps, bucket=bucket)
+  steps = batching.steps(dataset, ids)
   if num_steps is not None and max_steps is not None:
     steps = min(steps, max_steps)  # As make_cohort cuts num_steps.
-  seed = sampler.seed if shuffle else None
 
   def load(chunk) -> Cohort:
     chunk = np.asarray(chunk, np.int32)
-    return make_cohort(dataset, chunk, batch_size, num_epochs=num_epochs,
-                       num_steps=num_steps, max_steps=max_steps,
-                       shuffle_seed=seed, round_num=round_num, bucket=bucket,
-                       steps=steps, pad_to=len(chunk))
+    return batching.cohort(dataset, chunk, sampler.seed, round_num, steps=steps,
+                           pad_to=len(chunk))
 
   spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype),
                       load(ids[:1]))
@@ -290,14 +338,9 @@ def lazy_cohort_iterator(dataset: FederatedDataset, cohort_size: int,
   """
   if sampler is None:
     sampler = CohortSampler(dataset, cohort_size, seed)
-  if mesh is None:
-    mesh = jax.sharding.get_mesh()
-    if mesh is None or getattr(mesh, 'empty', False):
-      mesh = None
-  # Fail on bad arguments now, not later on the worker thread.
-  make_cohort(dataset, sampler.sample(start_round)[:1], batch_size,
-              num_epochs=num_epochs, num_steps=num_steps, max_steps=max_steps,
-              pad_to=1)
+  mesh = calling_thread_mesh(mesh)
+  Batching(batch_size, num_epochs, num_steps, max_steps, shuffle,
+           bucket).check(dataset, sampler.sample(start_round))
 
   def produce(round_num: int) -> streaming.Clients | Cohort:
     clients = lazy_cohort_for_round(

@@ -75,9 +75,9 @@ import numpy as np
 
 from fedjx.datasets import _seeding
 from fedjx.datasets.cohort import (PADDING_CLIENT, Cohort, CohortSampler,
-                                   make_cohort, place_cohort)
+                                   place_cohort)
 from fedjx.datasets.federated import FederatedDataset
-from fedjx.datasets.prefetch import Prefetcher
+from fedjx.datasets.prefetch import Batching, Prefetcher, calling_thread_mesh
 
 # Purpose tags of this module's random streams (apart from _seeding's and
 # async_schedule's).
@@ -616,9 +616,13 @@ def system_cohort_iterator(dataset: FederatedDataset, model: SystemModel,
   ``cohort_size``, shuffled with ``model.seed``), then closed by
   :meth:`SystemModel.close_round`. Rounds are produced in order (one
   background thread with ``prefetch > 0``), each from the clock the one
-  before left.
+  before left. Cohorts are placed on ``mesh``, else on the mesh set with
+  ``jax.set_mesh`` when the iterator is made, as
+  :func:`fedjx.datasets.cohort_iterator` places them.
   """
   sampler = model.sampler(cohort_size)
+  mesh = calling_thread_mesh(mesh)
+  batching = Batching(batch_size, num_epochs, num_steps, max_steps, shuffle, bucket)
   clock = {'round': start_round, 'time': float(start_time)}
 
   def produce(round_num: int) -> tuple[Cohort, RoundReport]:
@@ -626,10 +630,7 @@ def system_cohort_iterator(dataset: FederatedDataset, model: SystemModel,
       raise RuntimeError(f'system rounds run in order: asked for round '
                          f'{round_num}, the clock is at round {clock["round"]}.')
     ids, available = sampler.at(clock['time']).draw(round_num)
-    built = make_cohort(dataset, ids, batch_size, num_epochs=num_epochs,
-                        num_steps=num_steps, max_steps=max_steps,
-                        shuffle_seed=model.seed if shuffle else None,
-                        round_num=round_num, bucket=bucket, pad_to=cohort_size)
+    built = batching.cohort(dataset, ids, model.seed, round_num, pad_to=cohort_size)
     cohort, report = model.close_round(built, round_num, clock['time'], available)
     clock['round'], clock['time'] = round_num + 1, report.end_time
     return place_cohort(cohort, mesh), report

@@ -28,8 +28,7 @@ computations; also reachable as ``fedjx.plan``, ``fedjx.beam`` and
 ``fedjx.distributed``.
 """
 
-import importlib as _importlib
-
+from fedjx import _lazy
 from fedjx.api import broadcast
 from fedjx.api import reduce_mean
 from fedjx.api import reduce_sum
@@ -47,15 +46,8 @@ __version__ = '0.1.0'
 SUBPACKAGES = ('algorithms', 'datasets', 'models', 'experiments')
 
 
-def __getattr__(name):
-  # Subpackages are imported when first used (PEP 562).
-  if name in SUBPACKAGES:
-    return _importlib.import_module(f'{__name__}.{name}')
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-
-
-def __dir__():
-  return sorted(set(globals()) | set(SUBPACKAGES))
+# Subpackages are imported when first used.
+__getattr__, __dir__ = _lazy.submodules(__name__, SUBPACKAGES)
 
 
 __all__ = [

@@ -44,7 +44,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjx import _deprecation
 from fedjx import fusion
 from fedjx import mapping
 from fedjx.interpreters import plan as plan_lib
@@ -92,20 +92,8 @@ class Clients:
     return cls(range(n), lambda ids: jax.tree.map(lambda a: a[np.asarray(ids)], placed),
                spec)
 
-  @classmethod
-  def from_dataset(cls, dataset: Any, client_ids: Sequence[int], batch_size: int,
-                   num_steps: int, *, shuffle_seed: int = 0,
-                   round_num: int = 0) -> 'Clients':
-    """Deprecated: ``fedjx.datasets.streaming_clients`` (same arguments).
-
-    The interpreters do not depend on the dataset layer above them.
-    """
-    warnings.warn('fedjx.streaming.Clients.from_dataset is deprecated; use '
-                  'fedjx.datasets.streaming_clients (same arguments).',
-                  DeprecationWarning, stacklevel=2)
-    from fedjx import datasets  # pylint: disable=g-import-not-at-top  # The deprecated path only.
-    return datasets.streaming_clients(dataset, client_ids, batch_size, num_steps,
-                                      shuffle_seed=shuffle_seed, round_num=round_num)
+  from_dataset = _deprecation.moved_to_datasets(
+      'fedjx.streaming.Clients.from_dataset', 'streaming_clients')
 
 
 @dataclasses.dataclass

@@ -20,17 +20,10 @@ devices) interprets the same plans. ``fedjx.plan``, ``fedjx.beam`` and
 The submodules are imported on first use (``beam`` needs Apache Beam).
 """
 
-import importlib as _importlib
+from fedjx import _lazy
 
 MODULES = ('plan', 'beam', 'export')
 
 
-def __getattr__(name):
-  # Submodules are imported when first used (PEP 562).
-  if name in MODULES:
-    return _importlib.import_module(f'{__name__}.{name}')
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-
-
-def __dir__():
-  return sorted(set(globals()) | set(MODULES))
+# Submodules are imported when first used.
+__getattr__, __dir__ = _lazy.submodules(__name__, MODULES)

@@ -38,7 +38,6 @@ import dataclasses
 import io
 import os
 import tempfile
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +47,7 @@ import numpy as np
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from fedjx import _deprecation
 from fedjx.interpreters import plan as plan_lib
 
 __all__ = ['ClientData', 'StableReduce', 'run']
@@ -86,20 +86,8 @@ class ClientData:
     n = jax.tree.leaves(placed)[0].shape[0]
     return cls(list(range(n)), _IndexLoader(placed), spec)
 
-  @classmethod
-  def from_dataset(cls, dataset: Any, client_ids: Sequence[int], batch_size: int,
-                   num_steps: int, *, shuffle_seed: int = 0,
-                   round_num: int = 0) -> 'ClientData':
-    """Deprecated: ``fedjx.datasets.beam_client_data`` (same arguments).
-
-    The interpreters do not depend on the dataset layer above them.
-    """
-    warnings.warn('fedjx.beam.ClientData.from_dataset is deprecated; use '
-                  'fedjx.datasets.beam_client_data (same arguments).',
-                  DeprecationWarning, stacklevel=2)
-    from fedjx import datasets  # pylint: disable=g-import-not-at-top  # The deprecated path only.
-    return datasets.beam_client_data(dataset, client_ids, batch_size, num_steps,
-                                     shuffle_seed=shuffle_seed, round_num=round_num)
+  from_dataset = _deprecation.moved_to_datasets(
+      'fedjx.beam.ClientData.from_dataset', 'beam_client_data')
 
 
 class _IndexLoader:
@@ -168,6 +156,20 @@ def _merged(side):
   return values
 
 
+def _client_value(ref, index, columns, server):
+  """Client ``index``'s view of value ``ref = (kind, id)``.
+
+  Its own column for a client value, the server value for a broadcast, and
+  row ``index`` of the server value for a value placed by the server.
+  """
+  kind, i = ref
+  if kind == plan_lib.CLIENT:
+    return columns[i]
+  if kind == plan_lib.BROADCAST:
+    return server[i]
+  return np.asarray(server[i])[index]
+
+
 class _ClientWork(beam.DoFn):
   """Runs one map step for a client and keeps the values needed later."""
 
@@ -182,13 +184,7 @@ class _ClientWork(beam.DoFn):
     index, columns = element
     server = _merged(side)
     args = [server[i] for i in self.const_ids]
-    for kind, i in self.x_refs:
-      if kind == plan_lib.CLIENT:
-        args.append(columns[i])
-      elif kind == plan_lib.BROADCAST:
-        args.append(server[i])
-      else:
-        args.append(np.asarray(server[i])[index])
+    args += [_client_value(ref, index, columns, server) for ref in self.x_refs]
     outs = self.body(*args)
     columns = {i: v for i, v in columns.items() if i in self.keep}
     for i, v in zip(self.out_ids, outs):
@@ -206,19 +202,8 @@ class _Gather(beam.DoFn):
   def process(self, element, *side):
     index, columns = element
     server = _merged(side)
-    out = []
-    for ref in self.refs:
-      if ref is None:
-        out.append(None)
-        continue
-      kind, i = ref
-      if kind == plan_lib.CLIENT:
-        out.append(columns[i])
-      elif kind == plan_lib.BROADCAST:
-        out.append(server[i])
-      else:
-        out.append(np.asarray(server[i])[index])
-    yield tuple(out)
+    yield tuple(None if ref is None else _client_value(ref, index, columns, server)
+                for ref in self.refs)
 
 
 class StableReduce(beam.CombineFn):
