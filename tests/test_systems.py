@@ -265,3 +265,17 @@ def test_perfect_clients_train_on_todays_cohorts():
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert report.reported == report.sampled == 8
     assert report.late == report.dropped == report.partial == 0
+
+
+def test_prefetched_system_cohorts_are_sharded_over_the_clients_axis():
+  data = datasets.load_digits(num_clients=40, alpha=0.5, seed=0)[0]
+  model = systems.from_config(dict(dropout=dict(p=0.2)), num_clients=40, seed=1)
+  mesh = jax.make_mesh((4,), ('clients',))
+  with jax.set_mesh(mesh):  # Found when the iterator is made, used on the
+    with systems.system_cohort_iterator(  # prefetching thread.
+        data, model, 8, 10, num_rounds=2, prefetch=1, num_epochs=1) as it:
+      cohorts = [c for c, _ in it]
+  for cohort in cohorts:
+    sharding = cohort.mask.sharding
+    assert isinstance(sharding, jax.sharding.NamedSharding)
+    assert sharding.spec[0] == 'clients' and len(sharding.device_set) == 4
