@@ -97,6 +97,8 @@ def _diloco_config(**overrides):
   config = module.get_config('2')
   config.rounds, config.local_steps, config.eval_every = 2, 2, 2
   config.progress = config.plot = config.tensorboard = False
+  config.dataset.modules = ('json',)  # A small corpus and evaluation: the
+  config.eval_max_examples = 64       # model and steps are the config's.
   # Inner SGD with momentum instead of the config's AdamW: its update is
   # linear in the gradients, so float32 summation-order differences stay
   # relative to the gradients' scale (AdamW's m / sqrt(v) turns a rounding
@@ -109,6 +111,7 @@ def _diloco_config(**overrides):
   return config
 
 
+@pytest.mark.slow  # ~35 s, mostly compiling two transformer rounds.
 def test_diloco_replicas_sharded_over_model_axis_match_unsharded(tmp_path):
   plain = runner.run(_diloco_config(), str(tmp_path / 'plain'))
   sharded = runner.run(_diloco_config(mesh='clients=2,model=4', param_sharding='fsdp'),
