@@ -635,5 +635,69 @@ def guard_cost(model_names: Sequence[str], cohort_sizes: Sequence[int],
   return records
 
 
+def guard_cost_in_runs(configs: dict[str, Any], rounds: int = 20, pairs: int = 400,
+                       emit: Callable[[dict], None] = print) -> list[dict]:
+  """The cost of ``config.nonfinite`` in the runner's own round loop.
+
+  For each named config (``ml_collections``, e.g. a shipped one), three
+  experiments are built: ``nonfinite='skip'`` (the default: guarded
+  builders, the server model checked in the round's program) and twice
+  ``'off'`` (the second is the A/A control). Their first ``rounds`` cohorts
+  are loaded once; then ``pairs`` times, in an order that alternates, each
+  experiment runs one round as the runner does (the round, and the fetch of
+  its metrics with the check's flag), cycling through the cohorts from the
+  initial state. ``ratio_on_off`` is the median over repetitions of
+  ``t_skip / t_off`` within a repetition, ``ratio_off2_off`` the same for the
+  two identical experiments.
+  """
+  # The runner imports the experiment registry, which imports this module's
+  # package; import it here to keep `import fedjx.experiments.benchmark` light.
+  from fedjx import execution  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
+  records = []
+  for name, config in configs.items():
+    loops = []
+    for policy in ('skip', 'off', 'off'):
+      c = runner.with_defaults(config)
+      c.nonfinite = policy
+      exp = runner.build(c)
+      algorithm = (runner.checking_finiteness(exp.algorithm) if policy != 'off'
+                   else exp.algorithm)
+      loops.append((exp, execution.round_runner(algorithm, c.execution,
+                                                c.chunk_size, lambda _: None)))
+    exp0 = loops[0][0]
+    cohorts = list(exp0.cohorts(0, rounds))
+    keys = [exp0.round_key_for(r) for r in range(rounds)]
+    states = [exp.algorithm.init(exp.init_params) for exp, _ in loops]
+
+    def one_round(k, r):
+      states[k], metrics = loops[k][1](states[k], cohorts[r], keys[r])
+      runner._scalars(metrics)  # pylint: disable=protected-access
+
+    for k in range(len(loops)):  # Compile and warm up.
+      one_round(k, 0)
+    times: list[list[float]] = [[] for _ in loops]
+    for i in range(pairs):
+      r = i % rounds
+      if r == 0:
+        states = [exp.algorithm.init(exp.init_params) for exp, _ in loops]
+      order = range(len(loops)) if i % 2 == 0 else reversed(range(len(loops)))
+      for k in order:
+        start = time.perf_counter()
+        one_round(k, r)
+        times[k].append(time.perf_counter() - start)
+    on, off, off2 = times
+    c = exp0.config
+    rec = {'config': name, 'algorithm': c.algorithm.name, 'model': c.model.name, 'cohort_size': c.cohort_size,
+           'backend': jax.default_backend(), 'rounds': rounds, 'pairs': pairs,
+           'ms_skip': 1e3 * statistics.median(on),
+           'ms_off': 1e3 * statistics.median(off),
+           'ratio_on_off': statistics.median(a / b for a, b in zip(on, off)),
+           'ratio_off2_off': statistics.median(a / b for a, b in zip(off2, off))}
+    emit(rec)
+    records.append(rec)
+  return records
+
+
 def dumps(record: dict) -> str:
   return json.dumps(record, sort_keys=True)

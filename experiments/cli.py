@@ -98,7 +98,8 @@ def _one_line(e: BaseException) -> str:
   return ' '.join(str(e).split()) or type(e).__name__
 
 
-def _load_config_file(spec: str):
+def load_config_file(spec: str):
+  """The config of ``path[:arg]``: ``get_config(arg)`` (or ``get_config()``) of the file."""
   path, _, arg = spec.partition(':')
   if not os.path.exists(path):
     raise UsageError(f'--config={spec!r}: no such file {path!r}.')
@@ -233,7 +234,7 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[tuple[st
   spec = _config_spec(argv)
   if spec is None:
     return list(argv), []
-  config = _load_config_file(spec)
+  config = load_config_file(spec)
   named = {}  # Overrides of existing fields, as text, for the names below.
   pending = []
   for arg in argv:

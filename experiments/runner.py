@@ -356,6 +356,32 @@ def _all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 
 
+# The metric that :func:`checking_finiteness` adds and the loop takes out
+# before a row is written: 1.0 when the new server model is free of NaN/Inf.
+PARAMS_FINITE = '_params_finite'
+
+
+def checking_finiteness(algorithm: Any) -> Any:
+  """``algorithm`` whose round also reports whether the new server model is finite.
+
+  The check runs inside the round's own compiled program and comes back with
+  its metrics (as :data:`PARAMS_FINITE`), so ``config.nonfinite`` costs no
+  dispatch or device-to-host wait of its own: on a 0.7 ms round of
+  ``configs/fedavg_digits.py`` a separate check was 5% of the round. A round
+  that is not a compiled program (no ``lower``) is returned as it is; the
+  loop then checks the state after it.
+  """
+  if not hasattr(algorithm.round, 'lower'):
+    return algorithm
+
+  def apply(state, cohort, key):
+    state, metrics = algorithm.apply(state, cohort, key)
+    return state, dict(metrics, **{PARAMS_FINITE: _all_finite(state.params)})
+
+  apply.__name__ = getattr(algorithm.apply, '__name__', 'round')
+  return algorithm._replace(apply=apply, round=jax.jit(apply, donate_argnums=(0,)))
+
+
 def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
   from fedjx import distributed  # pylint: disable=g-import-not-at-top
   out = {}
@@ -520,8 +546,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
             {'simulated_time': 0.0} if exp.systems is not None or
             exp.scheduler is not None else {})))
       if start < stop:
-        run_round = execution_lib.round_runner(exp.algorithm, config.execution,
-                                               config.chunk_size, log)
+        checked = config.nonfinite != 'off'
+        run_round = execution_lib.round_runner(
+            checking_finiteness(exp.algorithm) if checked else exp.algorithm,
+            config.execution, config.chunk_size, log)
         if exp.systems is not None:  # Cohorts closed by the system model.
           cohorts = exp.system_rounds(start, stop, clock)
         elif getattr(run_round, 'may_stream', False) and exp.scheduler is None:
@@ -536,19 +564,19 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
             if exp.systems is not None:
               cohort, report = cohort
             state, metrics = run_round(state, cohort, exp.round_key_for(r))
-            # Dispatched behind the round; fetched below with its metrics.
-            flag = None if config.nonfinite == 'off' else _all_finite(state.params)
+            if checked and PARAMS_FINITE not in metrics:  # Not a compiled round.
+              metrics = dict(metrics, **{PARAMS_FINITE: _all_finite(state.params)})
             if pending:  # The round runs meanwhile (JAX dispatch is async).
               ckpt.wait()
               pending = False
             step = r + 1
             row = _scalars(metrics)
+            finite = not checked or row.pop(PARAMS_FINITE) == 1.0
             if report is not None:  # The system model's clock and counts.
               row.update(report.metrics())
               clock = report.end_time
             if exp.scheduler is not None:
               row['simulated_time'] = exp.scheduler.step(r).time
-            finite = flag is None or bool(distributed.to_host(flag))
             if exp.evaluate is not None and finite and (
                 step % config.eval_every == 0 or step in (config.rounds, stop)):
               row.update(exp.evaluate(state.params))

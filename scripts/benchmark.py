@@ -8,6 +8,9 @@ On a GPU use --clients=16,64,256,1024,4096 and chunk sizes such as chunked:64.
 The cost of the non-finite guard (skip_nonfinite on / off, paired timing):
   python scripts/benchmark.py --models=logreg,cnn --clients=8,32 --strategies=auto \
       --guard_cost=200
+and in the runner's own round loop on shipped configs (nonfinite='skip' / 'off'):
+  python scripts/benchmark.py --guard_cost=400 \
+      --guard_configs=configs/fedavg_digits.py,configs/fedprox_synthetic.py
 
 Streamed rounds (fedjx.streaming), one cohort size per process:
   for n in 1000 10000 100000 1000000; do
@@ -54,6 +57,10 @@ _GUARD_COST = flags.DEFINE_integer(
     'If > 0, instead time this many interleaved repetitions of FedAvg with '
     'skip_nonfinite on and off (first strategy of --strategies) and print '
     'their paired ratio.')
+_GUARD_CONFIGS = flags.DEFINE_list(
+    'guard_configs', [],
+    "With --guard_cost: time the runner's round loop of these config files "
+    "(path[:arg]) with nonfinite='skip' and 'off' instead of the models.")
 _STREAMING = flags.DEFINE_integer(
     'streaming', None,
     'Stream one FedAvg round per cohort size in chunks of this many clients '
@@ -85,6 +92,14 @@ def main(argv):
       out.write(line + '\n')
       out.flush()
 
+  if _GUARD_COST.value and _GUARD_CONFIGS.value:
+    from fedjx.experiments import cli  # pylint: disable=g-import-not-at-top
+    benchmark.guard_cost_in_runs(
+        {spec: cli.load_config_file(spec) for spec in _GUARD_CONFIGS.value},
+        pairs=_GUARD_COST.value, emit=emit)
+    if out:
+      out.close()
+    return
   if _GUARD_COST.value:
     benchmark.guard_cost(_MODELS.value, [int(c) for c in _CLIENTS.value],
                          _STRATEGIES.value[0], _STEPS.value, _BATCH.value,

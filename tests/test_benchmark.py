@@ -54,3 +54,20 @@ def test_unknown_model_is_named():
   with pytest.raises(ValueError, match=r"model='vgg'"):
     benchmark.run(['vgg'], [2], ['vmap'], steps=1, batch=2, repeats=1,
                   emit=lambda r: None)
+
+
+def test_the_guard_cost_in_runs_times_the_runners_round_loop():
+  """One record per config, from the runner's own loop (no timing asserted)."""
+  import os  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import cli  # pylint: disable=import-outside-toplevel
+  config = cli.load_config_file(os.path.join(
+      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs',
+      'fedavg_digits.py'))
+  config.cohort_size, config.local_epochs = 3, 1
+  records = []
+  benchmark.guard_cost_in_runs({'digits': config}, rounds=2, pairs=2,
+                               emit=records.append)
+  (rec,) = records
+  assert rec['config'] == 'digits' and rec['algorithm'] == 'fedavg'
+  assert rec['pairs'] == 2 and rec['ms_skip'] > 0 and rec['ms_off'] > 0
+  assert rec['ratio_on_off'] > 0 and rec['ratio_off2_off'] > 0

@@ -98,7 +98,7 @@ CONFIG_ERRORS = [
 
 @pytest.mark.parametrize('overrides,words', CONFIG_ERRORS)
 def test_config_errors_are_found_before_data_loads(tiny, overrides, words):
-  config = cli._load_config_file(tiny)  # pylint: disable=protected-access
+  config = cli.load_config_file(tiny)
   for path, value in overrides.items():
     node = config
     *parents, leaf = path.split('.')
@@ -216,7 +216,7 @@ def test_an_optimizer_the_file_leaves_to_the_builder_needs_its_name(tmp_path):
       '--config', str(path), '--config.algorithm.server_optimizer.name=adam',
       '--config.algorithm.server_optimizer.learning_rate=0.01',
       '--config.algorithm.server_optimizer.b1=0.8'])
-  config = cli._load_config_file(str(path))  # pylint: disable=protected-access
+  config = cli.load_config_file(str(path))
   cli.apply_overrides(config, extras)
   assert config.algorithm.server_optimizer.to_dict() == {
       'name': 'adam', 'learning_rate': 0.01, 'b1': 0.8}

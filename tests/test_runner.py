@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -492,3 +493,33 @@ def test_checksum_and_structure_see_every_leaf():
       "state leaf ['w']: shape (2, 3) float32 -> (2, 4) float32")
   more = checkpointing.structure(dict(a, c=np.zeros(1, np.int32)))
   assert 'is new' in checkpointing.structure_difference(same, more)
+
+
+def test_the_server_model_check_runs_inside_the_round_and_changes_nothing_else():
+  """``checking_finiteness``: the round's own program reports whether the new
+  server model is finite; state and metrics are bit-identical otherwise."""
+  import optax  # pylint: disable=import-outside-toplevel
+  from fedjx import algorithms  # pylint: disable=import-outside-toplevel
+  from test_algorithms_util import linreg_data, linreg_params, make_cohort  # pylint: disable=import-outside-toplevel
+
+  def loss(params, batch):
+    return 0.5 * jnp.square(batch['x'] @ params['w'] + params['b'] - batch['y'])
+
+  cohort = make_cohort(linreg_data(np.random.default_rng(0), [6, 8, 5], dim=3),
+                       batch_size=4)
+  params = linreg_params(3)
+  for lr, finite in ((0.1, True), (np.inf, False)):
+    algo = algorithms.fedavg(loss, client_optimizer=optax.sgd(0.1),
+                             server_optimizer=optax.sgd(lr)).compile(donate=False)
+    checked = runner.checking_finiteness(algo)
+    assert hasattr(checked.round, 'lower')  # One compiled program.
+    key = jax.random.key(0)
+    state, metrics = algo.round(algo.init(params), cohort, key)
+    state2, metrics2 = checked.round(algo.init(params), cohort, key)
+    assert bool(metrics2.pop(runner.PARAMS_FINITE)) is finite
+    assert metrics2.keys() == metrics.keys()
+    for a, b in zip(jax.tree.leaves((state, metrics)), jax.tree.leaves((state2, metrics2))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # A round that is not a compiled program is left as it is (the loop checks).
+  plain = algo._replace(round=lambda s, c, k: algo.apply(s, c, k))
+  assert runner.checking_finiteness(plain) is plain
