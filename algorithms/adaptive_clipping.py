@@ -158,7 +158,10 @@ def adaptive_gaussian(noise_multiplier: float = 1.0,
   def encode(hparams, update, w):
     clipped, norm = aggregators.clip_update(update, hparams['clip_norm'])
     unclipped = (norm <= hparams['clip_norm']).astype(jnp.float32)
-    return jax.tree.map(lambda u: u * w.astype(u.dtype), clipped), unclipped * w
+    # b_i w_i, or the norm itself where it is NaN/Inf: the guard checks this
+    # value (checks_update) instead of reading the client's model again.
+    bit = jnp.where(jnp.isfinite(norm), unclipped * w, norm)
+    return jax.tree.map(lambda u: u * w.astype(u.dtype), clipped), bit
 
   def combine(state, hparams, clients, key):
     clip = state.clip_norm
@@ -188,7 +191,7 @@ def adaptive_gaussian(noise_multiplier: float = 1.0,
                'target_quantile': target_quantile,
                'clip_learning_rate': clip_learning_rate,
                'clipped_count_stddev': clipped_count_stddev},
-      weights=weights, broadcast=broadcast)
+      weights=weights, broadcast=broadcast, checks_update=True)
 
 
 __all__ = ['AdaptiveClipState', 'adaptive_gaussian', 'update_noise_multiplier']

@@ -72,6 +72,10 @@ class Aggregator(NamedTuple):
     broadcast: ``broadcast(state) -> {name: value}``, the values of the
       aggregator's state the clients' ``encode`` reads (added to its
       ``hparams``; e.g. adaptive clipping's current clip norm), or None.
+    checks_update: True when ``encode``'s per-client values are NaN or Inf
+      whenever the update is (e.g. they hold its norm): the non-finite guard
+      then checks them instead of reading the client's model a second time
+      (:mod:`fedjx.algorithms.nonfinite`).
   """
 
   init: Callable[[base.Params], Any]
@@ -82,6 +86,7 @@ class Aggregator(NamedTuple):
   message_bytes: Callable[[base.Params], int] = (
       lambda params: quantization.num_bytes(params, 'float32'))
   broadcast: Callable[[Any], Mapping[str, jax.Array]] | None = None
+  checks_update: bool = False
 
 
 def _stateless(params: base.Params) -> tuple[()]:
@@ -120,10 +125,14 @@ def quantized_mean(fmt: str) -> Aggregator:
 # ------------------------------------------------------------- DP (Gaussian)
 
 def safe_global_norm(tree: base.PyTree) -> jax.Array:
-  """``||tree||_2``, with a zero (not NaN) derivative at zero."""
+  """``||tree||_2``, with a zero (not NaN) derivative at zero.
+
+  NaN or Inf when ``tree`` holds one (the non-finite guard relies on it).
+  """
   sq = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
   positive = sq > 0
-  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), 0.0)
+  # Where sq is not positive it is 0 (then the norm is 0) or NaN (kept).
+  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), sq)
 
 
 def clip_update(update: base.PyTree, clip_norm: jax.Array) -> tuple[base.PyTree, jax.Array]:
@@ -225,7 +234,7 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   return Aggregator(init=_stateless, combine=combine, encode=encode,
                     hparams={'clip_norm': clip_norm,
                              'noise_multiplier': noise_multiplier},
-                    weights=weights)
+                    weights=weights, checks_update=True)
 
 
 # ------------------------------------------------------------ for algorithms
@@ -342,7 +351,8 @@ def map_clients(aggregator: Aggregator, hparams: Mapping[str, Any],
   return nonfinite.map_clients(
       client_fn, args, client_weights(aggregator, num_examples, weighting),
       num_examples, skip_nonfinite, encode=aggregator.encode,
-      encode_hparams=encode_hparams(aggregator, hparams, aggregator_state))
+      encode_hparams=encode_hparams(aggregator, hparams, aggregator_state),
+      check_encoded=aggregator.checks_update)
 
 
 def encode_map(aggregator: Aggregator, hparams: Mapping[str, Any],

@@ -265,7 +265,7 @@ def tree_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   return aggregators.Aggregator(
       init=init, combine=combine, encode=encode,
       hparams={'clip_norm': clip_norm, 'noise_multiplier': noise_multiplier},
-      weights=weights)
+      weights=weights, checks_update=True)
 
 
 __all__ = ['TreeState', 'efficient_tree_noise', 'efficient_weights', 'node_noise',

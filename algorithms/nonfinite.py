@@ -24,7 +24,12 @@ without them.
 Everything happens per client inside the algorithm's one ``map_fn``, and the
 reductions are sums (whose transpose is ``broadcast``), so a guarded round and
 its derivatives are still MapReduce plans (:mod:`fedjx.plan`, Beam,
-``fedjx.export``). The cost is one read of each client's trained model. With
+``fedjx.export``). The cost is one read of each client's trained model. The
+DP aggregators compute each update's norm ``||Delta_i||`` anyway (to clip
+it), and it is NaN or Inf whenever ``Delta_i`` is: they set
+``Aggregator.checks_update``, and the guard checks the norm instead of
+reading the model again (an update whose squared norm overflows float32,
+entries beyond about 1e19, then counts as non-finite too). With
 ``skip_nonfinite=False`` nothing is added: the round is the unguarded program.
 """
 
@@ -138,26 +143,29 @@ def _guarded(client_fn: Callable[..., ClientOutput],
 
 
 def _encoding(client_fn: Callable[..., ClientOutput], encode: Callable[..., tuple],
-              hparams: Any) -> Callable[..., ClientOutput]:
+              hparams: Any, check_encoded: bool) -> Callable[..., ClientOutput]:
   """``client_fn`` whose update is replaced by the aggregator's message.
 
   The wrapped function takes the client's weight (and, if ``hparams`` is
   None, the aggregator's broadcast hyperparameters) before ``client_fn``'s
-  arguments. The guard still checks the unencoded update (or ``checked``).
+  arguments. The guard checks the unencoded update (or ``checked``), or, if
+  ``check_encoded``, the encoder's per-client values instead.
   """
   def run(w, *args):
     hp, args = (args[0], args[1:]) if hparams is None else (hparams, args)
     out = client_fn(*args)
     message, encoded = encode(hp, out.update, w)
     checked = out.update if out.checked is None else out.checked
-    return out._replace(update=message, checked=checked, encoded=encoded)
+    return out._replace(update=message, checked=encoded if check_encoded else checked,
+                        encoded=encoded)
   return run
 
 
 def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
                 weights: jax.Array, num_examples: jax.Array,
                 skip_nonfinite: bool, encode: Callable[..., tuple] | None = None,
-                encode_hparams: Mapping[str, jax.Array] | None = None) -> Clients:
+                encode_hparams: Mapping[str, jax.Array] | None = None,
+                check_encoded: bool = False) -> Clients:
   """``fedjx.map_fn(client_fn, args)``, guarded if ``skip_nonfinite``.
 
   Args:
@@ -170,13 +178,16 @@ def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
       ``encode(hparams, update, w_i) -> (message, encoded)``, run in the same
       map after ``client_fn``; the message replaces the update.
     encode_hparams: the aggregator's (server) hyperparameters for ``encode``.
+    check_encoded: the guard checks ``encode``'s per-client values (e.g. the
+      update's norm, NaN or Inf whenever the update is) instead of the
+      client's trained model, saving a second pass over it.
   """
   if encode is not None:
     if encode_hparams:
-      client_fn = _encoding(client_fn, encode, None)
+      client_fn = _encoding(client_fn, encode, None, check_encoded)
       args = (weights, fedjx.broadcast(dict(encode_hparams))) + tuple(args)
     else:
-      client_fn = _encoding(client_fn, encode, {})
+      client_fn = _encoding(client_fn, encode, {}, check_encoded)
       args = (weights,) + tuple(args)
   if not skip_nonfinite:
     out = fedjx.map_fn(client_fn, args)

@@ -103,6 +103,16 @@ BUILDERS = {
     'dp_diloco': lambda **kw: algos.diloco(
         scaled_loss, C, inner_optimizer=sgd(), inner_steps=T,
         aggregator=algos.aggregators.gaussian(0.5, 0.3), **kw),
+    # The DP aggregators check their norms ||Delta_i|| (checks_update).
+    'dp_adaptive_fedavg': lambda **kw: algos.fedavg(
+        scaled_loss, client_optimizer=sgd(), local_steps=T,
+        aggregator=algos.aggregators.AGGREGATORS['adaptive_gaussian'](
+            noise_multiplier=0.3, initial_clip_norm=0.5,
+            clipped_count_stddev=0.5), **kw),
+    'dp_ftrl_fedavg': lambda **kw: algos.fedavg(
+        scaled_loss, client_optimizer=sgd(), local_steps=T,
+        aggregator=algos.aggregators.AGGREGATORS['tree_gaussian'](
+            clip_norm=0.5, noise_multiplier=0.3), **kw),
     'int8_fedavg': lambda **kw: algos.fedavg(
         scaled_loss, client_optimizer=sgd(), local_steps=T,
         aggregator=algos.aggregators.quantized_mean('int8'), **kw),
@@ -257,3 +267,34 @@ def test_derivatives_stay_finite_when_a_client_is_skipped_for_its_weight():
   got = jax.grad(objective)(linreg_params(DIM), cohort)
   want = jax.grad(objective)(linreg_params(DIM), _without(_clean_cohort(), BAD))
   _assert_states_close(got, want)
+
+
+@pytest.mark.parametrize('name', ['gaussian', 'adaptive_gaussian', 'tree_gaussian'])
+def test_dp_encodings_are_nonfinite_exactly_when_the_update_is(name):
+  """``checks_update``: the guard reads the DP encoder's values (the norm)
+  instead of the client's model, so they must be NaN/Inf exactly then."""
+  from fedjx.algorithms import aggregators  # pylint: disable=import-outside-toplevel
+  agg = aggregators.AGGREGATORS[name](noise_multiplier=0.3, **(
+      {'clipped_count_stddev': 0.5} if name == 'adaptive_gaussian' else {}))
+  assert agg.checks_update
+  hparams = dict(aggregators.init_hparams(agg),
+                 **(agg.broadcast(agg.init(None)) if agg.broadcast else {}))
+  w = jnp.float32(1.0)
+  for update, finite in (({'a': jnp.array([3.0, -4.0]), 'b': jnp.zeros(2)}, True),
+                         ({'a': jnp.zeros(2), 'b': jnp.zeros(2)}, True),
+                         ({'a': jnp.array([3.0, jnp.nan]), 'b': jnp.zeros(2)}, False),
+                         ({'a': jnp.zeros(2), 'b': jnp.array([jnp.inf, 0.0])}, False),
+                         ({'a': jnp.array([-jnp.inf, 1.0]), 'b': jnp.zeros(2)}, False)):
+    _, encoded = agg.encode(hparams, update, w)
+    assert bool(nonfinite.all_finite(encoded)) is finite, update
+
+
+def test_the_safe_norm_keeps_nan_and_inf_and_a_zero_gradient_at_zero():
+  from fedjx.algorithms import aggregators  # pylint: disable=import-outside-toplevel
+  norm = aggregators.safe_global_norm
+  assert float(norm({'a': jnp.array([3.0, 4.0])})) == 5.0
+  assert float(norm({'a': jnp.zeros(3)})) == 0.0
+  assert np.isnan(float(norm({'a': jnp.array([1.0, jnp.nan])})))
+  assert np.isinf(float(norm({'a': jnp.array([1.0, -jnp.inf])})))
+  grad = jax.grad(lambda x: norm({'a': x}))(jnp.zeros(3))
+  np.testing.assert_array_equal(np.asarray(grad), np.zeros(3))
