@@ -643,10 +643,12 @@ def guard_cost_in_runs(configs: dict[str, Any], rounds: int = 20, pairs: int = 4
   experiments are built: ``nonfinite='skip'`` (the default: guarded
   builders, the server model checked in the round's program) and twice
   ``'off'`` (the second is the A/A control). Their first ``rounds`` cohorts
-  are loaded once; then ``pairs`` times, in an order that alternates, each
-  experiment runs one round as the runner does (the round, and the fetch of
-  its metrics with the check's flag), cycling through the cohorts from the
-  initial state. ``ratio_on_off`` is the median over repetitions of
+  are loaded once; then ``pairs`` times, in a random order (seeded; no
+  experiment keeps a position, which shifts a round's time by about 1%), each
+  experiment runs one round as the runner does (the round it would run,
+  unguarded first where it does so, :func:`runner.round_algorithms`, and
+  the fetch of its metrics with the check's flag), cycling through the
+  cohorts from the initial state. ``ratio_on_off`` is the median over repetitions of
   ``t_skip / t_off`` within a repetition, ``ratio_off2_off`` the same for the
   two identical experiments.
   """
@@ -656,14 +658,14 @@ def guard_cost_in_runs(configs: dict[str, Any], rounds: int = 20, pairs: int = 4
   from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
   records = []
   for name, config in configs.items():
-    loops = []
+    loops, first_unguarded = [], False
     for policy in ('skip', 'off', 'off'):
       c = runner.with_defaults(config)
       c.nonfinite = policy
       exp = runner.build(c)
-      algorithm = (runner.checking_finiteness(exp.algorithm) if policy != 'off'
-                   else exp.algorithm)
-      loops.append((exp, execution.round_runner(algorithm, c.execution,
+      guarded, unguarded = runner.round_algorithms(c, exp)
+      first_unguarded = first_unguarded or unguarded is not None
+      loops.append((exp, execution.round_runner(unguarded or guarded, c.execution,
                                                 c.chunk_size, lambda _: None)))
     exp0 = loops[0][0]
     cohorts = list(exp0.cohorts(0, rounds))
@@ -676,19 +678,21 @@ def guard_cost_in_runs(configs: dict[str, Any], rounds: int = 20, pairs: int = 4
 
     for k in range(len(loops)):  # Compile and warm up.
       one_round(k, 0)
+    shuffle = np.random.default_rng(0)
     times: list[list[float]] = [[] for _ in loops]
     for i in range(pairs):
       r = i % rounds
       if r == 0:
         states = [exp.algorithm.init(exp.init_params) for exp, _ in loops]
-      order = range(len(loops)) if i % 2 == 0 else reversed(range(len(loops)))
+      order = shuffle.permutation(len(loops))
       for k in order:
         start = time.perf_counter()
         one_round(k, r)
         times[k].append(time.perf_counter() - start)
     on, off, off2 = times
     c = exp0.config
-    rec = {'config': name, 'algorithm': c.algorithm.name, 'model': c.model.name, 'cohort_size': c.cohort_size,
+    rec = {'config': name, 'algorithm': c.algorithm.name, 'model': c.model.name,
+           'unguarded_first': first_unguarded, 'cohort_size': c.cohort_size,
            'backend': jax.default_backend(), 'rounds': rounds, 'pairs': pairs,
            'ms_skip': 1e3 * statistics.median(on),
            'ms_off': 1e3 * statistics.median(off),

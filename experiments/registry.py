@@ -233,6 +233,16 @@ ALGORITHMS: dict[str, Callable[..., Any]] = {
 # Asynchronous algorithms: the runner feeds their rounds AsyncCohorts from
 # its simulated schedule (fedjx.datasets.async_schedule).
 ASYNCHRONOUS = ('fedbuff', 'async_diloco')
+# Algorithms whose every client output reaches the server model in the round
+# that computes it (nothing waits in the state; FedBuff's buffer is the
+# round's cohort): with config.nonfinite 'skip' or 'stop' the runner runs
+# their rounds unguarded first and redoes a round guarded only when its
+# result is not finite (fedjx.experiments.guarded_rounds). Others (Streaming
+# DiLoCo's replicas keep parameters a round does not synchronize, async
+# DiLoCo's keep training across rounds) always run guarded.
+UPDATES_REACH_PARAMS = ('fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm',
+                        'fedprox', 'fednova', 'scaffold', 'dp_fedavg', 'diloco',
+                        'fedbuff')
 # Algorithm options the runner sets (not config.algorithm).
 RESERVED = ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size',
             'skip_nonfinite')

@@ -17,9 +17,13 @@
   before its metrics are written, so a crash redoes at most
   ``checkpoint_every`` rounds;
 * after every round the server parameters are checked to be finite
-  (``config.nonfinite``): a non-finite state, or a round in which every
-  client's update was non-finite (nothing to aggregate), stops the run with
-  :class:`NonFiniteError` and is never checkpointed;
+  (``config.nonfinite``), inside the round's compiled program: a non-finite
+  state, or a round in which every client's update was non-finite (nothing
+  to aggregate), stops the run with :class:`NonFiniteError` and is never
+  checkpointed. Non-finite clients are skipped by the algorithms' guard;
+  synchronous algorithms run each round without it first and redo a round
+  with it only when the result is not finite
+  (:mod:`fedjx.experiments.guarded_rounds`);
 * at the end ``workdir/learning_curve.png`` plots the metrics.
 
 Starting again with the same workdir resumes from the newest intact
@@ -41,15 +45,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from fedjx import datasets
 from fedjx import execution as execution_lib
 from fedjx import models
+from fedjx.algorithms import nonfinite
 from fedjx.experiments import checkpointing
 from fedjx.experiments import evaluation
+from fedjx.experiments import guarded_rounds
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import privacy as privacy_lib
 from fedjx.experiments import registry
@@ -178,12 +183,42 @@ def _sample_batch(config: ml_collections.ConfigDict,
 
 
 def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
-                    num_clients: int) -> Any:
-  """The algorithm of ``config`` (defaults filled) for ``model`` and a population."""
+                    num_clients: int, guarded: bool | None = None) -> Any:
+  """The algorithm of ``config`` (defaults filled) for ``model`` and a population.
+
+  ``guarded`` overrides ``config.nonfinite`` for the builder's
+  ``skip_nonfinite`` (the runner also builds the unguarded algorithm, see
+  :mod:`fedjx.experiments.guarded_rounds`).
+  """
+  if guarded is None:
+    guarded = config.nonfinite != 'off'
   return registry.build_algorithm(
       config.algorithm, model, map_strategy=config.map_strategy,
       chunk_size=config.chunk_size, num_clients=num_clients,
-      skip_nonfinite=config.nonfinite != 'off')
+      skip_nonfinite=guarded)
+
+
+def round_algorithms(config: ml_collections.ConfigDict,
+                     exp: Experiment) -> tuple[Any, Any | None]:
+  """``(guarded, unguarded)``: what the loop runs rounds with.
+
+  ``guarded`` is the experiment's algorithm, whose round also checks the new
+  server model when ``config.nonfinite`` is not ``'off'``; ``unguarded`` is
+  the same algorithm built without its guard, whose round checks its new
+  server model and metrics, where rounds run unguarded first (else None; see
+  :mod:`fedjx.experiments.guarded_rounds`).
+  """
+  if config.nonfinite == 'off':
+    return exp.algorithm, None
+  guarded = checking_finiteness(exp.algorithm)
+  name = config.algorithm.name
+  reach = (name in registry.UPDATES_REACH_PARAMS and
+           'skip_nonfinite' in registry.algorithm_entry(name).runner_options)
+  if not guarded_rounds.runs_unguarded(exp.algorithm, reach):
+    return guarded, None
+  unguarded = build_algorithm(config, exp.model, exp.data.train.num_clients,
+                              guarded=False)
+  return guarded, checking_finiteness(unguarded, whole=True)
 
 
 def build(config: Any) -> Experiment:
@@ -348,38 +383,10 @@ class StopFlag:
         signal.signal(s, handler)
 
 
-@jax.jit
-def _all_finite(tree: Any) -> jax.Array:
-  """True when every floating-point leaf of ``tree`` is free of NaN and Inf."""
-  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-           if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
-
-
-# The metric that :func:`checking_finiteness` adds and the loop takes out
-# before a row is written: 1.0 when the new server model is free of NaN/Inf.
-PARAMS_FINITE = '_params_finite'
-
-
-def checking_finiteness(algorithm: Any) -> Any:
-  """``algorithm`` whose round also reports whether the new server model is finite.
-
-  The check runs inside the round's own compiled program and comes back with
-  its metrics (as :data:`PARAMS_FINITE`), so ``config.nonfinite`` costs no
-  dispatch or device-to-host wait of its own: on a 0.7 ms round of
-  ``configs/fedavg_digits.py`` a separate check was 5% of the round. A round
-  that is not a compiled program (no ``lower``) is returned as it is; the
-  loop then checks the state after it.
-  """
-  if not hasattr(algorithm.round, 'lower'):
-    return algorithm
-
-  def apply(state, cohort, key):
-    state, metrics = algorithm.apply(state, cohort, key)
-    return state, dict(metrics, **{PARAMS_FINITE: _all_finite(state.params)})
-
-  apply.__name__ = getattr(algorithm.apply, '__name__', 'round')
-  return algorithm._replace(apply=apply, round=jax.jit(apply, donate_argnums=(0,)))
+# The runner's checks of finiteness (see fedjx.experiments.guarded_rounds).
+_all_finite = guarded_rounds.all_finite
+PARAMS_FINITE = guarded_rounds.PARAMS_FINITE
+checking_finiteness = guarded_rounds.checking_finiteness
 
 
 def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -479,13 +486,18 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
            ckpt: checkpointing.Checkpointer) -> RunResult:
   """Restores the newest intact checkpoint (if any) and trains to the end."""
   from fedjx import distributed  # pylint: disable=g-import-not-at-top
-  state = exp.algorithm.init(exp.init_params)
-  mesh = jax.sharding.get_mesh()
-  if mesh is not None and not mesh.empty:
-    # Global arrays over every process's devices: replicated, or FSDP-sharded
-    # on the 'model' axis (each client's model spans the model axis).
-    state = distributed.put_global(
-        state, mesh, distributed.state_specs(state, mesh, config.param_sharding))
+
+  def initial_state() -> Any:
+    fresh = exp.algorithm.init(exp.init_params)
+    mesh = jax.sharding.get_mesh()
+    if mesh is not None and not mesh.empty:
+      # Global arrays over every process's devices: replicated, or FSDP-sharded
+      # on the 'model' axis (each client's model spans the model axis).
+      fresh = distributed.put_global(
+          fresh, mesh, distributed.state_specs(fresh, mesh, config.param_sharding))
+    return fresh
+
+  state = initial_state()
   fingerprint = _fingerprint(config)
   start, elapsed_before = 0, 0.0
   clock = 0.0  # config.systems: the simulated time (s) at the start of `start`
@@ -546,32 +558,72 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
             {'simulated_time': 0.0} if exp.systems is not None or
             exp.scheduler is not None else {})))
       if start < stop:
+        # Rounds run unguarded first where that is cheaper, and are redone
+        # guarded when their result is not finite (guarded_rounds).
         checked = config.nonfinite != 'off'
-        run_round = execution_lib.round_runner(
-            checking_finiteness(exp.algorithm) if checked else exp.algorithm,
-            config.execution, config.chunk_size, log)
-        if exp.systems is not None:  # Cohorts closed by the system model.
-          cohorts = exp.system_rounds(start, stop, clock)
-        elif getattr(run_round, 'may_stream', False) and exp.scheduler is None:
-          # Clients are read a chunk at a time.
-          cohorts = exp.lazy_cohorts(start, stop, run_round.loads_whole(
-              state, exp.round_key_for(start)))
-        else:
-          cohorts = exp.cohorts(start, stop)
+        guarded, unguarded = round_algorithms(config, exp)
+        make_runner = lambda algorithm: execution_lib.round_runner(
+            algorithm, config.execution, config.chunk_size, log)
+        run_round, run_guarded = make_runner(unguarded or guarded), None
+        redone: set[int] = set()  # rounds of this process redone guarded
+
+        def cohorts_from(first: int, last: int, at: float, like: Any) -> Iterator[Any]:
+          """Cohorts of rounds ``first .. last - 1``, the first at simulated time ``at``."""
+          if exp.systems is not None:  # Cohorts closed by the system model.
+            return exp.system_rounds(first, last, at)
+          if getattr(run_round, 'may_stream', False) and exp.scheduler is None:
+            # Clients are read a chunk at a time.
+            return exp.lazy_cohorts(first, last, run_round.loads_whole(
+                like, exp.round_key_for(first)))
+          return exp.cohorts(first, last)
+
+        def state_before(r: int) -> Any:
+          """The state before round ``r``, rebuilt as a resumed run rebuilds it:
+          the last checkpoint (or the initial state), then the rounds since,
+          each run as it was (unguarded, or redone guarded)."""
+          nonlocal pending
+          if pending:
+            ckpt.wait()
+            pending = False
+          base, first, at = initial_state(), 0, 0.0
+          if saved is not None:
+            base, base_meta = ckpt.restore(saved, base)
+            first, at = saved, float(base_meta.get('simulated_time', 0.0))
+          replay = cohorts_from(first, r, at, base)
+          try:
+            for rr, again in zip(range(first, r), replay):
+              again = again[0] if exp.systems is not None else again
+              base, _ = (run_guarded if rr in redone else run_round)(
+                  base, again, exp.round_key_for(rr))
+          finally:
+            replay.close()
+          return base
+
+        cohorts = cohorts_from(start, stop, clock, state)
         try:
           for r, cohort in zip(range(start, stop), cohorts):
             report = None
             if exp.systems is not None:
               cohort, report = cohort
             state, metrics = run_round(state, cohort, exp.round_key_for(r))
-            if checked and PARAMS_FINITE not in metrics:  # Not a compiled round.
+            if checked and PARAMS_FINITE not in metrics and (
+                guarded_rounds.RESULT_FINITE not in metrics):  # Not compiled.
               metrics = dict(metrics, **{PARAMS_FINITE: _all_finite(state.params)})
             if pending:  # The round runs meanwhile (JAX dispatch is async).
               ckpt.wait()
               pending = False
             step = r + 1
             row = _scalars(metrics)
-            finite = not checked or row.pop(PARAMS_FINITE) == 1.0
+            if row.pop(guarded_rounds.RESULT_FINITE, 1.0) != 1.0:
+              # Not finite unguarded: the round again, with the guard.
+              run_guarded = run_guarded or make_runner(guarded)
+              state, metrics = run_guarded(state_before(r), cohort,
+                                           exp.round_key_for(r))
+              redone.add(r)
+              row = _scalars(metrics)
+            elif unguarded is not None:  # No client would have been skipped.
+              row = dict(sorted({**row, nonfinite.METRIC: 0.0}.items()))
+            finite = not checked or row.pop(PARAMS_FINITE, 1.0) == 1.0
             if report is not None:  # The system model's clock and counts.
               row.update(report.metrics())
               clock = report.end_time

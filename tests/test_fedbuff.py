@@ -293,3 +293,24 @@ def test_round_is_a_mapreduce_plan():
   plan = plan_lib.trace_plan(algo.apply, state, cohort, KEY)
   kinds = [type(step).__name__ for step in plan.steps]
   assert kinds.count('MapStep') == 1  # One pass of client work.
+
+
+@pytest.mark.parametrize('staleness,used', [([0, 0, 0, 0], True),
+                                             ([0, 1, 5, 0], False)])
+def test_without_the_guard_a_nan_client_reaches_the_model(staleness, used):
+  """What lets the runner run FedBuff's rounds unguarded first
+  (fedjx.experiments.guarded_rounds): a NaN client makes the unguarded
+  step's model non-finite exactly when the guarded step skips and counts it
+  (not when it is dropped as too stale: it takes no steps)."""
+  from fedjx.algorithms import nonfinite  # pylint: disable=import-outside-toplevel
+  cohort = _cohort()
+  x = np.array(cohort.batches['x'])
+  x[2, 0, 0, 0] = np.nan  # Client 2: 5 steps stale (past the ring) if not used.
+  bad = AsyncCohort(cohort._replace(batches=dict(cohort.batches, x=jnp.asarray(x))),
+                    jnp.asarray(staleness, jnp.int32))
+  for skip in (False, True):
+    algo = algos.fedbuff(linreg_loss, max_staleness=2, skip_nonfinite=skip)
+    state, metrics = algo.round(algo.init(linreg_params()), bad, KEY)
+    assert bool(nonfinite.all_finite((state.params, metrics))) is (skip or not used)
+    if skip:
+      assert float(metrics['nonfinite_clients']) == float(used)

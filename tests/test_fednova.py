@@ -102,6 +102,12 @@ def test_partial_work_and_skipped_clients_leave_tau_eff():
   assert float(metrics['nonfinite_clients']) == 1
   assert float(metrics['tau_eff']) == pytest.approx(tau_eff, rel=1e-6)
   assert_trees_close(state.params, {'w': w, 'b': b})
+  # Unguarded, the NaN reaches the model (what lets the runner run FedNova's
+  # rounds unguarded first, fedjx.experiments.guarded_rounds).
+  unguarded = algos.fednova(linreg_loss, client_optimizer=optax.sgd(lr),
+                            skip_nonfinite=False)
+  state, _ = unguarded.round(unguarded.init(linreg_params()), nan_cohort, KEY)
+  assert not np.all(np.isfinite(np.asarray(state.params['w'])))
 
 
 def test_bad_options_name_the_argument():

@@ -298,3 +298,19 @@ def test_the_safe_norm_keeps_nan_and_inf_and_a_zero_gradient_at_zero():
   assert np.isinf(float(norm({'a': jnp.array([1.0, -jnp.inf])})))
   grad = jax.grad(lambda x: norm({'a': x}))(jnp.zeros(3))
   np.testing.assert_array_equal(np.asarray(grad), np.zeros(3))
+
+
+@pytest.mark.parametrize('name', [n for n in BUILDERS if n != 'streaming_diloco'])
+def test_without_the_guard_every_fault_reaches_the_model_or_the_metrics(name):
+  """What lets the runner run rounds unguarded first
+  (fedjx.experiments.guarded_rounds): for the algorithms whose client outputs
+  reach the server model in the same round, a client the guard would skip
+  always makes the unguarded round's new model or metrics non-finite."""
+  algo = _algo(name, skip=False)
+  state0 = algo.init(linreg_params(DIM))
+  clean, key = _clean_cohort(), jax.random.key(1)
+  state, metrics = algo.round(copy(state0), clean, key)
+  assert bool(nonfinite.all_finite((state.params, metrics)))
+  for fault in FAULTS:
+    state, metrics = algo.round(copy(state0), _with_fault(clean, fault), key)
+    assert not bool(nonfinite.all_finite((state.params, metrics))), fault

@@ -115,3 +115,12 @@ def test_an_unknown_runner_option_is_one_line():
                            r"valid runner options: \['metrics_fn', 'skip_nonfinite'\]\.$"):
     registry.register_algorithm('x', _recorder([]), runner_options=('mesh',))
   assert 'x' not in registry.ALGORITHMS
+
+
+def test_algorithms_run_unguarded_first_are_synchronous_and_guardable():
+  """registry.UPDATES_REACH_PARAMS (fedjx.experiments.guarded_rounds)."""
+  for name in registry.UPDATES_REACH_PARAMS:
+    assert name in registry.ALGORITHMS
+    assert 'skip_nonfinite' in registry.algorithm_entry(name).runner_options
+  for name in ('streaming_diloco', 'async_diloco', 'fedavg_hypergradient_tuner'):
+    assert name not in registry.UPDATES_REACH_PARAMS

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import config_files
+import float_tolerance as ft
 
 from fedjx.experiments import checkpointing
 from fedjx.experiments import metrics_writers
@@ -523,3 +524,117 @@ def test_the_server_model_check_runs_inside_the_round_and_changes_nothing_else()
   # A round that is not a compiled program is left as it is (the loop checks).
   plain = algo._replace(round=lambda s, c, k: algo.apply(s, c, k))
   assert runner.checking_finiteness(plain) is plain
+
+
+def _digits_with_a_nan_client(bad):
+  """The digits builder with NaN in one feature of the first example of client
+  ``bad`` (an int, or a collection of ints)."""
+  bad = {bad} if isinstance(bad, int) else set(bad)
+  from fedjx.datasets import federated  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import data as data_lib  # pylint: disable=import-outside-toplevel
+
+  class Poisoned(federated.MappedDataset):
+
+    def _client_data(self, cid):
+      out = dict(self._base.client_data(cid))
+      if cid in bad:
+        x = np.array(out['x'], np.float32)
+        x[0, 0] = np.nan
+        out['x'] = x
+      return out
+
+  def build(num_clients=50, alpha=0.5, seed=0):
+    data = data_lib.digits(num_clients=num_clients, alpha=alpha, seed=seed)
+    return data_lib.ExperimentData(Poisoned(data.train, lambda e: e), data.test,
+                                   data.info)
+  return build
+
+
+def _first_seen_late(files):
+  """A client first sampled after the first checkpoint (round index >= 5), and
+  the round indices that sample it."""
+  exp = runner.build(_small(files))
+  rounds = [set(np.asarray(c.client_ids).tolist()) for c in exp.cohorts(0, 12)]
+  for cid in range(20):
+    seen = [r for r, ids in enumerate(rounds) if cid in ids]
+    if seen and seen[0] >= 5:
+      return cid, seen
+  raise AssertionError('no client is first sampled after round 5')
+
+
+@pytest.mark.parametrize('policy,checkpoint_every', [('skip', 4), ('skip', 12),
+                                                     ('stop', 4)])
+def test_a_nan_client_redoes_its_round_guarded_and_the_run_is_exact(
+    files, tmp_path, policy, checkpoint_every):
+  """Rounds run unguarded; a round with a NaN client is redone guarded from
+  the state before it, rebuilt from the last checkpoint (after rounds 4 and
+  8, or none before the end) by replaying the rounds since as they ran
+  (guarded_rounds). The run equals the same rounds computed by hand, bit for
+  bit, and its rows count the client."""
+  from fedjx.experiments import guarded_rounds  # pylint: disable=import-outside-toplevel
+  bad, seen = _first_seen_late(files)
+  assert len(seen) >= 2  # A later replay runs the first such round again.
+  registry.register_dataset('digits_nan', _digits_with_a_nan_client(bad))
+  try:
+    config = _small(files, nonfinite=policy, checkpoint_every=checkpoint_every)
+    config.dataset.name = 'digits_nan'
+    if policy == 'stop':
+      with pytest.raises(runner.NonFiniteError,
+                         match=rf'^round {seen[0] + 1}: 1 client\(s\) had a non-finite'):
+        runner.run(config, str(tmp_path))
+      rows = metrics_writers.read_metrics(str(tmp_path))
+      assert [r['nonfinite_clients'] for r in rows if 'clients' in r] == (
+          [0.0] * seen[0] + [1.0])
+      return
+    result = runner.run(config, str(tmp_path))
+    # The same rounds by hand: unguarded, except where the client is sampled.
+    exp = runner.build(config)
+    fast = guarded_rounds.checking_finiteness(
+        runner.build_algorithm(config, exp.model, 20, guarded=False), whole=True)
+    slow = guarded_rounds.checking_finiteness(exp.algorithm)
+    state = exp.algorithm.init(exp.init_params)
+    peek = jax.jit(fast.apply)  # Does not donate.
+    for r, cohort in enumerate(exp.cohorts(0, 12)):
+      key = exp.round_key_for(r)
+      # The unguarded round is finite exactly where the client is not sampled.
+      assert bool(peek(state, cohort, key)[1][guarded_rounds.RESULT_FINITE]) is (
+          r not in seen)
+      state, _ = (slow if r in seen else fast).round(state, cohort, key)
+    for a, b in zip(jax.tree.leaves(result.state), jax.tree.leaves(state)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    rows = [r for r in metrics_writers.read_metrics(str(tmp_path)) if 'clients' in r]
+    assert [r['round'] for r in rows] == list(range(1, 13))
+    assert [r['nonfinite_clients'] for r in rows] == [
+        1.0 if r in seen else 0.0 for r in range(12)]
+    assert all(np.isfinite(r['train_loss_before']) for r in rows)
+    assert not any(k.startswith('_') for r in rows for k in r)
+  finally:
+    registry.DATASETS.pop('digits_nan')
+
+
+def test_a_nan_client_in_fedbuff_is_counted_as_when_every_round_is_guarded(
+    tmp_path, monkeypatch):
+  """Asynchronous cohorts rebuilt for the replay (guarded_rounds): the same
+  clients are skipped as when every round runs guarded, and the models agree
+  to float rounding (the two differ only in the programs of clean rounds)."""
+  from fedjx.experiments import cli  # pylint: disable=import-outside-toplevel
+  registry.register_dataset('digits_nan', _digits_with_a_nan_client((3, 7)))
+  try:
+    runs = {}
+    for mode in ('unguarded_first', 'always_guarded'):
+      if mode == 'always_guarded':
+        monkeypatch.setattr(registry, 'UPDATES_REACH_PARAMS', ())
+      config = cli.load_config_file(os.path.join(REPO, 'configs', 'fedbuff_digits.py'))
+      config.rounds, config.checkpoint_every, config.eval_every = 8, 3, 8
+      config.progress = config.plot = config.tensorboard = False
+      config.dataset.name = 'digits_nan'
+      result = runner.run(config, str(tmp_path / mode), log=lambda m: None)
+      rows = [r for r in result.history if 'clients' in r]
+      runs[mode] = ([r['nonfinite_clients'] for r in rows], result.state.params)
+    counts, params = runs['unguarded_first']
+    assert counts == runs['always_guarded'][0] and sum(counts) > 0
+    # 8 rounds of 10 clients' sums: a few float32 roundings apart.
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(runs['always_guarded'][1])):
+      np.testing.assert_allclose(a, b, rtol=ft.rtol(8 * 10), atol=ft.rtol(8 * 10))
+  finally:
+    registry.DATASETS.pop('digits_nan')

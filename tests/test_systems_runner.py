@@ -138,3 +138,32 @@ def test_fedbuff_takes_its_durations_from_the_system_model():
   both = dict(fedbuff, client_durations=dict(name='lognormal'))
   with pytest.raises(registry.ConfigError, match='give one of them'):
     runner.build(runner.validate(_config(2, algorithm=both, cohort_size=3)))
+
+
+def test_nan_clients_under_the_system_model_are_skipped_on_the_same_clock(tmp_path):
+  """Rounds redone with the guard (fedjx.experiments.guarded_rounds) rebuild
+  their cohorts from the system model at the checkpoint's clock."""
+  import test_runner  # pylint: disable=import-outside-toplevel
+  registry.register_dataset('digits_nan',
+                            test_runner._digits_with_a_nan_client((9, 25)))  # pylint: disable=protected-access
+  try:
+    clean = _rows_of(runner.run(_config(5), str(tmp_path / 'clean'),
+                                log=lambda m: None).workdir)
+    config = _config(5)
+    config.dataset.name = 'digits_nan'
+    result = runner.run(config, str(tmp_path / 'nan'), log=lambda m: None)
+    rows = _rows_of(result.workdir)
+    assert [r['simulated_time'] for r in rows] == [r['simulated_time'] for r in clean]
+    bad = [r['nonfinite_clients'] for r in rows[1:]]
+    assert sum(bad) > 0 and all(b <= r['sampled_clients'] for b, r in zip(bad, rows[1:]))
+    for r in rows[1:]:
+      assert r['clients'] + r['nonfinite_clients'] == (r['reported_clients']
+                                                       + r['partial_clients'])
+    assert all(np.all(np.isfinite(np.asarray(p)))
+               for p in jax.tree.leaves(result.state.params))
+  finally:
+    registry.DATASETS.pop('digits_nan')
+
+
+def _rows_of(workdir):
+  return _rows(workdir)
