@@ -56,6 +56,7 @@ def test_unknown_model_is_named():
                   emit=lambda r: None)
 
 
+@pytest.mark.slow  # ~6 s: compiles three experiments.
 def test_the_guard_cost_in_runs_times_the_runners_round_loop():
   """One record per config, from the runner's own loop (no timing asserted)."""
   import os  # pylint: disable=import-outside-toplevel

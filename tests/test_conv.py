@@ -201,7 +201,9 @@ def _perturbed(base, layers, record):
 
 @pytest.mark.parametrize('build,batch_shape', [
     (lambda conv: models.emnist_cnn(10, dropout=False, conv=conv), (3, 28, 28)),
-    (lambda conv: models.resnet(10, widths=(4, 8, 8), conv=conv), (3, 16, 16, 3)),
+    pytest.param(  # ~11 s on 2 cores: with the slow tests.
+        lambda conv: models.resnet(10, widths=(4, 8, 8), conv=conv), (3, 16, 16, 3),
+        marks=pytest.mark.slow),
 ])
 def test_models_give_the_same_numbers_with_either_convolution(build, batch_shape,
                                                               monkeypatch):

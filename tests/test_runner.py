@@ -612,6 +612,7 @@ def test_a_nan_client_redoes_its_round_guarded_and_the_run_is_exact(
     registry.DATASETS.pop('digits_nan')
 
 
+@pytest.mark.slow  # ~6 s: two runs.
 def test_a_nan_client_in_fedbuff_is_counted_as_when_every_round_is_guarded(
     tmp_path, monkeypatch):
   """Asynchronous cohorts rebuilt for the replay (guarded_rounds): the same
