@@ -28,8 +28,15 @@ are a single Gaussian mechanism with noise multiplier
 
     z = (z_Delta^-2 + (2 sigma_b)^-2)^(-1/2).
 
-``noise_multiplier`` is this total ``z``, the one the accountant composes;
-the updates get the larger
+Those sensitivities are add-or-remove's (Poisson cohorts) and zero-out's
+(shuffled epochs). With fixed-size cohorts the relation is replace-one and
+both double (``2C``, and 1 for the centred bit, which goes from ``-1/2`` to
+``1/2``), so the round is a Gaussian mechanism with noise multiplier
+``((2 / z_Delta)^2 + (1 / sigma_b)^2)^(-1/2) = z / 2``
+(:func:`fedjx.algorithms.accounting.sensitivity`).
+
+``noise_multiplier`` is the total ``z``, the one the accountant composes
+(as ``z / 2`` under replace-one); the updates get the larger
 
     z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2),
 

@@ -197,9 +197,13 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
       server:    Delta = (sum_k m_k + N(0, (z C)^2 I)) / D
 
   Every client has weight 1 (the algorithm's ``weighting`` is not used), so
-  one client changes the sum by at most ``C`` and the round is a Gaussian
-  mechanism with noise multiplier ``z``
-  (:func:`fedjx.algorithms.dp_epsilon` accounts for it). ``D`` is
+  adding or removing one client (Poisson cohorts), or zeroing it out
+  (shuffled epochs), changes the sum by at most ``C``, and replacing one
+  client's update by another's (fixed-size cohorts) by at most ``2C``: the
+  round is a Gaussian mechanism with noise multiplier ``z``, or ``z / 2``
+  under replace-one (:func:`fedjx.algorithms.accounting.sensitivity`
+  derives it for each sampling; :mod:`fedjx.algorithms.accounting`
+  accounts for it). ``D`` is
   ``expected_clients_per_round`` (``qN``, the fixed-denominator estimator) or,
   if None, the number of participating clients. ``C`` and ``z`` are traced:
   ``state.hparams['clip_norm']`` and ``state.hparams['noise_multiplier']``.

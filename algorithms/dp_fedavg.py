@@ -9,9 +9,13 @@ With the cohort sampled from the ``N`` clients with probability ``q``:
     server:    g = (sum_k Delta_k + N(0, (z C)^2 I)) / D
                x <- x + ServerOpt(g)
 
-Every client has weight 1, so one client changes the sum by at most ``C``
-(its L2 sensitivity) and the noise of standard deviation ``z C`` makes the
-round a Gaussian mechanism with noise multiplier ``z``. ``D`` is the expected
+Every client has weight 1, so adding or removing one client changes the
+sum by at most ``C`` (its L2 sensitivity under the Poisson sampling of the
+paper) and the noise of standard deviation ``z C`` makes the round a
+Gaussian mechanism with noise multiplier ``z``; with fixed-size cohorts
+(replace-one: one client's update swapped for another's) the sensitivity
+is ``2C`` and the noise multiplier ``z / 2``
+(:func:`fedjx.algorithms.accounting.sensitivity`). ``D`` is the expected
 cohort size ``qN`` (``expected_clients_per_round``, McMahan et al.'s
 fixed-denominator estimator) or, if None, the number of participating
 clients (which the privacy analysis treats as public).

@@ -23,6 +23,7 @@ import importlib
 import inspect
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -186,15 +187,26 @@ class Plan:
   def summary(self, rounds: int) -> str:
     """One line: the guarantee after ``rounds`` rounds."""
     eps = self.epsilon(rounds)
+    relation = _accounting().sensitivity(self.mechanism.aggregator,
+                                         self.sampling).relation
     return (f'({eps:.4g}, {self.delta:.3g})-DP for each user after {rounds} '
             f'rounds: {self.mechanism.aggregator} with noise multiplier '
             f'{self.mechanism.noise_multiplier:g}, '
-            f'{self.sampling.describe()}, {self.accountant} accountant')
+            f'{self.sampling.describe()}, {relation.replace("_", " ")} '
+            f'neighbours, {self.accountant} accountant')
 
 
 def default_delta(population: int) -> float:
   """``N^-1.1``, below ``1 / N`` (McMahan et al. 2018, Section 3)."""
   return float(population) ** -1.1
+
+
+def delta_warning(delta: float, population: int) -> str:
+  """The one line :func:`plan` warns with when ``delta >= 1 / N``."""
+  return (f'config.privacy.delta={delta:g} is at least 1/N = 1/{population}: '
+          'a mechanism that publishes one random client\'s data in full meets '
+          f'it; use delta < 1/N, e.g. None (N^-1.1 = '
+          f'{default_delta(population):.3g}).')
 
 
 def plan(config: Any, population: int) -> Plan | None:
@@ -237,6 +249,8 @@ def plan(config: Any, population: int) -> Plan | None:
         'set it to that or None.')
   delta = privacy.get('delta')
   delta = default_delta(population) if delta is None else float(delta)
+  if delta * population >= 1:
+    warnings.warn(delta_warning(delta, population), UserWarning, stacklevel=2)
   target = privacy.get('target_epsilon')
   return Plan(mech, sampling, delta, accountant,
               None if target is None else float(target), int(config.rounds))

@@ -1,7 +1,9 @@
 """The runner's privacy side: sampler from config, epsilon per round, budget, refusals."""
 
 import json
+import logging
 import os
+import warnings
 
 import pytest
 
@@ -32,13 +34,18 @@ def small_config(**fields):
   return c
 
 
-def test_budget_stops_at_the_last_round_within_it_and_resumes_no_further(tmp_path):
+def test_budget_stops_at_the_last_round_within_it_and_resumes_no_further(
+    tmp_path, caplog):
   sampling = accounting.Sampling.poisson(40, 0.1)
   eps = [accounting.epsilon(1.0, r, 1e-3, sampling=sampling) for r in range(13)]
   target = (eps[3] + eps[4]) / 2  # rounds 1-3 fit, round 4 would not
   config = small_config(privacy=dict(delta=1e-3, target_epsilon=target))
   lines = []
-  result = runner.run(config, str(tmp_path), log=lines.append)
+  with caplog.at_level(logging.WARNING):
+    result = runner.run(config, str(tmp_path), log=lines.append)
+  # The RDP accountant drops orders it cannot compute without logging it.
+  assert not [r for r in caplog.records
+              if accounting.NOT_CONVERGED in r.getMessage()]
   assert result.step == 3 and not result.interrupted
   rows = [h for h in result.history if h['round'] > 0]
   # A fresh dp_accounting accountant per round agrees with the runner's
@@ -64,6 +71,13 @@ def test_budget_stops_at_the_last_round_within_it_and_resumes_no_further(tmp_pat
               'user (all the data of one client)', 'poisson', 'gaussian', 'rdp',
               1e-3, 3, 'add_or_remove_one')
   assert 'PoissonSampledDpEvent(sampling_probability=0.1' in statement['dp_event']
+  detail = accounting.rdp_details(1.0, 3, 1e-3, sampling=sampling)
+  assert statement['accountant_detail'] == accounting.accountant_detail(
+      'rdp', 1.0, 3, 1e-3, sampling=sampling)
+  assert f"epsilon from order {detail['best_order']:g}" in statement[
+      'accountant_detail']
+  summary = [l for l in lines if l.startswith('fedjx: privacy: (')]
+  assert summary and 'add or remove one neighbours, rdp accountant' in summary[0]
   again = runner.run(config, str(tmp_path), log=lines.append)
   assert again.step == 3 and len([l for l in lines if 'privacy budget' in l]) == 2
 
@@ -73,14 +87,22 @@ def plan_of(population=1000, **fields):
 
 
 def test_plan_reads_the_mechanism_and_the_sampling():
-  p = plan_of()
+  with pytest.warns(UserWarning) as warned:  # delta = 1e-3 = 1/N
+    p = plan_of()
+  assert [str(w.message) for w in warned] == [
+      'config.privacy.delta=0.001 is at least 1/N = 1/1000: a mechanism that '
+      "publishes one random client's data in full meets it; use delta < 1/N, "
+      'e.g. None (N^-1.1 = 0.000501).']
   assert p.mechanism == privacy.Mechanism('gaussian', 'gaussian', 1.0, 4.0, None)
   assert p.sampling == accounting.Sampling.poisson(1000, 4 / 1000)
   assert p.delta == 1e-3 and p.accountant == 'rdp' and p.target_epsilon is None
-  uniform = plan_of(sampling=dict(name='uniform'), privacy=dict())
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')  # below 1/N: no warning
+    uniform = plan_of(sampling=dict(name='uniform'), privacy=dict())
   assert uniform.sampling == accounting.Sampling('uniform', 1000, 4)
   assert uniform.delta == pytest.approx(1000 ** -1.1, rel=1e-15)  # default
-  tree = plan_of(sampling=dict(name='epochs'), rounds=400, algorithm=dict(
+  tree = plan_of(sampling=dict(name='epochs'), rounds=400,
+                 privacy=dict(delta=1e-4), algorithm=dict(
       name='fedavg', aggregator=dict(name='tree_gaussian', noise_multiplier=2.0,
                                      restart_every=125)))
   assert tree.mechanism.mechanism == 'tree' and tree.mechanism.restart_every == 125
