@@ -6,6 +6,13 @@ norm 1, the ten are summed, N(0, (z C)^2) noise is added (z = 0.3) and the
 sum is divided by the ten replicas (the Gaussian aggregator,
 ``fedjx.algorithms.aggregators.gaussian``), before the Nesterov outer step
 (learning rate 0.7, momentum 0.9; Douillard et al. 2023).
+
+Every replica takes part in every round (10 of 10 clients: no amplification
+by sampling), and fixed-size cohorts are accounted under replace-one
+(sensitivity 2C, so the accountant composes z / 2): after 100 rounds the
+runner reports epsilon 2,466 at delta = 10^-1.1 (RDP; 633 before the
+replace-one sensitivity was corrected). That is no guarantee: the config
+shows where the mechanism sits in DiLoCo, not a private run.
 """
 
 from fedjx.experiments.config_base import base_config, optimizer
