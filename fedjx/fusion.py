@@ -45,6 +45,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 from jax.extend.core import Primitive
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 from fedjx import placements as placements_lib
 from fedjx import primitives
@@ -98,8 +101,29 @@ def _fusable_map_impl(*args, spec):
   return run(spec, args, [], range(len(spec.out_avals)))[0]
 
 
+def _fusable_map_jvp(primals, tangents, *, spec):
+  tangents = [ad.instantiate_zeros(t) for t in tangents]
+  return jax.jvp(lambda *a: _fusable_map_impl(*a, spec=spec), tuple(primals),
+                 tuple(tangents))
+
+
+def _fusable_map_batch(args, dims, *, spec):
+  args = [x if d is None else jnp.moveaxis(x, d, 0)
+          for x, d in zip(args, dims)]
+  axes = [None if d is None else 0 for d in dims]
+  outs = jax.vmap(lambda *a: _fusable_map_impl(*a, spec=spec), in_axes=axes)(*args)
+  return outs, [0] * len(outs)
+
+
+# The equation never outlives evaluate(); should one be bound anywhere else
+# (in a trace that fusion does not walk), it lowers, differentiates and
+# batches as the unfused loop over chunks, never raising NotImplementedError.
 fusable_map_p.def_abstract_eval(_fusable_map_abstract_eval)
 fusable_map_p.def_impl(_fusable_map_impl)
+mlir.register_lowering(fusable_map_p, mlir.lower_fun(_fusable_map_impl,
+                                                     multiple_results=True))
+ad.primitive_jvps[fusable_map_p] = _fusable_map_jvp
+batching.primitive_batchers[fusable_map_p] = _fusable_map_batch
 
 
 class Recorder:
@@ -112,6 +136,16 @@ class Recorder:
 
   def __init__(self):
     self.active = False
+    self.trace = None
+
+  def records_here(self) -> bool:
+    """Whether a ``map_fn`` called now is in the program's own trace.
+
+    A map inside ``lax.scan``, ``cond``, ``while_loop``, ``checkpoint``,
+    ``custom_vjp``, an inner ``jit`` or ``vmap`` is traced in a trace of its
+    own, whose jaxpr :func:`evaluate` never reaches: such a map runs unfused.
+    """
+    return self.active and jex_core.get_opaque_trace_state() == self.trace
 
   def record(self, fn: Callable[[list, list], Any], placed: Sequence[Any],
              shared: Sequence[Any], n: int, k: int, placement: str) -> Any:
@@ -152,12 +186,19 @@ def call_program(f: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     a, kw = jax.tree.unflatten(treedef, filled)
     return f(*a, **kw)
 
+  recorder = frame.recorder
+
+  def traced(*values):
+    recorder.trace = jex_core.get_opaque_trace_state()
+    recorder.active = True
+    try:
+      return flat(*values)
+    finally:
+      recorder.active = False
+      recorder.trace = None
+
   values = [leaves[i] for i in dynamic]
-  frame.recorder.active = True
-  try:
-    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*values)
-  finally:
-    frame.recorder.active = False
+  closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*values)
   outs = evaluate(closed.jaxpr, closed.consts, values)
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -206,6 +247,9 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
   def run_group(m):
     eqn = jaxpr.eqns[m]
     spec = eqn.params['spec']
+    for v in eqn.invars:  # An input made by another map not yet run.
+      if not isinstance(v, jex_core.Literal) and v in pending:
+        run_group(pending[v])
     outs = list(eqn.outvars)
     reductions, keep = [], []
     for j, o in enumerate(outs):

@@ -30,6 +30,7 @@ mapped computation afresh.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +44,8 @@ from fedjx import sharding as sharding_lib
 
 # Per-device memory budget for the inputs of one chunk of clients under the
 # ``auto`` strategy; the activations of client training are several times this.
+_LOG = logging.getLogger('fedjx.fusion')
+
 _AUTO_CHUNK_INPUT_BYTES = {'cpu': 64 << 20, 'gpu': 512 << 20, 'tpu': 512 << 20}
 # CPU (measured on 2 cores, docs/benchmarks.md): vmap wins only for tiny client
 # computations (logistic regression); mid-sized ones (a 135k-parameter
@@ -244,9 +247,15 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   mapped.__name__ = f'fedjx_map_{p.name}'
   placed = [leaf for i, leaf in enumerate(leaves) if i not in shared]
   recorder = frame.recorder
-  if (recorder is not None and recorder.active and k < n and
-      sharding_lib.spmd_axis_name(p.name, mesh) is None and
-      not placements_lib.forced_map_strategy()):
+  fusable = (recorder is not None and recorder.active and k < n and
+             sharding_lib.spmd_axis_name(p.name, mesh) is None and
+             not placements_lib.forced_map_strategy())
+  if fusable and not recorder.records_here():
+    _LOG.debug('fedjx.map_fn over %r runs unfused in chunks of %d: it is '
+               'traced inside control flow or a transformation (scan, cond, '
+               'while_loop, checkpoint, custom_vjp, jit, vmap) that fusion '
+               'does not reach into.', p.name, k)
+  elif fusable:
     # Several chunks: record the map so fedjx.fusion can carry the
     # reductions of its outputs through the loop over chunks.
     keys = sorted(shared)

@@ -335,6 +335,15 @@ class _Builder:
           outs = [out]
       elif name.startswith(MAP_NAME_PREFIX):
         outs = self.map_eqn(eqn, ids)
+      elif prim.name in _INLINED and _uses_fedjx(_inlined_jaxpr(eqn)):
+        # jax.checkpoint and custom derivative rules compute their primal
+        # function's values: the plan runs that function.
+        body = _inlined_jaxpr(eqn)
+        outs = (self.run(body, ids) if isinstance(body, jex_core.Jaxpr)
+                else self.run_closed(body, ids))
+      elif any(_uses_fedjx(sub) for sub in jex_core.jaxprs_in_params(eqn.params)
+               ) and not name:
+        raise _control_flow(eqn)
       elif 'jaxpr' in eqn.params and name and (
           any(k != SERVER for k in kinds) or _uses_fedjx(eqn.params['jaxpr'].jaxpr)):
         outs = self.run_closed(eqn.params['jaxpr'], ids)
@@ -547,12 +556,16 @@ def _per_client_form(eqn, kinds, n):
   return eqn.primitive, params, [_PLACED]
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def _where(eqn, depth: int = 3) -> str:
   """`` at file:line (function) <- ...``: the innermost frames (outside JAX)
   of the code that made ``eqn``, so an error names what the user wrote."""
   try:
     from jax._src import source_info_util  # No public API reads an eqn's frames.
-    frames = list(source_info_util.user_frames(eqn.source_info.traceback))[:depth]
+    frames = [f for f in source_info_util.user_frames(eqn.source_info.traceback)
+              if not f.file_name.startswith(_PACKAGE_DIR)][:depth]
   except Exception:  # pragma: no cover - a JAX without it
     return ''
   if not frames:
@@ -583,6 +596,23 @@ def _unplaceable(eqn) -> UnplaceableOperationError:
 
 
 _FEDJX_PRIMITIVES = (primitives.broadcast_p, *REDUCTIONS)
+# Equations whose value is that of one sub-jaxpr, run as it is.
+_INLINED = {'remat2': 'jaxpr', 'checkpoint': 'jaxpr',
+            'custom_jvp_call': 'call_jaxpr', 'custom_vjp_call': 'call_jaxpr'}
+
+
+def _inlined_jaxpr(eqn):
+  return eqn.params[_INLINED[eqn.primitive.name]]
+
+
+def _control_flow(eqn) -> UnplaceableOperationError:
+  """The one-line refusal of a fedjx primitive inside a loop or a branch."""
+  return UnplaceableOperationError(
+      f'fedjx: {eqn.primitive.name!r}{_where(eqn)} runs fedjx primitives '
+      '(map_fn, broadcast or a reduction) inside a loop or a branch, which a '
+      'plan cannot interpret: Beam, export and streaming run a round as a '
+      'fixed sequence of steps. Keep the control flow outside the program (a '
+      'loop over rounds around it), or run the program compiled.')
 
 
 def _uses_fedjx(jaxpr) -> bool:
