@@ -207,9 +207,11 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     return AsyncDiLoCoState(
         params=params, opt_state=outer_optimizer.init(params),
         versions=ring_init(params, max_staleness + 1), inner_opt_states=inner,
-        hparams={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
-                 'outer_optimizer': base.optimizer_hparams(outer_optimizer, params),
-                 **aggregators.init_hparams(aggregator)},
+        hparams=base.combine_hparams(
+            'async_diloco',
+            algorithm={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
+                       'outer_optimizer': base.optimizer_hparams(outer_optimizer, params)},
+            aggregator=aggregators.init_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 

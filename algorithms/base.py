@@ -267,6 +267,30 @@ def optimizer_hparams(optimizer: optax.GradientTransformation,
           optimizer.init(params).hyperparams.items()}
 
 
+def combine_hparams(fn: str, **parts: Mapping[str, Any]) -> dict[str, Any]:
+  """``state.hparams`` from the entries of an algorithm's parts, one level.
+
+  Each part (``algorithm=``, ``client_transform=``, ``aggregator=``) names
+  its entries; a name two parts share would leave ``state.hparams`` one
+  value for both (a client transform's ``clip_norm=0.001`` silently
+  replaced by a DP aggregator's ``5.0``), so it is refused.
+  """
+  combined: dict[str, Any] = {}
+  owner: dict[str, str] = {}
+  for part, entries in parts.items():
+    for key, value in entries.items():
+      if key in combined:
+        raise ValueError(
+            f'{fn}: state.hparams[{key!r}] would be set by both the '
+            f'{owner[key].replace("_", " ")} and the {part.replace("_", " ")}, '
+            'and state.hparams holds one value per name; build one of them '
+            'with fixed hyperparameters (without optax.inject_hyperparams) '
+            'or give it another value name.')
+      combined[key] = value
+      owner[key] = part
+  return combined
+
+
 def hparam_names(optimizer: optax.GradientTransformation,
                  params: Params) -> tuple[str, ...]:
   """The names of an injected optimizer's hyperparameters (none if not injected)."""

@@ -147,14 +147,18 @@ def client_training(loss_fn: base.LossFn, metrics_fn: Any,
 
 def initial_hparams(client_optimizer, server_optimizer, client_transform,
                     aggregator: aggregators.Aggregator,
-                    params: base.Params) -> dict[str, Any]:
+                    params: base.Params, name: str = 'fedavg') -> dict[str, Any]:
   """``state.hparams`` of FedAvg's parts: both optimizers', the client
-  transform's (top level) and the aggregator's."""
+  transform's (top level) and the aggregator's; a name two of them share is
+  refused (:func:`base.combine_hparams`)."""
   transform_hparams = ({} if client_transform is None else
                        base.optimizer_hparams(client_transform, params))
-  return {'client_optimizer': base.optimizer_hparams(client_optimizer, params),
-          'server_optimizer': base.optimizer_hparams(server_optimizer, params),
-          **transform_hparams, **aggregators.init_hparams(aggregator)}
+  return base.combine_hparams(
+      name,
+      algorithm={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
+                 'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
+      client_transform=transform_hparams,
+      aggregator=aggregators.init_hparams(aggregator))
 
 
 def client_hparams_of(state: Any, client_transform: Any) -> dict[str, Any]:
@@ -186,7 +190,7 @@ def build(name: str, loss_fn: base.LossFn,
     return base.ServerState(
         params=params, opt_state=server_optimizer.init(params),
         hparams=initial_hparams(client_optimizer, server_optimizer,
-                                client_transform, aggregator, params),
+                                client_transform, aggregator, params, name),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 

@@ -281,7 +281,8 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
         params=params, opt_state=server_optimizer.init(params),
         versions=ring_init(params, max_staleness + 1),
         hparams=fedavg.initial_hparams(client_optimizer, server_optimizer,
-                                       client_transform, aggregator, params),
+                                       client_transform, aggregator, params,
+                                       'fedbuff'),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 

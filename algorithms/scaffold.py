@@ -150,11 +150,13 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
         params=params, opt_state=server_optimizer.init(params), control=zeros,
         client_controls=jax.tree.map(
             lambda p: jnp.zeros((n_pop,) + jnp.shape(p), jnp.result_type(p)), params),
-        hparams={'client_learning_rate': jnp.asarray(client_learning_rate, jnp.float32),
-                 'client_optimizer': ({} if client_optimizer is None else
-                                      base.optimizer_hparams(client_optimizer, params)),
-                 'server_optimizer': base.optimizer_hparams(server_optimizer, params),
-                 **aggregators.init_hparams(aggregator)},
+        hparams=base.combine_hparams(
+            'scaffold',
+            algorithm={'client_learning_rate': jnp.asarray(client_learning_rate, jnp.float32),
+                       'client_optimizer': ({} if client_optimizer is None else
+                           base.optimizer_hparams(client_optimizer, params)),
+                       'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
+            aggregator=aggregators.init_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 

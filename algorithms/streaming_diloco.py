@@ -155,11 +155,13 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         opt_state=tuple(outer_optimizer.init(tuple(leaves[i] for i in f))
                         for f in frags),
         inner_opt_states=stack(inner_optimizer.init(params)),
-        hparams={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
-                 'outer_optimizer': base.optimizer_hparams(
-                     outer_optimizer, tuple(leaves[i] for i in frags[0])),
-                 'mixing_factor': jnp.asarray(mixing_factor, jnp.float32),
-                 **aggregators.init_hparams(aggregator)},
+        hparams=base.combine_hparams(
+            'streaming_diloco',
+            algorithm={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
+                       'outer_optimizer': base.optimizer_hparams(
+                           outer_optimizer, tuple(leaves[i] for i in frags[0])),
+                       'mixing_factor': jnp.asarray(mixing_factor, jnp.float32)},
+            aggregator=aggregators.init_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 

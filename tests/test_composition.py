@@ -331,3 +331,29 @@ def test_a_wrapped_algorithm_compiles_with_its_inner_round():
   np.testing.assert_allclose(
       metrics['hparams/server_optimizer/learning_rate'],
       want.inner.hparams['server_optimizer']['learning_rate'], rtol=ft.rtol(400))
+
+
+def test_hyperparameters_two_parts_share_are_refused_in_one_line():
+  """A client transform's ``clip_norm`` next to a DP aggregator's.
+
+  Both would be ``state.hparams['clip_norm']``, one value for two parts
+  (0.001 silently replaced by 5.0): init refuses, naming both parts.
+  """
+  loss = lambda p, b: (b['x'] @ p['w'] - b['y']) ** 2
+  clip = optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=0.001)
+  algo = algos.fedavg(
+      loss, client_transform=optax.inject_hyperparams(
+          lambda clip_norm: optax.clip_by_global_norm(clip_norm))(clip_norm=0.001),
+      aggregator=aggregators.gaussian(clip_norm=5.0, noise_multiplier=0.0))
+  with pytest.raises(ValueError) as info:
+    algo.init({'w': jnp.zeros(3)})
+  message = str(info.value)
+  assert '\n' not in message
+  assert message.startswith("fedavg: state.hparams['clip_norm'] would be set by both "
+                            'the client transform and the aggregator')
+  # Distinct names combine as before.
+  ok = algos.fedavg(loss, client_transform=clip,
+                         aggregator=aggregators.gaussian(5.0, 0.0))
+  hparams = ok.init({'w': jnp.zeros(3)}).hparams
+  assert float(hparams['max_norm']) == pytest.approx(0.001)
+  assert float(hparams['clip_norm']) == 5.0
