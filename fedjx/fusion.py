@@ -28,7 +28,7 @@ It is skipped (the program runs exactly as written) when the program is
 nested in another or declares several placements, when the placement is
 sharded over a mesh axis, when the map runs as a single chunk (``vmap``: all
 outputs exist at once anyway), and while interpreters trace plans
-(:func:`fedjx.placements.force_map_strategy`), so plans for Beam and export are
+(:func:`fedjx.frames.force_map_strategy`), so plans for Beam and export are
 unchanged.
 
 Sums accumulate in float32 (or the inputs' dtype when wider) whatever the
@@ -49,14 +49,10 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.interpreters import mlir
 
-from fedjx import placements as placements_lib
+from fedjx import frames
 from fedjx import primitives
+from fedjx import reductions
 
-_REDUCTIONS = {
-    primitives.reduce_sum_p: 'sum',
-    primitives.reduce_mean_p: 'mean',
-    primitives.reduce_weighted_mean_p: 'weighted_mean',
-}
 
 
 class MapSpec:
@@ -169,11 +165,11 @@ class Recorder:
 
 def call_program(f: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
   """Calls ``f`` inside the current (entered) program frame, fusing if it can."""
-  frames = placements_lib.current_frames()
-  frame = frames[-1]
-  if (frame.recorder is None or len(frames) > 1 or len(frame.placements) > 1
-      or placements_lib.forced_map_strategy() is not None
-      or not placements_lib.fusion_enabled()):
+  stack = frames.current_frames()
+  frame = stack[-1]
+  if (frame.recorder is None or len(stack) > 1 or len(frame.placements) > 1
+      or frames.forced_map_strategy() is not None
+      or not frames.fusion_enabled()):
     return f(*args, **kwargs)
   leaves, treedef = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)
@@ -251,18 +247,18 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
       if not isinstance(v, jex_core.Literal) and v in pending:
         run_group(pending[v])
     outs = list(eqn.outvars)
-    reductions, keep = [], []
+    found, keep = [], []
     for j, o in enumerate(outs):
       fused = _fusable_uses(jaxpr.eqns, o, uses.get(o, []), returned, spec,
                             outs, known)
       if fused is None:
         keep.append(j)
       else:
-        reductions.extend(_Reduction(jaxpr.eqns[i], j, kind, w) for i, kind, w in fused)
+        found.extend(_Reduction(jaxpr.eqns[i], j, kind, w) for i, kind, w in fused)
         done.update(i for i, _, _ in fused)
     resolved = [r if r.weights is None or r.weights[0] == 'out'
                 else _Reduction(r.eqn, r.index, r.kind, ('value', read(r.weights[1])))
-                for r in reductions]
+                for r in found]
     stacked, reduced = run(spec, [read(v) for v in eqn.invars], resolved, keep)
     for j, value in zip(keep, stacked):
       env[outs[j]] = value
@@ -301,7 +297,7 @@ def _fusable_uses(eqns, o, uses, returned, spec, map_outs, known):
   fused = []
   for i, pos in uses:
     eqn = eqns[i]
-    kind = _REDUCTIONS.get(eqn.primitive)
+    kind = primitives.REDUCTIONS.get(eqn.primitive)
     if kind is None or pos != 0 or eqn.params['placement'] != spec.placement:
       return None
     weights = None
@@ -330,30 +326,10 @@ def _bind(eqn, invals, env):
 
 # ----------------------------------------------------------------------- run
 
-def carry_dtype(dtype) -> jnp.dtype:
-  """Accumulator of a fused sum: float32 for narrower floats, else ``dtype``."""
-  dtype = jnp.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.promote_types(dtype, jnp.float32)
-  return dtype
+carry_dtype = reductions.carry_dtype
 
 
-def _result_dtype(kind, x_dtype, w_dtype):
-  if kind == 'sum':
-    return primitives.sum_dtype(x_dtype)
-  if kind == 'mean':
-    return primitives.mean_dtype(x_dtype)
-  return primitives.weighted_mean_dtype(x_dtype, w_dtype)
-
-
-def _chunk_sum(x, w, on_cpu):
-  """``sum_i w_i x_i`` over axis 0 of one chunk (``w = None``: plain sum)."""
-  if on_cpu:
-    return primitives._contract_leading(x, w)  # pylint: disable=protected-access
-  return primitives._sum_leading(x, w)  # pylint: disable=protected-access
-
-
-def run(spec: MapSpec, operands: Sequence[Any], reductions: Sequence[_Reduction],
+def run(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
         keep: Sequence[int]) -> tuple[list[Any], list[Any]]:
   """Runs a recorded map in chunks, carrying the fused reductions.
 
@@ -375,15 +351,15 @@ def run(spec: MapSpec, operands: Sequence[Any], reductions: Sequence[_Reduction]
 
   out_avals = spec.out_avals
   w_values = [r.weights[1] if r.weights is not None and r.weights[0] == 'value'
-              else None for r in reductions]
+              else None for r in fused]
   dtypes = []
-  for r in reductions:
+  for r in fused:
     x_dtype = out_avals[r.index].dtype
     w_dtype = None
     if r.kind == 'weighted_mean':
       w_dtype = (out_avals[r.weights[1]].dtype if r.weights[0] == 'out'
                  else jnp.result_type(r.weights[1]))
-    dtypes.append(_result_dtype(r.kind, x_dtype, w_dtype))
+    dtypes.append(reductions.result_dtype(r.kind, x_dtype, w_dtype))
   # Chunk c covers members [start_c, start_c + k) with start_c = min(c k, n - k):
   # the inputs are sliced in place (no padded or reshaped copy of the
   # cohort's data), and in a last chunk that overlaps the one before, the
@@ -413,7 +389,7 @@ def run(spec: MapSpec, operands: Sequence[Any], reductions: Sequence[_Reduction]
       ok = start + jnp.arange(k) >= first if overlap else None
     outs = outputs(chunk)
     new = []
-    for r, dtype, (total, *rest), w in zip(reductions, dtypes, carry, ws):
+    for r, dtype, (total, *rest), w in zip(fused, dtypes, carry, ws):
       acc = total.dtype
       x = outs[r.index].astype(dtype).astype(acc)
       if r.kind == 'weighted_mean':
@@ -424,27 +400,23 @@ def run(spec: MapSpec, operands: Sequence[Any], reductions: Sequence[_Reduction]
         if k == 1:
           new.append((total + w * x, rest[0] + w))
         else:
-          new.append((total + _chunk_sum(x, w, on_cpu), rest[0] + jnp.sum(w)))
+          new.append((total + primitives.sum_leading_axis(x, w, on_cpu=on_cpu), rest[0] + jnp.sum(w)))
       elif k == 1:
         new.append((total + x,))
       else:
         mask = None if ok is None else ok.astype(acc)
         if mask is not None and not jnp.issubdtype(acc, jnp.floating):
-          x, mask = jnp.where(primitives._expand_weights(ok, x), x, 0), None  # pylint: disable=protected-access
-        new.append((total + _chunk_sum(x, mask, on_cpu),))
+          x, mask = jnp.where(reductions.expand_weights(ok, x), x, 0), None
+        new.append((total + primitives.sum_leading_axis(x, mask, on_cpu=on_cpu),))
     return new, [outs[j] for j in keep]
 
-  carry0 = [init(r, d) for r, d in zip(reductions, dtypes)]
+  carry0 = [init(r, d) for r, d in zip(fused, dtypes)]
   carry, ys = jax.lax.scan(body, carry0, xs)
   stacked = [_unchunk(y, n, k, m) for y in ys]
   reduced = []
-  for r, dtype, (total, *rest) in zip(reductions, dtypes, carry):
-    if r.kind == 'sum':
-      reduced.append(total.astype(dtype))
-    elif r.kind == 'mean':
-      reduced.append((total / n).astype(dtype))
-    else:
-      reduced.append((total * primitives._inverse_total(rest[0])).astype(dtype))  # pylint: disable=protected-access
+  for r, dtype, (total, *rest) in zip(fused, dtypes, carry):
+    reduced.append(reductions.finish(r.kind, total, rest[0] if rest else None,
+                                     n, dtype))
   return stacked, reduced
 
 

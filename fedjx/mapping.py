@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjx import placements as placements_lib
+from fedjx import frames
 from fedjx import sharding as sharding_lib
 
 # Per-device memory budget for the inputs of one chunk of clients under the
@@ -115,7 +115,7 @@ def choose_chunk_size(strategy: str, n: int, client_bytes: int, devices: int,
     k = min(k, by_memory)
   else:
     raise ValueError(f'fedjx.map_fn: strategy={strategy!r} is not one of '
-                     f'{placements_lib.MAP_STRATEGIES}.')
+                     f'{frames.MAP_STRATEGIES}.')
   k = devices * math.ceil(min(k, full) / devices)
   if devices == 1 and k < n:
     k = _divisor_near(n, k)
@@ -207,7 +207,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     The placed pytree ``[fn(args_0), ..., fn(args_{n-1})]`` stacked on a new
     leading axis, sharded over the placement's mesh axis when there is one.
   """
-  p, frame = placements_lib.lookup(placement, 'map_fn')
+  p, frame = frames.lookup(placement, 'map_fn')
   leaves, treedef = jax.tree.flatten(args)
   if not leaves:
     raise ValueError('fedjx.map_fn: args has no arrays; pass placed values '
@@ -217,20 +217,20 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
       raise ValueError(
           f'fedjx.map_fn: got a scalar of shape () in args, which is not placed '
           f'at {p.name!r}. Broadcast server values with fedjx.broadcast first.')
-    placements_lib.resolve_size(p, jnp.shape(leaf)[0], 'map_fn')
+    frames.resolve_size(p, jnp.shape(leaf)[0], 'map_fn')
   n = p.size
   mesh = mesh if mesh is not None else frame.mesh
-  strategy = placements_lib.forced_map_strategy() or strategy or frame.map_options.strategy
-  if strategy not in placements_lib.MAP_STRATEGIES:
+  strategy = frames.forced_map_strategy() or strategy or frame.map_options.strategy
+  if strategy not in frames.MAP_STRATEGIES:
     raise ValueError(f'fedjx.map_fn: strategy={strategy!r} is not one of '
-                     f'{placements_lib.MAP_STRATEGIES}.')
+                     f'{frames.MAP_STRATEGIES}.')
   chunk_size = chunk_size or frame.map_options.chunk_size
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ValueError(f'fedjx.map_fn: chunk_size={chunk_size!r}; it must be a '
                      'positive int.')
   devices = _mesh_axis_size(p.name, mesh)
   k = choose_chunk_size(strategy, n, _client_bytes(leaves), devices, chunk_size)
-  shared = ({} if placements_lib.forced_map_strategy()
+  shared = ({} if frames.forced_map_strategy()
             else _broadcast_sources(frame, leaves, p.name))
 
   def call(placed, shared):
@@ -249,7 +249,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   recorder = frame.recorder
   fusable = (recorder is not None and recorder.active and k < n and
              sharding_lib.spmd_axis_name(p.name, mesh) is None and
-             not placements_lib.forced_map_strategy())
+             not frames.forced_map_strategy())
   if fusable and not recorder.records_here():
     _LOG.debug('fedjx.map_fn over %r runs unfused in chunks of %d: it is '
                'traced inside control flow or a transformation (scan, cond, '

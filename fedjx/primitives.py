@@ -46,57 +46,13 @@ from jax import core as jax_core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from fedjx import reductions
+from fedjx.reductions import mean_dtype, sum_dtype, weighted_mean_dtype
+
 broadcast_p = Primitive('fedjx_broadcast')
 reduce_sum_p = Primitive('fedjx_reduce_sum')
 reduce_mean_p = Primitive('fedjx_reduce_mean')
 reduce_weighted_mean_p = Primitive('fedjx_reduce_weighted_mean')
-
-
-def _jnp_dtype(reduction, *dtypes) -> jnp.dtype:
-  """The dtype ``reduction`` (a ``jnp`` function over axis 0) gives ``dtypes``.
-
-  Asked of ``jnp`` itself (under the current ``jax_enable_x64`` setting), so
-  that the primitives follow NumPy-style promotion exactly as ``jnp.sum``,
-  ``jnp.mean`` and ``jnp.average`` do.
-  """
-  x64 = jax.dtypes.canonicalize_dtype(jnp.int64) == jnp.int64
-  return _jnp_dtype_cached(reduction, tuple(jnp.dtype(d) for d in dtypes), x64)
-
-
-@functools.lru_cache(maxsize=None)
-def _jnp_dtype_cached(reduction, dtypes, x64):
-  del x64  # Part of the cache key only.
-  specs = [jax.ShapeDtypeStruct((1,), d) for d in dtypes]
-  return jnp.dtype(jax.eval_shape(reduction, *specs).dtype)
-
-
-def _sum0(x):
-  return jnp.sum(x, axis=0)
-
-
-def _mean0(x):
-  return jnp.mean(x, axis=0)
-
-
-def _average0(x, w):
-  return jnp.average(x, axis=0, weights=w)
-
-
-def sum_dtype(dtype) -> jnp.dtype:
-  """The dtype of ``reduce_sum``: ``jnp.sum``'s (booleans count as ints, small
-  ints widen to the default int)."""
-  return _jnp_dtype(_sum0, dtype)
-
-
-def mean_dtype(dtype) -> jnp.dtype:
-  """The dtype of ``reduce_mean``: ``jnp.mean``'s (a mean of ints is a float)."""
-  return _jnp_dtype(_mean0, dtype)
-
-
-def weighted_mean_dtype(x_dtype, w_dtype) -> jnp.dtype:
-  """The dtype of ``reduce_weighted_mean``: ``jnp.average``'s, the promoted
-  dtype of values and weights, made inexact."""
-  return _jnp_dtype(_average0, x_dtype, w_dtype)
 
 
 def _spec(aval) -> tuple:
@@ -166,9 +122,7 @@ batching.primitive_batchers[broadcast_p] = _broadcast_batch
 
 # ---------------------------------------------------------------- reductions
 
-def _expand_weights(w, x):
-  """Weights of shape x.shape[:w.ndim], broadcast against x."""
-  return jnp.reshape(w, w.shape + (1,) * (x.ndim - w.ndim))
+_expand_weights = reductions.expand_weights
 
 
 def _sum_leading(x, w=None):
@@ -193,6 +147,13 @@ def _contract_leading(x, w=None):
   out = jnp.tensordot(w, x, axes=1, precision=jax.lax.Precision.HIGHEST,
                       preferred_element_type=accumulate)
   return out.astype(x.dtype)
+
+
+def sum_leading_axis(x, w=None, *, on_cpu: bool):
+  """``sum_i w_i x_i`` over axis 0 as the compiled reductions lower it on the
+  backend (a vector-matrix product on the CPU, a sum elsewhere): what the
+  chunked executors add up per chunk."""
+  return _contract_leading(x, w) if on_cpu else _sum_leading(x, w)
 
 
 def _reduce_sum_impl(x, *, placement, contract=_sum_leading):
@@ -267,11 +228,7 @@ ad.primitive_jvps[reduce_mean_p] = _reduce_mean_jvp
 
 # ------------------------------------------------------- reduce_weighted_mean
 
-def _inverse_total(total):
-  """``1 / total``, or 0 where ``total`` is 0 (the zero-weight convention)."""
-  nonzero = total != 0
-  return jnp.where(nonzero, 1 / jnp.where(nonzero, total, jnp.ones_like(total)),
-                   jnp.zeros_like(total))
+_inverse_total = reductions.inverse_total
 
 
 def _scale(y, s):
@@ -359,3 +316,12 @@ for _prim, _impl in ((reduce_sum_p, _reduce_sum_impl),
   mlir.register_lowering(
       _prim, mlir.lower_fun(functools.partial(_impl, contract=_contract_leading),
                             multiple_results=False), platform='cpu')
+
+
+# The kind (fedjx.reductions.KINDS) of each reduction primitive, for the
+# executors that compute reductions themselves.
+REDUCTIONS = {
+    reduce_sum_p: 'sum',
+    reduce_mean_p: 'mean',
+    reduce_weighted_mean_p: 'weighted_mean',
+}

@@ -52,10 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjx import _deprecation
-from fedjx import fusion
 from fedjx import mapping
 from fedjx.interpreters import plan as plan_lib
 from fedjx import primitives
+from fedjx import reductions
 
 
 class NotStreamableError(ValueError):
@@ -298,7 +298,7 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
 
       terms = []
       for r, dtype in zip(sums, dtypes):
-        acc = fusion.carry_dtype(dtype)
+        acc = reductions.carry_dtype(dtype)
         x = value(r.x_id).astype(dtype).astype(acc)
         if r.op == 'weighted_mean':
           w = jnp.where(one[_VALID], value(r.weight_id).astype(dtype).astype(acc), 0)
@@ -319,8 +319,7 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
       for total, term in zip(totals, terms):
         if len(term) == 2:
           x, w = term
-          dot = (primitives._contract_leading(x, w) if on_cpu  # pylint: disable=protected-access
-                 else primitives._sum_leading(x, w))  # pylint: disable=protected-access
+          dot = primitives.sum_leading_axis(x, w, on_cpu=on_cpu)
           new.append((total[0] + dot, total[1] + jnp.sum(w)))
         else:
           new.append((total[0] + jnp.sum(term[0], axis=0),))
@@ -377,13 +376,8 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
   out = {}
   for r, dtype, c in zip(sums, dtypes, carry):
     total = c[0][0] + c[0][1]  # The sum and its compensation.
-    if r.op == 'sum':
-      out[r.out_id] = total.astype(dtype)
-    elif r.op == 'mean':
-      out[r.out_id] = (total / n).astype(dtype)
-    else:
-      wsum = c[1][0] + c[1][1]
-      out[r.out_id] = (total * primitives._inverse_total(wsum)).astype(dtype)  # pylint: disable=protected-access
+    wsum = c[1][0] + c[1][1] if r.op == 'weighted_mean' else None
+    out[r.out_id] = reductions.finish(r.op, total, wsum, n, dtype)
   for r in collect:
     host = collected_host[collect.index(r)]
     out[r.out_id] = plan_lib.from_host(jnp.asarray(host), plan.avals[r.out_id])
@@ -426,11 +420,11 @@ def _inner_chunk(env, bcast, client_maps, plan, k) -> int:
 def _result_dtype(plan, r):
   x_dtype = plan.avals[r.x_id].dtype
   w_dtype = None if r.weight_id is None else plan.avals[r.weight_id].dtype
-  return fusion._result_dtype(r.op, x_dtype, w_dtype)  # pylint: disable=protected-access
+  return reductions.result_dtype(r.op, x_dtype, w_dtype)
 
 
 def _zero_carry(plan, r, dtype):
-  acc = fusion.carry_dtype(dtype)
+  acc = reductions.carry_dtype(dtype)
   shape = plan.avals[r.out_id].shape
   zero = (jnp.zeros(shape, acc), jnp.zeros(shape, acc))
   if r.op == 'weighted_mean':
@@ -439,18 +433,7 @@ def _zero_carry(plan, r, dtype):
 
 
 def _add(carry, partial):
-  return tuple(_neumaier(c, p) for c, p in zip(carry, partial))
-
-
-def _neumaier(state, x):
-  """Adds ``x`` to the compensated sum ``state = (s, c)`` (Neumaier 1974)."""
-  s, c = state
-  if not jnp.issubdtype(s.dtype, jnp.inexact):
-    return s + x, c
-  t = s + x
-  big = jnp.abs(s) >= jnp.abs(x)
-  c = c + jnp.where(big, (s - t) + x, (x - t) + s)
-  return t, c
+  return tuple(reductions.compensated_add(c, p) for c, p in zip(carry, partial))
 
 
 def _pad(x, total):

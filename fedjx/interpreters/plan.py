@@ -52,6 +52,7 @@ from jax.extend import core as jex_core
 
 from fedjx import placements as placements_lib
 from fedjx import primitives
+from fedjx import reductions
 
 __all__ = [
     'BROADCAST', 'BroadcastStep', 'CLIENT', 'MAP_NAME_PREFIX', 'MapStep',
@@ -62,11 +63,7 @@ __all__ = [
 ]
 
 SERVER, BROADCAST, CLIENT = 'server', 'broadcast', 'client'
-REDUCTIONS = {
-    primitives.reduce_sum_p: 'sum',
-    primitives.reduce_mean_p: 'mean',
-    primitives.reduce_weighted_mean_p: 'weighted_mean',
-}
+REDUCTIONS = primitives.REDUCTIONS
 MAP_NAME_PREFIX = 'fedjx_map_'
 
 
@@ -786,35 +783,24 @@ def evaluate(plan: Plan, *flat_args: Any) -> list[Any]:
 
 def combine(op: str, xs: Sequence[Any], ws: Sequence[Any] | None, dtype) -> np.ndarray:
   """Sum, mean or weighted mean of per-client arrays, accumulated in 64 bits
-  (or, for ``'collect'``, the arrays stacked in client order)."""
+  (:mod:`fedjx.reductions`), or, for ``'collect'``, the arrays stacked in
+  client order."""
   if op == 'collect':
     return np.stack([np.asarray(x) for x in xs]).astype(dtype)
-  acc = accumulator_dtype(np.asarray(xs[0]).dtype)
-  total = np.sum([np.asarray(x, acc) for x in xs], axis=0)
-  if op == 'sum':
-    return total.astype(dtype)
-  if op == 'mean':
-    return (total / len(xs)).astype(dtype)
+  if op != 'weighted_mean':
+    acc = accumulator_dtype(np.asarray(xs[0]).dtype)
+    total = np.sum([np.asarray(x, acc) for x in xs], axis=0)
+    return reductions.finish(op, total, None, len(xs), dtype, xp=np)
   w = np.asarray([np.asarray(v, np.float64) for v in ws])
-  numer = np.sum([wi.reshape(wi.shape + (1,) * (np.ndim(x) - wi.ndim)) * np.asarray(x, np.float64)
-                  for wi, x in zip(w, xs)], axis=0)
-  denom = w.sum(axis=0)
-  return weighted_mean_result(numer, denom, dtype)
+  numer = np.sum([reductions.expand_weights(wi, np.asarray(x, np.float64)) *
+                  np.asarray(x, np.float64) for wi, x in zip(w, xs)], axis=0)
+  return weighted_mean_result(numer, w.sum(axis=0), dtype)
 
 
-def accumulator_dtype(dtype) -> np.dtype:
-  dtype = np.dtype(dtype)
-  if np.issubdtype(dtype, np.complexfloating):
-    return np.dtype(np.complex128)
-  if np.issubdtype(dtype, np.floating):
-    return np.dtype(np.float64)
-  if np.issubdtype(dtype, np.bool_):
-    return np.dtype(np.int64)
-  return np.dtype(np.int64) if np.issubdtype(dtype, np.signedinteger) else np.dtype(np.uint64)
+accumulator_dtype = reductions.host_accumulator_dtype
 
 
 def weighted_mean_result(numer, denom, dtype) -> np.ndarray:
-  denom = np.asarray(denom)
-  shape = denom.shape + (1,) * (np.ndim(numer) - denom.ndim)
-  safe = np.where(denom == 0, 1.0, denom).reshape(shape)
-  return np.where(denom.reshape(shape) == 0, 0.0, numer / safe).astype(dtype)
+  """``numer / denom``, zero where ``denom`` is (:func:`fedjx.reductions.finish`)."""
+  return reductions.finish('weighted_mean', np.asarray(numer), denom, None, dtype,
+                           xp=np)
