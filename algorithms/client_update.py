@@ -11,7 +11,11 @@ proximal term or SCAFFOLD's correction are transformations chained into
 examples of the step's batch. A step whose mask is all False is padding and
 changes nothing (``jnp.where`` on parameters and optimizer state), so a client
 padded to the cohort's ``[S, B]`` shape gives exactly the result of its
-unpadded batches.
+unpadded batches. A step that is padding for every client run together with
+this one (the whole cohort under ``vmap``, a chunk under ``chunked``, the
+client alone under ``sequential``) is not computed at all: it sits in a
+``lax.cond`` on :func:`fedjx.mapping.any_in_chunk`, so padding costs a
+branch, not a step (``scripts/benchmark_padding.py``).
 
 The schedule of steps (:class:`LocalSchedule`) is either ``epochs`` passes
 over the cohort's ``S`` steps (McMahan et al. 2017, ``E`` local epochs), or a
@@ -30,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import fedjx.mapping
 from fedjx.algorithms.base import LossFn
 from fedjx.algorithms.base import MetricsFn
 from fedjx.algorithms.base import Params
@@ -150,17 +155,29 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
   """
   grad_fn = jax.grad(_masked_mean_and_sums, argnums=1, has_aux=True)
 
-  def step(carry, xs):
+  def real_step(carry, batch, m, is_real):
     params, opt_state = carry
-    batch, m, is_real = xs
     grads, (total, count) = grad_fn(loss_fn, params, batch, m)
     updates, new_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    keep = lambda new, old: jnp.where(is_real, new, old)
+    keep = lambda new, old: jnp.where(is_real, new, old).astype(jnp.result_type(old))
     sums = {'loss': jnp.where(is_real, total, 0.0).astype(jnp.float32),
             'count': jnp.where(is_real, count, 0.0).astype(jnp.float32)}
     return (jax.tree.map(keep, new_params, params),
             jax.tree.map(keep, new_state, opt_state)), sums
+
+  def padding_step(carry, batch, m, is_real):
+    del batch, m
+    zero = jnp.zeros_like(is_real, jnp.float32)  # Placed as is_real is.
+    return carry, {'loss': zero, 'count': zero}
+
+  def step(carry, xs):
+    batch, m, is_real = xs
+    # A step that is padding for every client run with this one computes
+    # nothing (fedjx.mapping.any_in_chunk); a client whose own step is
+    # padding keeps its state (jnp.where) either way.
+    return jax.lax.cond(fedjx.mapping.any_in_chunk(is_real), real_step,
+                        padding_step, carry, batch, m, is_real)
 
   carry = tie_to((params, opt_state), mask)
   if schedule.steps is None:  # Epochs: scan over the steps as they are.
@@ -186,15 +203,20 @@ def evaluate(loss_fn: LossFn, metrics_fn: MetricsFn | None, params: Params,
 
   Returns ``{'loss': ..., <metric>: ..., 'count': number of real examples}``.
   """
-  def step(sums, xs):
-    batch, m = xs
+  def real_batch(sums, batch, m):
     out = {'loss': loss_fn(params, batch)}
     if metrics_fn is not None:
       out.update(metrics_fn(params, batch))
     new = {k: sums[k] + jnp.sum(jnp.where(m, v, 0.0)).astype(jnp.float32)
            for k, v in out.items() if k != 'count'}
     new['count'] = sums['count'] + jnp.sum(m, dtype=jnp.float32)
-    return new, None
+    return new
+
+  def step(sums, xs):
+    batch, m = xs
+    # Padding batches of every client run with this one are not evaluated.
+    return jax.lax.cond(fedjx.mapping.any_in_chunk(jnp.any(m)), real_batch,
+                        lambda sums, *unused: sums, sums, batch, m), None
 
   keys = ['loss'] + ([] if metrics_fn is None else list(jax.eval_shape(
       metrics_fn, params, jax.tree.map(lambda x: x[0], batches))))

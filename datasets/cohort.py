@@ -241,7 +241,7 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
                 num_steps: int | None = None, max_steps: int | None = None,
                 shuffle_seed: int | None = 0, round_num: int = 0,
                 bucket: bool = True, steps: int | None = None,
-                pad_to: int | None = None) -> Cohort:
+                pad_to: int | None = None, order_by_steps: bool = False) -> Cohort:
   """Batches clients ``client_ids`` of ``dataset`` into a NumPy :class:`Cohort`.
 
   Each client's examples are visited as ``example_order`` describes: shuffled
@@ -269,6 +269,13 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
     pad_to: the cohort's size ``C``: ids equal to ``PADDING_CLIENT`` and
       ``pad_to - len(client_ids)`` more become padding clients (default: no
       padding; ``client_ids`` may then not hold ``PADDING_CLIENT``).
+    order_by_steps: lay the clients out by descending step count (ties in
+      the given order; ``client_ids`` of the result says who is where), so
+      that clients run together in a chunk (``map_strategy='chunked'``)
+      have similar step counts and a step that is padding for all of them
+      is skipped (``fedjx.mapping.any_in_chunk``). A reduction over the
+      cohort then sums its clients in another order: the same result up to
+      float rounding.
 
   Returns:
     A :class:`Cohort` of NumPy arrays; ``num_examples[c]`` counts the distinct
@@ -312,6 +319,8 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
     clients = [c if c[0] != PADDING_CLIENT else (c[0], template, c[2], c[3])
                for c in clients]
   _check_features(real or clients[:1])
+  if order_by_steps:
+    clients.sort(key=lambda c: -math.ceil(len(c[2]) / batch_size))
   needed = max(1, max(math.ceil(len(order) / batch_size)
                       for _, _, order, _ in clients))
   if not real and num_steps is not None:  # The shape real clients would give.

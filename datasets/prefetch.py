@@ -162,7 +162,8 @@ class Batching:
 
   Attributes:
     batch_size: examples per step.
-    num_epochs, num_steps, max_steps, bucket: as in :func:`make_cohort`.
+    num_epochs, num_steps, max_steps, bucket, order_by_steps: as in
+      :func:`make_cohort`.
     shuffle: shuffle each client's examples per epoch, seeded from
       ``(seed, round_num, client)``; else data order.
   """
@@ -173,6 +174,7 @@ class Batching:
   max_steps: int | None = None
   shuffle: bool = True
   bucket: bool = True
+  order_by_steps: bool = False
 
   def cohort(self, dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarray,
              seed: int, round_num: int, *, steps: int | None = None,
@@ -184,7 +186,7 @@ class Batching:
                        max_steps=self.max_steps,
                        shuffle_seed=seed if self.shuffle else None,
                        round_num=round_num, bucket=self.bucket, steps=steps,
-                       pad_to=pad_to)
+                       pad_to=pad_to, order_by_steps=self.order_by_steps)
 
   def steps(self, dataset: FederatedDataset,
             client_ids: Sequence[int] | np.ndarray) -> int:
@@ -222,7 +224,8 @@ def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int
                     max_steps: int | None = None, shuffle: bool = True,
                     bucket: bool = True, mesh: jax.sharding.Mesh | None = None,
                     prefetch: int = 1,
-                    sampler: Sampler | None = None) -> Prefetcher[Cohort]:
+                    sampler: Sampler | None = None,
+                    order_by_steps: bool = False) -> Prefetcher[Cohort]:
   """Placed cohorts for rounds ``start_round, start_round + 1, ...``.
 
   Round ``r``'s cohort is ``place_cohort(cohort_for_round(dataset,
@@ -238,7 +241,8 @@ def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int
     seed: seeds both cohort sampling and per-client shuffling.
     start_round: the first round to yield.
     num_rounds: how many rounds to yield (None: forever).
-    num_epochs, num_steps, max_steps, bucket: as in :func:`make_cohort`.
+    num_epochs, num_steps, max_steps, bucket, order_by_steps: as in
+      :func:`make_cohort`.
     shuffle: shuffle each client's examples per epoch.
     mesh: where to place cohorts (default: the mesh set with ``jax.set_mesh``,
       if any); sharded over its ``clients`` axis.
@@ -252,7 +256,8 @@ def cohort_iterator(dataset: FederatedDataset, cohort_size: int, batch_size: int
     sampler = CohortSampler(dataset, cohort_size, seed)
   cohort_size = sampler.cohort_size
   mesh = calling_thread_mesh(mesh)
-  batching = Batching(batch_size, num_epochs, num_steps, max_steps, shuffle, bucket)
+  batching = Batching(batch_size, num_epochs, num_steps, max_steps, shuffle, bucket,
+                      order_by_steps)
   batching.check(dataset, sampler.sample(start_round))
   if mesh is not None and 'clients' in mesh.axis_names \
       and cohort_size % mesh.shape['clients']:

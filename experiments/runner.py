@@ -53,6 +53,7 @@ from fedjx import execution as execution_lib
 from fedjx import models
 from fedjx.algorithms import nonfinite
 from fedjx.experiments import checkpointing
+from fedjx.experiments import config as config_schema
 from fedjx.experiments import evaluation
 from fedjx.experiments import guarded_rounds
 from fedjx.experiments import metrics_writers
@@ -135,7 +136,8 @@ class Experiment:
         self.data.train, c.cohort_size, c.batch_size, seed=c.seed,
         start_round=start, num_rounds=stop - start, num_epochs=c.local_epochs,
         num_steps=c.local_steps, max_steps=c.max_local_steps,
-        bucket=c.bucket_steps, prefetch=c.prefetch, sampler=self.sampler)
+        bucket=c.bucket_steps, prefetch=c.prefetch, sampler=self.sampler,
+        order_by_steps=c.map_strategy == 'chunked')
 
   def system_rounds(self, start: int, stop: int, start_time: float) -> Iterator[Any]:
     """``(cohort, report)`` of rounds ``start .. stop - 1`` under ``config.systems``,
@@ -193,7 +195,8 @@ def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
   if guarded is None:
     guarded = config.nonfinite != 'off'
   return registry.build_algorithm(
-      config.algorithm, model, map_strategy=config.map_strategy,
+      privacy_lib.algorithm_spec(config, num_clients), model,
+      map_strategy=config.map_strategy,
       chunk_size=config.chunk_size, num_clients=num_clients,
       skip_nonfinite=guarded)
 
@@ -312,6 +315,7 @@ def async_scheduler(config: ml_collections.ConfigDict, train: Any,
     return None
   num_clients = train if isinstance(train, int) else train.num_clients
   k = config.cohort_size
+  config_schema.check_asynchronous(config, name, spec)
   if spec.get('buffer_size') not in (None, k):
     raise registry.ConfigError(
         f'config.algorithm.buffer_size={spec["buffer_size"]} differs from '
@@ -546,6 +550,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
     log(f'fedjx: privacy: {plan.summary(stop)}.')
 
   interrupted = False
+  audit = None  # config.privacy.audit's, after the last round
   step = start
   saved = start if restored is not None else None  # the last good checkpoint
   pending = False  # a save is being written in the background
@@ -635,6 +640,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
             if plan is not None and (plan.accountant == 'rdp' or step == stop
                                      or step % config.eval_every == 0):
               row['epsilon'] = plan.epsilon(step)  # PLD: at evaluations only
+            if plan is not None and plan.canaries is not None and (
+                step == stop and finite):
+              audit = privacy_lib.run_audit(plan, step, exp.init_params,
+                                            state.params)
+              row.update(privacy_lib.audit_metrics(audit))
             emit(step, row)
             bad = row.get('nonfinite_clients', 0)
             if not finite or bad > 0 and (config.nonfinite == 'stop' or
@@ -663,6 +673,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
         log(privacy_lib.budget_message(plan, stop))
       if plan is not None and lead and step != stop:
         privacy_lib.write_statement(workdir, plan, step)  # interrupted early
+      if plan is not None and plan.canaries is not None and step == stop:
+        if audit is None:  # Resumed after the last round: the saved model.
+          audit = privacy_lib.run_audit(plan, step, exp.init_params,
+                                        state.params)
+        if lead:
+          privacy_lib.write_statement(workdir, plan, step, audit)
+          log(f"fedjx: privacy audit: {audit['statement']}")
       if interrupted:
         writer.flush()
         ckpt.save(step, state, meta(step), force=True)

@@ -188,3 +188,31 @@ def pushed(frame: Frame) -> Iterator[None]:
     yield
   finally:
     _STACK.reset(token)
+
+
+# The vmap axes of the members run together now (innermost last), set while
+# map_fn traces its function inside a chunk: what ``mapping.any_in_chunk``
+# reduces over.
+_CHUNK_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    'fedjx_chunk_axes', default=())
+
+
+@contextlib.contextmanager
+def chunk_axis(name: str | None) -> Iterator[None]:
+  """Marks the block as tracing one chunk's members, vmapped on axis ``name``
+  (None: one member at a time, no axis; ``''``: vmapped on no named axis,
+  so members cannot agree on a predicate)."""
+  token = _CHUNK_AXES.set(_CHUNK_AXES.get() + (() if name is None else (name,)))
+  try:
+    yield
+  finally:
+    _CHUNK_AXES.reset(token)
+
+
+def chunk_axis_name(placement: str) -> str:
+  """The vmap axis of the members of one chunk of ``placement``."""
+  return f'fedjx_chunk_{placement}'
+
+
+def chunk_axes() -> tuple[str, ...]:
+  return _CHUNK_AXES.get()

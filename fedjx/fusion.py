@@ -122,6 +122,9 @@ ad.primitive_jvps[fusable_map_p] = _fusable_map_jvp
 batching.primitive_batchers[fusable_map_p] = _fusable_map_batch
 
 
+chunk_axis_name = frames.chunk_axis_name
+
+
 class Recorder:
   """Per-program-call switch: whether ``map_fn`` records fusable maps now.
 
@@ -149,9 +152,15 @@ class Recorder:
     member = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x),
                                    weak_type=jax.typeof(x).weak_type)
               for x in placed]
+    # Traced as one member of a chunk of k (vmapped on the chunk's axis when
+    # run), so mapping.any_in_chunk sees the axis it reduces over.
+    axis = chunk_axis_name(placement) if k > 1 else None
     self.active = False
     try:
-      closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(member, list(shared))
+      with frames.chunk_axis(axis):
+        closed, out_shape = jax.make_jaxpr(
+            fn, return_shape=True, axis_env=[(axis, k)] if axis else ())(
+                member, list(shared))
     finally:
       self.active = True
     out_leaves, out_tree = jax.tree.flatten(out_shape)
@@ -347,7 +356,8 @@ def run(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
   def outputs(chunk):
     if k == 1:
       return member(*consts, *chunk, *shared)
-    return jax.vmap(lambda *one: member(*consts, *one, *shared))(*chunk)
+    return jax.vmap(lambda *one: member(*consts, *one, *shared),
+                    axis_name=chunk_axis_name(spec.placement))(*chunk)
 
   out_avals = spec.out_avals
   w_values = [r.weights[1] if r.weights is not None and r.weights[0] == 'value'

@@ -167,6 +167,20 @@ def run_mapped(fn: Callable[..., Any], args: Any, n: int, k: int,
     y = sharding_lib.place_leading_axis(y, placement, mesh)
     return y.reshape((k * m,) + y.shape[2:])[:n]
 
+  chunk = frames.chunk_axis_name(placement)
+  # JAX cannot yet psum over a vmap axis sharded on an Explicit mesh axis
+  # inside a cond (an internal assertion), so there any_in_chunk keeps each
+  # member's own predicate: nothing is skipped, and nothing changes.
+  explicit = (axis_name is not None and sharding_lib.placement_axis_type(
+      sharding_lib.active_mesh(mesh), placement) == jax.sharding.AxisType.Explicit)
+
+  def vmapped(f, **kwargs):
+    """``jax.vmap(f)`` over a chunk's members, traced as one chunk."""
+    def run(x):
+      with frames.chunk_axis('' if explicit else chunk):
+        return jax.vmap(f, axis_name=None if explicit else chunk, **kwargs)(x)
+    return run
+
   if k == 1 and axis_name is None:  # One member at a time.
     return jax.lax.map(fn, args)
   if axis_name is None and m > 1:
@@ -174,16 +188,35 @@ def run_mapped(fn: Callable[..., Any], args: Any, n: int, k: int,
     # laid out [m, k], so the stacked outputs need no transpose.
     grid = jax.tree.map(
         lambda x: _pad_leading(x, k * m).reshape((m, k) + x.shape[1:]), args)
-    out = jax.lax.map(jax.vmap(fn), grid)
+    out = jax.lax.map(vmapped(fn), grid)
     return jax.tree.map(lambda y: y.reshape((k * m,) + y.shape[2:])[:n], out)
   if m == 1:  # One chunk: every member at once.
     padded = jax.tree.map(lambda x: sharding_lib.place_leading_axis(
         _pad_leading(x, k), placement, mesh), args)
-    out = jax.vmap(fn, spmd_axis_name=axis_name)(padded)
+    out = vmapped(fn, spmd_axis_name=axis_name)(padded)
     return jax.tree.map(lambda y: y[:n], out)
   grid = jax.tree.map(to_grid, args)
-  out = jax.vmap(lambda row: jax.lax.map(fn, row), spmd_axis_name=axis_name)(grid)
+  out = vmapped(lambda row: jax.lax.map(fn, row), spmd_axis_name=axis_name)(grid)
   return jax.tree.map(from_grid, out)
+
+
+def any_in_chunk(pred: Any) -> jax.Array:
+  """Whether ``pred`` holds for any member of the chunk being run now.
+
+  Inside a function given to :func:`map_fn`, the members of a chunk run
+  together (``vmap``), so work that only some of them need is computed for
+  all of them. ``lax.cond(any_in_chunk(p), work, skip, ...)`` skips it when
+  no member of the chunk needs it: the predicate is the same for every
+  member (a ``psum`` over the chunk's vmap axis), so the ``cond`` stays a
+  branch instead of becoming a select that computes both sides. With one
+  member at a time (``sequential``), it is ``pred`` itself. Each member must
+  still mask its own result (``jnp.where(p, new, old)``).
+  """
+  pred = jnp.asarray(pred, bool)
+  axes = frames.chunk_axes()
+  if not axes or '' in axes:
+    return pred
+  return jax.lax.psum(pred.astype(jnp.int32), axes) > 0
 
 
 def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,

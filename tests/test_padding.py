@@ -1,0 +1,126 @@
+"""Padded steps cost nothing: a step that is padding for every client run
+together with it is skipped, and cohorts can be laid out by step count."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjx
+import fedjx.algorithms as algos
+from fedjx import datasets
+from fedjx import placements
+import float_tolerance as ft
+from test_algorithms_util import linreg_data, linreg_loss, linreg_params, make_cohort
+
+N = 6
+FLAGS = np.array([True, False, False, True, False, False])
+
+
+def _any_in_chunk(strategy, chunk, fuse):
+  @fedjx.program(clients=N, map_strategy=strategy, chunk_size=chunk, fuse=fuse)
+  def program(flags):
+    seen = fedjx.map_fn(lambda f: fedjx.mapping.any_in_chunk(f), flags)
+    return fedjx.reduce_sum(seen.astype(jnp.int32)), seen
+  return jax.jit(program)(jnp.asarray(FLAGS))[1]
+
+
+@pytest.mark.parametrize('strategy,chunk,fuse,want', [
+    ('vmap', None, True, [True] * N),              # One chunk: any of all.
+    ('chunked', 2, True, [True, True, True, True, False, False]),  # Pairs.
+    ('chunked', 2, False, [True, True, True, True, False, False]),
+    ('chunked', 3, True, [True] * N),              # {0,1,2}, {3,4,5}.
+    ('sequential', None, True, list(FLAGS)),       # One member: its own.
+    ('sequential', None, False, list(FLAGS)),
+])
+def test_any_in_chunk_is_the_or_over_the_members_run_together(strategy, chunk, fuse, want):
+  np.testing.assert_array_equal(_any_in_chunk(strategy, chunk, fuse), want)
+
+
+def test_any_in_chunk_outside_a_map_is_the_value_itself():
+  assert bool(fedjx.mapping.any_in_chunk(True))
+  assert not bool(fedjx.mapping.any_in_chunk(jnp.asarray(False)))
+
+
+def _counting_loss(counter):
+  def loss(params, batch):
+    jax.debug.callback(counter.append, 1)
+    return linreg_loss(params, batch)
+  return loss
+
+
+@pytest.mark.parametrize('strategy,chunk,expected', [
+    ('sequential', None, 3 + 1 + 2 + 2),  # Each client its own steps.
+    ('chunked', 2, 3 + 2),                # Chunks {3, 1} and {2, 2}.
+    ('vmap', None, 3),                    # One chunk: the largest client's.
+])
+def test_steps_that_are_padding_for_the_whole_chunk_are_not_computed(strategy, chunk, expected):
+  """Clients of 3, 1, 2 and 2 steps, padded to S = 4: each step a chunk
+  computes calls the loss's callback once (under vmap, once for the chunk's
+  members together); steps that are padding for the whole chunk never do.
+  Without skipping, every chunk would compute all 4 steps."""
+  rng = np.random.default_rng(0)
+  data = linreg_data(rng, [12, 4, 8, 8], dim=3)
+  cohort = make_cohort(data, batch_size=4, steps=4)
+  calls = []
+  algo = algos.fedavg(_counting_loss(calls), client_optimizer=optax.sgd(0.1),
+                      client_evaluation=False).compile(
+      map_strategy=strategy, chunk_size=chunk, donate=False)
+  state = algo.init(linreg_params(3))
+  with placements.without_fusion():
+    jax.block_until_ready(algo.round(state, cohort, jax.random.key(0)))
+    calls.clear()
+    jax.block_until_ready(algo.round(state, cohort, jax.random.key(0)))
+  assert len(calls) == expected
+
+
+def test_skipping_changes_no_number():
+  """The round with padding skipped equals plain SGD on each client's own
+  batches, weighted by example counts (a NumPy reference)."""
+  rng = np.random.default_rng(1)
+  sizes = [12, 4, 8, 3]
+  data = linreg_data(rng, sizes, dim=3)
+  cohort = make_cohort(data, batch_size=4, steps=8)
+  params = linreg_params(3)
+  algo = algos.fedavg(linreg_loss, client_optimizer=optax.sgd(0.1),
+                      client_evaluation=False).compile(map_strategy='sequential')
+  new, _ = algo.round(algo.init(params), cohort, jax.random.key(0))
+  models = []
+  for d in data:
+    w = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    for s in range(0, len(d['y']), 4):
+      x, y = d['x'][s:s + 4].astype(np.float64), d['y'][s:s + 4].astype(np.float64)
+      r = x @ w['w'] + w['b'] - y
+      w = {'w': w['w'] - 0.1 * x.T @ r / len(y), 'b': w['b'] - 0.1 * r.mean()}
+    models.append(w)
+  weights = np.asarray(sizes, np.float64) / sum(sizes)
+  for k in ('w', 'b'):
+    want = sum(wi * m[k] for wi, m in zip(weights, models))
+    # 3 local steps of sums over 4 examples x 3 features, then a mean of 4.
+    np.testing.assert_allclose(new.params[k], want, rtol=0,
+                               atol=ft.atol(3 * 4 * 3 + 4, 10.0))
+
+
+def test_cohorts_ordered_by_steps_give_the_same_round():
+  rng = np.random.default_rng(2)
+  sizes = np.array([5, 40, 12, 30, 1, 22, 9, 17])
+  x = rng.normal(size=(sizes.sum(), 3)).astype(np.float32)
+  y = rng.normal(size=sizes.sum()).astype(np.float32)
+  data = datasets.from_arrays({'x': x, 'y': y}, groups=np.repeat(np.arange(8), sizes))
+  ids = np.arange(8)
+  plain = datasets.make_cohort(data, ids, 4, shuffle_seed=None)
+  ordered = datasets.make_cohort(data, ids, 4, shuffle_seed=None, order_by_steps=True)
+  steps = np.asarray(ordered.mask.any(-1).sum(-1))
+  assert list(steps) == sorted(steps, reverse=True)
+  np.testing.assert_array_equal(np.sort(ordered.client_ids), ids)
+  np.testing.assert_array_equal(
+      ordered.num_examples, plain.num_examples[np.asarray(ordered.client_ids)])
+  algo = algos.fedavg(linreg_loss, client_optimizer=optax.sgd(0.1)).compile(
+      map_strategy='chunked', chunk_size=2, donate=False)
+  state = algo.init(linreg_params(3))
+  a, _ = algo.round(state, jax.tree.map(jnp.asarray, plain), jax.random.key(0))
+  b, _ = algo.round(state, jax.tree.map(jnp.asarray, ordered), jax.random.key(0))
+  for u, v in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+    # The same per-client models, averaged over 8 clients in another order.
+    np.testing.assert_allclose(u, v, rtol=0, atol=ft.atol(2 * 8, 8 * 2.0))
