@@ -327,3 +327,28 @@ def test_plans_of_control_flow_are_right_or_refused_in_one_line(construct):
     assert message.startswith(f"fedjx: '{REFUSED_AS[construct]}' at "
                               'test_composition_matrix.py:')
     assert 'inside a loop or a branch' in message
+
+
+@pytest.mark.parametrize('strategy,chunk,fuse', STRATEGIES, ids=_ids(STRATEGIES))
+@pytest.mark.parametrize('mode', ['jit', 'eager', 'grad', 'jvp'])
+def test_map_fn_inside_a_nested_program(mode, strategy, chunk, fuse):
+  """Two silos, each a program over its own clients (hierarchical FL)."""
+  w, xs = _data()
+  silo_xs = jnp.stack([xs, 2 * xs])
+
+  inner = _as_program(_round_fedjx, strategy, chunk, fuse)
+
+  @fedjx.program(placements={'silos': 2}, map_strategy=strategy, chunk_size=chunk,
+                 fuse=fuse)
+  def hierarchical(w, silo_xs):
+    per_silo = fedjx.map_fn(inner, (fedjx.broadcast(w, placement='silos'), silo_xs),
+                            placement='silos')
+    return fedjx.reduce_mean(per_silo, placement='silos')
+
+  def reference(w, silo_xs):
+    return jnp.mean(jax.vmap(_round_jnp, in_axes=(None, 0))(w, silo_xs), 0)
+
+  got = _evaluate(hierarchical, mode, w, silo_xs)
+  want = _evaluate(reference, mode, w, silo_xs)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=ATOL)
