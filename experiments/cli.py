@@ -98,17 +98,81 @@ def _one_line(e: BaseException) -> str:
   return ' '.join(str(e).split()) or type(e).__name__
 
 
-def load_config_file(spec: str):
-  """The config of ``path[:arg]``: ``get_config(arg)`` (or ``get_config()``) of the file."""
-  path, _, arg = spec.partition(':')
+def _where_raised(error: BaseException, path: str) -> str:
+  """``' at FILE:LINE'`` of the deepest frame of ``error`` in ``path`` (or ``''``)."""
+  target = os.path.realpath(path)
+  if isinstance(error, SyntaxError) and error.filename and os.path.realpath(
+      error.filename) == target:
+    return f' at {path}:{error.lineno}'
+  line = None
+  tb = error.__traceback__
+  while tb is not None:
+    if os.path.realpath(tb.tb_frame.f_code.co_filename) == target:
+      line = tb.tb_lineno
+    tb = tb.tb_next
+  return f' at {path}:{line}' if line is not None else ''
+
+
+def _raised(spec: str, path: str, what: str, error: BaseException) -> UsageError:
+  """One line: what in config file ``path`` raised ``error``, and where."""
+  return UsageError(f'--config={spec!r}: {what} raised {type(error).__name__}'
+                    f'{_where_raised(error, path)}: {_one_line(error)}')
+
+
+def load_module(spec: str, name: str = '_fedjx_config'):
+  """The module of config file ``path[:arg]``, executed (one-line errors).
+
+  Raises:
+    UsageError: the file does not exist, or executing it raised (the line
+      names the exception, the file and the line).
+  """
+  path = spec.partition(':')[0]
   if not os.path.exists(path):
     raise UsageError(f'--config={spec!r}: no such file {path!r}.')
-  module_spec = importlib.util.spec_from_file_location('_fedjx_config', path)
+  if not os.path.isfile(path):
+    raise UsageError(f'--config={spec!r}: {path!r} is not a file.')
+  module_spec = importlib.util.spec_from_file_location(name, path)
+  if module_spec is None:
+    raise UsageError(f'--config={spec!r}: {path!r} is not a Python file.')
   module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  if not hasattr(module, 'get_config'):
+  try:
+    module_spec.loader.exec_module(module)
+  except Exception as e:  # pylint: disable=broad-except
+    raise _raised(spec, path, 'loading the file', e) from e
+  return module
+
+
+def call_in_config_file(spec: str, module: Any, fn_name: str, *args: Any) -> Any:
+  """``module.<fn_name>(*args)``; an exception becomes one line naming the file."""
+  path = spec.partition(':')[0]
+  shown = ', '.join(repr(a) for a in args)
+  try:
+    return getattr(module, fn_name)(*args)
+  except Exception as e:  # pylint: disable=broad-except
+    raise _raised(spec, path, f'{fn_name}({shown})', e) from e
+
+
+def load_config_file(spec: str):
+  """The config of ``path[:arg]``: ``get_config(arg)`` (or ``get_config()``) of the file.
+
+  Raises:
+    UsageError: (one line naming the file) the file is missing, raises
+      (with the line), defines no ``get_config``, or its ``get_config``
+      returns something other than an ``ml_collections.ConfigDict``.
+  """
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  path, _, arg = spec.partition(':')
+  module = load_module(spec)
+  if not callable(getattr(module, 'get_config', None)):
     raise UsageError(f'--config={spec!r}: {path} defines no get_config().')
-  return module.get_config(arg) if arg else module.get_config()
+  config = call_in_config_file(spec, module, 'get_config', *([arg] if arg else []))
+  if not isinstance(config, ml_collections.ConfigDict):
+    got = 'None' if config is None else f'a {type(config).__name__}'
+    raise UsageError(
+        f'--config={spec!r}: get_config() in {path} returned {got}; it must '
+        'return an ml_collections.ConfigDict (e.g. ml_collections.ConfigDict('
+        '{...}), or fedjx.experiments.config_base.base_config()).')
+  return config
 
 
 # --------------------------------------------------- builder-option overrides
@@ -192,7 +256,7 @@ def _get(config: Any, parts: Sequence[str]) -> Any:
 
 def _unknown_field(arg: str, config: Any, parts: Sequence[str],
                    extra: Sequence[str] = ()) -> UsageError:
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
   node, walked = config, 'config'
   for part in parts:
     keys = list(node.keys()) if hasattr(node, 'keys') else []
@@ -200,7 +264,7 @@ def _unknown_field(arg: str, config: Any, parts: Sequence[str],
       valid = sorted(set(keys) | set(extra))
       return UsageError(
           f'unknown config field {walked}.{part} (in {arg}).'
-          f'{registry._suggest(part, valid)} Valid fields of {walked}: '  # pylint: disable=protected-access
+          f'{config_schema.suggest(part, valid)} Valid fields of {walked}: '
           f'{valid}.')
     node, walked = node[part], f'{walked}.{part}'
   return UsageError(f'unknown config field {walked} (in {arg}).')
@@ -210,46 +274,111 @@ def _value(arg: str) -> str:
   return arg.split('=', 1)[1]
 
 
-def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[tuple[str, ...], Any]]]:
-  """Separates overrides of builder options the config file does not set.
+def _field_type(config: Any, parts: Sequence[str]) -> type:
+  """The type ``ml_collections`` holds for field ``parts`` (NoneType for None)."""
+  parent = _get(config, parts[:-1])
+  try:
+    return parent.get_type(parts[-1])
+  except (AttributeError, KeyError):
+    return type(parent[parts[-1]])
+
+
+def _none_ancestor(config: Any, parts: Sequence[str]) -> int | None:
+  """The length of the prefix of ``parts`` naming a field that holds None, if any."""
+  node = config
+  for i, part in enumerate(parts):
+    if not (hasattr(node, 'keys') and part in node.keys()):
+      return None
+    node = node[part]
+    if node is None:
+      return i + 1
+  return None
+
+
+def _typed(kind: type | None) -> inspect.Parameter:
+  """A parameter of type ``kind`` (or None) for :func:`parse_value`."""
+  annotation = (inspect.Parameter.empty if kind is None
+                else f'{kind.__name__} | None')
+  return inspect.Parameter('value', inspect.Parameter.KEYWORD_ONLY, default=None,
+                           annotation=annotation)
+
+
+def _spec_text(name: Any, options: Mapping[str, Any]) -> str:
+  inner = ', '.join(f'{k}={v!r}' for k, v in options.items())
+  return f'{name}({inner})'
+
+
+def split_overrides(argv: Sequence[str], notes: list[str] | None = None
+                    ) -> tuple[list[str], list[tuple[tuple[str, ...], Any]]]:
+  """Separates the overrides that ``ml_collections`` cannot apply itself.
 
   ``--config.<path>=<value>`` naming an existing field is left for
-  ``ml_collections`` to parse. One naming no field is accepted when it is
+  ``ml_collections`` to parse, unless that field holds None (it has no type
+  to parse by). The others are accepted when they are
 
   * ``algorithm.<option>`` (``dataset.<option>``, ``model.<option>``): an
     option of the selected builder (after any ``--config.algorithm.name=``
     override), or
   * ``algorithm.<x>optimizer.<option>``: an option of the selected optax
     optimizer of that spec (``name`` included, which creates the spec when
-    the file leaves the builder's default optimizer).
+    the file leaves the builder's default optimizer), or
+  * a field holding None (or a field inside one), such as
+    ``privacy.target_epsilon``.
 
-  Its value is parsed as the builder parameter's type (:func:`parse_value`).
+  Their values are parsed as the builder parameter's type
+  (:func:`parse_value`); a field holding None by its type in
+  ``fedjx.experiments.config.OPTIONAL_TYPES``, else as a Python literal.
   Anything else is an unknown field, named with a "did you mean".
 
+  Naming another optimizer than the file's
+  (``--config.algorithm.server_optimizer.name=adam`` where the file has
+  ``sgd``) replaces the spec: the new optimizer gets the options given on the
+  command line and its own defaults for the rest; the file's options for the
+  old one are dropped. An option the new optimizer requires (optax's
+  ``learning_rate``) must then be given. A line saying what was applied is
+  appended to ``notes``.
+
   Returns:
-    ``(argv without those overrides, [(path parts, value), ...])``.
+    ``(argv without those overrides, [(path parts, value), ...])``; a value
+    that is a dict replaces the whole entry at its path.
   Raises:
-    UsageError: an unknown field or a value of the wrong type.
+    UsageError: an unknown field, a value of the wrong type, or a renamed
+      optimizer missing a required option.
   """
   spec = _config_spec(argv)
   if spec is None:
     return list(argv), []
   config = load_config_file(spec)
-  named = {}  # Overrides of existing fields, as text, for the names below.
-  pending = []
+  overrides = []  # (arg, parts, text or None)
   for arg in argv:
     match = _OVERRIDE.match(arg)
-    if not match:
-      continue
-    parts = tuple(match.group(1).split('.'))
-    if _has_path(config, parts):
-      if '=' in arg:
-        named[parts] = _value(arg)
+    if match:
+      overrides.append((arg, tuple(match.group(1).split('.')),
+                        _value(arg) if '=' in arg else None))
+
+  # Optimizer specs renamed on the command line: ('algorithm', slot) -> name.
+  renamed: dict[tuple[str, ...], str] = {}
+  for arg, parts, text in overrides:
+    if (len(parts) == 3 and parts[0] == 'algorithm' and parts[2] == 'name'
+        and parts[1].endswith('optimizer') and text is not None
+        and _has_path(config, parts)
+        and text.strip('\'"') != _get(config, parts)):
+      renamed[parts[:2]] = text.strip('\'"')
+
+  named = {}  # Overrides of existing fields, as text, for the names below.
+  pending = []
+  for arg, parts, text in overrides:
+    if parts[:2] in renamed:
+      pending.append((arg, parts))
+    elif _has_path(config, parts) and _field_type(config, parts) is not type(None):
+      if text is not None:
+        named[parts] = text
     else:
       pending.append((arg, parts))
   if not pending:
     return list(argv), []
 
+  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
   from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
 
   def name_of(parts: tuple[str, ...], text_overrides: Mapping[Any, str]) -> Any:
@@ -264,14 +393,21 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[tuple[st
                and '=' in a}
   tables = {'algorithm': registry.ALGORITHMS, 'dataset': registry.DATASETS,
             'model': registry.MODELS}
-  for arg, parts in pending:
+  given: dict[tuple[str, ...], dict[str, Any]] = {}  # Optimizer options set.
+  for arg, parts, in pending:
     kind = parts[0]
-    builder = name_of((kind,), named) if kind in tables else None
-    if builder not in tables.get(kind, {}) or '=' not in arg or (
-        len(parts) not in (2, 3) or (len(parts) == 3 and kind != 'algorithm')):
-      raise _unknown_field(arg, config, parts)
-    options = registry.builder_options(builder, kind)
     where = f'--config.{".".join(parts)}'
+    builder = name_of((kind,), named) if kind in tables else None
+    is_option = (builder in tables.get(kind, {}) and '=' in arg and (
+        len(parts) == 2 or (len(parts) == 3 and kind == 'algorithm')))
+    if not is_option:
+      depth = _none_ancestor(config, parts)
+      if depth is None or '=' not in arg:
+        raise _unknown_field(arg, config, parts)
+      kind_of = config_schema.OPTIONAL_TYPES.get('.'.join(parts))
+      extras.append((parts, parse_value(_value(arg), _typed(kind_of), where)))
+      continue
+    options = registry.builder_options(builder, kind)
     if len(parts) == 2:
       if parts[1] not in options:
         raise UsageError(
@@ -282,9 +418,13 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[tuple[st
       continue
     slot, option = parts[1], parts[2]
     if not slot.endswith('optimizer') or slot not in options:
-      raise _unknown_field(arg, config, parts)
-    opt_name = new_names.get(('algorithm', slot, 'name')) or name_of(
-        ('algorithm', slot), named)
+      depth = _none_ancestor(config, parts)
+      if depth is None:
+        raise _unknown_field(arg, config, parts)
+      extras.append((parts, parse_value(_value(arg), _typed(None), where)))
+      continue
+    opt_name = renamed.get(parts[:2]) or new_names.get(
+        ('algorithm', slot, 'name')) or name_of(('algorithm', slot), named)
     if opt_name is None:
       raise UsageError(
           f'{where}: config.algorithm.{slot} is not set in the config file; name '
@@ -293,7 +433,9 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[tuple[st
     fn = registry.lookup(f'algorithm.{slot} (optax optimizer)',
                          registry.OPTIMIZERS, opt_name)
     if option == 'name':
-      extras.append((parts, opt_name))
+      if parts[:2] not in renamed:
+        extras.append((parts, opt_name))
+      given.setdefault(parts[:2], {})
       continue
     params = {p.name: p for p in inspect.signature(fn).parameters.values()
               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
@@ -302,21 +444,53 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[tuple[st
           f'optax optimizer {opt_name!r} (config.algorithm.{slot}) has no option '
           f'{option!r} (in {arg}).{registry._suggest(option, params)} Valid '  # pylint: disable=protected-access
           f'options: {sorted(params)}.')
-    extras.append((parts, parse_value(_value(arg), params[option], where)))
+    value = parse_value(_value(arg), params[option], where)
+    given.setdefault(parts[:2], {})[option] = value
+    if parts[:2] not in renamed:
+      extras.append((parts, value))
+  for path, opt_name in renamed.items():
+    fn = registry.OPTIMIZERS[opt_name]
+    options = given.get(path, {})
+    old = registry.split_name(f'config.{".".join(path)}', _get(config, path))
+    missing = [p.name for p in inspect.signature(fn).parameters.values()
+               if p.default is inspect.Parameter.empty and p.name not in options
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    flag = f'--config.{".".join(path)}'
+    if missing:
+      raise UsageError(
+          f'{flag}.name={opt_name} replaces the file\'s '
+          f'{_spec_text(*old)}, whose options are dropped; {opt_name} needs '
+          + ', '.join(missing) + ': give ' +
+          ' '.join(f'{flag}.{m}=VALUE' for m in missing) + '.')
+    extras.append((path, {'name': opt_name, **options}))
+    if notes is not None:
+      notes.append(
+          f'config.{".".join(path)} is {_spec_text(opt_name, options)} '
+          f'({opt_name}\'s defaults for the rest); it replaces the file\'s '
+          f'{_spec_text(*old)}, whose options were dropped.')
   dropped = {arg for arg, _ in pending}
   return [a for a in argv if a not in dropped], extras
 
 
 def apply_overrides(config: Any, extras: Sequence[tuple[tuple[str, ...], Any]]) -> Any:
-  """Sets the builder-option overrides of :func:`split_overrides` on ``config``."""
+  """Sets the overrides of :func:`split_overrides` on ``config``.
+
+  A dict value replaces the entry at its path (a renamed optimizer's spec);
+  these are set first, then optimizer names, then the other values.
+  """
   import ml_collections  # pylint: disable=g-import-not-at-top
+  order = lambda e: (not isinstance(e[1], Mapping), e[0][-1] != 'name', len(e[0]))
   with config.unlocked():
-    for parts, value in sorted(extras, key=lambda e: e[0][-1] != 'name'):
+    for parts, value in sorted(extras, key=order):
       node = config
       for part in parts[:-1]:
-        if part not in node:
+        if part not in node or node[part] is None:
           node[part] = ml_collections.ConfigDict()
         node = node[part]
+      if isinstance(value, Mapping):
+        value = ml_collections.ConfigDict(dict(value))
+      if parts[-1] in node and node.get_type(parts[-1]) is type(None):
+        del node[parts[-1]]  # A None field has no type; give it the value's.
       node[parts[-1]] = value
   return config
 
@@ -330,8 +504,12 @@ def parse_flags(argv: Sequence[str], extras: list[Any], prog: str = 'fedjx-run',
     print(usage, end='')
     sys.exit(0)
   try:
-    rest, found = split_overrides(argv[1:])
+    notes: list[str] = []
+    rest, found = split_overrides(argv[1:], notes)
     extras.extend(found)
+    if os.environ.get('FEDJX_PROCESS_ID', '0') == '0':  # Once per run.
+      for note in notes:
+        print(f'{prog}: {note}', file=sys.stderr)
     # ml_collections reads the overrides from sys.argv itself.
     sys.argv = [argv[0]] + rest
     return flags.FLAGS(sys.argv)

@@ -78,7 +78,6 @@ DEFAULTS: dict[str, Any] = {
     'systems': {},
 }
 REQUIRED = ('dataset', 'model', 'algorithm')
-# config.sampling: 'uniform' (cohort_size clients without replacement, the
 # The type of each field whose default is None, by dotted path: what a
 # command-line value of it is parsed as (base_config() declares them as typed
 # ml_collections placeholders, which still read as None).
@@ -88,6 +87,7 @@ OPTIONAL_TYPES: dict[str, type] = {
     'privacy.delta': float, 'privacy.target_epsilon': float,
     'sampling.rate': float, 'sampling.max_cohort_size': int,
 }
+# config.sampling: 'uniform' (cohort_size clients without replacement, the
 # default), 'poisson' (each client with probability rate, default
 # cohort_size / N; cohorts padded to a bucket of max_cohort_size, default
 # q N + 6 standard deviations) or 'epochs' (shuffled epochs: each client at
@@ -223,21 +223,55 @@ def validate(config: Any) -> ml_collections.ConfigDict:
   """
   from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
   config = with_defaults(config)
+  _check_map_strategy(config)
   for kind, table in (('dataset', registry.DATASETS), ('model', registry.MODELS)):
     name, kwargs = registry.split_name(kind, config[kind])
     registry.check_kwargs(kind, name, registry.lookup(kind, table, name), kwargs)
+    registry.check_types(kind, registry.builder_options(name, kind), kwargs)
     registry.check_numbers(kind, kwargs, non_negative=False)
   registry.check_paths('dataset', registry.split_name('dataset', config.dataset)[1])
   name, kwargs = registry.split_name('algorithm', config.algorithm)
   fn = registry.lookup('algorithm', registry.ALGORITHMS, name)
   registry.check_kwargs('algorithm', name, fn, kwargs, registry.RESERVED,
                         registry.forwarded_builder(name))
+  registry.check_types('algorithm', registry.builder_options(name), kwargs)
   registry.check_numbers('algorithm', kwargs, non_negative=True)
+  registry.check_hparam_bounds(kwargs)
+  check_asynchronous(config, name, kwargs)
   _check_systems(config.systems)
   for key, value in kwargs.items():
     if key.endswith('optimizer') and isinstance(value, Mapping):
       registry.build_optimizer(value, where=f'algorithm.{key}')
   return config
+
+
+def _check_map_strategy(config: ml_collections.ConfigDict) -> None:
+  """``config.map_strategy`` and ``config.chunk_size`` as ``Algorithm.compile`` takes them."""
+  import fedjx  # pylint: disable=g-import-not-at-top
+  if config.map_strategy not in fedjx.MAP_STRATEGIES:
+    raise ConfigError(f'config.map_strategy={config.map_strategy!r} is not one '
+                      f'of {fedjx.MAP_STRATEGIES}.'
+                      f'{suggest(config.map_strategy, fedjx.MAP_STRATEGIES)}')
+  chunk = config.chunk_size
+  if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                            or chunk < 1):
+    raise ConfigError(f'config.chunk_size={chunk!r}; it must be a positive int '
+                      'or None (the map strategy chooses).')
+
+
+def check_asynchronous(config: ml_collections.ConfigDict, name: str,
+                       kwargs: Mapping[str, Any]) -> None:
+  """An asynchronous algorithm's concurrency against its buffer, the cohort."""
+  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  if name not in registry.ASYNCHRONOUS:
+    return
+  m, k = kwargs.get('concurrency'), config.cohort_size
+  if m is not None and not isinstance(m, bool) and isinstance(m, int) and m < k:
+    raise ConfigError(
+        f'config.algorithm.concurrency={m} is less than config.cohort_size={k}: '
+        f'{name} takes cohort_size updates per server step (its buffer), so at '
+        f'least that many clients must train at once; set concurrency >= {k} '
+        'or a smaller cohort_size.')
 
 
 def _check_systems(spec: Any) -> None:
@@ -270,46 +304,12 @@ def flatten(d: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
   for k, v in d.items():
     if isinstance(v, Mapping):
       out.update(flatten(v, f'{prefix}{k}.'))
-  _check_map_strategy(config)
     else:
       out[f'{prefix}{k}'] = v
   return out
-    registry.check_types(kind, registry.builder_options(name, kind), kwargs)
 
 
 def config_hash(config: Any) -> str:
   """A short hash of a config's results-relevant fields (for run names)."""
   text = json.dumps(fingerprint(with_defaults(config)), sort_keys=True)
   return hashlib.sha256(text.encode()).hexdigest()[:10]
-  registry.check_types('algorithm', registry.builder_options(name), kwargs)
-  registry.check_hparam_bounds(kwargs)
-  check_asynchronous(config, name, kwargs)
-def _check_map_strategy(config: ml_collections.ConfigDict) -> None:
-  """``config.map_strategy`` and ``config.chunk_size`` as ``Algorithm.compile`` takes them."""
-  import fedjx  # pylint: disable=g-import-not-at-top
-  if config.map_strategy not in fedjx.MAP_STRATEGIES:
-    raise ConfigError(f'config.map_strategy={config.map_strategy!r} is not one '
-                      f'of {fedjx.MAP_STRATEGIES}.'
-                      f'{suggest(config.map_strategy, fedjx.MAP_STRATEGIES)}')
-  chunk = config.chunk_size
-  if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
-                            or chunk < 1):
-    raise ConfigError(f'config.chunk_size={chunk!r}; it must be a positive int '
-                      'or None (the map strategy chooses).')
-
-
-def check_asynchronous(config: ml_collections.ConfigDict, name: str,
-                       kwargs: Mapping[str, Any]) -> None:
-  """An asynchronous algorithm's concurrency against its buffer, the cohort."""
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
-  if name not in registry.ASYNCHRONOUS:
-    return
-  m, k = kwargs.get('concurrency'), config.cohort_size
-  if m is not None and not isinstance(m, bool) and isinstance(m, int) and m < k:
-    raise ConfigError(
-        f'config.algorithm.concurrency={m} is less than config.cohort_size={k}: '
-        f'{name} takes cohort_size updates per server step (its buffer), so at '
-        f'least that many clients must train at once; set concurrency >= {k} '
-        'or a smaller cohort_size.')
-
-

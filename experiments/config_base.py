@@ -10,9 +10,9 @@ their experiment needs::
     ...
     return config
 
-Optional integers are ``ml_collections`` placeholders, so they can be set
-from the command line (``--config.local_steps=5``) although they default to
-None.
+Fields that default to None are typed ``ml_collections`` placeholders, so
+they can be set from the command line (``--config.local_steps=5``,
+``--config.privacy.target_epsilon=8``) although they read as None.
 """
 
 from __future__ import annotations
@@ -24,20 +24,27 @@ from ml_collections import config_dict
 
 from fedjx.experiments import config as config_schema
 
-_OPTIONAL_TYPES = {'local_epochs': int, 'local_steps': int,
-                   'max_local_steps': int, 'chunk_size': int}
+def _typed(value: Any, path: str) -> Any:
+  """``value``, with each None (at ``path``, nested) a typed placeholder."""
+  if isinstance(value, dict):
+    return ml_collections.ConfigDict(
+        {k: _typed(v, f'{path}.{k}') for k, v in value.items()})
+  if value is None and path in config_schema.OPTIONAL_TYPES:
+    return config_dict.placeholder(config_schema.OPTIONAL_TYPES[path])
+  return value
 
 
 def base_config(**overrides: Any) -> ml_collections.ConfigDict:
   """A ConfigDict with every runner field at its default (see ``fedjx.experiments.config.DEFAULTS``).
 
   ``dataset``, ``model`` and ``algorithm`` start empty (``name=''``); set them.
+  Fields whose default is None are placeholders of their type
+  (``config.OPTIONAL_TYPES``): they read as None and can be set from the
+  command line (``--config.privacy.target_epsilon=8``).
   """
   config = ml_collections.ConfigDict()
   for key, value in config_schema.DEFAULTS.items():
-    if value is None:
-      value = config_dict.placeholder(_OPTIONAL_TYPES.get(key, int))
-    setattr(config, key, value)
+    setattr(config, key, _typed(value, key))
   for key in config_schema.REQUIRED:
     setattr(config, key, ml_collections.ConfigDict({'name': ''}))
   for key, value in overrides.items():

@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -106,6 +107,108 @@ def check_paths(kind: str, kwargs: Mapping[str, Any]) -> None:
                           'directory.')
 
 
+_SIMPLE_TYPES = {'int': int, 'float': float, 'bool': bool, 'str': str,
+                 'None': type(None), 'NoneType': type(None)}
+
+
+def _annotation_types(annotation: Any) -> tuple[type, ...] | None:
+  """The types of a plain annotation (``float``, ``int | None``,
+  ``Optional[str]``...), or None for anything else (unions of other types,
+  ``Any``, ``Sequence[int]``...)."""
+  if annotation is inspect.Parameter.empty:
+    return None
+  if isinstance(annotation, type):
+    text = annotation.__name__
+  else:
+    text = str(annotation).replace('typing.', '')
+  match = re.fullmatch(r'(Optional|Union)\[(.*)\]', text)
+  if match:
+    parts = match.group(2).split(',') + (['None'] if match.group(1) == 'Optional' else [])
+  else:
+    parts = text.split('|')
+  parts = [p.strip() for p in parts]
+  if not parts or any(p not in _SIMPLE_TYPES for p in parts):
+    return None
+  return tuple(_SIMPLE_TYPES[p] for p in parts)
+
+
+def option_types(param: inspect.Parameter) -> tuple[type, ...] | None:
+  """The types a config value of builder parameter ``param`` may have.
+
+  From a plain annotation (``float``, ``int | None``), else from the
+  default's type (a float default also takes ints; a None default adds
+  None); None when neither tells (no check).
+  """
+  types = _annotation_types(param.annotation)
+  default = param.default
+  if types is None:
+    if isinstance(default, bool):
+      types = (bool,)
+    elif isinstance(default, int):
+      types = (int,)
+    elif isinstance(default, float):
+      types = (float,)
+    elif isinstance(default, str):
+      types = (str,)
+    else:
+      return None
+  if float in types and int not in types:
+    types += (int,)
+  if default is None and type(None) not in types:
+    types += (type(None),)
+  return types
+
+
+_TYPE_WORDS = {bool: 'a bool (True or False)', int: 'an int', float: 'a number',
+               str: 'a string', type(None): 'None'}
+
+
+def check_types(where: str, params: Mapping[str, inspect.Parameter],
+                kwargs: Mapping[str, Any]) -> None:
+  """Raises a ConfigError for an option whose value has a type its builder
+  parameter does not take (:func:`option_types`): a string for a number, a
+  number for a bool, a float for an int. ``where`` is e.g. ``'algorithm'``."""
+  for key, value in kwargs.items():
+    if key not in params:
+      continue
+    types = option_types(params[key])
+    if types is None:
+      continue
+    if isinstance(value, bool):
+      ok = bool in types
+    elif isinstance(value, int):
+      ok = int in types
+    elif isinstance(value, float):
+      ok = float in types
+    elif isinstance(value, str):
+      ok = str in types
+    elif value is None:  # A required option left unset: its builder says so.
+      ok = type(None) in types or params[key].default is inspect.Parameter.empty
+    else:  # Lists, dicts...: the builder checks them.
+      ok = True
+    if not ok:
+      allowed = ' or '.join(_TYPE_WORDS[t] for t in types
+                            if not (t is int and float in types))
+      raise ConfigError(f'config.{where}.{key}={value!r}; it must be {allowed}.')
+
+
+def check_hparam_bounds(kwargs: Mapping[str, Any]) -> None:
+  """Raises a ConfigError for an algorithm hyperparameter out of its range,
+  by the bounds its builder checks at initialization (momentum in [0, 1],
+  learning rates >= 0, ...; ``fedjx.algorithms.base.check_hparams``), for
+  the algorithm's options and the options of its optimizer specs."""
+  from fedjx.algorithms import base  # pylint: disable=g-import-not-at-top
+  for key, value in kwargs.items():
+    try:
+      if isinstance(value, Mapping):
+        for option, v in value.items():
+          base.check_hparams(f'config.algorithm.{key}', {option: v})
+      else:
+        base.check_hparams('config.algorithm', {key: value})
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+
+
 def _plain(value: Any) -> Any:
   """ConfigDicts and lists to plain dicts and tuples."""
   if hasattr(value, 'to_dict'):
@@ -157,6 +260,14 @@ def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransf
   name, kwargs = split_name(where, spec)
   fn = lookup(f'{where} (optax optimizer)', OPTIMIZERS, name)
   check_kwargs(f'{where}', name, fn, kwargs)
+  params = inspect.signature(fn).parameters
+  check_types(where, params, kwargs)
+  missing = [p.name for p in params.values() if p.default is p.empty and
+             p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and
+             p.name not in kwargs]
+  if missing:
+    raise ConfigError(f'config.{where}: optax optimizer {name!r} needs '
+                      f'{", ".join(missing)}; set config.{where}.{missing[0]}.')
   static = tuple(k for k, v in kwargs.items()
                  if v is None or isinstance(v, (bool, str, tuple)))
   return optax.inject_hyperparams(fn, static_args=static)(**kwargs)

@@ -23,10 +23,9 @@ not set) mean what they mean for ``fedjx-run``.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from absl import flags
@@ -83,19 +82,19 @@ exit status: 0 done; 2 a usage, config or sweep error, or a workdir in use;
 SWEEP_KEYS = ('sweep', 'seeds', 'num_samples', 'sample_seed', 'target')
 
 
-def _config_module(path: str):
-  path = path.partition(':')[0]
-  spec = importlib.util.spec_from_file_location('_fedjx_sweep_config', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def sweep_arguments(config_path: str) -> dict[str, Any]:
   """The sweep of the command line, completed by the config's ``get_sweep()``."""
   from fedjx.experiments import sweep_spec  # pylint: disable=g-import-not-at-top
-  module = _config_module(config_path)
-  defaults = dict(module.get_sweep()) if hasattr(module, 'get_sweep') else {}
+  module = cli.load_module(config_path, '_fedjx_sweep_config')
+  defaults = {}
+  if hasattr(module, 'get_sweep'):
+    defaults = cli.call_in_config_file(config_path, module, 'get_sweep')
+    if not isinstance(defaults, Mapping):
+      got = 'None' if defaults is None else f'a {type(defaults).__name__}'
+      raise sweep_spec.SweepError(
+          f'get_sweep() in {config_path.partition(":")[0]} returned {got}; it '
+          f'must return a dict with keys among {sorted(SWEEP_KEYS)}.')
+    defaults = dict(defaults)
   unknown = set(defaults) - set(SWEEP_KEYS)
   if unknown:
     raise sweep_spec.SweepError(

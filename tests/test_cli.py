@@ -11,6 +11,8 @@ import textwrap
 import optax
 import pytest
 
+import config_files
+
 from fedjx.experiments import cli
 from fedjx.experiments import registry
 from fedjx.experiments import runner
@@ -93,19 +95,31 @@ CONFIG_ERRORS = [
     ({'dataset.name': 'emnist', 'dataset.test_path': '/no/test.h5'},
      ["test_path='/no/test.h5'", 'no such file']),
     ({'algorithm.skip_nonfinite': True}, ["no option 'skip_nonfinite'"]),
+    # Checked before data loads, not by the algorithm or Algorithm.compile.
+    ({'map_strategy': 'foo'}, ["config.map_strategy='foo'", "'sequential'"]),
+    ({'chunk_size': 0}, ['config.chunk_size=0', 'positive int']),
+    ({'algorithm.client_optimizer.momentum': 1.5},
+     ['client_optimizer', 'momentum=1.5', '<= 1.0']),
+    ({'algorithm.client_optimizer.learning_rate': 'abc'},
+     ['client_optimizer', "learning_rate='abc'", 'must be a number']),
+    ({'algorithm.local_epochs': 1.5}, ['config.algorithm.local_epochs=1.5', 'an int']),
+    ({'algorithm.client_evaluation': 'no'},
+     ["config.algorithm.client_evaluation='no'", 'a bool']),
+    ({'dataset.num_clients': '8'}, ["config.dataset.num_clients='8'", 'an int']),
+    ({'algorithm.server_optimizer': {'name': 'adam'}},
+     ["optax optimizer 'adam' needs learning_rate"]),
 ]
 
 
 @pytest.mark.parametrize('overrides,words', CONFIG_ERRORS)
 def test_config_errors_are_found_before_data_loads(tiny, overrides, words):
-  config = cli.load_config_file(tiny)
+  config = cli.load_config_file(tiny).to_dict()  # Plain: any type may be set.
   for path, value in overrides.items():
     node = config
     *parents, leaf = path.split('.')
     for part in parents:
       node = node[part]
-    with node.unlocked() if hasattr(node, 'unlocked') else config.unlocked():
-      node[leaf] = value
+    node[leaf] = value
   with pytest.raises(registry.ConfigError) as e:
     runner.validate(config)
   assert '\n' not in str(e.value)
@@ -191,14 +205,16 @@ def test_split_overrides_parses_by_the_builder_s_types(tiny):
 
 def test_overrides_follow_a_renamed_algorithm_or_optimizer(tiny):
   # fedprox's mu exists once the algorithm is fedprox; adam's b2 once the
-  # client optimizer is adam.
+  # client optimizer is adam (which replaces the file's sgd spec).
   _, extras = cli.split_overrides([
       '--config', tiny, '--config.algorithm.name=fedprox',
       '--config.algorithm.mu=0.1',
       '--config.algorithm.client_optimizer.name=adam',
+      '--config.algorithm.client_optimizer.learning_rate=0.05',
       '--config.algorithm.client_optimizer.b2=0.95'])
   assert {'.'.join(p): v for p, v in extras} == {
-      'algorithm.mu': 0.1, 'algorithm.client_optimizer.b2': 0.95}
+      'algorithm.mu': 0.1, 'algorithm.client_optimizer': {
+          'name': 'adam', 'learning_rate': 0.05, 'b2': 0.95}}
   with pytest.raises(cli.UsageError, match="no option 'mu'"):
     cli.split_overrides(['--config', tiny, '--config.algorithm.mu=0.1'])
 
@@ -252,3 +268,136 @@ def test_a_nonfinite_run_is_one_line_with_exit_status_2(tiny, tmp_path):
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and 'Traceback' not in out.stderr
   assert lines[0].startswith('fedjx-run: round ') and 'NaN or Inf' in lines[0]
+
+
+def test_a_fedbuff_concurrency_below_the_cohort_names_both_fields():
+  config = config_files.load(os.path.join(REPO, 'configs', 'fedbuff_digits.py'))
+  with config.unlocked():
+    config.algorithm.concurrency = 5
+  with pytest.raises(registry.ConfigError) as e:
+    runner.validate(config)  # Before any data loads.
+  text = str(e.value)
+  assert 'config.algorithm.concurrency=5' in text
+  assert f'config.cohort_size={config.cohort_size}' in text
+  assert 'buffer_size' not in text  # The user set neither buffer nor size.
+
+
+# Config files that fail: (file text, words of the one line, besides the
+# file's path). The line of a raise is named.
+BAD_CONFIG_FILES = {
+    'raises': ('x = 1\ndef get_config():\n  raise RuntimeError("boom")\n',
+               ['get_config() raised RuntimeError', ':3:', 'boom']),
+    'raises_on_import': ('import math\nimport no_such_module_here\n',
+                         ['loading the file raised ModuleNotFoundError', ':2:']),
+    'syntax': ('def get_config(:\n  pass\n', ['SyntaxError', ':1:']),
+    'dict': ('def get_config():\n  return {"rounds": 1}\n',
+             ['returned a dict', 'ml_collections.ConfigDict']),
+    'list': ('def get_config():\n  return [1]\n', ['returned a list']),
+    'none': ('def get_config():\n  pass\n', ['returned None']),
+    'no_get_config': ('rounds = 1\n', ['defines no get_config()']),
+}
+
+
+def test_a_config_file_that_raises_or_returns_no_configdict_is_one_line(tmp_path):
+  procs = {}
+  for name, (text, _) in BAD_CONFIG_FILES.items():
+    (tmp_path / f'{name}.py').write_text(text)
+  cmd = [FEDJX_RUN] if os.path.exists(FEDJX_RUN) else [
+      sys.executable, '-m', 'fedjx.experiments.cli']
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('FEDJX_DEBUG', None)
+  for name in BAD_CONFIG_FILES:  # Two at a time.
+    procs[name] = subprocess.Popen(
+        cmd + ['--config', str(tmp_path / f'{name}.py'), '--workdir',
+               str(tmp_path / 'w')],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if len(procs) >= 2:
+      list(procs.values())[-2].wait(timeout=300)
+  for name, proc in procs.items():
+    _, err = proc.communicate(timeout=300)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2, (name, err[-3000:])
+    assert len(lines) == 1 and 'Traceback' not in err, (name, err[-3000:])
+    assert str(tmp_path / f'{name}.py') in lines[0], (name, lines[0])
+    for word in BAD_CONFIG_FILES[name][1]:
+      assert word in lines[0], (name, lines[0])
+  assert not (tmp_path / 'w').exists()
+
+
+def test_fields_that_hold_none_can_be_set(tiny, tmp_path):
+  from fedjx.experiments import config_base  # pylint: disable=import-outside-toplevel
+  assert config_base.base_config().privacy.target_epsilon is None
+  out = _run('--config', tiny, '--workdir', str(tmp_path), '--config.rounds=0',
+             '--config.algorithm.name=dp_fedavg',
+             '--config.privacy.target_epsilon=1.5', '--config.privacy.delta=1e-5')
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(tmp_path / 'config.json', encoding='utf-8') as f:
+    privacy = json.load(f)['privacy']
+  assert privacy['target_epsilon'] == 1.5 and privacy['delta'] == 1e-5
+  # A None in a builder's options (not a placeholder), by the option's type;
+  # a None field elsewhere, by its schema type or as a literal.
+  path = tmp_path / 'nones.py'
+  path.write_text(TINY.replace("alpha=0.5", "alpha=None").replace(
+      'return config', 'config.local_steps = None\n'
+      '  config.privacy = dict(target_epsilon=None, audit=None)\n  return config'))
+  rest, extras = cli.split_overrides([
+      '--config', str(path), '--config.dataset.alpha=1', '--config.local_steps=3',
+      '--config.privacy.target_epsilon=2', '--config.privacy.audit.canaries=10',
+      '--config.rounds=1'])
+  # local_steps stays base_config's int placeholder: ml_collections sets it.
+  assert rest == ['--config', str(path), '--config.local_steps=3',
+                  '--config.rounds=1']
+  got = {'.'.join(p): v for p, v in extras}
+  assert got == {'dataset.alpha': 1.0, 'privacy.target_epsilon': 2.0,
+                 'privacy.audit.canaries': 10}
+  assert [type(got[k]) for k in sorted(got)] == [float, int, float]
+  config = cli.apply_overrides(cli.load_config_file(str(path)), extras)
+  assert config.dataset.alpha == 1.0 and config.privacy.audit.canaries == 10
+
+
+SGD_SERVER = TINY.replace("optimizer('adam', learning_rate=0.01)",
+                          "optimizer('sgd', learning_rate=2.0, momentum=0.9)")
+
+
+def test_naming_another_optimizer_drops_the_file_s_options_for_the_old_one(tmp_path):
+  path = tmp_path / 'sgd_server.py'
+  path.write_text(SGD_SERVER)
+  flag = '--config.algorithm.server_optimizer'
+  # adam has no default learning rate: the file's sgd 2.0 is not kept.
+  with pytest.raises(cli.UsageError) as e:
+    cli.split_overrides(['--config', str(path), f'{flag}.name=adam'])
+  assert "adam needs learning_rate" in str(e.value)
+  assert "sgd(learning_rate=2.0, momentum=0.9)" in str(e.value)
+  assert f'{flag}.learning_rate=VALUE' in str(e.value)
+  notes = []
+  rest, extras = cli.split_overrides(
+      ['--config', str(path), f'{flag}.name=adam', f'{flag}.learning_rate=0.01',
+       f'{flag}.b1=0.8'], notes)
+  assert rest == ['--config', str(path)]
+  config = cli.apply_overrides(cli.load_config_file(str(path)), extras)
+  assert config.algorithm.server_optimizer.to_dict() == {
+      'name': 'adam', 'learning_rate': 0.01, 'b1': 0.8}
+  runner.validate(config)
+  assert len(notes) == 1 and 'adam(learning_rate=0.01, b1=0.8)' in notes[0]
+  assert 'sgd(learning_rate=2.0, momentum=0.9)' in notes[0]
+  # The same name keeps the file's options.
+  _, extras = cli.split_overrides(['--config', str(path), f'{flag}.name=sgd',
+                                   f'{flag}.nesterov=True'])
+  config = cli.apply_overrides(cli.load_config_file(str(path)), extras)
+  assert config.algorithm.server_optimizer.to_dict() == {
+      'name': 'sgd', 'learning_rate': 2.0, 'momentum': 0.9, 'nesterov': True}
+
+
+def test_the_applied_optimizer_is_printed(tmp_path):
+  path = tmp_path / 'sgd_server.py'
+  path.write_text(SGD_SERVER)
+  out = _run('--config', str(path), '--workdir', str(tmp_path / 'w'),
+             '--config.rounds=0',
+             '--config.algorithm.server_optimizer.name=adam',
+             '--config.algorithm.server_optimizer.learning_rate=0.01')
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert ('fedjx-run: config.algorithm.server_optimizer is adam(learning_rate=0.01)'
+          in out.stderr)
+  with open(tmp_path / 'w' / 'config.json', encoding='utf-8') as f:
+    assert json.load(f)['algorithm']['server_optimizer'] == {
+        'name': 'adam', 'learning_rate': 0.01}
