@@ -487,6 +487,30 @@ def _run_group(config: Any, group: Group, workdir: str, flag: runner.StopFlag,
   return interrupted
 
 
+def check_trials(config: Any, settings: Sequence[Mapping[str, Any]],
+                 seeds: Sequence[int]) -> None:
+  """Raises a one-line SweepError naming the first setting whose trial config
+  is not valid (``config_schema.validate``: names, options, types, ranges),
+  without loading data or writing anything."""
+  names = sweep_spec.short_names(list(settings[0]) if settings else [])
+  for setting in settings:
+    for seed in seeds:
+      try:
+        trial_config(config, setting, seed)
+      except (ValueError, TypeError) as e:
+        shown = ', '.join(f'{names.get(p, p)}={sweep_spec.format_value(v)}'
+                          for p, v in setting.items()) or 'the base config'
+        text = ' '.join(str(e).split())
+        raise SweepError(f'the setting {shown} (seed {seed}) is not a valid '
+                         f'config: {text} Nothing was written; correct the '
+                         'sweep and run it again.') from None
+
+
+def _started(workdir: str) -> bool:
+  """Whether a sweep in ``workdir`` has trained or written any trial."""
+  return any(os.path.exists(os.path.join(workdir, d)) for d in ('groups', 'trials'))
+
+
 def _fingerprint(config: Any, settings: Sequence[Mapping[str, Any]],
                  seeds: Sequence[int], settings_per_program: int | None
                  ) -> dict[str, Any]:
@@ -541,6 +565,7 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
   settings = [dict(s) for s in settings] or [{}]
   seeds = sweep_spec.parse_seeds(list(seeds))
   target_spec = sweep_summary.parse_target(target)
+  check_trials(config, settings, seeds)  # Before anything is written.
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   with workdir_lock.hold(workdir):
@@ -555,12 +580,12 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
   """The body of :func:`run_sweep`, holding the workdir's lock."""
   fingerprint = _fingerprint(config, settings, seeds, settings_per_program)
   spec_path = os.path.join(workdir, 'sweep.json')
-  if os.path.exists(spec_path):
+  if os.path.exists(spec_path) and _started(workdir):
     with open(spec_path, encoding='utf-8') as f:
       if json.load(f) != fingerprint:
         raise SweepError(f'{workdir} holds a different sweep (its sweep.json '
                          'differs); use a new --workdir or delete it.')
-  else:
+  else:  # A sweep.json of a sweep that never started training is replaced.
     metrics_writers.write_atomically(
         spec_path, json.dumps(fingerprint, indent=2, sort_keys=True) + '\n')
   groups, traced, structural = plan(config, settings, seeds, settings_per_program)

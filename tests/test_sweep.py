@@ -349,3 +349,72 @@ def test_trials_draw_cohorts_with_the_config_s_sampler():
 def test_asynchronous_or_unreliable_clients_are_refused(tmp_path, changes, message):
   with pytest.raises(sweep.SweepError, match=message):
     sweep.run_sweep(small_config(**changes), str(tmp_path / 'w'), [{}])
+
+
+def test_a_refused_grid_writes_nothing_and_the_corrected_grid_runs(tmp_path):
+  config = small_config(rounds=1, eval_every=1)
+  workdir = tmp_path / 'grid'
+  lr = 'algorithm.client_optimizer.learning_rate'
+  for bad, words in (
+      ([{lr: 'abc'}, {lr: 0.1}], ["client_optimizer.learning_rate=abc",
+                                  "learning_rate='abc' must be a number"]),
+      ([{'algorithm.client_optimizer.momentum': 1.5}],
+       ['client_optimizer.momentum=1.5', '<= 1.0']),
+      ([{'map_strategy': 'foo'}], ["config.map_strategy='foo'"])):
+    with pytest.raises(sweep_spec.SweepError) as e:
+      sweep.run_sweep(config, str(workdir), bad, (0,), log=lambda m: None)
+    assert '\n' not in str(e.value)
+    for word in words:
+      assert word in str(e.value), str(e.value)
+    assert not workdir.exists()  # No sweep.json, no lock, no trial.
+  # A sweep.json left by a sweep that never trained (as a refused grid left
+  # it before grids were checked first) does not block the corrected grid.
+  workdir.mkdir()
+  (workdir / 'sweep.json').write_text('{"settings": [{"x": "abc"}]}\n')
+  result = sweep.run_sweep(config, str(workdir), [{lr: 0.1}, {lr: 0.03}], (0,),
+                           log=lambda m: None)
+  assert len(result.trials) == 2 and not result.interrupted
+  with open(workdir / 'sweep.json', encoding='utf-8') as f:
+    assert json.load(f)['settings'] == [{lr: 0.1}, {lr: 0.03}]
+  # Once trials exist, a different sweep is still refused.
+  with pytest.raises(sweep_spec.SweepError, match='different sweep'):
+    sweep.run_sweep(config, str(workdir), [{lr: 0.3}], (0,), log=lambda m: None)
+
+
+def test_cli_a_grid_value_of_the_wrong_type_is_one_line(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, '-m', 'fedjx.experiments.sweep_cli',
+       '--config', os.path.join(REPO, 'configs', 'fedavg_digits.py'),
+       '--workdir', str(tmp_path / 'w'),
+       '--sweep', 'algorithm.client_optimizer.learning_rate=abc,0.1'],
+      capture_output=True, text=True, cwd=str(tmp_path), check=False,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+  assert "learning_rate='abc' must be a number" in lines[0]
+  assert not (tmp_path / 'w').exists()
+
+
+def test_a_trial_stops_where_its_single_run_stops(tmp_path):
+  """Client learning rate 1e30: every client is non-finite from some round
+  on, so nothing can be aggregated. fedjx-run stops there with one line;
+  the sweep's trial must be marked diverged in the same round (one rule,
+  guarded_rounds.must_stop), and its neighbour goes on."""
+  config = small_config()
+  config.rounds = 4
+  config.algorithm = dict(name='fedavg', client_optimizer=config_base.optimizer(
+      'sgd', learning_rate=0.1))
+  settings = [{'algorithm.client_optimizer.learning_rate': v} for v in (0.1, 1e30)]
+  messages = []
+  result = sweep.run_sweep(config, str(tmp_path / 'sweep'), settings, (0,),
+                           log=messages.append)
+  good, bad = result.trials
+  with pytest.raises(runner.NonFiniteError, match=r'^round (\d+): every client') as info:
+    runner.run(sweep.trial_config(config, bad.setting, 0), str(tmp_path / 'single'),
+               log=lambda m: None)
+  stopped = int(info.value.args[0].split(':')[0].split()[1])
+  summary = {r['trial']: r for r in result.summary}
+  assert summary[bad.name]['diverged_round'] == stopped
+  assert summary[good.name]['diverged_round'] is None
+  bad_rows = metrics_writers.read_metrics(str(tmp_path / 'sweep' / 'trials' / bad.name))
+  assert bad_rows[-1]['round'] == stopped and bad_rows[-1]['diverged'] == 1.0
