@@ -102,3 +102,21 @@ def runs_unguarded(guarded: Any, updates_reach_params: bool) -> bool:
 
 __all__ = ['PARAMS_FINITE', 'RESULT_FINITE', 'all_finite',
            'checking_finiteness', 'runs_unguarded']
+
+
+def must_stop(finite: Any, nonfinite_clients: Any, clients: Any,
+              policy: str) -> Any:
+  """The rule by which a run (or a sweep's trial) stops after a round.
+
+  It stops when the new server model or the round's metrics are not finite;
+  or, when some client was non-finite, under ``policy='stop'``, or when
+  every client of the round was (``clients``, the round's metric, counts
+  the clients kept: none was, so nothing could be aggregated and training
+  cannot go on). Array-valued arguments give one answer per trial: the
+  runner and ``fedjx-sweep`` apply this one rule.
+  """
+  bad = jnp.asarray(nonfinite_clients)
+  some = bad > 0
+  every = jnp.logical_and(some, jnp.asarray(clients) == 0)
+  return jnp.logical_or(jnp.logical_not(finite), jnp.logical_and(
+      some, jnp.logical_or(policy == 'stop', every)))

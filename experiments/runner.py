@@ -647,8 +647,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
               row.update(privacy_lib.audit_metrics(audit))
             emit(step, row)
             bad = row.get('nonfinite_clients', 0)
-            if not finite or bad > 0 and (config.nonfinite == 'stop' or
-                                          bad >= row.get('clients', bad)):
+            if bool(guarded_rounds.must_stop(finite, bad, row.get('clients', bad),
+                                             config.nonfinite)):
               writer.flush()
               raise NonFiniteError(_nonfinite_message(step, row, finite, saved))
             last_row.update(row)
@@ -705,7 +705,7 @@ def _nonfinite_message(step: int, row: Mapping[str, Any], finite: bool,
   """One line: the round (as in the metrics file), what was non-finite, and
   the last good checkpoint."""
   count = int(row.get('nonfinite_clients', 0))
-  if finite and count >= row.get('clients', count):
+  if finite and count and row.get('clients', 0) == 0:
     what = (f'every client ({count}) had a NaN or Inf update or weight, so '
             'nothing could be aggregated')
   elif finite:

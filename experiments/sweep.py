@@ -51,6 +51,7 @@ import numpy as np
 from fedjx import datasets
 from fedjx.experiments import checkpointing
 from fedjx.experiments import config as config_schema
+from fedjx.experiments import guarded_rounds
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import registry
 from fedjx.experiments import runner
@@ -253,10 +254,11 @@ def make_sweep_round(algorithm: Any, policy: str = 'skip'
 
   ``states`` leaves are ``[S, H, ...]`` (seeds, settings), ``cohorts`` leaves
   ``[S, ...]`` (a cohort per seed, shared by its settings), ``keys`` ``[S]``
-  and ``alive`` ``[S, H]``. A trial that is not alive, or whose new server
-  model or round metrics (e.g. its training loss) are non-finite (or, with
-  ``policy='stop'``, whose round reported non-finite clients), keeps its
-  state and is no longer alive. Jit-compiled,
+  and ``alive`` ``[S, H]``. A trial that is not alive, or that a run would
+  stop after this round (:func:`guarded_rounds.must_stop`: its new server
+  model or round metrics, e.g. its training loss, are non-finite, every
+  client of its round was non-finite, or, with ``policy='stop'``, some
+  was), keeps its state and is no longer alive. Jit-compiled,
   donating ``states``.
   """
   def per_seed(states_h, cohort, key):
@@ -264,12 +266,13 @@ def make_sweep_round(algorithm: Any, policy: str = 'skip'
 
   def sweep_round(states, cohorts, keys, alive):
     new, metrics = jax.vmap(per_seed)(states, cohorts, keys)
-    keep = alive & _finite(new.params)
+    finite = _finite(new.params)
     for value in metrics.values():  # E.g. an infinite training loss.
       if jnp.issubdtype(value.dtype, jnp.inexact) and value.ndim == 2:
-        keep = keep & jnp.isfinite(value)
-    if policy == 'stop' and 'nonfinite_clients' in metrics:
-      keep = keep & (metrics['nonfinite_clients'] == 0)
+        finite = finite & jnp.isfinite(value)
+    bad = metrics.get('nonfinite_clients', jnp.zeros_like(finite, jnp.float32))
+    stop = guarded_rounds.must_stop(finite, bad, metrics.get('clients', bad), policy)
+    keep = alive & jnp.logical_not(stop)
     return _select(keep, new, states), metrics, keep
 
   return jax.jit(sweep_round, donate_argnums=0)

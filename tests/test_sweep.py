@@ -402,6 +402,7 @@ def test_a_trial_stops_where_its_single_run_stops(tmp_path):
   guarded_rounds.must_stop), and its neighbour goes on."""
   config = small_config()
   config.rounds = 4
+  config.model = dict(name='mlp', hidden=(32,))
   config.algorithm = dict(name='fedavg', client_optimizer=config_base.optimizer(
       'sgd', learning_rate=0.1))
   settings = [{'algorithm.client_optimizer.learning_rate': v} for v in (0.1, 1e30)]
@@ -418,3 +419,19 @@ def test_a_trial_stops_where_its_single_run_stops(tmp_path):
   assert summary[good.name]['diverged_round'] is None
   bad_rows = metrics_writers.read_metrics(str(tmp_path / 'sweep' / 'trials' / bad.name))
   assert bad_rows[-1]['round'] == stopped and bad_rows[-1]['diverged'] == 1.0
+
+
+@pytest.mark.parametrize('finite,bad,kept,policy,stop', [
+    (True, 0, 5, 'skip', False),
+    (True, 3, 2, 'skip', False),   # More non-finite clients than kept ones: go on.
+    (True, 5, 0, 'skip', True),    # Every client non-finite: nothing to aggregate.
+    (True, 1, 4, 'stop', True),
+    (False, 0, 5, 'skip', True),
+    (False, 0, 5, 'off', True),
+])
+def test_the_stop_rule_of_runs_and_trials(finite, bad, kept, policy, stop):
+  from fedjx.experiments import guarded_rounds  # pylint: disable=g-import-not-at-top
+  assert bool(guarded_rounds.must_stop(finite, bad, kept, policy)) == stop
+  per_trial = guarded_rounds.must_stop(np.array([finite, True]), np.array([bad, 0.0]),
+                                       np.array([kept, 5.0]), policy)
+  np.testing.assert_array_equal(per_trial, [stop, False])
