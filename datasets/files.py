@@ -71,11 +71,29 @@ class TffHdf5Dataset(FederatedDataset):
   def client_name(self, cid: int) -> str:
     return self._names[self.check_client(cid)]
 
+  def _group(self, cid: int) -> Any:
+    """Client ``cid``'s group, its features checked to be datasets (hold the lock)."""
+    import h5py  # pylint: disable=g-import-not-at-top
+    name = self._names[cid]
+    group = self._clients[name]
+    where = f'read_tff_hdf5: client {name!r} in {self.path!r}'
+    if not isinstance(group, h5py.Group):
+      raise ValueError(f'{where} is a {_hdf5_kind(group)}, not a group; the '
+                       'layout is examples/<client_id>/<feature>, one dataset '
+                       'per feature.')
+    for key in group:
+      if not isinstance(group[key], h5py.Dataset):
+        raise ValueError(f'{where}: its feature {key!r} is a '
+                         f'{_hdf5_kind(group[key])}, not a dataset; the layout '
+                         'is examples/<client_id>/<feature>, one dataset per '
+                         'feature.')
+    return group
+
   def num_examples(self, cid: int) -> int:
     cid = self.check_client(cid)
     if cid not in self._sizes:
       with self._lock:
-        group = self._clients[self._names[cid]]
+        group = self._group(cid)
         lengths = {k: group[k].shape[0] if group[k].shape else None for k in group}
       if not lengths or len(set(lengths.values())) != 1 or None in lengths.values():
         raise ValueError(f'read_tff_hdf5: client {self._names[cid]!r} in '
@@ -87,7 +105,7 @@ class TffHdf5Dataset(FederatedDataset):
   def _client_data(self, cid: int) -> Examples:
     name = self._names[cid]
     with self._lock:
-      group = self._clients[name]
+      group = self._group(cid)
       data = {k: group[k][()] for k in group}
     num_rows(data, where=f'read_tff_hdf5: client {name!r} in {self.path!r}')
     return data
@@ -96,12 +114,22 @@ class TffHdf5Dataset(FederatedDataset):
     self._file.close()
 
 
+def _hdf5_kind(obj: Any) -> str:
+  import h5py  # pylint: disable=g-import-not-at-top
+  if isinstance(obj, h5py.Dataset):
+    return f'dataset of shape {obj.shape}'
+  return 'group' if isinstance(obj, h5py.Group) else type(obj).__name__
+
+
 def read_tff_hdf5(path: str | os.PathLike) -> TffHdf5Dataset:
   """Opens a TensorFlow Federated HDF5 file (``examples/<client_id>/<feature>``).
 
   Raises:
     FileNotFoundError: ``path`` does not exist.
-    ValueError: the file is not HDF5 or lacks the ``examples`` layout.
+    ValueError: the file is not HDF5 or lacks the ``examples`` layout; when
+      a client is read: the client is not a group, a feature is not a
+      dataset, or its features differ in length (naming the path and the
+      client).
   """
   return TffHdf5Dataset(path)
 

@@ -92,16 +92,40 @@ def text(seq_len: int = 64, level: str = 'byte',
   return ExperimentData(datasets.from_arrays(train, groups=groups), test, info)
 
 
+class _MissingFeature(KeyError):
+  """A client's examples lack a feature a builder reads."""
+
+
+def _feature(data: Any, key: str) -> Any:
+  """``data[key]``, or a _MissingFeature naming the features ``data`` has."""
+  if key not in data:
+    raise _MissingFeature(key, sorted(data))
+  return data[key]
+
+
+def _missing_feature(dataset: str, base: Any, cid: int,
+                     error: _MissingFeature) -> ValueError:
+  key, features = error.args
+  path = getattr(base, 'path', None)
+  where = f' in {path!r}' if path else ''
+  return ValueError(
+      f'dataset {dataset!r}: client {base.client_name(cid)!r}{where} has no '
+      f'feature {key!r}; it has {features}. TensorFlow Federated\'s '
+      f'{dataset} files have {_TFF_FEATURES.get(dataset, [key])}.')
+
+
 class _Reshaped(datasets.FederatedDataset):
   """Clients of ``base`` turned into new examples by ``fn`` (count may change).
 
   ``fn(client_examples) -> examples``. Example counts are computed on first
-  use of a client and cached.
+  use of a client and cached. A feature ``fn`` needs and a client lacks is a
+  ValueError naming the dataset ``name``, the file and the client.
   """
 
   def __init__(self, base: Any, fn: Callable[[dict[str, np.ndarray]],
-                                             dict[str, np.ndarray]]):
-    self._base, self._fn, self._sizes = base, fn, {}
+                                             dict[str, np.ndarray]],
+               name: str = 'dataset'):
+    self._base, self._fn, self._sizes, self._name = base, fn, {}, name
 
   @property
   def num_clients(self) -> int:
@@ -117,16 +141,25 @@ class _Reshaped(datasets.FederatedDataset):
     return self._sizes[cid]
 
   def _client_data(self, cid: int) -> dict[str, np.ndarray]:
-    out = self._fn(self._base.client_data(cid))
+    try:
+      out = self._fn(self._base.client_data(cid))
+    except _MissingFeature as e:
+      raise _missing_feature(self._name, self._base, cid, e) from None
     self._sizes[cid] = len(next(iter(out.values())))
     return out
 
 
+# The features each TensorFlow Federated HDF5 file has per client (those the
+# builders below read first).
+_TFF_FEATURES = {'emnist': ['label', 'pixels'], 'cifar100': ['image', 'label'],
+                 'shakespeare': ['snippets'], 'stackoverflow': ['tokens']}
+
+
 def _images(pixels_key: str, label_key: str, scale: float):
   def fn(data):
-    x = np.asarray(data[pixels_key], dtype=np.float32) / scale
+    x = np.asarray(_feature(data, pixels_key), dtype=np.float32) / scale
     return {'x': x[..., None] if x.ndim == 3 else x,
-            'y': np.asarray(data[label_key]).astype(np.int32)}
+            'y': np.asarray(_feature(data, label_key)).astype(np.int32)}
   return fn
 
 
@@ -160,9 +193,11 @@ def emnist(source: str = 'tff', train_path: str | None = None,
   """
   _check_source('emnist', source)
   if source == 'tff':
-    train = _Reshaped(_read_tff('emnist', train_path), _images('pixels', 'label', 1.0))
+    train = _Reshaped(_read_tff('emnist', train_path), _images('pixels', 'label', 1.0),
+                      'emnist')
     test = (None if test_path is None else _pooled(
-        _Reshaped(_read_tff('emnist', test_path), _images('pixels', 'label', 1.0)),
+        _Reshaped(_read_tff('emnist', test_path), _images('pixels', 'label', 1.0),
+                  'emnist'),
         max_test_clients))
   else:
     raw = _tfds_partitioned(tfds_name, 'train', num_clients, alpha, seed, data_dir)
@@ -185,9 +220,11 @@ def cifar100(source: str = 'tff', train_path: str | None = None,
   """
   _check_source('cifar100', source)
   if source == 'tff':
-    train = _Reshaped(_read_tff('cifar100', train_path), _images('image', 'label', 255.0))
+    train = _Reshaped(_read_tff('cifar100', train_path),
+                      _images('image', 'label', 255.0), 'cifar100')
     test = (None if test_path is None else
-            _Reshaped(_read_tff('cifar100', test_path), _images('image', 'label', 255.0)))
+            _Reshaped(_read_tff('cifar100', test_path),
+                      _images('image', 'label', 255.0), 'cifar100'))
   else:
     train = _tfds_partitioned('cifar100', 'train', num_clients, alpha, seed,
                               data_dir).map(_images('image', 'label', 255.0))
@@ -204,7 +241,7 @@ _SHAKESPEARE_VOCAB = 131
 def _shakespeare_sequences(seq_len: int):
   def fn(data):
     rows = []
-    for snippet in np.asarray(data['snippets']).reshape(-1):
+    for snippet in np.asarray(_feature(data, 'snippets')).reshape(-1):
       text = snippet.decode('utf-8', 'replace') if isinstance(snippet, bytes) else str(snippet)
       ids = [129] + [ord(c) if 0 < ord(c) < 128 else 128 for c in text] + [130]
       for start in range(0, max(len(ids) - 1, 1), seq_len):
@@ -224,8 +261,9 @@ def shakespeare(train_path: str, test_path: str | None = None,
   (next-character prediction, padding id 0 ignored by the loss).
   """
   fn = _shakespeare_sequences(seq_len)
-  train = _Reshaped(_read_tff('shakespeare', train_path), fn)
-  test = None if test_path is None else _Reshaped(_read_tff('shakespeare', test_path), fn)
+  train = _Reshaped(_read_tff('shakespeare', train_path), fn, 'shakespeare')
+  test = None if test_path is None else _Reshaped(
+      _read_tff('shakespeare', test_path), fn, 'shakespeare')
   return ExperimentData(train, test, {'vocab_size': _SHAKESPEARE_VOCAB,
                                       'max_len': seq_len})
 
@@ -239,7 +277,11 @@ def _word_vocab(dataset: Any, vocab_path: str | None, vocab_size: int,
   else:
     counts: collections.Counter = collections.Counter()
     for cid in range(min(vocab_clients, dataset.num_clients)):
-      for sentence in np.asarray(dataset.client_data(cid)['tokens']).reshape(-1):
+      try:
+        tokens = _feature(dataset.client_data(cid), 'tokens')
+      except _MissingFeature as e:
+        raise _missing_feature('stackoverflow', dataset, cid, e) from None
+      for sentence in np.asarray(tokens).reshape(-1):
         text = sentence.decode('utf-8', 'replace') if isinstance(sentence, bytes) else str(sentence)
         counts.update(text.split())
     words = [w for w, _ in counts.most_common(vocab_size)]
@@ -262,16 +304,17 @@ def stackoverflow(train_path: str, test_path: str | None = None,
 
   def fn(data):
     rows = []
-    for sentence in np.asarray(data['tokens']).reshape(-1):
+    for sentence in np.asarray(_feature(data, 'tokens')).reshape(-1):
       text = sentence.decode('utf-8', 'replace') if isinstance(sentence, bytes) else str(sentence)
       ids = ([2] + [vocab.get(w, 1) for w in text.split()] + [3])[:seq_len + 1]
       rows.append(ids + [0] * (seq_len + 1 - len(ids)))
     arr = np.asarray(rows, dtype=np.int32).reshape(-1, seq_len + 1)
     return {'x': arr[:, :-1], 'y': arr[:, 1:]}
 
-  train = _Reshaped(raw, fn)
+  train = _Reshaped(raw, fn, 'stackoverflow')
   test = None if test_path is None else _pooled(
-      _Reshaped(_read_tff('stackoverflow', test_path), fn), max_test_clients)
+      _Reshaped(_read_tff('stackoverflow', test_path), fn, 'stackoverflow'),
+      max_test_clients)
   return ExperimentData(train, test, {'vocab_size': vocab_size + 4,
                                       'max_len': seq_len})
 
@@ -284,12 +327,44 @@ def _check_source(name: str, source: str) -> None:
     raise ValueError(f'dataset {name!r}: source={source!r} is not one of {SOURCES}.')
 
 
+# Where TensorFlow Federated's HDF5 files come from: the archive that
+# tff.simulation.datasets.<name>.load_data() downloads (to ~/.keras/datasets)
+# and the files in it, and what else can stand in for them.
+TFF_DOWNLOADS = 'https://storage.googleapis.com/tff-datasets-public/'
+TFF_FILES = {
+    'emnist': ('fed_emnist.tar.bz2', 'fed_emnist_train.h5', 'fed_emnist_test.h5',
+               "or --config.dataset.source=tfds (TFDS's emnist/byclass, "
+               'partitioned by Dirichlet label skew)'),
+    'cifar100': ('fed_cifar100.tar.bz2', 'fed_cifar100_train.h5',
+                 'fed_cifar100_test.h5',
+                 "or --config.dataset.source=tfds (TFDS's cifar100, "
+                 'partitioned by Dirichlet label skew)'),
+    'shakespeare': ('shakespeare.tar.bz2', 'shakespeare_train.h5',
+                    'shakespeare_test.h5', ''),
+    'stackoverflow': ('stackoverflow.tar.bz2', 'stackoverflow_train.h5',
+                      'stackoverflow_test.h5',
+                      'the vocabulary: --config.dataset.vocab_path= a word per '
+                      'line, most frequent first, e.g. stackoverflow.word_count '
+                      'from stackoverflow.word_count.tar.bz2 there (without it, '
+                      'words are counted over the first vocab_clients clients)'),
+}
+
+
+def missing_data_message(name: str) -> str:
+  """Which flags a TFF-file dataset needs, and where its files come from."""
+  archive, train, test, more = TFF_FILES[name]
+  text = (f'dataset {name!r} needs the path of its TensorFlow Federated HDF5 '
+          f'file: set config.dataset.train_path (and test_path), e.g. '
+          f'--config.dataset.train_path=/data/{train} '
+          f'--config.dataset.test_path=/data/{test}. The files are in '
+          f'{TFF_DOWNLOADS}{archive} (what tff.simulation.datasets.{name}.'
+          'load_data() downloads to ~/.keras/datasets)')
+  return text + (f'; {more}.' if more else '.')
+
+
 def _read_tff(name: str, path: str | None) -> Any:
   if path is None:
-    raise ValueError(
-        f'dataset {name!r} needs the path of its TensorFlow Federated HDF5 file: '
-        f'set config.dataset.train_path (and test_path), e.g. '
-        f'--config.dataset.train_path=/data/{name}/train.h5.')
+    raise ValueError(missing_data_message(name))
   if not os.path.exists(path):
     raise FileNotFoundError(f'dataset {name!r}: no such file {path!r}.')
   return datasets.read_tff_hdf5(path)

@@ -82,6 +82,45 @@ def test_tff_datasets_say_which_file_they_need():
     runner.build(config)
 
 
+@pytest.mark.parametrize('name,words', [
+    ('emnist', ['--config.dataset.train_path=', 'fed_emnist.tar.bz2',
+                'fed_emnist_train.h5', '--config.dataset.source=tfds']),
+    ('cifar100', ['fed_cifar100.tar.bz2', '--config.dataset.source=tfds']),
+    ('shakespeare', ['shakespeare.tar.bz2', 'shakespeare_train.h5']),
+    ('stackoverflow', ['stackoverflow.tar.bz2', '--config.dataset.vocab_path=',
+                       'stackoverflow.word_count.tar.bz2'])])
+def test_a_missing_data_message_says_where_the_files_come_from(name, words):
+  from fedjx.experiments import registry  # pylint: disable=import-outside-toplevel
+  spec = {'name': name} if name in ('emnist', 'cifar100') else {
+      'name': name, 'train_path': None}
+  with pytest.raises(ValueError) as e:
+    registry.build_dataset(spec, 0)
+  text = str(e.value)
+  assert '\n' not in text and 'https://storage.googleapis.com/tff-datasets-public/' in text
+  for word in words:
+    assert word in text, text
+
+
+def test_a_tff_client_without_a_feature_names_the_path_and_the_client(tmp_path):
+  from fedjx import datasets  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import data  # pylint: disable=import-outside-toplevel
+  path = str(tmp_path / 'emnist.h5')
+  datasets.write_tff_hdf5(path, {
+      'w0': {'pixels': np.zeros((2, 28, 28), np.float32),
+             'label': np.zeros(2, np.int32)},
+      'w1': {'pixels': np.zeros((2, 28, 28), np.float32)}})  # No label.
+  train = data.emnist(train_path=path).train
+  assert train.num_examples(0) == 2
+  with pytest.raises(ValueError) as e:
+    train.client_data(1)
+  assert path in str(e.value) and "client 'w1'" in str(e.value)
+  assert "no feature 'label'; it has ['pixels']" in str(e.value)
+  so_path = str(tmp_path / 'so.h5')
+  datasets.write_tff_hdf5(so_path, {'u0': {'title': np.array([b'a b'])}})
+  with pytest.raises(ValueError, match=r"client 'u0'.*no feature 'tokens'"):
+    data.stackoverflow(so_path)  # Counting the vocabulary reads the clients.
+
+
 def test_tff_builders_read_small_generated_files(tmp_path):
   from fedjx import datasets  # pylint: disable=import-outside-toplevel
   from fedjx.experiments import data  # pylint: disable=import-outside-toplevel

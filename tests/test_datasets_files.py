@@ -80,6 +80,27 @@ def test_tff_hdf5_bad_files(tmp_path):
     fd.read_tff_hdf5(ragged).num_examples(0)
 
 
+def test_tff_hdf5_a_client_or_feature_of_the_wrong_kind_names_path_and_client(tmp_path):
+  path = tmp_path / 'kinds.h5'
+  with h5py.File(path, 'w') as f:
+    f.create_dataset('examples/a_dataset', data=np.zeros((3, 2)))  # Not a group.
+    f.create_dataset('examples/b_group/deeper/x', data=np.zeros(3))  # A group feature.
+    f.create_dataset('examples/c_good/x', data=np.zeros(3))
+  data = fd.read_tff_hdf5(path)
+  assert [data.client_name(i) for i in range(3)] == ['a_dataset', 'b_group', 'c_good']
+  for read in (data.num_examples, data.client_data):
+    with pytest.raises(ValueError) as e:
+      read(0)
+    assert str(path) in str(e.value) and "client 'a_dataset'" in str(e.value)
+    assert 'dataset of shape (3, 2), not a group' in str(e.value)
+    with pytest.raises(ValueError) as e:
+      read(1)
+    assert str(path) in str(e.value) and "client 'b_group'" in str(e.value)
+    assert "feature 'deeper' is a group, not a dataset" in str(e.value)
+  assert data.num_examples(2) == 3  # The well-formed client still reads.
+  np.testing.assert_array_equal(data.client_data(2)['x'], np.zeros(3))
+
+
 # --- FedJAX SQLite ------------------------------------------------------------
 
 
