@@ -102,8 +102,8 @@ def adaptive_gaussian(noise_multiplier: float = 1.0,
                       target_quantile: float = 0.5,
                       clip_learning_rate: float = 0.2,
                       clipped_count_stddev: float | None = None,
-                      expected_clients_per_round: float | None = None
-                      ) -> aggregators.Aggregator:
+                      expected_clients_per_round: float | None = None,
+                      canaries=None) -> aggregators.Aggregator:
   """User-level DP with the clip norm adapted to a quantile of the norms.
 
   Andrew et al., "Differentially Private Learning with Adaptive Clipping",
@@ -123,6 +123,9 @@ def adaptive_gaussian(noise_multiplier: float = 1.0,
       ``z = 0`` and no ``D``, 0 (no noise at all).
     expected_clients_per_round: ``D = qN``, the fixed denominator; None
       divides by the number of participating clients.
+    canaries: the canary clients of a privacy audit
+      (:mod:`fedjx.algorithms.privacy_audit`), clipped to the round's ``C``;
+      they do not enter the unclipped count. None: no audit.
 
   Returns:
     The :class:`~fedjx.algorithms.aggregators.Aggregator`; its state is an
@@ -192,13 +195,15 @@ def adaptive_gaussian(noise_multiplier: float = 1.0,
                'noise_std': z_delta * clip, 'update_noise_multiplier': z_delta}
     return aggregate, AdaptiveClipState(clip_norm=new_clip), metrics
 
-  return aggregators.Aggregator(
+  return aggregators.audited(aggregators.Aggregator(
       init=init, combine=combine, encode=encode,
       hparams={'noise_multiplier': noise_multiplier,
                'target_quantile': target_quantile,
                'clip_learning_rate': clip_learning_rate,
                'clipped_count_stddev': clipped_count_stddev},
-      weights=weights, broadcast=broadcast, checks_update=True)
+      weights=weights, broadcast=broadcast, checks_update=True),
+      canaries, lambda state, hparams: state.clip_norm,
+      expected_clients_per_round)
 
 
 __all__ = ['AdaptiveClipState', 'adaptive_gaussian', 'update_noise_multiplier']

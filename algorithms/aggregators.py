@@ -186,8 +186,26 @@ def check_dp_options(fn: str, noise_multiplier: float,
                       expected_clients_per_round, strict=True)
 
 
+def audited(aggregator: Aggregator, canaries: Any,
+            clip_norm: Callable[[Any, Mapping[str, jax.Array]], jax.Array],
+            expected_clients_per_round: float | None) -> Aggregator:
+  """``aggregator`` with the canary clients of a privacy audit, if any.
+
+  ``canaries`` is a :class:`fedjx.algorithms.privacy_audit.Canaries` (or
+  None: ``aggregator`` as it is); see
+  :func:`fedjx.algorithms.privacy_audit.with_canaries`.
+  """
+  if canaries is None:
+    return aggregator
+  from fedjx.algorithms import privacy_audit  # pylint: disable=g-import-not-at-top
+  return privacy_audit.with_canaries(
+      aggregator, canaries, clip_norm=clip_norm,
+      expected_clients_per_round=expected_clients_per_round)
+
+
 def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
-             expected_clients_per_round: float | None = None) -> Aggregator:
+             expected_clients_per_round: float | None = None,
+             canaries: Any = None) -> Aggregator:
   """User-level DP: clip each update, sum, add Gaussian noise, divide.
 
   McMahan et al., "Learning Differentially Private Recurrent Language
@@ -209,6 +227,9 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   ``state.hparams['clip_norm']`` and ``state.hparams['noise_multiplier']``.
   The noise is drawn from the round's key. Metrics: ``clipped_fraction``,
   ``mean_update_norm`` (before clipping) and ``noise_std`` (``zC``).
+  ``canaries``: the canary clients of a privacy audit
+  (:mod:`fedjx.algorithms.privacy_audit`; the runner sets them from
+  ``config.privacy.audit``), or None.
   """
   fn = 'gaussian'
   check_dp_options(fn, noise_multiplier, expected_clients_per_round,
@@ -235,10 +256,12 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
         'noise_std': z * clip}
     return aggregate, state, metrics
 
-  return Aggregator(init=_stateless, combine=combine, encode=encode,
-                    hparams={'clip_norm': clip_norm,
-                             'noise_multiplier': noise_multiplier},
-                    weights=weights, checks_update=True)
+  return audited(Aggregator(init=_stateless, combine=combine, encode=encode,
+                            hparams={'clip_norm': clip_norm,
+                                     'noise_multiplier': noise_multiplier},
+                            weights=weights, checks_update=True),
+                 canaries, lambda state, hparams: hparams['clip_norm'],
+                 expected_clients_per_round)
 
 
 # ------------------------------------------------------------ for algorithms
@@ -410,6 +433,6 @@ def step(aggregator: Aggregator, optimizer, state: Any,
   return delta, params, opt_state, agg_state, metrics
 
 
-__all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'clip_update',
+__all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'audited', 'clip_update',
            'denominator', 'gaussian', 'mean', 'participants', 'quantized_mean',
            'safe_global_norm']

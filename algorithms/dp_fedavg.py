@@ -54,6 +54,7 @@ OPTIONS = without('aggregator', 'client_transform', 'weighting')
 def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
               noise_multiplier: float = 1.0,
               expected_clients_per_round: float | None = None,
+              canaries: Any = None,
               **options: Any) -> base.Algorithm:
   """DP-FedAvg with clipping norm ``C`` and noise multiplier ``z``.
 
@@ -66,6 +67,9 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
     noise_multiplier: ``z`` >= 0 (``state.hparams['noise_multiplier']``).
     expected_clients_per_round: ``qN``, the fixed denominator; None divides
       by the number of participating clients.
+    canaries: the canary clients of a privacy audit
+      (:mod:`fedjx.algorithms.privacy_audit`; the runner sets them from
+      ``config.privacy.audit``), or None.
     **options: those of :func:`fedavg` but ``aggregator``,
       ``client_transform`` and ``weighting``. A skipped client counts as
       absent: it is not in the sum, nor (with
@@ -73,7 +77,7 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
   """
   name = 'dp_fedavg'
   aggregator = aggregators.gaussian(clip_norm, noise_multiplier,
-                                    expected_clients_per_round)
+                                    expected_clients_per_round, canaries)
   return fedavg_build(name, loss_fn, dict(
       base.take_options(name, options, OPTIONS), aggregator=aggregator,
       client_transform=None, weighting='uniform'))

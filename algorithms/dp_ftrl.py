@@ -166,7 +166,8 @@ def efficient_tree_noise(tree_key: jax.Array, step: jax.Array,
 def tree_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
                   restart_every: int | None = None,
                   expected_clients_per_round: float | None = None,
-                  efficient: bool = False) -> aggregators.Aggregator:
+                  efficient: bool = False,
+                  canaries=None) -> aggregators.Aggregator:
   """DP-FTRL's aggregator: clipped sums released through a noise tree.
 
   Kairouz et al., "Practical and Private (Deep) Learning without Sampling or
@@ -193,6 +194,10 @@ def tree_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
       sum_{set bits l} a_l`` instead of ``(z C)^2 popcount(t)``. The state
       then keeps one model per level, ``restart_every.bit_length()``; it
       needs ``restart_every``.
+    canaries: the canary clients of a privacy audit
+      (:mod:`fedjx.algorithms.privacy_audit`): their clipped updates join
+      the round's sum ``g_t``, so each enters the tree's leaf of its round.
+      None: no audit.
 
   Returns:
     The :class:`~fedjx.algorithms.aggregators.Aggregator`; its state is a
@@ -262,10 +267,12 @@ def tree_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
         'mean_update_norm': fedjx.reduce_sum(real * norms) / jnp.maximum(count, 1.0)}
     return aggregate, TreeState(step, tree_key, noise, nodes), metrics
 
-  return aggregators.Aggregator(
+  return aggregators.audited(aggregators.Aggregator(
       init=init, combine=combine, encode=encode,
       hparams={'clip_norm': clip_norm, 'noise_multiplier': noise_multiplier},
-      weights=weights, checks_update=True)
+      weights=weights, checks_update=True),
+      canaries, lambda state, hparams: hparams['clip_norm'],
+      expected_clients_per_round)
 
 
 __all__ = ['TreeState', 'efficient_tree_noise', 'efficient_weights', 'node_noise',

@@ -72,7 +72,8 @@ DEFAULTS: dict[str, Any] = {
     # Who takes part in each round, and how a DP run is accounted: see
     # SAMPLING_OPTIONS, PRIVACY_DEFAULTS and docs/privacy.md.
     'sampling': {'name': 'uniform'},
-    'privacy': {'delta': None, 'accountant': 'rdp', 'target_epsilon': None},
+    'privacy': {'delta': None, 'accountant': 'rdp', 'target_epsilon': None,
+                'audit': None},
     # Unreliable clients on a simulated clock (fedjx.datasets.systems): {}
     # (perfect clients) or a dict of availability/dropout/speed/deadline.
     'systems': {},
@@ -94,9 +95,18 @@ OPTIONAL_TYPES: dict[str, type] = {
 # most once per epoch of N // cohort_size rounds). The options each allows:
 SAMPLING_OPTIONS = {'uniform': (), 'poisson': ('rate', 'max_cohort_size'),
                     'epochs': ()}
-# config.privacy: delta (None: N^-1.1), accountant ('rdp' or 'pld') and a
-# budget target_epsilon at which the run stops (None: no budget).
-PRIVACY_DEFAULTS = {'delta': None, 'accountant': 'rdp', 'target_epsilon': None}
+# config.privacy: delta (None: N^-1.1), accountant ('rdp' or 'pld'), a
+# budget target_epsilon at which the run stops (None: no budget) and an
+# empirical audit from canary clients (None, or a dict of AUDIT_DEFAULTS;
+# fedjx.algorithms.privacy_audit, docs/privacy.md).
+PRIVACY_DEFAULTS = {'delta': None, 'accountant': 'rdp', 'target_epsilon': None,
+                    'audit': None}
+# config.privacy.audit: canaries (how many canary clients, required), seed
+# (of their directions and signs; None: config.seed), confidence (of the
+# estimate's interval and of the one-run bound) and resamples (bootstrap
+# resamples of the interval).
+AUDIT_DEFAULTS = {'canaries': None, 'seed': None, 'confidence': 0.95,
+                  'resamples': 1000}
 # config.nonfinite: what a NaN/Inf does. 'skip': clients with a non-finite
 # update or weight are left out of the aggregate (builders get
 # skip_nonfinite=True) and the run stops only if the server parameters become
@@ -211,6 +221,43 @@ def _check_sampling_and_privacy(config: ml_collections.ConfigDict) -> None:
   if target is not None and not (_number(target) and target > 0):
     raise ConfigError(f'config.privacy.target_epsilon={target!r}; it must be a '
                       'number > 0 or None (no budget).')
+  _check_audit(config)
+
+
+def _int(value: Any) -> bool:
+  return not isinstance(value, bool) and isinstance(value, int)
+
+
+def _check_audit(config: ml_collections.ConfigDict) -> None:
+  """Checks ``config.privacy.audit`` and fills its defaults."""
+  audit = _as_dict(config.privacy.audit)
+  if audit is None:
+    return
+  if not isinstance(audit, Mapping):
+    raise ConfigError(f'config.privacy.audit={audit!r}; it must be None or a '
+                      f'dict with keys {sorted(AUDIT_DEFAULTS)}.')
+  for key in audit:
+    if key not in AUDIT_DEFAULTS:
+      raise ConfigError(f'config.privacy.audit[{key!r}] is unknown.'
+                        f'{suggest(key, AUDIT_DEFAULTS)} Valid keys: '
+                        f'{sorted(AUDIT_DEFAULTS)}.')
+  audit = dict(AUDIT_DEFAULTS, **audit)
+  if not (_int(audit['canaries']) and audit['canaries'] >= 2):
+    raise ConfigError(f"config.privacy.audit['canaries']={audit['canaries']!r}; "
+                      'it must be an int >= 2 (the number of canary clients, '
+                      'e.g. 1000).')
+  if audit['seed'] is not None and not _int(audit['seed']):
+    raise ConfigError(f"config.privacy.audit['seed']={audit['seed']!r}; it "
+                      'must be an int or None (config.seed).')
+  if not (_number(audit['confidence']) and 0 < audit['confidence'] < 1):
+    raise ConfigError(f"config.privacy.audit['confidence']="
+                      f"{audit['confidence']!r}; it must be a number in (0, 1).")
+  if not (_int(audit['resamples']) and audit['resamples'] >= 0):
+    raise ConfigError(f"config.privacy.audit['resamples']="
+                      f"{audit['resamples']!r}; it must be an int >= 0 (0: no "
+                      'bootstrap interval).')
+  with config.unlocked():
+    config.privacy.audit = audit
 
 
 def validate(config: Any) -> ml_collections.ConfigDict:

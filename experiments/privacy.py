@@ -4,7 +4,8 @@ A config's ``sampling`` field chooses how each round's cohort is drawn and
 its ``privacy`` field how the run is accounted (``docs/privacy.md``)::
 
   config.sampling = dict(name='poisson')    # or 'uniform' (default), 'epochs'
-  config.privacy = dict(delta=None, accountant='rdp', target_epsilon=8.0)
+  config.privacy = dict(delta=None, accountant='rdp', target_epsilon=8.0,
+                        audit=dict(canaries=1000))   # audit: None by default
 
 :func:`plan` reads the DP mechanism from ``config.algorithm`` (``dp_fedavg``,
 or an ``aggregator`` named ``gaussian``, ``adaptive_gaussian`` or
@@ -13,7 +14,9 @@ for it under the configured sampling (one-line :class:`ConfigError`
 otherwise) and gives a :class:`Plan`: the epsilon after each round, the last
 round within ``target_epsilon`` and the privacy statement the runner writes
 to ``workdir/privacy.json``. :func:`make_sampler` builds the sampler the
-accounting assumes.
+accounting assumes. With ``privacy.audit`` the DP aggregator gets canary
+clients (:func:`algorithm_spec`; :mod:`fedjx.algorithms.privacy_audit`) and
+:func:`run_audit` estimates epsilon from them at the end of the run.
 """
 
 from __future__ import annotations
@@ -139,6 +142,9 @@ class Plan:
   target_epsilon: float | None
   rounds: int
   _curve: np.ndarray | None = None
+  # config.privacy.audit: the canary clients and the audit's options.
+  canaries: Any = None
+  audit_options: dict[str, Any] | None = None
 
   def _kwargs(self) -> dict[str, Any]:
     return dict(sampling=self.sampling, mechanism=self.mechanism.mechanism,
@@ -221,6 +227,7 @@ def plan(config: Any, population: int) -> Plan | None:
   mech = mechanism_of(config.algorithm)
   privacy = _as_dict(config.privacy)
   if mech is None:
+    canaries_of(config, population)  # An audit needs DP noise: refused.
     if privacy.get('target_epsilon') is not None:
       raise ConfigError(
           f'config.privacy.target_epsilon={privacy["target_epsilon"]!r} but '
@@ -247,19 +254,108 @@ def plan(config: Any, population: int) -> Plan | None:
         f'config: expected_clients_per_round={d:g} is not the expected cohort '
         f'{expected:g} of {sampling.name!r} sampling (cohort_size / rate); '
         'set it to that or None.')
+  canaries = canaries_of(config, population)
   delta = privacy.get('delta')
   delta = default_delta(population) if delta is None else float(delta)
   if delta * population >= 1:
     warnings.warn(delta_warning(delta, population), UserWarning, stacklevel=2)
   target = privacy.get('target_epsilon')
   return Plan(mech, sampling, delta, accountant,
-              None if target is None else float(target), int(config.rounds))
+              None if target is None else float(target), int(config.rounds),
+              canaries=canaries,
+              audit_options=None if canaries is None else dict(
+                  _as_dict(privacy['audit'])))
 
 
-def write_statement(workdir: str, p: Plan, rounds: int) -> dict[str, Any]:
-  """Writes ``workdir/privacy.json`` for ``rounds`` completed rounds."""
+# Algorithms whose aggregator combines the whole model's update once a round
+# (what the canary audit measures); Streaming DiLoCo aggregates fragments.
+AUDITABLE = ('fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm',
+             'fedprox', 'dp_fedavg', 'diloco')
+
+
+def canaries_of(config: Any, population: int) -> Any:
+  """The canary clients of ``config.privacy.audit`` (defaults filled), or None.
+
+  A :class:`fedjx.algorithms.privacy_audit.Canaries` with the run's
+  sampling; :class:`ConfigError` (one line) when the algorithm adds no DP
+  noise or does not aggregate the whole model once a round, or when the
+  count does not fit a fixed-size cohort.
+  """
+  audit = _as_dict(_as_dict(config.privacy).get('audit'))
+  if audit is None:
+    return None
+  name = config.algorithm.name
+  if mechanism_of(config.algorithm) is None:
+    raise ConfigError(
+        f'config.privacy.audit is set but algorithm {name!r} adds no DP noise: '
+        'the audit checks a DP run; use dp_fedavg or an aggregator in '
+        f'{sorted(DP_AGGREGATORS)}.')
+  if name not in AUDITABLE:
+    raise ConfigError(
+        f'config.privacy.audit is set but algorithm {name!r} does not '
+        'aggregate the whole model once a round, which the canaries need; use '
+        f'one of {AUDITABLE}.')
+  from fedjx.algorithms import privacy_audit  # pylint: disable=g-import-not-at-top
+  seed = config.seed if audit.get('seed') is None else audit['seed']
+  try:
+    return privacy_audit.Canaries(int(audit['canaries']),
+                                  sampling_of(config, population), int(seed))
+  except ValueError as e:
+    raise ConfigError(f'config.privacy.audit: {e}') from None
+
+
+def algorithm_spec(config: Any, population: int) -> Any:
+  """``config.algorithm``, with the canaries of ``config.privacy.audit`` if set.
+
+  They go to the DP aggregator: ``canaries=`` of ``dp_fedavg`` or of
+  ``algorithm.aggregator``.
+  """
+  canaries = canaries_of(config, population)
+  if canaries is None:
+    return config.algorithm
+  spec = _as_dict(config.algorithm)
+  spec = {k: _as_dict(v) for k, v in spec.items()}
+  if spec['name'] == 'dp_fedavg':
+    spec['canaries'] = canaries
+  else:
+    spec['aggregator'] = dict(spec['aggregator'], canaries=canaries)
+  return spec
+
+
+def run_audit(p: Plan, rounds: int, initial_params: Any,
+              final_params: Any) -> dict[str, Any]:
+  """The audit of a finished run (``privacy.json``'s ``audit``)."""
+  from fedjx.algorithms import privacy_audit  # pylint: disable=g-import-not-at-top
+  options = p.audit_options or {}
+  cos = privacy_audit.cosines(p.canaries, initial_params, final_params)
+  dimension = sum(int(np.size(x)) for x in jax_leaves(initial_params))
+  return privacy_audit.audit(
+      p.canaries, cos, p.delta, dimension,
+      confidence=options.get('confidence', 0.95),
+      accountant_epsilon=p.epsilon(rounds),
+      resamples=options.get('resamples', 1000))
+
+
+def jax_leaves(tree: Any) -> list[Any]:
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.tree.leaves(tree)
+
+
+def audit_metrics(audit: Mapping[str, Any]) -> dict[str, float]:
+  """The audit's numbers for the final metrics row."""
+  low, high = audit['epsilon_estimate_interval']
+  return {'audit_epsilon': audit['epsilon_estimate'],
+          'audit_epsilon_low': low, 'audit_epsilon_high': high,
+          'audit_epsilon_lower_bound': audit['epsilon_lower_bound']}
+
+
+def write_statement(workdir: str, p: Plan, rounds: int,
+                    audit: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """Writes ``workdir/privacy.json`` for ``rounds`` completed rounds (and the audit)."""
   from fedjx.experiments import metrics_writers  # pylint: disable=g-import-not-at-top
   out = p.statement(rounds)
+  if audit is not None:
+    out['audit'] = dict(audit)
   text = json.dumps(out, indent=2, sort_keys=True,
                     default=lambda v: None if v is None else str(v))
   metrics_writers.write_atomically(os.path.join(workdir, 'privacy.json'),
