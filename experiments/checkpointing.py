@@ -36,6 +36,7 @@ import gc
 import hashlib
 import inspect
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -137,6 +138,49 @@ class CheckpointError(RuntimeError):
   """No checkpoint in the directory can be restored intact."""
 
 
+class CheckpointWriteError(CheckpointError):
+  """A checkpoint could not be written (a full disk, a read-only directory...)."""
+
+
+def _os_error(error: BaseException) -> OSError | None:
+  """The first OSError among ``error`` and its causes, if any."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, OSError):
+      return error
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return None
+
+
+class _OrbaxErrors(logging.Filter):
+  """Drops the error records (and tracebacks) Orbax logs from its background
+  threads; the error itself reaches the caller as an exception."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and
+                f'{os.sep}orbax{os.sep}' in (record.pathname or ''))
+
+
+_ORBAX_ERRORS = _OrbaxErrors()
+
+
+def quiet_orbax_errors(quiet: bool = True) -> None:
+  """Hides (or shows again) the errors Orbax logs with their tracebacks.
+
+  A failed save or restore is reported by :class:`Checkpointer` as one
+  exception (a :class:`CheckpointWriteError`, or a one-line fallback
+  warning); Orbax also logs it, with a traceback per thread involved. The
+  command line hides those unless ``--debug`` is given.
+  """
+  for name in ('absl', 'orbax'):
+    logger = logging.getLogger(name)
+    if quiet:
+      logger.addFilter(_ORBAX_ERRORS)
+    else:
+      logger.removeFilter(_ORBAX_ERRORS)
+
+
 def structure(tree: Any) -> list[list[Any]]:
   """Every leaf of ``tree`` as ``[path, shape, dtype]`` (JSON-ready)."""
   leaves = jax.tree_util.tree_leaves_with_path(_abstract(tree))
@@ -198,6 +242,8 @@ class Checkpointer:
         enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._saved = False  # Only a writer records manifests.
+    self._writing: int | None = None  # The step of the save in flight.
+    self._failed: CheckpointWriteError | None = None
 
   # The files of a checkpoint Orbax does not change after writing it.
   _HASHED = ('state', 'meta')
@@ -273,9 +319,37 @@ class Checkpointer:
     self.wait()
     self._saved = True
     meta = dict(meta, structure=structure(state), checksum=checksum(state))
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_to_savable(state)),
-        meta=ocp.args.JsonSave(meta)), force=force)
+    self._writing = step
+    with self._reporting_write_errors():
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(_to_savable(state)),
+          meta=ocp.args.JsonSave(meta)), force=force)
+
+  @contextlib.contextmanager
+  def _reporting_write_errors(self) -> Iterator[None]:
+    """An OSError while a checkpoint is written becomes one CheckpointWriteError
+    naming the workdir, the step, the errno and what is kept; raised again
+    by every later wait (the save stays failed)."""
+    if self._failed is not None:
+      raise self._failed
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      error = _os_error(e)
+      if error is None:
+        raise
+      workdir = os.path.dirname(self.directory)
+      kept = [s for s in self._manager.all_steps() if s != self._writing]
+      last = (f'its newest checkpoint, of step {max(kept)}, is intact' if kept
+              else 'no checkpoint was written before')
+      reason = (f'[Errno {error.errno}] {os.strerror(error.errno)}'
+                if error.errno else _one_line(error))
+      self._failed = CheckpointWriteError(
+          f'cannot write the checkpoint of step {self._writing} in {workdir}: '
+          f'{reason} ({error.filename or self.directory}); {last} and the '
+          'metrics written so far are kept. Free space (or fix the directory) '
+          'and run the same command again to continue.')
+      raise self._failed from None
 
   def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
     """Restores step ``step`` into the structure (and shardings) of ``like``.
@@ -363,10 +437,25 @@ class Checkpointer:
       os.remove(manifest)
 
   def wait(self) -> None:
-    """Blocks until pending asynchronous saves are on disk (and recorded)."""
-    self._manager.wait_until_finished()
+    """Blocks until pending asynchronous saves are on disk (and recorded).
+
+    Raises:
+      CheckpointWriteError: the save in flight failed with an OSError (a
+        full disk: the errno and the workdir in one line).
+    """
+    with self._reporting_write_errors():
+      self._manager.wait_until_finished()
+    self._writing = None
     self._record_files()
 
   def close(self) -> None:
-    self.wait()
-    self._manager.close()
+    """Waits for the save in flight, then releases Orbax's threads (also
+    when that save failed, whose error is raised after)."""
+    try:
+      self.wait()
+    finally:
+      try:
+        self._manager.close()
+      except Exception:  # pylint: disable=broad-except
+        if self._failed is None:
+          raise

@@ -548,6 +548,7 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
     raise UsageError('--config is required, e.g. --config '
                      'configs/fedavg_digits.py (see --help).')
   apply_overrides(config, extras)
+  quiet_orbax()
   workdir = _WORKDIR.value
   if workdir is None:
     name = os.path.splitext(os.path.basename(
@@ -568,6 +569,13 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
   print(f'fedjx-run: done; metrics, checkpoints and learning_curve.png in '
         f'{result.workdir}')
   return 0
+
+
+def quiet_orbax() -> None:
+  """Hides the tracebacks Orbax logs for a failed save or restore (each is
+  also reported in one line), unless ``--debug`` is given."""
+  from fedjx.experiments import checkpointing  # pylint: disable=g-import-not-at-top
+  checkpointing.quiet_orbax_errors(not (_DEBUG.value or debug_requested(())))
 
 
 class _Signals:

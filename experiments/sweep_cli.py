@@ -119,6 +119,7 @@ def _sweep(argv: Sequence[str], extras: Sequence[Any]) -> int:
     raise cli.UsageError('--config is required, e.g. --config '
                          'configs/fedadam_digits.py (see --help).')
   cli.apply_overrides(config, extras)
+  cli.quiet_orbax()
   config_path = flags.FLAGS['config'].config_filename
   workdir = flags.FLAGS['workdir'].value or os.path.join(
       'runs', os.path.splitext(os.path.basename(config_path.partition(':')[0]))[0]

@@ -103,6 +103,16 @@ FAULT = textwrap.dedent('''
       replace(src, dst)
     os.replace = patched_replace
 
+    import errno
+    import orbax.checkpoint as ocp
+    json_save = ocp.JsonCheckpointHandler._save_fn
+    async def patched_json_save(self, x, directory):
+      if kind == 'enospc_in_save' and isinstance(x, dict) and x.get('step') == n:
+        # The disk fills while the background thread writes the metadata.
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+      return await json_save(self, x, directory)
+    ocp.JsonCheckpointHandler._save_fn = patched_json_save
+
     build_dataset = registry.build_dataset
     def patched_build_dataset(*args, **kwargs):
       if kind == 'signal_at_startup':
@@ -308,6 +318,29 @@ def test_sigterm_saves_and_exits_like_ctrl_c(files, reference, tmp_path, rng):
       range(at + 1))
   result = runner.run(_config(files), str(workdir))  # Continue in-process.
   assert result.step == ROUNDS
+  _assert_finished_like(reference, str(workdir))
+
+
+def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_data(
+    files, reference, tmp_path, rng):
+  workdir = tmp_path / 'run'
+  step = rng.choice([4, 6])
+  full = _fedjx_run(files, workdir, fault=f'enospc_in_save:{step}')
+  assert full.returncode == 2, full.stderr[-3000:]
+  line = _one_line(full.stderr)  # No Orbax traceback.
+  assert line.startswith(f'fedjx-run: cannot write the checkpoint of step {step} '
+                         f'in {workdir}: [Errno 28] No space left on device')
+  assert f'of step {step - 2}, is intact' in line
+  ckpt = checkpointing.Checkpointer(str(workdir / 'checkpoints'))
+  try:
+    assert ckpt.latest_step() == step - 2  # The failed write left nothing visible.
+  finally:
+    ckpt.close()
+  rows = metrics_writers.read_metrics(str(workdir))
+  assert [r['round'] for r in rows] == list(range(step + 1))
+  done = _fedjx_run(files, workdir)  # Space freed: the same command continues.
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert f'after round {step - 2}' in done.stderr
   _assert_finished_like(reference, str(workdir))
 
 
