@@ -32,12 +32,19 @@ on that fraction only, covers them as it covers the real clients.
 **Estimates** (:func:`audit`), from the cosines ``t_i`` between the run's
 total model change ``x_0 - x_R`` and the ``u_i``:
 
-* Andrew et al.: a Gaussian is fitted to the cosines of each sign
-  (held-out and inserted canaries, or ``-u`` and ``+u``), and the estimate
-  is the epsilon at the run's ``delta`` between the two Gaussians
-  (:func:`epsilon_between_gaussians`): the epsilon of a mechanism whose
-  output on the two neighbouring inputs were those Gaussians. An
-  estimate, not a bound; its interval is a bootstrap over the canaries.
+* Andrew et al.: the estimate is the epsilon at the run's ``delta``
+  between two Gaussians (:func:`epsilon_between_gaussians`), the epsilon
+  of a mechanism whose outputs on the two neighbouring inputs were those
+  Gaussians: for ``'insert'``, the held-out canaries' distribution, known
+  exactly (a direction the model never saw has cosine of mean 0 and
+  variance ``1 / d``; their Section 4), and the Gaussian fitted to the
+  inserted canaries' cosines; for ``'swap'``, the Gaussians fitted to the
+  ``-u`` and ``+u`` canaries with their pooled standard deviation (the two
+  groups are mirror images). An estimate, not a bound; its interval is a
+  bootstrap over the canaries. Where the number of rounds a canary is in
+  varies (Poisson sampling) the inserted cosines are a mixture whose
+  fitted Gaussian is wider than the null, which at small ``delta`` can
+  make the estimate overstate the privacy loss.
 * Steinke et al.: an auditor guesses ``S_i = +1`` for the ``k`` highest
   cosines; if the run is ``(epsilon, delta)``-DP for each canary, the number
   of correct guesses is at most a ``Binomial(k, e^epsilon / (1 +
