@@ -4,7 +4,9 @@
 of arrays, or the held-out clients of a federated dataset, concatenated);
 :func:`make_evaluator` turns them into ``evaluate(params)``: the
 example-weighted means of the model's evaluation loss and metrics over every
-held-out example (no dropout), in one compiled call.
+held-out example (no dropout), in one compiled call. Parameters sharded
+over processes (FSDP in a multi-process run) are gathered first
+(:func:`gather_to_host`).
 """
 
 from __future__ import annotations
@@ -67,8 +69,26 @@ def make_evaluator(model: models.Model, examples: Mapping[str, np.ndarray],
     return {k: jnp.sum(v) / count for k, v in totals.items()}
 
   def evaluate(params) -> dict[str, float]:
-    from fedjx import distributed  # pylint: disable=g-import-not-at-top
-    out = jax.device_get(sums(distributed.to_host(params), batches, mask))
+    out = jax.device_get(sums(gather_to_host(params), batches, mask))
     return {f'eval_{k}': float(v) for k, v in sorted(out.items())}
 
   return evaluate
+
+
+def gather_to_host(tree: Any) -> Any:
+  """NumPy copies of ``tree``'s arrays, gathering those sharded over processes.
+
+  An array that no process holds whole (FSDP-sharded parameters of a
+  multi-process run) is gathered with
+  ``jax.experimental.multihost_utils.process_allgather``, a collective: every
+  process must call this with the same tree, as the runner's evaluation does.
+  """
+  from fedjx import distributed  # pylint: disable=g-import-not-at-top
+
+  def one(x):
+    if (isinstance(x, jax.Array) and not x.is_fully_addressable and
+        not x.sharding.is_fully_replicated):
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return x
+  return distributed.to_host(jax.tree.map(one, tree))
