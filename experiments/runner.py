@@ -461,6 +461,7 @@ def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
   if not config.mesh:
     return None
   from fedjx import distributed  # pylint: disable=g-import-not-at-top
+  _check_devices_per_process(config.mesh)
   axes = {}
   for item in str(config.mesh).split(','):
     name, sep, size = item.partition('=')
@@ -471,6 +472,21 @@ def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
           f'config.mesh={config.mesh!r}: write axis sizes as '
           "'clients=-1' or 'clients=4,model=2'.") from None
   return distributed.make_mesh(axes)
+
+
+def _check_devices_per_process(mesh: str) -> None:
+  """A mesh spans every process's devices alike: refuses processes whose
+  device counts differ, naming each process's count."""
+  counts: dict[int, int] = {}
+  for device in jax.devices():
+    counts[device.process_index] = counts.get(device.process_index, 0) + 1
+  if len(set(counts.values())) > 1:
+    each = ', '.join(f'process {p} has {n}' for p, n in sorted(counts.items()))
+    raise registry.ConfigError(
+        f'config.mesh={mesh!r} spans {sum(counts.values())} devices of '
+        f'{len(counts)} processes whose device counts differ ({each}); start '
+        'every process with the same number of devices (e.g. the same '
+        '--xla_force_host_platform_device_count, or as many GPUs each).')
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook],

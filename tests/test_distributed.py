@@ -87,6 +87,26 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
     np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.max(np.abs(b))))
 
 
+def test_processes_with_different_device_counts_are_one_line(tmp_path):
+  port = distributed.free_port()
+  procs = []
+  for pid, devices in ((0, 4), (1, 2)):
+    env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+               JAX_PLATFORMS='cpu', FEDJX_COORDINATOR=f'localhost:{port}',
+               FEDJX_NUM_PROCESSES='2', FEDJX_PROCESS_ID=str(pid))
+    env.pop('FEDJX_DEBUG', None)
+    procs.append(subprocess.Popen([sys.executable, *_cli(tmp_path / 'w')], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True))
+  for proc in procs:
+    _, err = proc.communicate(timeout=300)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2, err[-3000:]
+    assert len(lines) == 1 and 'Traceback' not in err, err[-3000:]
+    assert "config.mesh='clients=-1' spans 6 devices" in lines[0]
+    assert 'process 0 has 4, process 1 has 2' in lines[0]
+
+
 def _eval_rows(workdir):
   import json  # pylint: disable=g-import-not-at-top
   with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
