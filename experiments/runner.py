@@ -434,6 +434,7 @@ def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
   """
   config = validate(config)
   from fedjx import distributed  # pylint: disable=g-import-not-at-top
+  _check_coordinator_port(config)
   distributed.initialize(config.coordinator_address or None, config.num_processes,
                          config.process_id)
   lead = jax.process_index() == 0
@@ -472,6 +473,30 @@ def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
           f'config.mesh={config.mesh!r}: write axis sizes as '
           "'clients=-1' or 'clients=4,model=2'.") from None
   return distributed.make_mesh(axes)
+
+
+def _check_coordinator_port(config: ml_collections.ConfigDict) -> None:
+  """Process 0 of a multi-process run serves the coordinator: refuses a port
+  on this machine that another program holds, before JAX tries to bind it."""
+  import socket  # pylint: disable=g-import-not-at-top
+  from fedjx import distributed  # pylint: disable=g-import-not-at-top
+  address = config.coordinator_address or os.environ.get(distributed.ENV_COORDINATOR, '')
+  pid = config.process_id
+  if pid is None:
+    pid = os.environ.get(distributed.ENV_PROCESS_ID, '0')
+  host, _, port = address.rpartition(':')
+  if str(pid) != '0' or not port.isdigit() or host not in (
+      'localhost', '127.0.0.1', '0.0.0.0', '[::]', socket.gethostname()):
+    return
+  with socket.socket() as s:
+    try:
+      s.bind(('' if host in ('0.0.0.0', '[::]') else host, int(port)))
+    except OSError as e:
+      raise registry.ConfigError(
+          f'the coordinator address {address!r} (config.coordinator_address or '
+          f'{distributed.ENV_COORDINATOR}) cannot be served by process 0: port '
+          f'{port} is in use on this machine ({e.strerror}); choose a free '
+          'port.') from None
 
 
 def _check_devices_per_process(mesh: str) -> None:

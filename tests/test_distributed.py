@@ -107,6 +107,23 @@ def test_processes_with_different_device_counts_are_one_line(tmp_path):
     assert 'process 0 has 4, process 1 has 2' in lines[0]
 
 
+def test_a_coordinator_port_in_use_is_one_line_from_process_0(tmp_path):
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as busy:
+    busy.bind(('localhost', 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS='cpu', FEDJX_COORDINATOR=f'localhost:{port}',
+               FEDJX_NUM_PROCESSES='2', FEDJX_PROCESS_ID='0')
+    env.pop('FEDJX_DEBUG', None)
+    out = subprocess.run([sys.executable, *_cli(tmp_path / 'w')], env=env,
+                         capture_output=True, text=True, timeout=120)
+  lines = out.stderr.strip().splitlines()
+  assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+  assert f"coordinator address 'localhost:{port}'" in lines[0]
+  assert f'port {port} is in use' in lines[0]
+
+
 def _eval_rows(workdir):
   import json  # pylint: disable=g-import-not-at-top
   with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
