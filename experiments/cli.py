@@ -377,8 +377,13 @@ def split_overrides(argv: Sequence[str], notes: list[str] | None = None
       pending.append((arg, parts))
   if not pending:
     return list(argv), []
-
   from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
+  builders = ('algorithm', 'dataset', 'model')
+  for arg, parts in pending:  # Found without the registries (and JAX).
+    if parts[0] not in builders and (
+        _none_ancestor(config, parts) is None or '=' not in arg):
+      raise _unknown_field(arg, config, parts)
+
   from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
 
   def name_of(parts: tuple[str, ...], text_overrides: Mapping[Any, str]) -> Any:
@@ -520,21 +525,33 @@ def parse_flags(argv: Sequence[str], extras: list[Any], prog: str = 'fedjx-run',
     sys.exit(USAGE_STATUS)
 
 
+def _loaded(*names: tuple[str, str]) -> tuple[type[BaseException], ...]:
+  """The exception classes ``module.attr`` of the modules already imported
+  (an exception of a module never imported cannot have been raised, so the
+  command line need not import JAX to classify an error)."""
+  out = []
+  for module, attr in names:
+    if module in sys.modules:
+      out.append(getattr(sys.modules[module], attr))
+  return tuple(out)
+
+
+def _plain_modules() -> tuple[type[BaseException], ...]:
+  return _loaded(('fedjx.experiments.runner', 'NonFiniteError'),
+                 ('fedjx.experiments.workdir_lock', 'WorkdirLocked'),
+                 ('fedjx.experiments.checkpointing', 'CheckpointError'),
+                 ('fedjx.experiments.config', 'ConfigError'),
+                 ('fedjx.experiments.sweep_spec', 'SweepError'))
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
-  from fedjx.experiments import checkpointing  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import workdir_lock  # pylint: disable=g-import-not-at-top
-  return (UsageError, app.UsageError, ValueError, TypeError, OSError, KeyError,
-          runner.NonFiniteError, workdir_lock.WorkdirLocked,
-          checkpointing.CheckpointError)
+  return (UsageError, app.UsageError, ValueError, TypeError, OSError,
+          KeyError) + _plain_modules()
 
 
 def _plain_errors() -> tuple[type[BaseException], ...]:
   """Errors whose message is the whole story (printed without their type)."""
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import sweep_spec  # pylint: disable=g-import-not-at-top
-  return _user_errors()[-3:] + (UsageError, app.UsageError, registry.ConfigError,
-                                sweep_spec.SweepError)
+  return (UsageError, app.UsageError) + _plain_modules()
 
 
 def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
@@ -548,6 +565,8 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
     raise UsageError('--config is required, e.g. --config '
                      'configs/fedavg_digits.py (see --help).')
   apply_overrides(config, extras)
+  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
+  config_schema.with_defaults(config)  # The fields' own checks, before JAX.
   quiet_orbax()
   workdir = _WORKDIR.value
   if workdir is None:
@@ -579,20 +598,40 @@ def quiet_orbax() -> None:
 
 
 class _Signals:
-  """SIGINT and SIGTERM raise KeyboardInterrupt, remembering which arrived.
+  """SIGINT and SIGTERM end the program at once, with one line.
 
+  Installed first thing in :func:`main`, before anything heavy is imported.
   The runner replaces these handlers while it trains (the round finishes and
-  a checkpoint is saved); before that, during start-up and the imports, a
-  signal ends the program with one line.
+  a checkpoint is saved); before that (imports, flag parsing, data loading,
+  model initialization) and after it, the handler prints one line and exits
+  with ``os._exit(128 + signal)``. It does not raise KeyboardInterrupt:
+  Python drops an exception raised from a signal handler when it lands in a
+  callback whose exceptions it ignores (importlib's module-lock callbacks,
+  while JAX imports), and the run would go on as if no signal came. Nothing
+  written before training starts needs an orderly exit: a kill at any point
+  is covered by the run's crash guarantees. With ``--debug`` (or
+  ``FEDJX_DEBUG``) the handler raises KeyboardInterrupt, for its traceback.
   """
 
-  def __init__(self):
+  def __init__(self, prog: str = 'fedjx-run', debug: bool = False):
+    self.prog = prog
+    self.debug = debug
     self.signum = signal.SIGINT
 
   def handle(self, signum, frame):
     del frame
     self.signum = signum
-    raise KeyboardInterrupt
+    if self.debug:
+      raise KeyboardInterrupt
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except (OSError, ValueError):
+        pass
+    name = signal.Signals(signum).name
+    os.write(2, f'{self.prog}: stopped by {name}; the workdir keeps its last '
+             'complete checkpoint, if any.\n'.encode())
+    os._exit(128 + signum)  # pylint: disable=protected-access
 
   def install(self) -> None:
     for s in (signal.SIGINT, signal.SIGTERM):
@@ -627,9 +666,9 @@ def main(prog: str = 'fedjx-run',
          body: Callable[[Sequence[str], Sequence[Any]], int] | None = None,
          usage: str = USAGE) -> None:
   """Console-script entry point (``prog``, ``body`` and ``usage`` serve ``fedjx-sweep`` too)."""
+  signals = _Signals(prog, debug_requested(sys.argv))
+  signals.install()  # First: a signal at any time is one line and 128 + N.
   body = body or _train
-  signals = _Signals()
-  signals.install()
   extras: list[Any] = []
   try:
     app.run(lambda argv: run_main(body, argv, extras, signals, prog),

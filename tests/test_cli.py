@@ -3,10 +3,13 @@
 import inspect
 import json
 import os
+import random
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import optax
 import pytest
@@ -401,3 +404,92 @@ def test_the_applied_optimizer_is_printed(tmp_path):
   with open(tmp_path / 'w' / 'config.json', encoding='utf-8') as f:
     assert json.load(f)['algorithm']['server_optimizer'] == {
         'name': 'adam', 'learning_rate': 0.01}
+
+
+# `import fedjx` imports JAX today: fedjx/__init__.py imports the primitive
+# layer eagerly, and every `fedjx.experiments` module is under it. The command
+# line itself imports JAX only to train (and to look names up in the
+# registries); these two tests pass once `import fedjx` is light, and then
+# their markers go.
+CORE_IMPORTS_JAX = pytest.mark.xfail(
+    strict=True, reason='fedjx/__init__.py imports JAX eagerly (core package)')
+
+
+@CORE_IMPORTS_JAX
+def test_help_and_config_errors_answer_before_jax_is_imported(tiny, tmp_path):
+  raising = tmp_path / 'raising.py'
+  raising.write_text('def get_config():\n  raise ValueError("bad")\n')
+  for args in (['--help'], ['--config', tiny, '--config.rounds=abc'],
+               ['--config', tiny, '--config.rounds=-1'],
+               ['--config', tiny, '--config.no_such_field=1'],
+               ['--config', str(tmp_path / 'missing.py')],
+               ['--config', str(raising)]):
+    cmd = [sys.executable, '-X', 'importtime', FEDJX_RUN, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, JAX_PLATFORMS='cpu'))
+    imported = [l.rsplit('|', 1)[-1].strip() for l in out.stderr.splitlines()
+                if l.startswith('import time:')]
+    assert out.returncode == (0 if args == ['--help'] else 2), out.stderr[-2000:]
+    assert 'jax' not in imported, args
+
+
+@CORE_IMPORTS_JAX
+def test_fedjx_run_handles_a_signal_while_it_imports():
+  proc = subprocess.Popen([FEDJX_RUN, '--config', DIGITS], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  time.sleep(0.5)  # JAX's import takes about a second.
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 143, err[-2000:]
+  assert err.strip() == ('fedjx-run: stopped by SIGTERM; the workdir keeps its '
+                         'last complete checkpoint, if any.')
+
+
+def test_a_start_up_signal_is_not_lost_in_a_callback_that_swallows_exceptions():
+  # While JAX imports, a signal can land in importlib's module-lock callback,
+  # where Python ignores exceptions: a handler raising KeyboardInterrupt there
+  # was lost and the run went on (exit status 0). A weakref callback is such
+  # a place, deterministically.
+  code = textwrap.dedent('''
+      import os, signal, weakref
+      from fedjx.experiments import cli
+      cli._Signals('fedjx-run').install()
+      class A: pass
+      a = A()
+      def callback(ref):
+        os.kill(os.getpid(), signal.SIGTERM)  # Handled inside the callback.
+        sum(range(1000))
+      ref = weakref.ref(a, callback)
+      del a
+      print('went on')
+  ''')
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('FEDJX_DEBUG', None)
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                       timeout=120, env=env)
+  assert out.returncode == 143 and 'went on' not in out.stdout, out.stderr[-2000:]
+  assert out.stderr.strip() == ('fedjx-run: stopped by SIGTERM; the workdir keeps '
+                                'its last complete checkpoint, if any.')
+
+
+def test_a_signal_at_any_time_of_start_up_is_one_line_and_128_plus_n(tmp_path):
+  # scripts/run.py handles signals from its first line, before fedjx and JAX
+  # are imported; the times are drawn from a seeded RNG over the imports,
+  # the flag parsing and the data loading (about 2 s here).
+  rng = random.Random('20261201:start-up signals')
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('FEDJX_DEBUG', None)
+  for i, sig in enumerate([signal.SIGTERM, signal.SIGINT, signal.SIGTERM,
+                           signal.SIGTERM]):
+    at = rng.uniform(0.05, 1.5)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, 'scripts', 'run.py'), '--config', DIGITS,
+         '--workdir', str(tmp_path / str(i))], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=env)
+    time.sleep(at)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, (at, err[-2000:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and signal.Signals(sig).name in lines[0], (at, err[-2000:])
