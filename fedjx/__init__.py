@@ -29,25 +29,25 @@ computations; also reachable as ``fedjx.plan``, ``fedjx.beam`` and
 """
 
 from fedjx import _lazy
-from fedjx.api import broadcast
-from fedjx.api import reduce_mean
-from fedjx.api import reduce_sum
-from fedjx.api import reduce_weighted_mean
-from fedjx.mapping import map_fn
-from fedjx.placements import MAP_STRATEGIES
-from fedjx.placements import program
-from fedjx.primitives import broadcast_p
-from fedjx.primitives import reduce_mean_p
-from fedjx.primitives import reduce_sum_p
-from fedjx.primitives import reduce_weighted_mean_p
 
 __version__ = '0.1.0'
 
 SUBPACKAGES = ('algorithms', 'datasets', 'models', 'experiments')
 
 
-# Subpackages are imported when first used.
-__getattr__, __dir__ = _lazy.submodules(__name__, SUBPACKAGES)
+# The primitives' names, where each is defined. They and the subpackages are
+# imported when first used, so `import fedjx` does not import JAX: the
+# command line answers --help and config errors without paying for it.
+_NAMES = {
+    'broadcast': 'fedjx.api', 'reduce_mean': 'fedjx.api',
+    'reduce_sum': 'fedjx.api', 'reduce_weighted_mean': 'fedjx.api',
+    'map_fn': 'fedjx.mapping',
+    'MAP_STRATEGIES': 'fedjx.placements', 'program': 'fedjx.placements',
+    'broadcast_p': 'fedjx.primitives', 'reduce_mean_p': 'fedjx.primitives',
+    'reduce_sum_p': 'fedjx.primitives',
+    'reduce_weighted_mean_p': 'fedjx.primitives',
+}
+__getattr__, __dir__ = _lazy.submodules(__name__, SUBPACKAGES, _NAMES)
 
 
 __all__ = [

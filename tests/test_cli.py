@@ -406,16 +406,6 @@ def test_the_applied_optimizer_is_printed(tmp_path):
         'name': 'adam', 'learning_rate': 0.01}
 
 
-# `import fedjx` imports JAX today: fedjx/__init__.py imports the primitive
-# layer eagerly, and every `fedjx.experiments` module is under it. The command
-# line itself imports JAX only to train (and to look names up in the
-# registries); these two tests pass once `import fedjx` is light, and then
-# their markers go.
-CORE_IMPORTS_JAX = pytest.mark.xfail(
-    strict=True, reason='fedjx/__init__.py imports JAX eagerly (core package)')
-
-
-@CORE_IMPORTS_JAX
 def test_help_and_config_errors_answer_before_jax_is_imported(tiny, tmp_path):
   raising = tmp_path / 'raising.py'
   raising.write_text('def get_config():\n  raise ValueError("bad")\n')
@@ -433,7 +423,6 @@ def test_help_and_config_errors_answer_before_jax_is_imported(tiny, tmp_path):
     assert 'jax' not in imported, args
 
 
-@CORE_IMPORTS_JAX
 def test_fedjx_run_handles_a_signal_while_it_imports():
   proc = subprocess.Popen([FEDJX_RUN, '--config', DIGITS], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True,
