@@ -182,15 +182,29 @@ def _ids(strategies):
           for s, c, f in strategies]
 
 
-@pytest.mark.parametrize('strategy,chunk,fuse', STRATEGIES, ids=_ids(STRATEGIES))
-@pytest.mark.parametrize('mode', MODES)
+def _modes_by_strategies():
+  """``(mode, strategy, chunk, fuse)`` cases. Second derivatives compile the
+  longest; in the default run they cover one unchunked and one fused chunked
+  strategy, and all of them with the slow tests."""
+  cases = []
+  for mode in MODES:
+    for (s, c, f), name in zip(STRATEGIES, _ids(STRATEGIES)):
+      slow = mode == 'hessian' and name not in ('vmap', 'chunked4')
+      cases.append(pytest.param(mode, s, c, f, id=f'{mode}-{name}',
+                                marks=[pytest.mark.slow] if slow else []))
+  return cases
+
+
+MODES_BY_STRATEGIES = _modes_by_strategies()
+
+
+@pytest.mark.parametrize('mode,strategy,chunk,fuse', MODES_BY_STRATEGIES)
 @pytest.mark.parametrize('construct', sorted(INSIDE))
 def test_map_fn_inside_control_flow(construct, mode, strategy, chunk, fuse):
   _check(_inside, construct, mode, strategy, chunk, fuse)
 
 
-@pytest.mark.parametrize('strategy,chunk,fuse', STRATEGIES, ids=_ids(STRATEGIES))
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode,strategy,chunk,fuse', MODES_BY_STRATEGIES)
 @pytest.mark.parametrize('construct', OUTSIDE)
 def test_program_inside_control_flow(construct, mode, strategy, chunk, fuse):
   _check(_outside, construct, mode, strategy, chunk, fuse)
