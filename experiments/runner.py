@@ -53,6 +53,7 @@ from fedjx import execution as execution_lib
 from fedjx import models
 from fedjx.algorithms import nonfinite
 from fedjx.experiments import checkpointing
+from fedjx.experiments import compile_progress
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import evaluation
 from fedjx.experiments import guarded_rounds
@@ -410,6 +411,13 @@ def _train_loss(row: Mapping[str, Any]) -> float | None:
   return None
 
 
+def _log_above(bar: Any, log: Callable[[str], None], msg: str) -> None:
+  """``log(msg)`` with the progress bar cleared first and drawn again after."""
+  bar.clear()
+  log(msg)
+  bar.refresh()
+
+
 def _progress(total: int, initial: int, enabled: bool):
   from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
   return tqdm.tqdm(total=total, initial=initial, unit='round', disable=not enabled,
@@ -651,7 +659,16 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
             report = None
             if exp.systems is not None:
               cohort, report = cohort
-            state, metrics = run_round(state, cohort, exp.round_key_for(r))
+            if r == start:  # The first round compiles: said, and timed.
+              _log_above(bar, log, compile_progress.compiling_message(config))
+              compile_t0 = time.perf_counter()
+              with compile_progress.slow_compile_notice_as_progress():
+                state, metrics = run_round(state, cohort, exp.round_key_for(r))
+                jax.block_until_ready(metrics)
+              _log_above(bar, log, compile_progress.compiled_message(
+                  time.perf_counter() - compile_t0))
+            else:
+              state, metrics = run_round(state, cohort, exp.round_key_for(r))
             if checked and PARAMS_FINITE not in metrics and (
                 guarded_rounds.RESULT_FINITE not in metrics):  # Not compiled.
               metrics = dict(metrics, **{PARAMS_FINITE: _all_finite(state.params)})

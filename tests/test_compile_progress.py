@@ -1,0 +1,54 @@
+"""The runner says what compiles before the first round, and XLA's
+slow-compile alarm reads as progress, not as an error."""
+
+import os
+
+from config_files import load
+
+from fedjx.experiments import compile_progress
+from fedjx.experiments import runner
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ALARM = (b'E0101 00:00:00.000000   4242 slow_operation_alarm.cc:73] \n'
+         + b'*' * 32 + b'\nVery slow compile? If you want to file a bug, run with '
+         b'envvar XLA_FLAGS=--xla_dump_to=/tmp/foo and attach the results.\n'
+         + b'*' * 32 + b'\n')
+
+
+def test_the_first_round_is_announced_and_timed(tmp_path):
+  config = load(os.path.join(REPO, 'configs', 'fedavg_digits.py'))
+  config.rounds = 2
+  config.tensorboard = config.plot = config.progress = False
+  messages = []
+  result = runner.run(config, str(tmp_path), log=messages.append)
+  assert result.step == 2
+  compiling = [m for m in messages if m.startswith('fedjx: compiling')]
+  assert compiling == ['fedjx: compiling the round of fedavg (model mlp, 10 '
+                       'clients)...'], messages
+  done = [m for m in messages if m.startswith('fedjx: compiled the round')]
+  assert len(done) == 1 and messages.index(done[0]) > messages.index(compiling[0])
+  seconds = float(done[0].split('took ')[1].split(' s')[0])
+  assert 0 < seconds < 600
+
+
+def test_the_slow_compile_alarm_becomes_one_progress_line(capfd):
+  with compile_progress.slow_compile_notice_as_progress():
+    os.write(2, b'W0101 a warning before\n' + ALARM + b'E0101 a real error\n')
+    os.write(2, b'a partial line')
+  err = capfd.readouterr().err
+  assert 'file a bug' not in err and '*' * 32 not in err
+  assert 'slow_operation_alarm' not in err
+  assert err.count('fedjx: still compiling the round (') == 1
+  assert "notice, not an error)" in err
+  lines = err.splitlines()
+  assert lines[0] == 'W0101 a warning before'
+  assert lines[2:] == ['E0101 a real error', 'a partial line']
+
+
+def test_other_lines_of_the_alarm_s_file_pass_unchanged(capfd):
+  other = (b'E0101 00:00:00.000000 1 slow_operation_alarm.cc:80] something '
+           b'else\nnext line\n')
+  with compile_progress.slow_compile_notice_as_progress():
+    os.write(2, other)
+  assert capfd.readouterr().err.encode() == other
