@@ -4,6 +4,13 @@ Every builder returns an :class:`Algorithm` with ``init(params) -> state``,
 ``round(state, cohort, key) -> (state, metrics)`` (jit-compiled, state
 donated), ``run_rounds`` (many rounds in one ``lax.scan``) and ``apply`` (the
 plain round, for ``jax.grad`` and friends). See docs/algorithms.md.
+
+A new algorithm needs only names from here: :func:`make_algorithm` wraps its
+``init`` and round (written with the fedjx primitives), and
+:func:`check_schedule`, :func:`local_update`, :func:`round_metrics`, :func:`server_update`,
+:func:`default_sgd`, :class:`ServerState` and :func:`with_options` are the
+pieces its round and builder use (also importable from
+``fedjx.algorithms.base`` and ``fedjx.algorithms.client_update``).
 """
 
 from fedjx.algorithms import adaptive_clipping
@@ -19,11 +26,19 @@ from fedjx.algorithms.aggregators import Aggregator
 from fedjx.algorithms.base import Algorithm
 from fedjx.algorithms.base import ServerState
 from fedjx.algorithms.base import WEIGHTINGS
+from fedjx.algorithms.base import COMMON_OPTIONS
 from fedjx.algorithms.base import aggregation_weights
+from fedjx.algorithms.base import default_sgd
+from fedjx.algorithms.base import make_algorithm
+from fedjx.algorithms.base import round_metrics
+from fedjx.algorithms.base import server_update
+from fedjx.algorithms.base import with_options
 from fedjx.algorithms.base import scan_rounds
 from fedjx.algorithms.client_transforms import control_variate
 from fedjx.algorithms.client_transforms import proximal
 from fedjx.algorithms.client_update import LocalSchedule
+from fedjx.algorithms.client_update import check_schedule
+from fedjx.algorithms.client_update import local_update
 from fedjx.algorithms.async_diloco import AsyncDiLoCoState
 from fedjx.algorithms.async_diloco import async_diloco
 from fedjx.algorithms.async_diloco import delayed_nesterov
@@ -62,8 +77,16 @@ from fedjx.algorithms.tuner import fedavg_hypergradient_tuner
 from fedjx.algorithms.tuner import hypergradient_tuner
 
 __all__ = [
+    'check_schedule',
+    'local_update',
+    'with_options',
+    'server_update',
+    'round_metrics',
+    'make_algorithm',
+    'default_sgd',
     'Aggregator',
     'Algorithm',
+    'COMMON_OPTIONS',
     'AsyncCohort',
     'AsyncDiLoCoState',
     'FedBuffState',

@@ -278,9 +278,9 @@ def validate(config: Any) -> ml_collections.ConfigDict:
     registry.check_numbers(kind, kwargs, non_negative=False)
   registry.check_paths('dataset', registry.split_name('dataset', config.dataset)[1])
   name, kwargs = registry.split_name('algorithm', config.algorithm)
-  fn = registry.lookup('algorithm', registry.ALGORITHMS, name)
-  registry.check_kwargs('algorithm', name, fn, kwargs, registry.RESERVED,
-                        registry.forwarded_builder(name))
+  entry = registry.algorithm_entry(name)
+  registry.check_kwargs('algorithm', name, entry, kwargs, registry.RESERVED,
+                        entry.forwarded())
   registry.check_types('algorithm', registry.builder_options(name), kwargs)
   registry.check_numbers('algorithm', kwargs, non_negative=True)
   registry.check_hparam_bounds(kwargs)
@@ -310,7 +310,7 @@ def check_asynchronous(config: ml_collections.ConfigDict, name: str,
                        kwargs: Mapping[str, Any]) -> None:
   """An asynchronous algorithm's concurrency against its buffer, the cohort."""
   from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
-  if name not in registry.ASYNCHRONOUS:
+  if not registry.is_asynchronous(name):
     return
   m, k = kwargs.get('concurrency'), config.cohort_size
   if m is not None and not isinstance(m, bool) and isinstance(m, int) and m < k:

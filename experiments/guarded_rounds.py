@@ -6,8 +6,8 @@ client whose update or weight is NaN or Inf, and counts it in
 does that inside the round, at the price of a second read of every client's
 trained model and a few small kernels: 3-7% of a 0.7 ms round on a CPU
 (docs/benchmarks.md). Almost no round has such a client. So for the
-algorithms in ``registry.UPDATES_REACH_PARAMS`` (synchronous ones, whose
-every client output reaches the server model in the round that computes
+algorithms whose registry entry declares ``updates_reach_params``
+(synchronous ones, whose every client output reaches the server model in the round that computes
 it) the runner runs each round with the algorithm built *without* its guard,
 and computes in the same compiled program one flag: whether the new server
 model and the round's metrics are all finite.

@@ -21,6 +21,8 @@ import inspect
 import math
 import os
 import re
+import sys
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -283,10 +285,14 @@ RUNNER_OPTIONS = ('metrics_fn', 'skip_nonfinite')
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmEntry:
-  """A registered algorithm: its builder and what the runner passes it.
+  """A registered algorithm: its builder and what it declares about itself.
 
-  Calling the entry calls the builder, and ``inspect.signature`` shows the
-  builder's, so an entry stands wherever a builder does.
+  Everything the runner, the config checks and the sweep need to know about
+  an algorithm is a field here, so adding an algorithm is one entry (in the
+  package, one line of :data:`ALGORITHMS`; from your own code,
+  :func:`register_algorithm`). Calling the entry calls the builder, and
+  ``inspect.signature`` shows the builder's, so an entry stands wherever a
+  builder does.
 
   Attributes:
     builder: ``builder(loss_fn, **options) -> Algorithm``.
@@ -295,11 +301,26 @@ class AlgorithmEntry:
       the training population's size unless the config does. None: the
       algorithm keeps no per-client state.
     runner_options: which of :data:`RUNNER_OPTIONS` the builder takes.
+    asynchronous: the runner feeds its rounds ``AsyncCohort``s from its
+      simulated schedule (``fedjx.datasets.async_schedule``); ``fedjx-sweep``
+      refuses it.
+    updates_reach_params: every client output reaches the server model in
+      the round that computes it (nothing waits in the state): with
+      ``config.nonfinite`` ``'skip'`` or ``'stop'`` the runner runs its rounds
+      unguarded first and redoes a round guarded only when its result is not
+      finite (:mod:`fedjx.experiments.guarded_rounds`). False (the default,
+      always safe): every round runs guarded.
+    forwards_to: the builder passes its ``**kwargs`` on to another builder
+      (the FedOpt conveniences to ``fedavg``): that builder, or the name of
+      its entry. The options a config may give are both builders'.
   """
 
   builder: Callable[..., Any]
   population: str | None = None
   runner_options: tuple[str, ...] = RUNNER_OPTIONS
+  asynchronous: bool = False
+  updates_reach_params: bool = False
+  forwards_to: str | Callable[..., Any] | None = None
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     return self.builder(*args, **kwargs)
@@ -308,64 +329,124 @@ class AlgorithmEntry:
   def __signature__(self) -> inspect.Signature:
     return inspect.signature(self.builder)
 
+  def forwarded(self) -> Callable[..., Any] | None:
+    """The builder this entry's builder passes its ``**kwargs`` to, if any."""
+    if isinstance(self.forwards_to, str):
+      return algorithm_entry(self.forwards_to).builder
+    if isinstance(self.forwards_to, AlgorithmEntry):
+      return self.forwards_to.builder
+    return self.forwards_to
 
-def per_client(builder: Callable[..., Any], population: str) -> AlgorithmEntry:
-  """``builder``, whose option ``population`` takes the population size."""
-  return AlgorithmEntry(builder, population=population)
+
+def per_client(builder: Callable[..., Any], population: str,
+               **traits: Any) -> AlgorithmEntry:
+  """``builder``, whose option ``population`` takes the population size
+  (``traits``: the other :class:`AlgorithmEntry` fields)."""
+  return AlgorithmEntry(builder, population=population, **traits)
 
 
 def algorithm_entry(name: str) -> AlgorithmEntry:
-  """The :class:`AlgorithmEntry` of ``name`` (a plain builder: no population,
-  every runner option)."""
+  """The :class:`AlgorithmEntry` of ``name`` (a plain builder put in
+  :data:`ALGORITHMS` by hand: the entry's defaults, every runner option)."""
   value = lookup('algorithm', ALGORITHMS, name)
   return value if isinstance(value, AlgorithmEntry) else AlgorithmEntry(value)
 
 
-# Every algorithm a config can name: one line each, the builder (or, for an
-# algorithm with per-client state, per_client(builder, option)). In your own
-# code, add one with register_algorithm(name, builder); a builder is
-# f(loss_fn, **options) and takes metrics_fn and skip_nonfinite.
-ALGORITHMS: dict[str, Callable[..., Any]] = {
-    'fedavg': algorithms_lib.fedavg,
-    'fedadam': algorithms_lib.fedadam,
-    'fedyogi': algorithms_lib.fedyogi,
-    'fedadagrad': algorithms_lib.fedadagrad,
-    'fedavgm': algorithms_lib.fedavgm,
-    'fedprox': algorithms_lib.fedprox,
-    'fednova': algorithms_lib.fednova,
-    'scaffold': per_client(algorithms_lib.scaffold, 'num_clients'),
-    'dp_fedavg': algorithms_lib.dp_fedavg,
-    'diloco': per_client(algorithms_lib.diloco, 'num_replicas'),
+_FEDAVG_FAMILY = dict(updates_reach_params=True)
+_FEDOPT = dict(updates_reach_params=True, forwards_to='fedavg')
+
+# Every algorithm a config can name: one entry each, saying everything about
+# it (:class:`AlgorithmEntry`). In your own code, add one with
+# register_algorithm(name, builder, ...); a builder is f(loss_fn, **options)
+# and takes metrics_fn and skip_nonfinite.
+ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
+    'fedavg': AlgorithmEntry(algorithms_lib.fedavg, **_FEDAVG_FAMILY),
+    'fedadam': AlgorithmEntry(algorithms_lib.fedadam, **_FEDOPT),
+    'fedyogi': AlgorithmEntry(algorithms_lib.fedyogi, **_FEDOPT),
+    'fedadagrad': AlgorithmEntry(algorithms_lib.fedadagrad, **_FEDOPT),
+    'fedavgm': AlgorithmEntry(algorithms_lib.fedavgm, **_FEDOPT),
+    'fedprox': AlgorithmEntry(algorithms_lib.fedprox, **_FEDAVG_FAMILY),
+    'fednova': AlgorithmEntry(algorithms_lib.fednova, **_FEDAVG_FAMILY),
+    'scaffold': per_client(algorithms_lib.scaffold, 'num_clients',
+                           updates_reach_params=True),
+    'dp_fedavg': AlgorithmEntry(algorithms_lib.dp_fedavg, updates_reach_params=True),
+    'diloco': per_client(algorithms_lib.diloco, 'num_replicas',
+                         updates_reach_params=True),
+    # Its replicas keep parameters a round does not synchronize: guarded.
     'streaming_diloco': per_client(algorithms_lib.streaming_diloco, 'num_replicas'),
-    'fedavg_hypergradient_tuner': algorithms_lib.fedavg_hypergradient_tuner,
-    'fedbuff': algorithms_lib.fedbuff,
-    'async_diloco': per_client(algorithms_lib.async_diloco, 'num_replicas'),
+    'fedavg_hypergradient_tuner': AlgorithmEntry(
+        algorithms_lib.fedavg_hypergradient_tuner),
+    # Its buffer is the round's cohort: every update reaches the model.
+    'fedbuff': AlgorithmEntry(algorithms_lib.fedbuff, asynchronous=True,
+                              updates_reach_params=True),
+    # Its replicas keep training across rounds: guarded.
+    'async_diloco': per_client(algorithms_lib.async_diloco, 'num_replicas',
+                               asynchronous=True),
 }
-# Asynchronous algorithms: the runner feeds their rounds AsyncCohorts from
-# its simulated schedule (fedjx.datasets.async_schedule).
-ASYNCHRONOUS = ('fedbuff', 'async_diloco')
-# Algorithms whose every client output reaches the server model in the round
-# that computes it (nothing waits in the state; FedBuff's buffer is the
-# round's cohort): with config.nonfinite 'skip' or 'stop' the runner runs
-# their rounds unguarded first and redoes a round guarded only when its
-# result is not finite (fedjx.experiments.guarded_rounds). Others (Streaming
-# DiLoCo's replicas keep parameters a round does not synchronize, async
-# DiLoCo's keep training across rounds) always run guarded.
-UPDATES_REACH_PARAMS = ('fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm',
-                        'fedprox', 'fednova', 'scaffold', 'dp_fedavg', 'diloco',
-                        'fedbuff')
-# Algorithm options the runner sets (not config.algorithm).
+# Algorithm options the runner sets (not config.algorithm), for every entry.
 RESERVED = ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size',
             'skip_nonfinite')
-# Builders that pass their other keyword arguments (**kwargs) on to another
-# builder: the options a config may give them are both builders'.
-FORWARDS = {'fedadam': 'fedavg', 'fedyogi': 'fedavg', 'fedadagrad': 'fedavg',
-            'fedavgm': 'fedavg'}
+
+
+def _entries() -> dict[str, AlgorithmEntry]:
+  return {name: algorithm_entry(name) for name in ALGORITHMS}
+
+
+# The tables this module used to keep beside ALGORITHMS, now read from the
+# entries each time (read-only: change an entry instead).
+_VIEWS: dict[str, Callable[[], Any]] = {
+    'ASYNCHRONOUS': lambda: tuple(
+        n for n, e in _entries().items() if e.asynchronous),
+    'UPDATES_REACH_PARAMS': lambda: tuple(
+        n for n, e in _entries().items() if e.updates_reach_params),
+    'FORWARDS': lambda: types.MappingProxyType({
+        n: _forward_name(e) for n, e in _entries().items()
+        if e.forwards_to is not None}),
+}
+
+
+def _forward_name(entry: AlgorithmEntry) -> Any:
+  if isinstance(entry.forwards_to, str):
+    return entry.forwards_to
+  target = entry.forwarded()
+  for name, other in _entries().items():
+    if other.builder is target:
+      return name
+  return target
+
+
+def __getattr__(name: str) -> Any:  # pylint: disable=invalid-name
+  if name in _VIEWS:
+    return _VIEWS[name]()
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+class _Module(types.ModuleType):
+  """Refuses assignments to the read-only views, which would change nothing."""
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    if name in _VIEWS:
+      raise AttributeError(
+          f'{__name__}.{name} is read from the AlgorithmEntry of each algorithm '
+          f'and cannot be assigned; change the entries (register_algorithm or '
+          'dataclasses.replace) instead.')
+    super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Module
+
+
+def is_asynchronous(name: str) -> bool:
+  """Whether algorithm ``name`` runs on a simulated schedule (its entry's
+  ``asynchronous``); False for a name not registered."""
+  return name in ALGORITHMS and algorithm_entry(name).asynchronous
 
 
 def forwarded_builder(name: str) -> Callable[..., Any] | None:
   """The builder that algorithm ``name`` passes its ``**kwargs`` to, if any."""
-  return ALGORITHMS.get(FORWARDS.get(name, ''))
+  if name not in ALGORITHMS:
+    return None
+  return algorithm_entry(name).forwarded()
 
 
 def builder_options(name: str, kind: str = 'algorithm') -> dict[str, inspect.Parameter]:
@@ -410,7 +491,7 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
   """
   name, kwargs = split_name('algorithm', spec)
   entry = algorithm_entry(name)
-  check_kwargs('algorithm', name, entry, kwargs, RESERVED, forwarded_builder(name))
+  check_kwargs('algorithm', name, entry, kwargs, RESERVED, entry.forwarded())
   for key, value in list(kwargs.items()):
     if key.endswith('optimizer') and isinstance(value, Mapping):
       kwargs[key] = build_optimizer(value, where=f'algorithm.{key}')
@@ -451,28 +532,50 @@ def register_dataset(name: str, builder: Callable[..., ExperimentData]) -> None:
   DATASETS[name] = builder
 
 
-def register_algorithm(name: str, builder: Callable[..., Any], *,
+def register_algorithm(name: str, builder: Callable[..., Any] | AlgorithmEntry, *,
                        population: str | None = None,
-                       runner_options: tuple[str, ...] | None = None) -> None:
-  """Adds (or replaces) an algorithm builder ``builder(loss_fn, **kwargs)``.
+                       runner_options: tuple[str, ...] | None = None,
+                       asynchronous: bool = False,
+                       updates_reach_params: bool = False,
+                       forwards_to: str | Callable[..., Any] | None = None) -> None:
+  """Adds (or replaces) the algorithm ``name``: one :class:`AlgorithmEntry`.
 
   Args:
     name: the name configs use.
-    builder: the builder.
+    builder: the builder ``builder(loss_fn, **kwargs)``, or a whole
+      :class:`AlgorithmEntry` (then no other argument may be given).
     population: the builder's option that takes the population size, for an
       algorithm with per-client state (see :class:`AlgorithmEntry`).
     runner_options: which of :data:`RUNNER_OPTIONS` the builder takes; None
       reads them from its signature here, once (all of them if it takes
       ``**kwargs``), and the entry keeps them.
+    asynchronous, updates_reach_params, forwards_to: the entry's traits (see
+      :class:`AlgorithmEntry`).
   """
-  if runner_options is None:
-    names, var = accepted_kwargs(builder)
-    runner_options = tuple(k for k in RUNNER_OPTIONS if var or k in names)
-  for key in runner_options:
+  if isinstance(builder, AlgorithmEntry):
+    if (population, runner_options, asynchronous, updates_reach_params,
+        forwards_to) != (None, None, False, False, None):
+      raise ConfigError(f'register_algorithm({name!r}): an AlgorithmEntry says '
+                        'everything about its algorithm; give its fields in it, '
+                        'not as arguments.')
+    entry = builder
+  else:
+    if runner_options is None:
+      names, var = accepted_kwargs(builder)
+      runner_options = tuple(k for k in RUNNER_OPTIONS if var or k in names)
+    entry = AlgorithmEntry(builder, population, tuple(runner_options),
+                           asynchronous=bool(asynchronous),
+                           updates_reach_params=bool(updates_reach_params),
+                           forwards_to=forwards_to)
+  for key in entry.runner_options:
     if key not in RUNNER_OPTIONS:
       raise ConfigError(f'register_algorithm({name!r}): runner_options has '
                         f'{key!r}; valid runner options: {list(RUNNER_OPTIONS)}.')
-  ALGORITHMS[name] = AlgorithmEntry(builder, population, tuple(runner_options))
+  if isinstance(entry.forwards_to, str) and entry.forwards_to not in ALGORITHMS:
+    raise ConfigError(
+        f'register_algorithm({name!r}): forwards_to={entry.forwards_to!r} is not '
+        f'a registered algorithm.{_suggest(entry.forwards_to, ALGORITHMS)}')
+  ALGORITHMS[name] = entry
 
 
 def build_dataset(spec: Any, seed: int) -> ExperimentData:

@@ -216,8 +216,8 @@ def round_algorithms(config: ml_collections.ConfigDict,
     return exp.algorithm, None
   guarded = checking_finiteness(exp.algorithm)
   name = config.algorithm.name
-  reach = (name in registry.UPDATES_REACH_PARAMS and
-           'skip_nonfinite' in registry.algorithm_entry(name).runner_options)
+  entry = registry.algorithm_entry(name)
+  reach = entry.updates_reach_params and 'skip_nonfinite' in entry.runner_options
   if not guarded_rounds.runs_unguarded(exp.algorithm, reach):
     return guarded, None
   unguarded = build_algorithm(config, exp.model, exp.data.train.num_clients,
@@ -301,7 +301,7 @@ def _system_model(config: ml_collections.ConfigDict, num_clients: int,
 def async_scheduler(config: ml_collections.ConfigDict, train: Any,
                     systems: datasets.SystemModel | None = None
                     ) -> datasets.AsyncScheduler | None:
-  """The schedule of an asynchronous algorithm (``registry.ASYNCHRONOUS``).
+  """The schedule of an asynchronous algorithm (its registry entry's ``asynchronous``).
 
   ``K = config.cohort_size`` updates per server step; the concurrency ``M``
   (``config.algorithm.concurrency``, default ``K``) and the duration model
@@ -312,7 +312,7 @@ def async_scheduler(config: ml_collections.ConfigDict, train: Any,
   ``systems``, its number of clients).
   """
   name, spec = registry.split_name('algorithm', config.algorithm)
-  if name not in registry.ASYNCHRONOUS:
+  if not registry.is_asynchronous(name):
     return None
   num_clients = train if isinstance(train, int) else train.num_clients
   k = config.cohort_size

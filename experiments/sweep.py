@@ -528,7 +528,7 @@ def _fingerprint(config: Any, settings: Sequence[Mapping[str, Any]],
 def _check_synchronous(config: Any) -> None:
   """Sweeps run synchronous rounds of perfect clients: refuse the rest."""
   name = registry.split_name('algorithm', config.algorithm)[0]
-  if name in registry.ASYNCHRONOUS:
+  if registry.is_asynchronous(name):
     raise SweepError(f'config.algorithm.name={name!r} is asynchronous; '
                      'fedjx-sweep runs synchronous rounds only: run each trial '
                      'with fedjx-run.')

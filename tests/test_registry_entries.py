@@ -124,3 +124,105 @@ def test_algorithms_run_unguarded_first_are_synchronous_and_guardable():
     assert 'skip_nonfinite' in registry.algorithm_entry(name).runner_options
   for name in ('streaming_diloco', 'async_diloco', 'fedavg_hypergradient_tuner'):
     assert name not in registry.UPDATES_REACH_PARAMS
+
+
+# ------------------------------------------------- traits live in the entries
+
+def _forwarding(loss_fn, *, extra=1.0, **kwargs):
+  """A builder passing **kwargs on to fedavg, as the FedOpt conveniences do."""
+  del extra
+  return registry.algorithms_lib.fedavg(loss_fn, **kwargs)
+
+
+def test_the_old_tables_are_read_from_the_entries():
+  assert registry.ASYNCHRONOUS == ('fedbuff', 'async_diloco')
+  assert registry.UPDATES_REACH_PARAMS == (
+      'fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm', 'fedprox',
+      'fednova', 'scaffold', 'dp_fedavg', 'diloco', 'fedbuff')
+  assert dict(registry.FORWARDS) == {'fedadam': 'fedavg', 'fedyogi': 'fedavg',
+                                     'fedadagrad': 'fedavg', 'fedavgm': 'fedavg'}
+  assert registry.forwarded_builder('fedadam') is registry.algorithms_lib.fedavg
+  assert registry.forwarded_builder('scaffold') is None
+  assert 'skip_nonfinite' in registry.RESERVED
+
+
+def test_the_old_tables_cannot_be_assigned():
+  for name in ('ASYNCHRONOUS', 'UPDATES_REACH_PARAMS', 'FORWARDS'):
+    with pytest.raises(AttributeError, match=f'{name} is read from the AlgorithmEntry'):
+      setattr(registry, name, ())
+  with pytest.raises(TypeError):
+    registry.FORWARDS['fedavg'] = 'fedprox'  # pytype: disable=unsupported-operands
+  assert registry.ASYNCHRONOUS == ('fedbuff', 'async_diloco')
+
+
+def test_adding_an_algorithm_is_one_entry(register):
+  from fedjx.experiments import config as config_schema  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import sweep  # pylint: disable=import-outside-toplevel
+  entry = registry.AlgorithmEntry(_forwarding, asynchronous=True,
+                                  updates_reach_params=True, forwards_to='fedavg')
+  register('mine', entry)
+  assert registry.algorithm_entry('mine') is entry
+  assert registry.ASYNCHRONOUS[-1] == 'mine' and registry.is_asynchronous('mine')
+  assert registry.UPDATES_REACH_PARAMS[-1] == 'mine'
+  assert registry.FORWARDS['mine'] == 'fedavg'
+  # The options a config may give are both builders'.
+  options = registry.builder_options('mine')
+  assert {'extra', 'client_optimizer', 'weighting'} <= set(options)
+  assert 'skip_nonfinite' not in options
+  registry.check_kwargs('algorithm', 'mine', entry, {'weighting': 'uniform'},
+                        registry.RESERVED, entry.forwarded())
+  with pytest.raises(registry.ConfigError, match="has no option 'weightin'"):
+    registry.check_kwargs('algorithm', 'mine', entry, {'weightin': 'uniform'},
+                          registry.RESERVED, entry.forwarded())
+  # Asynchronous: its concurrency is checked against its buffer, and the
+  # sweep refuses it, from the entry alone.
+  config = config_schema.with_defaults(
+      {'algorithm': {'name': 'mine'}, 'dataset': {'name': 'digits'},
+       'model': {'name': 'mlp'}, 'cohort_size': 4})
+  with pytest.raises(registry.ConfigError, match='concurrency=2 is less than'):
+    config_schema.check_asynchronous(config, 'mine', {'concurrency': 2})
+  with pytest.raises(sweep.SweepError, match="'mine' is asynchronous"):
+    sweep._check_synchronous(config)  # pylint: disable=protected-access
+  registry.ALGORITHMS.pop('mine')
+  assert 'mine' not in registry.ASYNCHRONOUS and 'mine' not in registry.FORWARDS
+  registry.ALGORITHMS['mine'] = entry  # The fixture removes it again.
+
+
+def test_register_algorithm_takes_the_traits_as_keywords(register):
+  register('kw', _forwarding, forwards_to=registry.algorithms_lib.fedavg,
+           updates_reach_params=True)
+  entry = registry.algorithm_entry('kw')
+  assert (entry.asynchronous, entry.updates_reach_params) == (False, True)
+  assert entry.forwarded() is registry.algorithms_lib.fedavg
+  assert registry.FORWARDS['kw'] == 'fedavg'  # Named by its entry when it has one.
+  assert 'kw' not in registry.ASYNCHRONOUS and 'kw' in registry.UPDATES_REACH_PARAMS
+
+
+def test_a_plain_builder_is_guarded_and_synchronous(register):
+  register('plain_defaults', _recorder([]))
+  entry = registry.algorithm_entry('plain_defaults')
+  assert not entry.asynchronous and not entry.updates_reach_params
+  assert entry.forwards_to is None and registry.forwarded_builder('plain_defaults') is None
+
+
+def test_bad_registrations_are_one_line():
+  with pytest.raises(registry.ConfigError,
+                     match=r"^register_algorithm\('x'\): forwards_to='fedav' is not a "
+                           r"registered algorithm\. Did you mean 'fedavg'\?$"):
+    registry.register_algorithm('x', _forwarding, forwards_to='fedav')
+  with pytest.raises(registry.ConfigError, match='give its fields in it'):
+    registry.register_algorithm('x', registry.AlgorithmEntry(_forwarding),
+                                asynchronous=True)
+  assert 'x' not in registry.ALGORITHMS
+
+
+def test_a_new_algorithm_needs_only_public_names():
+  import fedjx.algorithms as algos  # pylint: disable=import-outside-toplevel
+  from fedjx.algorithms import base, client_update  # pylint: disable=import-outside-toplevel
+  for name in ('make_algorithm', 'default_sgd', 'round_metrics', 'server_update',
+               'with_options', 'COMMON_OPTIONS', 'ServerState'):
+    assert getattr(algos, name) is getattr(base, name), name
+    assert name in algos.__all__
+  for name in ('local_update', 'check_schedule', 'LocalSchedule'):
+    assert getattr(algos, name) is getattr(client_update, name), name
+    assert name in algos.__all__

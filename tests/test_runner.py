@@ -1,5 +1,6 @@
 """The experiment runner: exact resumption, metrics files, plots, CLI errors."""
 
+import dataclasses
 import json
 import os
 import re
@@ -624,7 +625,8 @@ def test_a_nan_client_in_fedbuff_is_counted_as_when_every_round_is_guarded(
     runs = {}
     for mode in ('unguarded_first', 'always_guarded'):
       if mode == 'always_guarded':
-        monkeypatch.setattr(registry, 'UPDATES_REACH_PARAMS', ())
+        monkeypatch.setitem(registry.ALGORITHMS, 'fedbuff', dataclasses.replace(
+            registry.algorithm_entry('fedbuff'), updates_reach_params=False))
       config = cli.load_config_file(os.path.join(REPO, 'configs', 'fedbuff_digits.py'))
       config.rounds, config.checkpoint_every, config.eval_every = 8, 3, 8
       config.progress = config.plot = config.tensorboard = False
