@@ -30,10 +30,16 @@ Fused against stacked (fedjx.fusion), memory plan and interleaved time:
       --strategies=auto,nofuse:auto --no_references --repeats=10
 """
 
+import os
+import sys
+
 from absl import app
 from absl import flags
 
-from fedjx.experiments import benchmark
+# The benchmark is the repository's tooling, not part of the installed package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                os.pardir, 'benchmarks'))
+import round_bench as benchmark  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _MODELS = flags.DEFINE_list('models', ['logreg', 'cnn', 'transformer'], 'Models.')
 _CLIENTS = flags.DEFINE_list('clients', ['4', '8', '16', '32', '64'], 'Cohort sizes.')

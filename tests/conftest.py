@@ -4,6 +4,11 @@ XLA_FLAGS must be set before jax is imported, which is why it happens here.
 """
 
 import os
+import sys
+
+# The repository's benchmarks (benchmarks/, not installed) for their tests.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                os.pardir, 'benchmarks'))
 
 os.environ.setdefault('XLA_FLAGS', '')
 if '--xla_force_host_platform_device_count' not in os.environ['XLA_FLAGS']:

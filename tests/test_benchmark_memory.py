@@ -1,6 +1,6 @@
 """The benchmark's fusion and streaming records (numbers only; no timings asserted)."""
 
-from fedjx.experiments import benchmark
+import round_bench as benchmark  # benchmarks/, put on sys.path by conftest.py
 
 
 def test_fusion_prefix_is_parsed():

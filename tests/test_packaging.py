@@ -73,3 +73,25 @@ def test_hypergradient_demo_writes_into_its_workdir_unless_told():
   args = demo.parse_args(['--workdir', '/tmp/x'])
   assert args.plot == '/tmp/x/tuner_lr_trajectory.png'
   assert demo.parse_args(['--plot', 'a.png']).plot == 'a.png'
+
+
+def test_the_benchmark_is_the_repository_s_tooling_not_the_package_s():
+  # benchmarks/ holds it; the installed package holds the framework only.
+  assert importlib.util.find_spec('fedjx.experiments.benchmark') is None
+  for folder in ('fedjx', 'algorithms', 'datasets', 'models', 'experiments'):
+    assert not list((REPO / folder).rglob('benchmark*.py')), folder
+  assert (REPO / 'benchmarks' / 'round_bench.py').is_file()
+  import setuptools.config.setupcfg  # pylint: disable=import-outside-toplevel
+  options = setuptools.config.setupcfg.read_configuration(REPO / 'setup.cfg')['options']
+  assert not [p for p in options['packages'] if 'bench' in p]
+  assert 'benchmarks' not in options['package_dir'].values()
+
+
+def test_the_benchmark_script_finds_its_module_from_any_directory(tmp_path):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  out = subprocess.run([sys.executable, str(REPO / 'scripts' / 'benchmark.py'), '--help'],
+                       capture_output=True, text=True, timeout=120, check=False,
+                       cwd=tmp_path)
+  assert 'ModuleNotFoundError' not in out.stderr, out.stderr
+  assert '--guard_cost' in out.stdout + out.stderr

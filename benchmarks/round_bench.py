@@ -1,5 +1,9 @@
 """Benchmark of FedAvg round time against cohort size, per map strategy.
 
+Tooling of the repository, not part of the installed package: used by
+``scripts/benchmark.py`` (which puts this folder on ``sys.path``) and the
+tests (tests/conftest.py does the same).
+
 For each model and cohort size, one FedAvg round (``S`` local SGD steps of
 batch ``B`` per client) is timed under each ``map_fn`` strategy, next to
 references computed in the same process:
@@ -652,8 +656,8 @@ def guard_cost_in_runs(configs: dict[str, Any], rounds: int = 20, pairs: int = 4
   ``t_skip / t_off`` within a repetition, ``ratio_off2_off`` the same for the
   two identical experiments.
   """
-  # The runner imports the experiment registry, which imports this module's
-  # package; import it here to keep `import fedjx.experiments.benchmark` light.
+  # The runner imports the experiment registry and every algorithm; import
+  # it here to keep `import round_bench` light.
   from fedjx import execution  # pylint: disable=g-import-not-at-top
   from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
   records = []
