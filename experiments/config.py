@@ -26,6 +26,8 @@ from typing import Any
 
 import ml_collections
 
+from fedjx import options
+
 METRICS_FORMATS = ('jsonl', 'csv')
 
 
@@ -59,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     'map_strategy': 'auto',
     'chunk_size': None,
     'execution': 'auto',        # 'jit' | 'streaming' | 'auto', see EXECUTIONS
+    'streaming_chunk_size': None,  # clients per streamed chunk (None: sized by data)
     'metrics_format': 'jsonl',
     'tensorboard': True,
     'plot': True,
@@ -84,7 +87,8 @@ REQUIRED = ('dataset', 'model', 'algorithm')
 # ml_collections placeholders, which still read as None).
 OPTIONAL_TYPES: dict[str, type] = {
     'local_epochs': int, 'local_steps': int, 'max_local_steps': int,
-    'chunk_size': int, 'num_processes': int, 'process_id': int,
+    'chunk_size': int, 'streaming_chunk_size': int, 'num_processes': int,
+    'process_id': int,
     'privacy.delta': float, 'privacy.target_epsilon': float,
     'sampling.rate': float, 'sampling.max_cohort_size': int,
 }
@@ -117,13 +121,17 @@ NONFINITE = ('skip', 'stop', 'off')
 # config.execution: how a round runs (fedjx.execution): 'jit' compiles the
 # whole round; 'streaming' runs it from its plan with clients arriving from
 # the host in chunks; 'auto' streams when XLA's memory plan of the compiled
-# round would not fit the device.
-EXECUTIONS = ('auto', 'jit', 'streaming')
+# round would not fit the device. config.map_strategy, config.chunk_size
+# (clients per chunk of map_fn), config.execution and
+# config.streaming_chunk_size (clients per streamed chunk) are checked by
+# fedjx.options, as every other place that takes them checks them.
+EXECUTIONS = options.EXECUTIONS
 # Fields a resumed run may change without changing its results.
 RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
                      'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep',
                      'mesh', 'param_sharding', 'coordinator_address',
-                     'num_processes', 'process_id', 'execution')
+                     'num_processes', 'process_id', 'execution',
+                     'streaming_chunk_size')
 
 
 def with_defaults(config: Any) -> ml_collections.ConfigDict:
@@ -158,9 +166,10 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   if config.nonfinite not in NONFINITE:
     raise ConfigError(f'config.nonfinite={config.nonfinite!r} is not '
                                f'one of {NONFINITE}.')
-  if config.execution not in EXECUTIONS:
-    raise ConfigError(f'config.execution={config.execution!r} is not one of '
-                      f'{EXECUTIONS}.')
+  try:
+    options.RoundOptions.of(config)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if config.param_sharding not in ('replicated', 'fsdp'):
     raise ConfigError(f'config.param_sharding={config.param_sharding!r} '
                                "is not one of ('replicated', 'fsdp').")
@@ -293,17 +302,14 @@ def validate(config: Any) -> ml_collections.ConfigDict:
 
 
 def _check_map_strategy(config: ml_collections.ConfigDict) -> None:
-  """``config.map_strategy`` and ``config.chunk_size`` as ``Algorithm.compile`` takes them."""
-  import fedjx  # pylint: disable=g-import-not-at-top
-  if config.map_strategy not in fedjx.MAP_STRATEGIES:
-    raise ConfigError(f'config.map_strategy={config.map_strategy!r} is not one '
-                      f'of {fedjx.MAP_STRATEGIES}.'
-                      f'{suggest(config.map_strategy, fedjx.MAP_STRATEGIES)}')
-  chunk = config.chunk_size
-  if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
-                            or chunk < 1):
-    raise ConfigError(f'config.chunk_size={chunk!r}; it must be a positive int '
-                      'or None (the map strategy chooses).')
+  """``config.map_strategy`` and ``config.chunk_size`` as ``Algorithm.compile``
+  takes them (:func:`fedjx.options.check_map_options`), with a suggestion."""
+  try:
+    options.check_map_options(config.map_strategy, config.chunk_size, 'config.')
+  except ValueError as e:
+    hint = (suggest(config.map_strategy, options.MAP_STRATEGIES)
+            if config.map_strategy not in options.MAP_STRATEGIES else '')
+    raise ConfigError(f'{e}{hint}') from None
 
 
 def check_asynchronous(config: ml_collections.ConfigDict, name: str,
@@ -360,3 +366,22 @@ def config_hash(config: Any) -> str:
   """A short hash of a config's results-relevant fields (for run names)."""
   text = json.dumps(fingerprint(with_defaults(config)), sort_keys=True)
   return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def streaming_chunk(config: ml_collections.ConfigDict) -> int | None:
+  """Clients per streamed chunk: ``config.streaming_chunk_size``.
+
+  Before that field existed, ``config.chunk_size`` (the chunk of
+  ``map_fn``) also sized the streamed chunks; a config that sets only
+  ``chunk_size`` and may stream still gets that, with a DeprecationWarning
+  (the fallback goes in 0.3.0).
+  """
+  if config.get('streaming_chunk_size') is not None:
+    return config.streaming_chunk_size
+  if config.get('chunk_size') is not None and config.get('execution') != 'jit':
+    import warnings  # pylint: disable=g-import-not-at-top
+    warnings.warn('config.chunk_size also sizing streamed chunks is deprecated; '
+                  'set config.streaming_chunk_size for those (config.chunk_size '
+                  'is the chunk of map_fn).', DeprecationWarning, stacklevel=2)
+    return config.chunk_size
+  return None

@@ -8,7 +8,8 @@ stack through :func:`current_frames`, :func:`lookup` and
 :func:`resolve_size`; :func:`force_map_strategy` and :func:`without_fusion`
 are JAX user contexts, part of the keys of JAX's caches. Entering a frame
 is :func:`fedjx.program`'s (:mod:`fedjx.placements`); this module imports
-nothing else of fedjx, so every module that reads a frame can import it.
+no other fedjx module but :mod:`fedjx.options`, so every module that reads
+a frame can import it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 
 import jax
 
-MAP_STRATEGIES = ('auto', 'vmap', 'chunked', 'sequential')
+from fedjx import options as options_lib
+from fedjx.options import MAP_STRATEGIES
 
 
 @dataclasses.dataclass
@@ -80,18 +82,10 @@ def check_size(name: str, size: Any) -> int | None:
   return size
 
 
-def check_map_options(strategy: str, chunk_size: int | None) -> MapOptions:
-  if strategy not in MAP_STRATEGIES:
-    raise ValueError(
-        f'fedjx.program: map_strategy={strategy!r} is not one of '
-        f'{MAP_STRATEGIES}.')
-  if chunk_size is not None and (isinstance(chunk_size, bool) or
-                                 not isinstance(chunk_size, int) or
-                                 chunk_size < 1):
-    raise ValueError(
-        f'fedjx.program: chunk_size={chunk_size!r}; it must be a positive int '
-        'or None.')
-  return MapOptions(strategy, chunk_size)
+def check_map_options(strategy: str, chunk_size: int | None,
+                      where: str = 'fedjx.program: ') -> MapOptions:
+  """A program's map options, checked by :func:`fedjx.options.check_map_options`."""
+  return MapOptions(*options_lib.check_map_options(strategy, chunk_size, where))
 
 
 # A JAX user context, not a ContextVar: its value is part of the key of JAX's

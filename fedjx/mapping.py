@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjx import frames
+from fedjx import options as options_lib
 from fedjx import sharding as sharding_lib
 
 # Per-device memory budget for the inputs of one chunk of clients under the
@@ -254,13 +255,8 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   n = p.size
   mesh = mesh if mesh is not None else frame.mesh
   strategy = frames.forced_map_strategy() or strategy or frame.map_options.strategy
-  if strategy not in frames.MAP_STRATEGIES:
-    raise ValueError(f'fedjx.map_fn: strategy={strategy!r} is not one of '
-                     f'{frames.MAP_STRATEGIES}.')
   chunk_size = chunk_size or frame.map_options.chunk_size
-  if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-    raise ValueError(f'fedjx.map_fn: chunk_size={chunk_size!r}; it must be a '
-                     'positive int.')
+  options_lib.check_map_options(strategy, chunk_size, 'fedjx.map_fn: ')
   devices = _mesh_axis_size(p.name, mesh)
   k = choose_chunk_size(strategy, n, _client_bytes(leaves), devices, chunk_size)
   shared = ({} if frames.forced_map_strategy()

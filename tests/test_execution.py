@@ -90,7 +90,7 @@ def test_runner_streams_rounds_to_the_same_results(tmp_path, monkeypatch):
         'seed': 1, 'rounds': 2, 'cohort_size': 5, 'batch_size': 16,
         'local_epochs': 1, 'eval_every': 2, 'checkpoint_every': 2,
         'progress': False, 'plot': False, 'tensorboard': False,
-        'chunk_size': 2, 'execution': execution,
+        'streaming_chunk_size': 2, 'execution': execution,
         'dataset': {'name': 'digits', 'num_clients': 12, 'alpha': 0.5},
         'model': {'name': 'logistic_regression'},
         'algorithm': {'name': 'fedavg'}})
