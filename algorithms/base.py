@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
+from fedjx import _deprecation
 
 Params = Any
 PyTree = Any
@@ -511,9 +511,9 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
   if metrics_fn is not None and not callable(metrics_fn):
     raise ValueError(f'{name}: metrics_fn={metrics_fn!r} must be callable or None.')
   if map_strategy is not None or chunk_size is not None:
-    warnings.warn(f'{name}: map_strategy and chunk_size are deprecated '
-                  'builder arguments; use algorithm.compile(map_strategy=..., '
-                  'chunk_size=...).', DeprecationWarning, stacklevel=3)
+    _deprecation.warn(f'{name}: map_strategy and chunk_size are deprecated '
+                      'builder arguments; use algorithm.compile(map_strategy=..., '
+                      'chunk_size=...)', stacklevel=3)
     # Validated with the builder's name, as before.
     check_choice(name, 'map_strategy', map_strategy or 'auto',
                  fedjx.MAP_STRATEGIES)

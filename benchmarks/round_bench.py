@@ -227,8 +227,8 @@ def _fedavg(loss_fn, lr: float, steps: int, strategy: str, chunk: int | None,
             client_evaluation: bool) -> algorithms.Algorithm:
   """The benchmarked round: FedAvg with ``steps`` local SGD steps."""
   return algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr),
-                           local_steps=steps, map_strategy=strategy,
-                           chunk_size=chunk, client_evaluation=client_evaluation)
+                           local_steps=steps, client_evaluation=client_evaluation
+                           ).compile(map_strategy=strategy, chunk_size=chunk)
 
 
 def parse_strategy(spec: str) -> tuple[str, int | None]:
@@ -604,9 +604,9 @@ def guard_cost(model_names: Sequence[str], cohort_sizes: Sequence[int],
       calls, costs = [], []
       for skip in (True, False, False):
         algo = algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr),
-                                 local_steps=steps, map_strategy=name_,
-                                 chunk_size=chunk, client_evaluation=client_evaluation,
-                                 skip_nonfinite=skip)
+                                 local_steps=steps, client_evaluation=client_evaluation,
+                                 skip_nonfinite=skip).compile(map_strategy=name_,
+                                                              chunk_size=chunk)
         holder = {'state': algo.init(params)}
 
         def one_round(algo=algo, holder=holder):
