@@ -37,6 +37,7 @@ import optax
 
 import fedjx
 from fedjx import _deprecation
+from fedjx import options
 
 Params = Any
 PyTree = Any
@@ -96,9 +97,8 @@ class Algorithm(NamedTuple):
       use the options; ``init`` is unchanged.
     """
     fn = 'Algorithm.compile'
-    check_choice(fn, 'map_strategy', map_strategy, fedjx.MAP_STRATEGIES)
-    check_positive_int(fn, 'chunk_size', chunk_size, allow_none=True)
-    check_choice(fn, 'donate', donate, (True, False))
+    options.check_map_options(map_strategy, chunk_size, f'{fn}: ')
+    options.check_donate(donate, f'{fn}: ')
     if self.compiler is None:
       raise ValueError(f'{fn}: this Algorithm has compiler=None (it was not '
                        'made by make_algorithm), so it cannot be recompiled.')

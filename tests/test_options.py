@@ -58,6 +58,8 @@ def test_the_streamed_chunk_has_its_own_field():
   config.chunk_size = 2
   assert config_schema.streaming_chunk(config) == 8
   config.streaming_chunk_size = None
+  assert config_schema.streaming_chunk(config) == 2  # 'auto': as before, quietly.
+  config.execution = 'streaming'
   with pytest.deprecated_call(match='config.streaming_chunk_size'):
     assert config_schema.streaming_chunk(config) == 2
   config.execution = 'jit'  # Nothing streams: the map's chunk is only that.
