@@ -653,18 +653,22 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
             replay.close()
           return base
 
+        # The first cohort's fetch (execution='auto': the memory plan) and
+        # the first round compile.
+        _log_above(bar, log, compile_progress.compiling_message(config))
+        compile_t0 = time.perf_counter()
+        compiling = contextlib.ExitStack()  # closed after the first round
+        compiling.enter_context(compile_progress.slow_compile_notice_as_progress())
         cohorts = cohorts_from(start, stop, clock, state)
         try:
           for r, cohort in zip(range(start, stop), cohorts):
             report = None
             if exp.systems is not None:
               cohort, report = cohort
-            if r == start:  # The first round compiles: said, and timed.
-              _log_above(bar, log, compile_progress.compiling_message(config))
-              compile_t0 = time.perf_counter()
-              with compile_progress.slow_compile_notice_as_progress():
-                state, metrics = run_round(state, cohort, exp.round_key_for(r))
-                jax.block_until_ready(metrics)
+            if r == start:  # The first round compiles: timed.
+              state, metrics = run_round(state, cohort, exp.round_key_for(r))
+              jax.block_until_ready(metrics)
+              compiling.close()
               _log_above(bar, log, compile_progress.compiled_message(
                   time.perf_counter() - compile_t0))
             else:
@@ -726,6 +730,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
               interrupted = step < stop
               break
         finally:
+          compiling.close()
           cohorts.close()
       if stop < config.rounds and step == stop and not interrupted:
         log(privacy_lib.budget_message(plan, stop))

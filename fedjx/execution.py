@@ -62,6 +62,11 @@ def _spec(x: Any) -> Any:
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
+def _shape_key(spec: Any) -> str:
+  """The shapes and dtypes of a cohort's (or its specs') leaves, as a key."""
+  return str(jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), spec))
+
+
 class RoundRunner:
   """``run(state, cohort, key) -> (state, metrics)``, compiled or streamed.
 
@@ -81,6 +86,10 @@ class RoundRunner:
     self._headroom = headroom
     self._streamers: dict[int, streaming.Streamer] = {}
     self._streams: dict[str, bool] = {}  # cohort shape -> whether to stream
+    # cohort shape -> the round compiled for the memory plan, run as it is:
+    # calling algorithm.round would compile the same program again (its jit
+    # cache is not shared with lower().compile()).
+    self._compiled: dict[str, Any] = {}
 
   @property
   def may_stream(self) -> bool:
@@ -92,10 +101,11 @@ class RoundRunner:
     """Whether ``cohort`` (arrays, ``Clients`` or shapes) is streamed.
 
     For ``'auto'``: XLA's memory plan of the compiled round (arguments,
-    outputs and temporaries), lowered from shapes alone through
-    ``algorithm.round``'s own cache (which the round reuses when it runs
-    compiled), against ``headroom`` of the device's memory; decided once per
-    cohort shape, and logged when it streams. Thread-safe enough to be
+    outputs and temporaries), lowered from shapes alone, against
+    ``headroom`` of the device's memory; decided once per cohort shape, and
+    logged when it streams. A round that runs compiled runs that same
+    executable (``algorithm.round`` would compile it a second time), or
+    ``algorithm.round`` where its arguments' shardings differ. Thread-safe enough to be
     asked from a prefetching thread: a repeated decision only recompiles.
     """
     if self.execution != 'auto':
@@ -104,10 +114,11 @@ class RoundRunner:
       return False  # Not a jitted round: no memory plan to read.
     spec = (cohort.placed_spec() if isinstance(cohort, streaming.Clients)
             else jax.tree.map(_spec, cohort))
-    shape = str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), spec))
+    shape = _shape_key(spec)
     if shape not in self._streams:
-      analysis = self.algorithm.round.lower(
-          jax.tree.map(_spec, state), spec, _spec(key)).compile().memory_analysis()
+      compiled = self.algorithm.round.lower(
+          jax.tree.map(_spec, state), spec, _spec(key)).compile()
+      analysis = compiled.memory_analysis()
       planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
                     analysis.temp_size_in_bytes)
       limit = device_memory_bytes()
@@ -117,6 +128,8 @@ class RoundRunner:
                   f'{planned / 2**30:.2f} GiB, more than {self._headroom:.0%} of the '
                   f"device's {limit / 2**30:.2f} GiB; streaming the cohort in chunks "
                   f'of {self.chunk_for(spec)} clients.')
+      if not stream:
+        self._compiled[shape] = compiled
       self._streams[shape] = stream
     return self._streams[shape]
 
@@ -150,6 +163,12 @@ class RoundRunner:
       return self._streamers[chunk](state, cohort, key)
     if isinstance(cohort, streaming.Clients):
       cohort = jax.device_put(cohort.load(cohort.client_ids))
+    compiled = self._compiled.get(_shape_key(jax.tree.map(_spec, cohort)))
+    if compiled is not None:
+      try:  # Arguments are checked before anything runs or is donated.
+        return compiled(state, cohort, key)
+      except (TypeError, ValueError):  # e.g. other shardings: jit's own cache
+        self._compiled = {}
     return self.algorithm.round(state, cohort, key)
 
 

@@ -53,6 +53,23 @@ def test_every_execution_gives_the_compiled_round(mode, headroom, says):
     assert len(logged) == 1 and says in logged[0]
 
 
+def test_auto_compiles_the_round_once():
+  # 'auto' compiles the round for its memory plan; the round then runs that
+  # executable: algorithm.round (whose jit cache lower().compile() does not
+  # fill) never compiles it a second time.
+  algo = algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1))
+  cohort, key = _cohort(), jax.random.key(0)
+  want = jax.jit(algo.apply)(_state(algo), cohort, key)
+  run = execution.round_runner(algo, 'auto', log=lambda m: None)
+  state = _state(algo)
+  assert run.loads_whole(state, key)(cohort)  # The decision, from shapes.
+  for _ in range(2):
+    got = run(_state(algo), jax.device_put(cohort), key)
+  assert algo.round._cache_size() == 0  # pylint: disable=protected-access
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_streamed_chunks_hold_a_budget_of_client_data():
   # 64 MiB of data per chunk, at least 64 clients, at most the cohort.
   assert execution.streaming_chunk(4096, 10**6) == 2**26 // 4096
