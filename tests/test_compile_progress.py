@@ -52,3 +52,21 @@ def test_other_lines_of_the_alarm_s_file_pass_unchanged(capfd):
   with compile_progress.slow_compile_notice_as_progress():
     os.write(2, other)
   assert capfd.readouterr().err.encode() == other
+
+
+def test_compile_times_prints_one_json_line_per_config():
+  import json  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  out = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'scripts', 'compile_times.py'),
+       '--small', 'fedprox_synthetic', 'emnist'],
+      capture_output=True, text=True, check=True, timeout=300).stdout
+  rows = [json.loads(line) for line in out.splitlines()]
+  assert len(rows) == 1  # emnist needs downloaded files: not an offline config
+  row = rows[0]
+  assert row['config'] == 'fedprox_synthetic' and row['algorithm'] == 'fedprox'
+  assert row['model'] == 'logistic_regression' and row['clients'] == 10
+  assert 0 < row['lower_s'] and 0 < row['compile_s']
+  assert row['total_s'] == round(row['lower_s'] + row['compile_s'], 2) or abs(
+      row['total_s'] - row['lower_s'] - row['compile_s']) <= 0.011

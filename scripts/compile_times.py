@@ -1,0 +1,101 @@
+"""Compile time of each offline config's round: one JSON line per config.
+
+For every config in ``configs/`` whose dataset is built offline (digits,
+synthetic, text), builds the experiment as ``fedjx-run`` does, takes the round
+the runner runs first (``runner.round_algorithms``: unguarded where that is
+cheaper) and times ``round.lower(state, cohort, key)`` (tracing) and
+``.compile()`` (XLA) separately on the first cohort. Nothing runs. Each line
+holds the config, algorithm, model, cohort size and the two times in seconds.
+
+  python scripts/compile_times.py                      # every offline config
+  python scripts/compile_times.py diloco_text streaming_diloco_text
+  python scripts/compile_times.py --small              # shrunk as tests/test_configs.py
+
+The jit cache is per process and per program, so each config compiles from
+scratch; a persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``) would
+make the times meaningless and is switched off here.
+"""
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OFFLINE = ('digits', 'synthetic', 'text')
+
+
+def load(path):
+  name = '_config_' + os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def shrink(config):
+  """The small version tests/test_configs.py builds."""
+  if config.dataset.name == 'text':
+    config.dataset.modules = ('json',)
+    config.dataset.seq_len = 16
+    config.local_steps = 2
+    config.model.width = 16
+    config.model.num_layers = 1
+  config.local_epochs = None if config.local_steps else 1
+  config.max_local_steps = 2
+  config.batch_size = 4
+  config.eval_max_examples = 64
+  return config
+
+
+def measure(name, config):
+  import jax  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import runner  # pylint: disable=import-outside-toplevel
+  config = runner.validate(config)
+  t = time.perf_counter()
+  exp = runner.build(config)
+  guarded, unguarded = runner.round_algorithms(config, exp)
+  algorithm = unguarded or guarded
+  state = exp.algorithm.init(exp.init_params)
+  cohort = next(iter(exp.cohorts(0, 1)))
+  build_s = time.perf_counter() - t
+  t = time.perf_counter()
+  lowered = algorithm.round.lower(state, cohort, exp.round_key_for(0))
+  lower_s = time.perf_counter() - t
+  t = time.perf_counter()
+  lowered.compile()
+  compile_s = time.perf_counter() - t
+  jax.clear_caches()
+  return {'config': name, 'algorithm': config.algorithm.name,
+          'model': config.model.name, 'clients': int(config.cohort_size),
+          'lower_s': round(lower_s, 2), 'compile_s': round(compile_s, 2),
+          'total_s': round(lower_s + compile_s, 2), 'build_s': round(build_s, 2)}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('configs', nargs='*',
+                      help='config names (default: every offline config)')
+  parser.add_argument('--small', action='store_true',
+                      help='shrink each config as tests/test_configs.py does')
+  args = parser.parse_args(argv)
+  os.environ.pop('JAX_COMPILATION_CACHE_DIR', None)
+  sys.path.insert(0, ROOT)
+  paths = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
+  if args.configs:
+    wanted = set(args.configs)
+    paths = [p for p in paths if os.path.basename(p)[:-3] in wanted]
+  for path in paths:
+    config = load(path)
+    if config.dataset.name not in OFFLINE:
+      continue
+    if args.small:
+      config = shrink(config)
+    print(json.dumps(measure(os.path.basename(path)[:-3], config)), flush=True)
+
+
+if __name__ == '__main__':
+  main()
