@@ -617,7 +617,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
         checked = config.nonfinite != 'off'
         guarded, unguarded = round_algorithms(config, exp)
         make_runner = lambda algorithm: execution_lib.round_runner(
-            algorithm, config.execution, config.chunk_size, log)
+            algorithm, config.execution, config_schema.streaming_chunk(config), log)
         run_round, run_guarded = make_runner(unguarded or guarded), None
         redone: set[int] = set()  # rounds of this process redone guarded
 

@@ -19,9 +19,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from fedjx import options
 from fedjx import streaming
+from fedjx.options import EXECUTIONS
 
-EXECUTIONS = ('auto', 'jit', 'streaming')
 DEFAULT_STREAMING_CHUNK = 64  # The fewest clients per streamed chunk by default.
 # Without a chunk_size, a streamed chunk holds this much client data (at
 # least DEFAULT_STREAMING_CHUNK clients): two chunks are in memory at once
@@ -196,9 +197,7 @@ def round_runner(algorithm: Any, execution: str, chunk_size: int | None = None,
     placed cohort or a :class:`fedjx.streaming.Clients` that loads its
     clients lazily.
   """
-  if execution not in EXECUTIONS:
-    raise ValueError(f'fedjx.execution: execution={execution!r} is not one of '
-                     f'{EXECUTIONS}.')
+  options.check_execution(execution, chunk_size, 'fedjx.execution.round_runner: ')
   if execution == 'jit':
     return algorithm.round
   if jax.process_count() > 1:
