@@ -108,7 +108,7 @@ def test_clients_from_a_dataset_are_loaded_in_chunks():
   population = datasets.synthetic(1.0, 1.0, num_clients=9, seed=0, max_examples=60)
   ids = [4, 0, 7, 2, 8]
   loads = []
-  source = streaming.Clients.from_dataset(population, ids, batch_size=2, num_steps=3)
+  source = datasets.streaming_clients(population, ids, batch_size=2, num_steps=3)
   counting = streaming.Clients(source.client_ids,
                                lambda chunk: loads.append(list(chunk)) or source.load(chunk),
                                source.spec)
