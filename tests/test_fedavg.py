@@ -66,8 +66,8 @@ def test_padded_clients_equal_unpadded_loop(weighting, map_strategy):
   assert cohort.mask.shape == (3, 5, 4)
   algo = algos.fedavg(linreg_loss,
                       client_optimizer=optax.sgd(lr, momentum=momentum),
-                      local_epochs=epochs, weighting=weighting,
-                      map_strategy=map_strategy)
+                      local_epochs=epochs, weighting=weighting).compile(
+                          map_strategy=map_strategy)
   state, metrics = algo.round(algo.init(params), cohort, KEY)
   trained = [reference_sgd(linreg_loss, params, d, batch, lr, epochs, momentum)[0]
              for d in data]
@@ -271,7 +271,7 @@ def test_fedavg_converges_on_synthetic_1_1():
   cohort = make_cohort(data, batch_size=max(len(d['y']) for d in data))
   rounds = 300
   algo = algos.fedavg(_softmax_loss, client_optimizer=optax.sgd(0.05),
-                      local_steps=2, map_strategy='sequential')
+                      local_steps=2).compile(map_strategy='sequential')
   state, metrics = algo.run_rounds(algo.init(params),
                                    stack_cohorts([cohort] * rounds),
                                    jax.random.split(KEY, rounds))
@@ -292,7 +292,7 @@ def test_without_client_evaluation_the_training_loss_comes_free(map_strategy):
   cohort = make_cohort(data, batch_size=batch)
   build = lambda evaluate: algos.fedavg(
       linreg_loss, client_optimizer=optax.sgd(lr), local_epochs=epochs,
-      map_strategy=map_strategy, client_evaluation=evaluate)
+      client_evaluation=evaluate).compile(map_strategy=map_strategy)
   with_eval, without = build(True), build(False)
   state_a, metrics_a = with_eval.round(with_eval.init(params), cohort, KEY)
   state_b, metrics_b = without.round(without.init(params), cohort, KEY)

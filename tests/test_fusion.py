@@ -186,9 +186,10 @@ def test_algorithms_fused_equal_unfused(name):
   mask = np.ones((n, 2, 4), bool)
   cohort = datasets.Cohort(batches, mask, mask.sum((1, 2)).astype(np.float32),
                            np.arange(n, dtype=np.int32))
-  kwargs = dict(client_optimizer=optax.sgd(0.1), map_strategy='chunked', chunk_size=3)
+  kwargs = dict(client_optimizer=optax.sgd(0.1))
   algo = (algorithms.fedavg(loss, **kwargs) if name == 'fedavg'
-          else algorithms.scaffold(loss, n, **kwargs))
+          else algorithms.scaffold(loss, n, **kwargs)).compile(
+              map_strategy='chunked', chunk_size=3)
   state, key = algo.init({'w': jnp.full((5, 3), 0.1)}), jax.random.key(0)
   fused = jax.jit(algo.apply)(state, cohort, key)
   with placements.without_fusion():
