@@ -659,6 +659,14 @@ def run_main(body: Callable[[Sequence[str], Sequence[Any]], int], argv: Sequence
     text = _one_line(e) if plain else f'{type(e).__name__}: {_one_line(e)}'
     hint = '' if plain else ' (--debug shows the traceback)'
     print(f'{prog}: {text}{hint}', file=sys.stderr)
+    if type(e).__name__ == 'CheckpointWriteError':
+      # The checkpointer's writer threads failed with the disk; as the
+      # interpreter ends they may still print (an un-awaited write, a closed
+      # event loop). The one line is out: what follows is their teardown.
+      sys.stderr.flush()
+      devnull = os.open(os.devnull, os.O_WRONLY)
+      os.dup2(devnull, 2)
+      os.close(devnull)
     return USAGE_STATUS if user else 1
 
 

@@ -655,7 +655,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
 
         # The first cohort's fetch (execution='auto': the memory plan) and
         # the first round compile.
-        _log_above(bar, log, compile_progress.compiling_message(config))
+        # Progress, like the bar: shown with config.progress (a quiet run
+        # logs only what happened to it).
+        announce = (lambda m: _log_above(bar, log, m)) if (
+            lead and config.progress) else (lambda m: None)
+        announce(compile_progress.compiling_message(config))
         compile_t0 = time.perf_counter()
         compiling = contextlib.ExitStack()  # closed after the first round
         compiling.enter_context(compile_progress.slow_compile_notice_as_progress())
@@ -669,7 +673,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook
               state, metrics = run_round(state, cohort, exp.round_key_for(r))
               jax.block_until_ready(metrics)
               compiling.close()
-              _log_above(bar, log, compile_progress.compiled_message(
+              announce(compile_progress.compiled_message(
                   time.perf_counter() - compile_t0))
             else:
               state, metrics = run_round(state, cohort, exp.round_key_for(r))

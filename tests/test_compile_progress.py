@@ -19,9 +19,10 @@ ALARM = (b'E0101 00:00:00.000000   4242 slow_operation_alarm.cc:73] \n'
 def test_the_first_round_is_announced_and_timed(tmp_path):
   config = load(os.path.join(REPO, 'configs', 'fedavg_digits.py'))
   config.rounds = 2
-  config.tensorboard = config.plot = config.progress = False
+  config.tensorboard = config.plot = False
+  config.progress = True  # The lines are progress, shown with the bar.
   messages = []
-  result = runner.run(config, str(tmp_path), log=messages.append)
+  result = runner.run(config, str(tmp_path / 'shown'), log=messages.append)
   assert result.step == 2
   compiling = [m for m in messages if m.startswith('fedjx: compiling')]
   assert compiling == ['fedjx: compiling the round of fedavg (model mlp, 10 '
@@ -30,6 +31,10 @@ def test_the_first_round_is_announced_and_timed(tmp_path):
   assert len(done) == 1 and messages.index(done[0]) > messages.index(compiling[0])
   seconds = float(done[0].split('took ')[1].split(' s')[0])
   assert 0 < seconds < 600
+  config.progress = False  # A quiet run logs only what happened to it.
+  quiet = []
+  runner.run(config, str(tmp_path / 'quiet'), log=quiet.append)
+  assert not [m for m in quiet if m.startswith('fedjx: compil')], quiet
 
 
 def test_the_slow_compile_alarm_becomes_one_progress_line(capfd):
