@@ -18,6 +18,7 @@ from fedjx.experiments import runner
 from fedjx.experiments import sweep
 from fedjx.experiments import sweep_spec
 from fedjx.experiments import sweep_summary
+from fedjx.experiments import workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -298,16 +299,21 @@ def test_sigterm_then_resume_equals_an_uninterrupted_sweep(tmp_path):
   config_file = _config_file(
       tmp_path, 'rounds=40, checkpoint_every=1',
       "{'sweep': ['algorithm.server_learning_rate=0.02,0.1'], 'seeds': '1'}")
+  # A busy workdir is refused in one line (the lock held here, as a live
+  # sweep holds it).
+  os.makedirs(tmp_path / 'parts')
+  with workdir_lock.hold(str(tmp_path / 'parts')):
+    second = _sweep_process(config_file, tmp_path / 'parts')
+    _, err = second.communicate(timeout=120)
+  assert second.returncode == 2 and 'in use by' in err and len(err.strip().splitlines()) == 1
   first = _sweep_process(config_file, tmp_path / 'parts')
   ckpts = tmp_path / 'parts' / 'groups' / 'group_000' / 'checkpoints'
-  for _ in range(1200):  # Until a few rounds are checkpointed (at most 120 s).
-    if first.poll() is not None or (ckpts.exists() and len(
-        [p for p in ckpts.iterdir() if p.name.isdigit()]) >= 2):
+  for _ in range(1200):  # Until two rounds are checkpointed (at most 120 s),
+    if first.poll() is not None or (ckpts.exists() and len(  # then at once:
+        [p for p in ckpts.iterdir() if p.name.isdigit()]) >= 2):  # 38 remain.
       break
     time.sleep(0.1)
-  second = _sweep_process(config_file, tmp_path / 'parts')  # The workdir is busy.
-  _, err = second.communicate(timeout=120)
-  assert second.returncode == 2 and 'in use by' in err and len(err.strip().splitlines()) == 1
+  assert first.poll() is None, 'the sweep ended before it could be interrupted'
   first.send_signal(signal.SIGTERM)
   _, err = first.communicate(timeout=120)
   assert first.returncode == 128 + signal.SIGTERM, err[-2000:]
