@@ -48,11 +48,11 @@ ALL.update({
         scaled_loss, client_optimizer=sgd(), local_steps=T, **kw),
 })
 # ``auto`` picks ``vmap`` for clients this small on the CPU (the reference
-# itself), and unfused ``sequential`` differs from unfused ``chunked`` only
-# in the chunk size: both run with the slow tests.
+# itself), and the unfused loops are the composition matrix's too: they run
+# with the slow tests.
 _SLOW = pytest.mark.slow
 STRATEGIES = [pytest.param('chunked', 2, True, id='chunked2'),
-              pytest.param('chunked', 2, False, id='chunked2-unfused'),
+              pytest.param('chunked', 2, False, marks=_SLOW, id='chunked2-unfused'),
               pytest.param('sequential', None, True, id='sequential'),
               pytest.param('auto', None, True, marks=_SLOW, id='auto'),
               pytest.param('sequential', None, False, marks=_SLOW,

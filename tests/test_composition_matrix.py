@@ -183,13 +183,15 @@ def _ids(strategies):
 
 
 def _modes_by_strategies():
-  """``(mode, strategy, chunk, fuse)`` cases. Second derivatives compile the
-  longest; in the default run they cover one unchunked and one fused chunked
-  strategy, and all of them with the slow tests."""
+  """``(mode, strategy, chunk, fuse)`` cases: all of them with the slow
+  tests; in the default run, every strategy under jit and grad and the other
+  modes (eager, jvp, hessian) under vmap and fused chunks."""
   cases = []
   for mode in MODES:
     for (s, c, f), name in zip(STRATEGIES, _ids(STRATEGIES)):
-      slow = mode == 'hessian' and name not in ('vmap', 'chunked4')
+      # Every strategy under jit and grad; the other modes by default for
+      # one unchunked and one fused chunked strategy.
+      slow = mode not in ('jit', 'grad') and name not in ('vmap', 'chunked4')
       cases.append(pytest.param(mode, s, c, f, id=f'{mode}-{name}',
                                 marks=[pytest.mark.slow] if slow else []))
   return cases
