@@ -47,7 +47,12 @@ _NAMES = {
     'reduce_sum_p': 'fedjx.primitives',
     'reduce_weighted_mean_p': 'fedjx.primitives',
 }
-__getattr__, __dir__ = _lazy.submodules(__name__, SUBPACKAGES, _NAMES)
+# The primitive layer's own modules, for ``fedjx.mapping.any_in_chunk`` and
+# the like after ``import fedjx`` alone.
+MODULES = ('api', 'beam', 'distributed', 'execution', 'export', 'frames',
+           'fusion', 'interpreters', 'mapping', 'options', 'placements', 'plan',
+           'primitives', 'reductions', 'sharding', 'streaming')
+__getattr__, __dir__ = _lazy.submodules(__name__, SUBPACKAGES + MODULES, _NAMES)
 
 
 __all__ = [

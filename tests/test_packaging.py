@@ -49,6 +49,16 @@ def test_subpackages_are_reachable_after_import_fedjx_and_imported_lazily():
   assert out.splitlines() == ['[]', 'True Cohort True True', '[]']
 
 
+def test_import_fedjx_is_light_and_every_module_is_reachable():
+  out = _run(
+      'import sys, fedjx\n'
+      "print('jax' in sys.modules)\n"
+      'print([m for m in fedjx.MODULES if not hasattr(fedjx, m)])\n'
+      'print(callable(fedjx.mapping.any_in_chunk), callable(fedjx.program),\n'
+      "      fedjx.reduce_sum_p.name, 'jax' in sys.modules)\n")
+  assert out.splitlines() == ['False', '[]', 'True True fedjx_reduce_sum True']
+
+
 def test_help_names_the_subpackages():
   out = _run('import fedjx, pydoc; print(pydoc.render_doc(fedjx, renderer=pydoc.plaintext))')
   for name in ('fedjx.algorithms', 'fedjx.datasets', 'fedjx.models', 'fedjx.experiments'):
