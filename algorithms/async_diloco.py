@@ -14,16 +14,43 @@ version it received ``tau_k`` outer steps ago:
     theta_{t+1} = theta_t + OuterOpt(g_t)
 
 Liu et al. find that Nesterov momentum on stale outer gradients hurts, and
-propose the *Delayed Nesterov* outer optimizer: the momentum is updated
-only once every ``N`` outer steps, from the mean of the ``N`` outer
-gradients buffered meanwhile; in between, each outer gradient is applied
-alone, scaled by ``c``. As implemented here (:func:`delayed_nesterov`,
-learning rate ``eta``, momentum ``beta``; the equations are this module's
-reading of the paper, so a reproduction should check ``c`` against it):
+propose the *Delayed Nesterov* outer optimizer (their Algorithm 3): the
+momentum ``m`` moves only once every ``N`` outer steps, from the mean of the
+``N`` outer gradients received meanwhile (``Delta``, their sum); every outer
+gradient is applied once, at weight ``1/N``, as it arrives, and the momentum
+term is spread over the ``N`` steps by the *momentum activation*
+``c in [0, 1/N]`` (learning rate ``eta``, momentum ``beta``;
+:func:`delayed_nesterov`):
 
-    t + 1 a multiple of N:  m <- beta m + mean(g_{t-N+1} .. g_t)
-                            theta <- theta - eta (beta m + mean(g_{t-N+1} .. g_t))
-    otherwise:              theta <- theta - eta c g_t
+    Delta <- Delta + g_t
+    t + 1 a multiple of N:  m <- beta m + Delta / N,   Delta <- 0
+                            theta <- theta - eta ((1 - cN + c) beta m + g_t / N)
+    otherwise:              theta <- theta - eta (c beta m + g_t / N)
+
+Derivation (why these weights). Over one period the gradients add up to
+``eta Delta / N``: the period's mean, applied once, gradient by gradient as
+the replicas report (a replica starting mid-period trains from a model that
+already holds the earlier reports). The momentum term's weights add up to
+``(N - 1) c + (1 - cN + c) = 1``: the period's first ``N - 1`` steps apply
+``c beta m`` with the momentum of the previous periods, its last step the
+rest with the updated ``m``. So a period moves ``theta`` by ``eta (Delta / N
++ beta ((N - 1) c m_old + (1 - cN + c) m_new))``: with ``c = 0`` exactly a
+Nesterov step on the period's mean gradient, spread over its steps (DiLoCo's
+outer step when the ``N`` gradients are one synchronous round's); ``c``
+moves part of the momentum, one period older, to the steps in between
+(``c = 1/N``: ``beta m / N`` at every step). With ``N = 1`` both branches
+are Nesterov SGD, ``m <- beta m + g``, ``theta <- theta - eta (beta m +
+g)``, whatever ``c``.
+
+(Releases up to 0.1.x read the paper differently: between momentum steps
+they applied ``eta c g_t``, and at the period's last step
+``eta (beta m + mean of the period's g)``, so with ``c > 0`` the first
+``N - 1`` gradients of a period were applied twice, once alone and again in
+the mean, and the momentum at full weight at the last step; their
+``gradient_scale`` argument is now ``momentum_activation``. The old and the
+new rule agree on a period's first ``N - 1`` steps while ``m = 0`` and
+``c = 1/N``, and first differ at its last step:
+``tests/test_async_diloco.py`` checks both against float64 NumPy.)
 
 With ``N = 1`` it is DiLoCo's outer Nesterov SGD. Liu et al.'s second
 proposal, *Dynamic Local Updates* (each worker's inner steps proportional
@@ -44,6 +71,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
+from fedjx import _deprecation
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
@@ -91,45 +119,90 @@ class AsyncDiLoCoState(NamedTuple):
   aggregator_state: Any = ()
 
 
-def _delayed_nesterov(learning_rate: float, momentum: float, gradient_scale: float,
+class DelayedNesterovState(NamedTuple):
+  """:func:`delayed_nesterov`'s state (inside ``optax.inject_hyperparams``'s).
+
+  Attributes:
+    count: outer gradients received, ``t``.
+    momentum: ``m``.
+    buffer: ``Delta``, the sum of the current period's outer gradients.
+  """
+
+  count: jax.Array
+  momentum: base.PyTree
+  buffer: base.PyTree
+
+
+def _delayed_nesterov(learning_rate: float, momentum: float,
+                      momentum_activation: float,
                       period: int) -> optax.GradientTransformation:
-  buffered = optax.MultiSteps(
-      optax.sgd(learning_rate, momentum=momentum, nesterov=True),
-      every_k_schedule=period)
+  eta, beta, c, n = learning_rate, momentum, momentum_activation, period
+
+  def init(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return DelayedNesterovState(jnp.zeros((), jnp.int32), zeros, zeros)
 
   def update(updates, state, params=None):
-    delayed, state = buffered.update(updates, state, params)
-    stepped = state.mini_step == 0  # The N-th gradient: the momentum step.
-    alone = jax.tree.map(lambda g: -learning_rate * gradient_scale * g, updates)
-    return jax.tree.map(lambda d, a: jnp.where(stepped, d, a.astype(d.dtype)),
-                        delayed, alone), state
+    del params
+    g = updates
+    buffer = jax.tree.map(jnp.add, state.buffer, g)                # Delta += g_t
+    stepped = (state.count + 1) % n == 0
+    m = jax.tree.map(lambda m, d: jnp.where(stepped, beta * m + d / n, m),
+                     state.momentum, buffer)
+    weight = jnp.where(stepped, 1.0 - c * n + c, c)                # of beta m
+    step = jax.tree.map(
+        lambda m, g: (-eta * (weight * beta * m + g / n)).astype(g.dtype), m, g)
+    buffer = jax.tree.map(lambda d: jnp.where(stepped, jnp.zeros_like(d), d),
+                          buffer)
+    return step, DelayedNesterovState(state.count + 1, m, buffer)
 
-  return optax.GradientTransformation(buffered.init, update)
+  return optax.GradientTransformation(init, update)
 
 
 def delayed_nesterov(learning_rate: float = 0.7, momentum: float = 0.9,
-                     period: int = 1,
-                     gradient_scale: float = 0.0) -> optax.GradientTransformation:
-  """Liu et al. 2024's Delayed Nesterov outer optimizer (module docstring).
+                     period: int = 1, gradient_scale: float | None = None, *,
+                     momentum_activation: float = 0.0) -> optax.GradientTransformation:
+  """Liu et al. 2024's Delayed Nesterov outer optimizer, their Algorithm 3.
 
-  ``optax.MultiSteps`` over Nesterov SGD (the mean of every ``period``
-  updates, one momentum step), and ``-learning_rate * gradient_scale * g``
-  on the other steps. ``learning_rate``, ``momentum`` and ``gradient_scale``
-  are injected hyperparameters; ``period`` is static. With ``period=1``
-  there are no other steps, and it returns DiLoCo's outer Nesterov SGD
-  itself (:func:`fedjx.algorithms.diloco.outer_nesterov`: the same program,
-  so the same bits, and no ``gradient_scale`` hyperparameter).
+  With ``g_t`` the ``t``-th outer gradient, ``N = period``, ``c =
+  momentum_activation`` (module docstring for the derivation)::
+
+      Delta <- Delta + g_t
+      (t + 1) mod N == 0:  m <- beta m + Delta / N;  Delta <- 0
+                           update = -eta ((1 - cN + c) beta m + g_t / N)
+      otherwise:           update = -eta (c beta m + g_t / N)
+
+  Args:
+    learning_rate: ``eta`` (injected hyperparameter).
+    momentum: ``beta`` in ``[0, 1]`` (injected).
+    period: ``N``, outer steps per momentum step (static).
+    gradient_scale: deprecated spelling of ``momentum_activation`` (up to
+      0.1.x it scaled the outer gradients applied between momentum steps).
+    momentum_activation: ``c`` in ``[0, 1/N]`` (injected): the share of the
+      momentum term applied at each of a period's first ``N - 1`` steps.
+
+  With ``period=1`` it returns DiLoCo's outer Nesterov SGD itself
+  (:func:`fedjx.algorithms.diloco.outer_nesterov`: the same program, so the
+  same bits, and no ``momentum_activation`` hyperparameter).
   """
   fn = 'delayed_nesterov'
+  if gradient_scale is not None:
+    _deprecation.warn(
+        f'{fn}: gradient_scale={gradient_scale!r} is deprecated; it is the '
+        'momentum activation c of Liu et al.\'s Algorithm 3 (every outer '
+        'gradient is applied once, at 1/period), so use momentum_activation',
+        stacklevel=3)
+    momentum_activation = gradient_scale
   base.check_number(fn, 'learning_rate', learning_rate)
   base.check_number(fn, 'momentum', momentum, high=1.0)
   base.check_positive_int(fn, 'period', period)
-  base.check_number(fn, 'gradient_scale', gradient_scale)
+  base.check_number(fn, 'momentum_activation', momentum_activation,
+                    high=1.0 / period)
   if period == 1:
     return outer_nesterov(learning_rate, momentum)
   return optax.inject_hyperparams(_delayed_nesterov, static_args=('period',))(
       learning_rate=learning_rate, momentum=momentum,
-      gradient_scale=gradient_scale, period=period)
+      momentum_activation=momentum_activation, period=period)
 
 
 OPTIONS: dict[str, Any] = {
@@ -139,7 +212,8 @@ OPTIONS: dict[str, Any] = {
     'staleness_weighting': 'polynomial',
     'staleness_exponent': 0.5,
     'delay_period': 1,
-    'gradient_scale': 0.0,
+    'momentum_activation': 0.0,
+    'gradient_scale': None,
     'concurrency': None,
     'client_durations': None,
 }
@@ -160,9 +234,10 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     max_staleness, staleness_weighting, staleness_exponent: as
       :func:`~fedjx.algorithms.fedbuff`'s (default ``s = (1 + tau)^-0.5``).
     delay_period: ``N`` of :func:`delayed_nesterov` [1: Nesterov SGD].
-    gradient_scale: ``c`` of :func:`delayed_nesterov` [0].
+    momentum_activation: ``c`` of :func:`delayed_nesterov`, in ``[0, 1/N]``
+      [0]; ``gradient_scale`` is its deprecated spelling.
     outer_optimizer: any optax optimizer instead of the delayed Nesterov
-      one (then ``delay_period`` and ``gradient_scale`` are not taken); or
+      one (then ``delay_period`` and ``momentum_activation`` are not taken); or
       ``outer_learning_rate`` [0.7] and ``outer_momentum`` [0.9] for it.
     concurrency, client_durations: the runner's schedule, as FedBuff's
       (default ``M = K``).
@@ -178,19 +253,27 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   name = 'async_diloco'
   base.check_positive_int(name, 'num_replicas', num_replicas)
   o = base.take_options(name, options, OPTIONS)
-  period, scale = o['delay_period'], o['gradient_scale']
+  period, scale = o['delay_period'], o['momentum_activation']
   base.check_positive_int(name, 'delay_period', period)
-  base.check_number(name, 'gradient_scale', scale)
+  if o['gradient_scale'] is not None:
+    _deprecation.warn(
+        f'{name}: gradient_scale={o["gradient_scale"]!r} is deprecated; it is '
+        'the momentum activation c of Liu et al.\'s Algorithm 3 (every outer '
+        'gradient is applied once, at 1/delay_period), so use '
+        'momentum_activation', stacklevel=3)
+    scale = o['gradient_scale']
+  base.check_number(name, 'momentum_activation', scale, high=1.0 / period)
   diloco_options = {k: o[k] for k in DILOCO_OPTIONS}
   if o['outer_optimizer'] is None:
     lr, mu = o['outer_learning_rate'], o['outer_momentum']
     lr, mu = 0.7 if lr is None else lr, 0.9 if mu is None else mu
     base.check_number(name, 'outer_learning_rate', lr)
     base.check_number(name, 'outer_momentum', mu, high=1.0)
-    diloco_options.update(outer_optimizer=delayed_nesterov(lr, mu, period, scale),
+    diloco_options.update(outer_optimizer=delayed_nesterov(
+                              lr, mu, period, momentum_activation=scale),
                           outer_learning_rate=None, outer_momentum=None)
   elif (period, scale) != (1, 0.0):
-    raise ValueError(f'{name}: delay_period={period!r} and gradient_scale='
+    raise ValueError(f'{name}: delay_period={period!r} and momentum_activation='
                      f'{scale!r} set the delayed Nesterov outer optimizer; '
                      'they cannot apply to outer_optimizer.')
   inner_optimizer, outer_optimizer, schedule, _ = check_options(name, diloco_options)
@@ -253,4 +336,5 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
 
 
-__all__ = ['AsyncDiLoCoState', 'async_diloco', 'delayed_nesterov']
+__all__ = ['AsyncDiLoCoState', 'DelayedNesterovState', 'async_diloco',
+           'delayed_nesterov']

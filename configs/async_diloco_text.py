@@ -6,8 +6,10 @@ Language Modeling": every replica always trains (concurrency = K); an outer
 step is taken as soon as one replica reports (``cohort_size`` 1), weighting
 its outer gradient by 1 / sqrt(1 + staleness); the outer optimizer is
 Delayed Nesterov (learning rate 0.7, momentum 0.9), whose momentum moves
-once every K outer steps, with the outer gradients in between applied alone
-at scale ``gradient_scale``. Data, model and inner AdamW are those of
+once every K outer steps from the mean of the K outer gradients received
+meanwhile; each outer gradient is applied once, at 1/K, as it arrives, and
+the momentum term is spread evenly over the K steps (momentum activation
+c = 1/K). Data, model and inner AdamW are those of
 ``diloco_text.py``; one outer step here is one replica's H = 16 inner steps,
 so 4 x 40 outer steps are the inner work of 40 synchronous DiLoCo rounds.
 Replica k's H steps take 60, 60, 120 and 240 s (k = 0..3, repeating), so
@@ -49,7 +51,7 @@ def get_config(replicas: str = '4'):
           name='fixed',
           seconds=tuple(60.0 * (1, 1, 2, 4)[k % 4] for k in range(replicas))),
       max_staleness=4 * replicas,
-      delay_period=replicas, gradient_scale=1.0 / replicas,
+      delay_period=replicas, momentum_activation=1.0 / replicas,
       inner_optimizer=optimizer('adamw', learning_rate=3e-3, b1=0.9, b2=0.95,
                                 weight_decay=0.1),
       outer_learning_rate=0.7, outer_momentum=0.9)

@@ -10,6 +10,7 @@ import pytest
 import fedjx.algorithms as algos
 from fedjx.algorithms.async_diloco import delayed_nesterov
 from fedjx.algorithms.fedbuff import AsyncCohort
+from fedjx.datasets import async_schedule
 import float_tolerance as ft
 from test_algorithms_util import KEY, assert_trees_close
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params, make_cohort
@@ -48,28 +49,118 @@ def test_equal_speeds_are_diloco_exactly(strategy):
       np.testing.assert_array_equal(ma[k], mb[k], err_msg=k)
 
 
-def test_delayed_nesterov_against_a_loop():
-  lr, beta, c, n = 0.7, 0.9, 0.3, 3
-  opt = delayed_nesterov(lr, beta, period=n, gradient_scale=c)
-  rng = np.random.default_rng(5)
-  grads = rng.normal(size=(8, 4)).astype(np.float32)
-  x = jnp.zeros(4)
-  state = opt.init(x)
-  ref, m, buffer = np.zeros(4), np.zeros(4), []
-  for t, g in enumerate(grads):
-    updates, state = opt.update(jnp.asarray(g), state, x)
-    x = optax.apply_updates(x, updates)
-    buffer.append(g.astype(np.float64))
+def _algorithm3(grads, lr, beta, c, n):
+  """Liu et al. 2024, Algorithm 3 (Delayed Nesterov) in float64: the
+  parameter updates of each outer gradient in turn (``grads`` [T, d])."""
+  m, delta, steps = np.zeros(grads.shape[1]), np.zeros(grads.shape[1]), []
+  for t, g in enumerate(grads.astype(np.float64)):
+    delta = delta + g
     if (t + 1) % n == 0:
+      m = beta * m + delta / n
+      steps.append(-lr * ((1 - c * n + c) * beta * m + g / n))
+      delta = np.zeros_like(delta)
+    else:
+      steps.append(-lr * (c * beta * m + g / n))
+  return np.array(steps)
+
+
+@pytest.mark.parametrize('n, c', [(3, 0.0), (3, 0.2), (3, 1 / 3), (1, 0.0)])
+def test_delayed_nesterov_is_algorithm_3(n, c):
+  lr, beta = 0.7, 0.9
+  opt = delayed_nesterov(lr, beta, period=n, momentum_activation=c)
+  grads = np.random.default_rng(5).normal(size=(10, 4)).astype(np.float32)
+  state = opt.init(jnp.zeros(4))
+  steps = []
+  for g in grads:
+    u, state = opt.update(jnp.asarray(g), state)
+    steps.append(u)
+  # Each step: m is a sum of <= 4 momentum terms (|g| <~ 3, |m| <~ 30),
+  # plus two products: n < 10 roundings of terms of magnitude <~ 30 * 0.7.
+  np.testing.assert_allclose(np.array(steps), _algorithm3(grads, lr, beta, c, n),
+                             rtol=0, atol=ft.atol(10, 30.0))
+  if n > 1:  # Derivation: the second period's steps add up to its mean
+    # applied once plus beta times (N - 1) c m_1 + (1 - cN + c) m_2.
+    g64 = grads.astype(np.float64)
+    m1 = g64[:n].mean(0)
+    m2 = beta * m1 + g64[n:2 * n].mean(0)
+    total = np.array(steps)[n:2 * n].sum(0)
+    np.testing.assert_allclose(
+        total, -lr * (g64[n:2 * n].mean(0)
+                      + beta * ((n - 1) * c * m1 + (1 - c * n + c) * m2)),
+        rtol=0, atol=ft.atol(20, 30.0))
+
+
+def test_delayed_nesterov_in_the_four_replica_scenario():
+  # configs/async_diloco_text.py's schedule: 4 replicas whose jobs take 60,
+  # 60, 120 and 240 s, K = 1, N = 4, c = 1/4. Replica k's outer gradient is
+  # one gradient step (size h) on 0.5 |theta - x_k|^2 from the version it
+  # trained from, scaled by s(tau) = (1 + tau)^-1/2.
+  lr, beta, n, c, h = 0.7, 0.9, 4, 0.25, 0.5
+  x = np.random.default_rng(3).normal(size=(4, 3))
+  schedule = async_schedule.AsyncScheduler(
+      4, 4, 1, async_schedule.fixed_durations(4, seconds=(60, 60, 120, 240)),
+      seed=0)
+  steps = [schedule.step(r) for r in range(8)]
+
+  def run(update, theta0):
+    versions, state = [theta0], None
+    for r, step in enumerate(steps):
+      k, tau = int(step.client_ids[0]), int(step.staleness[0])
+      start = versions[r - tau]
+      g = (1 + tau) ** -0.5 * h * (start - x[k])
+      u, state = update(g, state, r)
+      versions.append(versions[r] + u)
+    return np.array(versions[1:])
+
+  def paper(g, state, r):       # Algorithm 3 in float64
+    m, delta = state if state is not None else (0.0, 0.0)
+    delta = delta + g
+    if (r + 1) % n == 0:
+      m = beta * m + delta / n
+      return -lr * ((1 - c * n + c) * beta * m + g / n), (m, 0.0)
+    return -lr * (c * beta * m + g / n), (m, delta)
+
+  def old(g, state, r):         # fedjx <= 0.1.x's reading, float64
+    m, buffer = state if state is not None else (0.0, [])
+    buffer = buffer + [g]
+    if (r + 1) % n == 0:
       mean = np.mean(buffer, axis=0)
       m = beta * m + mean
-      ref = ref - lr * (beta * m + mean)
-      buffer = []
-    else:
-      ref = ref - lr * c * g
-    # A running mean of <= 3 terms, a momentum sum over <= 3 periods and
-    # <= 8 parameter updates: n < 40 roundings of terms of magnitude <~ 30.
-    np.testing.assert_allclose(x, ref, rtol=0, atol=ft.atol(40, 30.0))
+      return -lr * (beta * m + mean), (m, [])
+    return -lr * c * g, (m, buffer)
+
+  opt = delayed_nesterov(lr, beta, period=n, momentum_activation=c)
+
+  def ours(g, state, r):
+    state = opt.init(jnp.zeros(3, jnp.float32)) if state is None else state
+    u, state = opt.update(jnp.asarray(g, jnp.float32), state)
+    return np.asarray(u, np.float64), state
+
+  theta0 = np.zeros(3)
+  expected, before = run(paper, theta0), run(old, theta0)
+  # By hand: at 60 s the two fast replicas report (tau 0, 1); at 120 s the
+  # 120 s replica (started at 0, tau 2), then a fast one (started at step 1's
+  # version 1 at 60 s, tau 2): the ring's older versions are read.
+  assert [int(s.staleness[0]) for s in steps[:4]] == [0, 1, 2, 2]
+  # The two readings agree while m = 0 and c = 1/N, and part at step 3,
+  # where the old one applied g_0 .. g_2 a second time.
+  np.testing.assert_allclose(before[:3], expected[:3], rtol=1e-12, atol=1e-15)
+  assert np.max(np.abs(before[3] - expected[3])) > 1e-2
+  # float32 against float64: 8 steps of a few products and sums each, the
+  # iterates and gradients of magnitude <~ 3: n < 100 roundings of <~ 3.
+  np.testing.assert_allclose(run(ours, theta0), expected, rtol=0,
+                             atol=ft.atol(100, 3.0))
+
+
+def test_gradient_scale_is_a_deprecated_momentum_activation():
+  with pytest.deprecated_call(match='momentum_activation'):
+    old = delayed_nesterov(0.7, 0.9, 4, 0.25)
+  new = delayed_nesterov(0.7, 0.9, 4, momentum_activation=0.25)
+  g = jnp.arange(3.0)
+  a, b = old.update(g, old.init(g))[0], new.update(g, new.init(g))[0]
+  np.testing.assert_array_equal(a, b)
+  with pytest.deprecated_call(match='momentum_activation'):
+    algos.async_diloco(linreg_loss, 3, delay_period=4, gradient_scale=0.25)
 
 
 def test_stale_outer_step_against_a_loop():
@@ -130,7 +221,8 @@ def test_stale_outer_step_against_a_loop():
 
 @pytest.mark.parametrize('kwargs, match', [
     (dict(delay_period=0), r'delay_period=0'),
-    (dict(gradient_scale=-1.0), r'gradient_scale=-1.0'),
+    (dict(momentum_activation=-1.0), r'momentum_activation=-1.0'),
+    (dict(delay_period=4, momentum_activation=0.3), r'momentum_activation=0.3'),
     (dict(outer_optimizer=optax.sgd(1.0), delay_period=2), r'delay_period=2'),
     (dict(max_staleness=1.5), r'max_staleness=1.5'),
     (dict(buffer_size=3, concurrency=2), r'concurrency=2'),
