@@ -15,6 +15,7 @@ pieces its round and builder use (also importable from
 
 from fedjx.algorithms import adaptive_clipping
 from fedjx.algorithms import aggregators
+from fedjx.algorithms import attacks
 from fedjx.algorithms import client_transforms
 from fedjx.algorithms import client_update
 from fedjx.algorithms import dp_ftrl
@@ -23,6 +24,9 @@ from fedjx.algorithms import nonfinite
 from fedjx.algorithms import quantization
 from fedjx.algorithms.adaptive_clipping import adaptive_gaussian
 from fedjx.algorithms.aggregators import Aggregator
+from fedjx.algorithms.attacks import Attack
+from fedjx.algorithms.attacks import attacked
+from fedjx.algorithms.attacks import malicious_clients
 from fedjx.algorithms.base import Algorithm
 from fedjx.algorithms.base import ServerState
 from fedjx.algorithms.base import WEIGHTINGS
@@ -102,6 +106,10 @@ __all__ = [
     'adaptive_adam',
     'aggregation_weights',
     'aggregators',
+    'Attack',
+    'attacked',
+    'attacks',
+    'malicious_clients',
     'async_diloco',
     'client_transforms',
     'client_update',

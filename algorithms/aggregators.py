@@ -76,6 +76,12 @@ class Aggregator(NamedTuple):
       whenever the update is (e.g. they hold its norm): the non-finite guard
       then checks them instead of reading the client's model a second time
       (:mod:`fedjx.algorithms.nonfinite`).
+    needs_all_updates: None for rules written with the fedjx reductions;
+      for rules that read every client's message at once (order statistics,
+      pairwise distances: :mod:`fedjx.algorithms.robust_aggregators`), why,
+      in a phrase. Their ``combine`` stacks the messages on the server
+      (:func:`fedjx.plan.gather_to_server`, the memory of every update), so
+      Beam runs them and a streamed round refuses them with that phrase.
   """
 
   init: Callable[[base.Params], Any]
@@ -87,6 +93,7 @@ class Aggregator(NamedTuple):
       lambda params: quantization.num_bytes(params, 'float32'))
   broadcast: Callable[[Any], Mapping[str, jax.Array]] | None = None
   checks_update: bool = False
+  needs_all_updates: str | None = None
 
 
 def _stateless(params: base.Params) -> tuple[()]:
@@ -368,18 +375,21 @@ def map_clients(aggregator: Aggregator, hparams: Mapping[str, Any],
                 client_fn: Callable[..., nonfinite.ClientOutput], args: tuple,
                 num_examples: jax.Array, weighting: str,
                 skip_nonfinite: bool,
-                aggregator_state: Any = None) -> nonfinite.Clients:
+                aggregator_state: Any = None,
+                client_ids: jax.Array | None = None) -> nonfinite.Clients:
   """:func:`fedjx.algorithms.nonfinite.map_clients` with the aggregator's encode.
 
   ``hparams`` is the algorithm's ``state.hparams`` and ``aggregator_state``
   its ``state.aggregator_state`` (needed when the aggregator has a
-  ``broadcast``).
+  ``broadcast``). ``client_ids`` (the cohort's ``client_ids``) reach the
+  aggregator's combine as ``clients.client_ids``.
   """
-  return nonfinite.map_clients(
+  clients = nonfinite.map_clients(
       client_fn, args, client_weights(aggregator, num_examples, weighting),
       num_examples, skip_nonfinite, encode=aggregator.encode,
       encode_hparams=encode_hparams(aggregator, hparams, aggregator_state),
       check_encoded=aggregator.checks_update)
+  return clients._replace(client_ids=client_ids)
 
 
 def encode_map(aggregator: Aggregator, hparams: Mapping[str, Any],

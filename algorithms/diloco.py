@@ -245,7 +245,7 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
          replica_states(state, ids, reset_inner_state), cohort.batches,
          cohort.mask),
         cohort.num_examples, o['weighting'], o['skip_nonfinite'],
-        aggregator_state=state.aggregator_state)
+        aggregator_state=state.aggregator_state, client_ids=ids)
     updated, metrics = outer_step(aggregator, outer_optimizer, state, clients,
                                   key, ids, cohort.num_examples,
                                   reset_inner_state)

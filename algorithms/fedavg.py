@@ -208,7 +208,7 @@ def build(name: str, loss_fn: base.LossFn,
         (fedjx.broadcast(state.params), fedjx.broadcast(client_hparams),
          cohort.batches, cohort.mask),
         cohort.num_examples, weighting, skip_nonfinite,
-        aggregator_state=state.aggregator_state)
+        aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
     pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, key)

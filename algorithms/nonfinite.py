@@ -91,6 +91,11 @@ class Clients(NamedTuple):
     skipped: when guarded, the placed flags (1.0 for a skipped client).
     encoded: the aggregator's per-client values (``ClientOutput.encoded``),
       zero for skipped clients.
+    client_ids: the placed ids of the cohort's clients in the population
+      (``Cohort.client_ids``, -1 for padding clients), for aggregators that
+      treat clients by who they are (attacks,
+      :mod:`fedjx.algorithms.attacks`); None when the algorithm does not pass
+      them.
   """
 
   update: base.PyTree
@@ -103,6 +108,7 @@ class Clients(NamedTuple):
   totals: dict[str, jax.Array] | None = None
   skipped: jax.Array | None = None
   encoded: base.PyTree = ()
+  client_ids: jax.Array | None = None
 
 
 def all_finite(tree: base.PyTree) -> jax.Array:

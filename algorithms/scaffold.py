@@ -191,7 +191,7 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
          fedjx.broadcast(state.hparams['client_optimizer']),
          cohort.batches, cohort.mask),
         cohort.num_examples, o['weighting'], o['skip_nonfinite'],
-        aggregator_state=state.aggregator_state)
+        aggregator_state=state.aggregator_state, client_ids=ids)
     delta_c, per_client = clients.extra if client_metrics else (clients.extra, {})
     pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
