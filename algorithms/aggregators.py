@@ -82,6 +82,11 @@ class Aggregator(NamedTuple):
       in a phrase. Their ``combine`` stacks the messages on the server
       (:func:`fedjx.plan.gather_to_server`, the memory of every update), so
       Beam runs them and a streamed round refuses them with that phrase.
+    client_inputs: ``client_inputs(state, client_ids, cohort_size) ->
+      {name: placed value}``, per-client values ``encode`` reads in its
+      ``hparams`` (e.g. a compressor's per-client key, an error-feedback
+      residual gathered by ``client_ids``, which are None when the
+      algorithm does not pass them), or None.
   """
 
   init: Callable[[base.Params], Any]
@@ -94,6 +99,7 @@ class Aggregator(NamedTuple):
   broadcast: Callable[[Any], Mapping[str, jax.Array]] | None = None
   checks_update: bool = False
   needs_all_updates: str | None = None
+  client_inputs: Callable[[Any, Any, int], Mapping[str, Any]] | None = None
 
 
 def _stateless(params: base.Params) -> tuple[()]:
@@ -388,8 +394,19 @@ def map_clients(aggregator: Aggregator, hparams: Mapping[str, Any],
       client_fn, args, client_weights(aggregator, num_examples, weighting),
       num_examples, skip_nonfinite, encode=aggregator.encode,
       encode_hparams=encode_hparams(aggregator, hparams, aggregator_state),
-      check_encoded=aggregator.checks_update)
+      check_encoded=aggregator.checks_update,
+      encode_inputs=client_inputs(aggregator, aggregator_state, client_ids,
+                                  num_examples))
   return clients._replace(client_ids=client_ids)
+
+
+def client_inputs(aggregator: Aggregator, aggregator_state: Any,
+                  client_ids: Any, num_examples: jax.Array) -> dict[str, Any]:
+  """The placed per-client values of ``aggregator.client_inputs`` (or ``{}``)."""
+  if aggregator.client_inputs is None:
+    return {}
+  return dict(aggregator.client_inputs(aggregator_state, client_ids,
+                                       jnp.shape(num_examples)[0]))
 
 
 def encode_map(aggregator: Aggregator, hparams: Mapping[str, Any],
@@ -412,7 +429,10 @@ def encode_map(aggregator: Aggregator, hparams: Mapping[str, Any],
     weighted = (jax.tree.map(lambda v: w * v, message) if guarded else ())
     return message, weighted, encoded
 
-  hp_args = (fedjx.broadcast(hp),) if hp else ()
+  placed = client_inputs(aggregator, aggregator_state, clients.client_ids,
+                         clients.num_examples)
+  hp_args = (dict(fedjx.broadcast(hp), **placed),) if hp or placed else ()
+  hp = hp or placed
   message, weighted, encoded = fedjx.map_fn(
       one, (clients.weights,) + hp_args + tuple(args))
   return clients._replace(update=message,

@@ -171,7 +171,8 @@ def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
                 weights: jax.Array, num_examples: jax.Array,
                 skip_nonfinite: bool, encode: Callable[..., tuple] | None = None,
                 encode_hparams: Mapping[str, jax.Array] | None = None,
-                check_encoded: bool = False) -> Clients:
+                check_encoded: bool = False,
+                encode_inputs: Mapping[str, Any] | None = None) -> Clients:
   """``fedjx.map_fn(client_fn, args)``, guarded if ``skip_nonfinite``.
 
   Args:
@@ -187,11 +188,16 @@ def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
     check_encoded: the guard checks ``encode``'s per-client values (e.g. the
       update's norm, NaN or Inf whenever the update is) instead of the
       client's trained model, saving a second pass over it.
+    encode_inputs: placed per-client values ``encode`` reads in its
+      ``hparams`` beside the broadcast ones (e.g. a compressor's per-client
+      random key, its error-feedback residual).
   """
   if encode is not None:
-    if encode_hparams:
+    if encode_hparams or encode_inputs:
       client_fn = _encoding(client_fn, encode, None, check_encoded)
-      args = (weights, fedjx.broadcast(dict(encode_hparams))) + tuple(args)
+      placed = dict(fedjx.broadcast(dict(encode_hparams or {})),
+                    **dict(encode_inputs or {}))
+      args = (weights, placed) + tuple(args)
     else:
       client_fn = _encoding(client_fn, encode, {}, check_encoded)
       args = (weights,) + tuple(args)
