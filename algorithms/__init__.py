@@ -61,6 +61,11 @@ from fedjx.algorithms.fedbuff import AsyncCohort
 from fedjx.algorithms.fedbuff import FedBuffState
 from fedjx.algorithms.fedbuff import fedbuff
 from fedjx.algorithms.fednova import fednova
+from fedjx.algorithms.afl import AFLState
+from fedjx.algorithms.afl import afl
+from fedjx.algorithms.fedasync import FedAsyncState
+from fedjx.algorithms.fedasync import fedasync
+from fedjx.algorithms.qffl import qffl
 from fedjx.algorithms.fedprox import fedprox
 from fedjx.algorithms.quantization import quantize
 from fedjx.algorithms.scaffold import ScaffoldState
@@ -126,6 +131,11 @@ __all__ = [
     'fedavgm',
     'fedbuff',
     'fednova',
+    'AFLState',
+    'FedAsyncState',
+    'afl',
+    'fedasync',
+    'qffl',
     'fedprox',
     'fedyogi',
     'nonfinite',

@@ -57,6 +57,8 @@ from fedjx.algorithms import fedavg
 from fedjx.algorithms.fedavg import OPTIONS as FEDAVG_OPTIONS
 
 STALENESS_WEIGHTINGS = ('polynomial', 'constant')
+# Xie et al. 2019's three staleness functions (FedAsync takes them all).
+STALENESS_FUNCTIONS = ('polynomial', 'constant', 'hinge')
 DROPPED = 'stale_dropped'
 
 
@@ -121,22 +123,31 @@ class FedBuffState(NamedTuple):
 # ------------------------------------------------------------- the pieces
 
 def staleness_weight(staleness: jax.Array, weighting: str = 'polynomial',
-                     exponent: float | jax.Array = 0.5) -> jax.Array:
-  """``s(tau) = (1 + tau)^-a`` (``'polynomial'``) or 1 (``'constant'``), float32."""
+                     exponent: float | jax.Array = 0.5,
+                     hinge: float | jax.Array = 0.0) -> jax.Array:
+  """``s(tau) = (1 + tau)^-a`` (``'polynomial'``) or 1 (``'constant'``), float32.
+
+  ``'hinge'`` (Xie et al. 2019, with ``a = exponent``, ``b = hinge``):
+  ``s(tau) = 1`` for ``tau <= b``, else ``1 / (a (tau - b) + 1)``.
+  """
   tau = jnp.asarray(staleness, jnp.float32)
   if weighting == 'constant':
     return jnp.ones_like(tau)
+  if weighting == 'hinge':
+    a, b = (jnp.asarray(v, jnp.float32) for v in (exponent, hinge))
+    return jnp.where(tau <= b, 1.0, 1.0 / (a * jnp.maximum(tau - b, 0.0) + 1.0))
   return jnp.power(1.0 + tau, -jnp.asarray(exponent, jnp.float32))
 
 
 def check_staleness_options(fn: str, max_staleness: Any, weighting: Any,
-                            exponent: Any) -> None:
-  """One-line errors for the staleness options."""
+                            exponent: Any,
+                            allowed: tuple[str, ...] = STALENESS_WEIGHTINGS) -> None:
+  """One-line errors for the staleness options (``weighting`` one of ``allowed``)."""
   if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) \
       or max_staleness < 0:
     raise ValueError(f'{fn}: max_staleness={max_staleness!r} must be an int '
                      '>= 0 (versions kept: max_staleness + 1).')
-  base.check_choice(fn, 'staleness_weighting', weighting, STALENESS_WEIGHTINGS)
+  base.check_choice(fn, 'staleness_weighting', weighting, allowed)
   base.check_number(fn, 'staleness_exponent', exponent)
 
 
@@ -209,11 +220,12 @@ def kept(staleness: jax.Array, max_staleness: int) -> jax.Array:
 
 
 def staleness_scale(staleness: jax.Array, max_staleness: int, weighting: str,
-                    exponent: float | jax.Array) -> jax.Array:
+                    exponent: float | jax.Array,
+                    hinge: float | jax.Array = 0.0) -> jax.Array:
   """One client's ``s(tau)``, and 0 when it is dropped (never inf or NaN)."""
   ok = in_ring(staleness, max_staleness)
   return jnp.where(ok, staleness_weight(jnp.where(ok, staleness, 0), weighting,
-                                        exponent), 0.0)
+                                        exponent, hinge), 0.0)
 
 
 def async_metrics(cohort: AsyncCohort, max_staleness: int) -> dict[str, jax.Array]:

@@ -382,6 +382,13 @@ ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
     # Its replicas keep training across rounds: guarded.
     'async_diloco': per_client(algorithms_lib.async_diloco, 'num_replicas',
                                asynchronous=True),
+    # Its step is a ratio of the cohort's sums: every update reaches the model.
+    'qffl': AlgorithmEntry(algorithms_lib.qffl, updates_reach_params=True),
+    # Its domain weights and counts are state beside the model: guarded.
+    'afl': AlgorithmEntry(algorithms_lib.afl),
+    # One arrival per round, mixed in at once.
+    'fedasync': AlgorithmEntry(algorithms_lib.fedasync, asynchronous=True,
+                               updates_reach_params=True),
 }
 # Algorithm options the runner sets (not config.algorithm), for every entry.
 RESERVED = ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size',

@@ -135,10 +135,11 @@ def _forwarding(loss_fn, *, extra=1.0, **kwargs):
 
 
 def test_the_old_tables_are_read_from_the_entries():
-  assert registry.ASYNCHRONOUS == ('fedbuff', 'async_diloco')
+  assert registry.ASYNCHRONOUS == ('fedbuff', 'async_diloco', 'fedasync')
   assert registry.UPDATES_REACH_PARAMS == (
       'fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm', 'fedprox',
-      'fednova', 'scaffold', 'dp_fedavg', 'diloco', 'fedbuff')
+      'fednova', 'scaffold', 'dp_fedavg', 'diloco', 'fedbuff', 'qffl',
+      'fedasync')
   assert dict(registry.FORWARDS) == {'fedadam': 'fedavg', 'fedyogi': 'fedavg',
                                      'fedadagrad': 'fedavg', 'fedavgm': 'fedavg'}
   assert registry.forwarded_builder('fedadam') is registry.algorithms_lib.fedavg
@@ -152,7 +153,7 @@ def test_the_old_tables_cannot_be_assigned():
       setattr(registry, name, ())
   with pytest.raises(TypeError):
     registry.FORWARDS['fedavg'] = 'fedprox'  # pytype: disable=unsupported-operands
-  assert registry.ASYNCHRONOUS == ('fedbuff', 'async_diloco')
+  assert registry.ASYNCHRONOUS == ('fedbuff', 'async_diloco', 'fedasync')
 
 
 def test_adding_an_algorithm_is_one_entry(register):
