@@ -295,6 +295,10 @@ def _in_module(module: str, name: str) -> Callable[..., Aggregator]:
 
 # DP mechanisms of their own modules, also reachable from here.
 _ELSEWHERE = {'adaptive_gaussian': 'adaptive_clipping', 'tree_gaussian': 'dp_ftrl'}
+# Defenses against Byzantine clients (``median`` is ``coordinate_median``).
+_ELSEWHERE.update({name: 'robust_aggregators' for name in (
+    'median', 'trimmed_mean', 'krum', 'multi_krum', 'bulyan', 'geometric_median',
+    'norm_bounding', 'centered_clipping', 'dp_defense')})
 
 
 def __getattr__(name: str) -> Any:

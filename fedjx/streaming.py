@@ -33,8 +33,10 @@ the error is that of one chunk's sum plus ``2 eps``, independent of ``m``,
 for two extra additions per element per chunk.
 
 A plan streams when every client value that a later pass would read is a
-client input (reloaded in that pass), and no output of the program is a
-per-client value. Otherwise :class:`NotStreamableError` names the value and
+client input (reloaded in that pass), no output of the program is a
+per-client value, and no server code reads every client's value at once
+(:func:`fedjx.plan.gather_to_server`, e.g. a coordinate-wise median of the
+updates: refused with the reason it gives). Otherwise :class:`NotStreamableError` names the value and
 why (a client value used after a reduction that depends on it, e.g. a
 variance around the cohort's mean, needs two passes over the client work).
 """
@@ -171,6 +173,12 @@ def _run(fn, args, chunk_size, cache) -> Any:
     else:
       env.update(zip(ids, jax.tree.leaves(arg)))
   client_inputs = {i for _, ids in sources for i in ids}
+  for step in plan.steps:  # Values that gather_to_server stacks on the server.
+    if isinstance(step, plan_lib.ReduceStep) and step.why:
+      raise NotStreamableError(
+          f'fedjx.streaming.run: {step.why}, and a streamed round holds one '
+          "chunk of clients at a time, never all of them: run it with "
+          "execution='jit'.")
   for i in plan.out_ids:
     if plan.kinds.get(i) == plan_lib.CLIENT:
       raise NotStreamableError(

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,8 +58,9 @@ from fedjx import reductions
 __all__ = [
     'BROADCAST', 'BroadcastStep', 'CLIENT', 'MAP_NAME_PREFIX', 'MapStep',
     'Plan', 'REDUCTIONS', 'ReduceStep', 'SERVER', 'ServerStep', 'Step',
-    'UnplaceableOperationError', 'accumulator_dtype', 'combine', 'evaluate',
-    'from_host', 'host_spec', 'is_key', 'on_host_values', 'to_host',
+    'GATHER_SCOPE', 'UnplaceableOperationError', 'accumulator_dtype', 'combine',
+    'evaluate', 'from_host', 'gather_to_server', 'host_spec', 'is_key',
+    'on_host_values', 'to_host',
     'trace_plan', 'trace_plan_with_clients', 'weighted_mean_result',
 ]
 
@@ -163,6 +165,7 @@ class ReduceStep:
   x_id: int
   weight_id: int | None
   out_id: int
+  why: str | None = None     # a 'collect' of gather_to_server: why it stacks
   reads: tuple[int, ...] = _ACCESS
   writes: tuple[int, ...] = _ACCESS
   placed_reads: tuple[int, ...] = _ACCESS
@@ -283,14 +286,14 @@ class _Builder:
     self.server_block.append((eqn, in_ids, out_ids))
     return out_ids
 
-  def collect(self, i):
+  def collect(self, i, why=None):
     """A client value gathered to the server as an array of shape [n, ...]."""
     if self.kinds[i] != CLIENT:
       return i
     if i not in self.collected:
       self.flush()
       self.collected[i] = self.new_id(self.avals[i], SERVER)
-      self.steps.append(ReduceStep('collect', i, None, self.collected[i]))
+      self.steps.append(ReduceStep('collect', i, None, self.collected[i], why))
     return self.collected[i]
 
   def materialize(self, i):
@@ -349,7 +352,9 @@ class _Builder:
       elif (form := _per_client_form(eqn, kinds, self.num_clients)) is not None:
         outs = self.lift_per_client(eqn, ids, form)
       elif prim.name in _INDEXING:
-        outs = self.server_eqn(eqn, [self.materialize(self.collect(i)) for i in ids])
+        why = _gathered_why(eqn)
+        outs = self.server_eqn(eqn, [self.materialize(self.collect(i, why))
+                                     for i in ids])
       else:
         raise _unplaceable(eqn)
       for v, i in zip(eqn.outvars, outs):
@@ -577,6 +582,37 @@ def _where(eqn, depth: int = 3) -> str:
 # (a 'collect' step, which stacks them in client order) and the op runs there.
 _INDEXING = frozenset(('gather', 'scatter', 'scatter-add', 'scatter-sub',
                        'scatter-mul', 'scatter-min', 'scatter-max'))
+
+
+# The named scope of gather_to_server: ``fedjx_gather[<why>]``.
+GATHER_SCOPE = 'fedjx_gather'
+_GATHER_WHY = re.compile(re.escape(GATHER_SCOPE) + r'\[([^\]]*)\]')
+
+
+def gather_to_server(x: Any, why: str) -> Any:
+  """Placed values as server arrays ``[n, ...]``, for rules reading all at once.
+
+  Server code that needs every client's value at the same time (order
+  statistics over the cohort, pairwise distances) reads them stacked: this is
+  ``x[arange(n)]`` for each leaf (a gather, which XLA compiles to nothing),
+  traced in the named scope ``fedjx_gather[why]``. A plan makes it a
+  ``'collect'`` step (:class:`ReduceStep`) carrying ``why``: Beam and
+  :func:`evaluate` stack the values, and the streaming executor, which never
+  holds every client, refuses the plan with ``why`` in its message. ``why``
+  says what needs them, e.g. ``"the aggregator 'median' needs every update
+  at once (a coordinate-wise order statistic)"``; it holds no ``]``.
+  """
+  if not isinstance(why, str) or not why or ']' in why:
+    raise ValueError(f'fedjx.plan.gather_to_server: why={why!r} must be a '
+                     'non-empty string without "]".')
+  with jax.named_scope(f'{GATHER_SCOPE}[{why}]'):
+    return jax.tree.map(lambda a: a[jnp.arange(jnp.shape(a)[0])], x)
+
+
+def _gathered_why(eqn) -> str | None:
+  """The ``why`` of the :func:`gather_to_server` that made ``eqn``, if any."""
+  found = _GATHER_WHY.search(str(getattr(eqn.source_info, 'name_stack', '')))
+  return found.group(1) if found else None
 
 
 def _unplaceable(eqn) -> UnplaceableOperationError:
