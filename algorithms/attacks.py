@@ -399,12 +399,16 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
     noise_key = jax.random.fold_in(key, _NOISE_STREAM)
     guarded = clients.weighted_update is not None
 
-    def replace(a, cid, w, m, weighted, encoded, hp, enc_hp, stats, key_data):
+    # Per-client values the wrapped encode reads (a compressor's key, ...).
+    placed = aggregators.client_inputs(inner, state.inner, clients.client_ids,
+                                       clients.num_examples)
+
+    def replace(a, cid, w, m, weighted, encoded, hp, enc_hp, own, stats, key_data):
       k = jax.random.fold_in(jax.random.wrap_key_data(key_data),
                              jnp.maximum(jnp.asarray(cid, jnp.int32), 0))
       poisoned = attack.poison(hp, stats, m, k)
       if inner_encode is not None:
-        poisoned, new_encoded = inner_encode(enc_hp, poisoned, w)
+        poisoned, new_encoded = inner_encode(dict(enc_hp, **own), poisoned, w)
       else:
         new_encoded = encoded
       take = a > 0
@@ -417,7 +421,7 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
     update, weighted, encoded = fedjx.map_fn(replace, (
         bad, clients.client_ids, clients.weights, clients.update,
         clients.weighted_update if guarded else (), clients.encoded,
-        fedjx.broadcast(attack_hp), fedjx.broadcast(encode_hp),
+        fedjx.broadcast(attack_hp), fedjx.broadcast(encode_hp), placed,
         fedjx.broadcast(honest), fedjx.broadcast(_key_data(noise_key))))
     poisoned = clients._replace(update=update, encoded=encoded,
                                 weighted_update=weighted if guarded else None)
@@ -430,7 +434,10 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
 
   broadcast = None if inner.broadcast is None else (
       lambda state: inner.broadcast(state.inner))
+  inputs = None if inner.client_inputs is None else (
+      lambda state, ids, size: inner.client_inputs(state.inner, ids, size))
   return inner._replace(init=init, combine=combine, broadcast=broadcast,
+                        client_inputs=inputs,
                         hparams={**inner.hparams, **attack.hparams})
 
 

@@ -78,6 +78,7 @@ from fedjx.datasets.files import write_fedjax_sqlite
 from fedjx.datasets.files import write_tff_hdf5
 from fedjx.datasets.labels import LabelCheckedDataset
 from fedjx.datasets.labels import check_labels
+from fedjx.datasets.poisoning import PoisonedDataset
 from fedjx.datasets.partition import partition_by_feature
 from fedjx.datasets.partition import partition_dirichlet
 from fedjx.datasets.partition import partition_iid
@@ -93,6 +94,7 @@ from fedjx.datasets.summary import format_summary
 from fedjx.datasets.summary import summary
 from fedjx.datasets.synthetic import SyntheticDataset
 from fedjx.datasets.synthetic import synthetic
+from fedjx.datasets import poisoning
 from fedjx.datasets import systems
 from fedjx.datasets.systems import AvailableSampler
 from fedjx.datasets.systems import RoundReport
@@ -120,6 +122,7 @@ __all__ = [
     'FederatedDataset',
     'IndexedDataset',
     'LabelCheckedDataset',
+    'PoisonedDataset',
     'Prefetcher',
     'SyntheticDataset',
     'TextCorpus',
@@ -142,6 +145,7 @@ __all__ = [
     'place_cohort',
     'place_local_cohort',
     'poisson_bucket',
+    'poisoning',
     'cohort_steps',
     'local_client_slice',
     'quantity_skew_sizes',

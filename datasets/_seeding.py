@@ -24,6 +24,7 @@ SYNTHETIC_CLIENT = 6
 SYNTHETIC_GLOBAL = 7
 SUMMARY = 8
 EPOCH = 9  # shuffled-epoch cohorts (fedjx.datasets.sampling)
+POISON = 10  # poisoned examples of malicious clients (fedjx.datasets.poisoning)
 
 
 def rng(purpose: int, *keys: int) -> np.random.Generator:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -80,6 +81,13 @@ DEFAULTS: dict[str, Any] = {
     # Unreliable clients on a simulated clock (fedjx.datasets.systems): {}
     # (perfect clients) or a dict of availability/dropout/speed/deadline.
     'systems': {},
+    # Malicious clients (fedjx.experiments.attack, docs/robustness.md): an
+    # attack name ('' for none), the malicious fraction of the population
+    # and the attack's options; see ATTACK_DEFAULTS and ATTACK_OPTIONS.
+    'attack': {'name': '', 'fraction': 0.0, 'seed': None, 'scale': None,
+               'sigma': None, 'boost': None, 'z': None, 'epsilon': None,
+               'mapping': None, 'target': None, 'patch_size': None,
+               'patch_value': None, 'poison_fraction': None},
 }
 REQUIRED = ('dataset', 'model', 'algorithm')
 # The type of each field whose default is None, by dotted path: what a
@@ -91,6 +99,10 @@ OPTIONAL_TYPES: dict[str, type] = {
     'process_id': int,
     'privacy.delta': float, 'privacy.target_epsilon': float,
     'sampling.rate': float, 'sampling.max_cohort_size': int,
+    'attack.seed': int, 'attack.scale': float, 'attack.sigma': float,
+    'attack.boost': float, 'attack.z': float, 'attack.epsilon': float,
+    'attack.mapping': tuple, 'attack.target': int, 'attack.patch_size': int,
+    'attack.patch_value': float, 'attack.poison_fraction': float,
 }
 # config.sampling: 'uniform' (cohort_size clients without replacement, the
 # default), 'poisson' (each client with probability rate, default
@@ -111,6 +123,24 @@ PRIVACY_DEFAULTS = {'delta': None, 'accountant': 'rdp', 'target_epsilon': None,
 # resamples of the interval).
 AUDIT_DEFAULTS = {'canaries': None, 'seed': None, 'confidence': 0.95,
                   'resamples': 1000}
+# config.attack: name ('' for no attack), fraction (of the training
+# population that is malicious, in [0, 1): round(fraction N) clients drawn
+# from seed, None: config.seed) and the options of the named attack (None:
+# the attack's default). Model poisoning replaces the malicious clients'
+# messages (fedjx.algorithms.attacks); data poisoning changes their examples
+# (fedjx.datasets.poisoning) and adds eval_attack_success_rate.
+ATTACK_DEFAULTS = dict(DEFAULTS['attack'])
+ATTACK_OPTIONS = {
+    'sign_flip': ('scale',),            # P = -scale m_i (default 1)
+    'gaussian_noise': ('sigma',),       # P = m_i + sigma N(0, I) (default 1)
+    'scaling': ('boost',),              # P = boost m_i (default: participants)
+    'alie': ('z',),                     # P = mu - z sigma (default: the paper's z)
+    'ipm': ('epsilon',),                # P = -epsilon mu (default 0.1)
+    'label_flip': ('mapping',),         # y -> K - 1 - y, or mapping[y]
+    'backdoor': ('target', 'patch_size', 'patch_value', 'poison_fraction',
+                 'boost'),              # pixel trigger -> target (default 0)
+}
+DATA_POISONING = ('label_flip', 'backdoor')
 # config.nonfinite: what a NaN/Inf does. 'skip': clients with a non-finite
 # update or weight are left out of the aggregate (builders get
 # skip_nonfinite=True) and the run stops only if the server parameters become
@@ -177,7 +207,62 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
     raise ConfigError(f'config.metrics_format={config.metrics_format!r} '
                                f'is not one of {METRICS_FORMATS}.')
   _check_sampling_and_privacy(config)
+  _check_attack(config)
   return config
+
+
+def _check_attack(config: ml_collections.ConfigDict) -> None:
+  """Checks ``config.attack`` (name, fraction, options) and fills its defaults."""
+  attack = _as_dict(config.attack)
+  if not isinstance(attack, Mapping):
+    raise ConfigError(f'config.attack={attack!r}; it must be a dict with keys '
+                      f'{sorted(ATTACK_DEFAULTS)}.')
+  for key in attack:
+    if key not in ATTACK_DEFAULTS:
+      raise ConfigError(f'config.attack[{key!r}] is unknown.'
+                        f'{suggest(key, ATTACK_DEFAULTS)} Valid keys: '
+                        f'{sorted(ATTACK_DEFAULTS)}.')
+  attack = dict(ATTACK_DEFAULTS, **attack)
+  name, fraction = attack['name'], attack['fraction']
+  if name not in ('',) + tuple(ATTACK_OPTIONS):
+    raise ConfigError(f'config.attack.name={name!r} is not one of '
+                      f"{('',) + tuple(ATTACK_OPTIONS)} ('': no attack)."
+                      f'{suggest(name, ATTACK_OPTIONS)}')
+  if not (_number(fraction) and 0 <= fraction < 1):
+    raise ConfigError(f'config.attack.fraction={fraction!r}; it must be a number '
+                      'in [0, 1), the malicious share of the population.')
+  if not name and fraction:
+    raise ConfigError(f'config.attack.fraction={fraction!r} but no '
+                      'config.attack.name; name an attack, e.g. '
+                      "config.attack.name='sign_flip'.")
+  if attack['seed'] is not None and not (_int(attack['seed']) and attack['seed'] >= 0):
+    raise ConfigError(f"config.attack.seed={attack['seed']!r}; it must be an "
+                      'int >= 0 or None (config.seed).')
+  allowed = ATTACK_OPTIONS.get(name, ())
+  for key, value in attack.items():
+    if key in ('name', 'fraction', 'seed') or value is None:
+      continue
+    if key not in allowed:
+      raise ConfigError(f'config.attack.{key}={value!r} is not an option of '
+                        f'attack {name!r}; it takes {allowed}.')
+    if key == 'mapping':
+      if not (isinstance(value, (list, tuple)) and all(_int(v) for v in value)):
+        raise ConfigError(f'config.attack.mapping={value!r}; it must be a list '
+                          'of ints, the new label of each class.')
+    elif key in ('target', 'patch_size'):
+      if not (_int(value) and value >= (0 if key == 'target' else 1)):
+        raise ConfigError(f'config.attack.{key}={value!r}; it must be an int '
+                          f'>= {0 if key == "target" else 1}.')
+    elif not (_number(value) and math.isfinite(value)):
+      raise ConfigError(f'config.attack.{key}={value!r}; it must be a finite '
+                        'number.')
+    elif key == 'poison_fraction' and not 0 < value <= 1:
+      raise ConfigError(f'config.attack.poison_fraction={value!r}; it must be '
+                        'in (0, 1].')
+    elif key in ('sigma', 'epsilon', 'boost', 'scale') and value < 0:
+      raise ConfigError(f'config.attack.{key}={value!r}; it must be >= 0.')
+  with config.unlocked():
+    config.attack = attack
 
 
 def _number(value: Any) -> bool:

@@ -1,0 +1,201 @@
+"""``config.attack``: malicious clients in an experiment.
+
+The config section (schema and checks in :mod:`fedjx.experiments.config`,
+``ATTACK_DEFAULTS`` / ``ATTACK_OPTIONS``) names an attack, the malicious
+fraction of the training population and the attack's options. Building an
+experiment turns it into three parts, where the config becomes the dataset,
+the algorithm and the evaluation:
+
+* :func:`malicious` -- the malicious client ids,
+  :func:`fedjx.algorithms.attacks.malicious_clients` of the population,
+  ``config.attack.fraction`` and ``config.attack.seed`` (default
+  ``config.seed``): fixed for the run, so each round's number of malicious
+  clients follows the sampling;
+* :func:`poison_data` -- for data poisoning (``label_flip``, ``backdoor``),
+  the training population with those clients' examples poisoned
+  (:class:`fedjx.datasets.PoisonedDataset`);
+* :func:`algorithm_spec` -- ``config.algorithm`` whose aggregator is wrapped
+  by the attack (:func:`fedjx.algorithms.attacks.attacked`): model poisoning
+  replaces the malicious clients' messages; data poisoning only counts them
+  (a backdoor with ``boost`` also scales their updates, Bagdasaryan et al.
+  2020's model replacement). Every attacked round reports
+  ``malicious_clients``;
+* :func:`with_success_rate` -- for data poisoning, the evaluation adds
+  ``eval_attack_success_rate``: the fraction of the held-out examples the
+  attack targets that the model classifies as the attacker wants (backdoor:
+  test examples whose true label is not the target, with the trigger,
+  predicted as the target; label flip: test examples whose label the flip
+  moves, predicted as the flipped label).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from fedjx.experiments import config as config_schema
+
+ConfigError = config_schema.ConfigError
+SUCCESS_METRIC = 'eval_attack_success_rate'
+
+# config.attack's option defaults where None is given.
+_BACKDOOR_DEFAULTS = {'target': 0, 'patch_size': 2, 'patch_value': 1.0,
+                      'poison_fraction': 0.5}
+
+
+def _attack(config: Any) -> dict[str, Any]:
+  attack = config.get('attack') if hasattr(config, 'get') else None
+  if attack is None:
+    return {'name': ''}
+  return attack.to_dict() if hasattr(attack, 'to_dict') else dict(attack)
+
+
+def is_attacked(config: Any) -> bool:
+  """Whether ``config.attack`` names an attack."""
+  return bool(_attack(config).get('name'))
+
+
+def malicious(config: Any, num_clients: int) -> np.ndarray | None:
+  """``int32 [F]``: the run's malicious client ids, or None without an attack."""
+  attack = _attack(config)
+  if not attack.get('name'):
+    return None
+  from fedjx.algorithms import attacks  # pylint: disable=g-import-not-at-top
+  seed = attack.get('seed')
+  return attacks.malicious_clients(num_clients, float(attack['fraction']),
+                                   int(config.seed if seed is None else seed))
+
+
+def _backdoor_options(attack: Mapping[str, Any]) -> dict[str, Any]:
+  return {k: (d if attack.get(k) is None else attack[k])
+          for k, d in _BACKDOOR_DEFAULTS.items()}
+
+
+def _num_classes(data: Any, name: str) -> int:
+  if 'num_classes' not in data.info:
+    raise ConfigError(f'config.attack.name={name!r} changes class labels, but '
+                      'the dataset reports no num_classes; use a '
+                      'classification dataset.')
+  return int(data.info['num_classes'])
+
+
+def poison_data(config: Any, data: Any) -> Any:
+  """``data`` with the malicious clients' training examples poisoned.
+
+  Unchanged unless ``config.attack.name`` is a data-poisoning attack.
+  """
+  attack = _attack(config)
+  name = attack.get('name')
+  if name not in config_schema.DATA_POISONING:
+    return data
+  from fedjx import datasets  # pylint: disable=g-import-not-at-top
+  num_classes = _num_classes(data, name)
+  ids = malicious(config, data.train.num_clients)
+  try:
+    if name == 'label_flip':
+      transform = datasets.poisoning.flip_labels(num_classes, attack.get('mapping'))
+    else:
+      opts = _backdoor_options(attack)
+      sample = np.asarray(data.train.client_data(0)['x'])
+      if sample.ndim < 3:
+        raise ConfigError(f"config.attack.name='backdoor' sets a pixel pattern, "
+                          f"but the dataset's inputs 'x' have shape "
+                          f'{sample.shape[1:]} per example; it needs images.')
+      seed = attack.get('seed')
+      transform = datasets.poisoning.backdoor(
+          num_classes=num_classes, seed=int(config.seed if seed is None else seed),
+          **opts)
+  except ValueError as e:
+    if isinstance(e, ConfigError):
+      raise
+    raise ConfigError(f'config.attack: {e}') from None
+  return dataclasses.replace(
+      data, train=datasets.PoisonedDataset(data.train, ids, transform))
+
+
+def model_attack(config: Any) -> Any:
+  """The :class:`fedjx.algorithms.attacks.Attack` of ``config.attack``."""
+  from fedjx.algorithms import attacks  # pylint: disable=g-import-not-at-top
+  attack = _attack(config)
+  name = attack['name']
+  get = lambda key, default: default if attack.get(key) is None else attack[key]
+  if name == 'sign_flip':
+    return attacks.sign_flip(float(get('scale', 1.0)))
+  if name == 'gaussian_noise':
+    return attacks.gaussian_noise(float(get('sigma', 1.0)))
+  if name == 'scaling':
+    boost = attack.get('boost')
+    return attacks.scaling(None if boost is None else float(boost))
+  if name == 'alie':
+    z = attack.get('z')
+    return attacks.alie(None if z is None else float(z))
+  if name == 'ipm':
+    return attacks.ipm(float(get('epsilon', 0.1)))
+  if name == 'backdoor' and attack.get('boost') not in (None, 1, 1.0):
+    return attacks.scaling(float(attack['boost']))
+  return attacks.identity()
+
+
+def algorithm_spec(config: Any, spec: Any, num_clients: int) -> Any:
+  """``spec`` (``config.algorithm``, as the privacy plan left it) with the
+  attacked aggregator, or ``spec`` itself without an attack."""
+  if not is_attacked(config):
+    return spec
+  from fedjx.algorithms import attacks  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  name, kwargs = registry.split_name('algorithm', spec)
+  if 'aggregator' not in registry.builder_options(name):
+    raise ConfigError(f'config.attack.name={_attack(config)["name"]!r}: '
+                      f'algorithm {name!r} takes no aggregator, which the attack '
+                      'wraps; use one that does (e.g. fedavg, fedadam, '
+                      'scaffold, diloco).')
+  try:
+    aggregator = attacks.attacked(kwargs.get('aggregator'), model_attack(config),
+                                  malicious(config, num_clients), num_clients)
+  except ValueError as e:
+    raise ConfigError(f'config.attack: {e}') from None
+  return dict(kwargs, name=name, aggregator=aggregator)
+
+
+def with_success_rate(config: Any, model: Any, data: Any,
+                      evaluate: Callable[[Any], dict[str, float]] | None
+                      ) -> Callable[[Any], dict[str, float]] | None:
+  """``evaluate`` plus ``eval_attack_success_rate`` for data poisoning.
+
+  The success rate is the model's accuracy on the attack's held-out set
+  (:func:`fedjx.datasets.poisoning.triggered_examples` or
+  :func:`~fedjx.datasets.poisoning.flipped_examples` of the pooled test
+  examples), whose labels are the attacker's.
+  """
+  attack = _attack(config)
+  name = attack.get('name')
+  if evaluate is None or name not in config_schema.DATA_POISONING:
+    return evaluate
+  from fedjx.datasets import poisoning  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import evaluation  # pylint: disable=g-import-not-at-top
+  examples = evaluation.pool_examples(data.test, config.eval_max_examples)
+  if name == 'backdoor':
+    opts = _backdoor_options(attack)
+    held_out = poisoning.triggered_examples(
+        examples, opts['target'], patch_size=opts['patch_size'],
+        patch_value=opts['patch_value'])
+  else:
+    held_out = poisoning.flipped_examples(examples, _num_classes(data, name),
+                                          attack.get('mapping'))
+  if held_out is None:
+    return evaluate
+  success = evaluation.make_evaluator(model, held_out, config.eval_batch_size)
+
+  def evaluate_attacked(params: Any) -> dict[str, float]:
+    out = evaluate(params)
+    rates = success(params)
+    if 'eval_accuracy' not in rates:
+      raise ConfigError(f'config.attack.name={name!r}: the model reports no '
+                        'accuracy, from which the attack success rate is read.')
+    out[SUCCESS_METRIC] = rates['eval_accuracy']
+    return out
+
+  return evaluate_attacked
