@@ -170,7 +170,11 @@ def fedasync(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
                                   checked=out.params)
 
   def round_fn(state, cohort, key):
-    check_async_cohort(name, cohort, 1)
+    check_async_cohort(name, cohort, None)
+    if cohort.mask.shape[0] != 1:
+      raise ValueError(f'{name}: the cohort has {cohort.mask.shape[0]} clients; '
+                       'FedAsync mixes in one arrival per round (an AsyncCohort '
+                       'of one client: config.cohort_size = 1).')
     hp = state.hparams
     tau = jnp.asarray(cohort.staleness, jnp.int32)
     num_examples = cohort.num_examples * kept(tau, max_staleness)
