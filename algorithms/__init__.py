@@ -44,6 +44,7 @@ from fedjx.algorithms.client_update import LocalSchedule
 from fedjx.algorithms.client_update import check_schedule
 from fedjx.algorithms.client_update import local_update
 from fedjx.algorithms.async_diloco import AsyncDiLoCoState
+from fedjx.algorithms.async_diloco import DelayedNesterovState
 from fedjx.algorithms.async_diloco import async_diloco
 from fedjx.algorithms.async_diloco import delayed_nesterov
 from fedjx.algorithms.diloco import DiLoCoState
@@ -61,6 +62,9 @@ from fedjx.algorithms.fedbuff import AsyncCohort
 from fedjx.algorithms.fedbuff import FedBuffState
 from fedjx.algorithms.fedbuff import fedbuff
 from fedjx.algorithms.fednova import fednova
+from fedjx.algorithms.mime import MimeState
+from fedjx.algorithms.mime import mime
+from fedjx.algorithms.mime import mime_lite
 from fedjx.algorithms.afl import AFLState
 from fedjx.algorithms.afl import afl
 from fedjx.algorithms.fedasync import FedAsyncState
@@ -98,6 +102,7 @@ __all__ = [
     'COMMON_OPTIONS',
     'AsyncCohort',
     'AsyncDiLoCoState',
+    'DelayedNesterovState',
     'FedBuffState',
     'DiLoCoState',
     'LocalSchedule',
@@ -131,6 +136,9 @@ __all__ = [
     'fedavgm',
     'fedbuff',
     'fednova',
+    'MimeState',
+    'mime',
+    'mime_lite',
     'AFLState',
     'FedAsyncState',
     'afl',

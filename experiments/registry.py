@@ -367,6 +367,10 @@ ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
     'fedavgm': AlgorithmEntry(algorithms_lib.fedavgm, **_FEDOPT),
     'fedprox': AlgorithmEntry(algorithms_lib.fedprox, **_FEDAVG_FAMILY),
     'fednova': AlgorithmEntry(algorithms_lib.fednova, **_FEDAVG_FAMILY),
+    # The base optimizer's state moves with the clients' gradients, which a
+    # check of the new model does not see: guarded.
+    'mime_lite': AlgorithmEntry(algorithms_lib.mime_lite),
+    'mime': AlgorithmEntry(algorithms_lib.mime),
     'scaffold': per_client(algorithms_lib.scaffold, 'num_clients',
                            updates_reach_params=True),
     'dp_fedavg': AlgorithmEntry(algorithms_lib.dp_fedavg, updates_reach_params=True),
