@@ -1,0 +1,19 @@
+"""Deploying fedjx rounds on real clients: ``fedjx.deploy``.
+
+A round written with the fedjx primitives splits into exported pieces
+(``fedjx.export``): ``server_prepare`` and ``server_update`` run on the
+server, ``client_work`` on each client's own device over its own data, and
+the aggregations between them are plain data. This package runs those
+pieces on a deployment engine; fedjx builds no transport of its own.
+
+* :mod:`fedjx.deploy.programs`: versioned bytes of an exported piece (a
+  header with a format version and the fedjx version; a node refuses
+  incompatible bytes in one line);
+* :mod:`fedjx.deploy.rounds`: an experiment config's rounds as server and
+  node halves, independent of any engine;
+* :mod:`fedjx.deploy.flower`: a Flower ServerApp and ClientApp over them
+  (needs the ``flower`` extra: ``pip install 'fedjx[flower]'``).
+
+``import fedjx`` imports none of these; only :mod:`fedjx.deploy.flower`
+imports Flower. See ``docs/deploy.md``.
+"""

@@ -1,0 +1,209 @@
+"""A Flower federation on this machine: a SuperLink and N SuperNodes as processes.
+
+:class:`LocalFederation` starts ``flower-superlink`` and ``flower-supernode``
+processes on 127.0.0.1 (ports found by binding port 0), node ``i`` with
+``--node-config "partition-id=i num-partitions=N"``, and submits a Flower
+App to them with ``flwr run`` (the SuperLink connection is written to a
+private ``FLWR_HOME``). Each process runs in a session of its own, so
+stopping it (SIGTERM, then SIGKILL after ``grace`` seconds) also stops the
+ServerApp and ClientApp processes it started; :meth:`LocalFederation.stop`
+runs on leaving the ``with`` block, on an error as well as on Ctrl-C.
+
+This module imports neither JAX nor Flower: it runs Flower's commands.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ['CONNECTION', 'LocalFederation', 'free_port']
+
+CONNECTION = 'fedjx-local'
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0)."""
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _command(name: str) -> str:
+  """Flower's command ``name``, from this Python's environment first."""
+  here = os.path.dirname(sys.executable)
+  found = shutil.which(name, path=os.pathsep.join([here, os.environ.get('PATH', '')]))
+  if found is None:
+    raise FileNotFoundError(
+        f'fedjx.deploy.local: {name!r} is not installed; install the flower '
+        "extra: pip install 'fedjx[flower]'.")
+  return found
+
+
+def _toml_value(value: Any) -> str:
+  if isinstance(value, bool):
+    return 'true' if value else 'false'
+  if isinstance(value, (int, float)):
+    return repr(value)
+  return '"' + str(value).replace('\\', '\\\\').replace('"', '\\"') + '"'
+
+
+class LocalFederation:
+  """A SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1.
+
+  Args:
+    num_nodes: SuperNodes to start; node ``i`` holds partition ``i`` of
+      ``num_nodes`` (``num_partitions`` to say otherwise).
+    home: a directory for Flower's state and the processes' logs
+      (``superlink.log``, ``node-<i>.log``, ``run.log``).
+    num_partitions: the ``num-partitions`` of every node (default ``num_nodes``).
+    env: extra environment variables for every process.
+    grace: seconds between SIGTERM and SIGKILL when stopping.
+  """
+
+  def __init__(self, num_nodes: int, home: str, *, num_partitions: int | None = None,
+               env: Mapping[str, str] | None = None, grace: float = 5.0):
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+      raise ValueError(f'num_nodes={num_nodes!r}; it must be an int >= 1.')
+    self.num_nodes = num_nodes
+    self.num_partitions = num_nodes if num_partitions is None else num_partitions
+    self.home = os.path.abspath(home)
+    self.grace = grace
+    self.env = dict(os.environ)
+    # Several JAX processes share one accelerator: none takes most of its memory.
+    self.env.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
+    self.env.update(env or {})
+    self.port: int | None = None
+    self.superlink: subprocess.Popen | None = None
+    self.nodes: list[subprocess.Popen | None] = []
+    self._logs: list[Any] = []
+
+  # -- processes
+
+  def _start(self, args: list[str], name: str, home: str) -> subprocess.Popen:
+    os.makedirs(home, exist_ok=True)
+    log = open(os.path.join(self.home, f'{name}.log'), 'ab')  # pylint: disable=consider-using-with
+    self._logs.append(log)
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(self.env, FLWR_HOME=home), cwd=self.home)
+
+  def _wait_listening(self, port: int, process: subprocess.Popen, name: str,
+                      timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      if process.poll() is not None:
+        raise RuntimeError(f'fedjx.deploy.local: {name} exited with status '
+                           f'{process.returncode}; see {self.log_path(name)}.')
+      with socket.socket() as s:
+        s.settimeout(0.5)
+        if s.connect_ex(('127.0.0.1', port)) == 0:
+          return
+      time.sleep(0.2)
+    raise TimeoutError(f'fedjx.deploy.local: {name} did not listen on 127.0.0.1:'
+                       f'{port} within {timeout:g} s; see {self.log_path(name)}.')
+
+  def log_path(self, name: str) -> str:
+    return os.path.join(self.home, f'{name}.log')
+
+  def start(self, timeout: float = 60.0) -> 'LocalFederation':
+    """Starts the SuperLink, waits until it listens, then starts the nodes."""
+    os.makedirs(self.home, exist_ok=True)
+    self.port = free_port()
+    self.superlink = self._start(
+        [_command('flower-superlink'), '--insecure', '--host', '127.0.0.1',
+         '--port', str(self.port), '--database', ':flwr-in-memory:'],
+        'superlink', os.path.join(self.home, 'flwr-superlink'))
+    self._wait_listening(self.port, self.superlink, 'superlink', timeout)
+    for i in range(self.num_nodes):
+      self.nodes.append(self._start(
+          [_command('flower-supernode'), '--insecure',
+           '--superlink', f'127.0.0.1:{self.port}', '--port', str(free_port()),
+           '--node-config', f'partition-id={i} num-partitions={self.num_partitions}'],
+          f'node-{i}', os.path.join(self.home, f'flwr-node-{i}')))
+    self._write_connection()
+    return self
+
+  def _write_connection(self) -> None:
+    home = os.path.join(self.home, 'flwr-cli')
+    os.makedirs(home, exist_ok=True)
+    with open(os.path.join(home, 'config.toml'), 'w', encoding='utf-8') as f:
+      f.write(f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+              f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\n'
+              'insecure = true\n')
+
+  def run(self, app_dir: str, run_config: Mapping[str, Any] | None = None, *,
+          timeout: float | None = None) -> int:
+    """``flwr run app_dir`` on this federation, logs streamed to ``run.log``;
+    returns its exit status (124 when ``timeout`` seconds pass first)."""
+    args = [_command('flwr'), 'run', os.path.abspath(app_dir), CONNECTION, '--stream']
+    if run_config:
+      args += ['--run-config',
+               ' '.join(f'{k}={_toml_value(v)}' for k, v in run_config.items())]
+    process = self._start(args, 'run', os.path.join(self.home, 'flwr-cli'))
+    try:
+      return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      self._stop(process)
+      return 124
+    finally:
+      self._stop(process)
+
+  def kill_node(self, i: int) -> None:
+    """SIGKILL to node ``i`` and the ClientApp it runs (a node that fails)."""
+    process = self.nodes[i]
+    if process is not None and process.poll() is None:
+      os.killpg(process.pid, signal.SIGKILL)
+      process.wait()
+
+  def _stop(self, process: subprocess.Popen | None) -> None:
+    if process is None:
+      return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+      try:
+        os.killpg(process.pid, sig)  # The session this process leads.
+      except ProcessLookupError:
+        return
+      try:
+        process.wait(timeout=self.grace)
+        if sig == signal.SIGTERM:  # Its children may outlive it; end them too.
+          try:
+            os.killpg(process.pid, signal.SIGKILL)
+          except ProcessLookupError:
+            pass
+        return
+      except subprocess.TimeoutExpired:
+        continue
+
+  def stop(self) -> None:
+    """Stops the nodes, then the SuperLink (and whatever they started)."""
+    for process in self.nodes:
+      self._stop(process)
+    self._stop(self.superlink)
+    for log in self._logs:
+      log.close()
+    self._logs = []
+
+  def __enter__(self) -> 'LocalFederation':
+    try:
+      return self.start()
+    except BaseException:
+      self.stop()
+      raise
+
+  def __exit__(self, *exc: Any) -> None:
+    self.stop()
+
+  def describe(self) -> str:
+    return (f'SuperLink on 127.0.0.1:{self.port} (pid {self.superlink.pid}), '
+            f'{self.num_nodes} SuperNodes (pids '
+            f'{", ".join(str(p.pid) for p in self.nodes if p is not None)}); '
+            f'logs in {shlex.quote(self.home)}')

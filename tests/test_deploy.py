@@ -1,0 +1,148 @@
+"""fedjx.deploy without a deployment engine: versioned program bytes, and a
+config's rounds as server and node halves that reproduce the simulated round.
+
+The Flower processes themselves are tested in test_deploy_flower.py."""
+
+import json
+import struct
+import tomllib
+
+import jax
+import numpy as np
+import pytest
+
+from fedjx.deploy import flower_app
+from fedjx.deploy import programs
+from fedjx.deploy import rounds
+from fedjx.experiments import cli
+from fedjx.experiments import runner
+
+
+def _square_program():
+  return jax.export.export(jax.jit(lambda x: (x * x).sum()))(
+      jax.ShapeDtypeStruct((3,), np.float32))
+
+
+def _with_header(data, **changes):
+  header, payload = programs.read_header(data)
+  text = json.dumps(dict(header, **changes)).encode()
+  return programs.MAGIC + struct.pack('>I', len(text)) + text + payload
+
+
+def test_program_bytes_round_trip_with_their_header():
+  data = programs.pack(_square_program(), 'client_work')
+  program = programs.unpack(data)
+  assert program.header['format'] == programs.FORMAT_VERSION
+  assert program.header['piece'] == 'client_work'
+  assert program.header['fedjx'] == programs.fedjx.__version__
+  x = np.asarray([1.0, 2.0, -3.0], np.float32)
+  assert float(program.exported.call(x)) == 14.0  # exact in float32
+  # Another patch release of the same minor version is accepted.
+  major, minor = programs.fedjx.__version__.split('.')[:2]
+  programs.unpack(data, fedjx_version=f'{major}.{minor}.99')
+
+
+@pytest.mark.parametrize('change, match', [
+    (dict(format=programs.FORMAT_VERSION + 1), 'reads format'),
+    (dict(fedjx='99.0.0'), 'accepts'),
+    (dict(sha256='0' * 64), 'damaged'),
+], ids=['format', 'fedjx_version', 'digest'])
+def test_a_node_refuses_incompatible_bytes_in_one_line(change, match):
+  data = _with_header(programs.pack(_square_program(), 'client_work'), **change)
+  with pytest.raises(programs.IncompatibleProgramError, match=match) as info:
+    programs.unpack(data)
+  assert '\n' not in str(info.value)
+
+
+def test_bytes_that_are_not_a_program_are_refused():
+  with pytest.raises(programs.IncompatibleProgramError, match='not a fedjx program'):
+    programs.unpack(b'\x00' * 64)
+  payload = bytes(_square_program().serialize())
+  with pytest.raises(programs.IncompatibleProgramError, match='not a fedjx program'):
+    programs.unpack(payload)  # bare jax.export bytes carry no version
+
+
+def _config(algorithm=None):
+  config = cli.load_config_file('configs/fedavg_digits.py')
+  extras = [(('rounds',), 2), (('cohort_size',), 3), (('dataset', 'num_clients'), 3),
+            (('model', 'hidden'), (8,)), (('local_epochs',), None),
+            (('local_steps',), 4)]
+  if algorithm is not None:
+    extras.append((('algorithm',), algorithm))
+  return runner.validate(cli.apply_overrides(config, extras))
+
+
+def _deployed_rounds(server, num_rounds):
+  """The rounds as a deployment runs them: program bytes unpacked on each
+  node, node data built from the spec's JSON, aggregation in NumPy."""
+  spec = rounds.DataSpec.from_json(server.spec.to_json())
+  nodes = {c: rounds.NodeData(spec, c, server.num_clients)
+           for c in range(server.num_clients)}
+  state, history, received = server.initial_state(), [], []
+  for r in range(num_rounds):
+    ids, steps = server.cohort(r)
+    pieces = server.pieces(state, steps)
+    program = programs.unpack(pieces.client_program)
+    to_clients, placed, residuals = server.prepare(pieces, state, r)
+    outputs = [rounds.run_client(program, to_clients, [x[i] for x in placed],
+                                 nodes[c].inputs(r, steps))
+               for i, c in enumerate(ids.tolist())]
+    received.append(outputs)
+    state, metrics = server.update(pieces, residuals, outputs)
+    history.append(rounds.scalars(metrics))
+  return state, history, received, pieces
+
+
+def test_server_and_node_halves_reproduce_the_simulated_rounds():
+  server = rounds.ServerRounds(_config())
+  got, history, _, _ = _deployed_rounds(server, 2)
+  exp = server.exp
+  want = server.initial_state()
+  apply = jax.jit(exp.algorithm.apply)
+  for r, cohort in enumerate(exp.cohorts(0, 2)):  # the runner's own cohorts
+    want, metrics = apply(want, cohort, exp.round_key_for(r))
+    assert history[r]['examples'] == float(metrics['examples'])
+  # float32 client work in both; the aggregates here are float64 sums of 3
+  # clients rounded once, the jitted round sums in float32: each aggregate
+  # differs by at most 3 * 2**-24 relative, and two rounds of 4 local SGD
+  # steps carry that into the parameters amplified by well under 10.
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64),
+                               rtol=2 * 10 * 3 * 2**-23, atol=1e-6)
+
+
+def test_dp_clipping_runs_on_the_nodes():
+  clip = 0.05
+  server = rounds.ServerRounds(_config(dict(
+      name='dp_fedavg', clip_norm=clip, noise_multiplier=0.5,
+      expected_clients_per_round=3.0,
+      client_optimizer=dict(name='sgd', learning_rate=0.3))))
+  state = server.initial_state()
+  _, history, received, pieces = _deployed_rounds(server, 1)
+  shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(state.params)]
+  out_shapes = [tuple(a.shape) for a in pieces.split.client_work.out_avals]
+  update = [i for i, s in enumerate(out_shapes) if s in shapes and s != ()]
+  assert len(update) == len(shapes)
+  # What the server receives from each client: its update, clipped to norm
+  # `clip` (float32 rescaling: relative error a few ulps).
+  for outputs in received[0]:
+    norm = np.sqrt(sum(np.sum(np.asarray(outputs[i], np.float64) ** 2) for i in update))
+    assert norm <= clip * (1 + 1e-5)
+  # ... while the clients' own updates were far larger.
+  assert history[0]['mean_update_norm'] > 10 * clip
+  assert history[0]['clipped_fraction'] == 1.0
+
+
+def test_the_flower_app_names_fedjx_s_apps_and_its_run_config(tmp_path):
+  flower_app.write_app(str(tmp_path), config='configs/fedavg_digits.py', timeout=30,
+                       wait_s=5)
+  with open(tmp_path / 'pyproject.toml', 'rb') as f:
+    project = tomllib.load(f)
+  app = project['tool']['flwr']['app']
+  assert app['components'] == {'serverapp': 'fedjx.deploy.flower:server_app',
+                               'clientapp': 'fedjx.deploy.flower:client_app'}
+  assert app['config']['config'] == 'configs/fedavg_digits.py'
+  assert app['config']['timeout'] == 30.0 and app['config']['wait-s'] == 5.0
+  assert set(app['config']) == set(flower_app.RUN_CONFIG_DEFAULTS)
+  with pytest.raises(ValueError, match='rounds=3 is not a run config key'):
+    flower_app.write_app(str(tmp_path), rounds=3)
