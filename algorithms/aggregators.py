@@ -295,6 +295,10 @@ def _in_module(module: str, name: str) -> Callable[..., Aggregator]:
 
 # DP mechanisms of their own modules, also reachable from here.
 _ELSEWHERE = {'adaptive_gaussian': 'adaptive_clipping', 'tree_gaussian': 'dp_ftrl'}
+# Compressors (their bits counted), secure sums and distributed DP.
+_ELSEWHERE.update({name: 'compression' for name in (
+    'stochastic_quantization', 'eden', 'drive', 'qsgd', 'terngrad',
+    'sign_majority', 'top_k', 'random_k', 'uncompressed')})
 # Defenses against Byzantine clients (``median`` is ``coordinate_median``).
 _ELSEWHERE.update({name: 'robust_aggregators' for name in (
     'median', 'trimmed_mean', 'krum', 'multi_krum', 'bulyan', 'geometric_median',
