@@ -605,8 +605,17 @@ def gather_to_server(x: Any, why: str) -> Any:
   if not isinstance(why, str) or not why or ']' in why:
     raise ValueError(f'fedjx.plan.gather_to_server: why={why!r} must be a '
                      'non-empty string without "]".')
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = not (mesh is None or mesh.empty) and (
+      jax.sharding.AxisType.Explicit in mesh.axis_types)
+
+  def gather(a):
+    if explicit:  # Stacked on the server: replicated, then indexed.
+      a = jax.sharding.reshard(a, jax.sharding.PartitionSpec())
+    return a[jnp.arange(jnp.shape(a)[0])]
+
   with jax.named_scope(f'{GATHER_SCOPE}[{why}]'):
-    return jax.tree.map(lambda a: a[jnp.arange(jnp.shape(a)[0])], x)
+    return jax.tree.map(gather, x)
 
 
 def _gathered_why(eqn) -> str | None:

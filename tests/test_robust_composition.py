@@ -1,0 +1,181 @@
+"""Defenses compose: with every algorithm, every map strategy and on a mesh.
+
+The reference is the same algorithm with an *oracle aggregator*: its
+combine hands the stacked updates to the NumPy float64 rule of
+test_robust_aggregators (``jax.pure_callback``), so everything but the
+defense (local training, the server optimizer, SCAFFOLD's controls,
+DiLoCo's outer Nesterov step) is the algorithm's own, and the defense's
+output must be what the rule gives on the updates the algorithm produced.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import fedjx.algorithms as algos
+from fedjx.algorithms import aggregators
+from fedjx.algorithms import order_statistics
+import test_robust_aggregators as oracles
+from test_algorithms_util import KEY, assert_trees_close, copy, linreg_data
+from test_algorithms_util import linreg_loss, linreg_params, make_cohort
+
+# Config specs of the defenses and their float64 rules on the participants'
+# rows ``x`` (weights ``w``: the algorithm's, example counts here) given the
+# oracle's state (the last aggregate, for centered clipping).
+DEFENSES = {
+    'median': ({'name': 'median'}, lambda x, w, s: oracles.np_median(x)),
+    'trimmed_mean': ({'name': 'trimmed_mean', 'beta': 0.2},
+                     lambda x, w, s: oracles.np_trimmed(x, 0.2)),
+    'krum': ({'name': 'krum', 'num_byzantine': 1},
+             lambda x, w, s: x[np.argmin(oracles.np_krum_scores(x, 1))]),
+    'multi_krum': ({'name': 'multi_krum', 'num_byzantine': 1, 'num_selected': 3},
+                   lambda x, w, s: oracles.np_multi_krum(x, 1, 3)),
+    'bulyan': ({'name': 'bulyan', 'num_byzantine': 1},
+               lambda x, w, s: oracles.np_bulyan(x, 1)),
+    'geometric_median': ({'name': 'geometric_median'},
+                         lambda x, w, s: oracles.np_weiszfeld(x, w, 1e-6, 3)[0]),
+    'norm_bounding': ({'name': 'norm_bounding', 'max_norm': 0.05},
+                      lambda x, w, s: oracles.np_norm_bounding(x, w, 0.05)),
+    'centered_clipping': ({'name': 'centered_clipping', 'radius': 0.05},
+                          lambda x, w, s: oracles.np_centered_clipping(x, s, 0.05, 1)),
+}
+
+
+def oracle(rule):
+  """An aggregator whose combine is ``rule`` in NumPy float64 on the stacked updates."""
+
+  def combine(state, hparams, clients, key):
+    del hparams, key
+    (x, w), p = order_statistics.stacked('oracle', 'a NumPy reference',
+                                         clients._replace(update=(clients.update,
+                                                                  clients.weights)))
+    leaves, treedef = jax.tree.flatten(x)
+    flat_state = jnp.concatenate([l.reshape(-1) for l in jax.tree.leaves(state)])
+
+    def host(p, w, s, *leaves):
+      rows = np.concatenate([np.asarray(l, np.float64).reshape(len(p), -1)
+                             for l in leaves], axis=1)
+      p = np.asarray(p)
+      return rule(rows[p], np.asarray(w, np.float64)[p],
+                  np.asarray(s, np.float64)).astype(np.float32)
+
+    spec = jax.ShapeDtypeStruct((flat_state.shape[0],), jnp.float32)
+    vector = jax.pure_callback(host, spec, p, w, flat_state, *leaves)
+    out, start = [], 0
+    for l in leaves:
+      size = int(np.prod(l.shape[1:]))
+      out.append(vector[start:start + size].reshape(l.shape[1:]))
+      start += size
+    out = jax.tree.unflatten(treedef, out)
+    return out, out, {}
+
+  return aggregators.Aggregator(init=lambda p: jax.tree.map(jnp.zeros_like, p),
+                                combine=combine)
+
+
+SIZES = [3, 5, 7, 2, 4, 6, 8, 0, 5, 3]  # client 7 is padding
+
+BUILDERS = {
+    'fedavg': lambda agg: algos.fedavg(linreg_loss, client_optimizer=optax.sgd(0.05),
+                                       server_optimizer=optax.sgd(1.0), aggregator=agg),
+    'fedadam': lambda agg: algos.fedadam(linreg_loss, aggregator=agg),
+    'fedprox': lambda agg: algos.fedprox(linreg_loss, mu=0.1, aggregator=agg),
+    'scaffold': lambda agg: algos.scaffold(linreg_loss, len(SIZES), aggregator=agg),
+    'diloco': lambda agg: algos.diloco(linreg_loss, len(SIZES), aggregator=agg),
+}
+
+
+def cohort():
+  data = linreg_data(np.random.default_rng(11), [max(s, 1) for s in SIZES])
+  data[7] = {k: v[:0] for k, v in data[7].items()}
+  return make_cohort(data, 2, client_ids=list(range(len(SIZES))))
+
+
+def two_rounds(algo, cohort):
+  state = algo.init(linreg_params())
+  metrics = None
+  for r in range(2):
+    state, metrics = algo.round(state, cohort, jax.random.fold_in(KEY, r))
+  return state, metrics
+
+
+def check_against_oracle(algorithm, defense, map_strategy='vmap', chunk_size=None):
+  spec, rule = DEFENSES[defense]
+  c = cohort()
+  got, metrics = two_rounds(BUILDERS[algorithm](spec).compile(map_strategy, chunk_size), c)
+  want, _ = two_rounds(BUILDERS[algorithm](oracle(rule)), c)
+  # Two rounds of local SGD (test_algorithms_util.CHAIN) and the defense's
+  # float32 sums of <= 10 terms (Weiszfeld: 3 iterations of them).
+  assert_trees_close(got.params, want.params)
+  for leaf in jax.tree.leaves(metrics):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+  return metrics
+
+
+@pytest.mark.parametrize('algorithm, defense', [
+    ('fedavg', 'median'), ('scaffold', 'geometric_median'),
+    pytest.param('fedadam', 'krum', marks=pytest.mark.slow),
+    pytest.param('fedprox', 'bulyan', marks=pytest.mark.slow),
+    pytest.param('diloco', 'centered_clipping', marks=pytest.mark.slow)])
+def test_defense_with_algorithm(algorithm, defense):
+  check_against_oracle(algorithm, defense)
+
+
+@pytest.mark.parametrize('defense', [
+    'trimmed_mean', pytest.param('geometric_median', marks=pytest.mark.slow)])
+def test_defense_in_fused_chunks(defense):
+  check_against_oracle('fedavg', defense, 'chunked', 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('defense', sorted(DEFENSES))
+@pytest.mark.parametrize('algorithm', sorted(BUILDERS))
+def test_every_defense_with_every_algorithm(algorithm, defense):
+  check_against_oracle(algorithm, defense)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('strategy, chunk', [('chunked', 4), ('sequential', None),
+                                             ('auto', None)])
+@pytest.mark.parametrize('defense', sorted(DEFENSES))
+def test_every_defense_under_every_map_strategy(defense, strategy, chunk):
+  check_against_oracle('fedavg', defense, strategy, chunk)
+
+
+@pytest.mark.parametrize('defense', [
+    'median', pytest.param('geometric_median', marks=pytest.mark.slow)])
+def test_defense_on_an_explicit_clients_mesh(defense):
+  sizes = [3, 5, 7, 2, 4, 6, 8, 1]
+  data = linreg_data(np.random.default_rng(60), sizes)
+  c = make_cohort(data, 2, client_ids=list(range(8)))
+  algo = BUILDERS['fedavg'](DEFENSES[defense][0])
+  expected, _ = algo.round(algo.init(linreg_params()), c, KEY)
+  mesh = jax.make_mesh((8,), ('clients',), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    placed = jax.device_put(c, NamedSharding(mesh, P('clients')))
+    state, _ = algo.round(algo.init(linreg_params()), placed, KEY)
+  assert_trees_close(state.params, expected.params)
+
+
+@pytest.mark.parametrize('algorithm', [
+    'fedavg', pytest.param('scaffold', marks=pytest.mark.slow)])
+def test_defense_with_dp_noise(algorithm):
+  spec = {'name': 'dp_defense', 'defense': {'name': 'trimmed_mean', 'beta': 0.2},
+          'clip_norm': 0.05, 'noise_multiplier': 0.0}
+  c = cohort()
+  clip = lambda x: oracles.np_clip(x, 0.05)
+  rule = lambda x, w, s: clip(oracles.np_trimmed(clip(x), 0.2))
+  got, metrics = two_rounds(BUILDERS[algorithm](spec), c)
+  want, _ = two_rounds(BUILDERS[algorithm](oracle(rule)), c)
+  assert_trees_close(got.params, want.params)
+  # Noise on: the traced multiplier, the same compiled round.
+  algo = BUILDERS[algorithm](spec)
+  state = algo.init(linreg_params())
+  state = state._replace(hparams=dict(state.hparams, noise_multiplier=jnp.float32(1.0)))
+  state, metrics = algo.round(state, c, KEY)
+  assert float(metrics['noise_std']) == pytest.approx(2 * 1.0 * 0.05)
+  for leaf in jax.tree.leaves(state.params):
+    assert np.all(np.isfinite(np.asarray(leaf)))
