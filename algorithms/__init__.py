@@ -22,6 +22,8 @@ from fedjx.algorithms import dp_ftrl
 from fedjx.algorithms import hypergradients
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms import quantization
+from fedjx.algorithms import order_statistics
+from fedjx.algorithms import robust_aggregators
 from fedjx.algorithms.adaptive_clipping import adaptive_gaussian
 from fedjx.algorithms.aggregators import Aggregator
 from fedjx.algorithms.attacks import Attack
@@ -74,6 +76,15 @@ from fedjx.algorithms.fedprox import fedprox
 from fedjx.algorithms.quantization import quantize
 from fedjx.algorithms.scaffold import ScaffoldState
 from fedjx.algorithms.scaffold import scaffold
+from fedjx.algorithms.robust_aggregators import bulyan
+from fedjx.algorithms.robust_aggregators import centered_clipping
+from fedjx.algorithms.robust_aggregators import coordinate_median
+from fedjx.algorithms.robust_aggregators import dp_defense
+from fedjx.algorithms.robust_aggregators import geometric_median
+from fedjx.algorithms.robust_aggregators import krum
+from fedjx.algorithms.robust_aggregators import multi_krum
+from fedjx.algorithms.robust_aggregators import norm_bounding
+from fedjx.algorithms.robust_aggregators import trimmed_mean
 from fedjx.algorithms.streaming_diloco import StreamingDiLoCoState
 from fedjx.algorithms.streaming_diloco import streaming_diloco
 from fedjx.algorithms.yogi import adaptive_adagrad
@@ -150,6 +161,17 @@ __all__ = [
     'proximal',
     'quantization',
     'quantize',
+    'order_statistics',
+    'robust_aggregators',
+    'bulyan',
+    'centered_clipping',
+    'coordinate_median',
+    'dp_defense',
+    'geometric_median',
+    'krum',
+    'multi_krum',
+    'norm_bounding',
+    'trimmed_mean',
     'scaffold',
     'scale_by_adaptive',
     'scale_by_yogi',
