@@ -215,7 +215,7 @@ def trimmed_mean(beta: float = 0.1) -> aggregators.Aggregator:
   dropped per coordinate).
   """
   fn = name = 'trimmed_mean'
-  base.check_number(fn, 'beta', beta, high=0.5)
+  base.check_number(fn, 'beta', beta)
   if float(beta) >= 0.5:
     raise ValueError(f'{fn}: beta={beta!r} is not allowed; it must be a finite '
                      'number >= 0 and < 0.5 (a fraction trimmed from each end).')

@@ -422,6 +422,18 @@ def test_streaming_refuses_rules_that_need_every_update(name, why):
   assert '\n' not in str(e.value)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('spec', [{'name': 'geometric_median'},
+                                  {'name': 'centered_clipping', 'iterations': 2}])
+def test_streaming_refuses_iterations_that_reread_the_updates(spec):
+  """Weiszfeld's and further clipping iterations read each update after a
+  reduction: a second pass over the clients, which streaming does not make."""
+  _, cohort, algo = _round_setup(spec)
+  with pytest.raises(streaming.NotStreamableError, match='used again after a reduction'):
+    streaming.run(algo.apply, algo.init(linreg_params()),
+                  streaming.Clients.from_arrays(cohort), KEY, chunk_size=2)
+
+
 @pytest.mark.parametrize('spec', [
     {'name': 'norm_bounding', 'max_norm': 0.3},
     pytest.param({'name': 'centered_clipping', 'radius': 0.2}, marks=pytest.mark.slow)])

@@ -179,3 +179,40 @@ def test_defense_with_dp_noise(algorithm):
   assert float(metrics['noise_std']) == pytest.approx(2 * 1.0 * 0.05)
   for leaf in jax.tree.leaves(state.params):
     assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+# ------------------------------------------------------------ from a config
+
+def _digits_config(aggregator, **fields):
+  import os
+  from config_files import load
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config = load(os.path.join(repo, 'configs', 'fedavg_digits.py'))
+  config.rounds = 2
+  config.eval_every = 2
+  config.tensorboard = config.plot = config.progress = False
+  config.algorithm.aggregator = aggregator
+  for k, v in fields.items():
+    setattr(config, k, v)
+  return config
+
+
+def test_a_run_from_a_config_reports_the_defense(tmp_path):
+  from fedjx.experiments import runner
+  config = _digits_config(dict(name='krum', num_byzantine=2))
+  rows = runner.run(config, str(tmp_path)).history
+  train = [r for r in rows if 'krum_selected' in r]
+  assert len(train) == 2
+  for r in train:
+    assert 0 <= r['krum_selected'] < config.cohort_size
+    assert r['robust_bound_violated'] == 0.0
+
+
+@pytest.mark.slow
+def test_a_streamed_run_refuses_a_stacked_defense(tmp_path):
+  from fedjx import streaming
+  from fedjx.experiments import runner
+  config = _digits_config(dict(name='trimmed_mean', beta=0.1), execution='streaming')
+  with pytest.raises(streaming.NotStreamableError,
+                     match="aggregator 'trimmed_mean' needs every client update"):
+    runner.run(config, str(tmp_path))
