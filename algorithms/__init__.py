@@ -64,6 +64,8 @@ from fedjx.algorithms.fedbuff import AsyncCohort
 from fedjx.algorithms.fedbuff import FedBuffState
 from fedjx.algorithms.fedbuff import fedbuff
 from fedjx.algorithms.fednova import fednova
+from fedjx.algorithms.fedexp import FedExPState
+from fedjx.algorithms.fedexp import fedexp
 from fedjx.algorithms.mime import MimeState
 from fedjx.algorithms.mime import mime
 from fedjx.algorithms.mime import mime_lite
@@ -147,6 +149,8 @@ __all__ = [
     'fedavgm',
     'fedbuff',
     'fednova',
+    'FedExPState',
+    'fedexp',
     'MimeState',
     'mime',
     'mime_lite',

@@ -371,6 +371,7 @@ ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
     # check of the new model does not see: guarded.
     'mime_lite': AlgorithmEntry(algorithms_lib.mime_lite),
     'mime': AlgorithmEntry(algorithms_lib.mime),
+    'fedexp': AlgorithmEntry(algorithms_lib.fedexp, **_FEDAVG_FAMILY),
     'scaffold': per_client(algorithms_lib.scaffold, 'num_clients',
                            updates_reach_params=True),
     'dp_fedavg': AlgorithmEntry(algorithms_lib.dp_fedavg, updates_reach_params=True),

@@ -138,8 +138,8 @@ def test_the_old_tables_are_read_from_the_entries():
   assert registry.ASYNCHRONOUS == ('fedbuff', 'async_diloco', 'fedasync')
   assert registry.UPDATES_REACH_PARAMS == (
       'fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm', 'fedprox',
-      'fednova', 'scaffold', 'dp_fedavg', 'diloco', 'fedbuff', 'qffl',
-      'fedasync')
+      'fednova', 'fedexp', 'scaffold', 'dp_fedavg', 'diloco', 'fedbuff',
+      'qffl', 'fedasync')
   assert dict(registry.FORWARDS) == {'fedadam': 'fedavg', 'fedyogi': 'fedavg',
                                      'fedadagrad': 'fedavg', 'fedavgm': 'fedavg'}
   assert registry.forwarded_builder('fedadam') is registry.algorithms_lib.fedavg
