@@ -1,0 +1,182 @@
+"""fedjx rounds on a real Flower federation: a SuperLink and 3 SuperNodes
+started as processes on 127.0.0.1 (fedjx.deploy.local), the App submitted
+with ``flwr run``.
+
+Needs the flower extra (pip install -e '.[flower]'); each test starts
+processes and runs for a minute or more, so all are slow tests (pytest -m
+slow). Every process a test starts is stopped when it ends, on failure too.
+"""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+pytest.importorskip(
+    'flwr', reason="Flower is not installed: pip install -e '.[flower]' (the "
+    'flower extra) to run fedjx on a local Flower federation')
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fedjx.deploy import flower_app  # noqa: E402
+from fedjx.deploy import local  # noqa: E402
+from fedjx.deploy.flower import load_config  # noqa: E402
+from fedjx.experiments import metrics_writers  # noqa: E402
+from fedjx.experiments import runner  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NODES = 3
+# Three clients, one per node; 8 local steps of 10 examples; a small MLP.
+SMALL = ('rounds=3 cohort_size=3 dataset.num_clients=3 model.hidden=(16,) '
+         'local_epochs=None local_steps=8 eval_every=1 checkpoint_every=1')
+DP = ("algorithm={'name':'dp_fedavg','clip_norm':0.05,'noise_multiplier':0.5,"
+      "'expected_clients_per_round':3.0,"
+      "'client_optimizer':{'name':'sgd','learning_rate':0.3}}")
+
+
+@pytest.fixture(scope='module')
+def federation(tmp_path_factory):
+  home = tmp_path_factory.mktemp('flower')
+  with local.LocalFederation(NODES, str(home)) as fed:
+    yield fed
+
+
+def _deploy(fed, tmp_path, config_file, overrides, timeout=120.0):
+  workdir = str(tmp_path / 'deployed')
+  app = flower_app.write_app(str(tmp_path / 'app'))
+  status = fed.run(app, dict(config=os.path.join(REPO, 'configs', config_file),
+                             overrides=overrides, workdir=workdir, timeout=timeout),
+                   timeout=900)
+  assert status == 0, open(fed.log_path('run'), encoding='utf-8').read()[-3000:]
+  return workdir
+
+
+def _rows(workdir):
+  return {r['round']: r for r in metrics_writers.read_metrics(workdir)}
+
+
+def _details(workdir):
+  with open(os.path.join(workdir, 'deploy.jsonl'), encoding='utf-8') as f:
+    return [json.loads(line) for line in f]
+
+
+def _close(got, want):
+  # Both runs do float32 client work on the same data with the same keys;
+  # the deployed aggregates are float64 sums of 3 clients rounded once, the
+  # simulated round sums in float32 (<= 3 * 2**-24 relative apart), and 3
+  # rounds of 8 local SGD steps amplify that by well under 10.
+  np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                             rtol=3 * 10 * 3 * 2**-23, atol=2e-6)
+
+
+@pytest.mark.parametrize('config_file', ['fedavg_digits.py', 'fedadam_digits.py'])
+def test_deployed_rounds_equal_the_simulated_rounds(federation, tmp_path, config_file):
+  workdir = _deploy(federation, tmp_path, config_file, SMALL)
+  deployed, step = runner.load_state(workdir)  # fedjx's own reader
+  assert step == 3
+  config = load_config(os.path.join(REPO, 'configs', config_file), SMALL)
+  simulated = runner.run(config, str(tmp_path / 'simulated'))
+  for g, w in zip(jax.tree.leaves(deployed), jax.tree.leaves(simulated.state)):
+    _close(g, w)
+  rows, sim_rows = _rows(workdir), {r['round']: r for r in simulated.history}
+  for r in (1, 2, 3):
+    for key in ('train_loss_before', 'train_loss_after', 'eval_loss', 'examples'):
+      _close(rows[r][key], sim_rows[r][key])
+    assert rows[r]['deploy_replied'] == NODES and rows[r]['deploy_failed'] == 0
+
+  # Bytes on the wire, against the model's size: the program goes once to
+  # each node; after that a client receives the model (and a few scalars
+  # and the data spec) and sends back its weighted update and statistics.
+  model = rows[1]['deploy_model_bytes']
+  assert model == sum(np.asarray(x).nbytes for x in jax.tree.leaves(deployed.params))
+  assert rows[1]['deploy_programs_sent'] == NODES
+  for r in (2, 3):
+    assert rows[r]['deploy_programs_sent'] == 0
+    down = rows[r]['deploy_bytes_to_clients'] / NODES
+    up = rows[r]['deploy_bytes_from_clients'] / NODES
+    assert model < down < 1.5 * model + 2048, (down, model)
+    assert model < up < 1.5 * model + 2048, (up, model)
+  first = rows[1]['deploy_bytes_to_clients'] - rows[2]['deploy_bytes_to_clients']
+  assert first >= NODES * rows[1]['deploy_program_bytes']
+
+
+def test_dp_clipping_happens_on_the_clients(federation, tmp_path):
+  clip = 0.05
+  workdir = _deploy(federation, tmp_path, 'fedavg_digits.py', f'{SMALL} {DP}')
+  state, _ = runner.load_state(workdir)
+  param_shapes = [list(np.shape(x)) for x in jax.tree.leaves(state.params)]
+  rows = _rows(workdir)
+  for detail in _details(workdir):
+    update = [i for i, s in enumerate(detail['output_shapes']) if s in param_shapes and s]
+    assert len(update) == len(param_shapes)
+    assert len(detail['received_norms']) == NODES
+    for norms in detail['received_norms'].values():
+      # What the server received from each client: a clipped update
+      # (float32 rescaling to the clip norm: a few ulps).
+      assert np.sqrt(sum(norms[i] ** 2 for i in update)) <= clip * (1 + 1e-5)
+    # The clients' own updates were larger than the clip: clipping did work.
+    row = rows[detail['round'] + 1]
+    assert row['mean_update_norm'] > 2 * clip and row['clipped_fraction'] == 1.0
+
+
+def _log_count(path, text):
+  try:
+    with open(path, encoding='utf-8', errors='replace') as f:
+      return f.read().count(text)
+  except FileNotFoundError:
+    return 0
+
+
+def test_a_node_killed_mid_round(tmp_path):
+  """Node 2 dies while it runs round 1's client work: round 1 aggregates the
+  other two clients after the round's timeout (Flower FedAvg's rule: the
+  replies that arrived), and the metrics count the missing client."""
+  workdir = str(tmp_path / 'deployed')
+  app = flower_app.write_app(str(tmp_path / 'app'))
+  config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
+  status = []
+  with local.LocalFederation(NODES, str(tmp_path / 'flower')) as fed:
+    run = threading.Thread(target=lambda: status.append(fed.run(
+        app, dict(config=config_file, overrides=SMALL, workdir=workdir, timeout=60.0),
+        timeout=900)))
+    run.start()
+    node_log = fed.log_path('node-2')
+    deadline = time.monotonic() + 600
+    # The second train message has reached node 2: round 1 is under way there.
+    while _log_count(node_log, 'Receiving: train message') < 2:
+      assert run.is_alive() and time.monotonic() < deadline
+      time.sleep(0.1)
+    fed.kill_node(2)
+    run.join(timeout=900)
+  assert status == [0]
+  rows, details = _rows(workdir), _details(workdir)
+  assert rows[1]['deploy_replied'] == 3
+  for r in (2, 3):  # rounds 1 and 2 ran without node 2
+    assert rows[r]['deploy_sampled'] == 3
+    assert rows[r]['deploy_replied'] == 2 and rows[r]['deploy_failed'] == 1
+    assert rows[r]['clients'] == 2.0  # the algorithm's own count
+    assert details[r - 1]['replied'] == [0, 1]
+    assert list(details[r - 1]['failed']) == ['2']
+
+  # The same rounds simulated with client 2 as a padding client (no
+  # examples, weight 0) where it was missing.
+  config = load_config(config_file, SMALL)
+  exp = runner.build(config)
+  state = exp.algorithm.init(exp.init_params)
+  apply = jax.jit(exp.algorithm.apply)
+  for r, cohort in enumerate(exp.cohorts(0, 3)):
+    if r >= 1:
+      mask = np.asarray(cohort.mask).copy()
+      mask[2] = False
+      num = np.asarray(cohort.num_examples).copy()
+      num[2] = 0
+      cohort = cohort._replace(mask=mask, num_examples=num)
+    state, _ = apply(state, cohort, exp.round_key_for(r))
+  deployed, _ = runner.load_state(workdir)
+  for g, w in zip(jax.tree.leaves(deployed.params), jax.tree.leaves(state.params)):
+    _close(g, w)
