@@ -533,3 +533,32 @@ def test_the_command_line_sets_the_attack(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
   assert bad.returncode == 2 and "Did you mean 'sign_flip'" in bad.stderr
   assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_attacks_compose_with_a_defense():
+  """The coordinate median receives the poisoned messages of the participants."""
+  from fedjx.algorithms import robust_aggregators  # pylint: disable=import-outside-toplevel
+  u = messages(8)
+  got, metrics = combine(attacks.sign_flip(100.0), u,
+                         inner=robust_aggregators.coordinate_median())
+  bad, _ = flags()
+  poisoned = np.where(bad[:, None], -100.0 * u.astype(np.float64), u)
+  want = np.median(poisoned[COUNTS > 0], axis=0)  # 5 participants
+  assert_message(got, want, np.abs(u).max())
+  assert metrics[attacks.METRIC] == 3
+
+
+def test_seeds_share_one_program_and_differ_in_their_malicious_set():
+  """The malicious set is state, not a constant: a sweep vectorizes seeds."""
+  population = linreg_population([4, 5, 3, 6, 2, 5, 4, 3])
+  cohort = datasets.make_cohort(population, [0, 2, 3, 5], 2, num_steps=2)
+  lowered, tables = [], []
+  for seed in (0, 1):
+    bad = attacks.malicious_clients(8, 0.5, seed)
+    algo = fedavg_round(attacks.attacked(aggregators.mean(), attacks.alie(), bad, 8))
+    state = algo.init(linreg_params(3))
+    lowered.append(jax.jit(algo.apply).lower(state, cohort, KEY).as_text())
+    tables.append(np.asarray(state.aggregator_state.malicious))
+    np.testing.assert_array_equal(np.flatnonzero(tables[-1]), bad)
+  assert lowered[0] == lowered[1]
+  assert not np.array_equal(tables[0], tables[1])
