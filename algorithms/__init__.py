@@ -22,6 +22,7 @@ from fedjx.algorithms import dp_ftrl
 from fedjx.algorithms import hypergradients
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms import quantization
+from fedjx.algorithms import schedules
 from fedjx.algorithms import order_statistics
 from fedjx.algorithms import robust_aggregators
 from fedjx.algorithms.adaptive_clipping import adaptive_gaussian
@@ -66,6 +67,7 @@ from fedjx.algorithms.fedbuff import fedbuff
 from fedjx.algorithms.fednova import fednova
 from fedjx.algorithms.fedexp import FedExPState
 from fedjx.algorithms.fedexp import fedexp
+from fedjx.algorithms.schedules import scheduled
 from fedjx.algorithms.mime import MimeState
 from fedjx.algorithms.mime import mime
 from fedjx.algorithms.mime import mime_lite
@@ -151,6 +153,8 @@ __all__ = [
     'fednova',
     'FedExPState',
     'fedexp',
+    'scheduled',
+    'schedules',
     'MimeState',
     'mime',
     'mime_lite',

@@ -28,6 +28,7 @@ from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
+from fedjx.algorithms import schedules
 from fedjx.algorithms.yogi import adaptive_adagrad
 from fedjx.algorithms.yogi import adaptive_adam
 from fedjx.algorithms.yogi import yogi
@@ -52,7 +53,9 @@ def without(*names: str) -> dict[str, Any]:
 
 
 @base.with_options(OPTIONS)
-def fedavg(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
+def fedavg(loss_fn: base.LossFn, *,
+           hparam_schedules: Mapping[str, Any] | None = None,
+           **options: Any) -> base.Algorithm:
   """Federated Averaging with any optax client and server optimizer.
 
   Args:
@@ -83,13 +86,22 @@ def fedavg(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
       (:mod:`fedjx.algorithms.nonfinite`); False checks nothing.
     client_metrics: also return per-client ``[C]`` metrics (see
       :func:`fedjx.algorithms.base.client_metrics`); False adds nothing.
+    hparam_schedules: hyperparameters as functions of the round, e.g.
+      ``{'client_optimizer/learning_rate': optax.exponential_decay(0.3, 1,
+      0.99), 'server_optimizer/learning_rate': ...}``: client learning-rate
+      decay across rounds and server schedules
+      (:func:`fedjx.algorithms.schedules.scheduled`); None: constant.
     map_strategy, chunk_size: deprecated; use ``Algorithm.compile``.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
     :class:`~fedjx.algorithms.ServerState`.
   """
-  return build('fedavg', loss_fn, base.take_options('fedavg', options, OPTIONS))
+  algorithm = build('fedavg', loss_fn,
+                    base.take_options('fedavg', options, OPTIONS))
+  if hparam_schedules is None:
+    return algorithm
+  return schedules.scheduled(algorithm, hparam_schedules, name='fedavg')
 
 
 class Parts(NamedTuple):
