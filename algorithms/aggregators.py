@@ -299,6 +299,9 @@ _ELSEWHERE = {'adaptive_gaussian': 'adaptive_clipping', 'tree_gaussian': 'dp_ftr
 _ELSEWHERE.update({name: 'compression' for name in (
     'stochastic_quantization', 'eden', 'drive', 'qsgd', 'terngrad',
     'sign_majority', 'top_k', 'random_k', 'uncompressed')})
+_ELSEWHERE.update({'secure_sum': 'secure_aggregation',
+                   'distributed_skellam': 'distributed_dp',
+                   'local_gaussian': 'distributed_dp'})
 # Defenses against Byzantine clients (``median`` is ``coordinate_median``).
 _ELSEWHERE.update({name: 'robust_aggregators' for name in (
     'median', 'trimmed_mean', 'krum', 'multi_krum', 'bulyan', 'geometric_median',
