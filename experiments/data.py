@@ -37,10 +37,23 @@ class ExperimentData:
 
 
 def digits(num_clients: int = 50, alpha: float | None = 0.5, seed: int = 0,
-           test_fraction: float = 0.2) -> ExperimentData:
-  """scikit-learn digits over ``num_clients`` clients (Dirichlet ``alpha``)."""
-  train, test = datasets.load_digits(num_clients=num_clients, alpha=alpha,
-                                     seed=seed, test_fraction=test_fraction)
+           test_fraction: float = 0.2,
+           client_test_fraction: float | None = None) -> ExperimentData:
+  """scikit-learn digits over ``num_clients`` clients (Dirichlet ``alpha``).
+
+  ``test_fraction`` of the images are held out centrally. With
+  ``client_test_fraction`` instead, all images are partitioned and each
+  client holds out that fraction of its own examples
+  (``fedjx.datasets.split_examples``): the held-out data are the clients'
+  (pooled for evaluation), so per-client accuracy can be measured.
+  """
+  if client_test_fraction is None:
+    train, test = datasets.load_digits(num_clients=num_clients, alpha=alpha,
+                                       seed=seed, test_fraction=test_fraction)
+    return ExperimentData(train, test, {'num_classes': 10})
+  population, _ = datasets.load_digits(num_clients=num_clients, alpha=alpha,
+                                       seed=seed, test_fraction=0.0)
+  train, test = datasets.split_examples(population, client_test_fraction, seed)
   return ExperimentData(train, test, {'num_classes': 10})
 
 

@@ -161,3 +161,17 @@ def test_bad_options_are_one_line_errors():
   algo = algos.qffl(linreg_loss, client_optimizer=optax.sgd(0.1))
   with pytest.raises(ValueError, match='no injected learning_rate; pass lipschitz'):
     algo.init(linreg_params())
+
+
+def test_digits_with_per_client_held_out_examples():
+  # configs/qffl_digits.py: every image goes to a client, which holds out 20%.
+  from fedjx.experiments import data  # pylint: disable=import-outside-toplevel
+  out = data.digits(num_clients=5, alpha=0.5, seed=0, client_test_fraction=0.2)
+  assert out.test.num_clients == out.train.num_clients == 5
+  total = 0
+  for c in range(5):
+    n_train, n_test = out.train.num_examples(c), out.test.num_examples(c)
+    n = n_train + n_test
+    total += n
+    assert n_test == min(max(round(0.2 * n), 1), n - 1)
+  assert total == 1797  # scikit-learn's digits, none held out centrally.
