@@ -102,12 +102,14 @@ def test_delayed_nesterov_in_the_four_replica_scenario():
       seed=0)
   steps = [schedule.step(r) for r in range(8)]
 
-  def run(update, theta0):
+  def run(update, theta0, grads=None):
     versions, state = [theta0], None
     for r, step in enumerate(steps):
       k, tau = int(step.client_ids[0]), int(step.staleness[0])
       start = versions[r - tau]
       g = (1 + tau) ** -0.5 * h * (start - x[k])
+      if grads is not None:
+        grads.append(g)
       u, state = update(g, state, r)
       versions.append(versions[r] + u)
     return np.array(versions[1:])
@@ -136,8 +138,8 @@ def test_delayed_nesterov_in_the_four_replica_scenario():
     u, state = opt.update(jnp.asarray(g, jnp.float32), state)
     return np.asarray(u, np.float64), state
 
-  theta0 = np.zeros(3)
-  expected, before = run(paper, theta0), run(old, theta0)
+  theta0, g = np.zeros(3), []
+  expected, before = run(paper, theta0, g), run(old, theta0)
   # By hand: at 60 s the two fast replicas report (tau 0, 1); at 120 s the
   # 120 s replica (started at 0, tau 2), then a fast one (started at step 1's
   # version 1 at 60 s, tau 2): the ring's older versions are read.
@@ -145,6 +147,12 @@ def test_delayed_nesterov_in_the_four_replica_scenario():
   # The two readings agree while m = 0 and c = 1/N, and part at step 3,
   # where the old one applied g_0 .. g_2 a second time.
   np.testing.assert_allclose(before[:3], expected[:3], rtol=1e-12, atol=1e-15)
+  # Exactly the doubled gradients and the momentum's missing (1 - c) share:
+  # old - new = -eta ((g_0 + g_1 + g_2) / N + (1 - c) beta mean(g_0 .. g_3)).
+  mean = np.mean(g[:4], axis=0)
+  np.testing.assert_allclose(
+      before[3] - expected[3],
+      -lr * (np.sum(g[:3], axis=0) / n + (1 - c) * beta * mean), rtol=1e-12)
   assert np.max(np.abs(before[3] - expected[3])) > 1e-2
   # float32 against float64: 8 steps of a few products and sums each, the
   # iterates and gradients of magnitude <~ 3: n < 100 roundings of <~ 3.
