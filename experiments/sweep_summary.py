@@ -4,7 +4,11 @@ Per trial (``summary_trials.csv``): the swept values, the seed, the final
 value of every metric, the best value of each evaluation metric (maximum,
 or minimum for a loss), the round it was reached, the rounds to the target
 (first round at or past it; empty if never) and the round the trial
-diverged (empty if it did not).
+diverged (empty if it did not). Runs whose aggregator counts bits (the
+compressors, secure sums: ``upload_bits`` and ``download_bits`` per client)
+also get ``total_upload_bits`` and ``total_download_bits``, the sum over
+rounds of bits per client times the round's ``clients``, and ``summary.md``
+shows them beside the main metric (accuracy against bits).
 
 Per setting (``summary.csv``, ``summary.md``): the mean and the sample
 standard deviation (``ddof=1``; 0 for one seed) over seeds of those numbers,
@@ -79,6 +83,12 @@ def trial_row(trial: Any, rows: Sequence[Mapping[str, Any]],
       best_round, best = pick(series, key=lambda rv: rv[1])
       out[f'best_{m}'] = best
       out[f'best_round_{m}'] = best_round
+  for way in ('upload', 'download'):  # compressors' bits: the run's traffic
+    per_round = [(r.get(f'{way}_bits'), r.get('clients')) for r in rows]
+    counted = [b * c for b, c in per_round if isinstance(b, (int, float))
+               and isinstance(c, (int, float)) and math.isfinite(b * c)]
+    if counted:
+      out[f'total_{way}_bits'] = float(sum(counted))
   diverged = [int(r['round']) for r in rows if r.get('diverged')]
   out['diverged_round'] = diverged[0] if diverged else None
   out['rounds'] = max((int(r['round']) for r in rows), default=0)
@@ -146,6 +156,9 @@ def markdown(settings: Sequence[Mapping[str, Any]], fields: Sequence[str],
   head = [names[f] for f in fields] + ['seeds', f'final {main}', f'best {main}']
   if target is not None:
     head += [f'rounds to {target[0]}={target[1]:g}', 'reached']
+  bits = any('final_upload_bits_mean' in row for row in settings)
+  if bits:  # accuracy against bits: per client and round, and in all
+    head += ['upload bits / client / round', 'total upload bits']
   head += ['diverged']
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
 
@@ -161,6 +174,8 @@ def markdown(settings: Sequence[Mapping[str, Any]], fields: Sequence[str],
     if target is not None:
       cells += [pm(row, 'rounds_to_target'),
                 f'{row.get("reached_target", 0)}/{row["seeds"]}']
+    if bits:
+      cells += [pm(row, 'final_upload_bits'), pm(row, 'total_upload_bits')]
     cells += [str(row['diverged'])]
     lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines) + '\n'
