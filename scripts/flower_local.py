@@ -12,15 +12,14 @@ and stops every process it started when the run ends, fails, or on Ctrl-C.
 The dataset must have N training clients (one per node). Metrics and
 checkpoints go to --workdir as fedjx-run writes them, plus deploy.jsonl
 (who replied each round, bytes on the wire). --simulation runs the same App
-on Flower's simulation engine instead (no SuperNodes; needs
-pip install 'flwr[simulation]', which brings Ray).
+on Flower's simulation engine instead (a SuperLink with --simulation and N
+virtual SuperNodes; needs pip install 'flwr[simulation]', which brings Ray).
 Exit status: that of ``flwr run`` (0 on success), 2 for a usage error.
 """
 
 import argparse
 import importlib.util
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -57,10 +56,13 @@ def main(argv=None):
                     workdir=os.path.abspath(args.workdir) if args.workdir else '',
                     timeout=args.timeout)
   app = flower_app.write_app(os.path.join(home, 'app'), **run_config)
-  if args.simulation:
-    return simulate(app, home, args.nodes)
+  if args.simulation and importlib.util.find_spec('ray') is None:
+    print("flower_local: --simulation needs Flower's simulation engine, which "
+          "runs on Ray: pip install 'flwr[simulation]'.", file=sys.stderr)
+    return 2
   print(f'flower_local: logs in {home}', flush=True)
-  with local.LocalFederation(args.nodes, home) as federation:
+  with local.LocalFederation(args.nodes, home,
+                             simulation=args.simulation) as federation:
     print(f'flower_local: {federation.describe()}', flush=True)
     status = federation.run(app)
     with open(federation.log_path('run'), encoding='utf-8', errors='replace') as f:
@@ -68,22 +70,6 @@ def main(argv=None):
   print(f'flower_local: flwr run exited with status {status}; every process '
         'stopped.', flush=True)
   return status
-
-
-def simulate(app, home, nodes):
-  """``flwr run`` on a local SuperLink in simulation mode (Flower's engine)."""
-  if importlib.util.find_spec('ray') is None:
-    print("flower_local: --simulation needs Flower's simulation engine, which "
-          "runs on Ray: pip install 'flwr[simulation]'.", file=sys.stderr)
-    return 2
-  cli_home = os.path.join(home, 'flwr-cli')
-  os.makedirs(cli_home, exist_ok=True)
-  with open(os.path.join(cli_home, 'config.toml'), 'w', encoding='utf-8') as f:
-    f.write('[superlink]\ndefault = "fedjx-sim"\n\n[superlink.fedjx-sim]\n'
-            f'options.num-supernodes = {nodes}\n')
-  return subprocess.call([sys.executable, '-m', 'flwr.cli.app', 'run', app,
-                          'fedjx-sim', '--stream'],
-                         env=dict(os.environ, FLWR_HOME=cli_home))
 
 
 if __name__ == '__main__':

@@ -290,7 +290,7 @@ class FedjxStrategy(flwr_strategy.Strategy):
     pieces = self.server.pieces(self.state, steps)
     to_clients, placed, residuals = self.server.prepare(pieces, self.state, r)
     data = self.server.spec.to_json()
-    messages, missing, sent = [], [], 0
+    messages, clients, missing, sent = [], [], [], 0
     for position, client in enumerate(ids.tolist()):
       node = self.nodes.get(client)
       if node is None:
@@ -308,7 +308,9 @@ class FedjxStrategy(flwr_strategy.Strategy):
       sent += message_bytes(content)
       messages.append(Message(content=content, message_type=MessageType.TRAIN,
                               dst_node_id=node, group_id=str(r)))
+      clients.append(client)
     self._round = {'round': r, 'ids': ids.tolist(), 'pieces': pieces,
+                   'sent': list(zip(messages, clients)),
                    'residuals': residuals, 'missing': missing, 'sent_bytes': sent,
                    'program_bytes': len(pieces.client_program),
                    'programs_sent': sum('program' in m.content[CONFIG] for m in messages),
@@ -326,12 +328,17 @@ class FedjxStrategy(flwr_strategy.Strategy):
     by_client: dict[int, list[np.ndarray]] = {}
     failed = {c: 'no node holds this partition' for c in info['missing']}
     received, norms = 0, {}
-    node_client = {n: c for c, n in self.nodes.items()}
-    answered = set()
+    # A reply names the message it answers (the SuperLink's own error
+    # replies, for a node that stopped, come from the SuperLink, not the node).
+    by_message = {m.metadata.message_id: (c, m.metadata.dst_node_id)
+                  for m, c in info['sent'] if m.metadata.message_id}
+    by_node = {m.metadata.dst_node_id: (c, m.metadata.dst_node_id)
+               for m, c in info['sent']}
     for msg in replies:
-      node = msg.metadata.src_node_id
-      client = node_client.get(node)
-      answered.add(client)
+      client, node = (by_message.get(msg.metadata.reply_to_message_id)
+                      or by_node.get(msg.metadata.src_node_id) or (None, None))
+      if client is None:
+        continue  # Not an answer to this round's messages.
       if msg.has_error():
         failed[client] = f'error: {msg.error.reason}'
         self.has_program.pop(node, None)

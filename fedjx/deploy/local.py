@@ -67,16 +67,23 @@ class LocalFederation:
     num_partitions: the ``num-partitions`` of every node (default ``num_nodes``).
     env: extra environment variables for every process.
     grace: seconds between SIGTERM and SIGKILL when stopping.
+    simulation: start the SuperLink with Flower's simulation runtime and no
+      SuperNodes: ``flwr run`` then runs ``num_nodes`` virtual SuperNodes
+      in one process (Flower's simulation engine, which needs Ray:
+      ``pip install 'flwr[simulation]'``), each given its ``partition-id``
+      and ``num-partitions`` by Flower.
   """
 
   def __init__(self, num_nodes: int, home: str, *, num_partitions: int | None = None,
-               env: Mapping[str, str] | None = None, grace: float = 5.0):
+               env: Mapping[str, str] | None = None, grace: float = 5.0,
+               simulation: bool = False):
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
       raise ValueError(f'num_nodes={num_nodes!r}; it must be an int >= 1.')
     self.num_nodes = num_nodes
     self.num_partitions = num_nodes if num_partitions is None else num_partitions
     self.home = os.path.abspath(home)
     self.grace = grace
+    self.simulation = simulation
     self.env = dict(os.environ)
     # Several JAX processes share one accelerator: none takes most of its memory.
     self.env.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
@@ -120,10 +127,11 @@ class LocalFederation:
     self.port = free_port()
     self.superlink = self._start(
         [_command('flower-superlink'), '--insecure', '--host', '127.0.0.1',
-         '--port', str(self.port), '--database', ':flwr-in-memory:'],
+         '--port', str(self.port), '--database', ':flwr-in-memory:']
+        + (['--simulation'] if self.simulation else []),
         'superlink', os.path.join(self.home, 'flwr-superlink'))
     self._wait_listening(self.port, self.superlink, 'superlink', timeout)
-    for i in range(self.num_nodes):
+    for i in range(0 if self.simulation else self.num_nodes):
       self.nodes.append(self._start(
           [_command('flower-supernode'), '--insecure',
            '--superlink', f'127.0.0.1:{self.port}', '--port', str(free_port()),
@@ -138,7 +146,9 @@ class LocalFederation:
     with open(os.path.join(home, 'config.toml'), 'w', encoding='utf-8') as f:
       f.write(f'[superlink]\ndefault = "{CONNECTION}"\n\n'
               f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\n'
-              'insecure = true\n')
+              'insecure = true\n'
+              + (f'options.num-supernodes = {self.num_nodes}\n'
+                 if self.simulation else ''))
 
   def run(self, app_dir: str, run_config: Mapping[str, Any] | None = None, *,
           timeout: float | None = None) -> int:
@@ -203,7 +213,10 @@ class LocalFederation:
     self.stop()
 
   def describe(self) -> str:
+    if self.simulation:
+      nodes = f'{self.num_nodes} simulated SuperNodes'
+    else:
+      nodes = (f'{self.num_nodes} SuperNodes (pids '
+               f'{", ".join(str(p.pid) for p in self.nodes if p is not None)})')
     return (f'SuperLink on 127.0.0.1:{self.port} (pid {self.superlink.pid}), '
-            f'{self.num_nodes} SuperNodes (pids '
-            f'{", ".join(str(p.pid) for p in self.nodes if p is not None)}); '
-            f'logs in {shlex.quote(self.home)}')
+            f'{nodes}; logs in {shlex.quote(self.home)}')
