@@ -54,7 +54,7 @@ and its unit weights would replace ``beta_k``.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -61,7 +61,6 @@ from fedjx.algorithms.fedbuff import staleness_scale
 from fedjx.algorithms.fedavg import check_parts
 from fedjx.algorithms.fedavg import client_hparams_of
 from fedjx.algorithms.fedavg import client_training
-from fedjx.algorithms.fedavg import initial_hparams
 from fedjx.algorithms.fedavg import without
 
 OPTIONS: dict[str, Any] = {
@@ -134,7 +133,7 @@ def fedasync(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
   weighting, exponent = o['staleness_weighting'], o['staleness_exponent']
   max_staleness = o['max_staleness']
   check_staleness_options(name, max_staleness, weighting, exponent,
-                                  allowed=STALENESS_FUNCTIONS)
+                          allowed=STALENESS_FUNCTIONS)
   base.check_number(name, 'staleness_hinge', o['staleness_hinge'])
   transform = (optax.inject_hyperparams(client_transforms.proximal)(mu=o['rho'])
                if o['rho'] > 0 else None)
@@ -142,17 +141,17 @@ def fedasync(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
       name, dict(o, server_optimizer=None, client_transform=transform))
   train = client_training(loss_fn, o['metrics_fn'], client_optimizer,
                           transform, schedule)
-  plain_sgd = base.default_sgd(1.0)  # Only for initial_hparams' layout.
 
   def init(params):
-    hparams = initial_hparams(client_optimizer, plain_sgd, transform,
-                              aggregator, params, name)
-    del hparams['server_optimizer']
     hparams = base.combine_hparams(
-        name, parts=hparams,
-        algorithm={'alpha': jnp.float32(o['alpha']),
+        name,
+        algorithm={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
+                   'alpha': jnp.float32(o['alpha']),
                    'staleness_exponent': jnp.float32(exponent),
-                   'staleness_hinge': jnp.float32(o['staleness_hinge'])})
+                   'staleness_hinge': jnp.float32(o['staleness_hinge'])},
+        client_transform=({} if transform is None else
+                          base.optimizer_hparams(transform, params)),
+        aggregator=aggregators.init_hparams(aggregator))
     return FedAsyncState(
         params=params, versions=ring_init(params, max_staleness + 1),
         hparams=hparams, round_index=jnp.zeros((), jnp.int32),

@@ -99,7 +99,7 @@ def _stats(rows, keys):
 
 
 def _write(workdir, study, header, keys, rows):
-  table = ([f'| setting | seeds | ' + ' | '.join(header) + ' |',
+  table = (['| setting | seeds | ' + ' | '.join(header) + ' |',
             '|---|---|' + '---|' * len(header)] + _stats(rows, keys))
   text = '\n'.join(table) + '\n'
   with open(os.path.join(workdir, f'{study}.md'), 'w') as f:

@@ -21,7 +21,6 @@ import numpy as np
 import optax
 import pytest
 
-import fedjx
 import fedjx.algorithms as algos
 import float_tolerance as ft
 import linreg_oracle as ref

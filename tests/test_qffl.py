@@ -16,8 +16,6 @@ errors stay relative to the model's scale.
 
 import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
