@@ -467,6 +467,20 @@ def test_plan_evaluates_defenses_as_the_compiled_round(spec):
                              atol=ft.rtol(400))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('spec', [{'name': 'krum', 'num_byzantine': 1},
+                                  {'name': 'geometric_median'}])
+def test_defenses_run_on_beam(spec):
+  beam = pytest.importorskip('fedjx.interpreters.beam')
+  _, cohort, algo = _round_setup(spec)
+  state = algo.init(linreg_params())
+  want, _ = jax.jit(algo.apply)(state, cohort, KEY)
+  got, _ = beam.run(algo.apply, state, beam.ClientData.from_arrays(cohort), KEY)
+  # Beam's float64 combiners against the compiled float32 round (CHAIN).
+  np.testing.assert_allclose(flat(got.params), flat(want.params), rtol=ft.rtol(400),
+                             atol=ft.rtol(400))
+
+
 # --------------------------------------------------------------- DP composition
 
 def test_dp_defense_clips_inputs_and_output():
