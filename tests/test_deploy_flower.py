@@ -182,3 +182,22 @@ def test_a_node_killed_mid_round(tmp_path):
   deployed, _ = runner.load_state(workdir)
   for g, w in zip(jax.tree.leaves(deployed.params), jax.tree.leaves(state.params)):
     _close(g, w)
+
+
+def test_flower_simulation_engine_runs_the_same_rounds(tmp_path):
+  """The same App on Flower's simulation engine (virtual SuperNodes; Ray)."""
+  pytest.importorskip('ray', reason="Flower's simulation engine needs Ray: pip "
+                      "install 'flwr[simulation]'")
+  workdir = str(tmp_path / 'deployed')
+  app = flower_app.write_app(str(tmp_path / 'app'))
+  config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
+  with local.LocalFederation(NODES, str(tmp_path / 'flower'), simulation=True) as fed:
+    status = fed.run(app, dict(config=config_file, overrides=SMALL, workdir=workdir),
+                     timeout=900)
+  assert status == 0
+  rows = _rows(workdir)
+  assert [rows[r]['deploy_replied'] for r in (1, 2, 3)] == [NODES] * 3
+  deployed, _ = runner.load_state(workdir)
+  simulated = runner.run(load_config(config_file, SMALL), str(tmp_path / 'simulated'))
+  for g, w in zip(jax.tree.leaves(deployed), jax.tree.leaves(simulated.state)):
+    _close(g, w)
