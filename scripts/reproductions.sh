@@ -5,7 +5,8 @@
 # NAME: fedopt (grids, seeds 0-2), fedopt_tuned (the grid winners on fresh
 # seeds 3-7), fedprox, scaffold, diloco (diloco_rounds, diloco_dp,
 # diloco_h16/50/125/500, then diloco_summary: the tables and
-# docs/diloco_equal_compute.{png,jsonl}). Default: all of them.
+# docs/diloco_equal_compute.{png,jsonl}). Default: all of them. Run when
+# named: privacy, fairness (q-FFL, AFL and FedAsync against their baselines).
 set -euo pipefail
 OUT=${1:-runs/reproductions}
 shift || true
@@ -72,7 +73,10 @@ for name in $WHICH; do
   privacy)  # McMahan et al. 2018 and the DP mechanisms: accuracy against
     # epsilon at 500 clients (docs/privacy.md's figure and table).
     python scripts/privacy_utility.py --out docs --workdir "$OUT/privacy_utility" ;;
-  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold diloco diloco_rounds diloco_dp diloco_hH (H divides 2000) diloco_summary privacy" >&2
+  fairness)  # q-FFL, AFL and FedAsync against their baselines (seeds 0-2).
+    python scripts/fairness_study.py --workdir "$OUT/fairness" qffl afl fedasync
+    python scripts/fairness_study.py --workdir "$OUT/fairness300" --rounds 300 qffl ;;
+  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold diloco diloco_rounds diloco_dp diloco_hH (H divides 2000) diloco_summary privacy fairness" >&2
      exit 2 ;;
   esac
 done
