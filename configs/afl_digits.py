@@ -5,8 +5,9 @@ Fashion-MNIST experiment makes each of three classes a domain); the
 federated-averaging form of Ro et al. 2021 (FedJAX's agnostic_fed_avg).
 Here each of the ten digits is a domain: ``domain_key='y'`` reads every
 example's domain id from its label, and the server keeps mixture weights
-lambda over the ten classes, raised by exponentiated gradient (rate 0.03, the
-best worst-class loss of docs/reproductions.md's grid) on the classes' losses, so the model is trained for the worst mixture of
+lambda over the ten classes, raised by exponentiated gradient on the
+classes' losses (rate 0.03, the lowest worst-class loss of the grid in
+docs/reproductions.md), so the model is trained for the worst mixture of
 classes rather than the average. The quickstart's task otherwise (50
 non-IID clients, Dirichlet alpha = 0.5; 10 clients a round, one epoch of
 batch-10 SGD with learning rate 0.3; MLP with 128 hidden units; server SGD
