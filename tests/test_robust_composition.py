@@ -116,7 +116,8 @@ def check_against_oracle(algorithm, defense, map_strategy='vmap', chunk_size=Non
 
 
 @pytest.mark.parametrize('algorithm, defense', [
-    ('fedavg', 'median'), ('scaffold', 'geometric_median'),
+    ('scaffold', 'geometric_median'),
+    pytest.param('fedavg', 'median', marks=pytest.mark.slow),
     pytest.param('fedadam', 'krum', marks=pytest.mark.slow),
     pytest.param('fedprox', 'bulyan', marks=pytest.mark.slow),
     pytest.param('diloco', 'centered_clipping', marks=pytest.mark.slow)])
@@ -171,8 +172,15 @@ def test_defense_with_dp_noise(algorithm):
   got, metrics = two_rounds(BUILDERS[algorithm](spec), c)
   want, _ = two_rounds(BUILDERS[algorithm](oracle(rule)), c)
   assert_trees_close(got.params, want.params)
-  # Noise on: the traced multiplier, the same compiled round.
-  algo = BUILDERS[algorithm](spec)
+
+
+@pytest.mark.slow
+def test_defense_with_dp_noise_on():
+  """The traced noise multiplier turned on: the same compiled round."""
+  spec = {'name': 'dp_defense', 'defense': {'name': 'trimmed_mean', 'beta': 0.2},
+          'clip_norm': 0.05, 'noise_multiplier': 0.0}
+  c = cohort()
+  algo = BUILDERS['scaffold'](spec)
   state = algo.init(linreg_params())
   state = state._replace(hparams=dict(state.hparams, noise_multiplier=jnp.float32(1.0)))
   state, metrics = algo.round(state, c, KEY)
@@ -197,6 +205,7 @@ def _digits_config(aggregator, **fields):
   return config
 
 
+@pytest.mark.slow
 def test_a_run_from_a_config_reports_the_defense(tmp_path):
   from fedjx.experiments import runner
   config = _digits_config(dict(name='krum', num_byzantine=2))
