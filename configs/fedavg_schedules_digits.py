@@ -11,11 +11,13 @@ round number (``algorithm.hparam_schedules``,
 
 and the metrics report the values used (``hparam/<path>``). Everything else
 is ``configs/fedavg_digits.py`` (its tuned constant rates 0.3 and 2.0 are
-the schedules' starting values). The argument keeps one of the two:
-``client_decay`` or ``server_cosine`` (default ``both``).
+the schedules' starting values). The argument keeps one of the two,
+``client_decay`` or ``server_cosine`` (default ``both``), optionally with
+the client decay rate after a comma (``client_decay,0.98``; the schedule's
+keys hold a ``/``, which ``--config`` overrides cannot name).
 
   fedjx-run --config configs/fedavg_schedules_digits.py --workdir runs/fedavg_schedules
-  fedjx-run --config configs/fedavg_schedules_digits.py:client_decay --workdir ...
+  fedjx-run --config configs/fedavg_schedules_digits.py:client_decay,0.98 --workdir ...
 """
 
 from fedjx.experiments.config_base import base_config, optimizer
@@ -23,10 +25,12 @@ from fedjx.experiments.config_base import base_config, optimizer
 VARIANTS = ('both', 'client_decay', 'server_cosine')
 
 
-def get_config(variant: str = 'both'):
+def get_config(arg: str = 'both'):
+  variant, _, rate = arg.partition(',')
   if variant not in VARIANTS:
     raise ValueError(f'fedavg_schedules_digits: variant={variant!r} is not one '
                      f'of {VARIANTS}.')
+  decay_rate = float(rate) if rate else 0.99
   config = base_config()
   config.seed = 0
   config.rounds = 150
@@ -41,7 +45,7 @@ def get_config(variant: str = 'both'):
   if variant in ('both', 'client_decay'):
     schedules['client_optimizer/learning_rate'] = dict(
         name='exponential_decay', init_value=0.3, transition_steps=1,
-        decay_rate=0.99)
+        decay_rate=decay_rate)
   if variant in ('both', 'server_cosine'):
     schedules['server_optimizer/learning_rate'] = dict(
         name='cosine_decay_schedule', init_value=2.0,

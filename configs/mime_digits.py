@@ -31,6 +31,6 @@ def get_config():
   config.model = dict(name='mlp', hidden=(128,))
   config.algorithm = dict(
       name='mime',
-      base_optimizer=optimizer('sgd', learning_rate=0.03, momentum=0.9),
+      base_optimizer=optimizer('sgd', learning_rate=0.2, momentum=0.9),
       server_optimizer=optimizer('sgd', learning_rate=1.0))
   return config

@@ -28,6 +28,6 @@ def get_config():
   config.model = dict(name='mlp', hidden=(128,))
   config.algorithm = dict(
       name='mime_lite',
-      base_optimizer=optimizer('sgd', learning_rate=0.03, momentum=0.9),
+      base_optimizer=optimizer('sgd', learning_rate=0.05, momentum=0.9),
       server_optimizer=optimizer('sgd', learning_rate=1.0))
   return config

@@ -6,7 +6,8 @@
 # seeds 3-7), fedprox, scaffold, diloco (diloco_rounds, diloco_dp,
 # diloco_h16/50/125/500, then diloco_summary: the tables and
 # docs/diloco_equal_compute.{png,jsonl}). Default: all of them. Run when
-# named: privacy, fairness (q-FFL, AFL and FedAsync against their baselines).
+# named: privacy, fairness (q-FFL, AFL and FedAsync against their baselines),
+# mime_fedexp_schedules (Mime, MimeLite, FedExP, schedules against FedAvg).
 set -euo pipefail
 OUT=${1:-runs/reproductions}
 shift || true
@@ -70,13 +71,37 @@ for name in $WHICH; do
         --sweep 'algorithm.outer_optimizer.momentum=0.0,0.9' ;;
   diloco_summary)  # The DiLoCo section's tables, figure and JSON lines.
     python scripts/diloco_study.py "$OUT" --out docs/diloco_equal_compute ;;
+  mime_fedexp_schedules)  # Mime, MimeLite, FedExP and FedAvg with learning-rate
+    # schedules against FedAvg on digits: rounds to 90% (seeds 0-2).
+    M=(--seeds 0,1,2 --target eval_accuracy=0.9 --config.rounds=150
+       --config.eval_every=1)
+    run --config configs/fedavg_digits.py --workdir "$OUT/baseline_fedavg" "${M[@]}" \
+        --sweep 'algorithm.client_optimizer.learning_rate=0.03,0.1,0.3,1.0' \
+        --sweep 'algorithm.server_optimizer.learning_rate=1.0,2.0,3.0'
+    run --config configs/fedexp_digits.py --workdir "$OUT/fedexp" "${M[@]}" \
+        --sweep 'algorithm.client_optimizer.learning_rate=0.03,0.1,0.3,1.0'
+    for algo in mime_lite mime; do
+      run --config configs/${algo}_digits.py --workdir "$OUT/$algo" "${M[@]}" \
+          --sweep 'algorithm.base_optimizer.learning_rate=0.003,0.01,0.03,0.1'
+    done
+    run --config configs/mime_lite_digits.py --workdir "$OUT/mime_lite_fine" "${M[@]}" \
+        --sweep 'algorithm.base_optimizer.learning_rate=0.02,0.05'
+    run --config configs/mime_digits.py --workdir "$OUT/mime_fine" "${M[@]}" \
+        --sweep 'algorithm.base_optimizer.learning_rate=0.2,0.3'
+    for rate in 0.98 0.99 0.995; do
+      run --config "configs/fedavg_schedules_digits.py:client_decay,$rate" \
+          --workdir "$OUT/decay_$rate" "${M[@]}"
+    done
+    run --config configs/fedavg_schedules_digits.py:server_cosine \
+        --workdir "$OUT/server_cosine" "${M[@]}"
+    run --config configs/fedavg_schedules_digits.py --workdir "$OUT/schedules_both" "${M[@]}" ;;
   privacy)  # McMahan et al. 2018 and the DP mechanisms: accuracy against
     # epsilon at 500 clients (docs/privacy.md's figure and table).
     python scripts/privacy_utility.py --out docs --workdir "$OUT/privacy_utility" ;;
   fairness)  # q-FFL, AFL and FedAsync against their baselines (seeds 0-2).
     python scripts/fairness_study.py --workdir "$OUT/fairness" qffl afl fedasync
     python scripts/fairness_study.py --workdir "$OUT/fairness300" --rounds 300 qffl ;;
-  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold diloco diloco_rounds diloco_dp diloco_hH (H divides 2000) diloco_summary privacy fairness" >&2
+  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold diloco diloco_rounds diloco_dp diloco_hH (H divides 2000) diloco_summary privacy fairness mime_fedexp_schedules" >&2
      exit 2 ;;
   esac
 done
