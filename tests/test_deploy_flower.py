@@ -105,6 +105,21 @@ def test_deployed_rounds_equal_the_simulated_rounds(federation, tmp_path, config
   assert first >= NODES * rows[1]['deploy_program_bytes']
 
 
+def test_a_deployed_run_resumes_from_its_checkpoint(federation, tmp_path):
+  config_file = 'fedavg_digits.py'
+  _deploy(federation, tmp_path, config_file, SMALL.replace('rounds=3', 'rounds=2'))
+  workdir = _deploy(federation, tmp_path, config_file, SMALL)  # the same workdir
+  assert sorted(_rows(workdir)) == [0, 1, 2, 3]
+  assert [d['round'] for d in _details(workdir)] == [0, 1, 2]
+  assert 'resuming' in open(federation.log_path('run'), encoding='utf-8').read()
+  deployed, step = runner.load_state(workdir)
+  assert step == 3
+  config = load_config(os.path.join(REPO, 'configs', config_file), SMALL)
+  simulated = runner.run(config, str(tmp_path / 'simulated'))
+  for g, w in zip(jax.tree.leaves(deployed), jax.tree.leaves(simulated.state)):
+    _close(g, w)
+
+
 def test_dp_clipping_happens_on_the_clients(federation, tmp_path):
   clip = 0.05
   workdir = _deploy(federation, tmp_path, 'fedavg_digits.py', f'{SMALL} {DP}')

@@ -262,12 +262,16 @@ class FedjxStrategy(flwr_strategy.Strategy):
       os.makedirs(workdir, exist_ok=True)
       self._ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                               async_save=False)
-      step = self._ckpt.latest_step()
-      if step is not None:
-        self.state, _ = self._ckpt.restore(step, self.state)
-        self.start_round = int(step)
+      restored = self._ckpt.restore_latest_intact(
+          self.state, self._check_same_experiment,
+          warn=lambda msg: log(WARNING, 'fedjx: %s', msg))
+      step = None
+      if restored is not None:
+        self.state, meta = restored
+        step = self.start_round = int(meta['step'])
         log(INFO, 'fedjx: resuming %s from the checkpoint after round %d.',
             workdir, step)
+        self._truncate_details(step)
       self._writer = metrics_writers.make_writer(
           workdir, self.config.metrics_format, self.config.tensorboard,
           resume_round=self.start_round if step is not None else None)
@@ -386,7 +390,8 @@ class FedjxStrategy(flwr_strategy.Strategy):
     if self._ckpt is not None and (step % self.config.checkpoint_every == 0
                                    or step == self.config.rounds):
       self._ckpt.save(step, self.state, {'step': step, 'next_round': step,
-                                         'seed': self.config.seed})
+                                         'seed': self.config.seed,
+                                         'config': _fingerprint(self.config)})
       self._ckpt.wait()
     metric_record = MetricRecord({k: float(v) for k, v in row.items()
                                   if isinstance(v, (int, float))})
@@ -408,6 +413,30 @@ class FedjxStrategy(flwr_strategy.Strategy):
     """The evaluation at step 0, as ``fedjx-run`` writes it."""
     if self.start_round == 0 and self.server.exp.evaluate is not None:
       self._emit(0, self.server.exp.evaluate(self.state.params), None)
+
+  def _check_same_experiment(self, meta: Mapping[str, Any]) -> None:
+    """Refuses to resume a workdir whose checkpoint is of another experiment
+    (fields that may change on resumption, as ``rounds``, left out)."""
+    from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
+    saved = meta.get('config')
+    if not saved:
+      return
+    a, b = config_schema.flatten(saved), config_schema.flatten(_fingerprint(self.config))
+    diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    if diff:
+      details = ', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:8])
+      raise ValueError(f'fedjx.deploy: {self.workdir} holds a checkpoint of a '
+                       f'different experiment ({details}); use a new workdir.')
+
+  def _truncate_details(self, step: int) -> None:
+    """Drops ``deploy.jsonl``'s rounds after ``step`` (an interrupted run's)."""
+    from fedjx.experiments import metrics_writers  # pylint: disable=g-import-not-at-top
+    path = os.path.join(self.workdir, 'deploy.jsonl')
+    if os.path.exists(path):
+      with open(path, encoding='utf-8') as f:
+        kept = [line for line in f if line.strip()
+                and json.loads(line)['round'] < step]
+      metrics_writers.write_atomically(path, ''.join(kept))
 
   def _emit(self, step: int, row: dict[str, Any], detail: dict[str, Any] | None) -> None:
     self.history.append({'round': step, **row})
@@ -462,6 +491,11 @@ class FedjxStrategy(flwr_strategy.Strategy):
       self._writer.close()
     if self._ckpt is not None:
       self._ckpt.close()
+
+
+def _fingerprint(config: Any) -> dict[str, Any]:
+  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
+  return json.loads(json.dumps(config_schema.fingerprint(config)))
 
 
 def _leaves(tree: Any) -> list[np.ndarray]:

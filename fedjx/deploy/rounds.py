@@ -69,7 +69,9 @@ class DataSpec:
 
   @classmethod
   def from_config(cls, config: Any) -> 'DataSpec':
-    return cls(json.loads(json.dumps(dict(config.dataset))), int(config.seed),
+    dataset = config.dataset
+    dataset = dataset.to_dict() if hasattr(dataset, 'to_dict') else dict(dataset)
+    return cls(json.loads(json.dumps(dataset)), int(config.seed),
                int(config.batch_size), config.local_epochs, config.local_steps,
                config.max_local_steps, bool(config.bucket_steps))
 
