@@ -84,9 +84,7 @@ def _plain_mean(fn: str, aggregator: Any) -> bool:
 
 
 def _lipschitz(fn: str, lipschitz: Any, client_hparams: dict[str, Any]) -> None:
-  if lipschitz is not None:
-    base.check_number(fn, 'lipschitz', lipschitz, strict=True)
-  elif 'learning_rate' not in client_hparams:
+  if lipschitz is None and 'learning_rate' not in client_hparams:
     raise ValueError(
         f'{fn}: lipschitz=None reads L = 1 / learning_rate from the client '
         'optimizer, but it has no injected learning_rate; pass lipschitz=L '
@@ -117,6 +115,8 @@ def qffl(loss_fn: base.LossFn, *, q: float = 1.0, **options: Any) -> base.Algori
   name = 'qffl'
   o = base.take_options(name, options, OPTIONS)
   base.check_number(name, 'q', q)
+  if o['lipschitz'] is not None:
+    base.check_number(name, 'lipschitz', o['lipschitz'], strict=True)
   if not _plain_mean(name, o['aggregator']):
     raise ValueError(
         f'{name}: aggregator={o["aggregator"]!r} is not taken: the q-FFL step '
