@@ -18,6 +18,9 @@ from fedjx.algorithms import aggregators
 from fedjx.algorithms import attacks
 from fedjx.algorithms import client_transforms
 from fedjx.algorithms import client_update
+from fedjx.algorithms import compression
+from fedjx.algorithms import distributed_dp
+from fedjx.algorithms import secure_aggregation
 from fedjx.algorithms import dp_ftrl
 from fedjx.algorithms import hypergradients
 from fedjx.algorithms import nonfinite
@@ -46,6 +49,20 @@ from fedjx.algorithms.client_transforms import proximal
 from fedjx.algorithms.client_update import LocalSchedule
 from fedjx.algorithms.client_update import check_schedule
 from fedjx.algorithms.client_update import local_update
+from fedjx.algorithms.compression import drive
+from fedjx.algorithms.compression import eden
+from fedjx.algorithms.compression import qsgd
+from fedjx.algorithms.compression import random_k
+from fedjx.algorithms.compression import sign_majority
+from fedjx.algorithms.compression import stochastic_quantization
+from fedjx.algorithms.compression import terngrad
+from fedjx.algorithms.compression import top_k
+from fedjx.algorithms.compression import uncompressed
+from fedjx.algorithms.distributed_dp import distributed_skellam
+from fedjx.algorithms.distributed_dp import local_gaussian
+from fedjx.algorithms.distributed_dp import local_gaussian_epsilon
+from fedjx.algorithms.distributed_dp import skellam_epsilon
+from fedjx.algorithms.secure_aggregation import secure_sum
 from fedjx.algorithms.async_diloco import AsyncDiLoCoState
 from fedjx.algorithms.async_diloco import DelayedNesterovState
 from fedjx.algorithms.async_diloco import async_diloco
@@ -105,6 +122,23 @@ from fedjx.algorithms.tuner import fedavg_hypergradient_tuner
 from fedjx.algorithms.tuner import hypergradient_tuner
 
 __all__ = [
+    'compression',
+    'distributed_dp',
+    'distributed_skellam',
+    'drive',
+    'eden',
+    'local_gaussian',
+    'local_gaussian_epsilon',
+    'qsgd',
+    'random_k',
+    'secure_aggregation',
+    'secure_sum',
+    'sign_majority',
+    'skellam_epsilon',
+    'stochastic_quantization',
+    'terngrad',
+    'top_k',
+    'uncompressed',
     'check_schedule',
     'local_update',
     'with_options',

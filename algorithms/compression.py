@@ -405,9 +405,10 @@ class CompressionState(NamedTuple):
 
   Attributes:
     key: ``uint32 [2]``, the round's shared seed (client keys, rotation).
-    template: the update's structure, as zero-size ``[0, *shape]`` leaves.
+    template: the update's structure: zeros shaped like the model (the
+      server decodes the flat messages into it; checkpoints hold it).
     residual: the error-feedback residuals ``e_i``, ``[N, d]`` float32
-      (``[0, d]`` without error feedback).
+      (``()`` without error feedback).
   """
 
   key: jax.Array
@@ -422,14 +423,19 @@ def _raw_key(key: jax.Array) -> jax.Array:
 
 
 def _structure(template: base.PyTree) -> tuple[int, Callable[[jax.Array], base.PyTree]]:
-  like = jax.tree.map(lambda t: jnp.zeros(t.shape[1:], t.dtype), template)
-  flat, unravel = ravel_pytree(like)
+  flat, unravel = ravel_pytree(template)
   return flat.shape[0], unravel
+
+
+def structure_template(params: base.PyTree) -> base.PyTree:
+  """Zeros shaped like ``params``: the structure a decoded update takes."""
+  return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p)),
+                      params)
 
 
 def model_bits(template: base.PyTree) -> int:
   """Bits of the model the server broadcasts (its leaves at their dtypes)."""
-  return sum(math.prod(t.shape[1:]) * jnp.dtype(t.dtype).itemsize * 8
+  return sum(math.prod(t.shape) * jnp.dtype(t.dtype).itemsize * 8
              for t in jax.tree.leaves(template))
 
 
@@ -475,12 +481,11 @@ def compressed_mean(compressor: Compressor, *, fn: str,
     base.check_positive_int(fn, 'num_clients', num_clients)
 
   def init(params):
-    template = jax.tree.map(
-        lambda p: jnp.zeros((0,) + jnp.shape(p), jnp.result_type(p)), params)
+    template = structure_template(params)
     d = _structure(template)[0]
-    rows = num_clients if error_feedback else 0
-    return CompressionState(jax.random.PRNGKey(seed), template,
-                            jnp.zeros((rows, d), jnp.float32))
+    residual = (jnp.zeros((num_clients, d), jnp.float32) if error_feedback
+                else ())
+    return CompressionState(jax.random.PRNGKey(seed), template, residual)
 
   def broadcast(state):
     return {'shared_key': state.key}

@@ -240,9 +240,8 @@ def modular_sum(fn: str, *, bits: int, clip_norm: float, threshold: int,
     return compression.next_power_of_two(d) if rotation else d
 
   def init(params):
-    template = jax.tree.map(
-        lambda p: jnp.zeros((0,) + jnp.shape(p), jnp.result_type(p)), params)
-    return SecureSumState(jax.random.PRNGKey(seed), template)
+    return SecureSumState(jax.random.PRNGKey(seed),
+                          compression.structure_template(params))
 
   def weights(num_examples):
     return base.aggregation_weights(num_examples, 'uniform')
