@@ -20,6 +20,7 @@ Exit status: that of ``flwr run`` (0 on success), 2 for a usage error.
 import argparse
 import importlib.util
 import os
+import signal
 import sys
 import tempfile
 
@@ -61,15 +62,27 @@ def main(argv=None):
           "runs on Ray: pip install 'flwr[simulation]'.", file=sys.stderr)
     return 2
   print(f'flower_local: logs in {home}', flush=True)
-  with local.LocalFederation(args.nodes, home,
-                             simulation=args.simulation) as federation:
-    print(f'flower_local: {federation.describe()}', flush=True)
-    status = federation.run(app)
-    with open(federation.log_path('run'), encoding='utf-8', errors='replace') as f:
-      sys.stdout.write(f.read())
+  # Ctrl-C and SIGTERM leave the `with` block, which stops every process;
+  # set here because a shell may start this script with SIGINT ignored.
+  signal.signal(signal.SIGINT, _interrupt)
+  signal.signal(signal.SIGTERM, _interrupt)
+  try:
+    with local.LocalFederation(args.nodes, home,
+                               simulation=args.simulation) as federation:
+      print(f'flower_local: {federation.describe()}', flush=True)
+      status = federation.run(app)
+      with open(federation.log_path('run'), encoding='utf-8', errors='replace') as f:
+        sys.stdout.write(f.read())
+  except KeyboardInterrupt:
+    print('flower_local: interrupted; every process stopped.', flush=True)
+    return 130
   print(f'flower_local: flwr run exited with status {status}; every process '
         'stopped.', flush=True)
   return status
+
+
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 if __name__ == '__main__':

@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ['CONNECTION', 'LocalFederation', 'free_port']
+__all__ = ['CONNECTION', 'LocalFederation', 'descendants', 'free_port']
 
 CONNECTION = 'fedjx-local'
 
@@ -45,6 +45,39 @@ def _command(name: str) -> str:
     raise FileNotFoundError(
         f'fedjx.deploy.local: {name!r} is not installed; install the flower '
         "extra: pip install 'fedjx[flower]'.")
+  return found
+
+
+def _stat(pid: int | str) -> tuple[int, int, int] | None:
+  """``(parent, session, start time)`` of a process, from ``/proc``."""
+  try:
+    with open(f'/proc/{pid}/stat', encoding='utf-8', errors='replace') as f:
+      stat = f.read()
+  except OSError:
+    return None
+  # The fields after the parenthesised command (which may hold spaces):
+  # state, ppid, pgrp, session, ..., starttime (the 20th of them).
+  fields = stat.rsplit(')', 1)[1].split()
+  return int(fields[1]), int(fields[3]), int(fields[19])
+
+
+def descendants(pid: int) -> list[tuple[int, int, int]]:
+  """``(pid, session, start time)`` of the processes below ``pid`` (its
+  children, theirs, ...), from ``/proc`` (empty where there is none)."""
+  try:
+    entries = [e for e in os.listdir('/proc') if e.isdigit()]
+  except OSError:
+    return []
+  children: dict[int, list[tuple[int, int, int]]] = {}
+  for entry in entries:
+    info = _stat(entry)
+    if info is not None:
+      children.setdefault(info[0], []).append((int(entry), info[1], info[2]))
+  found, todo = [], [pid]
+  while todo:
+    for child in children.get(todo.pop(), []):
+      found.append(child)
+      todo.append(child[0])
   return found
 
 
@@ -175,23 +208,33 @@ class LocalFederation:
       process.wait()
 
   def _stop(self, process: subprocess.Popen | None) -> None:
+    """SIGTERM to the process's session, SIGKILL after ``grace`` seconds;
+    then SIGKILL to what it started that outlived it (Flower starts its
+    SuperExec in a session of its own, which starts the apps)."""
     if process is None:
       return
+    below = descendants(process.pid)
     for sig in (signal.SIGTERM, signal.SIGKILL):
       try:
         os.killpg(process.pid, sig)  # The session this process leads.
       except ProcessLookupError:
-        return
+        break
       try:
         process.wait(timeout=self.grace)
-        if sig == signal.SIGTERM:  # Its children may outlive it; end them too.
-          try:
-            os.killpg(process.pid, signal.SIGKILL)
-          except ProcessLookupError:
-            pass
-        return
+        break
       except subprocess.TimeoutExpired:
         continue
+    for pid, session, start in below:
+      info = _stat(pid)
+      if info is None or info[2] != start:
+        continue  # Gone (its id may name another process by now).
+      try:
+        if session == pid:  # It leads a session: end what it started too.
+          os.killpg(pid, signal.SIGKILL)
+        else:
+          os.kill(pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
 
   def stop(self) -> None:
     """Stops the nodes, then the SuperLink (and whatever they started)."""
