@@ -4,7 +4,11 @@ config's rounds as server and node halves that reproduce the simulated round.
 The Flower processes themselves are tested in test_deploy_flower.py."""
 
 import json
+import os
 import struct
+import subprocess
+import sys
+import time
 import tomllib
 
 import jax
@@ -12,6 +16,7 @@ import numpy as np
 import pytest
 
 from fedjx.deploy import flower_app
+from fedjx.deploy import local
 from fedjx.deploy import programs
 from fedjx.deploy import rounds
 from fedjx.experiments import cli
@@ -146,3 +151,37 @@ def test_the_flower_app_names_fedjx_s_apps_and_its_run_config(tmp_path):
   assert set(app['config']) == set(flower_app.RUN_CONFIG_DEFAULTS)
   with pytest.raises(ValueError, match='rounds=3 is not a run config key'):
     flower_app.write_app(str(tmp_path), rounds=3)
+
+
+def _gone(pid):
+  try:
+    with open(f'/proc/{pid}/stat', encoding='utf-8') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] == 'Z'  # a zombie is gone
+  except OSError:
+    return True
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc'), reason='reads processes from /proc')
+def test_stopping_a_process_ends_what_it_started_in_other_sessions(tmp_path):
+  # As Flower's SuperLink starts its SuperExec: a child in a session of its own.
+  child = "import time; time.sleep(120)"
+  parent = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            f"{child!r}], start_new_session=True); time.sleep(120)")
+  process = subprocess.Popen([sys.executable, '-c', parent], start_new_session=True)
+  deadline = time.monotonic() + 30
+  while not local.descendants(process.pid):
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+  (grandchild, session, _), = local.descendants(process.pid)
+  assert session == grandchild  # outside the parent's session
+  local.LocalFederation(1, str(tmp_path), grace=1.0).stop_process(process)
+  assert process.poll() is not None
+  deadline = time.monotonic() + 10
+  while not _gone(grandchild):
+    assert time.monotonic() < deadline, 'the process in its own session survived'
+    time.sleep(0.05)
+
+
+def test_a_federation_needs_a_node():
+  with pytest.raises(ValueError, match='num_nodes=0'):
+    local.LocalFederation(0, '.')

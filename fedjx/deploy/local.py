@@ -195,10 +195,10 @@ class LocalFederation:
     try:
       return process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-      self._stop(process)
+      self.stop_process(process)
       return 124
     finally:
-      self._stop(process)
+      self.stop_process(process)
 
   def kill_node(self, i: int) -> None:
     """SIGKILL to node ``i`` and the ClientApp it runs (a node that fails)."""
@@ -207,7 +207,7 @@ class LocalFederation:
       os.killpg(process.pid, signal.SIGKILL)
       process.wait()
 
-  def _stop(self, process: subprocess.Popen | None) -> None:
+  def stop_process(self, process: subprocess.Popen | None) -> None:
     """SIGTERM to the process's session, SIGKILL after ``grace`` seconds;
     then SIGKILL to what it started that outlived it (Flower starts its
     SuperExec in a session of its own, which starts the apps)."""
@@ -239,8 +239,8 @@ class LocalFederation:
   def stop(self) -> None:
     """Stops the nodes, then the SuperLink (and whatever they started)."""
     for process in self.nodes:
-      self._stop(process)
-    self._stop(self.superlink)
+      self.stop_process(process)
+    self.stop_process(self.superlink)
     for log in self._logs:
       log.close()
     self._logs = []
