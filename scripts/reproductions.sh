@@ -94,7 +94,10 @@ for name in $WHICH; do
     done
     run --config configs/fedavg_schedules_digits.py:server_cosine \
         --workdir "$OUT/server_cosine" "${M[@]}"
-    run --config configs/fedavg_schedules_digits.py --workdir "$OUT/schedules_both" "${M[@]}" ;;
+    run --config configs/fedavg_schedules_digits.py --workdir "$OUT/schedules_both" "${M[@]}"
+    # FedExP's last iterate against the mean of its last two (the paper's), and FedAvg's.
+    python scripts/fedexp_averaged.py --seeds 0,1,2 --rounds 150
+    python scripts/fedexp_averaged.py --config configs/fedavg_digits.py --seeds 0,1,2 --rounds 150 ;;
   privacy)  # McMahan et al. 2018 and the DP mechanisms: accuracy against
     # epsilon at 500 clients (docs/privacy.md's figure and table).
     python scripts/privacy_utility.py --out docs --workdir "$OUT/privacy_utility" ;;
