@@ -40,7 +40,11 @@ outer step when the ``N`` gradients are one synchronous round's); ``c``
 moves part of the momentum, one period older, to the steps in between
 (``c = 1/N``: ``beta m / N`` at every step). With ``N = 1`` both branches
 are Nesterov SGD, ``m <- beta m + g``, ``theta <- theta - eta (beta m +
-g)``, whatever ``c``.
+g)``, whatever ``c``. These three facts pin the weights: ``N = 1`` is
+Nesterov SGD; with ``c = 1/N`` and ``m = 0`` a period's first steps apply
+``eta g_t / N`` (the earlier reading below applied ``eta c g_t`` there and
+agreed with Algorithm 3 on those steps); the momentum's weights over a
+period sum to one.
 
 (Releases up to 0.1.x read the paper differently: between momentum steps
 they applied ``eta c g_t``, and at the period's last step
