@@ -1,9 +1,11 @@
 """Robustness study: FedAvg on digits with malicious clients and a defense.
 
 The quickstart's task (configs/fedavg_digits.py: scikit-learn's digits over
-50 Dirichlet(0.5) clients, 10 a round, one local epoch of SGD 0.3 on an MLP
-with 128 hidden units, server SGD 2.0), shortened to 60 rounds (the
-quickstart passes 90% test accuracy near round 40), with an attack
+50 clients, 10 a round, one local epoch of SGD 0.3 on an MLP with 128 hidden
+units, server SGD 2.0), with the clients' data split IID, the setting of the
+robust-aggregation papers (under the quickstart's Dirichlet(0.5) label skew
+the median, trimmed mean and Krum lose 20 to 55 points of accuracy without
+any attack: docs/robustness.md), shortened to 60 rounds, with an attack
 (``config.attack``: docs/robustness.md) and a defense
 (``config.algorithm.aggregator``). By default: no attack, the mean.
 
@@ -26,7 +28,7 @@ def get_config():
   config.local_epochs = 1
   config.eval_every = 10
   config.checkpoint_every = 60
-  config.dataset = dict(name='digits', num_clients=50, alpha=0.5)
+  config.dataset = dict(name='digits', num_clients=50, alpha=None)
   config.model = dict(name='mlp', hidden=(128,))
   config.algorithm = dict(
       name='fedavg',
