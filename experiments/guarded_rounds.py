@@ -43,10 +43,13 @@ builders that take no ``skip_nonfinite`` always run guarded.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from fedjx.algorithms import nonfinite
 
 # The metrics that checking_finiteness adds and the runner takes out before
 # a row is written: 1.0 when the new server model (PARAMS_FINITE), or the new
@@ -100,8 +103,6 @@ def runs_unguarded(guarded: Any, updates_reach_params: bool) -> bool:
   return updates_reach_params and hasattr(guarded.round, 'lower')
 
 
-__all__ = ['PARAMS_FINITE', 'RESULT_FINITE', 'all_finite',
-           'checking_finiteness', 'runs_unguarded']
 
 
 def must_stop(finite: Any, nonfinite_clients: Any, clients: Any,
@@ -120,3 +121,55 @@ def must_stop(finite: Any, nonfinite_clients: Any, clients: Any,
   every = jnp.logical_and(some, jnp.asarray(clients) == 0)
   return jnp.logical_or(jnp.logical_not(finite), jnp.logical_and(
       some, jnp.logical_or(policy == 'stop', every)))
+
+
+class GuardedRounds:
+  """How a run's rounds go under ``config.nonfinite`` (the module docstring).
+
+  ``first`` runs each round: the unguarded algorithm where rounds run
+  unguarded first, else the guarded one. :meth:`settle` keeps its result, or
+  redoes the round guarded from the state before it, which ``state_before``
+  rebuilds with :meth:`replay`.
+
+  Args:
+    guarded: the algorithm with its guard (and its model check).
+    unguarded: the algorithm without it, checking its whole result, or None.
+    make_runner: ``make_runner(algorithm) -> run_round(state, cohort, key)``.
+  """
+
+  def __init__(self, guarded: Any, unguarded: Any | None,
+               make_runner: Callable[[Any], Callable[..., Any]]):
+    self._guarded, self._make_runner = guarded, make_runner
+    self.first = make_runner(unguarded if unguarded is not None else guarded)
+    self._unguarded = unguarded is not None
+    self._run_guarded: Callable[..., Any] | None = None
+    self._redone: set[int] = set()  # Rounds of this process redone guarded.
+
+  def settle(self, r: int, row: dict[str, float], cohort: Any, key: Any,
+             state_before: Callable[[int], Any]
+             ) -> tuple[Any | None, Any | None, dict[str, float]]:
+    """``(state, metrics, row)`` of round ``r`` after its first run's ``row``.
+
+    ``state`` and ``metrics`` are None when the first run stands; else they
+    are the guarded round's, from ``state_before(r)``.
+    """
+    if row.pop(RESULT_FINITE, 1.0) != 1.0:  # Not finite unguarded: again, guarded.
+      self._run_guarded = self._run_guarded or self._make_runner(self._guarded)
+      state, metrics = self._run_guarded(state_before(r), cohort, key)
+      self._redone.add(r)
+      return state, metrics, row
+    if self._unguarded:  # No client would have been skipped.
+      row = dict(sorted({**row, nonfinite.METRIC: 0.0}.items()))
+    return None, None, row
+
+  def replay(self, state: Any, first: int, last: int, cohorts: Iterator[Any],
+             key_for: Callable[[int], Any]) -> Any:
+    """``state`` after rounds ``first .. last - 1``, each run as it was."""
+    for r, cohort in zip(range(first, last), cohorts):
+      run = self._run_guarded if r in self._redone else self.first
+      state, _ = run(state, cohort, key_for(r))
+    return state
+
+
+__all__ = ['GuardedRounds', 'PARAMS_FINITE', 'RESULT_FINITE', 'all_finite',
+           'checking_finiteness', 'must_stop', 'runs_unguarded']

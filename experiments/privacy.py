@@ -27,7 +27,7 @@ import inspect
 import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -370,3 +370,60 @@ def budget_message(p: Plan, stop: int) -> str:
           f'{p.delta:.3g}) reached: round {stop + 1} would bring epsilon to '
           f'{nxt:.4g}; stopped after round {stop} (epsilon '
           f'{p.epsilon(stop):.4g}).')
+
+
+class Budget:
+  """A run's privacy budget, as the training loop consults it.
+
+  Without a plan (a run that is not private) it never stops a run and adds
+  nothing. With one, :attr:`stop` is the last round within
+  ``privacy.target_epsilon`` (or ``config.rounds``); each round's row gets
+  its ``epsilon`` (every round with the RDP accountant, at evaluations and
+  the last round with PLD, whose computation is slower), and the last
+  round's the audit's numbers when ``privacy.audit`` asks for one.
+  ``workdir/privacy.json`` states the guarantee of the rounds completed.
+  """
+
+  def __init__(self, p: Plan | None, rounds: int, eval_every: int,
+               initial_params: Any):
+    self.plan = p
+    self.rounds = rounds
+    self.stop = rounds if p is None else p.stop_round()
+    self._eval_every = eval_every
+    self._initial_params = initial_params
+    self._audit: dict[str, Any] | None = None
+
+  def begin(self, workdir: str, lead: bool, log: Callable[[str], None]) -> None:
+    """The statement of the whole run, written before its first round."""
+    if self.plan is not None and lead:
+      write_statement(workdir, self.plan, self.stop)
+      log(f'fedjx: privacy: {self.plan.summary(self.stop)}.')
+
+  def row(self, step: int, finite: bool, params: Any) -> dict[str, float]:
+    """What step ``step``'s metrics row adds (``params``: the new model)."""
+    p, out = self.plan, {}
+    if p is None:
+      return out
+    if p.accountant == 'rdp' or step == self.stop or step % self._eval_every == 0:
+      out['epsilon'] = p.epsilon(step)
+    if p.canaries is not None and step == self.stop and finite:
+      self._audit = run_audit(p, step, self._initial_params, params)
+      out.update(audit_metrics(self._audit))
+    return out
+
+  def finish(self, step: int, interrupted: bool, params: Any, workdir: str,
+             lead: bool, log: Callable[[str], None]) -> None:
+    """After the loop: why it stopped early, and the statement of what ran."""
+    p = self.plan
+    if p is None:
+      return
+    if self.stop < self.rounds and step == self.stop and not interrupted:
+      log(budget_message(p, self.stop))
+    if lead and step != self.stop:
+      write_statement(workdir, p, step)  # Interrupted early.
+    if p.canaries is not None and step == self.stop:
+      if self._audit is None:  # Resumed after the last round: the saved model.
+        self._audit = run_audit(p, step, self._initial_params, params)
+      if lead:
+        write_statement(workdir, p, step, self._audit)
+        log(f"fedjx: privacy audit: {self._audit['statement']}")

@@ -320,6 +320,29 @@ def test_a_nonfinite_server_state_stops_and_is_never_checkpointed(files, tmp_pat
     runner.run(config, workdir)  # A different experiment, not a busy workdir.
 
 
+def test_an_infinite_training_loss_stops_the_run_as_it_stops_a_sweep_trial(tmp_path):
+  """Digits with a server learning rate of 1e38: the weights stay finite
+  (about 1e38) while every training loss is Inf. The run stops there with
+  one line naming the metrics, as fedjx-sweep marks the trial diverged (one
+  rule, guarded_rounds.must_stop)."""
+  from fedjx.experiments import config_base  # pylint: disable=import-outside-toplevel
+  config = config_base.base_config()
+  config.rounds, config.cohort_size, config.batch_size = 4, 5, 16
+  config.progress, config.plot, config.tensorboard = False, False, False
+  config.dataset = dict(name='digits', num_clients=12, alpha=0.5)
+  config.model = dict(name='logistic_regression')
+  config.algorithm = dict(name='fedavg', server_optimizer=config_base.optimizer(
+      'sgd', learning_rate=1e38))
+  with pytest.raises(runner.NonFiniteError) as e:
+    runner.run(config, str(tmp_path / 'run'), log=lambda m: None)
+  message = str(e.value)
+  assert '\n' not in message
+  assert re.match(r"^round \d+: the round's metrics became NaN or Inf \(.*"
+                  r"train_loss_before=inf", message), message
+  rows = metrics_writers.read_metrics(str(tmp_path / 'run'))
+  assert all(np.isfinite(v) for r in rows[:-1] for v in r.values())
+
+
 def _guarded_fedavg(calls):
   """fedavg that takes ``skip_nonfinite`` and reports one non-finite client
   in round index 2 (as the guarded builders do)."""

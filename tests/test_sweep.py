@@ -12,10 +12,12 @@ import jax
 import numpy as np
 import pytest
 
+from fedjx.algorithms import accounting
 from fedjx.experiments import config_base
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import runner
 from fedjx.experiments import sweep
+from fedjx.experiments import sweep_round
 from fedjx.experiments import sweep_spec
 from fedjx.experiments import sweep_summary
 from fedjx.experiments import workdir_lock
@@ -229,7 +231,7 @@ def test_settings_per_program_splits_groups():
 def test_trials_are_sharded_over_devices(tmp_path):
   n = len(jax.devices())
   settings = [{'algorithm.server_learning_rate': 0.01 * (i + 1)} for i in range(n)]
-  assert sweep._trial_sharding((1, n)) is not None or n == 1  # pylint: disable=protected-access
+  assert sweep_round.trial_sharding((1, n)) is not None or n == 1  # pylint: disable=protected-access
   result = sweep.run_sweep(small_config(rounds=1, eval_every=1), str(tmp_path / 's'),
                            settings, (0,), log=lambda m: None)
   single = runner.run(sweep.trial_config(small_config(rounds=1, eval_every=1),
@@ -337,7 +339,7 @@ def test_sigterm_then_resume_equals_an_uninterrupted_sweep(tmp_path):
 def test_trials_draw_cohorts_with_the_config_s_sampler():
   config = small_config(sampling=dict(name='poisson', rate=0.25))
   exps = [runner.build(sweep.trial_config(config, {}, seed)) for seed in (0, 1)]
-  stacked = sweep._stacked_cohort(exps, config, 3)
+  stacked = sweep_round.stacked_cohort(exps, config, 3)
   for row, exp in enumerate(exps):
     ids = exp.sampler.sample(3)
     got = np.asarray(stacked.client_ids[row])
@@ -441,3 +443,45 @@ def test_the_stop_rule_of_runs_and_trials(finite, bad, kept, policy, stop):
   per_trial = guarded_rounds.must_stop(np.array([finite, True]), np.array([bad, 0.0]),
                                        np.array([kept, 5.0]), policy)
   np.testing.assert_array_equal(per_trial, [stop, False])
+
+
+def test_a_private_trial_reports_its_run_s_epsilon_and_stops_at_its_budget(tmp_path):
+  """Two noise multipliers in one program: each trial's epsilon rows are its
+  run's (an independent dp_accounting computation per round), and the trial
+  with less noise stops after the last round within the shared target, as
+  its fedjx-run would, while the other trains on."""
+  config = small_config(rounds=6, eval_every=2, cohort_size=4)
+  config.dataset = dict(name='digits', num_clients=40, alpha=0.5)
+  config.algorithm = dict(name='dp_fedavg', clip_norm=1.0, noise_multiplier=1.0,
+                          expected_clients_per_round=4.0,
+                          client_optimizer=config_base.optimizer('sgd', learning_rate=0.1))
+  config.sampling = dict(name='poisson')
+  sampling = accounting.Sampling.poisson(40, 0.1)
+  eps = {z: [accounting.epsilon(z, r, 1e-3, sampling=sampling) for r in range(7)]
+         for z in (1.0, 2.0)}
+  target = (eps[1.0][2] + eps[1.0][3]) / 2  # z = 1: rounds 1-2 fit, not 3
+  assert eps[2.0][6] < target  # z = 2: every round fits
+  config.privacy = dict(delta=1e-3, target_epsilon=target)
+  settings = [{'algorithm.noise_multiplier': z} for z in (1.0, 2.0)]
+  result = sweep.run_sweep(config, str(tmp_path / 'sweep'), settings, (0,),
+                           log=lambda m: None)
+  assert result.groups == 1  # The noise multiplier is traced.
+  loud, quiet = result.trials
+  rows = {t.name: [r for r in metrics_writers.read_metrics(
+      str(tmp_path / 'sweep' / 'trials' / t.name)) if r['round'] > 0]
+          for t in (loud, quiet)}
+  # The accountant's curve, recomputed per round: float64 sums of a few terms.
+  assert [r['epsilon'] for r in rows[loud.name]] == pytest.approx(eps[1.0][1:3], rel=1e-12)
+  assert [r['epsilon'] for r in rows[quiet.name]] == pytest.approx(eps[2.0][1:7], rel=1e-12)
+  assert 'eval_accuracy' in rows[loud.name][-1]  # Evaluated at its last round.
+  assert not any(r.get('diverged') for rs in rows.values() for r in rs)
+  statement = json.loads((tmp_path / 'sweep' / 'trials' / loud.name /
+                          'privacy.json').read_text())
+  assert statement['rounds'] == 2
+  single = runner.run(sweep.trial_config(config, loud.setting, 0),
+                      str(tmp_path / 'single'), log=lambda m: None)
+  assert single.step == 2
+  np.testing.assert_allclose(
+      [r['eval_accuracy'] for r in rows[loud.name] if 'eval_accuracy' in r],
+      [r['eval_accuracy'] for r in single.history if 'eval_accuracy' in r and r['round']],
+      rtol=RTOL)

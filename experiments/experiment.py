@@ -1,0 +1,278 @@
+"""An experiment built from its config: data, model, algorithm, evaluator, schedule.
+
+:func:`build` turns a validated config into an :class:`Experiment`: the
+training and test populations (:mod:`fedjx.experiments.registry`), the model
+and its initial parameters (from ``config.seed``), the algorithm, the
+evaluator, and what decides each round's clients (``config.sampling`` and
+its privacy accounting plan, ``config.systems``'s system model, or an
+asynchronous algorithm's schedule). Nothing here trains or writes; the
+runner (:mod:`fedjx.experiments.runner`) and the sweep
+(:mod:`fedjx.experiments.sweep`) drive the rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from fedjx import datasets
+from fedjx import models
+from fedjx.experiments import attack as attack_lib
+from fedjx.experiments import config as config_schema
+from fedjx.experiments import evaluation
+from fedjx.experiments import guarded_rounds
+from fedjx.experiments import privacy as privacy_lib
+from fedjx.experiments import registry
+from fedjx.experiments.config import with_defaults
+
+
+@dataclasses.dataclass
+class Experiment:
+  """The built pieces of a config (see :func:`build`)."""
+
+  config: ml_collections.ConfigDict
+  data: registry.ExperimentData
+  model: models.Model
+  algorithm: Any
+  init_params: Any
+  round_key: jax.Array
+  evaluate: Callable[[Any], dict[str, float]] | None
+  systems: datasets.SystemModel | None = None  # config.systems, if any
+  # The simulated schedule of an asynchronous algorithm (else None).
+  scheduler: datasets.AsyncScheduler | None = None
+  # config.sampling's sampler (None: uniform) and the DP accounting plan.
+  sampler: Any = None
+  privacy: privacy_lib.Plan | None = None
+
+  def cohorts(self, start: int, stop: int) -> Iterator[Any]:
+    """Placed cohorts of rounds ``start .. stop - 1`` (prefetched)."""
+    c = self.config
+    if self.scheduler is not None:
+      return datasets.async_cohort_iterator(
+          self.data.train, self.scheduler, c.batch_size, start_round=start,
+          num_rounds=stop - start, num_epochs=c.local_epochs,
+          num_steps=c.local_steps, max_steps=c.max_local_steps,
+          bucket=c.bucket_steps, prefetch=c.prefetch)
+    return datasets.cohort_iterator(
+        self.data.train, c.cohort_size, c.batch_size, seed=c.seed,
+        start_round=start, num_rounds=stop - start, num_epochs=c.local_epochs,
+        num_steps=c.local_steps, max_steps=c.max_local_steps,
+        bucket=c.bucket_steps, prefetch=c.prefetch, sampler=self.sampler,
+        order_by_steps=c.map_strategy == 'chunked')
+
+  def system_rounds(self, start: int, stop: int, start_time: float) -> Iterator[Any]:
+    """``(cohort, report)`` of rounds ``start .. stop - 1`` under ``config.systems``,
+    round ``start`` starting at simulated time ``start_time`` (seconds)."""
+    c = self.config
+    return datasets.system_cohort_iterator(
+        self.data.train, self.systems, c.cohort_size, c.batch_size,
+        start_round=start, start_time=start_time, num_rounds=stop - start,
+        num_epochs=c.local_epochs, num_steps=c.local_steps,
+        max_steps=c.max_local_steps, bucket=c.bucket_steps, prefetch=c.prefetch)
+
+  def lazy_cohorts(self, start: int, stop: int,
+                   whole: Callable[[Any], bool] | None = None) -> Iterator[Any]:
+    """Rounds ``start .. stop - 1`` as unloaded cohorts, for streamed rounds.
+
+    Each is a ``fedjx.streaming.Clients`` that reads its clients a chunk at a
+    time (``datasets.prefetch.lazy_cohort_iterator``); where ``whole(it)``
+    is True the round's cohort is loaded and placed ahead, as
+    :meth:`cohorts` gives it.
+    """
+    c = self.config
+    return datasets.prefetch.lazy_cohort_iterator(
+        self.data.train, c.cohort_size, c.batch_size, seed=c.seed,
+        start_round=start, num_rounds=stop - start, num_epochs=c.local_epochs,
+        num_steps=c.local_steps, max_steps=c.max_local_steps,
+        bucket=c.bucket_steps, prefetch=c.prefetch, whole=whole,
+        sampler=self.sampler)
+
+  def round_key_for(self, r: int) -> jax.Array:
+    key = jax.random.fold_in(self.round_key, r)
+    mesh = jax.sharding.get_mesh()
+    if mesh is not None and not mesh.empty:
+      from fedjx import distributed  # pylint: disable=g-import-not-at-top
+      key = distributed.put_global(key, mesh)
+    return key
+
+
+def _sample_batch(config: ml_collections.ConfigDict,
+                  data: registry.ExperimentData) -> dict[str, np.ndarray]:
+  """One client's first batch ``[B, ...]``: shapes and dtypes for model init."""
+  cohort = datasets.make_cohort(
+      data.train, datasets.CohortSampler(data.train, 1, config.seed).sample(0),
+      config.batch_size, num_steps=1, shuffle_seed=None, bucket=False)
+  return {k: v[0, 0] for k, v in cohort.batches.items()}
+
+
+def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
+                    num_clients: int, guarded: bool | None = None) -> Any:
+  """The algorithm of ``config`` (defaults filled) for ``model`` and a population.
+
+  ``guarded`` overrides ``config.nonfinite`` for the builder's
+  ``skip_nonfinite`` (the runner also builds the unguarded algorithm, see
+  :mod:`fedjx.experiments.guarded_rounds`).
+  """
+  if guarded is None:
+    guarded = config.nonfinite != 'off'
+  spec = privacy_lib.algorithm_spec(config, num_clients)
+  return registry.build_algorithm(
+      attack_lib.algorithm_spec(config, spec, num_clients), model,
+      map_strategy=config.map_strategy,
+      chunk_size=config.chunk_size, num_clients=num_clients,
+      skip_nonfinite=guarded)
+
+
+def round_algorithms(config: ml_collections.ConfigDict,
+                     exp: Experiment) -> tuple[Any, Any | None]:
+  """``(guarded, unguarded)``: what the loop runs rounds with.
+
+  ``guarded`` is the experiment's algorithm, whose round also checks the new
+  server model when ``config.nonfinite`` is not ``'off'``; ``unguarded`` is
+  the same algorithm built without its guard, whose round checks its new
+  server model and metrics, where rounds run unguarded first (else None; see
+  :mod:`fedjx.experiments.guarded_rounds`).
+  """
+  if config.nonfinite == 'off':
+    return exp.algorithm, None
+  guarded = guarded_rounds.checking_finiteness(exp.algorithm)
+  name = config.algorithm.name
+  entry = registry.algorithm_entry(name)
+  reach = entry.updates_reach_params and 'skip_nonfinite' in entry.runner_options
+  if not guarded_rounds.runs_unguarded(exp.algorithm, reach):
+    return guarded, None
+  unguarded = build_algorithm(config, exp.model, exp.data.train.num_clients,
+                              guarded=False)
+  return guarded, guarded_rounds.checking_finiteness(unguarded, whole=True)
+
+
+def build(config: Any) -> Experiment:
+  """Builds the dataset, model, algorithm and evaluator a config names."""
+  config = with_defaults(config)
+  data = registry.build_dataset(config.dataset, config.seed)
+  data = attack_lib.poison_data(config, data)  # config.attack's, if any
+  model = registry.build_model(config.model, data.info)
+  if config.cohort_size > data.train.num_clients:
+    raise registry.ConfigError(
+        f'config.cohort_size={config.cohort_size} is larger than the training '
+        f'population of {data.train.num_clients} clients; it must be at most '
+        f'{data.train.num_clients}.')
+  plan = privacy_lib.plan(config, data.train.num_clients)
+  sampler = privacy_lib.make_sampler(config, data.train)
+  algorithm = build_algorithm(config, model, data.train.num_clients)
+  init_key, round_key = jax.random.split(jax.random.key(config.seed))
+  params = model.init(init_key, _sample_batch(config, data))
+  examples = evaluation.pool_examples(data.test, config.eval_max_examples)
+  evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size)
+              if examples is not None else None)
+  evaluate = attack_lib.with_success_rate(config, model, data, evaluate)
+  system_model = _system_model(config, data.train.num_clients, params)
+  scheduler = async_scheduler(config, data.train, system_model)
+  if scheduler is not None:  # The system model supplies its durations only.
+    system_model = None
+  _check_sampling(config, plan, sampler, system_model, scheduler)
+  return Experiment(config, data, model, algorithm, params, round_key, evaluate,
+                    systems=system_model, scheduler=scheduler, sampler=sampler,
+                    privacy=plan)
+
+
+def _check_sampling(config: ml_collections.ConfigDict, plan: Any, sampler: Any,
+                    system_model: Any, scheduler: Any) -> None:
+  """One sampler per run: config.sampling (and DP accounting), the system
+  model's availability, or an asynchronous schedule; never two at once."""
+  if plan is None and sampler is None:
+    return
+  if scheduler is not None:
+    raise registry.ConfigError(
+        f'config.algorithm.name={config.algorithm.name!r} is asynchronous: its '
+        'clients come from its schedule, so config.sampling and differential '
+        "privacy's accounting do not apply; leave config.sampling uniform and "
+        'use a synchronous algorithm for a DP run.')
+  if system_model is not None:
+    raise registry.ConfigError(
+        'config.systems chooses clients by availability and drops some, which '
+        'config.sampling and the privacy accountant do not model; use '
+        'config.systems={} for a DP run or a non-DP algorithm with '
+        'config.sampling uniform.')
+
+
+def _system_model(config: ml_collections.ConfigDict, num_clients: int,
+                  params: Any) -> datasets.SystemModel | None:
+  """``config.systems`` as a system model (its model bytes: ``params``'), or None."""
+  try:
+    model = datasets.systems.from_config(
+        config.systems, num_clients, config.seed,
+        model_bytes=sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))
+  except ValueError as e:
+    raise registry.ConfigError(f'config.{e}') from None
+  if model is None:
+    return None
+  if jax.process_count() > 1:
+    raise registry.ConfigError('config.systems is set; the system model runs '
+                               'in single-process runs only.')
+  algo = registry.split_name('algorithm', config.algorithm)[1]
+  if model.deadline.late == 'partial' and (
+      algo.get('local_steps') is not None or algo.get('local_epochs', 1) != 1):
+    raise registry.ConfigError(
+        "config.systems.deadline.late='partial' masks a client's later steps "
+        'in the cohort, so the algorithm must run each cohort step once: '
+        'leave algorithm.local_steps and local_epochs unset and give '
+        'config.local_epochs or config.local_steps instead.')
+  return model
+
+
+def async_scheduler(config: ml_collections.ConfigDict, train: Any,
+                    systems: datasets.SystemModel | None = None
+                    ) -> datasets.AsyncScheduler | None:
+  """The schedule of an asynchronous algorithm (its registry entry's ``asynchronous``).
+
+  ``K = config.cohort_size`` updates per server step; the concurrency ``M``
+  (``config.algorithm.concurrency``, default ``K``) and the duration model
+  (``config.algorithm.client_durations``) come from the algorithm's entry,
+  or the durations from ``config.systems`` (``systems``): a client's
+  communication time plus its local steps (as its cohort would hold them)
+  times its step time. ``train`` is the training population (or, without
+  ``systems``, its number of clients).
+  """
+  name, spec = registry.split_name('algorithm', config.algorithm)
+  if not registry.is_asynchronous(name):
+    return None
+  num_clients = train if isinstance(train, int) else train.num_clients
+  k = config.cohort_size
+  config_schema.check_asynchronous(config, name, spec)
+  if spec.get('buffer_size') not in (None, k):
+    raise registry.ConfigError(
+        f'config.algorithm.buffer_size={spec["buffer_size"]} differs from '
+        f'config.cohort_size={k}; a server step takes cohort_size updates.')
+  if systems is not None and spec.get('client_durations') is not None:
+    raise registry.ConfigError(
+        f'config.algorithm.client_durations and config.systems are both set '
+        f'for {name!r}; give one of them.')
+  try:
+    if systems is not None:
+      duration = _system_durations(config, train, systems)
+    else:
+      duration = datasets.async_schedule.make_durations(
+          spec.get('client_durations'), num_clients, config.seed)
+    return datasets.AsyncScheduler(num_clients, spec.get('concurrency') or k, k,
+                                   duration, seed=config.seed)
+  except ValueError as e:
+    raise registry.ConfigError(f'config.algorithm ({name}): {e}') from None
+
+
+def _system_durations(config: ml_collections.ConfigDict, train: Any,
+                      systems: datasets.SystemModel) -> Callable[[int, float], float]:
+  """``duration(client_id, start_time)`` of ``systems`` for the cohort steps
+  each client gets under ``config``."""
+  def duration(client_id: int, start_time: float) -> float:
+    steps = datasets.cohort_steps(
+        train, [client_id], config.batch_size, num_epochs=config.local_epochs,
+        num_steps=config.local_steps, max_steps=config.max_local_steps,
+        bucket=False)
+    return systems.duration(client_id, start_time, steps)
+  return duration

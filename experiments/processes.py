@@ -1,0 +1,78 @@
+"""The processes and devices of a run: its mesh and its coordinator.
+
+:func:`make_mesh` builds ``config.mesh`` over every process's devices;
+:func:`check_coordinator_port` and :func:`check_devices_per_process` refuse,
+in one line, the set-ups that JAX would otherwise report with a crash or a
+long time-out (a coordinator port in use, processes with unequal devices).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import ml_collections
+
+from fedjx.experiments import registry
+
+
+def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
+  """The device mesh of ``config.mesh``, e.g. ``'clients=-1'`` or ``'clients=4,model=2'``.
+
+  Axis names and sizes over all devices (-1: the devices left over). With a
+  ``clients`` axis, cohorts are sharded over it (each device trains its slice
+  of the clients); ``cohort_size`` must be a multiple of its size.
+  """
+  if not config.mesh:
+    return None
+  from fedjx import distributed  # pylint: disable=g-import-not-at-top
+  check_devices_per_process(config.mesh)
+  axes = {}
+  for item in str(config.mesh).split(','):
+    name, sep, size = item.partition('=')
+    try:
+      axes[name.strip()] = int(size)
+    except ValueError:
+      raise registry.ConfigError(
+          f'config.mesh={config.mesh!r}: write axis sizes as '
+          "'clients=-1' or 'clients=4,model=2'.") from None
+  return distributed.make_mesh(axes)
+
+
+def check_coordinator_port(config: ml_collections.ConfigDict) -> None:
+  """Process 0 of a multi-process run serves the coordinator: refuses a port
+  on this machine that another program holds, before JAX tries to bind it."""
+  import socket  # pylint: disable=g-import-not-at-top
+  from fedjx import distributed  # pylint: disable=g-import-not-at-top
+  address = config.coordinator_address or os.environ.get(distributed.ENV_COORDINATOR, '')
+  pid = config.process_id
+  if pid is None:
+    pid = os.environ.get(distributed.ENV_PROCESS_ID, '0')
+  host, _, port = address.rpartition(':')
+  if str(pid) != '0' or not port.isdigit() or host not in (
+      'localhost', '127.0.0.1', '0.0.0.0', '[::]', socket.gethostname()):
+    return
+  with socket.socket() as s:
+    try:
+      s.bind(('' if host in ('0.0.0.0', '[::]') else host, int(port)))
+    except OSError as e:
+      raise registry.ConfigError(
+          f'the coordinator address {address!r} (config.coordinator_address or '
+          f'{distributed.ENV_COORDINATOR}) cannot be served by process 0: port '
+          f'{port} is in use on this machine ({e.strerror}); choose a free '
+          'port.') from None
+
+
+def check_devices_per_process(mesh: str) -> None:
+  """A mesh spans every process's devices alike: refuses processes whose
+  device counts differ, naming each process's count."""
+  counts: dict[int, int] = {}
+  for device in jax.devices():
+    counts[device.process_index] = counts.get(device.process_index, 0) + 1
+  if len(set(counts.values())) > 1:
+    each = ', '.join(f'process {p} has {n}' for p, n in sorted(counts.items()))
+    raise registry.ConfigError(
+        f'config.mesh={mesh!r} spans {sum(counts.values())} devices of '
+        f'{len(counts)} processes whose device counts differ ({each}); start '
+        'every process with the same number of devices (e.g. the same '
+        '--xla_force_host_platform_device_count, or as many GPUs each).')

@@ -1,0 +1,167 @@
+"""A sweep's plan: its trials, and which swept fields share one compiled program.
+
+A field is *traced* when changing it leaves the lowered round (StableHLO)
+unchanged and only changes the initial state (:func:`classify`); trials
+that differ only in traced fields and the seed form one :class:`Group`,
+trained together as ``[seeds, settings]`` (:mod:`fedjx.experiments.sweep`).
+Every other field is *structural*: each structural setting is its own group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from fedjx.experiments import config as config_schema
+from fedjx.experiments import experiment as experiment_lib
+from fedjx.experiments import sweep_spec
+
+SweepError = sweep_spec.SweepError
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+  """One (setting, seed) pair of a sweep."""
+
+  name: str
+  setting: dict[str, Any]
+  seed: int
+
+
+@dataclasses.dataclass
+class Group:
+  """Trials that share one compiled program: ``[seeds, settings]``."""
+
+  index: int
+  settings: list[dict[str, Any]]
+  seeds: tuple[int, ...]
+  trials: list[list[Trial]]  # [seed][setting]
+
+  @property
+  def name(self) -> str:
+    return f'group_{self.index:03d}'
+
+def trial_config(config: Any, setting: Mapping[str, Any],
+                 seed: int) -> ml_collections.ConfigDict:
+  """``config`` with the setting's fields and the seed set (defaults filled)."""
+  tree = (config.to_dict() if hasattr(config, 'to_dict') else
+          json.loads(json.dumps(dict(config))))
+  for path, value in setting.items():
+    sweep_spec.set_path(tree, path, value)
+  tree['seed'] = seed
+  return config_schema.validate(ml_collections.ConfigDict(tree))
+
+
+def trial_algorithm(config: ml_collections.ConfigDict, exp: experiment_lib.Experiment) -> Any:
+  """The algorithm of ``config`` built for ``exp``'s model and data, as ``experiment.build`` does."""
+  return experiment_lib.build_algorithm(config, exp.model, exp.data.train.num_clients)
+
+
+def _lowered_round(algorithm: Any, exp: experiment_lib.Experiment) -> str:
+  state = algorithm.init(exp.init_params)
+  cohorts = exp.cohorts(0, 1)
+  try:
+    cohort = next(cohorts)
+  finally:
+    cohorts.close()
+  key = exp.round_key_for(0)
+  return jax.jit(algorithm.apply).lower(state, cohort, key).as_text()
+
+
+def _same_state_layout(a: Any, b: Any) -> bool:
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  return ta == tb and all(
+      jnp.shape(x) == jnp.shape(y) and jnp.result_type(x) == jnp.result_type(y)
+      for x, y in zip(la, lb))
+
+
+def classify(config: Any, axes_values: Mapping[str, Sequence[Any]],
+             seed: int = 0) -> tuple[list[str], list[str]]:
+  """Splits swept fields into traced (vectorizable) and structural ones.
+
+  A field under ``algorithm.`` is traced when the rounds built with its first
+  and last value lower to the same StableHLO and their initial states have
+  the same layout: the value then lives only in the state, and one program
+  serves every value. Any other field is structural.
+  """
+  traced, structural = [], []
+  base: dict[str, Any] = {p: v[0] for p, v in axes_values.items()}
+  exp = None
+  for path, values in axes_values.items():
+    if len(values) < 2 or not path.startswith('algorithm.'):
+      (traced if len(values) < 2 else structural).append(path)
+      continue
+    if exp is None:
+      exp = experiment_lib.build(trial_config(config, base, seed))
+    algos = [trial_algorithm(trial_config(config, {**base, path: v}, seed), exp)
+             for v in (values[0], values[-1])]
+    states = [a.init(exp.init_params) for a in algos]
+    same = _same_state_layout(*states) and (
+        _lowered_round(algos[0], exp) == _lowered_round(algos[1], exp))
+    (traced if same else structural).append(path)
+  return traced, structural
+
+
+def plan(config: Any, settings: Sequence[Mapping[str, Any]],
+         seeds: Sequence[int], settings_per_program: int | None = None
+         ) -> tuple[list[Group], list[str], list[str]]:
+  """Groups the trials by their structural fields.
+
+  Settings that share their structural fields form one group, split into
+  groups of at most ``settings_per_program`` settings when that is given
+  (each group a compiled program over ``[seeds, settings]``).
+
+  Returns ``(groups, traced_fields, structural_fields)``.
+  """
+  if settings_per_program is not None and (
+      isinstance(settings_per_program, bool) or
+      not isinstance(settings_per_program, int) or settings_per_program < 1):
+    raise SweepError(f'settings_per_program={settings_per_program!r} must be a '
+                     'positive int or None (all settings of a group at once).')
+  paths = list(settings[0]) if settings else []
+  values = {p: list(dict.fromkeys(
+      (json.dumps(s[p], sort_keys=True) for s in settings))) for p in paths}
+  values = {p: [json.loads(v) for v in vs] for p, vs in values.items()}
+  for s in settings:
+    for seed in seeds:
+      trial_config(config, s, seed)  # Every trial's config is valid.
+  traced, structural = classify(config, values, seeds[0])
+  names = sweep_spec.short_names(paths)
+  keyed: dict[str, list[dict[str, Any]]] = {}
+  for s in settings:
+    key = json.dumps({p: s[p] for p in structural}, sort_keys=True)
+    keyed.setdefault(key, []).append(dict(s))
+  chunks = []
+  for group_settings in keyed.values():
+    k = settings_per_program or len(group_settings)
+    chunks += [group_settings[i:i + k] for i in range(0, len(group_settings), k)]
+  groups = []
+  for i, group_settings in enumerate(chunks):
+    trials = [[Trial(sweep_spec.trial_name(s, seed, names), s, seed)
+               for s in group_settings] for seed in seeds]
+    groups.append(Group(i, group_settings, tuple(seeds), trials))
+  return groups, traced, structural
+
+def check_trials(config: Any, settings: Sequence[Mapping[str, Any]],
+                 seeds: Sequence[int]) -> None:
+  """Raises a one-line SweepError naming the first setting whose trial config
+  is not valid (``config_schema.validate``: names, options, types, ranges),
+  without loading data or writing anything."""
+  names = sweep_spec.short_names(list(settings[0]) if settings else [])
+  for setting in settings:
+    for seed in seeds:
+      try:
+        trial_config(config, setting, seed)
+      except (ValueError, TypeError) as e:
+        shown = ', '.join(f'{names.get(p, p)}={sweep_spec.format_value(v)}'
+                          for p, v in setting.items()) or 'the base config'
+        text = ' '.join(str(e).split())
+        raise SweepError(f'the setting {shown} (seed {seed}) is not a valid '
+                         f'config: {text} Nothing was written; correct the '
+                         'sweep and run it again.') from None

@@ -1,0 +1,187 @@
+"""A sweep group's round: every trial ``[seeds, settings]`` in one compiled call.
+
+    states[s, h] <- round(states[s, h], cohort_s(r), key_s(r))  for all s, h
+
+as ``vmap(vmap(round))`` (:func:`make_sweep_round`), with the cohorts of
+every seed's run stacked (:func:`stacked_cohort`) and the trials spread over
+the local devices (:func:`trial_sharding`). A trial that its run would stop
+after a round (:func:`fedjx.experiments.guarded_rounds.must_stop`) keeps its
+state from then on and is no longer alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fedjx import datasets
+from fedjx.experiments import experiment as experiment_lib
+from fedjx.experiments import guarded_rounds
+from fedjx.experiments import sweep_plan
+from fedjx.experiments import sweep_spec
+
+SweepError = sweep_spec.SweepError
+
+
+def _stack(trees: Sequence[Any]) -> Any:
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _is_key(x: Any) -> bool:
+  return isinstance(x, jax.Array) and jax.dtypes.issubdtype(
+      x.dtype, jax.dtypes.prng_key)
+
+
+def _select(keep: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where ``keep[s, h]``, else ``old`` (leaves ``[S, H, ...]``)."""
+  def one(n, o):
+    if _is_key(n):
+      impl = jax.random.key_impl(n)
+      return jax.random.wrap_key_data(
+          one(jax.random.key_data(n), jax.random.key_data(o)), impl=impl)
+    k = keep.reshape(keep.shape + (1,) * (jnp.ndim(n) - keep.ndim))
+    return jnp.where(k, n, o)
+  return jax.tree.map(one, new, old)
+
+
+def _finite(params: Any, batch_dims: int = 2) -> jax.Array:
+  """Per trial: every parameter finite (``[S, H]`` booleans)."""
+  leaves = [x for x in jax.tree.leaves(params)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  out = None
+  for x in leaves:
+    f = jnp.all(jnp.isfinite(x).reshape(x.shape[:batch_dims] + (-1,)), axis=-1)
+    out = f if out is None else out & f
+  return out
+
+
+def make_sweep_round(algorithm: Any, policy: str = 'skip'
+                     ) -> Callable[..., tuple[Any, dict[str, jax.Array], jax.Array]]:
+  """``sweep_round(states, cohorts, keys, alive) -> (states, metrics, alive)``.
+
+  ``states`` leaves are ``[S, H, ...]`` (seeds, settings), ``cohorts`` leaves
+  ``[S, ...]`` (a cohort per seed, shared by its settings), ``keys`` ``[S]``
+  and ``alive`` ``[S, H]``. A trial that is not alive, or that its run
+  would stop after this round (:func:`guarded_rounds.must_stop`, with the
+  run's ``config.nonfinite`` as ``policy``: its new server model or round
+  metrics are not finite, every client of its round was non-finite, or, with
+  ``policy='stop'``, some was), keeps its state and is no longer alive. Jit-compiled,
+  donating ``states``.
+  """
+  def per_seed(states_h, cohort, key):
+    return jax.vmap(algorithm.apply, in_axes=(0, None, None))(states_h, cohort, key)
+
+  def sweep_round(states, cohorts, keys, alive):
+    new, metrics = jax.vmap(per_seed)(states, cohorts, keys)
+    # The run's rule, trial by trial: its server model and round metrics
+    # (e.g. an infinite training loss) are checked unless config.nonfinite='off'.
+    finite = _finite(new.params)
+    for value in metrics.values():
+      if jnp.issubdtype(value.dtype, jnp.inexact) and value.ndim == 2:
+        finite = finite & jnp.isfinite(value)
+    finite = finite | (policy == 'off')
+    bad = metrics.get('nonfinite_clients', jnp.zeros_like(finite, jnp.float32))
+    stop = guarded_rounds.must_stop(finite, bad, metrics.get('clients', bad), policy)
+    keep = alive & jnp.logical_not(stop)
+    return _select(keep, new, states), metrics, keep
+
+  return jax.jit(sweep_round, donate_argnums=0)
+
+
+def stacked_cohort(exps: Sequence[experiment_lib.Experiment], config: ml_collections.ConfigDict,
+                    round_num: int) -> datasets.Cohort:
+  """The cohorts of every seed's run for ``round_num``, padded to one step count."""
+  c = config
+  samplers = [e.sampler if e.sampler is not None else
+              datasets.CohortSampler(e.data.train, c.cohort_size, e.config.seed)
+              for e in exps]
+  ids = [datasets.padded_ids(s.sample(round_num), s.cohort_size)
+         for s in samplers]
+  steps = max(datasets.cohort_steps(
+      e.data.train, i, c.batch_size, num_epochs=c.local_epochs,
+      num_steps=c.local_steps, max_steps=c.max_local_steps, bucket=c.bucket_steps)
+              for e, i in zip(exps, ids))
+  cohorts = [datasets.make_cohort(
+      e.data.train, i, c.batch_size, num_epochs=c.local_epochs,
+      num_steps=c.local_steps, max_steps=c.max_local_steps,
+      shuffle_seed=s.seed, round_num=round_num, bucket=c.bucket_steps,
+      steps=steps, pad_to=len(i)) for e, i, s in zip(exps, ids, samplers)]
+  return jax.tree.map(lambda *xs: np.stack(xs), *cohorts)
+
+
+def trial_sharding(shape: tuple[int, int]) -> jax.sharding.NamedSharding | None:
+  """Trials spread over the local devices: on the settings axis, else the seeds axis."""
+  devices = jax.local_devices()
+  n = len(devices)
+  if n < 2 or jax.process_count() > 1:
+    return None
+  mesh = jax.sharding.Mesh(np.array(devices), ('trials',))
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  if shape[1] % n == 0:
+    return jax.sharding.NamedSharding(mesh, P(None, 'trials'))
+  if shape[0] % n == 0:
+    return jax.sharding.NamedSharding(mesh, P('trials'))
+  return None
+
+
+def place(tree: Any, sharding: jax.sharding.NamedSharding | None) -> Any:
+  if sharding is None:
+    return tree
+  def one(x):
+    if _is_key(x):
+      return jax.random.wrap_key_data(one(jax.random.key_data(x)),
+                                      impl=jax.random.key_impl(x))
+    return jax.device_put(x, sharding)
+  return jax.tree.map(one, tree)
+
+
+def per_trial_scalars(metrics: Mapping[str, Any], s: int, h: int) -> dict[str, float]:
+  return {k: float(np.asarray(v)[s, h]) for k, v in metrics.items()
+          if np.asarray(v).ndim == 2}
+
+
+def check_memory(step_fn: Any, group: sweep_plan.Group, args: tuple[Any, ...]) -> None:
+  """Refuses a group whose compiled round would not fit the device's memory.
+
+  Only where the backend reports a memory limit (GPUs, TPUs); XLA's memory
+  plan of the compiled round (arguments, outputs and temporaries, less
+  donated buffers) must fit in 90% of it.
+  """
+  stats = jax.local_devices()[0].memory_stats() or {}
+  limit = stats.get('bytes_limit')
+  if not limit:
+    return
+  m = step_fn.lower(*args).compile().memory_analysis()
+  if m is None:
+    return
+  need = (m.argument_size_in_bytes + m.output_size_in_bytes +
+          m.temp_size_in_bytes - m.alias_size_in_bytes)
+  if need > 0.9 * limit:
+    per_setting = need / len(group.settings)
+    k = max(1, int(0.9 * limit // per_setting))
+    raise SweepError(
+        f'{group.name}: {len(group.seeds)} seeds x {len(group.settings)} settings '
+        f'need {need / 2**30:.1f} GiB of the device\'s {limit / 2**30:.1f} GiB; '
+        f'rerun in a new workdir with --settings_per_program={k} (or fewer seeds).')
+
+
+def group_states(config: Any, group: sweep_plan.Group
+                 ) -> tuple[list[experiment_lib.Experiment], Any, Any,
+                            list[list[ml_collections.ConfigDict]]]:
+  """Each seed's experiment, the group's algorithm, the ``[S, H]`` initial
+  states and the trials' configs ``[seed][setting]``."""
+  seeds, settings = group.seeds, group.settings
+  configs = [[sweep_plan.trial_config(config, h, s) for h in settings] for s in seeds]
+  exps = [experiment_lib.build(configs[i][0]) for i in range(len(seeds))]
+  states = []
+  for i, exp in enumerate(exps):
+    row = [exp.algorithm.init(exp.init_params)]
+    row += [sweep_plan.trial_algorithm(configs[i][j], exp).init(exp.init_params)
+            for j in range(1, len(settings))]
+    states.append(_stack(row))
+  return exps, exps[0].algorithm, _stack(states), configs
