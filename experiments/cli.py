@@ -348,88 +348,121 @@ def split_overrides(argv: Sequence[str], notes: list[str] | None = None
   spec = _config_spec(argv)
   if spec is None:
     return list(argv), []
-  config = load_config_file(spec)
-  overrides = []  # (arg, parts, text or None)
-  for arg in argv:
-    match = _OVERRIDE.match(arg)
-    if match:
-      overrides.append((arg, tuple(match.group(1).split('.')),
-                        _value(arg) if '=' in arg else None))
-
-  # Optimizer specs renamed on the command line: ('algorithm', slot) -> name.
-  renamed: dict[tuple[str, ...], str] = {}
-  for arg, parts, text in overrides:
-    if (len(parts) == 3 and parts[0] == 'algorithm' and parts[2] == 'name'
-        and parts[1].endswith('optimizer') and text is not None
-        and _has_path(config, parts)
-        and text.strip('\'"') != _get(config, parts)):
-      renamed[parts[:2]] = text.strip('\'"')
-
-  named = {}  # Overrides of existing fields, as text, for the names below.
-  pending = []
-  for arg, parts, text in overrides:
-    if parts[:2] in renamed:
-      pending.append((arg, parts))
-    elif _has_path(config, parts) and _field_type(config, parts) is not type(None):
-      if text is not None:
-        named[parts] = text
-    else:
-      pending.append((arg, parts))
-  if not pending:
+  overrides = _Overrides(load_config_file(spec), argv)
+  if not overrides.pending:
     return list(argv), []
-  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
-  builders = ('algorithm', 'dataset', 'model')
-  for arg, parts in pending:  # Found without the registries (and JAX).
-    if parts[0] not in builders and (
-        _none_ancestor(config, parts) is None or '=' not in arg):
-      raise _unknown_field(arg, config, parts)
+  overrides.check_fields()
+  extras = overrides.resolve(notes)
+  dropped = {arg for arg, _ in overrides.pending}
+  return [a for a in argv if a not in dropped], extras
 
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
 
-  def name_of(parts: tuple[str, ...], text_overrides: Mapping[Any, str]) -> Any:
+class _Overrides:
+  """The ``--config.`` overrides of a command line, read against the config file.
+
+  ``pending`` are those :func:`split_overrides` applies itself (the rest are
+  left to ``ml_collections``); ``renamed`` the optimizer specs whose name
+  changes, ``(\'algorithm\', slot) -> name``.
+  """
+
+  def __init__(self, config: Any, argv: Sequence[str]):
+    self.config = config
+    parsed = []  # (arg, parts, text or None)
+    for arg in argv:
+      match = _OVERRIDE.match(arg)
+      if match:
+        parsed.append((arg, tuple(match.group(1).split('.')),
+                       _value(arg) if '=' in arg else None))
+    self.renamed: dict[tuple[str, ...], str] = {}
+    for arg, parts, text in parsed:
+      if (len(parts) == 3 and parts[0] == 'algorithm' and parts[2] == 'name'
+          and parts[1].endswith('optimizer') and text is not None
+          and _has_path(config, parts)
+          and text.strip('\'"') != _get(config, parts)):
+        self.renamed[parts[:2]] = text.strip('\'"')
+    self.named: dict[tuple[str, ...], str] = {}  # Existing fields, as text.
+    self.pending: list[tuple[str, tuple[str, ...]]] = []
+    for arg, parts, text in parsed:
+      if parts[:2] in self.renamed:
+        self.pending.append((arg, parts))
+      elif _has_path(config, parts) and _field_type(config, parts) is not type(None):
+        if text is not None:
+          self.named[parts] = text
+      else:
+        self.pending.append((arg, parts))
+    self.new_names = {p[:-1] + ('name',): _value(a).strip('\'"')
+                      for a, p in self.pending
+                      if len(p) == 3 and p[0] == 'algorithm' and p[2] == 'name'
+                      and '=' in a}
+    self.given: dict[tuple[str, ...], dict[str, Any]] = {}  # Optimizer options set.
+
+  def check_fields(self) -> None:
+    """Refuses unknown fields outside the builders, before the registries
+    (and JAX) are imported."""
+    for arg, parts in self.pending:
+      if parts[0] not in _BUILDERS and (
+          _none_ancestor(self.config, parts) is None or '=' not in arg):
+        raise _unknown_field(arg, self.config, parts)
+
+  def name_of(self, parts: tuple[str, ...]) -> Any:
+    """The name the config (or an override of it) gives the spec at ``parts``."""
     key = parts + ('name',)
-    if key in text_overrides:
-      return text_overrides[key].strip('\'"')
-    return _get(config, key) if _has_path(config, key) else None
+    if key in self.named:
+      return self.named[key].strip('\'"')
+    return _get(self.config, key) if _has_path(self.config, key) else None
 
-  extras: list[tuple[tuple[str, ...], Any]] = []
-  new_names = {p[:-1] + ('name',): _value(a).strip('\'"') for a, p in pending
-               if len(p) == 3 and p[0] == 'algorithm' and p[2] == 'name'
-               and '=' in a}
-  tables = {'algorithm': registry.ALGORITHMS, 'dataset': registry.DATASETS,
-            'model': registry.MODELS}
-  given: dict[tuple[str, ...], dict[str, Any]] = {}  # Optimizer options set.
-  for arg, parts, in pending:
-    kind = parts[0]
-    where = f'--config.{".".join(parts)}'
-    builder = name_of((kind,), named) if kind in tables else None
-    is_option = (builder in tables.get(kind, {}) and '=' in arg and (
-        len(parts) == 2 or (len(parts) == 3 and kind == 'algorithm')))
-    if not is_option:
-      depth = _none_ancestor(config, parts)
-      if depth is None or '=' not in arg:
-        raise _unknown_field(arg, config, parts)
+  def resolve(self, notes: list[str] | None) -> list[tuple[tuple[str, ...], Any]]:
+    """Every pending override as ``(parts, value)``, parsed by its type."""
+    from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+    tables = {'algorithm': registry.ALGORITHMS, 'dataset': registry.DATASETS,
+              'model': registry.MODELS}
+    extras = []
+    for arg, parts in self.pending:
+      kind = parts[0]
+      builder = self.name_of((kind,)) if kind in tables else None
+      is_option = (builder in tables.get(kind, {}) and '=' in arg and (
+          len(parts) == 2 or (len(parts) == 3 and kind == 'algorithm')))
+      if not is_option:
+        extras.append(self._none_field(arg, parts))
+      elif len(parts) == 2:
+        extras.append(self._builder_option(arg, parts, builder, registry))
+      else:
+        extras += self._optimizer_option(arg, parts, builder, registry)
+    return extras + self._replaced_specs(notes, registry)
+
+  def _none_field(self, arg: str, parts: tuple[str, ...],
+                  kind_of: type | None = None, typed: bool = True) -> Any:
+    """A field inside one that holds None, parsed by its declared type."""
+    if _none_ancestor(self.config, parts) is None or '=' not in arg:
+      raise _unknown_field(arg, self.config, parts)
+    if typed:
+      from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
       kind_of = config_schema.OPTIONAL_TYPES.get('.'.join(parts))
-      extras.append((parts, parse_value(_value(arg), _typed(kind_of), where)))
-      continue
+    return parts, parse_value(_value(arg), _typed(kind_of),
+                              f'--config.{".".join(parts)}')
+
+  def _builder_option(self, arg: str, parts: tuple[str, ...], builder: str,
+                      registry: Any) -> Any:
+    kind, option = parts
     options = registry.builder_options(builder, kind)
-    if len(parts) == 2:
-      if parts[1] not in options:
-        raise UsageError(
-            f'{kind} {builder!r} has no option {parts[1]!r} (in {arg}).'
-            f'{registry._suggest(parts[1], options)} Valid options: '  # pylint: disable=protected-access
-            f'{sorted(options)}.')
-      extras.append((parts, parse_value(_value(arg), options[parts[1]], where)))
-      continue
+    if option not in options:
+      raise UsageError(
+          f'{kind} {builder!r} has no option {option!r} (in {arg}).'
+          f'{registry._suggest(option, options)} Valid options: '  # pylint: disable=protected-access
+          f'{sorted(options)}.')
+    return parts, parse_value(_value(arg), options[option],
+                              f'--config.{".".join(parts)}')
+
+  def _optimizer_option(self, arg: str, parts: tuple[str, ...], builder: str,
+                        registry: Any) -> list[Any]:
+    """``--config.algorithm.<slot>.<option>``: an option of its optax optimizer."""
     slot, option = parts[1], parts[2]
-    if not slot.endswith('optimizer') or slot not in options:
-      depth = _none_ancestor(config, parts)
-      if depth is None:
-        raise _unknown_field(arg, config, parts)
-      extras.append((parts, parse_value(_value(arg), _typed(None), where)))
-      continue
-    opt_name = renamed.get(parts[:2]) or new_names.get(
-        ('algorithm', slot, 'name')) or name_of(('algorithm', slot), named)
+    where = f'--config.{".".join(parts)}'
+    if not slot.endswith('optimizer') or slot not in registry.builder_options(
+        builder, 'algorithm'):
+      return [self._none_field(arg, parts, typed=False)]
+    opt_name = self.renamed.get(parts[:2]) or self.new_names.get(
+        ('algorithm', slot, 'name')) or self.name_of(('algorithm', slot))
     if opt_name is None:
       raise UsageError(
           f'{where}: config.algorithm.{slot} is not set in the config file; name '
@@ -437,44 +470,51 @@ def split_overrides(argv: Sequence[str], notes: list[str] | None = None
           f'--config.algorithm.{slot}.learning_rate=1.0.')
     fn = registry.lookup(f'algorithm.{slot} (optax optimizer)',
                          registry.OPTIMIZERS, opt_name)
+    kept = parts[:2] not in self.renamed  # Else the whole spec is replaced.
     if option == 'name':
-      if parts[:2] not in renamed:
-        extras.append((parts, opt_name))
-      given.setdefault(parts[:2], {})
-      continue
-    params = {p.name: p for p in inspect.signature(fn).parameters.values()
-              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+      self.given.setdefault(parts[:2], {})
+      return [(parts, opt_name)] if kept else []
+    params = _keyword_parameters(fn)
     if option not in params:
       raise UsageError(
           f'optax optimizer {opt_name!r} (config.algorithm.{slot}) has no option '
           f'{option!r} (in {arg}).{registry._suggest(option, params)} Valid '  # pylint: disable=protected-access
           f'options: {sorted(params)}.')
     value = parse_value(_value(arg), params[option], where)
-    given.setdefault(parts[:2], {})[option] = value
-    if parts[:2] not in renamed:
-      extras.append((parts, value))
-  for path, opt_name in renamed.items():
-    fn = registry.OPTIMIZERS[opt_name]
-    options = given.get(path, {})
-    old = registry.split_name(f'config.{".".join(path)}', _get(config, path))
-    missing = [p.name for p in inspect.signature(fn).parameters.values()
-               if p.default is inspect.Parameter.empty and p.name not in options
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    flag = f'--config.{".".join(path)}'
-    if missing:
-      raise UsageError(
-          f'{flag}.name={opt_name} replaces the file\'s '
-          f'{_spec_text(*old)}, whose options are dropped; {opt_name} needs '
-          + ', '.join(missing) + ': give ' +
-          ' '.join(f'{flag}.{m}=VALUE' for m in missing) + '.')
-    extras.append((path, {'name': opt_name, **options}))
-    if notes is not None:
-      notes.append(
-          f'config.{".".join(path)} is {_spec_text(opt_name, options)} '
-          f'({opt_name}\'s defaults for the rest); it replaces the file\'s '
-          f'{_spec_text(*old)}, whose options were dropped.')
-  dropped = {arg for arg, _ in pending}
-  return [a for a in argv if a not in dropped], extras
+    self.given.setdefault(parts[:2], {})[option] = value
+    return [(parts, value)] if kept else []
+
+  def _replaced_specs(self, notes: list[str] | None, registry: Any) -> list[Any]:
+    """The renamed optimizer specs, with only their options from the command line."""
+    extras = []
+    for path, opt_name in self.renamed.items():
+      fn = registry.OPTIMIZERS[opt_name]
+      options = self.given.get(path, {})
+      old = registry.split_name(f'config.{".".join(path)}', _get(self.config, path))
+      missing = [name for name, p in _keyword_parameters(fn).items()
+                 if p.default is inspect.Parameter.empty and name not in options]
+      flag = f'--config.{".".join(path)}'
+      if missing:
+        raise UsageError(
+            f'{flag}.name={opt_name} replaces the file\'s '
+            f'{_spec_text(*old)}, whose options are dropped; {opt_name} needs '
+            + ', '.join(missing) + ': give ' +
+            ' '.join(f'{flag}.{m}=VALUE' for m in missing) + '.')
+      extras.append((path, {'name': opt_name, **options}))
+      if notes is not None:
+        notes.append(
+            f'config.{".".join(path)} is {_spec_text(opt_name, options)} '
+            f'({opt_name}\'s defaults for the rest); it replaces the file\'s '
+            f'{_spec_text(*old)}, whose options were dropped.')
+    return extras
+
+
+_BUILDERS = ('algorithm', 'dataset', 'model')
+
+
+def _keyword_parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+  return {p.name: p for p in inspect.signature(fn).parameters.values()
+          if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def apply_overrides(config: Any, extras: Sequence[tuple[tuple[str, ...], Any]]) -> Any:
