@@ -77,7 +77,7 @@ DEFAULTS: dict[str, Any] = {
     # SAMPLING_OPTIONS, PRIVACY_DEFAULTS and docs/privacy.md.
     'sampling': {'name': 'uniform'},
     'privacy': {'delta': None, 'accountant': 'rdp', 'target_epsilon': None,
-                'audit': None},
+                'audit': None},  # PRIVACY_DEFAULTS
     # Unreliable clients on a simulated clock (fedjx.datasets.systems): {}
     # (perfect clients) or a dict of availability/dropout/speed/deadline.
     'systems': {},
@@ -115,8 +115,7 @@ SAMPLING_OPTIONS = {'uniform': (), 'poisson': ('rate', 'max_cohort_size'),
 # budget target_epsilon at which the run stops (None: no budget) and an
 # empirical audit from canary clients (None, or a dict of AUDIT_DEFAULTS;
 # fedjx.algorithms.privacy_audit, docs/privacy.md).
-PRIVACY_DEFAULTS = {'delta': None, 'accountant': 'rdp', 'target_epsilon': None,
-                    'audit': None}
+PRIVACY_DEFAULTS = dict(DEFAULTS['privacy'])
 # config.privacy.audit: canaries (how many canary clients, required), seed
 # (of their directions and signs; None: config.seed), confidence (of the
 # estimate's interval and of the one-run bound) and resamples (bootstrap
@@ -211,18 +210,31 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   return config
 
 
+def _section(path: str, value: Any, defaults: Mapping[str, Any], *,
+             none_ok: bool = False) -> dict[str, Any] | None:
+  """``config.<path>``, a dict of options, with ``defaults`` filled in.
+
+  Refuses what is not a dict (None too, unless ``none_ok``: then None is
+  returned) and any key ``defaults`` does not have, naming the valid keys.
+  """
+  value = _as_dict(value)
+  if value is None and none_ok:
+    return None
+  if not isinstance(value, Mapping):
+    allowed = 'None or a dict' if none_ok else 'a dict'
+    raise ConfigError(f'config.{path}={value!r}; it must be {allowed} with '
+                      f'keys {sorted(defaults)}.')
+  for key in value:
+    if key not in defaults:
+      raise ConfigError(f'config.{path}[{key!r}] is unknown.'
+                        f'{suggest(key, defaults)} Valid keys: '
+                        f'{sorted(defaults)}.')
+  return dict(defaults, **value)
+
+
 def _check_attack(config: ml_collections.ConfigDict) -> None:
   """Checks ``config.attack`` (name, fraction, options) and fills its defaults."""
-  attack = _as_dict(config.attack)
-  if not isinstance(attack, Mapping):
-    raise ConfigError(f'config.attack={attack!r}; it must be a dict with keys '
-                      f'{sorted(ATTACK_DEFAULTS)}.')
-  for key in attack:
-    if key not in ATTACK_DEFAULTS:
-      raise ConfigError(f'config.attack[{key!r}] is unknown.'
-                        f'{suggest(key, ATTACK_DEFAULTS)} Valid keys: '
-                        f'{sorted(ATTACK_DEFAULTS)}.')
-  attack = dict(ATTACK_DEFAULTS, **attack)
+  attack = _section('attack', config.attack, ATTACK_DEFAULTS)
   name, fraction = attack['name'], attack['fraction']
   if name not in ('',) + tuple(ATTACK_OPTIONS):
     raise ConfigError(f'config.attack.name={name!r} is not one of '
@@ -294,17 +306,9 @@ def _check_sampling_and_privacy(config: ml_collections.ConfigDict) -> None:
                              not isinstance(bucket, int) or bucket < 1):
     raise ConfigError(f"config.sampling['max_cohort_size']={bucket!r}; it must "
                       'be an int >= 1 or None (q N + 6 standard deviations).')
-  privacy = _as_dict(config.privacy)
-  if not isinstance(privacy, Mapping):
-    raise ConfigError(f'config.privacy={privacy!r}; it must be a dict with '
-                      f'keys {sorted(PRIVACY_DEFAULTS)}.')
-  for key in privacy.keys():
-    if key not in PRIVACY_DEFAULTS:
-      raise ConfigError(f'config.privacy[{key!r}] is unknown.'
-                        f'{suggest(key, PRIVACY_DEFAULTS)} Valid keys: '
-                        f'{sorted(PRIVACY_DEFAULTS)}.')
+  privacy = _section('privacy', config.privacy, PRIVACY_DEFAULTS)
   with config.unlocked():
-    config.privacy = dict(PRIVACY_DEFAULTS, **privacy)
+    config.privacy = privacy
   delta, target = config.privacy.delta, config.privacy.target_epsilon
   if delta is not None and not (_number(delta) and 0 < delta < 1):
     raise ConfigError(f'config.privacy.delta={delta!r}; it must be a number in '
@@ -324,18 +328,10 @@ def _int(value: Any) -> bool:
 
 def _check_audit(config: ml_collections.ConfigDict) -> None:
   """Checks ``config.privacy.audit`` and fills its defaults."""
-  audit = _as_dict(config.privacy.audit)
+  audit = _section('privacy.audit', config.privacy.audit, AUDIT_DEFAULTS,
+                   none_ok=True)
   if audit is None:
     return
-  if not isinstance(audit, Mapping):
-    raise ConfigError(f'config.privacy.audit={audit!r}; it must be None or a '
-                      f'dict with keys {sorted(AUDIT_DEFAULTS)}.')
-  for key in audit:
-    if key not in AUDIT_DEFAULTS:
-      raise ConfigError(f'config.privacy.audit[{key!r}] is unknown.'
-                        f'{suggest(key, AUDIT_DEFAULTS)} Valid keys: '
-                        f'{sorted(AUDIT_DEFAULTS)}.')
-  audit = dict(AUDIT_DEFAULTS, **audit)
   if not (_int(audit['canaries']) and audit['canaries'] >= 2):
     raise ConfigError(f"config.privacy.audit['canaries']={audit['canaries']!r}; "
                       'it must be an int >= 2 (the number of canary clients, '
@@ -382,7 +378,7 @@ def validate(config: Any) -> ml_collections.ConfigDict:
   _check_systems(config.systems)
   for key, value in kwargs.items():
     if key.endswith('optimizer') and isinstance(value, Mapping):
-      registry.build_optimizer(value, where=f'algorithm.{key}')
+      registry.check_optimizer(value, where=f'algorithm.{key}')
   return config
 
 

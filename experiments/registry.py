@@ -252,12 +252,14 @@ OPTIMIZERS.update({
 })
 
 
-def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransformation:
-  """An optax optimizer from ``{'name': 'sgd', 'learning_rate': 0.1, ...}``.
+def check_optimizer(spec: Any, where: str = 'optimizer'
+                    ) -> tuple[Callable[..., Any], dict[str, Any]]:
+  """The optax constructor an optimizer spec names and its checked options.
 
-  Numeric hyperparameters are injected (``optax.inject_hyperparams``), so they
-  live in the optimizer state as arrays: algorithms can read and change them
-  without recompiling. Booleans and strings (e.g. ``nesterov=True``) are static.
+  Checks what :func:`build_optimizer` needs (the name, the option names and
+  types, the required options) without building anything, so that
+  :func:`fedjx.experiments.config.validate` checks a spec that the builder
+  then builds once.
   """
   name, kwargs = split_name(where, spec)
   fn = lookup(f'{where} (optax optimizer)', OPTIMIZERS, name)
@@ -270,6 +272,17 @@ def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransf
   if missing:
     raise ConfigError(f'config.{where}: optax optimizer {name!r} needs '
                       f'{", ".join(missing)}; set config.{where}.{missing[0]}.')
+  return fn, kwargs
+
+
+def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransformation:
+  """An optax optimizer from ``{'name': 'sgd', 'learning_rate': 0.1, ...}``.
+
+  Numeric hyperparameters are injected (``optax.inject_hyperparams``), so they
+  live in the optimizer state as arrays: algorithms can read and change them
+  without recompiling. Booleans and strings (e.g. ``nesterov=True``) are static.
+  """
+  fn, kwargs = check_optimizer(spec, where)
   static = tuple(k for k, v in kwargs.items()
                  if v is None or isinstance(v, (bool, str, tuple)))
   return optax.inject_hyperparams(fn, static_args=static)(**kwargs)
