@@ -225,3 +225,33 @@ def test_a_streamed_run_refuses_a_stacked_defense(tmp_path):
   with pytest.raises(streaming.NotStreamableError,
                      match="aggregator 'trimmed_mean' needs every client update"):
     runner.run(config, str(tmp_path))
+
+
+# ------------------------------------------------------------ hypergradients
+
+@pytest.mark.slow
+@pytest.mark.parametrize('defense', ['norm_bounding', 'median', 'krum', 'geometric_median',
+                                     'centered_clipping', 'bulyan'])
+def test_hypergradient_through_a_defense(defense):
+  """``grad`` of a round's loss with respect to ``state.hparams`` (the client
+  and server learning rates, and the defense's traced clip radius) matches
+  central differences."""
+  from jax.test_util import check_grads
+  data = linreg_data(np.random.default_rng(0), [3, 5, 7, 2, 4, 6, 8])
+  c = make_cohort(data, 2)
+  algo = algos.fedavg(linreg_loss, client_optimizer=algos.default_sgd(0.1),
+                      aggregator=DEFENSES[defense][0])
+  state = algo.init(linreg_params())
+  held_out = {k: jnp.asarray(v) for k, v in data[0].items()}
+
+  @jax.jit
+  def objective(hparams):
+    new, _ = algo.apply(state._replace(hparams=hparams), c, KEY)
+    return jnp.mean(linreg_loss(new.params, held_out))
+
+  # Central differences with eps = 1e-3 on a float32 loss of magnitude ~1:
+  # rounding u / eps ~ 6e-5, truncation eps^2 |f'''| ~ 1e-6 for O(1)
+  # curvature; 2e-3 is 30 times the larger (the points are away from the
+  # clip's and the order statistics' kinks).
+  check_grads(objective, (state.hparams,), order=1, modes=['rev'], eps=1e-3,
+              atol=2e-3, rtol=2e-3)
