@@ -3,9 +3,10 @@
 The quickstart's task (configs/fedavg_digits.py: scikit-learn's digits over
 50 clients, 10 a round, one local epoch of SGD 0.3 on an MLP with 128 hidden
 units, server SGD 2.0), with the clients' data split IID, the setting of the
-robust-aggregation papers (under the quickstart's Dirichlet(0.5) label skew
-the median, trimmed mean and Krum lose 20 to 55 points of accuracy without
-any attack: docs/robustness.md), shortened to 60 rounds, with an attack
+robust-aggregation papers (under the quickstart's Dirichlet(0.5) label skew,
+without any attack, the median, trimmed mean and Krum reach 0.68, 0.69 and
+0.34 where the mean reaches 0.90: docs/robustness.md), shortened to 60
+rounds, with an attack
 (``config.attack``: docs/robustness.md) and a defense
 (``config.algorithm.aggregator``). By default: no attack, the mean.
 
