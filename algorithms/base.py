@@ -38,6 +38,7 @@ import optax
 import fedjx
 from fedjx import _deprecation
 from fedjx import options
+from fedjx.options import check_map_options
 
 Params = Any
 PyTree = Any
@@ -514,10 +515,8 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
     _deprecation.warn(f'{name}: map_strategy and chunk_size are deprecated '
                       'builder arguments; use algorithm.compile(map_strategy=..., '
                       'chunk_size=...)', stacklevel=3)
-    # Validated with the builder's name, as before.
-    check_choice(name, 'map_strategy', map_strategy or 'auto',
-                 fedjx.MAP_STRATEGIES)
-    check_positive_int(name, 'chunk_size', chunk_size, allow_none=True)
+    # Validated where every execution option is, with the builder's name.
+    check_map_options(map_strategy or 'auto', chunk_size, f'{name}: ')
 
   def init_state(params: Params) -> Any:
     if not jax.tree.leaves(params):
