@@ -121,8 +121,8 @@ def test_sparse_index_dtype_and_random_k_sends_values_only():
 
 # -------------------------------------------------------------- rotation
 
-def test_walsh_hadamard_is_sylvesters_matrix_and_rotation_inverts():
-  n = 16
+@pytest.mark.parametrize('n', [16, 512])  # one factor; 2^7 (x) 2^2
+def test_walsh_hadamard_is_sylvesters_matrix_and_rotation_inverts(n):
   h = np.array([[1.0]])
   while h.shape[0] < n:
     h = np.block([[h, h], [h, -h]])
