@@ -103,20 +103,17 @@ class Settings:
 
   @classmethod
   def from_run_config(cls, run_config: Mapping[str, Any]) -> 'Settings':
-    known = {'config', 'overrides', 'workdir', 'timeout', 'wait-s',
-             'min-available-nodes'}
-    unknown = sorted(set(run_config) - known)
+    known = flower_app.RUN_CONFIG_DEFAULTS
+    unknown = sorted(set(run_config) - set(known))
     if unknown:
       raise ValueError(f'fedjx.deploy.flower: run config keys {unknown} are '
                        f'unknown; the keys are {sorted(known)}.')
-    if not run_config.get('config'):
+    values = {k: type(v)(run_config.get(k, v)) for k, v in known.items()}
+    if not values['config']:
       raise ValueError("fedjx.deploy.flower: run config 'config' is empty; give "
-                       'a fedjx config file (e.g. config="configs/fedavg_digits.py").')
-    return cls(str(run_config['config']), str(run_config.get('overrides', '')),
-               str(run_config.get('workdir', '')),
-               float(run_config.get('timeout', 120.0)),
-               float(run_config.get('wait-s', 120.0)),
-               int(run_config.get('min-available-nodes', 0)))
+                       'a fedjx config file (e.g. config="/abs/configs/fedavg_digits.py").')
+    return cls(values['config'], values['overrides'], values['workdir'],
+               values['timeout'], values['wait-s'], values['min-available-nodes'])
 
 
 def _literal(text: str) -> Any:
@@ -237,19 +234,22 @@ class FedjxStrategy(flwr_strategy.Strategy):
     server: the experiment's :class:`~fedjx.deploy.rounds.ServerRounds`.
     workdir: where metrics (``fedjx-run``'s writers), checkpoints and
       ``deploy.jsonl`` go; empty for none.
+    timeout: seconds a round waits for its clients' replies.
     min_available_nodes: nodes to wait for before a round (0: the cohort size).
     wait_s: how long to wait for them before the round goes ahead with the
       nodes that are there.
   """
 
   def __init__(self, server: rounds.ServerRounds, workdir: str = '', *,
-               min_available_nodes: int = 0, wait_s: float = 120.0):
+               timeout: float = 120.0, min_available_nodes: int = 0,
+               wait_s: float = 120.0):
     from fedjx.experiments import checkpointing  # pylint: disable=g-import-not-at-top
     from fedjx.experiments import metrics_writers  # pylint: disable=g-import-not-at-top
     self.server = server
     self.config = server.config
     self.min_available_nodes = min_available_nodes or self.config.cohort_size
     self.wait_s = wait_s
+    self.timeout_s = timeout
     self.workdir = workdir
     self.nodes: dict[int, int] = {}          # client id -> node id
     self.has_program: dict[int, str] = {}    # node id -> program digest held
@@ -407,8 +407,6 @@ class FedjxStrategy(flwr_strategy.Strategy):
 
   # -- fedjx's side
 
-  timeout_s = 120.0
-
   def first_rows(self) -> None:
     """The evaluation at step 0, as ``fedjx-run`` writes it."""
     if self.start_round == 0 and self.server.exp.evaluate is not None:
@@ -508,9 +506,9 @@ def run_server(grid: Grid, settings: Settings) -> FedjxStrategy:
   strategy (its ``state`` and ``history``)."""
   config = load_config(settings.config, settings.overrides)
   strategy = FedjxStrategy(rounds.ServerRounds(config), settings.workdir,
+                           timeout=settings.timeout,
                            min_available_nodes=settings.min_available_nodes,
                            wait_s=settings.wait_s)
-  strategy.timeout_s = settings.timeout
   try:
     strategy.first_rows()
     remaining = config.rounds - strategy.start_round
