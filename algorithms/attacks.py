@@ -378,8 +378,11 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
     attack_hp = {k: hparams[k] for k in attack.hparams}
 
     def flag(cid, n, table):
+      # table[cid] without a gather (which a clients-sharded mesh cannot
+      # place: the index is sharded, the table replicated); a padding id
+      # (-1) matches no entry.
       i = jnp.asarray(cid, jnp.int32)
-      member = table[jnp.clip(i, 0, table.shape[0] - 1)] & (i >= 0)
+      member = jnp.any(table & (jnp.arange(table.shape[0], dtype=jnp.int32) == i))
       active = n > 0
       return (jnp.asarray(member & active, jnp.float32),
               jnp.asarray(active, jnp.float32))

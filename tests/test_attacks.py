@@ -336,9 +336,12 @@ def test_composes_with_fedavg_and_the_dp_aggregator():
 STRATEGIES = [('vmap', None), ('chunked', 2), ('sequential', None)]
 
 
-@pytest.mark.parametrize('attack', [attacks.alie(), attacks.gaussian_noise(0.1),
-                                    attacks.sign_flip(2.0)],
-                         ids=['alie', 'gaussian_noise', 'sign_flip'])
+# ALIE (the most reductions) by default; the others with the slow tests.
+@pytest.mark.parametrize('attack', [
+    pytest.param(attacks.alie(), id='alie'),
+    pytest.param(attacks.gaussian_noise(0.1), id='gaussian_noise',
+                 marks=pytest.mark.slow),
+    pytest.param(attacks.sign_flip(2.0), id='sign_flip', marks=pytest.mark.slow)])
 def test_every_map_strategy_gives_the_same_attacked_round(attack):
   population = linreg_population([4, 5, 3, 6, 2, 5])
   agg = attacks.attacked(aggregators.mean(), attack, [1, 3, 4], 6)
@@ -562,3 +565,24 @@ def test_seeds_share_one_program_and_differ_in_their_malicious_set():
     np.testing.assert_array_equal(np.flatnonzero(tables[-1]), bad)
   assert lowered[0] == lowered[1]
   assert not np.array_equal(tables[0], tables[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('attack', [attacks.alie(), attacks.gaussian_noise(0.1)],
+                         ids=['alie', 'gaussian_noise'])
+def test_an_attacked_round_on_an_explicit_clients_mesh(attack):
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  population = linreg_population([3, 5, 7, 2, 4, 6, 8, 1, 5, 4])
+  cohort = datasets.make_cohort(population, [9, 3, 0, 7, 1, 5, 2, 4], 2,
+                                num_steps=2)
+  algo = fedavg_round(attacks.attacked(aggregators.mean(), attack, [0, 3, 4, 8], 10))
+  params = linreg_params(3)
+  expected, want = algo.round(algo.init(params), cohort, KEY)
+  mesh = jax.make_mesh((8,), ('clients',), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    placed = jax.device_put(cohort, NamedSharding(mesh, P('clients')))
+    state, metrics = algo.round(algo.init(params), placed, KEY)
+  assert float(metrics[attacks.METRIC]) == float(want[attacks.METRIC]) == 3
+  # Sums over 8 clients in another order.
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected.params)):
+    np.testing.assert_allclose(a, b, rtol=8 * float_tolerance.rtol(8), atol=1e-6)
