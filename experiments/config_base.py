@@ -104,3 +104,24 @@ def fedopt_algorithm(task: str, name: str) -> ml_collections.ConfigDict:
     if name != 'fedadagrad':
       algorithm.b2 = 0.99
   return algorithm
+
+
+def smoke_sized(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """``config`` shrunk in place to a round that still exercises all its code.
+
+  Two local steps of batch 4 (one epoch, capped), 64 evaluation examples,
+  and for the text task a one-layer model of width 16 on 16-token sequences
+  of one module: what the config smoke tests run and what
+  ``scripts/compile_times.py --small`` compiles. Returns ``config``.
+  """
+  if config.dataset.name == 'text':
+    config.dataset.modules = ('json',)
+    config.dataset.seq_len = 16
+    config.local_steps = 2
+    config.model.width = 16
+    config.model.num_layers = 1
+  config.local_epochs = None if config.local_steps else 1
+  config.max_local_steps = 2
+  config.batch_size = 4
+  config.eval_max_examples = 64
+  return config

@@ -36,21 +36,6 @@ def load(path):
   return module.get_config()
 
 
-def shrink(config):
-  """The small version tests/test_configs.py builds."""
-  if config.dataset.name == 'text':
-    config.dataset.modules = ('json',)
-    config.dataset.seq_len = 16
-    config.local_steps = 2
-    config.model.width = 16
-    config.model.num_layers = 1
-  config.local_epochs = None if config.local_steps else 1
-  config.max_local_steps = 2
-  config.batch_size = 4
-  config.eval_max_examples = 64
-  return config
-
-
 def measure(name, config):
   import jax  # pylint: disable=import-outside-toplevel
   from fedjx.experiments import runner  # pylint: disable=import-outside-toplevel
@@ -93,7 +78,8 @@ def main(argv=None):
     if config.dataset.name not in OFFLINE:
       continue
     if args.small:
-      config = shrink(config)
+      from fedjx.experiments import config_base  # pylint: disable=import-outside-toplevel
+      config = config_base.smoke_sized(config)
     print(json.dumps(measure(os.path.basename(path)[:-3], config)), flush=True)
 
 

@@ -55,17 +55,7 @@ OFFLINE_FILES = [p for p in CONFIG_FILES
 
 @pytest.mark.parametrize('path', OFFLINE_FILES, ids=os.path.basename)
 def test_offline_config_builds_and_runs_a_round(path):
-  config = load(path)
-  if config.dataset.name == 'text':  # Keep the test small.
-    config.dataset.modules = ('json',)
-    config.dataset.seq_len = 16
-    config.local_steps = 2
-    config.model.width = 16
-    config.model.num_layers = 1
-  config.local_epochs = None if config.local_steps else 1
-  config.max_local_steps = 2
-  config.batch_size = 4
-  config.eval_max_examples = 64
+  config = config_base.smoke_sized(load(path))
   exp = runner.build(config)
   state = exp.algorithm.init(exp.init_params)
   cohort = next(iter(exp.cohorts(0, 1)))
