@@ -140,28 +140,40 @@ def _prg(key: jax.Array, n: int, modulus_bits: int) -> jax.Array:
   return _mod(jax.random.bits(key, (n,), jnp.uint32), modulus_bits)
 
 
-def self_mask(key: jax.Array, i: jax.Array, n: int, modulus_bits: int) -> jax.Array:
-  """``PRG(b_i)``: client ``i``'s self mask."""
-  return _prg(jax.random.fold_in(jax.random.fold_in(key, _SELF), i), n,
-              modulus_bits)
+def self_key(key: jax.Array, i: jax.Array) -> jax.Array:
+  """The key of ``b_i``, client ``i``'s self mask."""
+  return jax.random.fold_in(jax.random.fold_in(key, _SELF), i)
 
 
-def pair_mask(key: jax.Array, i: jax.Array, j: jax.Array, n: int,
-              modulus_bits: int) -> tuple[jax.Array, jax.Array]:
-  """``PRG(s_ij)`` (symmetric in ``i, j``) and whether ``i`` adds it (``i < j``)."""
+def pair_key(key: jax.Array, i: jax.Array, j: jax.Array) -> jax.Array:
+  """The key of ``s_ij`` (symmetric in ``i, j``)."""
   lo, hi = jnp.minimum(i, j), jnp.maximum(i, j)
-  k = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, _PAIR), lo), hi)
-  return _prg(k, n, modulus_bits), i < j
+  return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, _PAIR), lo), hi)
+
+
+def _signed_masks(key: jax.Array, i: jax.Array, neighbors: jax.Array,
+                  use_self: jax.Array, use_pair: jax.Array, n: int,
+                  modulus_bits: int) -> jax.Array:
+  """``use_self b_i + sum_slots use_pair (+-s_ij) mod m`` (``+`` if ``i < j``),
+  every mask drawn in one vectorised PRG call."""
+  keys = jnp.concatenate([
+      self_key(key, i)[None],
+      jax.vmap(lambda j: pair_key(key, i, j))(neighbors)])
+  prg = jax.vmap(lambda k: _prg(k, n, modulus_bits))(keys)
+  zero = jnp.zeros((), jnp.uint32)
+  plus = jnp.concatenate([use_self[None], jnp.logical_and(use_pair, i < neighbors)])
+  minus = jnp.concatenate([jnp.zeros((1,), bool),
+                           jnp.logical_and(use_pair, i > neighbors)])
+  add = jnp.sum(jnp.where(plus[:, None], prg, zero), axis=0, dtype=jnp.uint32)
+  sub = jnp.sum(jnp.where(minus[:, None], prg, zero), axis=0, dtype=jnp.uint32)
+  return _mod(add - sub, modulus_bits)
 
 
 def masks(key: jax.Array, i: jax.Array, neighbors: jax.Array, n: int,
           modulus_bits: int) -> jax.Array:
   """Client ``i``'s mask ``b_i + sum_{j in N(i)} +-s_ij mod m``."""
-  total = self_mask(key, i, n, modulus_bits)
-  for slot in range(neighbors.shape[0]):
-    mask, plus = pair_mask(key, i, neighbors[slot], n, modulus_bits)
-    total = jnp.where(plus, total + mask, total - mask)
-  return _mod(total, modulus_bits)
+  return _signed_masks(key, i, neighbors, jnp.ones((), bool),
+                       jnp.ones(neighbors.shape, bool), n, modulus_bits)
 
 
 def unmasking(key: jax.Array, alive: jax.Array, table: jax.Array, n: int,
@@ -170,13 +182,8 @@ def unmasking(key: jax.Array, alive: jax.Array, table: jax.Array, n: int,
   survivor ``i`` and dropped neighbour ``j``, ``+-s_ij`` (mod m)."""
   def one(i):
     live = alive[i]
-    total = jnp.where(live, self_mask(key, i, n, modulus_bits), jnp.uint32(0))
-    for slot in range(table.shape[1]):
-      j = table[i, slot]
-      mask, plus = pair_mask(key, i, j, n, modulus_bits)
-      use = jnp.logical_and(live, jnp.logical_not(alive[j]))
-      total = jnp.where(use, jnp.where(plus, total + mask, total - mask), total)
-    return total
+    use_pair = jnp.logical_and(live, jnp.logical_not(alive[table[i]]))
+    return _signed_masks(key, i, table[i], live, use_pair, n, modulus_bits)
 
   per = jax.lax.map(one, jnp.arange(table.shape[0], dtype=jnp.int32))
   return _mod(jnp.sum(per, axis=0, dtype=jnp.uint32), modulus_bits)
@@ -351,6 +358,6 @@ def secure_sum(bits: int = 32, clip_norm: float = 1.0, threshold: int = 2,
                      expected_clients_per_round=expected_clients_per_round)
 
 
-__all__ = ['SecureSumState', 'centered', 'masks', 'modular_sum',
+__all__ = ['SecureSumState', 'centered', 'masks', 'modular_sum', 'pair_key', 'self_key',
            'neighbor_table', 'randomized_round', 'secure_sum', 'to_modular',
            'unmasking']
