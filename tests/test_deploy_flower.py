@@ -1,16 +1,20 @@
-"""fedjx rounds on a real Flower federation: a SuperLink and 3 SuperNodes
-started as processes on 127.0.0.1 (fedjx.deploy.local), the App submitted
-with ``flwr run``.
+"""fedjx rounds on Flower: on a real federation, a SuperLink and 3
+SuperNodes started as processes on 127.0.0.1 (fedjx.deploy.local), the App
+submitted with ``flwr run``; and the strategy with the ClientApp's own
+functions over an in-process Grid.
 
-Needs the flower extra (pip install -e '.[flower]'); each test starts
-processes and runs for a minute or more, so all are slow tests (pytest -m
-slow). Every process a test starts is stopped when it ends, on failure too.
+Needs the flower extra (pip install -e '.[flower]'). Each process test runs
+for a minute or more, so those are slow tests (pytest -m slow); every
+process a test starts is stopped when it ends, on failure too.
 """
 
+import functools
+import itertools
 import json
 import os
 import threading
 import time
+from unittest import mock
 
 import pytest
 
@@ -21,13 +25,16 @@ pytest.importorskip(
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.serverapp import Grid  # noqa: E402
+
+from fedjx.deploy import flower  # noqa: E402
 from fedjx.deploy import flower_app  # noqa: E402
 from fedjx.deploy import local  # noqa: E402
+from fedjx.deploy import programs  # noqa: E402
 from fedjx.deploy.flower import load_config  # noqa: E402
 from fedjx.experiments import metrics_writers  # noqa: E402
 from fedjx.experiments import runner  # noqa: E402
-
-pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODES = 3
@@ -74,6 +81,7 @@ def _close(got, want):
                              rtol=3 * 10 * 3 * 2**-23, atol=2e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('config_file', ['fedavg_digits.py', 'fedadam_digits.py'])
 def test_deployed_rounds_equal_the_simulated_rounds(federation, tmp_path, config_file):
   workdir = _deploy(federation, tmp_path, config_file, SMALL)
@@ -105,6 +113,7 @@ def test_deployed_rounds_equal_the_simulated_rounds(federation, tmp_path, config
   assert first >= NODES * rows[1]['deploy_program_bytes']
 
 
+@pytest.mark.slow
 def test_a_deployed_run_resumes_from_its_checkpoint(federation, tmp_path):
   config_file = 'fedavg_digits.py'
   _deploy(federation, tmp_path, config_file, SMALL.replace('rounds=3', 'rounds=2'))
@@ -120,6 +129,7 @@ def test_a_deployed_run_resumes_from_its_checkpoint(federation, tmp_path):
     _close(g, w)
 
 
+@pytest.mark.slow
 def test_dp_clipping_happens_on_the_clients(federation, tmp_path):
   clip = 0.05
   workdir = _deploy(federation, tmp_path, 'fedavg_digits.py', f'{SMALL} {DP}')
@@ -147,6 +157,7 @@ def _log_count(path, text):
     return 0
 
 
+@pytest.mark.slow
 def test_a_node_killed_mid_round(tmp_path):
   """Node 2 dies while it runs round 1's client work: round 1 aggregates the
   other two clients (Flower FedAvg's rule: the replies that arrived, when
@@ -199,6 +210,7 @@ def test_a_node_killed_mid_round(tmp_path):
     _close(g, w)
 
 
+@pytest.mark.slow
 def test_flower_simulation_engine_runs_the_same_rounds(tmp_path):
   """The same App on Flower's simulation engine (virtual SuperNodes; Ray)."""
   pytest.importorskip('ray', reason="Flower's simulation engine needs Ray: pip "
@@ -215,4 +227,96 @@ def test_flower_simulation_engine_runs_the_same_rounds(tmp_path):
   deployed, _ = runner.load_state(workdir)
   simulated = runner.run(load_config(config_file, SMALL), str(tmp_path / 'simulated'))
   for g, w in zip(jax.tree.leaves(deployed), jax.tree.leaves(simulated.state)):
+    _close(g, w)
+
+
+class InProcessGrid(Grid):
+  """A Grid whose nodes are the ClientApp's functions called in this process:
+  ``silent`` nodes say who they are but never return client work;
+  ``other_version`` nodes run a fedjx 9.9."""
+
+  def __init__(self, num_nodes, silent=(), other_version=()):
+    self.contexts = {
+        100 + i: Context(run_id=1, node_id=100 + i, state=RecordDict(), run_config={},
+                         node_config={'partition-id': i, 'num-partitions': num_nodes})
+        for i in range(num_nodes)}
+    self.silent, self.other_version = set(silent), set(other_version)
+    self._ids = itertools.count()
+
+  def set_run(self, run):
+    pass
+
+  @property
+  def run(self):
+    return None
+
+  def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+    return Message(content, dst_node_id=dst_node_id, message_type=message_type,
+                   group_id=group_id)
+
+  def get_node_ids(self):
+    return list(self.contexts)
+
+  def push_messages(self, messages):
+    raise NotImplementedError
+
+  def pull_messages(self, message_ids):
+    raise NotImplementedError
+
+  def send_and_receive(self, messages, *, timeout=None):
+    replies = []
+    for msg in messages:
+      msg.metadata.__dict__['_message_id'] = f'message-{next(self._ids)}'
+      node, query = msg.metadata.dst_node_id, msg.metadata.message_type == 'query'
+      if node in self.silent and not query:
+        continue
+      app = flower.describe if query else flower.train
+      unpack = programs.unpack
+      if node in self.other_version:
+        unpack = functools.partial(programs.unpack, fedjx_version='9.9.0')
+      try:
+        with mock.patch.object(flower.programs, 'unpack', unpack):
+          replies.append(app(msg, self.contexts[node]))
+      except Exception as e:  # pylint: disable=broad-except
+        replies.append(Message(Error(code=0, reason=str(e)), reply_to=msg))  # as Flower does
+    return replies
+
+
+@pytest.fixture
+def task_identity():
+  """The run and node a Message is created in (set by Flower in its processes)."""
+  from flwr.supercore.task_identity import TaskIdentity  # pylint: disable=g-import-not-at-top
+  saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)  # pylint: disable=protected-access
+  TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+  yield
+  TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = saved
+
+
+def test_the_strategy_leaves_out_silent_and_refusing_nodes(tmp_path, task_identity):
+  overrides = ('rounds=2 cohort_size=3 dataset.num_clients=3 model.hidden=(8,) '
+               'local_epochs=None local_steps=4 eval_every=1')
+  config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
+  workdir = str(tmp_path / 'deployed')
+  grid = InProcessGrid(3, silent={101}, other_version={102})
+  strategy = flower.run_server(grid, flower.Settings(
+      config_file, overrides, workdir, timeout=5.0, wait_s=0.0))
+  rows, details = _rows(workdir), _details(workdir)
+  for r in (1, 2):
+    assert rows[r]['deploy_sampled'] == 3 and rows[r]['deploy_replied'] == 1
+    assert rows[r]['deploy_failed'] == 2 and rows[r]['clients'] == 1.0
+    failed = details[r - 1]['failed']
+    assert failed['1'] == 'no reply within 5 s'
+    # The node of another version refused the program, in one line.
+    assert 'accepts 9.9.x only' in failed['2'] and '\n' not in failed['2']
+  # Node 100 keeps the program; the two that failed are sent it again.
+  assert rows[1]['deploy_programs_sent'] == 3 and rows[2]['deploy_programs_sent'] == 2
+  # The rounds simulated with clients 1 and 2 as padding clients.
+  exp = runner.build(load_config(config_file, overrides))
+  state = exp.algorithm.init(exp.init_params)
+  for r, cohort in enumerate(exp.cohorts(0, 2)):
+    mask, num = np.asarray(cohort.mask).copy(), np.asarray(cohort.num_examples).copy()
+    mask[1:], num[1:] = False, 0
+    state, _ = jax.jit(exp.algorithm.apply)(
+        state, cohort._replace(mask=mask, num_examples=num), exp.round_key_for(r))
+  for g, w in zip(jax.tree.leaves(strategy.state), jax.tree.leaves(state)):
     _close(g, w)
