@@ -586,3 +586,43 @@ def test_an_attacked_round_on_an_explicit_clients_mesh(attack):
   # Sums over 8 clients in another order.
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected.params)):
     np.testing.assert_allclose(a, b, rtol=8 * float_tolerance.rtol(8), atol=1e-6)
+
+
+BUILDERS = {
+    'fedavg': lambda agg: fedavg_round(agg),
+    'fedadam': lambda agg: algos.fedadam(linreg_loss, client_optimizer=optax.sgd(0.1),
+                                         aggregator=agg, local_steps=2),
+    'fedprox': lambda agg: algos.fedprox(linreg_loss, mu=0.1,
+                                         client_optimizer=optax.sgd(0.1),
+                                         aggregator=agg, local_steps=2),
+    'scaffold': lambda agg: algos.scaffold(linreg_loss, num_clients=6,
+                                           client_learning_rate=0.1, aggregator=agg),
+    'diloco': lambda agg: algos.diloco(linreg_loss, num_replicas=6,
+                                       inner_optimizer=optax.sgd(0.1), aggregator=agg),
+}
+
+
+@pytest.mark.parametrize('name', [
+    pytest.param(n, marks=() if n == 'fedavg' else pytest.mark.slow) for n in BUILDERS])
+def test_every_algorithm_that_passes_client_ids_is_attacked(name):
+  """With no malicious client the attacked round is the plain round; with
+  some, their count is reported and only the messages change."""
+  population = linreg_population([4, 5, 3, 6, 2, 5])
+  cohort = datasets.make_cohort(population, [0, 1, 3, 4, 5], 2, num_steps=2)
+  params = linreg_params(3)
+  plain = BUILDERS[name](aggregators.mean())
+  base_state, base_metrics = plain.round(plain.init(params), cohort, KEY)
+  none = BUILDERS[name](attacks.attacked(aggregators.mean(), attacks.alie(), [], 6))
+  state, metrics = none.round(none.init(params), cohort, KEY)
+  assert float(metrics[attacks.METRIC]) == 0
+  # The same sums of the same messages (the wrapper only selects them).
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(base_state.params)):
+    np.testing.assert_allclose(a, b, rtol=4 * float_tolerance.rtol(5), atol=1e-7)
+  some = BUILDERS[name](attacks.attacked(aggregators.mean(), attacks.sign_flip(3.0),
+                                         [1, 4], 6))
+  state, metrics = some.round(some.init(params), cohort, KEY)
+  assert float(metrics[attacks.METRIC]) == 2
+  assert float(metrics['train_loss_before']) == pytest.approx(
+      float(base_metrics['train_loss_before']), rel=1e-6)
+  assert not np.allclose(jax.tree.leaves(state.params)[0],
+                         jax.tree.leaves(base_state.params)[0])
