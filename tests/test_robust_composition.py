@@ -255,3 +255,17 @@ def test_hypergradient_through_a_defense(defense):
   # clip's and the order statistics' kinks).
   check_grads(objective, (state.hparams,), order=1, modes=['rev'], eps=1e-3,
               atol=2e-3, rtol=2e-3)
+
+
+def test_a_privacy_budget_with_dp_defense_is_refused():
+  """The accountant knows only its DP aggregators: no epsilon for dp_defense."""
+  from fedjx.experiments import config as config_schema
+  from fedjx.experiments import privacy
+  config = _digits_config(dict(name='dp_defense', defense=dict(name='median'),
+                               clip_norm=1.0, noise_multiplier=1.0))
+  config.privacy = dict(target_epsilon=8.0)
+  config = config_schema.with_defaults(config)
+  assert privacy.mechanism_of(config.algorithm) is None
+  with pytest.raises(config_schema.ConfigError, match='target_epsilon=8.0') as e:
+    privacy.plan(config, 50)
+  assert '\n' not in str(e.value)
