@@ -320,3 +320,23 @@ def test_the_strategy_leaves_out_silent_and_refusing_nodes(tmp_path, task_identi
         state, cohort._replace(mask=mask, num_examples=num), exp.round_key_for(r))
   for g, w in zip(jax.tree.leaves(strategy.state), jax.tree.leaves(state)):
     _close(g, w)
+
+
+def test_a_cohort_smaller_than_the_population(tmp_path, task_identity):
+  """2 of 3 clients a round, sampled as fedjx-run samples them: only their
+  nodes get work, and the model is the simulated one."""
+  overrides = ('rounds=2 cohort_size=2 dataset.num_clients=3 model.hidden=(8,) '
+               'local_epochs=None local_steps=4 eval_every=1')
+  config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
+  workdir = str(tmp_path / 'deployed')
+  strategy = flower.run_server(InProcessGrid(3), flower.Settings(
+      config_file, overrides, workdir, timeout=5.0, wait_s=0.0))
+  exp = runner.build(load_config(config_file, overrides))
+  details = _details(workdir)
+  state = exp.algorithm.init(exp.init_params)
+  for r, cohort in enumerate(exp.cohorts(0, 2)):
+    assert details[r]['sampled'] == details[r]['replied'] == cohort.client_ids.tolist()
+    assert len(details[r]['sampled']) == 2 and exp.data.train.num_clients == 3
+    state, _ = jax.jit(exp.algorithm.apply)(state, cohort, exp.round_key_for(r))
+  for g, w in zip(jax.tree.leaves(strategy.state), jax.tree.leaves(state)):
+    _close(g, w)
