@@ -86,7 +86,8 @@ def test_centered_modular_values():
     np.testing.assert_array_equal(np.asarray(S.centered(res, bits)), ints)
 
 
-@pytest.mark.parametrize('neighbors', [pytest.param(None, marks=pytest.mark.slow), 4])
+@pytest.mark.slow
+@pytest.mark.parametrize('neighbors', [None, 4])
 def test_secure_sum_is_the_mean_of_the_survivors(neighbors):
   n, clip = 8, 0.3
   u = updates(n)
