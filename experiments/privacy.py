@@ -37,6 +37,11 @@ from fedjx.experiments.config import ConfigError
 # Aggregators that add DP noise, and the accounting mechanism of each.
 DP_AGGREGATORS = {'gaussian': 'gaussian', 'adaptive_gaussian': 'gaussian',
                   'tree_gaussian': 'tree'}
+# DP aggregators that account for themselves (docs/communication.md), and where
+# their epsilon is reported.
+SELF_ACCOUNTED = {
+    'distributed_skellam': "the round's ddp_epsilon metric",
+    'local_gaussian': 'per client: distributed_dp.local_gaussian_epsilon'}
 # Relative slack allowed between a fixed denominator and q N.
 DENOMINATOR_RTOL = 1e-6
 
@@ -228,6 +233,13 @@ def plan(config: Any, population: int) -> Plan | None:
   privacy = _as_dict(config.privacy)
   if mech is None:
     canaries_of(config, population)  # An audit needs DP noise: refused.
+    own = SELF_ACCOUNTED.get(_as_dict(_as_dict(config.algorithm).get(
+        'aggregator') or {}).get('name'))
+    if own is not None and privacy.get('target_epsilon') is not None:
+      raise ConfigError(
+          f'config.privacy.target_epsilon={privacy["target_epsilon"]!r}: the '
+          f'aggregator accounts its own privacy ({own}), which the runner '
+          'does not plan or stop on; unset target_epsilon and read that.')
     if privacy.get('target_epsilon') is not None:
       raise ConfigError(
           f'config.privacy.target_epsilon={privacy["target_epsilon"]!r} but '

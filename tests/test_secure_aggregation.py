@@ -260,3 +260,17 @@ def test_local_gaussian_and_its_epsilon():
   assert DD.local_gaussian_epsilon(4.0, 10, 1e-5) == acc.get_epsilon(1e-5)
   with pytest.raises(ValueError, match='noise_multiplier=0'):
     DD.local_gaussian_epsilon(0, 1, 1e-5)
+
+
+def test_the_runner_refuses_a_budget_on_a_self_accounted_aggregator():
+  import ml_collections
+  from fedjx.experiments import privacy
+  from fedjx.experiments.config import ConfigError
+  config = ml_collections.ConfigDict(dict(
+      algorithm=dict(name='fedavg', aggregator=dict(name='distributed_skellam')),
+      privacy=dict(target_epsilon=8.0), sampling=dict(name='uniform'),
+      cohort_size=10, rounds=5))
+  with pytest.raises(ConfigError, match="ddp_epsilon metric"):
+    privacy.plan(config, 50)
+  config.privacy.target_epsilon = None
+  assert privacy.plan(config, 50) is None
