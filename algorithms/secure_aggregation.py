@@ -59,9 +59,8 @@ survivors, or by ``expected_clients_per_round``). Distributed DP
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

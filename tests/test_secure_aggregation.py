@@ -18,7 +18,6 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
-from fedjx.algorithms import compression as C
 from fedjx.algorithms import distributed_dp as DD
 from fedjx.algorithms import secure_aggregation as S
 import float_tolerance as ft
