@@ -160,12 +160,56 @@ def clip_update(update: base.PyTree, clip_norm: jax.Array) -> tuple[base.PyTree,
 
 def add_gaussian_noise(tree: base.PyTree, std: jax.Array,
                        key: jax.Array) -> base.PyTree:
-  """``tree + N(0, std^2 I)``, one key per leaf from ``jax.random.split(key)``."""
+  """``tree + N(0, std^2 I)``, one key per leaf from ``jax.random.split(key)``.
+
+  Leaf ``i`` gets ``std * jax.random.normal(k_i, shape_i, dtype_i)``, drawn
+  by :func:`normal_like` in a few compiled draws rather than one per leaf.
+  """
   leaves, treedef = jax.tree.flatten(tree)
   keys = jax.random.split(key, len(leaves))
+  noise = normal_like(leaves, keys)
   return jax.tree.unflatten(treedef, [
-      t + std.astype(t.dtype) * jax.random.normal(k, t.shape, t.dtype)
-      for t, k in zip(leaves, keys)])
+      t + std.astype(t.dtype) * z for t, z in zip(leaves, noise)])
+
+
+# A group of leaves drawn together may compute at most twice its leaves'
+# elements plus this many.
+_PADDING_ALLOWANCE = 2 ** 16
+
+
+def normal_like(leaves: list[jax.Array], keys: jax.Array) -> list[jax.Array]:
+  """``[jax.random.normal(keys[i], x.shape, x.dtype) for i, x in enumerate(leaves)]``.
+
+  The same numbers, in fewer compiled draws. XLA compiles each threefry draw
+  (JAX's default PRNG) on its own: with a draw per parameter leaf the DP
+  rounds compiled 2-5x slower than their non-private base, and 4 leaves of
+  an MLP's noise alone compiled in 6.7 s against 1.6 s drawn together (one
+  measurement each, loaded 2-core CPU). With JAX's partitionable threefry
+  (the default) an element's value depends only on the key and its flat
+  index, so ``normal(k, (L,))[:n].reshape(shape) == normal(k, shape)`` for
+  ``n = prod(shape) <= L``: leaves of one dtype are drawn as the rows of one
+  ``vmap`` over their keys, at the size of the group's largest, and cut
+  back. A group computes at most twice its leaves' elements plus 2^16.
+  (Without partitionable threefry each leaf's noise is still an independent
+  draw from its own key, with other values.)
+  """
+  out: list[jax.Array | None] = [None] * len(leaves)
+  by_dtype: dict[Any, list[int]] = {}
+  for i, x in enumerate(leaves):
+    by_dtype.setdefault(jnp.dtype(x.dtype), []).append(i)
+  for dtype, members in by_dtype.items():
+    members = sorted(members, key=lambda i: -leaves[i].size)
+    while members:
+      width, group, total = leaves[members[0]].size, [], 0
+      while members and (len(group) + 1) * width <= (
+          2 * (total + leaves[members[0]].size) + _PADDING_ALLOWANCE):
+        total += leaves[members[0]].size
+        group.append(members.pop(0))
+      draw = jax.vmap(lambda k, w=width, d=dtype: jax.random.normal(k, (w,), d))(
+          keys[jnp.asarray(group)])
+      for row, i in enumerate(group):
+        out[i] = draw[row, :leaves[i].size].reshape(leaves[i].shape)
+  return out
 
 
 def participants(clients: nonfinite.Clients) -> jax.Array:
@@ -474,6 +518,6 @@ def step(aggregator: Aggregator, optimizer, state: Any,
   return delta, params, opt_state, agg_state, metrics
 
 
-__all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'audited', 'clip_update',
-           'denominator', 'gaussian', 'mean', 'participants', 'quantized_mean',
-           'safe_global_norm']
+__all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'audited',
+           'clip_update', 'denominator', 'gaussian', 'mean', 'normal_like',
+           'participants', 'quantized_mean', 'safe_global_norm']

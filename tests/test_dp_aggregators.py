@@ -130,3 +130,19 @@ def test_dp_aggregator_runs_with_the_algorithm(algorithm, aggregator):
   moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), state.params,
                        state0.params)
   assert max(jax.tree.leaves(moved)) > 0
+
+
+def test_noise_drawn_in_groups_equals_a_draw_per_leaf():
+  """normal_like draws leaves of a dtype together as rows of one vmapped
+  draw (fewer threefry programs to compile); every leaf must get exactly
+  jax.random.normal(k_i, shape_i, dtype_i), bit for bit: sizes from 0 to
+  beyond the padding allowance, a scalar, odd shapes, two dtypes."""
+  shapes = [(300, 301), (64, 128), (128,), (), (0, 3), (7, 5, 3), (1,), (2 ** 17,)]
+  leaves = [jnp.zeros(s, jnp.float32) for s in shapes]
+  leaves += [jnp.zeros((33, 9), jnp.bfloat16), jnp.zeros((4,), jnp.bfloat16)]
+  keys = jax.random.split(jax.random.key(11), len(leaves))
+  got = jax.jit(algos.aggregators.normal_like)(leaves, keys)
+  for x, k, z in zip(leaves, keys, got):
+    want = jax.random.normal(k, x.shape, x.dtype)
+    assert z.shape == x.shape and z.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(z, np.float32), np.asarray(want, np.float32))
