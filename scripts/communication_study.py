@@ -39,8 +39,7 @@ def quantization_runs():
 
 
 def topk_runs():
-  return 'compressed_fedavg_digits.py', [
-      ('float32', {'name': 'uncompressed'}),
+  return 'compressed_fedavg_digits.py', [  # float32: the quantization study's
       ('top1pct_error_feedback', {'name': 'top_k', 'fraction': 0.01,
                                   'error_feedback': True, 'num_clients': 50}),
       ('top1pct_no_feedback', {'name': 'top_k', 'fraction': 0.01,
@@ -48,7 +47,7 @@ def topk_runs():
   ], {}
 
 
-def ddp_runs(rounds: int):
+def ddp_runs(rounds: int, bits: tuple[int, ...]):
   from fedjx.algorithms import accounting  # pylint: disable=g-import-not-at-top
   from fedjx.algorithms import distributed_dp  # pylint: disable=g-import-not-at-top
   clip, z, n, n_min, d_pad, delta = 0.5, 1.0, 10, 6, 16384, 1e-5
@@ -56,7 +55,7 @@ def ddp_runs(rounds: int):
           'noise_multiplier': z, 'clients_per_round': n, 'threshold': n_min - 1,
           'expected_clients_per_round': float(n), 'sampling': 'uniform',
           'sampling_rate': 0.2, 'delta': delta}
-  runs = [(f'skellam_{b}bit', dict(base, bits=b)) for b in (12, 14, 16, 18)]
+  runs = [(f'skellam_{b}bit', dict(base, bits=b)) for b in bits]
   scale = distributed_dp.default_scale(16, clip, z, n, n_min, d_pad, 3.0)
   eps = distributed_dp.skellam_epsilon(z, clip, scale, d_pad, rounds, delta,
                                        'uniform', 0.2)
@@ -97,9 +96,13 @@ def main(argv=None) -> None:
                  required=True)
   p.add_argument('--rounds', type=int, default=100)
   p.add_argument('--seed', type=int, default=0)
+  p.add_argument('--bits', type=lambda t: tuple(int(b) for b in t.split(',')),
+                 default=(12, 14, 16, 18),
+                 help='the ddp study\'s bit widths (18 draws a Poisson rate of '
+                      '1e8 per coordinate as 1000 draws: slow on a CPU)')
   a = p.parse_args(argv)
   config, runs, extra = {'quantization': quantization_runs, 'topk': topk_runs,
-                         'ddp': lambda: ddp_runs(a.rounds)}[a.study]()
+                         'ddp': lambda: ddp_runs(a.rounds, a.bits)}[a.study]()
   for name, aggregator in runs:
     workdir = os.path.join(a.workdir, a.study, f'{name}_seed{a.seed}')
     metrics = os.path.join(workdir, 'metrics.jsonl')
@@ -108,9 +111,9 @@ def main(argv=None) -> None:
              f'--workdir={workdir}', f'--config.rounds={a.rounds}',
              f'--config.seed={a.seed}', '--config.progress=False',
              '--config.checkpoint_every=100000',
-             f'--config.algorithm.aggregator={json.dumps(aggregator)}']
+             f'--config.algorithm.aggregator={aggregator!r}']
       for field, value in extra.items():
-        cmd.append(f'--config.{field}={json.dumps(value)}')
+        cmd.append(f'--config.{field}={value!r}')
       subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     print(json.dumps(summarize(name, aggregator, read(metrics))), flush=True)
 
