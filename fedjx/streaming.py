@@ -32,13 +32,16 @@ measurable against the compiled round's pairwise sums). With compensation
 the error is that of one chunk's sum plus ``2 eps``, independent of ``m``,
 for two extra additions per element per chunk.
 
-A plan streams when every client value that a later pass would read is a
-client input (reloaded in that pass), no output of the program is a
-per-client value, and no server code reads every client's value at once
+A client value that a later pass reads again (after a reduction that
+depends on it, e.g. a variance around the cohort's mean, or each update in
+every iteration of Weiszfeld's geometric median) is not kept: the client
+work that computes it runs again in that pass, from the client's inputs,
+which are reloaded (the same values: client work is a function of its
+inputs and keys). A plan streams when no output of the program is a
+per-client value and no server code reads every client's value at once
 (:func:`fedjx.plan.gather_to_server`, e.g. a coordinate-wise median of the
-updates: refused with the reason it gives). Otherwise :class:`NotStreamableError` names the value and
-why (a client value used after a reduction that depends on it, e.g. a
-variance around the cohort's mean, needs two passes over the client work).
+updates: refused with the reason it gives); otherwise
+:class:`NotStreamableError` says why.
 """
 
 from __future__ import annotations
@@ -187,6 +190,7 @@ def _run(fn, args, chunk_size, cache) -> Any:
           'reduce it over the clients, or run the round with execution="jit".')
   bcast: dict[int, int] = {}
   remaining = list(plan.steps)
+  done_maps: list[plan_lib.MapStep] = []  # Client work of earlier passes.
   while remaining:
     progressed = True
     while progressed:
@@ -205,22 +209,43 @@ def _run(fn, args, chunk_size, cache) -> Any:
         progressed = True
     if not remaining:
       break
-    one_pass = _next_pass(plan, remaining, env, bcast, client_inputs)
+    one_pass = _next_pass(plan, remaining, env, bcast, client_inputs, done_maps)
     for step in one_pass.maps + one_pass.reduces:
-      remaining.remove(step)
-    _check_no_later_use(plan, one_pass, remaining, client_inputs)
+      if step in remaining:  # Not a map of an earlier pass, computed again.
+        remaining.remove(step)
+        if isinstance(step, plan_lib.MapStep):
+          done_maps.append(step)
     env.update(_run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry))
   outs = [jnp.broadcast_to(env[bcast[i]], (n,) + jnp.shape(env[bcast[i]]))
           if i in bcast else env[i] for i in plan.out_ids]
   return jax.tree.unflatten(plan.out_tree, outs)
 
 
-def _next_pass(plan, remaining, env, bcast, client_inputs) -> _Pass:
-  """The client steps that can run on what the server holds now, in order."""
+def _next_pass(plan, remaining, env, bcast, client_inputs, done_maps) -> _Pass:
+  """The client steps that can run on what the server holds now, in order.
+
+  A client value that an earlier pass computed is not kept (streaming keeps
+  no per-client values): the map steps of that pass that produce it run
+  again in this one. Client work is a function of its inputs (its keys
+  included), so it gives the same values, at the price of its compute once
+  more per pass that reads it (Weiszfeld's iterations read each update
+  after every weighted mean: the clients' training runs once per
+  iteration).
+  """
+  producers = {i: step for step in done_maps for i in step.out_ids}
   produced = set(client_inputs)
+  again: list[plan_lib.MapStep] = []
 
   def ready(i):
-    return i in produced or i in env or (i in bcast and bcast[i] in env)
+    if i in produced or i in env or (i in bcast and bcast[i] in env):
+      return True
+    step = producers.get(i)
+    if step is None or not all(j in env for j in step.const_ids) or not all(
+        ready(j) for j in step.x_ids):
+      return False
+    again.append(step)
+    produced.update(step.out_ids)
+    return True
 
   maps, reduces = [], []
   for step in remaining:
@@ -236,21 +261,9 @@ def _next_pass(plan, remaining, env, bcast, client_inputs) -> _Pass:
     raise NotStreamableError(
         f'fedjx.streaming.run: no step can run; the next is {type(step).__name__} '
         f'needing values that are never computed ({step}).')
-  return _Pass(maps, reduces)
-
-
-def _check_no_later_use(plan, one_pass, remaining, client_inputs) -> None:
-  produced = {i for s in one_pass.maps for i in s.out_ids} - client_inputs
-  for step in remaining:
-    late = set(step.placed_reads) & produced
-    if late:
-      i = min(late)
-      raise NotStreamableError(
-          'fedjx.streaming.run: a per-client value '
-          f'({plan.avals[i].str_short()}) computed by the client work is used '
-          'again after a reduction that it waits on (a second pass over the '
-          'clients would have to keep it for every client); run this round '
-          'with execution="jit".')
+  order = {id(step): k for k, step in enumerate(plan.steps)}
+  chosen = {id(step): step for step in again + maps}
+  return _Pass(sorted(chosen.values(), key=lambda step: order[id(step)]), reduces)
 
 
 def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict[int, Any]:
