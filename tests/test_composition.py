@@ -207,7 +207,7 @@ def test_dp_fedavg_is_fedavg_with_the_gaussian_aggregator():
 
 
 def test_aggregator_errors_are_one_line():
-  for bad, match in ((dict(name='median'), "name='median'"), (3, 'aggregator=3'),
+  for bad, match in ((dict(name='geometric_mean'), "name='geometric_mean'"), (3, 'aggregator=3'),
                      (dict(name='gaussian', clip=1.0), "'gaussian' got options")):
     with pytest.raises(ValueError, match=match) as e:
       algos.fedavg(linreg_loss, aggregator=bad)
