@@ -203,12 +203,14 @@ class SubsetDataset(FederatedDataset):
     return self._base.client_data(int(self._ids[cid]))
 
 
-class MappedDataset(FederatedDataset):
-  """``base`` with ``fn`` applied to each client's examples as they are read."""
+class WrappedDataset(FederatedDataset):
+  """A population read through ``self._base``: its clients, names and sizes.
 
-  def __init__(self, base: FederatedDataset, fn: Callable[[Examples], Examples]):
-    self._base = base
-    self._fn = fn
+  Subclasses change what a client's examples are (``_client_data``), never
+  who the clients are or how many examples each holds.
+  """
+
+  _base: FederatedDataset
 
   @property
   def num_clients(self) -> int:
@@ -222,6 +224,14 @@ class MappedDataset(FederatedDataset):
 
   def examples_per_client(self) -> np.ndarray:
     return self._base.examples_per_client()
+
+
+class MappedDataset(WrappedDataset):
+  """``base`` with ``fn`` applied to each client's examples as they are read."""
+
+  def __init__(self, base: FederatedDataset, fn: Callable[[Examples], Examples]):
+    self._base = base
+    self._fn = fn
 
   def _client_data(self, cid: int) -> Examples:
     out = self._fn(self._base.client_data(cid))

@@ -21,6 +21,7 @@ import numpy as np
 
 from fedjx.datasets.federated import Examples
 from fedjx.datasets.federated import FederatedDataset
+from fedjx.datasets.federated import WrappedDataset
 
 
 def check_num_classes(fn: str, num_classes: Any) -> int:
@@ -64,26 +65,13 @@ def check_label_values(examples: Mapping[str, Any], num_classes: int, *,
         f'label{"s" if count > 1 else ""}).')
 
 
-class LabelCheckedDataset(FederatedDataset):
+class LabelCheckedDataset(WrappedDataset):
   """``base`` whose clients' labels are checked as each client is read."""
 
   def __init__(self, base: FederatedDataset, num_classes: int, dataset: str,
                key: str = 'y'):
     self._base, self._num_classes = base, num_classes
     self._dataset, self._key = dataset, key
-
-  @property
-  def num_clients(self) -> int:
-    return self._base.num_clients
-
-  def client_name(self, cid: int) -> str:
-    return self._base.client_name(cid)
-
-  def num_examples(self, cid: int) -> int:
-    return self._base.num_examples(cid)
-
-  def examples_per_client(self) -> np.ndarray:
-    return self._base.examples_per_client()
 
   def _client_data(self, cid: int) -> Examples:
     out = self._base.client_data(cid)

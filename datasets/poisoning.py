@@ -34,12 +34,13 @@ import numpy as np
 from fedjx.datasets import _seeding
 from fedjx.datasets.federated import Examples
 from fedjx.datasets.federated import FederatedDataset
+from fedjx.datasets.federated import WrappedDataset
 from fedjx.datasets.federated import num_rows
 
 Transform = Callable[[int, Examples], Examples]
 
 
-class PoisonedDataset(FederatedDataset):
+class PoisonedDataset(WrappedDataset):
   """``base`` whose clients in ``malicious`` are read through ``transform``.
 
   Args:
@@ -62,19 +63,6 @@ class PoisonedDataset(FederatedDataset):
   def malicious(self) -> np.ndarray:
     """``int32 [F]``: the sorted malicious client ids."""
     return np.array(sorted(self._malicious), np.int32)
-
-  @property
-  def num_clients(self) -> int:
-    return self._base.num_clients
-
-  def client_name(self, cid: int) -> str:
-    return self._base.client_name(cid)
-
-  def num_examples(self, cid: int) -> int:
-    return self._base.num_examples(cid)
-
-  def examples_per_client(self) -> np.ndarray:
-    return self._base.examples_per_client()
 
   def _client_data(self, cid: int) -> Examples:
     data = self._base.client_data(cid)
