@@ -331,6 +331,7 @@ def test_fixed_size_cohorts_give_the_corrected_epsilons(population, cohort,
   assert old.get_epsilon(delta) == pytest.approx(reported, abs=tol)
 
 
+@pytest.mark.slow
 def test_calibration_follows_the_sensitivity():
   # For a target, the fixed-size sampler now needs twice the noise
   # multiplier that the raw replace-one event with z would need.

@@ -99,8 +99,21 @@ def _assert_close(got, want):
       np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize('strategy,chunk,fuse', STRATEGIES)
-@pytest.mark.parametrize('name', sorted(ALL))
+# Fused chunks by default for one algorithm of each kind of round (plain,
+# per-client state, DP noise, replicas); for the rest with the slow tests.
+_CHUNKED_BY_DEFAULT = ('fedavg', 'scaffold', 'dp_fedavg', 'diloco')
+
+
+def _cases():
+  for name in sorted(ALL):
+    for case in STRATEGIES:
+      marks = list(case.marks)
+      if case.id == 'chunked2' and name not in _CHUNKED_BY_DEFAULT:
+        marks.append(_SLOW)
+      yield pytest.param(name, *case.values, marks=marks, id=f'{name}-{case.id}')
+
+
+@pytest.mark.parametrize('name,strategy,chunk,fuse', list(_cases()))
 def test_every_strategy_gives_the_vmap_rounds(name, strategy, chunk, fuse):
   if strategy == 'auto':
     assert fedjx.mapping.choose_chunk_size('auto', C, 1 << 10, 1, backend='cpu') == C

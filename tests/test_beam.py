@@ -56,6 +56,7 @@ def test_one_round_equals_jax(build):
   _assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_several_rounds_in_one_pipeline_and_in_a_row():
   algo = algorithms.fedadam(_loss, client_optimizer=optax.sgd(0.1),
                             server_learning_rate=0.05)
@@ -132,6 +133,7 @@ def test_an_op_that_cannot_be_placed_is_named():
     fedjx_beam.run(program, fedjx_beam.ClientData.from_arrays(jnp.ones((4, 2))))
 
 
+@pytest.mark.slow
 def test_scaffold_per_client_state_is_collected_and_written_per_client():
   """SCAFFOLD looks its control variates up by client id and writes them
   back: the ids and the new variates are collected to the server."""

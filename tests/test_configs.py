@@ -53,7 +53,15 @@ OFFLINE_FILES = [p for p in CONFIG_FILES
                  if load(p).dataset.name in OFFLINE]
 
 
-@pytest.mark.parametrize('path', OFFLINE_FILES, ids=os.path.basename)
+# The text configs (a transformer) and the secure sum's 16-bit Skellam
+# draws are the slowest to build and compile: with the slow tests.
+_SLOW_CONFIGS = ('async_diloco_text.py', 'streaming_diloco_text.py', 'diloco_text.py',
+                 'diloco_text_equal_compute.py', 'secagg_ddp_digits.py')
+
+
+@pytest.mark.parametrize('path', [
+    pytest.param(p, marks=pytest.mark.slow) if os.path.basename(p) in _SLOW_CONFIGS
+    else p for p in OFFLINE_FILES], ids=os.path.basename)
 def test_offline_config_builds_and_runs_a_round(path):
   config = config_base.smoke_sized(load(path))
   exp = runner.build(config)

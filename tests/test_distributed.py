@@ -62,6 +62,7 @@ def _params(workdir):
   return step, [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_eight_devices(tmp_path):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
              JAX_PLATFORMS='cpu')

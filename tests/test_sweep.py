@@ -114,6 +114,7 @@ def test_classification_traced_and_structural():
   assert structural == ['algorithm.local_epochs', 'batch_size']
 
 
+@pytest.mark.slow
 def test_trials_equal_single_runs(tmp_path):
   config = small_config()
   settings = sweep_spec.settings(
@@ -297,6 +298,7 @@ def _sweep_process(config_file, workdir):
       text=True, env=dict(os.environ, JAX_PLATFORMS='cpu'))
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_equals_an_uninterrupted_sweep(tmp_path):
   config_file = _config_file(
       tmp_path, 'rounds=40, checkpoint_every=1',

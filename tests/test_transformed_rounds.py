@@ -74,7 +74,9 @@ def _tangent():
   return jax.tree.map(lambda p: jnp.linspace(-1.0, 1.0, p.size).reshape(p.shape), _params())
 
 
-@pytest.mark.parametrize('name,rounds', [('fedavg', 1), ('fedadam', 1), ('fedavg', 2)],
+@pytest.mark.parametrize('name,rounds', [
+    ('fedavg', 1), pytest.param('fedadam', 1, marks=pytest.mark.slow),
+    pytest.param('fedavg', 2, marks=pytest.mark.slow)],
                          ids=['fedavg', 'fedadam', 'two_stage_fedavg'])
 def test_grad_and_jvp_of_rounds_in_beam_with_client_held_weights(name, rounds):
   objective = _objective(ALGORITHMS[name](), rounds)
