@@ -61,7 +61,6 @@ from jax.scipy import special
 import fedjx
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
-from fedjx.algorithms import nonfinite
 
 METRIC = 'malicious_clients'
 # The stream of the malicious set's draw, and of the attack's noise (folded

@@ -24,7 +24,6 @@ from fedjx.datasets import poisoning
 from fedjx.experiments import attack as attack_lib
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import config_base
-from fedjx.experiments import evaluation
 from fedjx.experiments import registry
 
 import float_tolerance

@@ -25,7 +25,7 @@ from fedjx.algorithms import robust_aggregators as ra
 from fedjx.interpreters import plan as plan_lib
 import float_tolerance as ft
 from test_algorithms_util import KEY, linreg_data, linreg_loss, linreg_params
-from test_algorithms_util import make_cohort, reference_sgd
+from test_algorithms_util import make_cohort
 
 
 # ------------------------------------------------------------------ harness

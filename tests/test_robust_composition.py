@@ -19,7 +19,7 @@ import fedjx.algorithms as algos
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import order_statistics
 import test_robust_aggregators as oracles
-from test_algorithms_util import KEY, assert_trees_close, copy, linreg_data
+from test_algorithms_util import KEY, assert_trees_close, linreg_data
 from test_algorithms_util import linreg_loss, linreg_params, make_cohort
 
 # Config specs of the defenses and their float64 rules on the participants'
