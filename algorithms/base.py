@@ -10,6 +10,12 @@ An algorithm is an :class:`Algorithm`, a pair of pure functions
 * ``round(state, cohort, key) -> (state, metrics)``: one round of training on
   a cohort of clients, jit-compiled with the state donated;
 
+An algorithm whose clients keep state between rounds outside the server
+state (``client_state_init`` set: SCAFFOLD's ``c_i``, a personal model) reads
+the cohort's rows of it from ``cohort.client_states`` and returns their new
+values as a third output, ``round(state, cohort, key) -> (state, metrics,
+client_states)``; the caller keeps the rows (``docs/client_state.md``).
+
 plus ``run_rounds``, many rounds in one compiled call (``lax.scan`` over a
 stack of cohorts), and ``apply``, the round as a plain function for use
 inside ``jax.grad``, ``jax.vmap`` or a caller's own ``jit``.
@@ -68,6 +74,14 @@ class Algorithm(NamedTuple):
       donate: ``apply(state, ...)`` twice from one state compares variants.
     compiler: ``compiler(map_strategy, chunk_size, donate) -> Algorithm``,
       used by :meth:`compile` (None for algorithms assembled by hand).
+    client_state_init: None for an algorithm whose clients keep no state
+      outside the server state. Otherwise ``client_state_init(params) ->
+      pytree``: the state of one client that has never participated (the
+      value a store returns for it). Then ``round`` reads the cohort's rows
+      from ``cohort.client_states`` (leaves ``[C, ...]``) and returns
+      ``(state, metrics, client_states)``, the rows' new values (a padding
+      client's row is returned unchanged); ``run_rounds`` is refused, since
+      a client drawn in two rounds of one scan would miss its own update.
   """
 
   init: Callable[[Params], Any]
@@ -75,6 +89,7 @@ class Algorithm(NamedTuple):
   run_rounds: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]]
   apply: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]]
   compiler: Callable[..., 'Algorithm'] | None = None
+  client_state_init: Callable[[Params], PyTree] | None = None
 
   def compile(self, map_strategy: str = 'auto', chunk_size: int | None = None,
               donate: bool = True) -> 'Algorithm':
@@ -227,6 +242,23 @@ def check_cohort(fn: str, cohort: Cohort) -> int:
       raise ValueError(f'{fn}: cohort.{field} must have shape [C] = ({c},) '
                        f'(one entry per client of cohort.mask); got {shape}.')
   return c
+
+
+def check_client_states(fn: str, cohort: Cohort, c: int) -> None:
+  """Checks that ``cohort.client_states`` holds one row per client."""
+  rows = getattr(cohort, 'client_states', None)
+  leaves = jax.tree_util.tree_leaves_with_path(rows)
+  if rows is None or not leaves:
+    raise ValueError(
+        f'{fn}: cohort.client_states={rows!r}; this algorithm keeps per-client '
+        'state outside the server state, so the cohort must carry its '
+        'clients\' rows (leaves [C, ...]), e.g. from a ClientStore '
+        '(docs/client_state.md).')
+  for path, leaf in leaves:
+    if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != c:
+      raise ValueError(
+          f'{fn}: cohort.client_states{jax.tree_util.keystr(path)} has shape '
+          f'{jnp.shape(leaf)}; its leading axis must be the cohort size {c}.')
 
 
 def check_model(fn: str, loss_fn: LossFn, metrics_fn: MetricsFn | None,
@@ -493,7 +525,9 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
                    *, loss_fn: LossFn, metrics_fn: MetricsFn | None = None,
                    map_strategy: str | None = None,
                    chunk_size: int | None = None,
-                   options: Mapping[str, Any] | None = None) -> Algorithm:
+                   options: Mapping[str, Any] | None = None,
+                   client_state_init: Callable[[Params], PyTree] | None = None
+                   ) -> Algorithm:
   """Wraps an algorithm's ``init`` and round (a fedjx program body).
 
   ``round_fn`` is written with the fedjx primitives and called inside
@@ -503,7 +537,13 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
   ``map_strategy`` and ``chunk_size`` here are the builders' deprecated
   arguments, passed on to ``compile``. ``options`` (a builder's
   :data:`COMMON_OPTIONS`), if given, supplies all three.
+
+  With ``client_state_init`` (see :class:`Algorithm`), ``round_fn`` reads
+  ``cohort.client_states`` and returns ``(state, metrics, client_states)``.
   """
+  if client_state_init is not None and not callable(client_state_init):
+    raise ValueError(f'{name}: client_state_init={client_state_init!r} must '
+                     'be callable (params -> one client\'s initial state) or None.')
   if options is not None:
     metrics_fn = options['metrics_fn']
     map_strategy, chunk_size = options['map_strategy'], options['chunk_size']
@@ -529,11 +569,20 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
     def apply(state: Any, cohort: Cohort, key: jax.Array) -> tuple[Any, Metrics]:
       c = check_cohort(name, cohort)
       check_model(name, loss_fn, metrics_fn, state.params, cohort)
+      if client_state_init is not None:
+        check_client_states(name, cohort, c)
       program = fedjx.program(clients=c, map_strategy=strategy,
                               chunk_size=chunks)
       return program(round_fn)(state, cohort, key)
 
     def run(state, cohorts, keys):
+      if client_state_init is not None:
+        raise ValueError(
+            f'{name}: run_rounds is not available when clients keep state '
+            'outside the server state (client_state_init is set): a client '
+            'drawn in two rounds of one scan would read its state from before '
+            'the scan. Run rounds one at a time, writing each round\'s '
+            'client_states back (docs/client_state.md).')
       return scan_rounds(apply, state, cohorts, keys)
 
     apply.__name__ = f'{name}_round'
@@ -542,6 +591,7 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
     return Algorithm(init=init_state,
                      round=jax.jit(apply, donate_argnums=donated),
                      run_rounds=jax.jit(run, donate_argnums=donated),
-                     apply=apply, compiler=compiler)
+                     apply=apply, compiler=compiler,
+                     client_state_init=client_state_init)
 
   return compiler(map_strategy or 'auto', chunk_size, True)

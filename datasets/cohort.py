@@ -6,7 +6,11 @@ A round consumes a :class:`Cohort` (see ``docs/interfaces.md``):
   examples for each of ``C`` clients;
 * ``mask``: ``[C, S, B]`` bool, True where an example is real;
 * ``num_examples``: ``[C]`` float32, the distinct real examples per client;
-* ``client_ids``: ``[C]`` int32, the clients' ids in the population.
+* ``client_ids``: ``[C]`` int32, the clients' ids in the population;
+* ``client_states``: for an algorithm with per-client state kept outside
+  the server state (``Algorithm.client_state_init`` is set, see
+  ``docs/client_state.md``), the cohort's rows of that state, a pytree of
+  ``[C, ...]`` leaves in cohort order; None (the default) otherwise.
 
 Building one takes three steps, each a function here:
 
@@ -53,6 +57,7 @@ class Cohort(NamedTuple):
   mask: Any
   num_examples: Any
   client_ids: Any
+  client_states: Any = None
 
   @property
   def shape(self) -> tuple[int, int, int]:
