@@ -25,7 +25,8 @@ Modules: ``fedjx.interpreters`` (the MapReduce plan of a program and what
 runs it: ``plan``, ``beam`` for Apache Beam, ``export`` for exported
 computations; also reachable as ``fedjx.plan``, ``fedjx.beam`` and
 ``fedjx.export``), ``fedjx.streaming``, ``fedjx.sharding``,
-``fedjx.distributed``.
+``fedjx.distributed``, ``fedjx.client_store`` (:class:`ClientStore`, per-client
+state kept on the host, docs/client_state.md).
 """
 
 from fedjx import _lazy
@@ -46,16 +47,19 @@ _NAMES = {
     'broadcast_p': 'fedjx.primitives', 'reduce_mean_p': 'fedjx.primitives',
     'reduce_sum_p': 'fedjx.primitives',
     'reduce_weighted_mean_p': 'fedjx.primitives',
+    'ClientStore': 'fedjx.client_store',
 }
 # The primitive layer's own modules, for ``fedjx.mapping.any_in_chunk`` and
 # the like after ``import fedjx`` alone.
-MODULES = ('api', 'beam', 'distributed', 'execution', 'export', 'frames',
-           'fusion', 'interpreters', 'mapping', 'options', 'placements', 'plan',
-           'primitives', 'reductions', 'sharding', 'streaming')
+MODULES = ('api', 'beam', 'client_store', 'distributed', 'execution', 'export',
+           'frames', 'fusion', 'interpreters', 'mapping', 'options',
+           'placements', 'plan', 'primitives', 'reductions', 'sharding',
+           'streaming')
 __getattr__, __dir__ = _lazy.submodules(__name__, SUBPACKAGES + MODULES, _NAMES)
 
 
 __all__ = [
+    'ClientStore',
     'MAP_STRATEGIES',
     'broadcast',
     'broadcast_p',
