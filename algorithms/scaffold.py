@@ -18,9 +18,19 @@ paper's). ``K`` is the number of real local steps client ``i`` took, so
 padding never changes ``c_i``. ``eta_g`` is the server optimizer (SGD with
 learning rate ``eta_g``, 1 by default); ``c`` stays the mean of all ``c_i``.
 
-The ``c_i`` are stored in the state as one ``[N, ...]`` array per parameter,
-indexed by ``cohort.client_ids`` (which must be distinct within a cohort and
-lie in ``[0, N)``).
+Where the ``c_i`` live (``client_state``, docs/client_state.md):
+
+* ``'dense'`` (the default): in the server state, one ``[N, ...]`` array per
+  parameter indexed by ``cohort.client_ids`` (distinct within a cohort, in
+  ``[0, N)``): ``N`` copies of the model, fine for small populations.
+* ``'store'``: outside the server state, in a
+  :class:`fedjx.client_store.ClientStore` on the host. The algorithm's
+  ``client_state_init`` is ``zeros_like(params)`` (the ``c_i`` of a client
+  that never participated); the round reads the cohort's ``c_i`` from
+  ``cohort.client_states`` and returns the ``c_i+`` as its third output
+  (a padding or skipped client's ``c_i`` unchanged), for the caller to write
+  back. The server's ``c`` update is the same, so both placements give the
+  same rounds.
 """
 
 from __future__ import annotations
@@ -47,7 +57,8 @@ class ScaffoldState(NamedTuple):
     params: the server model ``x``.
     opt_state: the server optimizer's state.
     control: the server control variate ``c``.
-    client_controls: every client's ``c_i``, leaves ``[N, ...]``.
+    client_controls: every client's ``c_i``, leaves ``[N, ...]``
+      (``client_state='dense'``); ``()`` with ``client_state='store'``.
     hparams: ``client_learning_rate`` (``eta_l``) and the optimizers'.
     round_index: rounds run so far.
     aggregator_state: the aggregator's state (``()`` when it has none).
@@ -89,11 +100,13 @@ def _check_learning_rate(fn: str, client_learning_rate: float | None,
 
 # fedavg's options but the one SCAFFOLD sets itself (its client correction).
 OPTIONS = without('client_transform')
+CLIENT_STATES = ('dense', 'store')
 
 
 @base.with_options(OPTIONS)
 def scaffold(loss_fn: base.LossFn, num_clients: int, *,
              client_learning_rate: float | None = None,
+             client_state: str = 'dense',
              **options: Any) -> base.Algorithm:
   """SCAFFOLD (option II) over a population of ``num_clients`` clients.
 
@@ -108,6 +121,10 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
       after :func:`fedjx.algorithms.client_transforms.control_variate`);
       option II still divides by ``K eta_l``, so an optimizer whose injected
       ``learning_rate`` differs from ``client_learning_rate`` is refused.
+    client_state: where the ``c_i`` live: ``'dense'`` (``[N, ...]`` arrays
+      in ``state.client_controls``) or ``'store'`` (outside the state: the
+      round reads them from ``cohort.client_states`` and returns
+      ``(state, metrics, client_states)``, the cohort's ``c_i+``).
     server_optimizer: on the pseudo-gradient ``-sum w_i Delta y_i / sum w_i``
       (default SGD with ``eta_g = 1``).
     aggregator: how the ``Delta y_i`` are combined (default the weighted
@@ -123,6 +140,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
   o = base.take_options(name, options, OPTIONS)
   client_optimizer, metrics_fn = o['client_optimizer'], o['metrics_fn']
   base.check_positive_int(name, 'num_clients', num_clients)
+  base.check_choice(name, 'client_state', client_state, CLIENT_STATES)
+  dense = client_state == 'dense'
   if client_optimizer is not None:
     base.check_optimizer(name, 'client_optimizer', client_optimizer)
   client_learning_rate = _check_learning_rate(name, client_learning_rate,
@@ -149,7 +168,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
     return ScaffoldState(
         params=params, opt_state=server_optimizer.init(params), control=zeros,
         client_controls=jax.tree.map(
-            lambda p: jnp.zeros((n_pop,) + jnp.shape(p), jnp.result_type(p)), params),
+            lambda p: jnp.zeros((n_pop,) + jnp.shape(p), jnp.result_type(p)),
+            params) if dense else (),
         hparams=base.combine_hparams(
             'scaffold',
             algorithm={'client_learning_rate': jnp.asarray(client_learning_rate, jnp.float32),
@@ -183,7 +203,11 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
   def round_fn(state, cohort, key):
     real = cohort.num_examples > 0
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
-    c_i = base.gather_clients(state.client_controls, ids)
+    if dense:
+      c_i = base.gather_clients(state.client_controls, ids)
+    else:
+      c_i = jax.tree.map(lambda p, r: jnp.asarray(r, jnp.result_type(p)),
+                         state.params, cohort.client_states)
     clients = aggregators.map_clients(
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.params), fedjx.broadcast(state.control), c_i,
@@ -198,16 +222,32 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
         clients, key)  # pseudo_grad = -Delta x
     control = jax.tree.map(lambda c, s: c + s / n_pop, state.control,
                            fedjx.reduce_sum(delta_c))
-    client_controls = base.scatter_clients(  # c_i <- c_i+ (not for padding).
-        state.client_controls, ids, jax.tree.map(jnp.add, c_i, delta_c), real)
+    c_plus = jax.tree.map(jnp.add, c_i, delta_c)  # Delta c_i = 0 if skipped.
+    if dense:
+      client_controls = base.scatter_clients(  # c_i <- c_i+ (not for padding).
+          state.client_controls, ids, c_plus, real)
+    else:
+      client_controls = ()
+      c_plus = jax.tree.map(  # A padding client's row comes back unchanged.
+          lambda new, old: jnp.where(
+              jnp.reshape(real, real.shape + (1,) * (new.ndim - 1)), new, old),
+          c_plus, c_i)
     metrics = nonfinite.round_metrics(clients,
                                       pseudo_grad_norm=optax.tree.norm(pseudo_grad),
                                       control_norm=optax.tree.norm(control),
                                       **agg_metrics)
     metrics.update(per_client)  # Per-client [C] metrics, if asked.
-    return state._replace(params=params, opt_state=opt_state, control=control,
-                          client_controls=client_controls,
-                          round_index=state.round_index + 1,
-                          aggregator_state=agg_state), metrics
+    state = state._replace(params=params, opt_state=opt_state, control=control,
+                           client_controls=client_controls,
+                           round_index=state.round_index + 1,
+                           aggregator_state=agg_state)
+    return (state, metrics) if dense else (state, metrics, c_plus)
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return base.make_algorithm(
+      name, init, round_fn, loss_fn=loss_fn, options=o,
+      client_state_init=None if dense else zeros_like)
+
+
+def zeros_like(params: base.Params) -> base.Params:
+  """One client's ``c_i`` before it participates: zeros shaped like ``params``."""
+  return jax.tree.map(jnp.zeros_like, params)

@@ -5,6 +5,8 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
+from fedjx.client_store import ClientStore
+from fedjx.datasets import Cohort
 from test_algorithms_util import KEY, assert_trees_close, make_cohort
 
 DIM, N, ETA_L, ETA_G = 3, 5, 0.1, 0.8
@@ -96,3 +98,60 @@ def test_client_learning_rate_is_the_optimizer_s_or_a_mismatch_is_refused():
   assert float(s1.hparams['client_learning_rate']) == np.float32(0.05)
   assert_trees_close(s1.client_controls['y'], s2.client_controls['y'])
   assert_trees_close(s1.params['y'], s2.params['y'])
+
+
+def _store_cohort(population, ids, batch):
+  """A cohort of ``ids`` (-1: a padding client with no data)."""
+  empty = {k: v[:0] for k, v in population[0].items()}
+  return make_cohort([population[i] if i >= 0 else empty for i in ids],
+                     batch_size=batch, steps=3, client_ids=ids)
+
+
+@pytest.mark.parametrize('strategy,chunk', [('vmap', None), ('chunked', 2),
+                                            ('sequential', None)])
+def test_store_placement_equals_dense_over_rounds(strategy, chunk):
+  rng = np.random.default_rng(33)
+  population = {i: _client(rng, n) for i, n in enumerate([4, 6, 2, 5, 3])}
+  # Repeated clients across rounds, padding clients (-1) among them.
+  cohorts = [[4, 0, -1, 2], [1, 4, 3, -1], [2, -1, 0, 4], [3, 2, 1, -1]]
+  kw = dict(client_learning_rate=ETA_L, server_optimizer=optax.sgd(ETA_G))
+  dense = algos.scaffold(quadratic_loss, N, **kw).compile(strategy, chunk)
+  store = algos.scaffold(quadratic_loss, N, client_state='store', **kw).compile(
+      strategy, chunk)
+  assert dense.client_state_init is None
+  params = {'y': np.array([0.3, -0.2, 0.1], np.float32)}
+  initial = store.client_state_init(params)
+  np.testing.assert_array_equal(initial['y'], np.zeros(DIM, np.float32))
+  rows = ClientStore(initial, N)
+  s_dense, s_store = dense.init(params), store.init(params)
+  assert s_store.client_controls == ()
+  for ids in cohorts:
+    cohort = _store_cohort(population, ids, batch=2)
+    s_dense, m_dense = dense.round(s_dense, cohort, KEY)
+    read = rows.read(np.asarray(ids))
+    s_store, m_store, new = store.round(
+        s_store, Cohort(*cohort, client_states=read), KEY)
+    pad = np.asarray(ids) < 0
+    np.testing.assert_array_equal(np.asarray(new['y'])[pad], read['y'][pad])
+    rows.write(np.asarray(ids), new)
+    assert_trees_close(s_store.params, s_dense.params)
+    assert_trees_close(s_store.control, s_dense.control)
+    assert_trees_close(rows.read(np.arange(N)), s_dense.client_controls)
+    assert float(m_store['clients']) == float(m_dense['clients']) == 3
+  assert len(rows) == N  # Every client of the population has participated.
+
+
+def test_store_placement_needs_the_cohort_s_rows():
+  rng = np.random.default_rng(34)
+  algo = algos.scaffold(quadratic_loss, 3, client_state='store')
+  state = algo.init({'y': np.zeros(DIM, np.float32)})
+  cohort = Cohort(*make_cohort([_client(rng, 3), _client(rng, 2)], 2))
+  with pytest.raises(ValueError, match='cohort.client_states=None'):
+    algo.round(state, cohort, KEY)
+  rows = {'y': np.zeros((3, DIM), np.float32)}  # 3 rows for 2 clients.
+  with pytest.raises(ValueError, match='leading axis must be the cohort size 2'):
+    algo.round(state, cohort._replace(client_states=rows), KEY)
+  with pytest.raises(ValueError, match='run_rounds is not available'):
+    algo.run_rounds(state, cohort, KEY)
+  with pytest.raises(ValueError, match="client_state='device'"):
+    algos.scaffold(quadratic_loss, 3, client_state='device')
