@@ -88,6 +88,19 @@ from fedjx.algorithms.schedules import scheduled
 from fedjx.algorithms.mime import MimeState
 from fedjx.algorithms.mime import mime
 from fedjx.algorithms.mime import mime_lite
+from fedjx.algorithms.ditto import ditto
+from fedjx.algorithms.ditto import personalize_fn as ditto_personalize_fn
+from fedjx.algorithms.feddyn import FedDynState
+from fedjx.algorithms.feddyn import feddyn
+from fedjx.algorithms.fedrep import fedper
+from fedjx.algorithms.fedrep import fedrep
+from fedjx.algorithms.fedrep import personalize_fn as fedrep_personalize_fn
+from fedjx.algorithms.apfl import apfl
+from fedjx.algorithms.apfl import personalize_fn as apfl_personalize_fn
+from fedjx.algorithms.hyp_cluster import HypClusterState
+from fedjx.algorithms.hyp_cluster import hyp_cluster
+from fedjx.algorithms.hyp_cluster import kmeans_init
+from fedjx.algorithms.hyp_cluster import personalize_fn as hyp_cluster_personalize_fn
 from fedjx.algorithms.afl import AFLState
 from fedjx.algorithms.afl import afl
 from fedjx.algorithms.fedasync import FedAsyncState
@@ -192,6 +205,19 @@ __all__ = [
     'MimeState',
     'mime',
     'mime_lite',
+    'ditto',
+    'ditto_personalize_fn',
+    'FedDynState',
+    'feddyn',
+    'fedper',
+    'fedrep',
+    'fedrep_personalize_fn',
+    'apfl',
+    'apfl_personalize_fn',
+    'HypClusterState',
+    'hyp_cluster',
+    'hyp_cluster_personalize_fn',
+    'kmeans_init',
     'AFLState',
     'FedAsyncState',
     'afl',
