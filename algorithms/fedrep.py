@@ -249,14 +249,16 @@ def _build(name: str, loss_fn: base.LossFn, head: HeadLabels,
 
 
 @base.with_options(OPTIONS)
-def fedrep(loss_fn: base.LossFn, head: HeadLabels, *, head_epochs: int = 1,
+def fedrep(loss_fn: base.LossFn, head: HeadLabels = 'logits', *,
+           head_epochs: int = 1,
            head_steps: int | None = None, **options: Any) -> base.Algorithm:
   """FedRep: each client's head steps, then its body steps (module docstring).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
     head: which parameters are the head (module docstring): labels, a
-      callable ``params -> labels``, or key name(s).
+      callable ``params -> labels``, or key name(s); the default,
+      ``'logits'``, is the output layer of every :mod:`fedjx.models` model.
     head_epochs: passes of the head phase over the client's steps
       (``tau_h``; Collins et al. use several), or
     head_steps: exactly this many head steps.
@@ -288,7 +290,7 @@ def fedrep(loss_fn: base.LossFn, head: HeadLabels, *, head_epochs: int = 1,
 
 
 @base.with_options(OPTIONS)
-def fedper(loss_fn: base.LossFn, head: HeadLabels,
+def fedper(loss_fn: base.LossFn, head: HeadLabels = 'logits',
            **options: Any) -> base.Algorithm:
   """FedPer: joint local steps on body and personal head; the body averaged.
 
@@ -302,7 +304,7 @@ def fedper(loss_fn: base.LossFn, head: HeadLabels,
 
 # ---------------------------------------------------------- personalization
 
-def personalize_fn(loss_fn: base.LossFn, head: HeadLabels, *,
+def personalize_fn(loss_fn: base.LossFn, head: HeadLabels = 'logits', *,
                    head_steps: int = 0,
                    optimizer: optax.GradientTransformation | None = None
                    ) -> Callable[[Any, Any, Mapping[str, Any]], base.Params]:

@@ -387,6 +387,13 @@ ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
     'fedexp': AlgorithmEntry(algorithms_lib.fedexp, **_FEDAVG_FAMILY),
     'scaffold': per_client(algorithms_lib.scaffold, 'num_clients',
                            updates_reach_params=True),
+    # Each client's row (a head, a personal model, FedDyn's gradient state)
+    # moves beside the model, which a check of the new model does not see:
+    # guarded.
+    'fedrep': AlgorithmEntry(algorithms_lib.fedrep),
+    'fedper': AlgorithmEntry(algorithms_lib.fedper),
+    'ditto': AlgorithmEntry(algorithms_lib.ditto),
+    'feddyn': per_client(algorithms_lib.feddyn, 'num_clients'),
     'dp_fedavg': AlgorithmEntry(algorithms_lib.dp_fedavg, updates_reach_params=True),
     'diloco': per_client(algorithms_lib.diloco, 'num_replicas',
                          updates_reach_params=True),
