@@ -40,7 +40,8 @@ from fedjx.algorithms import nonfinite
 from fedjx.algorithms.fedavg import check_parts
 from fedjx.algorithms.fedavg import without
 
-OPTIONS: dict[str, Any] = {**without('client_transform')}
+OPTIONS: dict[str, Any] = {**without('client_transform'), 'init_noise': 0.01,
+                           'init_seed': 0}
 
 
 class HypClusterState(NamedTuple):
@@ -178,17 +179,21 @@ def _check_aggregator(fn: str, aggregator: Any) -> None:
 
 
 @base.with_options(OPTIONS)
-def hyp_cluster(loss_fn: base.LossFn, num_clusters: int,
+def hyp_cluster(loss_fn: base.LossFn, num_clusters: int = 2,
                 **options: Any) -> base.Algorithm:
   """HypCluster (Mansour et al. 2020) with ``num_clusters`` cluster models.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses; it both
       chooses each client's cluster and trains it.
-    num_clusters: ``K``. ``init`` takes one model (every cluster starts from
-      it; use :func:`kmeans_init` for distinct ones), or a list or tuple of
-      ``K`` models, or one whose leaves are already stacked ``[K, ...]``
-      (pass ``stack(models)``).
+    num_clusters: ``K`` [2]. ``init`` takes a list or tuple of ``K`` models
+      (e.g. from :func:`kmeans_init`), or one model: cluster 0 is that model
+      and cluster ``k > 0`` that model plus Gaussian noise of standard
+      deviation ``init_noise`` drawn from ``fold_in(key(init_seed), k)``
+      (identical clusters would never separate: every tie goes to cluster 0).
+    init_noise: that standard deviation, absolute [0.01]; 0 starts every
+      cluster at the one model.
+    init_seed: the noise's seed [0].
     client_optimizer, server_optimizer, weighting, local_epochs,
     local_steps, metrics_fn, client_evaluation, skip_nonfinite,
     client_metrics: as :func:`~fedjx.algorithms.fedavg` (no
@@ -203,6 +208,9 @@ def hyp_cluster(loss_fn: base.LossFn, num_clusters: int,
   name = 'hyp_cluster'
   o = base.take_options(name, options, OPTIONS)
   base.check_positive_int(name, 'num_clusters', num_clusters)
+  base.check_number(name, 'init_noise', o['init_noise'])
+  if isinstance(o['init_seed'], bool) or not isinstance(o['init_seed'], int):
+    raise ValueError(f'{name}: init_seed={o["init_seed"]!r} must be an int.')
   _check_aggregator(name, o['aggregator'])
   client_optimizer, server_optimizer, _, schedule = check_parts(
       name, dict(o, client_transform=None, aggregator=None))
@@ -218,8 +226,19 @@ def hyp_cluster(loss_fn: base.LossFn, num_clusters: int,
                          f'num_clusters={k_num}.')
       stacked = stack(models)
     else:
-      stacked = jax.tree.map(
-          lambda x: jnp.broadcast_to(x, (k_num,) + jnp.shape(x)), models)
+      seed = jax.random.key(o['init_seed'])
+      leaves, treedef = jax.tree.flatten(models)
+      def spread(i, x):  # Leaf i, cluster k: fold_in(fold_in(seed, i), k).
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+          return jnp.broadcast_to(x, (k_num,) + x.shape)
+        noise = [jnp.zeros_like(x)] + [
+            o['init_noise'] * jax.random.normal(
+                jax.random.fold_in(jax.random.fold_in(seed, i), k), x.shape, x.dtype)
+            for k in range(1, k_num)]
+        return x + jnp.stack(noise)
+      stacked = jax.tree.unflatten(
+          treedef, [spread(i, x) for i, x in enumerate(leaves)])
     one = cluster(stacked, 0)
     return HypClusterState(
         params=one, cluster_params=stacked,

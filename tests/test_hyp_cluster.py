@@ -213,6 +213,8 @@ def test_errors_are_one_line():
     algos.hyp_cluster(linreg_loss, 2, aggregator=dict(name='gaussian', clip_norm=1.0))
   with pytest.raises(ValueError, match=r'hyp_cluster: num_clusters=0 must be'):
     algos.hyp_cluster(linreg_loss, 0)
+  with pytest.raises(ValueError, match=r'hyp_cluster: init_noise=-1.0 is not allowed'):
+    algos.hyp_cluster(linreg_loss, 2, init_noise=-1.0)
   with pytest.raises(ValueError, match=r'hyp_cluster: init got 1 models but'):
     algos.hyp_cluster(square_loss, 2).init([jnp.array(1.)])
   cohort = make_cohort(FEDJAX_CLIENTS, batch_size=1)
@@ -220,3 +222,18 @@ def test_errors_are_one_line():
     kmeans_init(square_loss, jnp.array(0.), cohort, 2, first=7)
   with pytest.raises(ValueError, match=r'kmeans_init: give first'):
     kmeans_init(square_loss, jnp.array(0.), cohort, 2)
+
+
+def test_one_model_init_spreads_clusters_by_seeded_noise():
+  params = {'w': jnp.arange(3, dtype=jnp.float32), 'b': jnp.float32(0.5)}
+  state = algos.hyp_cluster(linreg_loss, 3, init_noise=0.1, init_seed=4).init(params)
+  leaves = jax.tree.leaves(params)
+  for i, (x, got) in enumerate(zip(leaves, jax.tree.leaves(state.cluster_params))):
+    np.testing.assert_array_equal(got[0], x)
+    for k in (1, 2):
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(4), i), k)
+      want = np.asarray(x) + 0.1 * np.asarray(jax.random.normal(key, jnp.shape(x)))
+      np.testing.assert_allclose(got[k], want, rtol=ft.rtol(2), atol=ft.atol(2, 1.0))
+  same = algos.hyp_cluster(linreg_loss, 3, init_noise=0.0).init(params)
+  for got in jax.tree.leaves(same.cluster_params):
+    np.testing.assert_array_equal(got[1], got[0])
