@@ -394,6 +394,10 @@ ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
     'fedper': AlgorithmEntry(algorithms_lib.fedper),
     'ditto': AlgorithmEntry(algorithms_lib.ditto),
     'feddyn': per_client(algorithms_lib.feddyn, 'num_clients'),
+    'apfl': AlgorithmEntry(algorithms_lib.apfl),
+    # Its K cluster models are state beside the one model state.params
+    # holds: guarded.
+    'hyp_cluster': AlgorithmEntry(algorithms_lib.hyp_cluster),
     'dp_fedavg': AlgorithmEntry(algorithms_lib.dp_fedavg, updates_reach_params=True),
     'diloco': per_client(algorithms_lib.diloco, 'num_replicas',
                          updates_reach_params=True),
