@@ -13,8 +13,8 @@ client first takes part). A round on a cohort ``S`` with the global model
     server:         w <- w + ServerOpt(sum_k w_k Delta_k / sum_k w_k)
 
 The global update is FedAvg's (its client optimizer, local schedule,
-aggregator and server optimizer; ``ServerOpt = SGD(1)`` is the paper's
-average). The personal steps are on ``h_k(v; w) = F_k(v) + (lambda / 2)
+aggregator and server optimizer; ``ServerOpt = SGD(1)`` with
+``weighting='uniform'`` is the paper's average). The personal steps are on ``h_k(v; w) = F_k(v) + (lambda / 2)
 ||v - w||^2``: the personal optimizer (SGD ``eta_v = 0.1`` by default)
 chained after :func:`fedjx.algorithms.client_transforms.proximal` anchored
 at ``w``, the model the client received. ``lambda = 0`` trains ``v_k`` on

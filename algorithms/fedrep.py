@@ -28,7 +28,8 @@ phase), ``tau`` the local schedule (``local_epochs`` / ``local_steps``;
 FedRep's head phase: ``head_epochs`` / ``head_steps``). Only the body is
 sent, so an aggregator (a DP one included) sees the body update only; the
 head never leaves the client. With ``ServerOpt = SGD(1)`` (the default) the
-body is the weighted mean of the ``phi_i``, the papers'.
+body is the weighted mean of the ``phi_i``; the papers' is the uniform mean
+(``weighting='uniform'``).
 
 Which parameters are the head, ``head``, labels the parameter tree the way
 ``optax.multi_transform``'s ``param_labels`` do:
