@@ -189,17 +189,24 @@ def pushed(frame: Frame) -> Iterator[None]:
 # reduces over.
 _CHUNK_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
     'fedjx_chunk_axes', default=())
+# Those of them sharded over an Explicit mesh axis, where JAX cannot psum
+# over them (any_in_chunk gathers instead).
+_GATHER_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    'fedjx_gather_axes', default=())
 
 
 @contextlib.contextmanager
-def chunk_axis(name: str | None) -> Iterator[None]:
+def chunk_axis(name: str | None, explicit: bool = False) -> Iterator[None]:
   """Marks the block as tracing one chunk's members, vmapped on axis ``name``
   (None: one member at a time, no axis; ``''``: vmapped on no named axis,
-  so members cannot agree on a predicate)."""
+  so members cannot agree on a predicate); ``explicit``: the axis is
+  sharded over an Explicit mesh axis."""
   token = _CHUNK_AXES.set(_CHUNK_AXES.get() + (() if name is None else (name,)))
+  gather = _GATHER_AXES.set(_GATHER_AXES.get() + ((name,) if explicit and name else ()))
   try:
     yield
   finally:
+    _GATHER_AXES.reset(gather)
     _CHUNK_AXES.reset(token)
 
 
@@ -210,3 +217,8 @@ def chunk_axis_name(placement: str) -> str:
 
 def chunk_axes() -> tuple[str, ...]:
   return _CHUNK_AXES.get()
+
+
+def gather_axes() -> tuple[str, ...]:
+  """The chunk axes sharded over an Explicit mesh axis."""
+  return _GATHER_AXES.get()

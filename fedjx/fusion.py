@@ -50,6 +50,7 @@ from jax.interpreters import batching
 from jax.interpreters import mlir
 
 from fedjx import frames
+from fedjx import mapping
 from fedjx import primitives
 from fedjx import reductions
 
@@ -67,9 +68,12 @@ class MapSpec:
     k: members per chunk.
     placement: the placement's name.
     out_avals: the stacked outputs' avals (leading axis ``n``).
+    by_cost: whether the last operand is each member's cost, from which the
+      chunks are formed (:func:`fedjx.mapping.chunk_widths`).
   """
 
-  def __init__(self, jaxpr, num_consts, num_placed, n, k, placement, out_avals):
+  def __init__(self, jaxpr, num_consts, num_placed, n, k, placement, out_avals,
+               by_cost=False):
     self.jaxpr = jaxpr
     self.num_consts = num_consts
     self.num_placed = num_placed
@@ -77,6 +81,7 @@ class MapSpec:
     self.k = k
     self.placement = placement
     self.out_avals = tuple(out_avals)
+    self.by_cost = by_cost
 
   def __repr__(self):
     return f'MapSpec(placement={self.placement}, n={self.n}, k={self.k})'
@@ -147,8 +152,10 @@ class Recorder:
     return self.active and jex_core.get_opaque_trace_state() == self.trace
 
   def record(self, fn: Callable[[list, list], Any], placed: Sequence[Any],
-             shared: Sequence[Any], n: int, k: int, placement: str) -> Any:
-    """Traces ``fn(placed_member, shared)`` once and binds the opaque map."""
+             shared: Sequence[Any], n: int, k: int, placement: str,
+             cost: Any = None) -> Any:
+    """Traces ``fn(placed_member, shared)`` once and binds the opaque map
+    (whose chunks are formed from ``cost``, each member's, when given)."""
     member = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x),
                                    weak_type=jax.typeof(x).weak_type)
               for x in placed]
@@ -167,8 +174,10 @@ class Recorder:
     out_avals = [jax.core.ShapedArray((n,) + s.shape, s.dtype,
                                       weak_type=getattr(s, 'weak_type', False))
                  for s in out_leaves]
-    spec = MapSpec(closed.jaxpr, len(closed.consts), len(placed), n, k, placement, out_avals)
-    outs = fusable_map_p.bind(*closed.consts, *placed, *shared, spec=spec)
+    spec = MapSpec(closed.jaxpr, len(closed.consts), len(placed), n, k, placement,
+                   out_avals, by_cost=cost is not None)
+    extra = [] if cost is None else [cost]
+    outs = fusable_map_p.bind(*closed.consts, *placed, *shared, *extra, spec=spec)
     return jax.tree.unflatten(out_tree, outs)
 
 
@@ -346,6 +355,8 @@ def run(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
   each reduction.
   """
   c, p = spec.num_consts, spec.num_placed
+  cost = operands[-1] if spec.by_cost else None
+  operands = operands[:-1] if spec.by_cost else operands
   consts, placed, shared = operands[:c], operands[c:c + p], operands[c + p:]
   n, k = spec.n, spec.k
   m = math.ceil(n / k)
@@ -353,8 +364,8 @@ def run(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
   def member(*values):
     return jax.core.eval_jaxpr(spec.jaxpr, values[:c], *values[c:])
 
-  def outputs(chunk):
-    if k == 1:
+  def outputs(chunk, width=k):
+    if width == 1 and cost is None:
       return member(*consts, *chunk, *shared)
     return jax.vmap(lambda *one: member(*consts, *one, *shared),
                     axis_name=chunk_axis_name(spec.placement))(*chunk)
@@ -421,13 +432,55 @@ def run(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
     return new, [outs[j] for j in keep]
 
   carry0 = [init(r, d) for r, d in zip(fused, dtypes)]
-  carry, ys = jax.lax.scan(body, carry0, xs)
-  stacked = [_unchunk(y, n, k, m) for y in ys]
+  if cost is not None:
+    carry, stacked = _run_by_cost(spec, placed, cost, outputs, fused, dtypes,
+                                  w_values, keep, carry0, on_cpu)
+  else:
+    carry, ys = jax.lax.scan(body, carry0, xs)
+    stacked = [_unchunk(y, n, k, m) for y in ys]
   reduced = []
   for r, dtype, (total, *rest) in zip(fused, dtypes, carry):
     reduced.append(reductions.finish(r.kind, total, rest[0] if rest else None,
                                      n, dtype))
   return stacked, reduced
+
+
+def _accumulate(r, dtype, total, rest, x, w, on_cpu):
+  """One chunk's (leading axis: its members) part of reduction ``r``."""
+  acc = total.dtype
+  x = x.astype(dtype).astype(acc)
+  if r.kind == 'weighted_mean':
+    w = w.astype(dtype).astype(acc)
+    return (total + primitives.sum_leading_axis(x, w, on_cpu=on_cpu),
+            rest[0] + jnp.sum(w))
+  return (total + primitives.sum_leading_axis(x, None, on_cpu=on_cpu),)
+
+
+def _run_by_cost(spec, placed, cost, outputs, fused, dtypes, w_values, keep,
+                 carry0, on_cpu):
+  """The loop over the chunks that ``cost`` forms
+  (:func:`fedjx.mapping.run_by_cost`), carrying the reductions and writing
+  the kept outputs into ``[n, ...]`` buffers."""
+  n, k = spec.n, spec.k
+  buffers = [jnp.zeros(spec.out_avals[j].shape, spec.out_avals[j].dtype)
+             for j in keep]
+  ws_all = [None if w is None else jnp.asarray(w) for w in w_values]
+
+  def step(state, start, width):
+    carry, buffers = state
+    chunk = [jax.lax.dynamic_slice_in_dim(x, start, width) for x in placed]
+    outs = outputs(chunk, width)
+    new = []
+    for r, dtype, (total, *rest), w in zip(fused, dtypes, carry, ws_all):
+      if r.kind == 'weighted_mean':
+        w = (outs[r.weights[1]] if r.weights[0] == 'out'
+             else jax.lax.dynamic_slice_in_dim(w, start, width))
+      new.append(_accumulate(r, dtype, total, rest, outs[r.index], w, on_cpu))
+    buffers = [jax.lax.dynamic_update_slice_in_dim(b, outs[j].astype(b.dtype), start, 0)
+               for b, j in zip(buffers, keep)]
+    return new, buffers
+
+  return mapping.run_by_cost(step, (carry0, buffers), cost, n, k)
 
 
 def _unchunk(y, n, k, m):

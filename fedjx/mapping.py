@@ -169,17 +169,17 @@ def run_mapped(fn: Callable[..., Any], args: Any, n: int, k: int,
     return y.reshape((k * m,) + y.shape[2:])[:n]
 
   chunk = frames.chunk_axis_name(placement)
-  # JAX cannot yet psum over a vmap axis sharded on an Explicit mesh axis
-  # inside a cond (an internal assertion), so there any_in_chunk keeps each
-  # member's own predicate: nothing is skipped, and nothing changes.
+  # JAX cannot psum over a vmap axis sharded on an Explicit mesh axis (an
+  # internal assertion, even outside a cond), so there any_in_chunk gathers
+  # the members' predicates instead (lax.all_gather, which it accepts).
   explicit = (axis_name is not None and sharding_lib.placement_axis_type(
       sharding_lib.active_mesh(mesh), placement) == jax.sharding.AxisType.Explicit)
 
   def vmapped(f, **kwargs):
     """``jax.vmap(f)`` over a chunk's members, traced as one chunk."""
     def run(x):
-      with frames.chunk_axis('' if explicit else chunk):
-        return jax.vmap(f, axis_name=None if explicit else chunk, **kwargs)(x)
+      with frames.chunk_axis(chunk, explicit=explicit):
+        return jax.vmap(f, axis_name=chunk, **kwargs)(x)
     return run
 
   if k == 1 and axis_name is None:  # One member at a time.
@@ -201,6 +201,134 @@ def run_mapped(fn: Callable[..., Any], args: Any, n: int, k: int,
   return jax.tree.map(from_grid, out)
 
 
+# A chunk of k clients runs as one vmap, so it computes its largest member's
+# steps: k * max(c) for real work sum(c). Under ``chunked`` (and ``auto`` with
+# chunks), a window of k clients runs as one chunk only if that wastes at most
+# this fraction of its real work; otherwise its first client runs alone.
+CHUNK_WASTE = 0.05
+
+
+def member_cost(leaves: list[Any]) -> jax.Array | None:
+  """Each member's step count, derived from the cohort mask among ``leaves``.
+
+  A placed boolean leaf of rank 3 or more is read as a cohort's ``[n, S, B,
+  ...]`` mask: member ``i`` costs ``c_i``, the number of its steps with a real
+  example (the most over several such leaves). None if there is none.
+  """
+  steps = [jnp.sum(jnp.any(x.reshape(x.shape[:2] + (-1,)), -1), -1, dtype=jnp.int32)
+           for x in leaves
+           if jnp.ndim(x) >= 3 and jnp.result_type(x) == jnp.bool_]
+  if not steps:
+    return None
+  out = steps[0]
+  for s in steps[1:]:
+    out = jnp.maximum(out, s)
+  return out
+
+
+def _wide(window: Any, k: int, waste: float, xp: Any = jnp) -> Any:
+  """Whether a window of ``k`` costs runs as one chunk: ``k max(c) <=
+  (1 + waste) sum(c)``, in float32 on the host as in the program."""
+  window = xp.asarray(window).astype(xp.float32)
+  return k * xp.max(window) <= xp.float32(1 + waste) * xp.sum(window)
+
+
+def chunk_widths(cost: Any, k: int, waste: float = CHUNK_WASTE) -> list[int]:
+  """The widths of the chunks that a cost-aware chunked map runs, in order.
+
+  From member ``j`` on (``j = 0`` first): the ``k`` members ``j .. j+k-1``
+  run as one chunk if they all exist and ``k max(c) <= (1 + waste) sum(c)``
+  over them; otherwise member ``j`` runs alone. Every width-``k`` chunk so
+  wastes at most ``waste`` of its real work, and a member alone wastes none,
+  so the map computes at most ``(1 + waste) sum(c)``: on a cohort ordered by
+  descending cost (``make_cohort(order_by_steps=True)``) the large, unequal
+  members run alone and the many similar small ones in chunks; unordered,
+  the bound still holds, with more members alone (slower, same numbers).
+  The host twin of the program's loop, for benchmarks and tests.
+  """
+  cost = np.asarray(cost)
+  n, j, widths = len(cost), 0, []
+  while j < n:
+    w = k if j + k <= n and bool(_wide(cost[j:j + k], k, waste, np)) else 1
+    widths.append(w)
+    j += w
+  return widths
+
+
+def computed_steps(cost: Any, k: int, strategy: str = 'chunked',
+                   waste: float = CHUNK_WASTE) -> int:
+  """Steps a map computes when each chunk runs its largest member's steps.
+
+  ``sequential``: ``sum(c)``; ``vmap``: ``n max(c)``; ``chunked`` of ``k``
+  (the cost-aware chunks of :func:`chunk_widths`): ``sum over chunks of
+  width x max(c)``. Divided by ``sum(c)`` it is the round's
+  ``computed / real`` steps.
+  """
+  cost = np.asarray(cost, np.int64)
+  if strategy == 'sequential' or k == 1:
+    return int(cost.sum())
+  if strategy == 'vmap' or k >= len(cost):
+    return int(len(cost) * cost.max(initial=0))
+  total, j = 0, 0
+  for w in chunk_widths(cost, k, waste):
+    total += w * int(cost[j:j + w].max())
+    j += w
+  return total
+
+
+def run_by_cost(step: Callable[[Any, jax.Array, int], Any], carry: Any,
+                cost: jax.Array, n: int, k: int,
+                waste: float = CHUNK_WASTE) -> Any:
+  """Runs the chunks of :func:`chunk_widths` from the traced ``cost``.
+
+  ``step(carry, start, width)`` runs members ``start .. start + width - 1``
+  (``width`` static: 1 or ``k``) and returns the new carry. A ``scan`` of
+  ``n`` iterations (the most there can be) chooses in each, from the costs
+  (traced: one program for every cohort), between the done, one-member and
+  ``k``-member branches of a ``lax.switch`` on an unbatched index, so only
+  the chosen branch runs and the loop stays reverse-differentiable. Memory
+  is one chunk's.
+  """
+  cost = jnp.asarray(cost)
+
+  def body(state, _):
+    j, carry = state
+    window = jax.lax.dynamic_slice_in_dim(cost, jnp.minimum(j, n - k), k)
+    wide = jnp.logical_and(j + k <= n, _wide(window, k, waste))
+    done = j >= n
+    branch = jnp.where(done, 0, jnp.where(wide, 2, 1))
+    carry = jax.lax.switch(branch, [lambda c: c, lambda c: step(c, j, 1),
+                                    lambda c: step(c, j, k)], carry)
+    return (j + jnp.where(done, 0, jnp.where(wide, k, 1)), carry), None
+
+  (_, carry), _ = jax.lax.scan(body, (jnp.zeros((), jnp.int32), carry), None,
+                               length=n)
+  return carry
+
+
+def run_mapped_by_cost(fn: Callable[..., Any], args: Any, cost: jax.Array,
+                       n: int, k: int, placement: str) -> Any:
+  """:func:`run_mapped` without a mesh axis, in the chunks of
+  :func:`chunk_widths`: each chunk's outputs are written into ``[n, ...]``
+  buffers at its members' places."""
+  chunk = frames.chunk_axis_name(placement)
+
+  def run(width, start):
+    part = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, width), args)
+    with frames.chunk_axis(chunk):
+      return jax.vmap(fn, axis_name=chunk)(part)
+
+  shapes = jax.eval_shape(lambda: run(k, jnp.zeros((), jnp.int32)))
+  buffers = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape[1:], s.dtype), shapes)
+
+  def step(buffers, start, width):
+    out = run(width, start)
+    return jax.tree.map(lambda b, y: jax.lax.dynamic_update_slice_in_dim(
+        b, y.astype(b.dtype), start, 0), buffers, out)
+
+  return run_by_cost(step, buffers, cost, n, k)
+
+
 def any_in_chunk(pred: Any) -> jax.Array:
   """Whether ``pred`` holds for any member of the chunk being run now.
 
@@ -208,7 +336,9 @@ def any_in_chunk(pred: Any) -> jax.Array:
   together (``vmap``), so work that only some of them need is computed for
   all of them. ``lax.cond(any_in_chunk(p), work, skip, ...)`` skips it when
   no member of the chunk needs it: the predicate is the same for every
-  member (a ``psum`` over the chunk's vmap axis), so the ``cond`` stays a
+  member (a ``psum`` over the chunk's vmap axis; on an Explicit mesh axis,
+  where JAX refuses that psum, ``any`` of the ``lax.all_gather`` of the
+  members' predicates), so the ``cond`` stays a
   branch instead of becoming a select that computes both sides. With one
   member at a time (``sequential``), it is ``pred`` itself. Each member must
   still mask its own result (``jnp.where(p, new, old)``).
@@ -217,12 +347,20 @@ def any_in_chunk(pred: Any) -> jax.Array:
   axes = frames.chunk_axes()
   if not axes or '' in axes:
     return pred
-  return jax.lax.psum(pred.astype(jnp.int32), axes) > 0
+  gather = frames.gather_axes()
+  summed = tuple(a for a in axes if a not in gather)
+  if summed:
+    pred = jax.lax.psum(pred.astype(jnp.int32), summed) > 0
+  for axis in gather:
+    # On an Explicit mesh axis JAX refuses the psum; the gathered [k]
+    # predicates of the chunk reduce to the same unbatched value.
+    pred = jnp.any(jax.lax.all_gather(pred, axis))
+  return pred
 
 
 def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
            mesh: Any = None, strategy: str | None = None,
-           chunk_size: int | None = None) -> Any:
+           chunk_size: int | None = None, cost: Any = None) -> Any:
   """Applies ``fn`` to each member's slice of placed ``args``.
 
   Args:
@@ -236,6 +374,16 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
       (default: the program's ``map_strategy``).
     chunk_size: at most this many clients per chunk for ``'chunked'`` (default:
       the program's); see :func:`choose_chunk_size`.
+    cost: the placed ``[n]`` work of each member, in steps (default: derived
+      from the mask among ``args``, :func:`member_cost`: a boolean leaf of
+      shape ``[n, S, B, ...]`` gives each member its count of steps with a
+      real example). With several chunks and no mesh axis over the
+      placement, the chunks are formed from it in the program
+      (:func:`chunk_widths`): a member that would waste more than
+      :data:`CHUNK_WASTE` of a width-``k`` chunk's work runs alone, so the
+      map computes at most 1.05 times the real steps for any sizes, the
+      same numbers, in memory of one chunk. Without a cost, or on a mesh
+      axis, chunks are ``k`` consecutive members.
 
   Returns:
     The placed pytree ``[fn(args_0), ..., fn(args_{n-1})]`` stacked on a new
@@ -261,6 +409,15 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   k = choose_chunk_size(strategy, n, _client_bytes(leaves), devices, chunk_size)
   shared = ({} if frames.forced_map_strategy()
             else _broadcast_sources(frame, leaves, p.name))
+  by_cost = (1 < k < n and sharding_lib.spmd_axis_name(p.name, mesh) is None
+             and not frames.forced_map_strategy())
+  if by_cost:
+    cost = member_cost(leaves) if cost is None else jnp.asarray(cost)
+    if cost is not None and jnp.shape(cost) != (n,):
+      raise ValueError(f'fedjx.map_fn: cost has shape {jnp.shape(cost)}; it '
+                       f'must be ({n},), one value per member.')
+  else:
+    cost = None
 
   def call(placed, shared):
     filled = iter(placed)
@@ -268,9 +425,13 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
                               for i in range(len(leaves))])
     return fn(*full) if isinstance(args, tuple) else fn(full)
 
-  def mapped(placed, shared):
+  def mapped(placed, shared, cost):
     placed = sharding_lib.place_tree(placed, p.name, mesh)
-    out = run_mapped(lambda a: call(a, shared), placed, n, k, p.name, mesh)
+    if cost is None:
+      out = run_mapped(lambda a: call(a, shared), placed, n, k, p.name, mesh)
+    else:
+      out = run_mapped_by_cost(lambda a: call(a, shared), placed, cost, n, k,
+                               p.name)
     return sharding_lib.place_tree(out, p.name, mesh)
 
   mapped.__name__ = f'fedjx_map_{p.name}'
@@ -290,8 +451,8 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     keys = sorted(shared)
     return recorder.record(
         lambda one, values: call(one, dict(zip(keys, values))),
-        placed, [shared[i] for i in keys], n, k, p.name)
-  return jax.jit(mapped)(placed, shared)
+        placed, [shared[i] for i in keys], n, k, p.name, cost=cost)
+  return jax.jit(mapped)(placed, shared, cost)
 
 
 def _broadcast_sources(frame: Any, leaves: list[Any], placement: str) -> dict[int, Any]:

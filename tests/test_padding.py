@@ -52,14 +52,16 @@ def _counting_loss(counter):
 
 @pytest.mark.parametrize('strategy,chunk,expected', [
     ('sequential', None, 3 + 1 + 2 + 2),  # Each client its own steps.
-    ('chunked', 2, 3 + 2),                # Chunks {3, 1} and {2, 2}.
+    ('chunked', 2, 3 + 1 + 2),            # {3}, {1} alone, then {2, 2}.
     ('vmap', None, 3),                    # One chunk: the largest client's.
 ])
 def test_steps_that_are_padding_for_the_whole_chunk_are_not_computed(strategy, chunk, expected):
   """Clients of 3, 1, 2 and 2 steps, padded to S = 4: each step a chunk
   computes calls the loss's callback once (under vmap, once for the chunk's
   members together); steps that are padding for the whole chunk never do.
-  Without skipping, every chunk would compute all 4 steps."""
+  Without skipping, every chunk would compute all 4 steps. Chunks of 2 are
+  formed from the step counts: {3, 1} and {1, 2} would waste more than 5%,
+  so clients 0 and 1 run alone."""
   rng = np.random.default_rng(0)
   data = linreg_data(rng, [12, 4, 8, 8], dim=3)
   cohort = make_cohort(data, batch_size=4, steps=4)
@@ -124,3 +126,40 @@ def test_cohorts_ordered_by_steps_give_the_same_round():
   for u, v in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
     # The same per-client models, averaged over 8 clients in another order.
     np.testing.assert_allclose(u, v, rtol=0, atol=ft.atol(2 * 8, 8 * 2.0))
+
+
+@pytest.mark.parametrize('axis_type', [
+    'Explicit', pytest.param('Auto', marks=pytest.mark.slow)])
+def test_padding_is_skipped_on_a_clients_mesh(axis_type):
+  """8 clients on 8 host devices, one per device, all in one chunk: of the
+  S = 4 padded steps only the largest client's 3 are computed (each calls
+  the loss's callback once for the chunk), on an Explicit mesh axis too
+  (where the chunk's predicate is gathered, not psummed), and the round
+  equals the one without a mesh."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  rng = np.random.default_rng(3)
+  data = linreg_data(rng, [12, 4, 8, 8, 4, 4, 8, 12], dim=3)
+  cohort = make_cohort(data, batch_size=4, steps=4)
+  calls = []
+
+  def loss(params, batch):
+    jax.debug.callback(lambda: calls.append(1))
+    return linreg_loss(params, batch)
+
+  algo = algos.fedavg(loss, client_optimizer=optax.sgd(0.1),
+                      client_evaluation=False).compile(map_strategy='vmap',
+                                                       donate=False)
+  state = algo.init(linreg_params(3))
+  want, _ = algo.round(state, cohort, jax.random.key(0))
+  mesh = jax.make_mesh((8,), ('clients',),
+                       axis_types=(getattr(AxisType, axis_type),))
+  with jax.set_mesh(mesh):
+    placed = jax.device_put(cohort, NamedSharding(mesh, P('clients')))
+    jax.block_until_ready(algo.round(state, placed, jax.random.key(0)))
+    calls.clear()
+    got, _ = algo.round(state, placed, jax.random.key(0))
+    jax.block_until_ready(got)
+  assert len(calls) == 3
+  for u, v in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+    # 3 local steps of sums over 4 examples x 3 features, a mean of 8.
+    np.testing.assert_allclose(u, v, rtol=0, atol=ft.atol(3 * 4 * 3 + 8, 10.0))
