@@ -1,0 +1,57 @@
+"""fedjx's FedAvg round (``fedjx.algorithms.fedavg``, ``map_strategy='auto'``,
+``client_evaluation=False``) on the peer setup; cohorts from
+``make_cohort(..., bucket=False)``, so each client is padded only to the
+largest client's step count and padded steps are skipped.
+
+  python fedjx_round.py --setup=equal --rounds=4
+"""
+
+import common  # first: starts the clock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fedjx
+from fedjx import algorithms
+from fedjx import datasets
+
+import jax_cnn
+
+
+def main():
+  args = common.parse_args(__doc__.split('\n')[0])
+  data = common.client_data(args.setup)
+  x = np.concatenate([x for x, _ in data])
+  y = np.concatenate([y for _, y in data]).astype(np.int32)
+  groups = np.repeat(np.arange(len(data)), [len(y) for _, y in data])
+  population = datasets.from_arrays({'x': x, 'y': y}, groups=groups)
+  params = jax_cnn.init(jax.random.key(0))
+  assert sum(p.size for p in jax.tree.leaves(params)) == common.NUM_PARAMS
+  algo = algorithms.fedavg(jax_cnn.loss, client_optimizer=optax.sgd(common.LOCAL_LR),
+                           server_optimizer=optax.sgd(common.SERVER_LR),
+                           client_evaluation=False).compile(
+      map_strategy='auto', donate=False)
+  state = algo.init(params)
+  clock = common.Clock()
+  for r in range(args.rounds):
+    cohort = datasets.make_cohort(population, np.arange(len(data)), common.BATCH,
+                                  shuffle_seed=0, round_num=r, bucket=False)
+    cohort = jax.tree.map(jnp.asarray, cohort)
+    state = algo.round(state, cohort, jax.random.key(r))[0]
+    jax.block_until_ready(state.params)
+    clock.tick()
+  client_bytes = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
+                     for a in jax.tree.leaves((cohort.batches, cohort.mask)))
+  k = fedjx.mapping.choose_chunk_size('auto', len(data), client_bytes, 1)
+  picked = ('sequential' if k == 1 else 'vmap' if k >= len(data)
+            else f'chunked:{k}')
+  common.report('fedjx', f'fedjx (jax {jax.__version__})', args.setup, clock,
+                jax_cnn.threads(), map_strategy=f'auto -> {picked}',
+                bucket=False, padded_steps=int(cohort.mask.shape[1]),
+                real_steps=int(np.asarray(jnp.sum(jnp.any(cohort.mask, -1)))))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,46 @@
+"""pfl-research's ``simple_cnn`` in plain JAX (NHWC, no dropout), with
+Glorot-uniform weights and zero biases, for the fedjx and ``lax.map``
+rounds."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import optax
+
+_DN = ('NHWC', 'HWIO', 'NHWC')
+
+
+def init(key):
+  k = jax.random.split(key, 4)
+  glorot = jax.nn.initializers.glorot_uniform()
+  return {
+      'c1': {'w': glorot(k[0], (3, 3, 3, 32)), 'b': jnp.zeros(32)},
+      'c2': {'w': glorot(k[1], (3, 3, 32, 64)), 'b': jnp.zeros(64)},
+      'd1': {'w': glorot(k[2], (14 * 14 * 64, 128)), 'b': jnp.zeros(128)},
+      'd2': {'w': glorot(k[3], (128, 10)), 'b': jnp.zeros(10)}}
+
+
+def apply(params, x):
+  def conv(p, h):
+    return jax.lax.conv_general_dilated(h, p['w'], (1, 1), 'VALID',
+                                        dimension_numbers=_DN) + p['b']
+  h = jax.nn.relu(conv(params['c1'], x))
+  h = jax.nn.relu(conv(params['c2'], h))
+  h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), 'VALID')
+  h = h.reshape(h.shape[0], -1)
+  h = jax.nn.relu(h @ params['d1']['w'] + params['d1']['b'])
+  return h @ params['d2']['w'] + params['d2']['b']
+
+
+def loss(params, batch):
+  """Per-example cross-entropy ``[B]``."""
+  return optax.softmax_cross_entropy_with_integer_labels(
+      apply(params, batch['x']), batch['y'])
+
+
+def threads() -> dict:
+  return {'xla_flags': os.environ.get('XLA_FLAGS', ''),
+          'jax_devices': len(jax.devices()),
+          'cpu_count': os.cpu_count(),
+          'xla_cpu_threads': 'one intra-op pool of cpu_count threads (XLA default)'}
