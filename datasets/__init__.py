@@ -43,13 +43,16 @@ Labels: :func:`check_labels` makes a label outside ``[0, num_classes)`` a
 one-line error when the data is read.
 
 Evaluation: :func:`split_clients`, :func:`split_examples`,
-:func:`eval_batches`, :func:`eval_cohorts`. Partition statistics:
+:func:`eval_batches`, :func:`eval_cohorts`; per-client train / held-out
+splits for personalization: :func:`client_splits`. Partition statistics:
 :func:`summary`, :func:`format_summary`.
 """
 
 from fedjx.datasets.async_schedule import AsyncScheduler
 from fedjx.datasets.async_schedule import async_cohort_iterator
 from fedjx.datasets.async_schedule import lognormal_durations
+from fedjx.datasets.client_splits import ClientSplits
+from fedjx.datasets.client_splits import client_splits
 from fedjx.datasets.cohort import Cohort
 from fedjx.datasets.cohort import CohortSampler
 from fedjx.datasets.cohort import PADDING_CLIENT
@@ -108,6 +111,7 @@ __all__ = [
     'AsyncScheduler',
     'async_cohort_iterator',
     'lognormal_durations',
+    'ClientSplits',
     'Cohort',
     'CohortLoader',
     'CohortSampler',
@@ -151,6 +155,7 @@ __all__ = [
     'quantity_skew_sizes',
     'read_fedjax_sqlite',
     'read_tff_hdf5',
+    'client_splits',
     'split_clients',
     'split_examples',
     'streaming_clients',
