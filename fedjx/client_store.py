@@ -204,8 +204,10 @@ class ClientStore:
       raise ValueError(f'ClientStore.write: ids {values[counts > 1].tolist()} '
                        'appear more than once; each client is written once per call.')
     leaves = self._check_rows(rows, len(ids))
-    keep = np.flatnonzero(ids >= 0)
-    self._assign(real, [leaf[keep] for leaf in leaves])
+    if real.size < ids.size:  # Padding rows are dropped.
+      keep = np.flatnonzero(ids >= 0)
+      leaves = [leaf[keep] for leaf in leaves]
+    self._assign(real, leaves)
     self._dirty.update(real.tolist())
 
   # Checkpoints.
