@@ -155,3 +155,18 @@ def test_store_placement_needs_the_cohort_s_rows():
     algo.run_rounds(state, cohort, KEY)
   with pytest.raises(ValueError, match="client_state='device'"):
     algos.scaffold(quadratic_loss, 3, client_state='device')
+
+
+def test_store_placement_returns_a_skipped_client_s_row_unchanged():
+  rng = np.random.default_rng(35)
+  bad = _client(rng, 3)
+  bad['a'][1] = np.nan  # Its update is non-finite: the client is skipped.
+  cohort = make_cohort([_client(rng, 4), bad], 2, client_ids=[0, 1])
+  algo = algos.scaffold(quadratic_loss, 2, client_state='store',
+                        skip_nonfinite=True)
+  state = algo.init({'y': np.zeros(DIM, np.float32)})
+  rows = {'y': rng.normal(size=(2, DIM)).astype(np.float32)}
+  state, metrics, new = algo.round(state, Cohort(*cohort, client_states=rows), KEY)
+  np.testing.assert_array_equal(np.asarray(new['y'])[1], rows['y'][1])
+  assert np.all(np.asarray(new['y'])[0] != rows['y'][0])
+  assert np.all(np.isfinite(np.asarray(state.params['y'])))
