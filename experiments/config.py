@@ -88,6 +88,11 @@ DEFAULTS: dict[str, Any] = {
                'sigma': None, 'boost': None, 'z': None, 'epsilon': None,
                'mapping': None, 'target': None, 'patch_size': None,
                'patch_value': None, 'poison_fraction': None},
+    # Where per-client state kept between rounds (SCAFFOLD's control
+    # variates, a personal model) lives: see CLIENT_STATE_DEFAULTS and
+    # docs/client_state.md.
+    'client_state': {'placement': 'store', 'memory_budget_mb': 1024,
+                     'directory': ''},
 }
 REQUIRED = ('dataset', 'model', 'algorithm')
 # The type of each field whose default is None, by dotted path: what a
@@ -140,6 +145,14 @@ ATTACK_OPTIONS = {
                  'boost'),              # pixel trigger -> target (default 0)
 }
 DATA_POISONING = ('label_flip', 'backdoor')
+# config.client_state, for an algorithm whose clients keep state between
+# rounds: placement 'store' (a fedjx.client_store.ClientStore on the host:
+# each round reads its cohort's rows and writes them back, memory_budget_mb
+# of them in memory and the rest memory-mapped under directory, '' for
+# <workdir>/client_states) or 'device' (a dense [N, ...] array in the
+# server state, for algorithms that offer one: SCAFFOLD).
+CLIENT_STATE_DEFAULTS = dict(DEFAULTS['client_state'])
+CLIENT_STATE_PLACEMENTS = ('store', 'device')
 # config.nonfinite: what a NaN/Inf does. 'skip': clients with a non-finite
 # update or weight are left out of the aggregate (builders get
 # skip_nonfinite=True) and the run stops only if the server parameters become
@@ -161,6 +174,9 @@ RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
                      'mesh', 'param_sharding', 'coordinator_address',
                      'num_processes', 'process_id', 'execution',
                      'streaming_chunk_size')
+# Fields inside sections that a resumed run may change (where rows live, not
+# what they hold).
+RESUMABLE_FIELDS = ('client_state.memory_budget_mb', 'client_state.directory')
 
 
 def with_defaults(config: Any) -> ml_collections.ConfigDict:
@@ -207,6 +223,7 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
                                f'is not one of {METRICS_FORMATS}.')
   _check_sampling_and_privacy(config)
   _check_attack(config)
+  _check_client_state(config)
   return config
 
 
@@ -275,6 +292,26 @@ def _check_attack(config: ml_collections.ConfigDict) -> None:
       raise ConfigError(f'config.attack.{key}={value!r}; it must be >= 0.')
   with config.unlocked():
     config.attack = attack
+
+
+def _check_client_state(config: ml_collections.ConfigDict) -> None:
+  """Checks ``config.client_state`` and fills its defaults."""
+  section = _section('client_state', config.client_state, CLIENT_STATE_DEFAULTS)
+  placement = section['placement']
+  if placement not in CLIENT_STATE_PLACEMENTS:
+    raise ConfigError(f'config.client_state.placement={placement!r} is not one '
+                      f'of {CLIENT_STATE_PLACEMENTS}.{suggest(placement, CLIENT_STATE_PLACEMENTS)}')
+  budget = section['memory_budget_mb']
+  if not _number(budget) or not math.isfinite(budget) or budget < 0:
+    raise ConfigError(f'config.client_state.memory_budget_mb={budget!r}; it must '
+                      'be a non-negative number of MiB (rows beyond it are '
+                      'memory-mapped on disk).')
+  directory = section['directory']
+  if not isinstance(directory, str):
+    raise ConfigError(f'config.client_state.directory={directory!r}; it must be '
+                      "a path, or '' for <workdir>/client_states.")
+  with config.unlocked():
+    config.client_state = section
 
 
 def _number(value: Any) -> bool:
@@ -429,6 +466,10 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
   d = json.loads(config.to_json_best_effort(sort_keys=True))
   for key in RESUMABLE_CHANGES:
     d.pop(key, None)
+  for path in RESUMABLE_FIELDS:
+    section, key = path.split('.')
+    if isinstance(d.get(section), dict):
+      d[section].pop(key, None)
   return d
 
 

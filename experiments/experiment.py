@@ -111,21 +111,34 @@ def _sample_batch(config: ml_collections.ConfigDict,
 
 
 def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
-                    num_clients: int, guarded: bool | None = None) -> Any:
+                    num_clients: int, guarded: bool | None = None,
+                    placement: str | None = None) -> Any:
   """The algorithm of ``config`` (defaults filled) for ``model`` and a population.
 
   ``guarded`` overrides ``config.nonfinite`` for the builder's
   ``skip_nonfinite`` (the runner also builds the unguarded algorithm, see
-  :mod:`fedjx.experiments.guarded_rounds`).
+  :mod:`fedjx.experiments.guarded_rounds`). ``placement`` overrides
+  ``config.client_state.placement`` (a sweep keeps per-client state on the
+  device, docs/sweeps.md). An algorithm whose clients keep state outside the
+  server state (``client_state_init`` set) refuses ``'device'`` unless its
+  registry entry offers a dense placement.
   """
   if guarded is None:
     guarded = config.nonfinite != 'off'
+  if placement is None:
+    placement = config.client_state.placement
   spec = privacy_lib.algorithm_spec(config, num_clients)
-  return registry.build_algorithm(
+  algorithm = registry.build_algorithm(
       attack_lib.algorithm_spec(config, spec, num_clients), model,
       map_strategy=config.map_strategy,
       chunk_size=config.chunk_size, num_clients=num_clients,
-      skip_nonfinite=guarded)
+      skip_nonfinite=guarded, placement=placement)
+  if placement == 'device' and getattr(algorithm, 'client_state_init', None) is not None:
+    raise registry.ConfigError(
+        f"config.client_state.placement='device' but algorithm "
+        f'{config.algorithm.name!r} offers no dense in-state array of its '
+        "per-client state; use placement='store' (the default).")
+  return algorithm
 
 
 def round_algorithms(config: ml_collections.ConfigDict,
@@ -151,8 +164,12 @@ def round_algorithms(config: ml_collections.ConfigDict,
   return guarded, guarded_rounds.checking_finiteness(unguarded, whole=True)
 
 
-def build(config: Any) -> Experiment:
-  """Builds the dataset, model, algorithm and evaluator a config names."""
+def build(config: Any, placement: str | None = None) -> Experiment:
+  """Builds the dataset, model, algorithm and evaluator a config names.
+
+  ``placement`` overrides ``config.client_state.placement`` (see
+  :func:`build_algorithm`).
+  """
   config = with_defaults(config)
   data = registry.build_dataset(config.dataset, config.seed)
   data = attack_lib.poison_data(config, data)  # config.attack's, if any
@@ -164,7 +181,8 @@ def build(config: Any) -> Experiment:
         f'{data.train.num_clients}.')
   plan = privacy_lib.plan(config, data.train.num_clients)
   sampler = privacy_lib.make_sampler(config, data.train)
-  algorithm = build_algorithm(config, model, data.train.num_clients)
+  algorithm = build_algorithm(config, model, data.train.num_clients,
+                              placement=placement)
   init_key, round_key = jax.random.split(jax.random.key(config.seed))
   params = model.init(init_key, _sample_batch(config, data))
   examples = evaluation.pool_examples(data.test, config.eval_max_examples)

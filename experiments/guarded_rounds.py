@@ -81,11 +81,14 @@ def checking_finiteness(algorithm: Any, whole: bool = False) -> Any:
     return algorithm
 
   def apply(state, cohort, key):
-    state, metrics = algorithm.apply(state, cohort, key)
+    # An algorithm with per-client state returns its clients' rows third
+    # (docs/client_state.md): passed on as they are.
+    state, metrics, *rows = algorithm.apply(state, cohort, key)
     if whole:
       flag = all_finite((state.params, metrics))
-      return state, dict(metrics, **{RESULT_FINITE: flag})
-    return state, dict(metrics, **{PARAMS_FINITE: all_finite(state.params)})
+      return (state, dict(metrics, **{RESULT_FINITE: flag}), *rows)
+    return (state, dict(metrics, **{PARAMS_FINITE: all_finite(state.params)}),
+            *rows)
 
   apply.__name__ = getattr(algorithm.apply, '__name__', 'round')
   return algorithm._replace(apply=apply, round=jax.jit(apply, donate_argnums=(0,)))
@@ -144,6 +147,7 @@ class GuardedRounds:
     self._unguarded = unguarded is not None
     self._run_guarded: Callable[..., Any] | None = None
     self._redone: set[int] = set()  # Rounds of this process redone guarded.
+    self.redone_rows: Any = None  # The last redone round's per-client rows.
 
   def settle(self, r: int, row: dict[str, float], cohort: Any, key: Any,
              state_before: Callable[[int], Any]
@@ -151,23 +155,37 @@ class GuardedRounds:
     """``(state, metrics, row)`` of round ``r`` after its first run's ``row``.
 
     ``state`` and ``metrics`` are None when the first run stands; else they
-    are the guarded round's, from ``state_before(r)``.
+    are the guarded round's, from ``state_before(r)``. The guarded round's
+    per-client rows, if its algorithm returns any, are :attr:`redone_rows`.
     """
+    self.redone_rows = None
     if row.pop(RESULT_FINITE, 1.0) != 1.0:  # Not finite unguarded: again, guarded.
       self._run_guarded = self._run_guarded or self._make_runner(self._guarded)
-      state, metrics = self._run_guarded(state_before(r), cohort, key)
+      state, metrics, *rows = self._run_guarded(state_before(r), cohort, key)
       self._redone.add(r)
+      self.redone_rows = rows[0] if rows else None
       return state, metrics, row
     if self._unguarded:  # No client would have been skipped.
       row = dict(sorted({**row, nonfinite.METRIC: 0.0}.items()))
     return None, None, row
 
   def replay(self, state: Any, first: int, last: int, cohorts: Iterator[Any],
-             key_for: Callable[[int], Any]) -> Any:
-    """``state`` after rounds ``first .. last - 1``, each run as it was."""
+             key_for: Callable[[int], Any],
+             rows: Callable[[Any], Any] = lambda cohort: cohort,
+             write: Callable[[Any, Any], None] | None = None) -> Any:
+    """``state`` after rounds ``first .. last - 1``, each run as it was.
+
+    For an algorithm with per-client state, ``rows(cohort)`` attaches the
+    cohort's rows as of the round and ``write(cohort, new_rows)`` keeps the
+    round's new ones (both on the run's store, restored to ``first``).
+    """
+    self.redone_rows = None
     for r, cohort in zip(range(first, last), cohorts):
       run = self._run_guarded if r in self._redone else self.first
-      state, _ = run(state, cohort, key_for(r))
+      cohort = rows(cohort)
+      state, _, *new = run(state, cohort, key_for(r))
+      if new and write is not None:
+        write(cohort, new[0])
     return state
 
 

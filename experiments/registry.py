@@ -326,6 +326,12 @@ class AlgorithmEntry:
     forwards_to: the builder passes its ``**kwargs`` on to another builder
       (the FedOpt conveniences to ``fedavg``): that builder, or the name of
       its entry. The options a config may give are both builders'.
+    client_state: the builder's option choosing where its per-client state
+      lives (SCAFFOLD's ``client_state``): the runner passes ``'store'``
+      (rows outside the server state, in the run's ``ClientStore``) or
+      ``'dense'`` (an ``[N, ...]`` array in it) per
+      ``config.client_state.placement``. None: the algorithm offers no dense
+      placement (``placement='device'`` is refused).
   """
 
   builder: Callable[..., Any]
@@ -334,6 +340,7 @@ class AlgorithmEntry:
   asynchronous: bool = False
   updates_reach_params: bool = False
   forwards_to: str | Callable[..., Any] | None = None
+  client_state: str | None = None
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     return self.builder(*args, **kwargs)
@@ -386,7 +393,8 @@ ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
     'mime': AlgorithmEntry(algorithms_lib.mime),
     'fedexp': AlgorithmEntry(algorithms_lib.fedexp, **_FEDAVG_FAMILY),
     'scaffold': per_client(algorithms_lib.scaffold, 'num_clients',
-                           updates_reach_params=True),
+                           updates_reach_params=True,
+                           client_state='client_state'),
     # Each client's row (a head, a personal model, FedDyn's gradient state)
     # moves beside the model, which a check of the new model does not see:
     # guarded.
@@ -512,7 +520,8 @@ def builder_options(name: str, kind: str = 'algorithm') -> dict[str, inspect.Par
 def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto',
                     chunk_size: int | None = None,
                     num_clients: int | None = None,
-                    skip_nonfinite: bool | None = None) -> Any:
+                    skip_nonfinite: bool | None = None,
+                    placement: str | None = None) -> Any:
   """An algorithm from ``config.algorithm``.
 
   Options whose name ends in ``optimizer`` are optimizer specs (see
@@ -524,6 +533,9 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
   unless the config sets it. How clients run is not the builder's business:
   a ``map_strategy`` or ``chunk_size`` other than the defaults is applied
   once, with ``algorithm.compile(map_strategy=..., chunk_size=...)``.
+  ``placement`` (``config.client_state.placement``, None: the builder's
+  default) sets the entry's ``client_state`` option: ``'store'`` or
+  ``'dense'`` for ``'device'``.
   """
   name, kwargs = split_name('algorithm', spec)
   entry = algorithm_entry(name)
@@ -545,6 +557,8 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
   if (entry.population is not None and entry.population not in kwargs
       and num_clients is not None):
     kwargs[entry.population] = num_clients
+  if placement is not None:
+    _place_client_state(name, entry, kwargs, placement)
   algorithm = entry(model.loss_fn, **kwargs)
   if (map_strategy, chunk_size) != ('auto', None):
     if not hasattr(algorithm, 'compile'):
@@ -553,6 +567,17 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
                         "map_strategy='auto' and chunk_size=None only.")
     algorithm = algorithm.compile(map_strategy=map_strategy, chunk_size=chunk_size)
   return algorithm
+
+
+def _place_client_state(name: str, entry: AlgorithmEntry,
+                        kwargs: dict[str, Any], placement: str) -> None:
+  """Sets the entry's ``client_state`` option for ``placement``."""
+  del name
+  option = entry.client_state
+  if option is None or option in kwargs:
+    return  # No choice to make (build_algorithm's caller refuses 'device').
+  if option in accepted_kwargs(entry.builder)[0]:
+    kwargs[option] = 'dense' if placement == 'device' else 'store'
 
 
 # ------------------------------------------------------------------ datasets

@@ -26,6 +26,7 @@ import numpy as np
 
 from fedjx import execution as execution_lib
 from fedjx.experiments import checkpointing
+from fedjx.experiments import client_states
 from fedjx.experiments import clock as clock_lib
 from fedjx.experiments import compile_progress
 from fedjx.experiments import config as config_schema
@@ -93,6 +94,12 @@ class RunTrainer:
     self.log, self.lead, self.hooks = log, lead, hooks
     self.fingerprint = _fingerprint(config)
     self.state = self.initial_state()
+    # Per-client state outside the server state: the run's host store.
+    self.store = client_states.make_store(
+        config, exp.algorithm, exp.init_params, exp.data.train.num_clients,
+        workdir)
+    self.store_steps = client_states.StoreSteps(self.store)
+    self._rows: Any = None  # The dispatched round's new per-client rows.
     restored = self._restore(ckpt)
     self.start = 0 if restored is None else int(restored['step'])
     self.saves = loop.Checkpoints(ckpt, None if restored is None else self.start)
@@ -137,6 +144,8 @@ class RunTrainer:
     if restored is None:
       return None
     self.state, meta = restored
+    # The step actually restored (an older one where the newest was damaged).
+    self.store_steps.restore(int(meta['step']), self.workdir)
     self.log(f'fedjx: resuming {self.workdir} from the checkpoint after round '
              f'{int(meta["step"])}.')
     return meta
@@ -178,6 +187,8 @@ class RunTrainer:
       self.bar.close()
       self.writer.close()
       self.saves.wait()
+      if self.store is not None:
+        self.store.close()
     if self.lead and self.config.plot and not interrupted and self.history:
       from fedjx.experiments import plotting  # pylint: disable=g-import-not-at-top  # matplotlib is slow to import
       plotting.plot_curves({os.path.basename(self.workdir): self.history},
@@ -191,6 +202,11 @@ class RunTrainer:
   def cohorts(self, start: int, stop: int) -> Iterator[Any]:
     """The rounds' cohorts; the first's fetch and the first round compile."""
     guarded, unguarded = round_algorithms(self.config, self.exp)
+    if self.store is not None and self.config.execution == 'streaming':
+      raise registry.ConfigError(
+          f'config.algorithm.name={self.config.algorithm.name!r} keeps '
+          "per-client state in a store, which execution='streaming' does not "
+          "read or write yet; use execution='jit' or 'auto'.")
     self.rounds = guarded_rounds.GuardedRounds(guarded, unguarded, self._runner)
     # Progress, like the bar: shown with config.progress (a quiet run logs
     # only what happened to it).
@@ -202,9 +218,11 @@ class RunTrainer:
   def dispatch(self, r: int, cohort: Any) -> Any:
     if self.exp.systems is not None:
       cohort, self._report = cohort
+    cohort = client_states.attach(self.store, cohort)
     self._cohort = cohort
-    self.state, metrics = self.rounds.first(self.state, cohort,
-                                            self.exp.round_key_for(r))
+    self.state, metrics, *rows = self.rounds.first(self.state, cohort,
+                                                   self.exp.round_key_for(r))
+    self._rows = rows[0] if rows else None
     if r == self.start:  # The first round compiles: timed.
       jax.block_until_ready(metrics)
       self._compiling.close()
@@ -222,6 +240,10 @@ class RunTrainer:
         self._state_before)
     if state is not None:
       self.state, row = state, _scalars(redone)
+      self._rows = self.rounds.redone_rows
+    # The round is accepted: its clients' new rows replace their old ones.
+    client_states.write_back(self.store, self._cohort, self._rows)
+    self._rows = None
     # The run stops on a non-finite model or round metric (must_stop), e.g.
     # an infinite training loss of a model too large to be useful.
     self._params_finite = row.pop(PARAMS_FINITE, 1.0) == 1.0
@@ -246,6 +268,9 @@ class RunTrainer:
           step, row, self._finite, self._params_finite, self.saves.saved))
 
   def meta(self, step: int) -> dict[str, Any]:
+    # Called once per checkpoint, before it is started: the store saves the
+    # rows as of this step first, so a checkpoint on disk has its store step.
+    self.store_steps.save(step)
     return {'step': step, 'next_round': step, 'seed': self.config.seed,
             'round_key': np.asarray(jax.random.key_data(self.exp.round_key)).tolist(),
             'elapsed_s': self.elapsed(), 'config': self.fingerprint,
@@ -287,7 +312,8 @@ class RunTrainer:
     exp = self.exp
     if exp.systems is not None:  # Cohorts closed by the system model.
       return exp.system_rounds(first, last, at)
-    if getattr(self.rounds.first, 'may_stream', False) and exp.scheduler is None:
+    if getattr(self.rounds.first, 'may_stream', False) and exp.scheduler is None and (
+        self.store is None):  # A store-backed round takes placed cohorts.
       # Clients are read a chunk at a time.
       return exp.lazy_cohorts(first, last, self.rounds.first.loads_whole(
           like, exp.round_key_for(first)))
@@ -302,11 +328,22 @@ class RunTrainer:
     if restored is not None:
       state, meta = restored
       first, at = self.saves.saved, float(meta.get('simulated_time', 0.0))
+    if self.store is not None:  # The rows as of ``first``, replayed to ``r``.
+      if first == 0:  # Nothing saved yet: every client reads its initial row.
+        self.store.close()
+        self.store = client_states.make_store(
+            self.config, self.exp.algorithm, self.exp.init_params,
+            self.exp.data.train.num_clients, self.workdir)
+        self.store_steps = client_states.StoreSteps(self.store)
+      else:
+        self.store_steps.restore(first, self.workdir)
     replay = self._cohorts_from(first, r, at, state)
     unpack = (lambda c: c[0]) if self.exp.systems is not None else (lambda c: c)
     try:
-      return self.rounds.replay(state, first, r, map(unpack, replay),
-                                self.exp.round_key_for)
+      return self.rounds.replay(
+          state, first, r, map(unpack, replay), self.exp.round_key_for,
+          rows=lambda c: client_states.attach(self.store, c),
+          write=lambda c, new: client_states.write_back(self.store, c, new))
     finally:
       replay.close()
 

@@ -57,9 +57,22 @@ def trial_config(config: Any, setting: Mapping[str, Any],
   return config_schema.validate(ml_collections.ConfigDict(tree))
 
 
+# A sweep's trials are vmapped rounds of one program: per-client state stays
+# in each trial's server state (a dense array, where the algorithm offers
+# one); an algorithm that keeps it only in a host store is refused
+# (docs/sweeps.md).
+PLACEMENT = 'device'
+
+
+def build_trial(config: ml_collections.ConfigDict) -> experiment_lib.Experiment:
+  """``experiment.build(config)`` with per-client state on the device."""
+  return experiment_lib.build(config, placement=PLACEMENT)
+
+
 def trial_algorithm(config: ml_collections.ConfigDict, exp: experiment_lib.Experiment) -> Any:
   """The algorithm of ``config`` built for ``exp``'s model and data, as ``experiment.build`` does."""
-  return experiment_lib.build_algorithm(config, exp.model, exp.data.train.num_clients)
+  return experiment_lib.build_algorithm(config, exp.model, exp.data.train.num_clients,
+                                        placement=PLACEMENT)
 
 
 def _lowered_round(algorithm: Any, exp: experiment_lib.Experiment) -> str:
@@ -98,7 +111,7 @@ def classify(config: Any, axes_values: Mapping[str, Sequence[Any]],
       (traced if len(values) < 2 else structural).append(path)
       continue
     if exp is None:
-      exp = experiment_lib.build(trial_config(config, base, seed))
+      exp = build_trial(trial_config(config, base, seed))
     algos = [trial_algorithm(trial_config(config, {**base, path: v}, seed), exp)
              for v in (values[0], values[-1])]
     states = [a.init(exp.init_params) for a in algos]

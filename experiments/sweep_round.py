@@ -177,7 +177,7 @@ def group_states(config: Any, group: sweep_plan.Group
   states and the trials' configs ``[seed][setting]``."""
   seeds, settings = group.seeds, group.settings
   configs = [[sweep_plan.trial_config(config, h, s) for h in settings] for s in seeds]
-  exps = [experiment_lib.build(configs[i][0]) for i in range(len(seeds))]
+  exps = [sweep_plan.build_trial(configs[i][0]) for i in range(len(seeds))]
   states = []
   for i, exp in enumerate(exps):
     row = [exp.algorithm.init(exp.init_params)]

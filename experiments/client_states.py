@@ -1,0 +1,104 @@
+"""A run's per-client state on the host: its :class:`fedjx.ClientStore`.
+
+An algorithm whose clients keep state between rounds
+(``Algorithm.client_state_init`` set: SCAFFOLD under
+``config.client_state.placement='store'``, FedRep's heads, Ditto's personal
+models) gets one store for the run (:func:`make_store`): ``N`` rows, the
+population's, of which only the clients that have trained hold an entry.
+The runner (:mod:`fedjx.experiments.run_trainer`):
+
+* before a round, attaches the cohort's rows as of that round
+  (:func:`attach`: ``store.read(cohort.client_ids)``, placed like the
+  cohort's arrays);
+* after the round is accepted (past the non-finite guard), writes the rows
+  the round returned (:func:`write_back`); a round redone guarded writes
+  once, the redone rows;
+* at every checkpoint of step ``s``, saves the store as step ``s`` before
+  the checkpoint is started (``store.save``: the rows written since the last
+  save), so a checkpoint on disk always has its store step;
+* on resumption, and on the fall back to an older checkpoint when the newest
+  is damaged, restores the store to the step actually restored.
+
+``docs/client_state.md`` ("In the runner") gives the guarantees.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from fedjx import client_store as client_store_lib
+from fedjx.experiments.config import ConfigError
+
+
+def directory(config: Any, workdir: str) -> str:
+  """``config.client_state.directory``, or ``<workdir>/client_states``."""
+  return config.client_state.directory or os.path.join(workdir, 'client_states')
+
+
+def make_store(config: Any, algorithm: Any, init_params: Any, num_clients: int,
+               workdir: str) -> client_store_lib.ClientStore | None:
+  """The run's store, or None for an algorithm without per-client state."""
+  init = getattr(algorithm, 'client_state_init', None)
+  if init is None:
+    return None
+  if jax.process_count() > 1:
+    raise ConfigError(
+        f'config.algorithm.name={config.algorithm.name!r} keeps per-client '
+        'state in a host store, which runs in single-process runs only; use '
+        "config.client_state.placement='device' where the algorithm offers it.")
+  initial = jax.tree.map(np.asarray, jax.device_get(init(init_params)))
+  budget = int(config.client_state.memory_budget_mb * 2**20)
+  return client_store_lib.ClientStore(initial, num_clients,
+                                      directory=directory(config, workdir),
+                                      memory_budget_bytes=budget)
+
+
+def attach(store: client_store_lib.ClientStore | None, cohort: Any) -> Any:
+  """``cohort`` with its clients' rows as ``client_states``, placed like it."""
+  if store is None:
+    return cohort
+  ids = np.asarray(jax.device_get(cohort.client_ids))
+  rows = store.read(ids)
+  sharding = getattr(cohort.mask, 'sharding', None)
+  rows = (jax.device_put(rows, sharding) if isinstance(cohort.mask, jax.Array)
+          else rows)
+  return cohort._replace(client_states=rows)
+
+
+def write_back(store: client_store_lib.ClientStore | None, cohort: Any,
+               rows: Any) -> None:
+  """Writes a round's new ``rows`` (cohort order) for ``cohort``'s clients."""
+  if store is None or rows is None:
+    return
+  ids = np.asarray(jax.device_get(cohort.client_ids))
+  store.write(ids, jax.tree.map(np.asarray, jax.device_get(rows)))
+
+
+class StoreSteps:
+  """The store's saves as the loop makes them: each step once, in order."""
+
+  def __init__(self, store: client_store_lib.ClientStore | None):
+    self.store = store
+    self.saved: int | None = None
+
+  def save(self, step: int) -> None:
+    if self.store is not None and step != self.saved:
+      self.store.save(step)
+      self.saved = step
+
+  def restore(self, step: int, workdir: str) -> None:
+    """The store as of saved ``step`` (that of the checkpoint restored)."""
+    if self.store is None:
+      return
+    try:
+      self.store.restore(step)
+    except (ValueError, OSError) as e:
+      raise ConfigError(
+          f'{workdir}: the per-client state of the checkpoint of step {step} '
+          f'cannot be restored ({" ".join(str(e).split())}); delete {workdir} '
+          'to start over.') from None
+    self.saved = step

@@ -1,0 +1,251 @@
+"""The runner with per-client state in a ClientStore (config.client_state).
+
+SCAFFOLD under ``placement='store'`` keeps its ``c_i`` in the run's store;
+under ``'device'`` in the dense ``state.client_controls``. The dense run is
+the independent reference for the store's rows: after every round its
+``client_controls[i]`` is the ``c_i`` the store must hold. Faults (SIGTERM,
+SIGKILL during a checkpoint write, a damaged newest checkpoint, a resumed
+run) must end bit-identical to the uninterrupted store run, rows included.
+"""
+
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from fedjx import client_store
+from fedjx.experiments import checkpointing
+from fedjx.experiments import client_states
+from fedjx.experiments import config as config_schema
+from fedjx.experiments import runner
+from fedjx.experiments.config_base import base_config, optimizer
+
+import test_faults
+
+ROUNDS = 6
+NUM_CLIENTS = 12
+
+
+def _config(rounds=ROUNDS, placement='store'):
+  config = base_config()
+  config.seed = 5
+  config.rounds = rounds
+  config.cohort_size = 4
+  config.batch_size = 16
+  config.local_steps = 2
+  config.eval_every = 2
+  config.checkpoint_every = 2
+  config.progress = False
+  config.plot = False
+  config.tensorboard = False
+  config.dataset = dict(name='digits', num_clients=NUM_CLIENTS, alpha=0.5)
+  config.model = dict(name='logistic_regression')
+  config.algorithm = dict(name='scaffold',
+                          client_optimizer=optimizer('sgd', learning_rate=0.1))
+  config.client_state.placement = placement
+  return config
+
+
+def _rows(workdir, step, like):
+  """Every client's row as saved at ``step`` in ``workdir``'s store."""
+  store = client_store.ClientStore(like, NUM_CLIENTS,
+                                   directory=os.path.join(workdir, 'client_states'))
+  try:
+    store.restore(step)
+    return store.read(np.arange(NUM_CLIENTS)), len(store)
+  finally:
+    store.close()
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('reference'))
+  return runner.run(_config(), workdir, log=lambda msg: None)
+
+
+@pytest.fixture(scope='module')
+def dense(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('dense'))
+  return runner.run(_config(placement='device'), workdir, log=lambda msg: None)
+
+
+def _zeros(result):
+  return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), result.state.params)
+
+
+def _assert_like(reference, result):
+  assert result.step == ROUNDS
+  assert checkpointing.checksum(result.state) == checkpointing.checksum(
+      reference.state)
+  want, n_want = _rows(reference.workdir, ROUNDS, _zeros(reference))
+  got, n_got = _rows(result.workdir, ROUNDS, _zeros(reference))
+  assert n_got == n_want
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(g, w)
+  strip = lambda rows: [{k: v for k, v in r.items() if k != 'elapsed_s'}
+                        for r in rows]
+  assert strip(result.history) == strip(reference.history)
+
+
+@pytest.mark.slow
+def test_store_rows_are_the_dense_client_controls(reference, dense):
+  """The store run's c_i and model against the dense run's, which keeps them
+  in the state (the same rounds, programs that differ only in where c_i
+  live: equal to float32 rounding of the same sums)."""
+  rows, held = _rows(reference.workdir, ROUNDS, _zeros(reference))
+  controls = dense.state.client_controls
+  touched = [i for i in range(NUM_CLIENTS) if any(
+      np.any(np.asarray(x)[i] != 0) for x in jax.tree.leaves(controls))]
+  assert held == len(touched) > 0  # Only clients that trained hold an entry.
+  for got, want in zip(jax.tree.leaves(rows), jax.tree.leaves(controls)):
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)
+  for got, want in zip(jax.tree.leaves(reference.state.params),
+                       jax.tree.leaves(dense.state.params)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                               atol=1e-6)
+  assert not jax.tree.leaves(reference.state.client_controls)  # In the store.
+
+
+@pytest.mark.slow
+def test_resumed_run_is_bit_identical_rows_included(reference, tmp_path):
+  workdir = str(tmp_path / 'run')
+  first = runner.run(_config(rounds=4), workdir, log=lambda msg: None)
+  assert first.step == 4
+  result = runner.run(_config(), workdir, log=lambda msg: None)
+  _assert_like(reference, result)
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_is_bit_identical(reference, tmp_path):
+  workdir = str(tmp_path / 'run')
+
+  def term_at_three(step, state, row):
+    del state, row
+    if step == 3:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  stopped = runner.run(_config(), workdir, hooks=[term_at_three],
+                       log=lambda msg: None)
+  assert stopped.interrupted and stopped.step == 3
+  result = runner.run(_config(), workdir, log=lambda msg: None)
+  _assert_like(reference, result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('damage', [test_faults._truncate, test_faults._flip],
+                         ids=['truncated', 'flipped'])
+def test_a_damaged_checkpoint_falls_back_and_restores_that_steps_rows(
+    reference, tmp_path, damage):
+  workdir = str(tmp_path / 'run')
+  runner.run(_config(rounds=4), workdir, log=lambda msg: None)
+  damage(test_faults._largest_data_file(workdir, 4))
+  logged = []
+  result = runner.run(_config(), workdir, log=logged.append)
+  assert any('step 4 is damaged' in m for m in logged), logged
+  assert any('after round 2' in m for m in logged), logged
+  _assert_like(reference, result)
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_write_then_resume(reference, tmp_path):
+  """The store saved step 4, the state's write was started: killed. The rerun
+  restores the newest intact checkpoint (2 or 4) and the store's rows of it."""
+  files = tmp_path / 'files'
+  files.mkdir()
+  (files / 'fault.py').write_text(test_faults.FAULT)
+  (files / 'config_file.py').write_text(_CONFIG_FILE)
+  workdir = tmp_path / 'run'
+  killed = test_faults._fedjx_run(files, workdir, fault='kill_in_save:4')
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+  done = test_faults._fedjx_run(files, workdir)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = runner.run(_config(), str(workdir), log=lambda msg: None)  # Done: loads.
+  _assert_like(reference, result)
+
+
+_CONFIG_FILE = '''
+from fedjx.experiments.config_base import base_config, optimizer
+
+def get_config():
+  config = base_config()
+  config.seed = 5
+  config.rounds = 6
+  config.cohort_size = 4
+  config.batch_size = 16
+  config.local_steps = 2
+  config.eval_every = 2
+  config.checkpoint_every = 2
+  config.progress = False
+  config.plot = False
+  config.tensorboard = False
+  config.dataset = dict(name='digits', num_clients=12, alpha=0.5)
+  config.model = dict(name='logistic_regression')
+  config.algorithm = dict(name='scaffold',
+                          client_optimizer=optimizer('sgd', learning_rate=0.1))
+  return config
+'''
+
+
+def test_config_client_state_is_checked_in_one_line():
+  config = _config()
+  config.client_state.placement = 'host'
+  with pytest.raises(config_schema.ConfigError,
+                     match=r"config.client_state.placement='host' is not one of"):
+    config_schema.with_defaults(config)
+  config = _config()
+  config.client_state.memory_budget_mb = -1
+  with pytest.raises(config_schema.ConfigError,
+                     match=r'config.client_state.memory_budget_mb=-1; it must'):
+    config_schema.with_defaults(config)
+  config = _config()
+  config.client_state = dict(placement='store', budget=3)
+  with pytest.raises(config_schema.ConfigError, match=r"client_state\['budget'\]"):
+    config_schema.with_defaults(config)
+  filled = config_schema.with_defaults(base_config())
+  assert filled.client_state.to_dict() == {
+      'placement': 'store', 'memory_budget_mb': 1024, 'directory': ''}
+  # Where rows live does not change results: a resumed run may change it.
+  a, b = _config(), _config()
+  b.client_state.memory_budget_mb = 1
+  b.client_state.directory = '/elsewhere'
+  assert config_schema.fingerprint(config_schema.with_defaults(a)) == (
+      config_schema.fingerprint(config_schema.with_defaults(b)))
+
+
+def test_device_placement_is_refused_without_a_dense_array(tmp_path):
+  from fedjx.experiments import experiment  # pylint: disable=import-outside-toplevel
+  config = _config()
+  config.algorithm = dict(name='fedrep')
+  config.client_state.placement = 'device'
+  with pytest.raises(config_schema.ConfigError,
+                     match=r"placement='device' but algorithm 'fedrep' offers no"):
+    experiment.build(config_schema.with_defaults(config))
+
+
+def test_attach_and_write_back_follow_the_cohort(tmp_path):
+  """Rows are read in cohort order (a padding client reads the initial row)
+  and written back by id (the padding row dropped)."""
+  from fedjx import datasets  # pylint: disable=import-outside-toplevel
+  initial = {'c': np.zeros((2,), np.float32)}
+  store = client_store.ClientStore(initial, 5, directory=str(tmp_path))
+  store.write(np.array([3]), {'c': np.array([[1., 2.]], np.float32)})
+  cohort = datasets.Cohort(batches={}, mask=jax.numpy.ones((3, 1, 1), bool),
+                           num_examples=jax.numpy.ones((3,)),
+                           client_ids=jax.numpy.array([3, 0, -1]))
+  attached = client_states.attach(store, cohort)
+  np.testing.assert_array_equal(np.asarray(attached.client_states['c']),
+                                [[1., 2.], [0., 0.], [0., 0.]])
+  assert isinstance(attached.client_states['c'], jax.Array)
+  new = {'c': np.array([[5., 5.], [6., 6.], [7., 7.]], np.float32)}
+  client_states.write_back(store, attached, new)
+  np.testing.assert_array_equal(store.read(np.arange(5))['c'],
+                                [[6., 6.], [0., 0.], [0., 0.], [5., 5.], [0., 0.]])
+  assert len(store) == 2
+  steps = client_states.StoreSteps(store)
+  steps.save(2)
+  steps.save(2)  # The interrupt's save of a step already saved: once.
+  assert store.saved_steps() == [2]
+  store.close()
+
