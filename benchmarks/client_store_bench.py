@@ -16,8 +16,9 @@ regression's), on ``slots`` rows already on disk, under:
   to a new file (what a store on it would do before compacting) and a read
   fetches records by index.
 
-TensorStore and ArrayRecord are optional here (``pip install tensorstore
-array_record``); a missing one is reported and skipped. Each record is one
+TensorStore and ArrayRecord come with fedjx's dependencies (Flax and Orbax
+need TensorStore; the TFDS sources read ArrayRecord); a missing one is
+reported and skipped. Each record is one
 JSON line: median milliseconds per cohort read and write over ``repeats``
 cohorts (after one untimed), and MB/s. The files are freshly written and
 smaller than memory, so reads come from the page cache: this measures each
