@@ -20,6 +20,7 @@ import ml_collections
 
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import experiment as experiment_lib
+from fedjx.experiments import registry
 from fedjx.experiments import sweep_spec
 
 SweepError = sweep_spec.SweepError
@@ -66,7 +67,17 @@ PLACEMENT = 'device'
 
 def build_trial(config: ml_collections.ConfigDict) -> experiment_lib.Experiment:
   """``experiment.build(config)`` with per-client state on the device."""
-  return experiment_lib.build(config, placement=PLACEMENT)
+  name = config.algorithm.name
+  entry = registry.algorithm_entry(name)
+  exp = experiment_lib.build(config, placement=PLACEMENT if (
+      entry.client_state is not None) else None)
+  if getattr(exp.algorithm, 'client_state_init', None) is not None:
+    raise registry.ConfigError(
+        f'fedjx-sweep: algorithm {name!r} keeps per-client state in a host '
+        "store, which a sweep's vmapped trials cannot share; sweep an "
+        'algorithm that keeps it in its state (SCAFFOLD) or run the trials '
+        'with fedjx-run.')
+  return exp
 
 
 def trial_algorithm(config: ml_collections.ConfigDict, exp: experiment_lib.Experiment) -> Any:
