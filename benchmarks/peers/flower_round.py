@@ -73,6 +73,10 @@ class _TimedFedAvg(FedAvg):
 
 
 def main():
+  # Ray's workers import this folder's modules (common, torch_cnn).
+  here = os.path.dirname(os.path.abspath(__file__))
+  os.environ['PYTHONPATH'] = os.pathsep.join(
+      p for p in (here, os.environ.get('PYTHONPATH')) if p)
   torch.manual_seed(0)
   init = [v.detach().numpy() for v in torch_cnn.simple_cnn().state_dict().values()]
   assert sum(v.size for v in init) == common.NUM_PARAMS
