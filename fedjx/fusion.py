@@ -82,6 +82,8 @@ class MapSpec:
     self.placement = placement
     self.out_avals = tuple(out_avals)
     self.by_cost = by_cost
+    self.alone = None  # The member's jaxpr outside a chunk, for chunks of 1.
+    self.num_alone_consts = 0
 
   def __repr__(self):
     return f'MapSpec(placement={self.placement}, n={self.n}, k={self.k})'
@@ -168,6 +170,11 @@ class Recorder:
         closed, out_shape = jax.make_jaxpr(
             fn, return_shape=True, axis_env=[(axis, k)] if axis else ())(
                 member, list(shared))
+      if cost is not None and axis:
+        # The same member traced alone, for the chunks of one member
+        # (vmapped on an axis of size 1, XLA:CPU runs its products slower).
+        with frames.chunk_axis(None):
+          alone = jax.make_jaxpr(fn)(member, list(shared))
     finally:
       self.active = True
     out_leaves, out_tree = jax.tree.flatten(out_shape)
@@ -177,6 +184,10 @@ class Recorder:
     spec = MapSpec(closed.jaxpr, len(closed.consts), len(placed), n, k, placement,
                    out_avals, by_cost=cost is not None)
     extra = [] if cost is None else [cost]
+    if cost is not None and axis:
+      spec.alone = alone.jaxpr
+      spec.num_alone_consts = len(alone.consts)
+      extra = list(alone.consts) + extra
     outs = fusable_map_p.bind(*closed.consts, *placed, *shared, *extra, spec=spec)
     return jax.tree.unflatten(out_tree, outs)
 
@@ -357,6 +368,9 @@ def run(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
   c, p = spec.num_consts, spec.num_placed
   cost = operands[-1] if spec.by_cost else None
   operands = operands[:-1] if spec.by_cost else operands
+  a = spec.num_alone_consts
+  alone_consts = operands[len(operands) - a:]
+  operands = operands[:len(operands) - a]
   consts, placed, shared = operands[:c], operands[c:c + p], operands[c + p:]
   n, k = spec.n, spec.k
   m = math.ceil(n / k)
@@ -367,6 +381,10 @@ def run(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
   def outputs(chunk, width=k):
     if width == 1 and cost is None:
       return member(*consts, *chunk, *shared)
+    if width == 1 and spec.alone is not None:
+      one = [x[0] for x in chunk]
+      outs = jax.core.eval_jaxpr(spec.alone, alone_consts, *one, *shared)
+      return [y[None] for y in outs]
     return jax.vmap(lambda *one: member(*consts, *one, *shared),
                     axis_name=chunk_axis_name(spec.placement))(*chunk)
 
