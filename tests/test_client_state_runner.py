@@ -337,3 +337,12 @@ def test_a_sweep_refuses_an_algorithm_whose_rows_live_only_in_a_store():
   with pytest.raises(config_schema.ConfigError,
                      match=r"^fedjx-sweep: algorithm 'fedrep' keeps per-client state"):
     sweep_plan.build_trial(config_schema.validate(config))
+
+
+def test_streaming_refuses_a_store_backed_round_in_one_line(tmp_path):
+  config = _config(rounds=1)
+  config.execution = 'streaming'
+  with pytest.raises(config_schema.ConfigError,
+                     match=r"^config.algorithm.name='scaffold' keeps per-client "
+                           r"state in a store, which execution='streaming'"):
+    runner.run(config, str(tmp_path), log=lambda msg: None)
