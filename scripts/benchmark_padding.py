@@ -139,16 +139,18 @@ def _time_once(fn):
 def _bucketing(args, loss, params, shape):
   """Compile time and padded steps of a chunked round, bucket=True/False."""
   rng = np.random.default_rng(1)
+  drawn = []  # The same cohorts for both.
+  for _ in range(args.cohorts):
+    sizes = _sizes('lognormal', rng, args.clients)
+    drawn.append((sizes, _dataset(sizes, rng, shape)))
   for bucket in (True, False):
     algo = algorithms.fedavg(loss, client_optimizer=optax.sgd(0.1),
                              client_evaluation=False).compile(
         map_strategy='chunked', chunk_size=4, donate=False)
     state = algo.init(params)
     seen = set()
-    for cohort_id in range(args.cohorts):
-      sizes = _sizes('lognormal', rng, args.clients)
-      cohort = _cohort(_dataset(sizes, rng, shape), len(sizes),
-                       order_by_steps=True, bucket=bucket)
+    for cohort_id, (sizes, data) in enumerate(drawn):
+      cohort = _cohort(data, len(sizes), order_by_steps=True, bucket=bucket)
       padded = int(cohort.mask.shape[1])
       real = int(jnp.sum(jnp.any(cohort.mask, -1)))
       first = padded not in seen
