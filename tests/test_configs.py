@@ -12,6 +12,7 @@ import pytest
 
 from config_files import load
 
+from fedjx.experiments import client_states
 from fedjx.experiments import config_base
 from fedjx.experiments import registry
 from fedjx.experiments import runner
@@ -56,18 +57,24 @@ OFFLINE_FILES = [p for p in CONFIG_FILES
 # The text configs (a transformer) and the secure sum's 16-bit Skellam
 # draws are the slowest to build and compile: with the slow tests.
 _SLOW_CONFIGS = ('async_diloco_text.py', 'streaming_diloco_text.py', 'diloco_text.py',
-                 'diloco_text_equal_compute.py', 'secagg_ddp_digits.py')
+                 'diloco_text_equal_compute.py', 'secagg_ddp_digits.py',
+                 # FedRep's and FedAvg's rounds with another client step.
+                 'fedper_digits.py', 'ditto_digits.py')
 
 
 @pytest.mark.parametrize('path', [
     pytest.param(p, marks=pytest.mark.slow) if os.path.basename(p) in _SLOW_CONFIGS
     else p for p in OFFLINE_FILES], ids=os.path.basename)
-def test_offline_config_builds_and_runs_a_round(path):
+def test_offline_config_builds_and_runs_a_round(path, tmp_path):
   config = config_base.smoke_sized(load(path))
   exp = runner.build(config)
   state = exp.algorithm.init(exp.init_params)
   cohort = next(iter(exp.cohorts(0, 1)))
-  state, metrics = exp.algorithm.round(state, cohort, exp.round_key_for(0))
+  # Per-client rows, if the algorithm keeps them, from the runner's store.
+  store = client_states.make_store(config, exp.algorithm, exp.init_params,
+                                   exp.data.train.num_clients, str(tmp_path))
+  state, metrics = exp.algorithm.round(state, client_states.attach(store, cohort),
+                                       exp.round_key_for(0))[:2]
   assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(metrics))
   assert exp.evaluate is not None
   out = exp.evaluate(state.params)
