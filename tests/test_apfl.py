@@ -32,7 +32,8 @@ from test_algorithms_util import CHAIN, KEY, assert_trees_close
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params, make_cohort
 
 RTOL = ft.rtol(16)
-STRATEGIES = [('vmap', None), ('chunked', 1),
+STRATEGIES = [('vmap', None),
+              pytest.param('chunked', 1, marks=pytest.mark.slow),
               pytest.param('sequential', None, marks=pytest.mark.slow),
               pytest.param('auto', None, marks=pytest.mark.slow)]
 
@@ -236,7 +237,8 @@ def test_a_nonfinite_client_keeps_its_row_and_is_left_out():
   assert all(np.all(np.isfinite(v)) for v in jax.tree.leaves(state.params))
 
 
-def test_dp_aggregator_runs_and_errors_are_one_line():
+@pytest.mark.slow
+def test_a_dp_aggregator_applies_to_the_global_update():
   # The server sees FedAvg's update: a DP aggregator applies to it.
   algo = algos.apfl(linreg_loss, client_evaluation=False,
                     aggregator=dict(name='gaussian', clip_norm=1.0,
@@ -247,8 +249,14 @@ def test_dp_aggregator_runs_and_errors_are_one_line():
                   client_states=store.read([0, 1]))
   _, metrics, _ = algo.round(algo.init(params), cohort, KEY)
   assert np.isfinite(float(metrics['train_loss_during']))
+
+
+def test_errors_are_one_line():
+  algo = algos.apfl(linreg_loss)
+  params = linreg_params()
+  cohort = Cohort(*make_cohort(_data(0)[:2], batch_size=B))
   with pytest.raises(ValueError, match=r'apfl: cohort.client_states=None'):
-    algo.round(algo.init(params), cohort._replace(client_states=None), KEY)
+    algo.round(algo.init(params), cohort, KEY)
   with pytest.raises(ValueError, match=r'apfl: run_rounds is not available'):
     algo.run_rounds(algo.init(params), cohort, jnp.stack([KEY]))
   with pytest.raises(ValueError, match=r'apfl: init_alpha=1.5 is not allowed'):

@@ -58,7 +58,7 @@ def fedjax_algorithm(**kw):
 
 
 @pytest.mark.parametrize('strategy,chunk', [
-    ('vmap', None), ('chunked', 3),
+    ('vmap', None), pytest.param('chunked', 3, marks=pytest.mark.slow),
     pytest.param('sequential', None, marks=pytest.mark.slow),
     pytest.param('auto', None, marks=pytest.mark.slow)])
 def test_fedjax_hyp_cluster_numbers_under_every_map_strategy(strategy, chunk):
@@ -75,12 +75,16 @@ def test_fedjax_hyp_cluster_numbers_under_every_map_strategy(strategy, chunk):
   assert [float(metrics[f'cluster_clients_{k}']) for k in range(2)] == [2., 2.]
 
 
-def test_fedjax_no_op_on_empty_data_and_an_unchosen_cluster_is_kept():
+@pytest.mark.slow
+def test_fedjax_no_op_on_empty_data():
   algo = fedjax_algorithm()
   empty = make_cohort(scalars([]), batch_size=1)
   state, metrics = algo.round(algo.init([jnp.array(1.), jnp.array(-1.)]), empty, KEY)
   np.testing.assert_array_equal(state.cluster_params, [1., -1.])
   assert float(metrics['clients']) == 0.0
+
+
+def test_fedjax_an_unchosen_cluster_is_kept():
   # FedJAX's expectation_step: a cluster at 3.14 no client chooses keeps its
   # model and (here, momentum) optimizer state.
   algo = fedjax_algorithm(k=3, server=optax.sgd(0.25, momentum=0.9))
