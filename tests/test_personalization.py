@@ -113,14 +113,15 @@ def test_distribution_against_hand_computed():
       pytest.approx((1.0 + 0.9) / 2)
 
 
-@pytest.mark.parametrize('schedule', [dict(epochs=2), dict(steps=5)])
-def test_fine_tune_eval_against_numpy_sgd(schedule):
+@pytest.mark.parametrize('schedule,strategy', [(dict(epochs=2), 'vmap'),
+                                               (dict(steps=5), 'auto')])
+def test_fine_tune_eval_against_numpy_sgd(schedule, strategy):
   model, splits, state, w0, b0 = _setup()
   lr = 0.5
   personalize = personalization.fine_tune(model.loss_fn, optax.sgd(lr), **schedule)
   result = personalization.personalization_eval(
       personalize, state, model, splits.train, splits.test, batch_size=BATCH,
-      cohort_size=2)  # Five clients: blocks of 2, 2 and 1 + a padding client.
+      cohort_size=2, map_strategy=strategy)  # Five clients: blocks of 2, 2 and 1 + a padding client.
   np.testing.assert_array_equal(result.client_ids, np.arange(5))
   for k in range(5):
     batches = _batches(splits.train.client_data(k))
