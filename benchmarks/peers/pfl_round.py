@@ -21,7 +21,7 @@ from pfl.data.dataset import Dataset
 from pfl.data.federated_dataset import FederatedDataset
 from pfl.data.sampling import get_user_sampler
 from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
-from pfl.metrics import Weighted
+from pfl.metrics import Metrics, Weighted
 from pfl.model.pytorch import PyTorchModel
 
 import torch_cnn
@@ -54,7 +54,7 @@ class _Clock(TrainingProcessCallback):
 
   def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
     self.clock.tick()
-    return False, {}
+    return False, Metrics()
 
 
 def main():
