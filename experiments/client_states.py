@@ -9,7 +9,8 @@ The runner (:mod:`fedjx.experiments.run_trainer`):
 
 * before a round, attaches the cohort's rows as of that round
   (:func:`attach`: ``store.read(cohort.client_ids)``, placed like the
-  cohort's arrays);
+  cohort's arrays; a streamed round reads them chunk by chunk, and its new
+  rows come back gathered chunk by chunk on the host);
 * after the round is accepted (past the non-finite guard), writes the rows
   the round returned (:func:`write_back`); a round redone guarded writes
   once, the redone rows;
@@ -31,6 +32,7 @@ import jax
 import numpy as np
 
 from fedjx import client_store as client_store_lib
+from fedjx import streaming
 from fedjx.experiments.config import ConfigError
 
 
@@ -58,15 +60,34 @@ def make_store(config: Any, algorithm: Any, init_params: Any, num_clients: int,
 
 
 def attach(store: client_store_lib.ClientStore | None, cohort: Any) -> Any:
-  """``cohort`` with its clients' rows as ``client_states``, placed like it."""
+  """``cohort`` with its clients' rows as ``client_states``, placed like it.
+
+  A streamed cohort (a ``fedjx.streaming.Clients``) reads its rows chunk by
+  chunk with its data, as each chunk loads.
+  """
   if store is None:
     return cohort
+  if isinstance(cohort, streaming.Clients):
+    return with_rows(store, cohort)
   ids = np.asarray(jax.device_get(cohort.client_ids))
   rows = store.read(ids)
   sharding = getattr(cohort.mask, 'sharding', None)
   rows = (jax.device_put(rows, sharding) if isinstance(cohort.mask, jax.Array)
           else rows)
   return cohort._replace(client_states=rows)
+
+
+def with_rows(store: client_store_lib.ClientStore,
+              clients: streaming.Clients) -> streaming.Clients:
+  """``clients`` whose every chunk carries its clients' rows from ``store``."""
+  def load(chunk):
+    part = clients.load(chunk)
+    return part._replace(client_states=store.read(np.asarray(part.client_ids)))
+
+  spec = clients.spec._replace(client_states=jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
+      store.initial))
+  return streaming.Clients(clients.client_ids, load, spec)
 
 
 def write_back(store: client_store_lib.ClientStore | None, cohort: Any,

@@ -202,11 +202,6 @@ class RunTrainer:
   def cohorts(self, start: int, stop: int) -> Iterator[Any]:
     """The rounds' cohorts; the first's fetch and the first round compile."""
     guarded, unguarded = round_algorithms(self.config, self.exp)
-    if self.store is not None and self.config.execution == 'streaming':
-      raise registry.ConfigError(
-          f'config.algorithm.name={self.config.algorithm.name!r} keeps '
-          "per-client state in a store, which execution='streaming' does not "
-          "read or write yet; use execution='jit' or 'auto'.")
     self.rounds = guarded_rounds.GuardedRounds(guarded, unguarded, self._runner)
     # Progress, like the bar: shown with config.progress (a quiet run logs
     # only what happened to it).
@@ -312,11 +307,13 @@ class RunTrainer:
     exp = self.exp
     if exp.systems is not None:  # Cohorts closed by the system model.
       return exp.system_rounds(first, last, at)
-    if getattr(self.rounds.first, 'may_stream', False) and exp.scheduler is None and (
-        self.store is None):  # A store-backed round takes placed cohorts.
-      # Clients are read a chunk at a time.
-      return exp.lazy_cohorts(first, last, self.rounds.first.loads_whole(
-          like, exp.round_key_for(first)))
+    if getattr(self.rounds.first, 'may_stream', False) and exp.scheduler is None:
+      # Clients are read a chunk at a time (and their rows, if the store
+      # holds any: the decision to load a cohort whole counts them).
+      whole = self.rounds.first.loads_whole(like, exp.round_key_for(first))
+      store = self.store
+      return exp.lazy_cohorts(first, last, whole if store is None else (
+          lambda clients: whole(client_states.with_rows(store, clients))))
     return exp.cohorts(first, last)
 
   def _state_before(self, r: int) -> Any:

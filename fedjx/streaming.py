@@ -18,7 +18,11 @@ local devices:
   updates of a 1.2M-parameter CNN would be 307 MB written and read again
   per chunk);
 * ``collect`` steps (per-client state, as in SCAFFOLD) are written to a host
-  array chunk by chunk.
+  array chunk by chunk; so is each per-client output of the program (the
+  new rows of a store-backed round, ``docs/client_state.md``), which comes
+  back as that NumPy array. A store-backed round's rows come in through its
+  :class:`Clients` source (``cohort.client_states``, loaded chunk by chunk
+  with the data, e.g. from ``fedjx.ClientStore.read``).
 
 Device memory is that of the server state, one chunk's work and the partial
 sums, whatever the cohort size.
@@ -37,10 +41,9 @@ depends on it, e.g. a variance around the cohort's mean, or each update in
 every iteration of Weiszfeld's geometric median) is not kept: the client
 work that computes it runs again in that pass, from the client's inputs,
 which are reloaded (the same values: client work is a function of its
-inputs and keys). A plan streams when no output of the program is a
-per-client value and no server code reads every client's value at once
-(:func:`fedjx.plan.gather_to_server`, e.g. a coordinate-wise median of the
-updates: refused with the reason it gives); otherwise
+inputs and keys). A plan streams when no server code reads every client's
+value at once (:func:`fedjx.plan.gather_to_server`, e.g. a coordinate-wise
+median of the updates: refused with the reason it gives); otherwise
 :class:`NotStreamableError` says why.
 """
 
@@ -122,8 +125,9 @@ def run(fn: Callable[..., Any], *args: Any, chunk_size: int = 64) -> Any:
     ``fn``'s outputs (device arrays), the same pytree as ``fn(*args)``.
 
   Raises:
-    NotStreamableError: the round keeps per-client values across a
-      reduction, or returns per-client values.
+    NotStreamableError: server code of the round reads every client's
+      value at once. Per-client outputs come back as host NumPy arrays,
+      gathered chunk by chunk.
 
   Each call traces and compiles afresh; :class:`Streamer` keeps both between
   rounds.
@@ -182,14 +186,11 @@ def _run(fn, args, chunk_size, cache) -> Any:
           f'fedjx.streaming.run: {step.why}, and a streamed round holds one '
           "chunk of clients at a time, never all of them: run it with "
           "execution='jit'.")
-  for i in plan.out_ids:
-    if plan.kinds.get(i) == plan_lib.CLIENT:
-      raise NotStreamableError(
-          'fedjx.streaming.run: the program returns a per-client value '
-          f'({plan.avals[i].str_short()}); streaming keeps no per-client values: '
-          'reduce it over the clients, or run the round with execution="jit".')
+  if 'client_outputs' not in entry:
+    entry['client_outputs'] = _client_outputs(plan, client_inputs)
+  client_outputs = entry['client_outputs']  # out id -> its 'collect' step
   bcast: dict[int, int] = {}
-  remaining = list(plan.steps)
+  remaining = list(plan.steps) + list(client_outputs.values())
   done_maps: list[plan_lib.MapStep] = []  # Client work of earlier passes.
   while remaining:
     progressed = True
@@ -216,9 +217,35 @@ def _run(fn, args, chunk_size, cache) -> Any:
         if isinstance(step, plan_lib.MapStep):
           done_maps.append(step)
     env.update(_run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry))
-  outs = [jnp.broadcast_to(env[bcast[i]], (n,) + jnp.shape(env[bcast[i]]))
+  outs = [env[client_outputs[i].out_id] if i in client_outputs else
+          jnp.broadcast_to(env[bcast[i]], (n,) + jnp.shape(env[bcast[i]]))
           if i in bcast else env[i] for i in plan.out_ids]
   return jax.tree.unflatten(plan.out_tree, outs)
+
+
+def _client_outputs(plan, client_inputs) -> dict[int, plan_lib.ReduceStep]:
+  """A ``'collect'`` step for each per-client output of the program.
+
+  A per-client output (e.g. the new rows of per-client state a store-backed
+  round returns) is computed by client work: it is gathered chunk by chunk
+  into a host array, which is what the program returns for it (NumPy, never
+  on the device as a whole). Its step's ``out_id`` is negative, outside the
+  plan's ids.
+  """
+  computed = set(client_inputs) | {
+      i for step in plan.steps if isinstance(step, plan_lib.MapStep)
+      for i in step.out_ids}
+  steps = {}
+  for i in plan.out_ids:
+    if plan.kinds.get(i) != plan_lib.CLIENT or i in steps:
+      continue
+    if i not in computed:
+      raise NotStreamableError(
+          'fedjx.streaming.run: the program returns a per-client value '
+          f'({plan.avals[i].str_short()}) that no client work computes; '
+          'run the round with execution="jit".')
+    steps[i] = plan_lib.ReduceStep('collect', i, None, _VALID - 1 - len(steps))
+  return steps
 
 
 def _next_pass(plan, remaining, env, bcast, client_inputs, done_maps) -> _Pass:
@@ -401,7 +428,8 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
     out[r.out_id] = reductions.finish(r.op, total, wsum, n, dtype)
   for r in collect:
     host = collected_host[collect.index(r)]
-    out[r.out_id] = plan_lib.from_host(jnp.asarray(host), plan.avals[r.out_id])
+    out[r.out_id] = (host if r.out_id < _VALID else  # A per-client output.
+                     plan_lib.from_host(jnp.asarray(host), plan.avals[r.out_id]))
   return out
 
 

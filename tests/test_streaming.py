@@ -139,13 +139,17 @@ def test_compensated_sum_of_many_small_terms():
   assert abs(float(got) - want) <= 2 * 2.0**-24 * want
 
 
-def test_per_client_outputs_are_a_clear_error():
-  @fedjx.program(clients=4)
+def test_per_client_outputs_come_back_on_the_host_gathered_chunk_by_chunk():
+  @fedjx.program(clients=7)
   def per_client(x):
-    return fedjx.map_fn(lambda v: v * 2, x)
+    return fedjx.map_fn(lambda v: v * 2, x), fedjx.reduce_sum(x)
 
-  with pytest.raises(streaming.NotStreamableError, match='returns a per-client value'):
-    streaming.run(per_client, streaming.Clients.from_arrays(jnp.ones((4, 2))))
+  x = np.arange(14, dtype=np.float32).reshape(7, 2)
+  doubled, total = streaming.run(per_client, streaming.Clients.from_arrays(x),
+                                 chunk_size=3)
+  assert isinstance(doubled, np.ndarray)
+  np.testing.assert_array_equal(doubled, 2 * x)  # Exact: one product each.
+  np.testing.assert_array_equal(np.asarray(total), x.sum(0))  # Small integers.
 
 
 def test_a_client_value_used_after_its_reduction_is_computed_again():
@@ -179,3 +183,38 @@ def test_a_round_that_is_not_a_plan_is_a_clear_error():
   with pytest.raises(ValueError, match="'cond' at streaming_diloco.py.*inside a loop or a branch"):
     streaming.run(algo.apply, state, streaming.Clients.from_arrays(_cohort(0)),
                   jax.random.key(0), chunk_size=5)
+
+
+def test_a_store_backed_round_streams_its_rows_in_and_out_chunk_by_chunk():
+  # SCAFFOLD with its c_i in a ClientStore: the rows come in with each chunk
+  # of clients (read from the store as the chunk loads) and the new rows come
+  # back as a host array gathered chunk by chunk; both equal the compiled round.
+  algo = algorithms.scaffold(_loss, CLIENTS + 5, client_optimizer=optax.sgd(0.1),
+                             client_state='store')
+  params = _params()
+  store = fedjx.ClientStore(jax.tree.map(np.asarray, algo.client_state_init(params)),
+                            CLIENTS + 5)
+  ids = np.arange(CLIENTS, dtype=np.int32)
+  store.write(ids[::2], jax.tree.map(  # Some clients already hold a row.
+      lambda a: np.random.default_rng(0).normal(
+          size=(len(ids[::2]),) + a.shape).astype(np.float32) * 0.01,
+      algo.client_state_init(params)))
+  cohort = _cohort(2)
+  reads = []
+
+  def load(chunk):
+    chunk = np.asarray(chunk)
+    reads.append(len(chunk))
+    part = jax.tree.map(lambda a: a[chunk], cohort)
+    return part._replace(client_states=store.read(ids[chunk]))
+
+  spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                      cohort._replace(client_states=store.read(ids)))
+  state, key = algo.init(params), jax.random.key(5)
+  want = jax.jit(algo.apply)(state, cohort._replace(client_states=store.read(ids)), key)
+  got = streaming.run(algo.apply, state, streaming.Clients(range(CLIENTS), load, spec),
+                      key, chunk_size=5)
+  assert max(reads) <= 5  # Never the whole cohort's rows at once.
+  rows = got[2]
+  assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(rows))
+  _assert_close(got, want)
