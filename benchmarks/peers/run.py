@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -76,7 +77,8 @@ def table(records: list[dict]) -> str:
         continue
       good = [r for r in mine if 'error' not in r]
       if not good:
-        rows.append(f'| {setup} | {name} | | failed: `{mine[-1]["error"]}` | | | | | |')
+        error = re.sub(r'\x1b\[[0-9;]*m|\\x1b\[[0-9;]*m', '', mine[-1]['error'])
+        rows.append(f'| {setup} | {name} | | failed: `{error}` | | | | | |')
         continue
       cpu = med(name, 'cpu_s_per_round')
       ratio = f'{cpu / base:.2f}x' if base and cpu is not None else ''
