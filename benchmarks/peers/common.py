@@ -131,4 +131,8 @@ def parse_args(description: str):
   parser.add_argument('--setup', default='equal', choices=SETUPS)
   parser.add_argument('--rounds', type=int, default=3,
                       help='rounds in all; the first is the warm-up')
+  parser.add_argument('--conv', default='patches', choices=('patches', 'xla'),
+                      help="the JAX rounds' convolution: fedjx.models' patches "
+                           "(its default) or lax.conv_general_dilated, which "
+                           'XLA:CPU runs several times slower inside a loop')
   return parser.parse_args()

@@ -22,6 +22,7 @@ import jax_cnn
 
 def main():
   args = common.parse_args(__doc__.split('\n')[0])
+  jax_cnn.use_conv(args.conv)
   data = common.client_data(args.setup)
   x = np.concatenate([x for x, _ in data])
   y = np.concatenate([y for _, y in data]).astype(np.int32)
@@ -42,13 +43,16 @@ def main():
     state = algo.round(state, cohort, jax.random.key(r))[0]
     jax.block_until_ready(state.params)
     clock.tick()
+  # What map_fn sizes 'auto' by: one client's placed inputs, the broadcast
+  # model included.
   client_bytes = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
-                     for a in jax.tree.leaves((cohort.batches, cohort.mask)))
+                     for a in jax.tree.leaves((cohort.batches, cohort.mask))) + sum(
+                         a.nbytes for a in jax.tree.leaves(params))
   k = fedjx.mapping.choose_chunk_size('auto', len(data), client_bytes, 1)
   picked = ('sequential' if k == 1 else 'vmap' if k >= len(data)
             else f'chunked:{k}')
   common.report('fedjx', f'fedjx (jax {jax.__version__})', args.setup, clock,
-                jax_cnn.threads(), map_strategy=f'auto -> {picked}',
+                jax_cnn.threads(), conv=args.conv, map_strategy=f'auto -> {picked}',
                 bucket=False, padded_steps=int(cohort.mask.shape[1]),
                 real_steps=int(np.asarray(jnp.sum(jnp.any(cohort.mask, -1)))))
 

@@ -9,6 +9,23 @@ import jax.numpy as jnp
 import optax
 
 _DN = ('NHWC', 'HWIO', 'NHWC')
+# fedjx.models' convolution (im2col patches times the kernel), as fedjx's own
+# CNNs run, or XLA's. XLA:CPU runs lax.conv_general_dilated (and its
+# gradients) several times slower inside a while loop than outside one
+# (jax-ml/jax issue 12868; 0.60 against 0.076 CPU s per local step of this
+# CNN, jax 0.10.2), and every local-training loop is one; the patches are a
+# matrix product there too (0.054 CPU s).
+CONVS = {'patches': None, 'xla': jax.lax.conv_general_dilated}
+_conv = {'fn': jax.lax.conv_general_dilated}
+
+
+def use_conv(name: str) -> None:
+  """Selects the convolution of :func:`apply`: ``'patches'`` or ``'xla'``."""
+  if name == 'patches':
+    from fedjx.models import conv  # pylint: disable=import-outside-toplevel
+    _conv['fn'] = conv.patch_conv
+  else:
+    _conv['fn'] = CONVS[name]
 
 
 def init(key):
@@ -23,8 +40,8 @@ def init(key):
 
 def apply(params, x):
   def conv(p, h):
-    return jax.lax.conv_general_dilated(h, p['w'], (1, 1), 'VALID',
-                                        dimension_numbers=_DN) + p['b']
+    return _conv['fn'](h, p['w'], (1, 1), 'VALID',
+                       dimension_numbers=_DN) + p['b']
   h = jax.nn.relu(conv(params['c1'], x))
   h = jax.nn.relu(conv(params['c2'], h))
   h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), 'VALID')

@@ -53,6 +53,7 @@ def fedavg_round(params, x, y, mask, steps):
 
 def main():
   args = common.parse_args(__doc__.split('\n')[0])
+  jax_cnn.use_conv(args.conv)
   data = common.client_data(args.setup)
   params = jax_cnn.init(jax.random.key(0))
   clock = common.Clock()
@@ -61,7 +62,7 @@ def main():
     jax.block_until_ready(params)
     clock.tick()
   common.report('lax_map', f'hand-written (jax {jax.__version__})', args.setup,
-                clock, jax_cnn.threads())
+                clock, jax_cnn.threads(), conv=args.conv)
 
 
 if __name__ == '__main__':
