@@ -14,48 +14,18 @@ import functools
 import os
 from importlib import metadata
 
-import numpy as np
 import torch
-from torch import nn
 
-from flwr.client import ClientApp, NumPyClient
+from flwr.client import ClientApp
 from flwr.common import ndarrays_to_parameters
 from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 from flwr.server.strategy import FedAvg
 from flwr.simulation import run_simulation
 
+import flower_client
 import torch_cnn
 
 _ARGS = common.parse_args(__doc__.split('\n')[0])
-
-
-@functools.lru_cache(maxsize=None)
-def _data():
-  return common.client_data(_ARGS.setup)  # seeded: the same in every worker
-
-
-class _Client(NumPyClient):
-
-  def __init__(self, uid):
-    torch.set_num_threads(1)
-    x, y = _data()[uid]
-    self.x, self.y, self.uid = torch_cnn.to_nchw(x), torch.from_numpy(y), uid
-    self.model = torch_cnn.simple_cnn()
-
-  def fit(self, parameters, config):
-    state = self.model.state_dict()
-    self.model.load_state_dict({k: torch.from_numpy(np.asarray(v))
-                                for k, v in zip(state, parameters)})
-    opt = torch.optim.SGD(self.model.parameters(), lr=common.LOCAL_LR)
-    order = torch.from_numpy(np.random.default_rng(
-        (config.get('round', 0), self.uid)).permutation(len(self.y)))
-    for s in range(0, len(self.y), common.BATCH):
-      idx = order[s:s + common.BATCH]
-      opt.zero_grad()
-      nn.functional.cross_entropy(self.model(self.x[idx]), self.y[idx]).backward()
-      opt.step()
-    return ([v.detach().numpy() for v in self.model.state_dict().values()],
-            len(self.y), {})
 
 
 class _TimedFedAvg(FedAvg):
@@ -88,8 +58,9 @@ def main():
       on_fit_config_fn=lambda r: {'round': r})
   server = ServerApp(server_fn=lambda context: ServerAppComponents(
       strategy=strategy, config=ServerConfig(num_rounds=_ARGS.rounds)))
-  client = ClientApp(client_fn=lambda context: _Client(
-      int(context.node_config['partition-id'])).to_client())
+  # A module's function, which Ray's workers import by name (flower_client).
+  client = ClientApp(client_fn=functools.partial(flower_client.client_fn,
+                                                 _ARGS.setup))
   run_simulation(server_app=server, client_app=client,
                  num_supernodes=common.COHORT,
                  backend_config={'client_resources': {'num_cpus': 1, 'num_gpus': 0.0},
