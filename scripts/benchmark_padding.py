@@ -205,8 +205,11 @@ def main():
       state = algo.init(params)
       runs[spec] = (lambda a, s, c: lambda: a.round(s, c, jax.random.key(1))[0].params)(
           algo, state, spec_cohort)
+      # What map_fn sizes 'auto' by: one client's placed inputs, the
+      # broadcast model included.
       client_bytes = sum(int(np.prod(x.shape[1:])) * x.dtype.itemsize
-                         for x in jax.tree.leaves((spec_cohort.batches, spec_cohort.mask)))
+                         for x in jax.tree.leaves((spec_cohort.batches, spec_cohort.mask))) + sum(
+                             x.nbytes for x in jax.tree.leaves(params))
       k = fedjx.mapping.choose_chunk_size(strategy, len(sizes), client_bytes, 1,
                                           int(chunk) if chunk else None)
       kind = 'sequential' if k == 1 else ('vmap' if k >= len(sizes) else 'chunked')
