@@ -194,8 +194,7 @@ def apfl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
       return kept + (total + jnp.where(is_real, loss * n, 0.0).astype(jnp.float32),
                      count + jnp.where(is_real, n, 0.0))
 
-    def step(carry, xs):
-      i, is_real = xs
+    def step(carry, i, is_real):
       batch, m = jax.tree.map(lambda z: z[i], (batches, mask))
       return jax.lax.cond(fedjx.mapping.any_in_chunk(is_real), real_step,
                           lambda c, *unused: c, carry, batch, m, is_real), None
@@ -204,7 +203,7 @@ def apfl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     zero = jnp.zeros((), jnp.float32)
     carry = client_update.tie_to(
         (x, v, jnp.asarray(alpha, jnp.float32), sw, sv, zero, zero), mask)
-    carry, _ = jax.lax.scan(step, carry, (index, active))
+    carry, _ = client_update.scan_steps(step, carry, index, active)
     w, v, a, sw, _, total, count = carry
     return w, v, a, sw, jnp.sum(active, dtype=jnp.int32), total, count
 

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
+import fedjx.mapping
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
@@ -92,18 +93,25 @@ def full_gradient(loss_fn: base.LossFn, params: base.Params,
                   batches: Any, mask: jax.Array) -> base.PyTree:
   """``grad f_i(x) = (1/n_i) sum_e grad loss(x, e)`` over a client's real examples.
 
-  One client's (inside ``map_fn``): a scan over its ``S`` batches; zero for
-  a client with no data.
+  One client's (inside ``map_fn``): a scan over its ``S`` batches in blocks
+  (:func:`fedjx.algorithms.client_update.scan_steps`), where batches that
+  are padding for every client run together are skipped; zero for a client
+  with no data.
   """
   def total(p, batch, m):
     return jnp.sum(jnp.where(m, loss_fn(p, batch), 0.0))
 
-  def step(acc, xs):
-    batch, m = xs
-    return jax.tree.map(jnp.add, acc, jax.grad(total)(params, batch, m)), None
+  def add(acc, batch, m):
+    return jax.tree.map(jnp.add, acc, jax.grad(total)(params, batch, m))
+
+  def step(acc, x, is_real):
+    batch, m = x
+    return jax.lax.cond(fedjx.mapping.any_in_chunk(is_real), add,
+                        lambda acc, *unused: acc, acc, batch, m), None
 
   zeros = client_update.tie_to(jax.tree.map(jnp.zeros_like, params), mask)
-  sums, _ = jax.lax.scan(step, zeros, (batches, mask))
+  sums, _ = client_update.scan_steps(step, zeros, (batches, mask),
+                                     jnp.any(mask, axis=-1))
   n = jnp.maximum(jnp.sum(mask), 1)
   return jax.tree.map(lambda s: s / n.astype(s.dtype), sums)
 
