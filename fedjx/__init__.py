@@ -55,7 +55,11 @@ MODULES = ('api', 'beam', 'client_store', 'distributed', 'execution', 'export',
            'frames', 'fusion', 'interpreters', 'mapping', 'options',
            'placements', 'plan', 'primitives', 'reductions', 'sharding',
            'streaming')
-__getattr__, __dir__ = _lazy.submodules(__name__, SUBPACKAGES + MODULES, _NAMES)
+# Modules that need an optional dependency (the package, its extra): left out
+# of dir(fedjx) until imported, so help(fedjx) imports none of them.
+OPTIONAL = {'beam': ('apache_beam', 'beam')}
+__getattr__, __dir__ = _lazy.submodules(__name__, SUBPACKAGES + MODULES, _NAMES,
+                                        OPTIONAL)
 
 
 __all__ = [

@@ -72,6 +72,40 @@ def test_help_names_the_subpackages():
     raise AssertionError('fedjx.no_such_thing did not raise')
 
 
+# The optional dependencies (setup.cfg's extras), by the module they install.
+OPTIONAL = ('apache_beam', 'flwr', 'tensorboard')
+
+
+def test_help_works_and_imports_no_optional_dependency():
+  # help(fedjx) reads every name dir(fedjx) lists; a lazy fedjx.beam there
+  # imported Apache Beam, and without it help(fedjx) raised.
+  code = (
+      'import sys\n'
+      f'for name in {OPTIONAL!r}:\n'
+      '  sys.modules[name] = None  # importing it raises ImportError\n'
+      'import contextlib, io, pydoc, fedjx, fedjx.interpreters\n'
+      'with contextlib.redirect_stdout(io.StringIO()) as shown:\n'
+      '  help(fedjx)\n'
+      'text = pydoc.render_doc(fedjx, renderer=pydoc.plaintext)\n'
+      'pydoc.render_doc(fedjx.interpreters, renderer=pydoc.plaintext)\n'
+      "print('fedjx.algorithms' in shown.getvalue(), 'broadcast' in text)\n"
+      'try:\n'
+      '  fedjx.beam\n'
+      'except ModuleNotFoundError as e:\n'
+      '  print(e)\n')
+  assert _run(code).splitlines() == [
+      'True True',
+      "fedjx.beam needs apache_beam, which is not installed: pip install 'fedjx[beam]'."]
+  # Installed (the test extra installs Apache Beam), they stay unimported.
+  out = _run('import io, contextlib, sys, fedjx, fedjx.interpreters\n'
+             'with contextlib.redirect_stdout(io.StringIO()):\n'
+             '  help(fedjx)\n'
+             '  help(fedjx.interpreters)\n'
+             f'print(sorted(m for m in {OPTIONAL!r} if m in sys.modules))\n'
+             "print(callable(fedjx.beam.run), 'beam' in dir(fedjx))\n")
+  assert out.splitlines() == ['[]', 'True True']
+
+
 def test_hypergradient_demo_writes_into_its_workdir_unless_told():
   spec = importlib.util.spec_from_file_location(
       'hypergradient_demo', REPO / 'scripts' / 'hypergradient_demo.py')

@@ -25,5 +25,7 @@ from fedjx import _lazy
 MODULES = ('plan', 'beam', 'export')
 
 
-# Submodules are imported when first used.
-__getattr__, __dir__ = _lazy.submodules(__name__, MODULES)
+# Submodules are imported when first used; beam needs Apache Beam (left out of
+# dir() until imported, so help() does not import it).
+__getattr__, __dir__ = _lazy.submodules(__name__, MODULES,
+                                        optional={'beam': ('apache_beam', 'beam')})
