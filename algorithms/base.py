@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
+import fedjx.indexed
 from fedjx import _deprecation
 from fedjx import options
 from fedjx.options import check_map_options
@@ -227,14 +228,16 @@ def check_cohort(fn: str, cohort: Cohort) -> int:
     raise ValueError(f'{fn}: cohort.mask must be boolean; got dtype '
                      f'{jnp.result_type(mask)}.')
   c = mask.shape[0]
-  leaves = jax.tree_util.tree_leaves_with_path(cohort.batches)
+  leaves = jax.tree_util.tree_leaves_with_path(cohort.batches,
+                                               is_leaf=fedjx.indexed.is_indexed)
   if not leaves:
     raise ValueError(f'{fn}: cohort.batches holds no arrays.')
   for path, leaf in leaves:
-    if tuple(jnp.shape(leaf)[:3]) != tuple(mask.shape):
+    shape = leaf.shape if fedjx.indexed.is_indexed(leaf) else jnp.shape(leaf)
+    if tuple(shape[:3]) != tuple(mask.shape):
       raise ValueError(
           f'{fn}: cohort.batches{jax.tree_util.keystr(path)} has shape '
-          f'{jnp.shape(leaf)}, whose leading [C, S, B] axes do not match '
+          f'{shape}, whose leading [C, S, B] axes do not match '
           f'cohort.mask of shape {mask.shape}.')
   for field in ('num_examples', 'client_ids'):
     shape = jnp.shape(getattr(cohort, field))
@@ -265,8 +268,7 @@ def check_model(fn: str, loss_fn: LossFn, metrics_fn: MetricsFn | None,
                 params: Params, cohort: Cohort) -> None:
   """Checks at trace time that ``loss_fn(params, batch)`` fits the cohort."""
   spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      jnp.shape(x)[2:], jnp.result_type(x)), cohort.batches)
+  batch = jax.eval_shape(fedjx.indexed.example_batch, cohort.batches)
   p = jax.tree.map(spec, params)
   b = cohort.mask.shape[2]
   shapes = lambda t: jax.tree.map(lambda s: tuple(s.shape), t)

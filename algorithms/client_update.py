@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import fedjx.indexed
 import fedjx.mapping
 from fedjx.algorithms.base import LossFn
 from fedjx.algorithms.base import MetricsFn
@@ -148,14 +149,13 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
   stays differentiable in both modes.
   """
   active = jnp.asarray(active)
-  xs = jax.tree.map(jnp.asarray, xs)
   s = active.shape[0]
   b = block_size(s)
   blocks = -(-s // b)
 
   def inner(carry, t):
     i = jnp.minimum(t, s - 1)
-    x = jax.tree.map(lambda v: v[i], xs)
+    x = fedjx.indexed.take(xs, i)
     return step(carry, x, jnp.logical_and(t < s, active[i]))
 
   shapes = jax.eval_shape(inner, carry, jnp.zeros((), jnp.int32))[1]
@@ -215,9 +215,14 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     grads, (total, count) = grad_fn(loss_fn, params, batch, m)
     updates, new_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    keep = lambda new, old: jnp.where(is_real, new, old).astype(jnp.result_type(old))
     sums = {'loss': jnp.where(is_real, total, 0.0).astype(jnp.float32),
             'count': jnp.where(is_real, count, 0.0).astype(jnp.float32)}
+    cast = lambda new, old: new.astype(jnp.result_type(old))
+    if not fedjx.mapping.members_together():
+      # This branch runs only for a real step of this client: nothing to mask.
+      return (jax.tree.map(cast, new_params, params),
+              jax.tree.map(cast, new_state, opt_state)), sums
+    keep = lambda new, old: cast(jnp.where(is_real, new, old), old)
     return (jax.tree.map(keep, new_params, params),
             jax.tree.map(keep, new_state, opt_state)), sums
 
@@ -242,7 +247,7 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     num_steps = schedule.epochs * jnp.sum(active, dtype=jnp.int32)
   else:  # A fixed number of steps: gather each step's batch.
     index, active = step_schedule(mask, schedule)
-    take = lambda i: jax.tree.map(lambda x: x[i], (batches, mask))
+    take = lambda i: fedjx.indexed.take((batches, mask), i)
     indexed_step = lambda carry, i, is_real: step(carry, take(i), is_real)
     carry, per_step = scan_steps(indexed_step, carry, index, active)
     num_steps = jnp.sum(active, dtype=jnp.int32)
@@ -265,16 +270,16 @@ def evaluate(loss_fn: LossFn, metrics_fn: MetricsFn | None, params: Params,
     new['count'] = sums['count'] + jnp.sum(m, dtype=jnp.float32)
     return new
 
-  def step(sums, xs):
-    batch, m = xs
+  def step(sums, t):
+    batch, m = fedjx.indexed.take((batches, mask), t)
     # Padding batches of every client run with this one are not evaluated.
     return jax.lax.cond(fedjx.mapping.any_in_chunk(jnp.any(m)), real_batch,
                         lambda sums, *unused: sums, sums, batch, m), None
 
   keys = ['loss'] + ([] if metrics_fn is None else list(jax.eval_shape(
-      metrics_fn, params, jax.tree.map(lambda x: x[0], batches))))
+      metrics_fn, params, fedjx.indexed.take(batches, 0))))
   zeros = tie_to({k: jnp.zeros((), jnp.float32) for k in keys + ['count']}, mask)
-  sums, _ = jax.lax.scan(step, zeros, (batches, mask))
+  sums, _ = jax.lax.scan(step, zeros, jnp.arange(jnp.shape(mask)[0]))
   return sums
 
 

@@ -72,6 +72,8 @@ from fedjx.datasets.evaluation import split_examples
 from fedjx.datasets.federated import FederatedDataset
 from fedjx.datasets.federated import IndexedDataset
 from fedjx.datasets.federated import from_arrays
+from fedjx.datasets.device_data import DeviceDataset
+from fedjx.datasets.device_data import on_device
 from fedjx.datasets.interpreter_clients import CohortLoader
 from fedjx.datasets.interpreter_clients import beam_client_data
 from fedjx.datasets.interpreter_clients import streaming_clients
@@ -113,6 +115,7 @@ __all__ = [
     'lognormal_durations',
     'ClientSplits',
     'Cohort',
+    'DeviceDataset',
     'CohortLoader',
     'CohortSampler',
     'EpochSampler',
@@ -139,6 +142,7 @@ __all__ = [
     'eval_cohorts',
     'format_summary',
     'from_arrays',
+    'on_device',
     'from_tfds',
     'load_digits',
     'make_cohort',

@@ -43,6 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fedjx.datasets import _seeding
 from fedjx.datasets.federated import FederatedDataset, num_rows
+from fedjx.datasets.device_data import DeviceDataset
+from fedjx.indexed import IndexedBatches
 
 CLIENTS_AXIS = 'clients'
 
@@ -302,14 +304,18 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
     ids = np.concatenate([ids, np.full(pad_to - ids.size, PADDING_CLIENT)])
   if ids.size == 0:
     raise ValueError('client_ids is empty; a cohort needs at least one client.')
+  resident = isinstance(dataset, DeviceDataset)
   clients = []
   for cid in ids.tolist():
     if pad_to is not None and cid == PADDING_CLIENT:
       clients.append((PADDING_CLIENT, None, np.zeros(0, np.int64), 0))
       continue
     cid = dataset.check_client(cid)
-    data = dataset.client_data(cid)
-    n = num_rows(data, where=f'client {cid}')
+    if resident:  # The examples are on the device: only their count is read.
+      data, n = None, int(dataset.num_examples(cid))
+    else:
+      data = dataset.client_data(cid)
+      n = num_rows(data, where=f'client {cid}')
     if n < 1:
       raise ValueError(f'client {cid} ({dataset.client_name(cid)!r}) has no '
                        'examples; every client in a cohort needs at least one.')
@@ -319,11 +325,13 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
                           num_steps=num_steps, max_steps=max_steps, rng=gen)
     clients.append((cid, data, order, n))
   real = [c for c in clients if c[0] != PADDING_CLIENT]
-  if len(real) < len(clients):  # Padding clients take real clients' shapes.
+  if not resident and len(real) < len(clients):
+    # Padding clients take real clients' shapes.
     template = real[0][1] if real else dataset.client_data(0)
     clients = [c if c[0] != PADDING_CLIENT else (c[0], template, c[2], c[3])
                for c in clients]
-  _check_features(real or clients[:1])
+  if not resident:
+    _check_features(real or clients[:1])
   if order_by_steps:
     clients.sort(key=lambda c: -math.ceil(len(c[2]) / batch_size))
   needed = max(1, max(math.ceil(len(order) / batch_size)
@@ -339,14 +347,39 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
   elif steps < needed:
     raise ValueError(f'steps={steps} is fewer than the {needed} steps these '
                      'clients need.')
-  stacked = [pad_batches(data, order, batch_size, steps)
-             for _, data, order, _ in clients]
-  batches = {k: np.stack([b[k] for b, _ in stacked]) for k in stacked[0][0]}
-  mask = np.stack([m for _, m in stacked])
+  if resident:
+    index, mask = _rows(dataset.offsets, dataset.total_examples, clients,
+                        batch_size, steps)
+    batches = IndexedBatches(dataset.table, index)
+  else:
+    stacked = [pad_batches(data, order, batch_size, steps)
+               for _, data, order, _ in clients]
+    batches = {k: np.stack([b[k] for b, _ in stacked]) for k in stacked[0][0]}
+    mask = np.stack([m for _, m in stacked])
   distinct = np.array([min(n, len(order)) for _, _, order, n in clients],
                       dtype=np.float32)
   cids = np.array([cid for cid, _, _, _ in clients], dtype=np.int32)
   return Cohort(batches, mask, distinct, cids)
+
+
+def _rows(offsets: np.ndarray, rows: int,
+          clients: list[tuple[int, Any, np.ndarray, int]],
+          batch_size: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+  """The ``[C, S, B]`` table rows and mask of ``clients``' orders: the row
+  of the example that :func:`pad_batches` puts at each place (``rows``, one
+  past the table, with mask False for padding: it reads as zeros)."""
+  size = steps * batch_size
+  index = np.full((len(clients), size), rows, np.int32)
+  mask = np.zeros((len(clients), size), bool)
+  for c, (cid, _, order, _) in enumerate(clients):
+    if len(order) > size:
+      raise ValueError(f'{len(order)} examples do not fit in {steps} steps of '
+                       f'{batch_size}.')
+    if cid != PADDING_CLIENT:
+      index[c, :len(order)] = offsets[cid] + order
+      mask[c, :len(order)] = True
+  shape = (len(clients), steps, batch_size)
+  return index.reshape(shape), mask.reshape(shape)
 
 
 def cohort_steps(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarray,
@@ -396,6 +429,11 @@ def place_local_cohort(local: Cohort, mesh: jax.sharding.Mesh,
   ``jax.make_array_from_process_local_data`` so no process loads another's
   clients.
   """
+  if isinstance(local.batches, IndexedBatches):
+    raise ValueError('place_local_cohort: the cohort indexes a population on '
+                     'the device (datasets.on_device); a multi-process run '
+                     'builds each process\'s clients on the host (keep the '
+                     'dataset off the device: data.on_device=\'host\').')
   sharding = NamedSharding(mesh, P(CLIENTS_AXIS))
   return jax.tree.map(
       lambda a: jax.make_array_from_process_local_data(
@@ -431,14 +469,24 @@ def place_cohort(cohort: Cohort, mesh: jax.sharding.Mesh | None = None) -> Cohor
     mesh = jax.sharding.get_mesh()
     if mesh is None or getattr(mesh, 'empty', False):
       mesh = None
+  # The table of an indexed cohort is on the device already, laid out by
+  # on_device: only the index moves.
+  table = (cohort.batches.table if isinstance(cohort.batches, IndexedBatches)
+           else None)
+  if table is not None:
+    cohort = cohort._replace(batches=cohort.batches.index)
   if mesh is None:
-    return jax.device_put(cohort)
-  if CLIENTS_AXIS not in mesh.axis_names:
-    return jax.device_put(cohort, NamedSharding(mesh, P()))
-  shards = mesh.shape[CLIENTS_AXIS]
-  clients = int(np.shape(cohort.mask)[0])
-  if clients % shards:
-    raise ValueError(f'cohort of {clients} clients cannot be split over the mesh '
-                     f"axis 'clients' of size {shards}; use a cohort_size that is "
-                     f'a multiple of {shards}.')
-  return jax.device_put(cohort, NamedSharding(mesh, P(CLIENTS_AXIS)))
+    placed = jax.device_put(cohort)
+  elif CLIENTS_AXIS not in mesh.axis_names:
+    placed = jax.device_put(cohort, NamedSharding(mesh, P()))
+  else:
+    shards = mesh.shape[CLIENTS_AXIS]
+    clients = int(np.shape(cohort.mask)[0])
+    if clients % shards:
+      raise ValueError(f'cohort of {clients} clients cannot be split over the '
+                       f"mesh axis 'clients' of size {shards}; use a cohort_size"
+                       f' that is a multiple of {shards}.')
+    placed = jax.device_put(cohort, NamedSharding(mesh, P(CLIENTS_AXIS)))
+  if table is not None:
+    placed = placed._replace(batches=IndexedBatches(table, placed.batches))
+  return placed

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjx import frames
+from fedjx import indexed
 from fedjx import options as options_lib
 from fedjx import sharding as sharding_lib
 
@@ -335,6 +336,20 @@ def run_mapped_by_cost(fn: Callable[..., Any], args: Any, cost: jax.Array,
   return run_by_cost(step, buffers, cost, n, k)
 
 
+def members_together() -> bool:
+  """Whether :func:`any_in_chunk` combines the predicates of several members.
+
+  True inside a chunk vmapped on a named axis; then a ``lax.cond`` on
+  ``any_in_chunk(p)`` runs its work for members whose own ``p`` is False,
+  and each must mask its result. False for one member at a time (and for
+  members vmapped on no named axis, where the ``cond`` becomes a select per
+  member): the ``cond`` on ``p`` alone already leaves such a member as it
+  was, and a mask would only copy the values once more.
+  """
+  axes = frames.chunk_axes()
+  return bool(axes) and '' not in axes
+
+
 def any_in_chunk(pred: Any) -> jax.Array:
   """Whether ``pred`` holds for any member of the chunk being run now.
 
@@ -396,11 +411,17 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     leading axis, sharded over the placement's mesh axis when there is one.
   """
   p, frame = frames.lookup(placement, 'map_fn')
-  leaves, treedef = jax.tree.flatten(args)
-  if not leaves:
+  leaves, treedef = jax.tree.flatten(_mark_tables(args))
+  # The tables of IndexedBatches are read whole by every member.
+  tables = {i: leaf.value for i, leaf in enumerate(leaves)
+            if isinstance(leaf, _Table)}
+  leaves = [leaf.value if i in tables else leaf for i, leaf in enumerate(leaves)]
+  if len(tables) == len(leaves):
     raise ValueError('fedjx.map_fn: args has no arrays; pass placed values '
                      '(e.g. the output of fedjx.broadcast or a cohort).')
-  for leaf in leaves:
+  for i, leaf in enumerate(leaves):
+    if i in tables:
+      continue
     if jnp.ndim(leaf) == 0:
       raise ValueError(
           f'fedjx.map_fn: got a scalar of shape () in args, which is not placed '
@@ -412,13 +433,16 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   chunk_size = chunk_size or frame.map_options.chunk_size
   options_lib.check_map_options(strategy, chunk_size, 'fedjx.map_fn: ')
   devices = _mesh_axis_size(p.name, mesh)
-  k = choose_chunk_size(strategy, n, _client_bytes(leaves), devices, chunk_size)
+  member_leaves = [leaf for i, leaf in enumerate(leaves) if i not in tables]
+  k = choose_chunk_size(strategy, n, _client_bytes(member_leaves) +
+                        _gathered_bytes(args), devices, chunk_size)
   shared = ({} if frames.forced_map_strategy()
             else _broadcast_sources(frame, leaves, p.name))
+  shared.update(tables)
   by_cost = (1 < k < n and sharding_lib.spmd_axis_name(p.name, mesh) is None
              and not frames.forced_map_strategy())
   if by_cost:
-    cost = member_cost(leaves) if cost is None else jnp.asarray(cost)
+    cost = member_cost(member_leaves) if cost is None else jnp.asarray(cost)
     if cost is not None and jnp.shape(cost) != (n,):
       raise ValueError(f'fedjx.map_fn: cost has shape {jnp.shape(cost)}; it '
                        f'must be ({n},), one value per member.')
@@ -459,6 +483,28 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
         lambda one, values: call(one, dict(zip(keys, values))),
         placed, [shared[i] for i in keys], n, k, p.name, cost=cost)
   return jax.jit(mapped)(placed, shared, cost)
+
+
+class _Table:
+  """A leaf of an :class:`~fedjx.indexed.IndexedBatches` table, marked so
+  that :func:`map_fn` hands it to every member whole."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+
+def _mark_tables(args: Any) -> Any:
+  """``args`` with each IndexedBatches table leaf wrapped in :class:`_Table`."""
+  return jax.tree.map(
+      lambda x: x._replace(table=jax.tree.map(_Table, x.table))
+      if indexed.is_indexed(x) else x, args, is_leaf=indexed.is_indexed)
+
+
+def _gathered_bytes(args: Any) -> int:
+  """Bytes of one member's batches that its IndexedBatches gather."""
+  return sum(int(np.prod(jnp.shape(x.index)[1:])) * indexed.row_bytes(x)
+             for x in jax.tree.leaves(args, is_leaf=indexed.is_indexed)
+             if indexed.is_indexed(x))
 
 
 def _broadcast_sources(frame: Any, leaves: list[Any], placement: str) -> dict[int, Any]:
