@@ -68,6 +68,10 @@ DEFAULTS: dict[str, Any] = {
     'plot': True,
     'progress': True,
     'prefetch': 1,
+    'data_placement': 'auto',   # 'auto' | 'device' | 'host', see DATA_PLACEMENTS
+    # Compiled rounds kept on disk for the next run: 'user' (a cache folder
+    # of this user), 'workdir', 'off' or a folder (compilation_cache.py).
+    'compilation_cache': 'user',
     'mesh': '',                 # e.g. 'clients=-1': shard cohorts over devices
     'param_sharding': 'replicated',  # or 'fsdp': server state sharded on 'model'
     'coordinator_address': '',  # multi-process runs: 'host:port' of process 0
@@ -168,9 +172,22 @@ NONFINITE = ('skip', 'stop', 'off')
 # config.streaming_chunk_size (clients per streamed chunk) are checked by
 # fedjx.options, as every other place that takes them checks them.
 EXECUTIONS = options.EXECUTIONS
+# config.data_placement: where the training population's examples live.
+# 'device' holds them once on the device (fedjx.datasets.on_device), so a
+# round's cohort is an index of table rows (5 bytes per padded example slot
+# moved per round, no padded copy built on the host); 'host' builds each
+# round's padded [C, S, B, ...] arrays on the host and copies them over (and
+# is what streamed rounds, multi-process runs, config.systems and
+# asynchronous schedules read); 'auto' is 'device' when the run is on one
+# process, not streamed (config.execution 'jit' or 'auto'), without
+# config.systems or an asynchronous schedule, and the population fits
+# fedjx.datasets.device_data.AUTO_MAX_BYTES for the backend; else 'host'. The
+# two give the same rounds.
+DATA_PLACEMENTS = ('auto', 'device', 'host')
 # Fields a resumed run may change without changing its results.
 RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
                      'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep',
+                     'data_placement', 'compilation_cache',
                      'mesh', 'param_sharding', 'coordinator_address',
                      'num_processes', 'process_id', 'execution',
                      'streaming_chunk_size')
@@ -218,6 +235,13 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   if config.param_sharding not in ('replicated', 'fsdp'):
     raise ConfigError(f'config.param_sharding={config.param_sharding!r} '
                                "is not one of ('replicated', 'fsdp').")
+  if not isinstance(config.compilation_cache, str) or not config.compilation_cache:
+    raise ConfigError(f'config.compilation_cache={config.compilation_cache!r};'
+                      " it must be 'user', 'workdir', 'off' or a folder's path.")
+  if config.data_placement not in DATA_PLACEMENTS:
+    raise ConfigError(f'config.data_placement={config.data_placement!r} is '
+                      f'not one of {DATA_PLACEMENTS}.'
+                      f'{suggest(config.data_placement, DATA_PLACEMENTS)}')
   if config.metrics_format not in METRICS_FORMATS:
     raise ConfigError(f'config.metrics_format={config.metrics_format!r} '
                                f'is not one of {METRICS_FORMATS}.')

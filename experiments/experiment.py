@@ -48,6 +48,9 @@ class Experiment:
   # config.sampling's sampler (None: uniform) and the DP accounting plan.
   sampler: Any = None
   privacy: privacy_lib.Plan | None = None
+  # The training population on the device (config.data_placement), whose
+  # cohorts are index arrays; None: cohorts are built on the host.
+  resident: datasets.DeviceDataset | None = None
 
   def cohorts(self, start: int, stop: int) -> Iterator[Any]:
     """Placed cohorts of rounds ``start .. stop - 1`` (prefetched)."""
@@ -59,7 +62,7 @@ class Experiment:
           num_steps=c.local_steps, max_steps=c.max_local_steps,
           bucket=c.bucket_steps, prefetch=c.prefetch)
     return datasets.cohort_iterator(
-        self.data.train, c.cohort_size, c.batch_size, seed=c.seed,
+        self.resident or self.data.train, c.cohort_size, c.batch_size, seed=c.seed,
         start_round=start, num_rounds=stop - start, num_epochs=c.local_epochs,
         num_steps=c.local_steps, max_steps=c.max_local_steps,
         bucket=c.bucket_steps, prefetch=c.prefetch, sampler=self.sampler,
@@ -194,9 +197,32 @@ def build(config: Any, placement: str | None = None) -> Experiment:
   if scheduler is not None:  # The system model supplies its durations only.
     system_model = None
   _check_sampling(config, plan, sampler, system_model, scheduler)
+  resident = (datasets.on_device(data.train, progress=config.progress)
+              if data_on_device(config, data.train, system_model, scheduler)
+              else None)
   return Experiment(config, data, model, algorithm, params, round_key, evaluate,
                     systems=system_model, scheduler=scheduler, sampler=sampler,
-                    privacy=plan)
+                    privacy=plan, resident=resident)
+
+
+def data_on_device(config: ml_collections.ConfigDict, train: Any,
+                   system_model: Any = None, scheduler: Any = None) -> bool:
+  """Whether ``config.data_placement`` puts the training population on the
+  device (see ``config.DATA_PLACEMENTS``)."""
+  if config.data_placement == 'host':
+    return False
+  simple = (jax.process_count() == 1 and config.execution != 'streaming'
+            and system_model is None and scheduler is None)
+  if config.data_placement == 'device':
+    if not simple:
+      raise registry.ConfigError(
+          "config.data_placement='device' needs a single-process run that is "
+          'not streamed, without config.systems or an asynchronous schedule '
+          "(their cohorts are built on the host); use 'auto' or 'host'.")
+    return True
+  limit = datasets.device_data.AUTO_MAX_BYTES.get(
+      jax.default_backend(), datasets.device_data.AUTO_MAX_BYTES['gpu'])
+  return simple and datasets.device_data.population_bytes(train) <= limit
 
 
 def _check_sampling(config: ml_collections.ConfigDict, plan: Any, sampler: Any,

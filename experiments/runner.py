@@ -45,6 +45,8 @@ import jax
 import ml_collections
 
 from fedjx.experiments import checkpointing
+from fedjx.experiments import config as config_lib
+from fedjx.experiments import compilation_cache
 from fedjx.experiments import processes
 from fedjx.experiments import workdir_lock
 # Names documented here first; they live in the modules of their concepts.
@@ -104,6 +106,10 @@ def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
         lambda msg: None)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
+  try:
+    compilation_cache.enable(config.compilation_cache, workdir)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from None
   mesh = make_mesh(config)
   with contextlib.ExitStack() as stack:
     if lead:
