@@ -15,3 +15,9 @@ if '--xla_force_host_platform_device_count' not in os.environ['XLA_FLAGS']:
   os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+# Runs keep their compiled programs in a user cache folder by default
+# (config.compilation_cache): the tests' go to a folder of their own.
+if 'FEDJX_TEST_CACHE_HOME' not in os.environ:
+  import tempfile  # pylint: disable=g-import-not-at-top
+  os.environ['FEDJX_TEST_CACHE_HOME'] = tempfile.mkdtemp(prefix='fedjx-tests-')
+os.environ['XDG_CACHE_HOME'] = os.environ['FEDJX_TEST_CACHE_HOME']
