@@ -56,6 +56,13 @@ elsewhere means the add-or-remove one.
   (``restart_every`` divides ``E``, or a single tree and ``R <= E``). The RDP
   of such an epoch is ``alpha ceil(log2(T + 1)) / (2 z^2)`` for its longest
   tree of ``T`` rounds (their Appendix D).
+* ``distributed_skellam`` (Agarwal, Kairouz, Liu 2021; the aggregator of
+  :mod:`fedjx.algorithms.distributed_dp`) is not a ``dp_accounting`` event:
+  its RDP is the Skellam mechanism's, which that module computes and
+  composes in the aggregator's state. The relation and the factor ``k`` on
+  its sensitivity ``Delta_2`` still come from :func:`sensitivity` under the
+  run's :class:`Sampling`, which the runner hands the aggregator
+  (``experiments/privacy.py``), as it hands it to the central accountant.
 * ``epochs`` with ``gaussian``: a client takes part in at most ``ceil(R / E)``
   rounds, each a Gaussian mechanism; the other rounds do not depend on it.
   The argument fixes the population and the shuffled order (which client
@@ -121,11 +128,15 @@ QUERIES = {
     'adaptive_gaussian': (('clipped sum', 'C'),
                           ('centred unclipped count', '1/2')),
     'tree_gaussian': (('clipped sum in each tree node', 'C'),),
+    # Agarwal et al. 2021: the scaled, randomly rounded clipped vector of one
+    # client, ``||v||_2 <= Delta_2 = C s + sqrt(D)`` (and ``||v||_1 <=
+    # Delta_1``), under the Skellam noise of the secure sum.
+    'distributed_skellam': (('scaled, rounded clipped sum', 'Delta_2'),),
 }
 # The accounting mechanism of each DP aggregator.
 AGGREGATOR_MECHANISM = {'gaussian': 'gaussian', 'adaptive_gaussian': 'gaussian',
-                        'tree_gaussian': 'tree'}
-_DOUBLED = {'C': '2C', '1/2': '1'}
+                        'tree_gaussian': 'tree', 'distributed_skellam': 'skellam'}
+_DOUBLED = {'C': '2C', '1/2': '1', 'Delta_2': '2 Delta_2'}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,8 +32,15 @@ Zhu and Wang's bound for Poisson-subsampled RDP ("Poisson Subsampled Renyi
 Differential Privacy", ICML 2019, Theorem 6, integer orders), fixed-size
 cohorts (``m`` of ``N``, replace-one) by Wang, Balle, Kasiviswanathan
 ("Subsampled Renyi Differential Privacy and Analytical Moments
-Accountant", AISTATS 2019, Theorem 9); ``sampling=None`` claims no
-amplification (replace-one). Epsilon at ``delta`` is ``min_alpha eps(alpha)
+Accountant", AISTATS 2019, Theorem 9); shuffled epochs of ``E`` rounds
+(zero-out, sensitivity ``Delta``) claim no amplification, a client
+composing at most ``ceil(R / E)`` rounds; ``sampling=None`` claims no
+amplification (replace-one). The relation, and with it the factor 1 or 2
+on ``Delta``, is :func:`fedjx.algorithms.accounting.sensitivity`'s for the
+sampling, as for central DP. ``sampling`` is the run's
+:class:`fedjx.algorithms.accounting.Sampling` (population, cohort size and
+sampler: what the runner passes, ``experiments/privacy.py``), or, for a
+caller without one, a sampler name with its ``sampling_rate``. Epsilon at ``delta`` is ``min_alpha eps(alpha)
 + log((alpha - 1) / alpha) - (log delta + log alpha) / (alpha - 1)``
 (Balle et al. 2020, Theorem 21) over the orders ``2..256``. The aggregator
 computes the per-round RDP at ``init`` (the dimension is the model's), adds
@@ -70,6 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedjx
+from fedjx.algorithms import accounting
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import compression
@@ -164,48 +172,91 @@ def rdp_to_epsilon(rdp: Sequence[float], delta: float,
   return float(max(0.0, np.min(eps)))
 
 
-def _check_accounting(fn: str, sampling: Any, sampling_rate: float | None,
+Sampling = str | accounting.Sampling | None
+
+
+def _check_accounting(fn: str, sampling: Sampling, sampling_rate: float | None,
                       delta: float) -> None:
-  base.check_choice(fn, 'sampling', sampling, SAMPLINGS)
-  if sampling is not None:
-    if sampling_rate is None:
-      raise ValueError(f'{fn}: sampling={sampling!r} needs sampling_rate '
-                       '(q, or m / N for fixed-size cohorts).')
-    base.check_number(fn, 'sampling_rate', sampling_rate, strict=True, high=1.0)
+  if isinstance(sampling, accounting.Sampling):
+    if sampling_rate is not None:
+      raise ValueError(f'{fn}: sampling_rate={sampling_rate!r} is given with '
+                       f'sampling={sampling!r}, which has its own rate; give '
+                       'sampling_rate only with a sampler name.')
+  else:
+    base.check_choice(fn, 'sampling', sampling, SAMPLINGS)
+    if sampling is not None:
+      if sampling_rate is None:
+        raise ValueError(f'{fn}: sampling={sampling!r} needs sampling_rate '
+                         '(q, or m / N for fixed-size cohorts).')
+      base.check_number(fn, 'sampling_rate', sampling_rate, strict=True, high=1.0)
   base.check_number(fn, 'delta', delta, strict=True, high=1.0)
 
 
+def sensitivity_factor(sampling: Sampling) -> int:
+  """``k``: ``Delta`` of one client's vector times 1 or 2, by the relation.
+
+  :func:`fedjx.algorithms.accounting.sensitivity` of the run's
+  :class:`~fedjx.algorithms.accounting.Sampling`; a sampler name takes the
+  relation of that sampler (``None``: replace-one).
+  """
+  if isinstance(sampling, accounting.Sampling):
+    return accounting.sensitivity('distributed_skellam', sampling).factor
+  relation = ('replace_one' if sampling is None
+              else accounting.RELATION_OF_SAMPLING[sampling])
+  return accounting.SENSITIVITY_FACTOR[relation]
+
+
+def compositions(sampling: Sampling, rounds: int) -> int:
+  """How many rounds one client's data enters: ``ceil(R / E)`` for shuffled
+  epochs of ``E`` rounds (each client at most once per epoch), else ``R``."""
+  if isinstance(sampling, accounting.Sampling) and sampling.name == 'epochs':
+    return -(-int(rounds) // sampling.rounds_per_epoch)
+  return int(rounds)
+
+
 def skellam_round_rdp(noise_multiplier: float, clip_norm: float, scale: float,
-                      dimension: int, sampling: str | None = None,
+                      dimension: int, sampling: Sampling = None,
                       sampling_rate: float | None = None,
                       orders: Sequence[int] = ORDERS) -> np.ndarray:
   """The RDP of one round of :func:`distributed_skellam` (module docstring).
 
   ``dimension`` is the padded length ``D``; the noise of the sum is
-  ``Sk((z C s)^2)``. ``sampling``: ``'poisson'`` (add-or-remove,
-  ``sampling_rate`` q), ``'uniform'`` (replace-one, ``sampling_rate`` m / N)
-  or None (replace-one, no amplification).
+  ``Sk((z C s)^2)``, on a query of sensitivity ``k Delta``
+  (:func:`sensitivity_factor`). ``sampling``: the run's
+  :class:`~fedjx.algorithms.accounting.Sampling` (``'poisson'``: rate ``q``;
+  ``'uniform'``: ``m / N``; ``'epochs'``: no amplification), or a sampler
+  name with ``sampling_rate``: ``'poisson'`` (add-or-remove, ``q``),
+  ``'uniform'`` (replace-one, ``m / N``) or None (replace-one, no
+  amplification).
   """
+  if isinstance(sampling, accounting.Sampling):
+    name, rate = sampling.name, sampling.rate
+  else:
+    name, rate = sampling, sampling_rate
   l2, l1 = skellam_sensitivity(clip_norm, scale, dimension)
-  factor = 1 if sampling == 'poisson' else 2
+  factor = sensitivity_factor(sampling)
   mu = (noise_multiplier * clip_norm * scale) ** 2
   rdp = skellam_rdp(orders, factor * l2, factor * l1, mu)
-  if sampling == 'poisson':
-    return poisson_subsampled_rdp(rdp, sampling_rate, orders)
-  if sampling == 'uniform':
-    return without_replacement_rdp(rdp, sampling_rate, orders)
+  if name == 'poisson':
+    return poisson_subsampled_rdp(rdp, rate, orders)
+  if name == 'uniform':
+    return without_replacement_rdp(rdp, rate, orders)
   return rdp
 
 
 def skellam_epsilon(noise_multiplier: float, clip_norm: float, scale: float,
                     dimension: int, rounds: int, delta: float,
-                    sampling: str | None = None,
+                    sampling: Sampling = None,
                     sampling_rate: float | None = None) -> float:
-  """Epsilon at ``delta`` after ``rounds`` rounds of :func:`distributed_skellam`."""
+  """Epsilon at ``delta`` after ``rounds`` rounds of :func:`distributed_skellam`.
+
+  ``compositions(sampling, rounds)`` times the round's RDP
+  (:func:`skellam_round_rdp`), converted at ``delta``.
+  """
   _check_accounting('skellam_epsilon', sampling, sampling_rate, delta)
   if rounds == 0:
     return 0.0
-  return rdp_to_epsilon(rounds * skellam_round_rdp(
+  return rdp_to_epsilon(compositions(sampling, rounds) * skellam_round_rdp(
       noise_multiplier, clip_norm, scale, dimension, sampling, sampling_rate),
       delta)
 
@@ -234,11 +285,13 @@ def local_gaussian_epsilon(noise_multiplier: float, participations: int,
 # ------------------------------------------------------------ aggregators
 
 class DistributedDPState(NamedTuple):
-  """The secure sum's state, with the RDP spent so far (float32 ``[orders]``)."""
+  """The secure sum's state, with the RDP spent so far (float32 ``[orders]``),
+  that of one round, and the rounds run (int32)."""
 
   secure: secure_aggregation.SecureSumState
   rdp: jax.Array
   round_rdp: jax.Array
+  rounds: jax.Array
 
 
 # The largest Poisson rate drawn at once: JAX's float32 sampler inflates the
@@ -276,7 +329,7 @@ def distributed_skellam(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
                         threshold: int = 2, neighbors: int | None = None,
                         k_stddevs: float = 3.0, scale: float | None = None,
                         expected_clients_per_round: float | None = None,
-                        sampling: str | None = None,
+                        sampling: Sampling = None,
                         sampling_rate: float | None = None,
                         delta: float = 1e-5, seed: int = 0) -> aggregators.Aggregator:
   """Distributed DP: Skellam noise from every client inside a secure sum.
@@ -291,8 +344,12 @@ def distributed_skellam(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
     k_stddevs: standard deviations of the sum kept inside the modulus.
     scale: ``s`` (None: :func:`default_scale`).
     expected_clients_per_round: divide the sum by it (else by the survivors).
-    sampling, sampling_rate, delta: how ``ddp_epsilon`` is accounted
-      (module docstring).
+    sampling: the cohorts' sampling ``ddp_epsilon`` is accounted for: the
+      run's :class:`fedjx.algorithms.accounting.Sampling` (the runner
+      passes it), or a sampler name (``'poisson'``, ``'uniform'``, None)
+      with ``sampling_rate`` (module docstring).
+    sampling_rate: ``q`` or ``m / N``, with a sampler name only.
+    delta: the delta of ``ddp_epsilon``.
     seed: the first round's shared seed.
 
   Metrics: those of the secure sum, ``ddp_epsilon`` (rounds so far),
@@ -341,16 +398,26 @@ def distributed_skellam(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
                                   scale_of(None, length), length, sampling,
                                   sampling_rate)
     return DistributedDPState(secure, jnp.zeros(len(ORDERS), jnp.float32),
-                              jnp.asarray(per_round, jnp.float32))
+                              jnp.asarray(per_round, jnp.float32),
+                              jnp.zeros((), jnp.int32))
+
+  def counted(state, metrics):
+    # Whether this round's RDP adds to the client's: a released sum, or, in
+    # shuffled epochs, the epoch's first round (each client enters one round
+    # of an epoch, whichever; counting it first is counting it once).
+    if isinstance(sampling, accounting.Sampling) and sampling.name == 'epochs':
+      first = state.rounds % sampling.rounds_per_epoch == 0
+      return first.astype(jnp.float32)
+    return 1.0 - metrics['secagg_failed']
 
   def combine(state, hparams, clients, key):
     mean, secure, metrics = inner.combine(state.secure, hparams, clients, key)
-    released = 1.0 - metrics['secagg_failed']
-    rdp = state.rdp + released * state.round_rdp
+    rdp = state.rdp + counted(state, metrics) * state.round_rdp
     a = jnp.asarray(orders, jnp.float32)
     eps = jnp.min(rdp + jnp.log((a - 1) / a) - (math.log(delta) + jnp.log(a)) / (a - 1))
     metrics = dict(metrics, ddp_epsilon=jnp.maximum(eps, 0.0))
-    return mean, DistributedDPState(secure, rdp, state.round_rdp), metrics
+    return mean, DistributedDPState(secure, rdp, state.round_rdp,
+                                    state.rounds + 1), metrics
 
   return inner._replace(
       init=init, combine=combine,
@@ -405,7 +472,8 @@ def local_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
       client_inputs=client_inputs, checks_update=True)
 
 
-__all__ = ['DistributedDPState', 'default_scale', 'distributed_skellam',
+__all__ = ['DistributedDPState', 'compositions', 'default_scale',
+           'distributed_skellam', 'sensitivity_factor',
            'local_gaussian', 'local_gaussian_epsilon', 'poisson_subsampled_rdp',
            'rdp_to_epsilon', 'skellam_epsilon', 'skellam_noise', 'skellam_rdp',
            'skellam_round_rdp', 'skellam_sensitivity', 'without_replacement_rdp']

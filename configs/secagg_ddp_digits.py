@@ -10,7 +10,9 @@ update to 0.5, rotates it (shared Hadamard), scales it onto 16-bit integers,
 rounds randomly, adds Skellam noise (its share of the sum's ``z = 1``) and
 masks it; the server learns only the modular sum of the survivors. The
 round's metrics carry ``ddp_epsilon`` (the RDP of the Skellam sum composed
-over the rounds so far, at delta = 1e-5), the bits each client sends and
+over the rounds so far, at delta = 1e-5, for the run's own sampling: the
+runner gives the aggregator ``config.sampling`` over the population, so
+``--config.cohort_size=20`` is accounted as 20 of 50), the bits each client sends and
 the protocol's costs. Dropouts come from ``config.systems`` (e.g.
 ``--config.systems="{'dropout': {'p': 0.1}}"``); a round in which a
 survivor has fewer than ``threshold`` surviving neighbours fails and leaves
@@ -39,9 +41,9 @@ def get_config():
       name='fedavg',
       client_optimizer=optimizer('sgd', learning_rate=0.3),
       server_optimizer=optimizer('sgd', learning_rate=1.0),
+      # clients_per_round (the scale's n) and sampling: the run's, from the
+      # runner; the mean divides by the survivors.
       aggregator=dict(name='distributed_skellam', clip_norm=0.5,
-                      noise_multiplier=1.0, bits=16, clients_per_round=10,
-                      threshold=5, neighbors=None,
-                      expected_clients_per_round=10.0,
-                      sampling='uniform', sampling_rate=0.2, delta=1e-5))
+                      noise_multiplier=1.0, bits=16, threshold=5,
+                      neighbors=None, delta=1e-5))
   return config

@@ -42,6 +42,10 @@ DP_AGGREGATORS = {'gaussian': 'gaussian', 'adaptive_gaussian': 'gaussian',
 SELF_ACCOUNTED = {
     'distributed_skellam': "the round's ddp_epsilon metric",
     'local_gaussian': 'per client: distributed_dp.local_gaussian_epsilon'}
+# Self-accounted aggregators whose accountant is given the run's sampling
+# (option ``sampling``: the accounting.Sampling of config.sampling over the
+# population, from sampling_of, as central DP's plan gets it).
+RUN_SAMPLED = ('distributed_skellam',)
 # Relative slack allowed between a fixed denominator and q N.
 DENOMINATOR_RTOL = 1e-6
 
@@ -207,6 +211,57 @@ class Plan:
             f'neighbours, {self.accountant} accountant')
 
 
+def check_denominator(aggregator: str, d: float | None,
+                      sampling: accounting.Sampling) -> None:
+  """One-line :class:`ConfigError` unless the DP mean's denominator ``D`` fits.
+
+  With Poisson sampling the number of participants is private, so ``D``
+  must be fixed (``expected_clients_per_round``); a fixed ``D`` must be the
+  sampler's expected cohort ``q N``.
+  """
+  expected = sampling.cohort_size
+  if sampling.name == 'poisson' and d is None:
+    raise ConfigError(
+        f'config: {aggregator} with Poisson sampling divides by the '
+        'number of participating clients, which is private and not '
+        f'accounted; set expected_clients_per_round={expected:g} (q N).')
+  if d is not None and abs(d - expected) > DENOMINATOR_RTOL * expected:
+    raise ConfigError(
+        f'config: expected_clients_per_round={d:g} is not the expected cohort '
+        f'{expected:g} of {sampling.name!r} sampling (cohort_size / rate); '
+        'set it to that or None.')
+
+
+def run_sampled(config: Any, population: int,
+                aggregator: Mapping[str, Any]) -> dict[str, Any]:
+  """The spec of a :data:`RUN_SAMPLED` aggregator, accounted for the run.
+
+  Its ``sampling`` becomes the run's :class:`accounting.Sampling`
+  (:func:`sampling_of`: the sampler, the cohort size and the population of
+  ``config``), the one central DP's accountant is given; ``clients_per_round``
+  (the cohort its scale is chosen for) defaults to the run's cohort. A
+  ``sampling`` or ``sampling_rate`` in the spec that is not the run's, and a
+  denominator that does not fit the sampling (:func:`check_denominator`),
+  are one-line :class:`ConfigError` s.
+  """
+  spec = dict(aggregator)
+  name = spec['name']
+  sampling = sampling_of(config, population)
+  given, rate = spec.pop('sampling', None), spec.pop('sampling_rate', None)
+  if (given is not None and given != sampling.name) or (rate is not None and (
+      given != sampling.name
+      or abs(float(rate) - sampling.rate) > DENOMINATOR_RTOL * sampling.rate)):
+    raise ConfigError(
+        f'config.algorithm.aggregator: sampling={given!r}, sampling_rate='
+        f'{rate!r} is not the run\'s sampling ({sampling.describe()}: '
+        f'{sampling.name!r}, rate {sampling.rate:g}); leave both unset: the '
+        f'runner accounts {name} for the run\'s own sampling.')
+  check_denominator(name, spec.get('expected_clients_per_round'), sampling)
+  spec['sampling'] = sampling
+  spec.setdefault('clients_per_round', max(1, round(sampling.cohort_size)))
+  return spec
+
+
 def default_delta(population: int) -> float:
   """``N^-1.1``, below ``1 / N`` (McMahan et al. 2018, Section 3)."""
   return float(population) ** -1.1
@@ -255,17 +310,7 @@ def plan(config: Any, population: int) -> Plan | None:
                                fn='config')
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  d, expected = mech.expected_clients_per_round, sampling.cohort_size
-  if sampling.name == 'poisson' and d is None:
-    raise ConfigError(
-        f'config: {mech.aggregator} with Poisson sampling divides by the '
-        'number of participating clients, which is private and not '
-        f'accounted; set expected_clients_per_round={expected:g} (q N).')
-  if d is not None and abs(d - expected) > DENOMINATOR_RTOL * expected:
-    raise ConfigError(
-        f'config: expected_clients_per_round={d:g} is not the expected cohort '
-        f'{expected:g} of {sampling.name!r} sampling (cohort_size / rate); '
-        'set it to that or None.')
+  check_denominator(mech.aggregator, mech.expected_clients_per_round, sampling)
   canaries = canaries_of(config, population)
   delta = privacy.get('delta')
   delta = default_delta(population) if delta is None else float(delta)
@@ -317,16 +362,24 @@ def canaries_of(config: Any, population: int) -> Any:
 
 
 def algorithm_spec(config: Any, population: int) -> Any:
-  """``config.algorithm``, with the canaries of ``config.privacy.audit`` if set.
+  """``config.algorithm``, with what the run gives its DP aggregator.
 
-  They go to the DP aggregator: ``canaries=`` of ``dp_fedavg`` or of
-  ``algorithm.aggregator``.
+  The canaries of ``config.privacy.audit`` if set (``canaries=`` of
+  ``dp_fedavg`` or of ``algorithm.aggregator``), and, for an aggregator of
+  :data:`RUN_SAMPLED`, the run's sampling (:func:`run_sampled`).
   """
   canaries = canaries_of(config, population)
-  if canaries is None:
+  aggregator = _as_dict(_as_dict(config.algorithm).get('aggregator'))
+  sampled = (isinstance(aggregator, Mapping)
+             and aggregator.get('name') in RUN_SAMPLED)
+  if canaries is None and not sampled:
     return config.algorithm
   spec = _as_dict(config.algorithm)
   spec = {k: _as_dict(v) for k, v in spec.items()}
+  if sampled:
+    spec['aggregator'] = run_sampled(config, population, spec['aggregator'])
+  if canaries is None:
+    return spec
   if spec['name'] == 'dp_fedavg':
     spec['canaries'] = canaries
   else:

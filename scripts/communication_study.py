@@ -53,8 +53,7 @@ def ddp_runs(rounds: int, bits: tuple[int, ...]):
   clip, z, n, n_min, d_pad, delta = 0.5, 1.0, 10, 6, 16384, 1e-5
   base = {'name': 'distributed_skellam', 'clip_norm': clip,
           'noise_multiplier': z, 'clients_per_round': n, 'threshold': n_min - 1,
-          'expected_clients_per_round': float(n), 'sampling': 'uniform',
-          'sampling_rate': 0.2, 'delta': delta}
+          'expected_clients_per_round': float(n), 'delta': delta}
   runs = [(f'skellam_{b}bit', dict(base, bits=b)) for b in bits]
   scale = distributed_dp.default_scale(16, clip, z, n, n_min, d_pad, 3.0)
   eps = distributed_dp.skellam_epsilon(z, clip, scale, d_pad, rounds, delta,

@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
+from fedjx.algorithms import compression
 from fedjx.algorithms import distributed_dp as DD
 from fedjx.algorithms import secure_aggregation as S
 import float_tolerance as ft
@@ -276,3 +277,112 @@ def test_the_runner_refuses_a_budget_on_a_self_accounted_aggregator():
     privacy.plan(config, 50)
   config.privacy.target_epsilon = None
   assert privacy.plan(config, 50) is None
+
+
+def _skellam_run_config(**aggregator):
+  """FedAvg through distributed Skellam on 50 digits clients, 20 a round."""
+  from fedjx.experiments.config_base import base_config, optimizer
+  c = base_config()
+  c.seed, c.rounds, c.cohort_size, c.batch_size = 0, 2, 20, 32
+  c.local_epochs, c.max_local_steps = 1, 1
+  c.eval_every, c.checkpoint_every = 100, 100
+  c.progress, c.plot, c.tensorboard = False, False, False
+  c.dataset = dict(name='digits', num_clients=50, alpha=0.5)
+  c.model = dict(name='logistic_regression')
+  c.algorithm = dict(
+      name='fedavg', client_optimizer=optimizer('sgd', learning_rate=0.1),
+      aggregator=dict(name='distributed_skellam', clip_norm=0.5,
+                      noise_multiplier=1.0, bits=12, threshold=5, **aggregator))
+  return c
+
+
+def test_the_runner_gives_distributed_dp_the_runs_sampling():
+  """The issue's run: 20 of 50 digits clients a round, the MLP (d = 9,610,
+  D_pad = 16,384), 12 bits, the scale chosen for 10 clients, 50 rounds. The
+  aggregator the runner builds accounts 50 rounds at the epsilon of
+  ``skellam_epsilon`` called with the run's sampling (uniform, 20 / 50):
+  262, where its own defaults (no amplification) gave another number."""
+  from fedjx.algorithms import aggregators
+  from fedjx.experiments import privacy
+  from fedjx.experiments.config import with_defaults
+  config = with_defaults(_skellam_run_config(clients_per_round=10))
+  spec = privacy.algorithm_spec(config, 50)['aggregator']
+  agg = aggregators.check('test', dict(spec))
+  d = 64 * 128 + 128 + 128 * 10 + 10
+  state = agg.init({'w': jnp.zeros((d,), jnp.float32)})
+  pad = compression.next_power_of_two(d)
+  clip, z, delta = 0.5, 1.0, 1e-5
+  s = DD.default_scale(12, clip, z, 10, 6, pad, 3.0)
+  expect = DD.skellam_epsilon(z, clip, s, pad, 50, delta, 'uniform', 20 / 50)
+  assert round(expect) == 262
+  rdp = DD.skellam_round_rdp(z, clip, s, pad, 'uniform', 20 / 50)
+  # The aggregator keeps the round's RDP in float32 (relative u = 2^-24).
+  np.testing.assert_allclose(np.asarray(state.round_rdp), rdp, rtol=ft.rtol(1))
+  assert DD.rdp_to_epsilon(50 * np.asarray(state.round_rdp, np.float64),
+                           delta) == pytest.approx(expect, rel=ft.rtol(50))
+
+
+@pytest.mark.slow
+def test_the_runner_accounts_distributed_dp_for_the_runs_own_sampling(tmp_path):
+  """``ddp_epsilon`` of a run of 20 of 50 clients a round is the Skellam
+  accountant's for that sampling: ``skellam_epsilon`` called with the run's
+  parameters (uniform, m / N = 20 / 50; the scale chosen for n = 20
+  clients, the run's cohort), not the aggregator's defaults (no
+  amplification, n = 10)."""
+  from fedjx.experiments import runner
+  config = _skellam_run_config()
+  result = runner.run(config, str(tmp_path))
+  rows = [h for h in result.history if h['round'] > 0]
+  clip, z, delta = 0.5, 1.0, 1e-5
+  d = compression.next_power_of_two(64 * 10 + 10)  # logistic regression on 8x8 digits
+  s = DD.default_scale(12, clip, z, 20, 6, d, 3.0)
+  for r, row in enumerate(rows, start=1):
+    assert row['secagg_failed'] == 0.0
+    expect = DD.skellam_epsilon(z, clip, s, d, r, delta, 'uniform', 20 / 50)
+    # In the round: the round's RDP cast to float32 and summed r <= 2 times,
+    # then per order 4 float32 terms of magnitude at most eps + |log delta|
+    # each (n <= 8 roundings).
+    assert row['ddp_epsilon'] == pytest.approx(
+        expect, abs=ft.atol(8, 4 * (expect + abs(math.log(delta)))))
+  np.testing.assert_allclose(rows[-1]['ddp_scale'], s, rtol=ft.rtol(4))
+
+
+def test_the_runner_refuses_a_skellam_sampling_that_is_not_the_runs():
+  from fedjx.experiments import privacy
+  from fedjx.experiments.config import ConfigError, with_defaults
+  config = with_defaults(_skellam_run_config(sampling='uniform',
+                                             sampling_rate=0.2))
+  with pytest.raises(ConfigError) as e:
+    privacy.algorithm_spec(config, 50)
+  text = str(e.value)
+  assert '\n' not in text and "sampling_rate=0.2 is not the run's" in text
+  assert '20 of 50 clients' in text and 'rate 0.4' in text
+  # The run's own values are accepted; Poisson needs the fixed denominator.
+  config = with_defaults(_skellam_run_config(sampling='uniform',
+                                             sampling_rate=0.4))
+  spec = privacy.algorithm_spec(config, 50)['aggregator']
+  assert spec['sampling'] == privacy.sampling_of(config, 50)
+  assert spec['clients_per_round'] == 20 and 'sampling_rate' not in spec
+  config = with_defaults(_skellam_run_config())
+  config.sampling = dict(name='poisson')
+  with pytest.raises(ConfigError, match='set expected_clients_per_round=20'):
+    privacy.algorithm_spec(config, 50)
+
+
+def test_skellam_accounting_takes_its_relation_from_the_sampling():
+  """The run's Sampling gives the relation (accounting.sensitivity): fixed
+  cohorts are replace-one (2 Delta), Poisson add-or-remove (Delta), epochs
+  zero-out (Delta) with ceil(R / E) compositions and no amplification."""
+  from fedjx.algorithms import accounting
+  z, clip, s, d, delta = 1.0, 0.5, 300.0, 1024, 1e-5
+  uniform = accounting.Sampling('uniform', 50, 20)
+  poisson = accounting.Sampling.poisson(50, 0.4)
+  epochs = accounting.Sampling('epochs', 50, 10)  # E = 5
+  assert DD.skellam_epsilon(z, clip, s, d, 7, delta, uniform) == \
+      DD.skellam_epsilon(z, clip, s, d, 7, delta, 'uniform', 0.4)
+  assert DD.skellam_epsilon(z, clip, s, d, 7, delta, poisson) == \
+      DD.skellam_epsilon(z, clip, s, d, 7, delta, 'poisson', 0.4)
+  l2, l1 = DD.skellam_sensitivity(clip, s, d)
+  rdp = DD.skellam_rdp(DD.ORDERS, l2, l1, (z * clip * s) ** 2)
+  assert DD.skellam_epsilon(z, clip, s, d, 7, delta, epochs) == \
+      DD.rdp_to_epsilon(2 * rdp, delta)  # ceil(7 / 5) = 2 epochs
