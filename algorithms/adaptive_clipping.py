@@ -201,7 +201,8 @@ def adaptive_gaussian(noise_multiplier: float = 1.0,
                'target_quantile': target_quantile,
                'clip_learning_rate': clip_learning_rate,
                'clipped_count_stddev': clipped_count_stddev},
-      weights=weights, broadcast=broadcast, checks_update=True),
+      weights=weights, broadcast=broadcast, checks_update=True,
+      privacy='adaptive_gaussian (central DP)'),
       canaries, lambda state, hparams: state.clip_norm,
       expected_clients_per_round)
 

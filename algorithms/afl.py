@@ -69,6 +69,10 @@ from fedjx.algorithms import nonfinite
 from fedjx.algorithms.fedavg import check_parts
 from fedjx.algorithms.fedavg import without
 
+# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+UNPRIVATIZED = ('its clients also send their exact per-domain losses and '
+                'counts, which the noise does not cover')
+
 DOMAIN_ALGORITHMS = ('eg', 'pgd', 'none')
 
 OPTIONS: dict[str, Any] = {
@@ -226,12 +230,11 @@ def _check_domain_feature(fn: str, cohort: Any, key: str) -> None:
 
 def _check_aggregator(fn: str, aggregator: Any) -> aggregators.Aggregator:
   agg = aggregators.check(fn, aggregator)
+  base.check_private_uploads(fn, agg, UNPRIVATIZED)
   if agg.weights is not None:
     raise ValueError(
-        f'{fn}: aggregator={aggregator!r} sets its own client weights (a DP '
-        'aggregator\'s unit weights), but AFL weights each update by beta_k, '
-        'and the per-domain losses its clients send are not privatised; use '
-        'the mean or a quantized mean.')
+        f'{fn}: aggregator={aggregator!r} sets its own client weights, but '
+        'AFL weights each update by beta_k; use the mean or a quantized mean.')
   return agg
 
 
@@ -365,7 +368,8 @@ def afl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
                           round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                             unprivatized=UNPRIVATIZED)
 
 
 __all__ = ['AFLState', 'afl', 'domain_sums', 'project_simplex',

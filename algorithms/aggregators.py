@@ -87,6 +87,14 @@ class Aggregator(NamedTuple):
       ``hparams`` (e.g. a compressor's per-client key, an error-feedback
       residual gathered by ``client_ids``, which are None when the
       algorithm does not pass them), or None.
+    privacy: None for an aggregator that adds no DP noise; for a DP
+      mechanism, which one, e.g. ``'gaussian (central DP)'``,
+      ``'distributed_skellam (distributed DP)'``. Its clipping and noise
+      cover the message each client uploads, so its guarantee holds for a
+      round only when that message is all the round releases of the
+      clients' data: an algorithm whose round releases more declares it
+      (``Algorithm.unprivatized``) and refuses every aggregator with
+      ``privacy`` set (:func:`fedjx.algorithms.base.check_private_uploads`).
   """
 
   init: Callable[[base.Params], Any]
@@ -100,6 +108,7 @@ class Aggregator(NamedTuple):
   checks_update: bool = False
   needs_all_updates: str | None = None
   client_inputs: Callable[[Any, Any, int], Mapping[str, Any]] | None = None
+  privacy: str | None = None
 
 
 def _stateless(params: base.Params) -> tuple[()]:
@@ -316,7 +325,8 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   return audited(Aggregator(init=_stateless, combine=combine, encode=encode,
                             hparams={'clip_norm': clip_norm,
                                      'noise_multiplier': noise_multiplier},
-                            weights=weights, checks_update=True),
+                            weights=weights, checks_update=True,
+                            privacy='gaussian (central DP)'),
                  canaries, lambda state, hparams: hparams['clip_norm'],
                  expected_clients_per_round)
 

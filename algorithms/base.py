@@ -83,6 +83,14 @@ class Algorithm(NamedTuple):
       ``(state, metrics, client_states)``, the rows' new values (a padding
       client's row is returned unchanged); ``run_rounds`` is refused, since
       a client drawn in two rounds of one scan would miss its own update.
+    unprivatized: None when all a round releases of the clients' data is
+      the aggregate of the messages its aggregator encodes (so a DP
+      aggregator's clipping and noise cover the round). Otherwise what
+      else it releases, and why the noise does not cover it, in a phrase
+      (FedExP: its server step size reads the exact updates' squared
+      norms); every DP aggregator (``Aggregator.privacy`` set: central,
+      distributed or local) is then refused in one line
+      (:func:`check_private_uploads`).
   """
 
   init: Callable[[Params], Any]
@@ -91,6 +99,7 @@ class Algorithm(NamedTuple):
   apply: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]]
   compiler: Callable[..., 'Algorithm'] | None = None
   client_state_init: Callable[[Params], PyTree] | None = None
+  unprivatized: str | None = None
 
   def compile(self, map_strategy: str = 'auto', chunk_size: int | None = None,
               donate: bool = True) -> 'Algorithm':
@@ -181,6 +190,26 @@ def check_positive_int(fn: str, name: str, value: Any, *,
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f'{fn}: {name}={value!r} must be a positive int'
                      + (' or None.' if allow_none else '.'))
+
+
+def check_private_uploads(fn: str, aggregator: Any,
+                          unprivatized: str | None) -> None:
+  """Refuses a DP aggregator for a round that releases more than it noises.
+
+  A DP aggregator (``aggregator.privacy`` set) clips each client's message
+  to a bound ``C`` and noises their aggregate (McMahan et al. 2018; Agarwal
+  et al. 2021 in a secure sum; each client itself for local DP), so its
+  epsilon is that of the release of the aggregate alone. An algorithm whose
+  round also releases something else computed from the clients' data
+  declares what (``unprivatized``, its :attr:`Algorithm.unprivatized`) and
+  takes no DP aggregator: the one rule every DP aggregator's check follows,
+  in one line naming the algorithm, the aggregator and why.
+  """
+  privacy = getattr(aggregator, 'privacy', None)
+  if privacy is not None and unprivatized is not None:
+    raise ValueError(
+        f'{fn}: aggregator {privacy} is refused: {unprivatized}; use a '
+        'non-private aggregator.')
 
 
 def check_optimizer(fn: str, name: str, optimizer: Any) -> None:
@@ -528,8 +557,8 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
                    map_strategy: str | None = None,
                    chunk_size: int | None = None,
                    options: Mapping[str, Any] | None = None,
-                   client_state_init: Callable[[Params], PyTree] | None = None
-                   ) -> Algorithm:
+                   client_state_init: Callable[[Params], PyTree] | None = None,
+                   unprivatized: str | None = None) -> Algorithm:
   """Wraps an algorithm's ``init`` and round (a fedjx program body).
 
   ``round_fn`` is written with the fedjx primitives and called inside
@@ -542,6 +571,8 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
 
   With ``client_state_init`` (see :class:`Algorithm`), ``round_fn`` reads
   ``cohort.client_states`` and returns ``(state, metrics, client_states)``.
+  ``unprivatized`` is the algorithm's declared trait (see :class:`Algorithm`;
+  its builder refuses DP aggregators with :func:`check_private_uploads`).
   """
   if client_state_init is not None and not callable(client_state_init):
     raise ValueError(f'{name}: client_state_init={client_state_init!r} must '
@@ -594,6 +625,7 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
                      round=jax.jit(apply, donate_argnums=donated),
                      run_rounds=jax.jit(run, donate_argnums=donated),
                      apply=apply, compiler=compiler,
-                     client_state_init=client_state_init)
+                     client_state_init=client_state_init,
+                     unprivatized=unprivatized)
 
   return compiler(map_strategy or 'auto', chunk_size, True)

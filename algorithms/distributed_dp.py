@@ -422,7 +422,8 @@ def distributed_skellam(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   return inner._replace(
       init=init, combine=combine,
       broadcast=lambda state: inner.broadcast(state.secure),
-      client_inputs=lambda state, ids, c: inner.client_inputs(state.secure, ids, c))
+      client_inputs=lambda state, ids, c: inner.client_inputs(state.secure, ids, c),
+      privacy='distributed_skellam (distributed DP)')
 
 
 def local_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
@@ -469,7 +470,8 @@ def local_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   return aggregators.Aggregator(
       init=init, combine=combine, encode=encode, weights=weights,
       hparams={'clip_norm': clip_norm, 'noise_multiplier': noise_multiplier},
-      client_inputs=client_inputs, checks_update=True)
+      client_inputs=client_inputs, checks_update=True,
+      privacy='local_gaussian (local DP)')
 
 
 __all__ = ['DistributedDPState', 'compositions', 'default_scale',

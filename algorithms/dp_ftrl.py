@@ -270,7 +270,8 @@ def tree_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   return aggregators.audited(aggregators.Aggregator(
       init=init, combine=combine, encode=encode,
       hparams={'clip_norm': clip_norm, 'noise_multiplier': noise_multiplier},
-      weights=weights, checks_update=True),
+      weights=weights, checks_update=True,
+      privacy='tree_gaussian (central DP)'),
       canaries, lambda state, hparams: hparams['clip_norm'],
       expected_clients_per_round)
 

@@ -48,6 +48,10 @@ from fedjx.algorithms import nonfinite
 from fedjx.algorithms.fedavg import check_parts
 from fedjx.algorithms.fedavg import without
 
+# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+UNPRIVATIZED = ('its h and each client\'s g_k are built from the exact updates, '
+                'a release beside the aggregate that the noise does not cover')
+
 
 class FedDynState(NamedTuple):
   """FedDyn's server state.
@@ -115,12 +119,7 @@ def feddyn(loss_fn: base.LossFn, num_clients: int, *, alpha: float = 0.01,
   base.check_number(name, 'alpha', alpha, strict=True)  # h / alpha.
   client_optimizer, server_optimizer, aggregator, schedule = check_parts(
       name, dict(o, client_transform=None))
-  if 'noise_multiplier' in aggregator.hparams:
-    raise ValueError(
-        f'{name}: aggregator with hparams {sorted(aggregator.hparams)} is a DP '
-        'mechanism, but FedDyn\'s h and each client\'s g_k are built from the '
-        'exact updates, a release the DP aggregate does not cover; use a '
-        'non-private aggregator.')
+  base.check_private_uploads(name, aggregator, UNPRIVATIZED)
   metrics_fn, client_metrics = o['metrics_fn'], o['client_metrics']
   m = num_clients
 
@@ -181,7 +180,8 @@ def feddyn(loss_fn: base.LossFn, num_clients: int, *, alpha: float = 0.01,
     return state, metrics, clients.state
 
   return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             client_state_init=client_state_init)
+                             client_state_init=client_state_init,
+                             unprivatized=UNPRIVATIZED)
 
 
 __all__ = ['FedDynState', 'feddyn', 'linear_term']

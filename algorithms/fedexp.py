@@ -50,6 +50,11 @@ from fedjx.algorithms.fedavg import client_hparams_of
 from fedjx.algorithms.fedavg import client_training
 from fedjx.algorithms.fedavg import without
 
+# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+UNPRIVATIZED = ('its server step size eta_g reads sum_i ||Delta_i||^2, the '
+                'squared norms of the exact updates, which the noise does not '
+                'cover (DP-FedEXP noises that sum too)')
+
 
 class FedExPState(NamedTuple):
   """FedExP's server state.
@@ -112,12 +117,7 @@ def fedexp(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
   base.check_number(name, 'epsilon', eps, strict=True)
   client_optimizer, _, aggregator, schedule = check_parts(
       name, dict(o, server_optimizer=None, client_metrics=False))
-  if 'noise_multiplier' in aggregator.hparams:
-    raise ValueError(
-        f'{name}: aggregator with hparams {sorted(aggregator.hparams)} is a DP '
-        'mechanism, but the step size eta_g reads sum_i ||Delta_i||^2, which '
-        'its noise does not cover; use fedavg with it, or a non-private '
-        'aggregator.')
+  base.check_private_uploads(name, aggregator, UNPRIVATIZED)
   transform = o['client_transform']
   weighting, guard = o['weighting'], o['skip_nonfinite']
   train = client_training(loss_fn, o['metrics_fn'], client_optimizer,
@@ -165,7 +165,8 @@ def fedexp(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
                           round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                             unprivatized=UNPRIVATIZED)
 
 
 __all__ = ['FedExPState', 'averaged_params', 'fedexp', 'step_size']

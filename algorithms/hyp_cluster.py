@@ -27,6 +27,7 @@ is the largest (the same client may be taken twice, as in FedJAX).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -34,11 +35,17 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
+from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms.fedavg import check_parts
 from fedjx.algorithms.fedavg import without
+
+# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+UNPRIVATIZED = ('each cluster\'s update is divided by the exact weight of the '
+                'clients that chose it, and which cluster each client chose is '
+                'released, neither of which the noise covers')
 
 OPTIONS: dict[str, Any] = {**without('client_transform'), 'init_noise': 0.01,
                            'init_seed': 0}
@@ -169,13 +176,15 @@ def kmeans_init(loss_fn: base.LossFn, params: base.Params, cohort: Any,
 
 
 def _check_aggregator(fn: str, aggregator: Any) -> None:
+  if isinstance(aggregator, (Mapping, aggregators.Aggregator)):
+    base.check_private_uploads(fn, aggregators.check(fn, aggregator),
+                               UNPRIVATIZED)
   if aggregator is not None and not (isinstance(aggregator, str) and aggregator == 'mean') \
       and not (isinstance(aggregator, dict) and aggregator.get('name') == 'mean'):
     raise ValueError(
         f'{fn}: aggregator={aggregator!r} is not supported; each cluster\'s '
         'update is divided by the weight of the clients that chose it, which '
-        'a DP or robust aggregator does not privatise or bound: use the '
-        'weighted mean (None).')
+        'a robust aggregator does not bound: use the weighted mean (None).')
 
 
 @base.with_options(OPTIONS)
@@ -303,7 +312,8 @@ def hyp_cluster(loss_fn: base.LossFn, num_clusters: int = 2,
                           opt_state=opt_state,
                           round_index=state.round_index + 1), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                             unprivatized=UNPRIVATIZED)
 
 
 __all__ = ['HypClusterState', 'cluster', 'cluster_losses', 'hyp_cluster',

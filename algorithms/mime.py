@@ -147,8 +147,12 @@ OPTIONS: dict[str, Any] = {
 }
 
 
-def _is_private(aggregator: aggregators.Aggregator) -> bool:
-  return 'noise_multiplier' in aggregator.hparams
+# What a Mime round releases beside the aggregate (``Algorithm.unprivatized``);
+# MimeLite's one message per client is all it releases (None).
+UNPRIVATIZED = ('it releases the cohort\'s exact full-batch gradients c at the '
+                'server model before the updates, a second release the noise '
+                'does not cover (mime_lite sends one message per client, which '
+                'a DP aggregator privatizes)')
 
 
 def _build(name: str, loss_fn: base.LossFn, options: dict[str, Any],
@@ -160,12 +164,8 @@ def _build(name: str, loss_fn: base.LossFn, options: dict[str, Any],
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
   base.check_choice(name, 'weighting', o['weighting'], base.WEIGHTINGS)
   aggregator = aggregators.check(name, o['aggregator'])
-  if control_variate and _is_private(aggregator):
-    raise ValueError(
-        f'{name}: aggregator with hparams {sorted(aggregator.hparams)} is a DP '
-        'mechanism, but Mime releases the clients\' full-batch gradients (its '
-        'c) before their updates, two releases a round; use mime_lite, whose '
-        'one message per client a DP aggregator privatizes.')
+  unprivatized = UNPRIVATIZED if control_variate else None
+  base.check_private_uploads(name, aggregator, unprivatized)
   nonfinite.check_flag(name, o['skip_nonfinite'])
   schedule = client_update.check_schedule(name, o['local_epochs'],
                                           o['local_steps'], o['client_evaluation'])
@@ -231,7 +231,8 @@ def _build(name: str, loss_fn: base.LossFn, options: dict[str, Any],
                           opt_state=opt_state, round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                             unprivatized=unprivatized)
 
 
 @base.with_options(OPTIONS)

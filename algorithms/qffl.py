@@ -50,6 +50,11 @@ from fedjx.algorithms.fedavg import client_training
 from fedjx.algorithms.fedavg import without
 from fedjx.algorithms import nonfinite
 
+# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+UNPRIVATIZED = ('its step sum_k Delta_k / sum_k h_k divides by h_k, a function '
+                'of each client\'s exact loss and update norm, which the noise '
+                'on the updates does not cover')
+
 # Flower's offset of the loss (flwr QFedAvg): F_k^{q-1} finite at F_k = 0.
 LOSS_OFFSET = 1e-10
 
@@ -117,11 +122,14 @@ def qffl(loss_fn: base.LossFn, *, q: float = 1.0, **options: Any) -> base.Algori
   base.check_number(name, 'q', q)
   if o['lipschitz'] is not None:
     base.check_number(name, 'lipschitz', o['lipschitz'], strict=True)
+  if o['aggregator'] is not None:
+    base.check_private_uploads(name, aggregators.check(name, o['aggregator']),
+                               UNPRIVATIZED)
   if not _plain_mean(name, o['aggregator']):
     raise ValueError(
         f'{name}: aggregator={o["aggregator"]!r} is not taken: the q-FFL step '
         'sum_k Delta_k / sum_k h_k divides by terms of each client\'s loss and '
-        'update norm, which a DP or compressing aggregator of the updates '
+        'update norm, which a compressing or robust aggregator of the updates '
         'alone would not cover; use aggregator=None.')
   parts = check_parts(name, dict(o, server_optimizer=None,
                                         client_transform=None, aggregator=None))
@@ -184,7 +192,8 @@ def qffl(loss_fn: base.LossFn, *, q: float = 1.0, **options: Any) -> base.Algori
     metrics.update(clients.extra)
     return state._replace(params=params, round_index=state.round_index + 1), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                             unprivatized=UNPRIVATIZED)
 
 
 __all__ = ['qffl', 'qffl_terms']

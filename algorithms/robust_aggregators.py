@@ -297,7 +297,7 @@ def dp_defense(defense: Any, clip_norm: float = 1.0,
       encode=encode, combine=combine,
       hparams={**inner.hparams, 'clip_norm': clip_norm,
                'noise_multiplier': noise_multiplier},
-      checks_update=True)
+      checks_update=True, privacy='dp_defense (central DP)')
 
 
 median = coordinate_median  # The config name (``dict(name='median')``).

@@ -146,3 +146,70 @@ def test_noise_drawn_in_groups_equals_a_draw_per_leaf():
     want = jax.random.normal(k, x.shape, x.dtype)
     assert z.shape == x.shape and z.dtype == x.dtype
     np.testing.assert_array_equal(np.asarray(z, np.float32), np.asarray(want, np.float32))
+
+
+# Every DP aggregator, central, distributed and local, as a config spec.
+DP_SPECS = {
+    'gaussian': dict(name='gaussian'),
+    'adaptive_gaussian': dict(name='adaptive_gaussian',
+                              expected_clients_per_round=100.0),
+    'tree_gaussian': dict(name='tree_gaussian'),
+    'dp_defense': dict(name='dp_defense', defense=dict(name='median')),
+    'distributed_skellam': dict(name='distributed_skellam'),
+    'local_gaussian': dict(name='local_gaussian'),
+}
+# Algorithms whose round releases more than the aggregate of the messages a
+# DP aggregator noises (their trait Algorithm.unprivatized), and why.
+UNPRIVATIZED = {
+    'fedexp': (lambda agg: algos.fedexp(linreg_loss, aggregator=agg),
+               'sum_i ||Delta_i||^2'),
+    'mime': (lambda agg: algos.mime(linreg_loss, aggregator=agg),
+             'full-batch gradients'),
+    'feddyn': (lambda agg: algos.feddyn(linreg_loss, num_clients=3,
+                                        aggregator=agg), 'g_k'),
+    'qffl': (lambda agg: algos.qffl(linreg_loss, aggregator=agg), 'h_k'),
+    'afl': (lambda agg: algos.afl(linreg_loss, num_domains=2, aggregator=agg),
+            'per-domain losses'),
+    'hyp_cluster': (lambda agg: algos.hyp_cluster(linreg_loss, aggregator=agg),
+                    'which cluster'),
+}
+
+
+def test_dp_aggregators_declare_their_privacy():
+  from fedjx.algorithms import aggregators
+  for name in aggregators.AGGREGATORS:
+    spec = DP_SPECS.get(name, {'name': name})
+    try:
+      agg = aggregators.check('test', spec)
+    except ValueError:  # Builders with required options (top_k's k, ...).
+      assert name not in DP_SPECS
+      continue
+    if name in DP_SPECS:
+      assert agg.privacy is not None and agg.privacy.startswith(name), name
+    else:
+      assert agg.privacy is None, name
+
+
+@pytest.mark.parametrize('aggregator', sorted(DP_SPECS))
+@pytest.mark.parametrize('algorithm', sorted(UNPRIVATIZED))
+def test_algorithms_that_release_more_refuse_every_dp_aggregator(algorithm,
+                                                                 aggregator):
+  """One rule (the algorithm's declared trait, read by
+  base.check_private_uploads): one line naming the algorithm, the
+  aggregator and why."""
+  build, why = UNPRIVATIZED[algorithm]
+  with pytest.raises(ValueError) as e:
+    build(DP_SPECS[aggregator])
+  text = str(e.value)
+  assert '\n' not in text
+  assert text.startswith(f'{algorithm}: aggregator {aggregator} (')
+  assert ' DP) is refused: ' in text and why in text
+  # The same algorithm with a non-private aggregator declares its trait.
+  assert build(None).unprivatized is not None
+
+
+def test_algorithms_whose_message_is_all_they_release_take_dp_aggregators():
+  for spec in DP_SPECS.values():
+    for algo in (algos.mime_lite(linreg_loss, aggregator=spec),
+                 algos.fedavg(linreg_loss, aggregator=spec)):
+      assert algo.unprivatized is None

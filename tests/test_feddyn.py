@@ -94,7 +94,7 @@ def test_two_rounds_against_numpy(strategy, chunk, weighting):
 @pytest.mark.parametrize('kwargs, match', [
     (dict(num_clients=0), r'feddyn: num_clients=0 must be a positive int'),
     (dict(alpha=0.0), r'feddyn: alpha=0.0 is not allowed'),
-    (dict(aggregator=aggregators.gaussian(1.0, 1.0)), r'feddyn: aggregator .* is a DP mechanism'),
+    (dict(aggregator=aggregators.gaussian(1.0, 1.0)), r'feddyn: aggregator gaussian \(central DP\) is refused'),
     (dict(weighting='count'), r"weighting='count'"),
     (dict(client_transform=optax.sgd(1.0)), r'option client_transform=.* is not taken'),
 ])
