@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,6 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from fedjx.experiments import metrics_writers
 
 
 class StructureMismatch(ValueError):
@@ -277,10 +278,8 @@ class Checkpointer:
     for step in steps:
       path = os.path.join(self.manifests, f'{step}.json')
       if not os.path.exists(path):
-        fd, tmp = tempfile.mkstemp(dir=self.manifests, suffix='.tmp')
-        with os.fdopen(fd, 'w', encoding='utf-8') as f:
-          json.dump(self._files(step), f, sort_keys=True)
-        os.replace(tmp, path)
+        metrics_writers.write_atomically(
+            path, json.dumps(self._files(step), sort_keys=True))
 
   def _check_files(self, step: int) -> str | None:
     """What is wrong with step ``step``'s files per its manifest, or None."""

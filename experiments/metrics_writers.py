@@ -10,18 +10,27 @@ had never stopped; TensorBoard is told to purge its events after ``r`` too.
 Every rewrite of a file goes to a temporary file in the same directory that
 then replaces it (``os.replace``, atomic on POSIX): a process killed at any
 moment leaves either the old file or the new one, never a partial one.
+:func:`write_atomically` is that rewrite for every result file fedjx writes
+whole (``config.json``, ``sweep.json``, ``privacy.json``, the checkpoint
+manifests); its files get the permissions ``open`` gives (``0666`` less the
+umask: ``0644`` under umask 022), like the rows appended afterwards.
+
+An ``OSError`` while a result file is written (a full disk: ``ENOSPC``) is
+raised with that file's path (:func:`writing`), so the command line can say
+in one line which file could not be written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
 import os
-import tempfile
 import time
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,21 +56,53 @@ def _json_value(value: Any) -> Any:
   return value
 
 
-def write_atomically(path: str, text: str) -> None:
-  """Replaces ``path`` with ``text`` in one step (temporary file + ``os.replace``)."""
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f'.{os.path.basename(path)}.',
-                             suffix='.tmp')
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
+  """Inside, an ``OSError`` without a file name (what ``write`` and ``fsync``
+  raise: ``[Errno 28] No space left on device``) is raised again with
+  ``path`` as its file name (same errno, same ``OSError`` subclass)."""
   try:
-    with os.fdopen(fd, 'w', encoding='utf-8', newline='') as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+    yield
+  except OSError as e:
+    if e.filename is not None or e.errno is None:
+      raise
+    raise OSError(e.errno, e.strerror or os.strerror(e.errno), path) from e
+
+
+def _new_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
+  """A new file in ``directory``, open for writing, and its path.
+
+  Created as ``open`` creates files (mode ``0666`` less the umask), not as
+  ``tempfile.mkstemp`` does (``0600`` whatever the umask), so a file renamed
+  into place has the permissions of every other file the user writes.
+  """
+  while True:
+    path = os.path.join(directory, f'{prefix}{uuid.uuid4().hex[:12]}{suffix}')
+    try:
+      return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), path
+    except FileExistsError:
+      continue
+
+
+def write_atomically(path: str, text: str) -> None:
+  """Replaces ``path`` with ``text`` in one step (temporary file + ``os.replace``).
+
+  The file's mode is ``0666`` less the umask, as for ``open(path, 'w')``.
+  An ``OSError`` (a full disk) names ``path``.
+  """
+  directory = os.path.dirname(os.path.abspath(path))
+  with writing(path):
+    fd, tmp = _new_file(directory, f'.{os.path.basename(path)}.', '.tmp')
+    try:
+      with os.fdopen(fd, 'w', encoding='utf-8', newline='') as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(tmp, path)
+    except BaseException:
+      if os.path.exists(tmp):
+        os.remove(tmp)
+      raise
 
 
 class MetricsWriter:
@@ -90,20 +131,24 @@ class JsonlWriter(MetricsWriter):
   def write(self, round_: int, metrics: Mapping[str, Any]) -> None:
     row = {'round': int(round_)}
     row.update({k: _json_value(_scalar(v)) for k, v in metrics.items()})
-    self._file.write(json.dumps(row) + '\n')
+    with writing(self.path):
+      self._file.write(json.dumps(row) + '\n')
 
   def truncate(self, last_round: int) -> None:
-    self._file.close()
+    with writing(self.path):
+      self._file.close()
     rows = read_jsonl(self.path)
     write_atomically(self.path, ''.join(
         json.dumps(row) + '\n' for row in rows if row['round'] <= last_round))
     self._file = open(self.path, 'a', encoding='utf-8', buffering=1)
 
   def flush(self) -> None:
-    self._file.flush()
+    with writing(self.path):
+      self._file.flush()
 
   def close(self) -> None:
-    self._file.close()
+    with writing(self.path):
+      self._file.close()
 
 
 class CsvWriter(MetricsWriter):
@@ -123,7 +168,8 @@ class CsvWriter(MetricsWriter):
 
   def _rewrite(self) -> None:
     if self._file is not None:
-      self._file.close()
+      with writing(self.path):
+        self._file.close()
     text = io.StringIO()
     table = csv.DictWriter(text, fieldnames=self._columns)
     table.writeheader()
@@ -140,17 +186,20 @@ class CsvWriter(MetricsWriter):
       self._columns = _columns(self._rows)
       self._rewrite()
     else:
-      self._writer.writerow(row)
+      with writing(self.path):
+        self._writer.writerow(row)
 
   def truncate(self, last_round: int) -> None:
     self._rows = [r for r in self._rows if r['round'] <= last_round]
     self._rewrite()
 
   def flush(self) -> None:
-    self._file.flush()
+    with writing(self.path):
+      self._file.flush()
 
   def close(self) -> None:
-    self._file.close()
+    with writing(self.path):
+      self._file.close()
 
 
 class TensorBoardWriter(MetricsWriter):
@@ -170,29 +219,34 @@ class TensorBoardWriter(MetricsWriter):
     from tensorboardX.event_file_writer import EventsWriter  # pylint: disable=g-import-not-at-top
     from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
     self._summary, self._pb = summary, event_pb2
+    self.logdir = logdir
     os.makedirs(logdir, exist_ok=True)
     # The pid keeps two attempts started in the same second apart.
-    self._events = EventsWriter(os.path.join(logdir, 'events'), f'.{os.getpid()}')
-    if purge_round is not None:
-      self._events.write_event(event_pb2.Event(
-          step=purge_round, wall_time=time.time(),
-          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
-    self._events.flush()
+    with writing(logdir):
+      self._events = EventsWriter(os.path.join(logdir, 'events'), f'.{os.getpid()}')
+      if purge_round is not None:
+        self._events.write_event(event_pb2.Event(
+            step=purge_round, wall_time=time.time(),
+            session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+      self._events.flush()
 
   def write(self, round_: int, metrics: Mapping[str, Any]) -> None:
     now = time.time()
-    for name, value in metrics.items():
-      value = _scalar(value)
-      if not isinstance(value, str):
-        self._events.write_event(self._pb.Event(
-            step=int(round_), wall_time=now,
-            summary=self._summary.scalar(name, value)))
+    with writing(self.logdir):
+      for name, value in metrics.items():
+        value = _scalar(value)
+        if not isinstance(value, str):
+          self._events.write_event(self._pb.Event(
+              step=int(round_), wall_time=now,
+              summary=self._summary.scalar(name, value)))
 
   def flush(self) -> None:
-    self._events.flush()
+    with writing(self.logdir):
+      self._events.flush()
 
   def close(self) -> None:
-    self._events.close()
+    with writing(self.logdir):
+      self._events.close()
 
 
 class MultiWriter(MetricsWriter):

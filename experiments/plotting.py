@@ -77,7 +77,8 @@ def plot_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str,
     fig.suptitle(title)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=100)
+  with metrics_writers.writing(path):  # A full disk names the plot.
+    fig.savefig(path, dpi=100)
   plt.close(fig)
   return path
 

@@ -20,6 +20,7 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
+from fedjx.experiments import metrics_writers
 from fedjx.experiments import sweep_spec
 from fedjx.experiments import sweep_summary
 
@@ -72,7 +73,8 @@ def plot_sweep(workdir: str, settings: Sequence[Mapping[str, Any]],
   fig.suptitle(f'{main}: mean ± sd over seeds')
   fig.tight_layout()
   path = os.path.join(workdir, f'sweep_{main}.png')
-  fig.savefig(path, dpi=100)
+  with metrics_writers.writing(path):  # A full disk names the plot.
+    fig.savefig(path, dpi=100)
   plt.close(fig)
   return [path]
 
@@ -117,6 +119,7 @@ def plot_best_curves(workdir: str, trials: Sequence[Any],
   ax.legend(fontsize='small')
   fig.tight_layout()
   path = os.path.join(workdir, 'sweep_best_curves.png')
-  fig.savefig(path, dpi=100)
+  with metrics_writers.writing(path):  # A full disk names the plot.
+    fig.savefig(path, dpi=100)
   plt.close(fig)
   return path

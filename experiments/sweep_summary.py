@@ -25,6 +25,7 @@ per combination of the other swept fields) and ``sweep_best_curves.png``
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -132,13 +133,12 @@ def _write_csv(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
   columns: list[str] = []
   for row in rows:
     columns.extend(k for k in row if k not in columns)
-  tmp = path + '.tmp'
-  with open(tmp, 'w', encoding='utf-8', newline='') as f:
-    writer = csv.DictWriter(f, columns)
-    writer.writeheader()
-    for row in rows:
-      writer.writerow({k: ('' if v is None else v) for k, v in row.items()})
-  os.replace(tmp, path)
+  text = io.StringIO()
+  writer = csv.DictWriter(text, columns)
+  writer.writeheader()
+  for row in rows:
+    writer.writerow({k: ('' if v is None else v) for k, v in row.items()})
+  metrics_writers.write_atomically(path, text.getvalue())
 
 
 def _fmt(v: Any) -> str:
@@ -213,10 +213,7 @@ def write_summary(workdir: str, trials: Sequence[Any], fields: Sequence[str],
     text = (f'# Sweep summary\n\nMean ± sample sd over seeds; main metric '
             f'`{main}` ({"lower" if lower_is_better(main) else "higher"} is '
             f'better).\n\n' + markdown(per_setting, fields, main, target))
-    tmp = os.path.join(workdir, 'summary.md.tmp')
-    with open(tmp, 'w', encoding='utf-8') as f:
-      f.write(text)
-    os.replace(tmp, os.path.join(workdir, 'summary.md'))
+    metrics_writers.write_atomically(os.path.join(workdir, 'summary.md'), text)
     if plot:
       from fedjx.experiments import sweep_plots  # pylint: disable=g-import-not-at-top
       sweep_plots.plot_sweep(workdir, per_setting, fields, main)
