@@ -13,16 +13,21 @@ even when the file does not set it (``--config.algorithm.client_evaluation=False
 
 Every error a user can cause is one line on stderr and exit status 2: an
 unknown field (with "did you mean"), a bad value, a missing file, a busy
-workdir, a non-finite run. ``--debug`` (or ``FEDJX_DEBUG=1``) shows the full
-traceback instead. Running again with the same ``--workdir`` resumes from its
-newest intact checkpoint. SIGINT (Ctrl-C) or SIGTERM saves a checkpoint after
-the current round and exits with status 130 or 143; during start-up it exits
-at once with one line.
+workdir, one that is a file or cannot be read or written
+(:mod:`fedjx.experiments.workdir`, checked before JAX is imported), a full
+disk (naming the file that could not be written), a non-finite run.
+``--debug`` (or ``FEDJX_DEBUG=1``) shows the full traceback instead. Running
+again with the same ``--workdir`` resumes from its newest intact checkpoint;
+``--fresh`` starts over instead, removing what the earlier run wrote there
+(named, and confirmed on a terminal or with ``--yes``). SIGINT (Ctrl-C) or
+SIGTERM saves a checkpoint after the current round and exits with status 130
+or 143; during start-up it exits at once with one line.
 """
 
 from __future__ import annotations
 
 import ast
+import errno
 import importlib.util
 import inspect
 import os
@@ -46,6 +51,12 @@ _WORKDIR = flags.DEFINE_string(
 _DEBUG = flags.DEFINE_bool(
     'debug', False, 'Show full tracebacks instead of one-line errors (also '
     'FEDJX_DEBUG=1).')
+_FRESH = flags.DEFINE_bool(
+    'fresh', False, 'Start over: remove what an earlier run (or sweep) wrote in '
+    '--workdir (named, and confirmed on a terminal) instead of resuming it.')
+_YES = flags.DEFINE_bool(
+    'yes', False, "Answer --fresh's question yes (needed where stdin is not a "
+    'terminal).')
 
 _OVERRIDE = re.compile(r'^--?config\.([A-Za-z0-9_.]+)(=|$)')
 USAGE_STATUS = 2
@@ -56,13 +67,16 @@ USAGE = """\
 fedjx-run: trains the federated experiment of a config file.
 
 usage: fedjx-run --config FILE[:ARG] [--workdir DIR] [--config.PATH=VALUE ...]
-                 [--debug]
+                 [--fresh [--yes]] [--debug]
 
   --config FILE[:ARG]   a Python file whose get_config([ARG]) returns an
                         ml_collections ConfigDict (see configs/)
   --workdir DIR         checkpoints, metrics, TensorBoard events and the plot
                         (default runs/<config file name>); the same DIR again
                         resumes the run
+  --fresh               start over instead: removes what a run wrote in DIR
+                        (it names the files and asks; --yes skips the
+                        question, and is needed where stdin is no terminal)
   --config.PATH=VALUE   overrides a config field, an option of the selected
                         algorithm's builder, or of its optax optimizers, e.g.
                         --config.rounds=100
@@ -77,9 +91,10 @@ example:
   fedjx-run --config configs/fedavg_digits.py --workdir runs/quickstart \\
       --config.rounds=100 --config.algorithm.client_optimizer.learning_rate=0.05
 
-exit status: 0 done; 2 a usage or config error, a workdir in use, or a
-non-finite run; 130/143 stopped by Ctrl-C/SIGTERM (a checkpoint was saved if
-training had started: run the same command again to continue).
+exit status: 0 done; 2 a usage or config error, a workdir in use or that
+cannot be written (a file, no permission, a full disk), a non-finite run, or
+--fresh not confirmed; 130/143 stopped by Ctrl-C/SIGTERM (a checkpoint was
+saved if training had started: run the same command again to continue).
 """
 
 
@@ -579,6 +594,7 @@ def _loaded(*names: tuple[str, str]) -> tuple[type[BaseException], ...]:
 def _plain_modules() -> tuple[type[BaseException], ...]:
   return _loaded(('fedjx.experiments.runner', 'NonFiniteError'),
                  ('fedjx.experiments.workdir_lock', 'WorkdirLocked'),
+                 ('fedjx.experiments.workdir', 'WorkdirError'),
                  ('fedjx.experiments.checkpointing', 'CheckpointError'),
                  ('fedjx.experiments.config', 'ConfigError'),
                  ('fedjx.experiments.sweep_spec', 'SweepError'))
@@ -607,12 +623,14 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
   apply_overrides(config, extras)
   from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
   config_schema.with_defaults(config)  # The fields' own checks, before JAX.
-  quiet_orbax()
   workdir = _WORKDIR.value
   if workdir is None:
     name = os.path.splitext(os.path.basename(
         flags.FLAGS['config'].config_filename))[0]
     workdir = os.path.join('runs', name)
+  from fedjx.experiments import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  prepare_workdir(workdir, config, workdir_lib.RUN_OUTPUTS)  # Before JAX too.
+  quiet_orbax()
   from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
   result = runner.run(config, workdir)
   if result.interrupted:
@@ -628,6 +646,26 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
   print(f'fedjx-run: done; metrics, checkpoints and learning_curve.png in '
         f'{result.workdir}')
   return 0
+
+
+def prepare_workdir(workdir: str, config: Any, outputs: Sequence[str],
+                    prog: str = 'fedjx-run') -> None:
+  """Before JAX: ``workdir`` is usable (one line if not), and with
+  ``--fresh`` what an earlier run wrote there (``outputs``) is removed."""
+  from fedjx.experiments import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  if _YES.value and not _FRESH.value:
+    raise UsageError('--yes answers the question of --fresh; give --fresh too '
+                     '(or leave --yes out to resume the run).')
+  workdir_lib.check(workdir)
+  if not _FRESH.value:
+    return
+  processes = config.get('num_processes') or os.environ.get('FEDJX_NUM_PROCESSES')
+  if processes is not None and str(processes).strip() not in ('', '0', '1'):
+    raise UsageError(
+        f'--fresh starts over in a single-process run; this one has {processes} '
+        f'processes: remove {", ".join(outputs)} from {workdir} yourself '
+        'before starting them.')
+  workdir_lib.start_over(workdir, outputs, prog, yes=_YES.value)
 
 
 def quiet_orbax() -> None:
@@ -678,6 +716,20 @@ class _Signals:
       signal.signal(s, self.handle)
 
 
+def _disk_full(error: BaseException) -> OSError | None:
+  """The ``ENOSPC`` OSError among ``error``, its causes and contexts, if any
+  (a result file that could not be written: the file is its ``filename``)."""
+  seen: set[int] = set()
+  found = None
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+      if found is None or (found.filename is None and error.filename is not None):
+        found = error
+    error = error.__cause__ or error.__context__
+  return found
+
+
 def run_main(body: Callable[[Sequence[str], Sequence[Any]], int], argv: Sequence[str],
              extras: Sequence[Any], signals: _Signals, prog: str = 'fedjx-run') -> int:
   """Runs ``body(argv, extras)``; user errors and signals become one line and a status."""
@@ -694,6 +746,13 @@ def run_main(body: Callable[[Sequence[str], Sequence[Any]], int], argv: Sequence
   except Exception as e:  # pylint: disable=broad-except
     if debug:
       raise
+    full = None if isinstance(e, _plain_errors()) else _disk_full(e)
+    if full is not None:
+      where = full.filename or 'its results'
+      print(f'{prog}: no space left on the device to write {where}; free space '
+            '(or choose a --workdir on another disk) and run the same command '
+            'again: it continues from the newest checkpoint.', file=sys.stderr)
+      return USAGE_STATUS
     user = isinstance(e, _user_errors())
     plain = isinstance(e, _plain_errors())
     text = _one_line(e) if plain else f'{type(e).__name__}: {_one_line(e)}'

@@ -58,7 +58,7 @@ and seeds differ.
 usage: fedjx-sweep --config FILE[:ARG] [--workdir DIR] [--sweep FIELD=VALUES ...]
                    [--seeds 0,1,2] [--num_samples N] [--target METRIC=NUMBER]
                    [--metric METRIC] [--settings_per_program K]
-                   [--config.PATH=VALUE ...] [--debug]
+                   [--config.PATH=VALUE ...] [--fresh [--yes]] [--debug]
 
   --sweep FIELD=V1,V2,...           a grid axis (repeatable)
   --sweep 'FIELD=loguniform(LO,HI)' a random-search axis (also uniform(),
@@ -67,6 +67,8 @@ usage: fedjx-sweep --config FILE[:ARG] [--workdir DIR] [--sweep FIELD=VALUES ...
   --target eval_accuracy=0.9        rounds-to-target in the summary
   --workdir DIR                     default runs/<config name>_sweep; the
                                     same DIR again resumes
+  --fresh [--yes]                   start over: removes what a sweep wrote
+                                    in DIR (named, asked on a terminal)
 
 A config file may define get_sweep() returning {'sweep': [...], 'seeds':
 ..., 'num_samples': ..., 'target': ...}; flags take precedence.
@@ -75,8 +77,9 @@ example:
   fedjx-sweep --config configs/fedadam_digits.py --workdir runs/grid \\
       --sweep 'algorithm.server_learning_rate=0.01,0.03,0.1' --seeds 0,1,2
 
-exit status: 0 done; 2 a usage, config or sweep error, or a workdir in use;
-130/143 stopped by Ctrl-C/SIGTERM (run the same command again to continue).
+exit status: 0 done; 2 a usage, config or sweep error, a workdir in use or
+that cannot be written, or --fresh not confirmed; 130/143 stopped by
+Ctrl-C/SIGTERM (run the same command again to continue).
 """
 
 SWEEP_KEYS = ('sweep', 'seeds', 'num_samples', 'sample_seed', 'target')
@@ -119,11 +122,13 @@ def _sweep(argv: Sequence[str], extras: Sequence[Any]) -> int:
     raise cli.UsageError('--config is required, e.g. --config '
                          'configs/fedadam_digits.py (see --help).')
   cli.apply_overrides(config, extras)
-  cli.quiet_orbax()
   config_path = flags.FLAGS['config'].config_filename
   workdir = flags.FLAGS['workdir'].value or os.path.join(
       'runs', os.path.splitext(os.path.basename(config_path.partition(':')[0]))[0]
       + '_sweep')
+  from fedjx.experiments import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  cli.prepare_workdir(workdir, config, workdir_lib.SWEEP_OUTPUTS, 'fedjx-sweep')
+  cli.quiet_orbax()
   from fedjx.experiments import sweep  # pylint: disable=g-import-not-at-top
   from fedjx.experiments import sweep_spec  # pylint: disable=g-import-not-at-top
   args = sweep_arguments(config_path)
