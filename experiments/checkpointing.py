@@ -223,6 +223,20 @@ def checksum(tree: Any) -> str | None:
   return digest.hexdigest()
 
 
+def written_steps(directory: str) -> list[int]:
+  """The steps of the finished checkpoints in ``directory``, read from the
+  names of its step folders only (Orbax writes a step under a temporary name
+  and renames it ``<step>`` when complete), oldest first; ``[]`` when there
+  is none. Nothing is opened, so it cannot say whether a step is intact:
+  :meth:`Checkpointer.restore_latest_intact` does."""
+  try:
+    names = os.listdir(directory)
+  except (FileNotFoundError, NotADirectoryError):
+    return []
+  return sorted(int(n) for n in names
+                if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
 class Checkpointer:
   """Saves and restores run state under ``workdir/checkpoints``.
 

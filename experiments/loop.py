@@ -209,14 +209,31 @@ def host_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def progress_bar(total: int, initial: int, enabled: bool) -> Any:
-  """A tqdm bar of rounds on stderr (a no-op bar when not ``enabled``)."""
+  """A tqdm bar of rounds on stderr (a no-op bar when not ``enabled``).
+
+  ``initial`` is the rounds already done (a resumed run's or sweep's
+  checkpoints): the bar starts there and its rate counts only the rounds
+  this process trains.
+  """
   from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
   return tqdm.tqdm(total=total, initial=initial, unit='round', disable=not enabled,
                    dynamic_ncols=True, file=sys.stderr)
 
 
 def log_above(bar: Any, log: Callable[[str], None], msg: str) -> None:
-  """``log(msg)`` with the progress bar cleared first and drawn again after."""
-  bar.clear()
-  log(msg)
-  bar.refresh()
+  """``log(msg)`` written above the progress bar, not onto its line.
+
+  tqdm's own way (``tqdm.external_write_mode``, what ``tqdm.write`` does):
+  the bars on the stream are cleared, the line is written, and they are
+  drawn again below it.
+  """
+  if getattr(bar, 'disable', True) or not hasattr(bar, 'fp'):
+    log(msg)
+    return
+  with type(bar).external_write_mode(file=bar.fp):
+    log(msg)
+
+
+def above(bar: Any, log: Callable[[str], None]) -> Callable[[str], None]:
+  """``log`` whose lines go above ``bar`` (:func:`log_above`)."""
+  return lambda msg: log_above(bar, log, msg)

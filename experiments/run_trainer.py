@@ -114,6 +114,7 @@ class RunTrainer:
     self.history = _previous_rows(workdir, config.metrics_format, self.start) if (
         lead and restored is not None) else []
     self.bar = loop.progress_bar(config.rounds, self.start, lead and config.progress)
+    self.log = loop.above(self.bar, log)  # While the bar shows, lines go above it.
     self.rounds: guarded_rounds.GuardedRounds | None = None
     self._compiling = contextlib.ExitStack()  # Closed after the first round.
     self._last_row: dict[str, float] = {}
@@ -294,7 +295,7 @@ class RunTrainer:
 
   def _announce(self, msg: str) -> None:
     if self.lead and self.config.progress:
-      loop.log_above(self.bar, self.log, msg)
+      self.log(msg)
 
   def _runner(self, algorithm: Any) -> Callable[..., Any]:
     return execution_lib.round_runner(

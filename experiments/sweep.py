@@ -194,14 +194,17 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
       f'seed{"".join(", " + p for p in traced)}; separate programs: '
       f'{", ".join(structural) or "none"}.')
   c = config_schema.validate(trial_config(config, settings[0], seeds[0]))
-  from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
-  bar = tqdm.tqdm(total=c.rounds * len(groups), unit='round', dynamic_ncols=True,
-                  disable=not c.progress, file=sys.stderr)
+  # The bar counts every group's rounds and starts at those its checkpoints
+  # hold (a group corrects its share if it restores an older one).
+  shares = [trial_config(config, g.settings[0], g.seeds[0]).rounds for g in groups]
+  done = [_rounds_done(workdir, g, share) for g, share in zip(groups, shares)]
+  bar = loop.progress_bar(sum(shares), sum(done), c.progress)
+  log = loop.above(bar, log)  # While the bar shows, lines go above it.
   stopped_by = None
   try:
     with loop.StopFlag().installed() as flag:
-      for group in groups:
-        if _run_group(config, group, workdir, flag, log, bar, fingerprint):
+      for group, counted in zip(groups, done):
+        if _run_group(config, group, workdir, flag, log, bar, fingerprint, counted):
           stopped_by = flag.signum
           log(f'fedjx-sweep: interrupted ({signal.Signals(flag.signum).name}); '
               f'checkpoints saved in {workdir}. Run the same command again to '
@@ -217,6 +220,13 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
         plot=c.plot, metric=metric)
   return SweepResult(trials, traced, structural, len(groups), stopped_by is not None,
                      summary, workdir, stopped_by)
+
+
+def _rounds_done(workdir: str, group: Group, rounds: int) -> int:
+  """The rounds of ``group`` its newest checkpoint holds (at most ``rounds``)."""
+  steps = checkpointing.written_steps(
+      os.path.join(workdir, 'groups', group.name, 'checkpoints'))
+  return min(steps[-1], rounds) if steps else 0
 
 
 def load_trial_state(workdir: str, trial: str) -> tuple[Any, int]:

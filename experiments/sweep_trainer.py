@@ -45,7 +45,7 @@ class GroupTrainer:
 
   def __init__(self, config: Any, group: Group, workdir: str,
                log: Callable[[str], None], bar: Any, fingerprint: dict[str, Any],
-               ckpt: checkpointing.Checkpointer, group_dir: str):
+               ckpt: checkpointing.Checkpointer, group_dir: str, counted: int = 0):
     self.group, self.workdir, self.log, self.bar = group, workdir, log, bar
     self.fingerprint = fingerprint
     self.exps, algorithm, states, configs = sweep_round.group_states(config, group)
@@ -58,6 +58,9 @@ class GroupTrainer:
       (states, alive), meta = restored
       self.start = int(meta['step'])
       log(f'fedjx-sweep: resuming {group.name} after round {self.start}.')
+    # The bar counted ``counted`` rounds of this group already (its newest
+    # checkpoint's); an older one restored, or none, moves it back.
+    self.bar.update(min(self.start, c.rounds) - counted)
     self._elapsed_before = float((restored or (None, {}))[1].get('elapsed_s', 0.0))
     self.saves = loop.Checkpoints(ckpt, self.start if restored else None)
     self.state = (sweep_round.place(states, self._sharding),
@@ -127,6 +130,8 @@ class GroupTrainer:
                                 self._trial_dir(self.group.trials[i][j]), True, quiet)
     if interrupted:
       loop.interrupt(self, self.saves, step)
+    elif step < self.c.rounds:  # Privacy budgets ended every trial early.
+      self.bar.update(self.c.rounds - step)
     return interrupted
 
   def close(self) -> None:
@@ -206,8 +211,13 @@ class GroupTrainer:
 
 
 def run_group(config: Any, group: Group, workdir: str, flag: loop.StopFlag,
-               log: Callable[[str], None], bar: Any, fingerprint: dict[str, Any]) -> bool:
-  """Trains one group to ``config.rounds``; returns True when interrupted."""
+              log: Callable[[str], None], bar: Any, fingerprint: dict[str, Any],
+              counted: int = 0) -> bool:
+  """Trains one group to ``config.rounds``; returns True when interrupted.
+
+  ``bar`` counts rounds; it has counted ``counted`` of this group's already
+  (the rounds its newest checkpoint holds).
+  """
   group_dir = os.path.join(workdir, 'groups', group.name)
   c = trial_config(config, group.settings[0], group.seeds[0])
   ckpt = checkpointing.Checkpointer(os.path.join(group_dir, 'checkpoints'),
@@ -215,7 +225,7 @@ def run_group(config: Any, group: Group, workdir: str, flag: loop.StopFlag,
   trainer = None
   try:
     trainer = GroupTrainer(config, group, workdir, log, bar, fingerprint, ckpt,
-                           group_dir)
+                           group_dir, counted)
     return trainer.train(flag)
   finally:
     if trainer is not None:
