@@ -68,7 +68,10 @@ class Aggregator(NamedTuple):
     hparams: initial traced hyperparameters, by name (``state.hparams[name]``).
     weights: ``weights(num_examples) -> w`` placed client weights, or None
       for the algorithm's ``weighting``.
-    message_bytes: ``message_bytes(params) -> int``, bytes one client sends.
+    message_bytes: ``message_bytes(params) -> int``, bytes one client sends
+      when the message has a fixed size known from the model (the float32
+      update by default; a quantized mean's format). Not read when
+      ``wire_bits`` is set.
     broadcast: ``broadcast(state) -> {name: value}``, the values of the
       aggregator's state the clients' ``encode`` reads (added to its
       ``hparams``; e.g. adaptive clipping's current clip norm), or None.
@@ -87,6 +90,14 @@ class Aggregator(NamedTuple):
       ``hparams`` (e.g. a compressor's per-client key, an error-feedback
       residual gathered by ``client_ids``, which are None when the
       algorithm does not pass them), or None.
+    wire_bits: True when each client's ``encode`` counts the bits of the
+      message it produced in the wire format (``encoded['upload_bits']``:
+      the arrays' sizes times their widths, a variable-length code's
+      length, a protocol's other messages) and ``combine`` reports their
+      mean over the clients with data as the metric ``upload_bits``
+      (compressors, secure sums). That count is then the one definition of
+      what a client sends: the bytes a round reports derive from it
+      (:func:`upload_bytes`).
     privacy: None for an aggregator that adds no DP noise; for a DP
       mechanism, which one, e.g. ``'gaussian (central DP)'``,
       ``'distributed_skellam (distributed DP)'``. Its clipping and noise
@@ -108,6 +119,7 @@ class Aggregator(NamedTuple):
   checks_update: bool = False
   needs_all_updates: str | None = None
   client_inputs: Callable[[Any, Any, int], Mapping[str, Any]] | None = None
+  wire_bits: bool = False
   privacy: str | None = None
 
 
@@ -505,6 +517,20 @@ def encode_map(aggregator: Aggregator, hparams: Mapping[str, Any],
                           encoded=encoded)
 
 
+def upload_bytes(aggregator: Aggregator, params: base.Params,
+                 clients: jax.Array, metrics: Mapping[str, jax.Array]) -> jax.Array:
+  """Bytes the round's ``clients`` (the count of clients with data) uploaded.
+
+  ``clients * upload_bits / 8`` for an aggregator that counts its messages'
+  bits (``wire_bits``: ``metrics['upload_bits']`` is their mean over the
+  clients with data), else ``clients * message_bytes(params)``.
+  """
+  clients = jnp.asarray(clients, jnp.float32)
+  if aggregator.wire_bits:
+    return clients * metrics['upload_bits'] / 8.0
+  return clients * jnp.float32(aggregator.message_bytes(params))
+
+
 def aggregate(aggregator: Aggregator, state: Any, hparams: Mapping[str, Any],
               clients: nonfinite.Clients,
               key: jax.Array) -> tuple[base.PyTree, Any, base.Metrics]:
@@ -530,4 +556,4 @@ def step(aggregator: Aggregator, optimizer, state: Any,
 
 __all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'audited',
            'clip_update', 'denominator', 'gaussian', 'mean', 'normal_like',
-           'participants', 'quantized_mean', 'safe_global_norm']
+           'participants', 'quantized_mean', 'safe_global_norm', 'upload_bytes']

@@ -572,7 +572,7 @@ def compressed_mean(compressor: Compressor, *, fn: str,
   return aggregators.Aggregator(
       init=init, combine=combine, encode=encode, hparams=dict(hparams or {}),
       broadcast=broadcast, client_inputs=client_inputs,
-      message_bytes=message_bytes)
+      message_bytes=message_bytes, wire_bits=True)
 
 
 # ---------------------------------------------------------------- builders

@@ -160,8 +160,8 @@ def outer_step(aggregator: aggregators.Aggregator, outer_optimizer: Any,
   metrics = nonfinite.round_metrics(
       clients, pseudo_grad_norm=optax.tree.norm(outer_grad), **agg_metrics,
       **extra_metrics)
-  sent = aggregator.message_bytes(state.params)
-  metrics['communicated_bytes'] = metrics['clients'] * float(sent)
+  metrics['communicated_bytes'] = aggregators.upload_bytes(
+      aggregator, state.params, metrics['clients'], agg_metrics)
   return dict(params=params, opt_state=opt_state, inner_opt_states=inner_states,
               aggregator_state=agg_state), metrics
 

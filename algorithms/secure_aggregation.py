@@ -333,7 +333,8 @@ def modular_sum(fn: str, *, bits: int, clip_norm: float, threshold: int,
 
   return aggregators.Aggregator(
       init=init, combine=combine, encode=encode, weights=weights,
-      broadcast=broadcast, client_inputs=client_inputs, checks_update=True)
+      broadcast=broadcast, client_inputs=client_inputs, checks_update=True,
+      wire_bits=True)
 
 
 def secure_sum(bits: int = 32, clip_norm: float = 1.0, threshold: int = 2,

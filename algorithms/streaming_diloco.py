@@ -198,10 +198,9 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     for j, i in enumerate(frag):
       leaves[i], replica_leaves[i] = theta[j], merged[j]
     opt_states = opt_states[:p] + (opt_state,) + opt_states[p + 1:]
-    sent = num_clients * float(aggregator.message_bytes(theta))
+    sent = aggregators.upload_bytes(aggregator, theta, num_clients, agg_metrics)
     return (tuple(leaves), tuple(replica_leaves), opt_states, agg_state,
-            optax.tree.norm(outer_grad), jnp.asarray(sent, jnp.float32),
-            agg_metrics)
+            optax.tree.norm(outer_grad), sent, agg_metrics)
 
   def round_fn(state, cohort, key):
     ids = jnp.asarray(cohort.client_ids, jnp.int32)

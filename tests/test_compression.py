@@ -428,3 +428,45 @@ def test_every_map_strategy_gives_the_same_compressed_round(spec):
     for a, b in zip(jax.tree.leaves(out['vmap'][0]), jax.tree.leaves(out[strategy][0])):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                  rtol=ft.rtol(256), atol=ft.atol(256, 10.0))
+
+
+# Every aggregator that counts its messages' bits in the wire format
+# (Aggregator.wire_bits), with the options it needs for three clients.
+WIRE_SPECS = {
+    'uncompressed': {}, 'stochastic_quantization': dict(bits=2, rotation=True),
+    'eden': dict(bits=2), 'drive': {}, 'qsgd': dict(coding='elias'),
+    'terngrad': {}, 'sign_majority': {},
+    'top_k': dict(k=2, num_clients=3), 'random_k': dict(k=2, num_clients=3),
+    'secure_sum': dict(bits=20), 'distributed_skellam': dict(bits=16,
+                                                             clients_per_round=3),
+}
+def test_every_wire_bits_aggregator_is_listed():
+  wire = []
+  for name in aggregators.AGGREGATORS:
+    try:
+      agg = aggregators.check('test', dict(WIRE_SPECS.get(name, {}), name=name))
+    except ValueError:  # Options it needs (top_k's k, dp_defense's defense).
+      assert name not in WIRE_SPECS
+      continue
+    if agg.wire_bits:
+      wire.append(name)
+  assert sorted(wire) == sorted(WIRE_SPECS)
+
+
+@pytest.mark.parametrize('name', sorted(WIRE_SPECS))
+def test_communicated_bytes_are_the_upload_bits_of_the_round(name):
+  """DiLoCo's ``communicated_bytes`` (bytes of the round, all replicas with
+  data) is ``clients * upload_bits / 8``: ``upload_bits`` is each client's
+  count of its own message, averaged over the clients with data."""
+  data = linreg_data(np.random.default_rng(40), [8, 4, 6], shift=2.0)
+  algo = algos.diloco(linreg_loss, 3, inner_optimizer=optax.sgd(0.05),
+                      inner_steps=2,
+                      aggregator=dict(WIRE_SPECS[name], name=name))
+  state, metrics = algo.round(algo.init(linreg_params()),
+                              make_cohort(data, batch_size=4), KEY)
+  bits, clients = float(metrics['upload_bits']), float(metrics['clients'])
+  assert clients == 3 and bits > 0
+  # upload_bits is a float32 mean (a sum of integers, one division); times
+  # the clients and over 8: two more roundings.
+  assert float(metrics['communicated_bytes']) == pytest.approx(
+      clients * bits / 8, rel=ft.rtol(3))
