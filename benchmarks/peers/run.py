@@ -25,6 +25,19 @@ ORDER = ('fedjx', 'lax_map', 'fedjax', 'torch_loop', 'pfl-research', 'flower')
 SCRIPTS = {'fedjx': ('fedjx', 'fedjx_round.py'), 'lax_map': ('fedjx', 'lax_map_round.py'),
            'fedjax': ('fedjax', 'fedjax_round.py'), 'torch_loop': ('pfl', 'torch_loop.py'),
            'pfl-research': ('pfl', 'pfl_round.py'), 'flower': ('flower', 'flower_round.py')}
+# The cross-device suite (cross_device.py): its frameworks, each as
+# (virtualenv, script, extra arguments, whether it runs logreg-sparse, the
+# check's batching: 'data' order or FedJAX's 'wrap').
+CROSS_DEVICE = {
+    'fedjx': ('fedjx', 'fedjx_cross_device.py', (), True, 'data'),
+    'handwritten_jax': ('fedjx', 'handwritten_cross_device.py', (), True, 'data'),
+    'fedjax': ('fedjax', 'fedjax_cross_device.py', (), False, 'wrap'),
+    'torch_loop': ('pfl', 'torch_cross_device.py', ('--threads=1',), True, 'data'),
+    'torch_loop_default_threads': ('pfl', 'torch_cross_device.py', ('--threads=0',),
+                                   True, 'data'),
+    'pfl-research': ('pfl', 'pfl_cross_device.py', (), True, None),
+}
+CROSS_DEVICE_SETUPS = ('2nn-100', '2nn-1000', 'logreg', 'logreg-sparse')
 
 
 def _python(env: str, args) -> str:
@@ -33,10 +46,15 @@ def _python(env: str, args) -> str:
   return os.path.join(args.envs, env, 'bin', 'python')
 
 
-def run_one(name: str, setup: str, rounds: int, args) -> dict:
-  env, script = SCRIPTS[name]
+def run_one(name: str, setup: str, rounds: int, args, cross_device: bool = False,
+            check: str = '') -> dict:
+  if cross_device:
+    env, script, extra = CROSS_DEVICE[name][:3]
+  else:
+    (env, script), extra = SCRIPTS[name], ()
   python = _python(env, args)
-  cmd = [python, os.path.join(HERE, script), f'--setup={setup}', f'--rounds={rounds}']
+  cmd = [python, os.path.join(HERE, script), f'--setup={setup}', f'--rounds={rounds}',
+         *extra] + ([f'--check={check}'] if check else [])
   load = os.getloadavg()[0]
   t = time.perf_counter()
   try:
@@ -94,13 +112,86 @@ def table(records: list[dict]) -> str:
   return '\n'.join(rows)
 
 
+def check_round(name: str, setup: str, args) -> dict:
+  """The framework's weights after one round in data order against
+  cross_device.py's float64 NumPy round."""
+  how = CROSS_DEVICE[name][4]
+  if how is None:
+    return {'framework': name, 'setup': setup, 'check': 'not run',
+            'why': "shuffles as it batches; no data-order round to compare"}
+  import tempfile  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, 'weights.npz')
+    record = run_one(name, setup, 1, args, cross_device=True, check=path)
+    if 'error' in record:
+      return dict(record, check='failed')
+    cmd = [_python('fedjx', args), os.path.join(HERE, 'cross_device.py'), setup, path]
+    proc = subprocess.run(cmd + (['--wrap'] if how == 'wrap' else []),
+                          capture_output=True, text=True, cwd=HERE)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+  return dict(out, framework=name, check='equal' if out['equal'] else 'differs',
+              batching=how)
+
+
+def cross_device_table(records: list[dict]) -> str:
+  """Per setup: each framework's medians, and fedjx over the fastest peer."""
+  import statistics
+  rows = ['| setup | framework | version | CPU s / round | wall s / round | '
+          'time to first round (s) | round equal to NumPy | runs x timed rounds |',
+          '|---|---|---|---|---|---|---|---|']
+  summary = ['| setup | fedjx CPU / fastest peer | fedjx wall / fastest peer | '
+             'fedjx / hand-written (CPU) | host bytes staged / real data | '
+             'computed / real steps |', '|---|---|---|---|---|---|']
+  checks = {(r['setup'], r['framework']): r for r in records if 'check' in r}
+  for setup in CROSS_DEVICE_SETUPS:
+    ok = [r for r in records if r.get('setup') == setup and 'check' not in r
+          and 'error' not in r and 'cpu_s_per_round' in r]
+    if not ok:
+      continue
+    med = lambda name, key: statistics.median(
+        [r[key] for r in ok if r['framework'] == name]) if any(
+            r['framework'] == name for r in ok) else None
+    for name in CROSS_DEVICE:
+      mine = [r for r in ok if r['framework'] == name]
+      if not mine:
+        continue
+      c = checks.get((setup, name), {})
+      eq = (f"{c['check']} ({c['max_rel_error']:.1e} <= {c['tolerance']:.1e})"
+            if 'max_rel_error' in c else c.get('check', ''))
+      last = mine[-1]
+      strategy = f', {last["map_strategy"]}' if 'map_strategy' in last else ''
+      rows.append(f'| {setup} | {name}{strategy} | {last["version"]} | '
+                  f'{med(name, "cpu_s_per_round"):.3f} | {med(name, "wall_s_per_round"):.3f} | '
+                  f'{med(name, "time_to_first_round_s"):.1f} | {eq} | '
+                  f'{len(mine)} x {last["rounds"]} |')
+    peers = [n for n in CROSS_DEVICE if n not in ('fedjx', 'handwritten_jax')
+             and med(n, 'cpu_s_per_round') is not None]
+    if med('fedjx', 'cpu_s_per_round') is None or not peers:
+      continue
+    best_cpu = min(med(n, 'cpu_s_per_round') for n in peers)
+    best_wall = min(med(n, 'wall_s_per_round') for n in peers)
+    fx = [r for r in ok if r['framework'] == 'fedjx'][-1]
+    hand = med('handwritten_jax', 'cpu_s_per_round')
+    cpu = med('fedjx', 'cpu_s_per_round')
+    vs_hand = '' if hand is None else f'{cpu / hand:.2f}x'
+    summary.append(
+        f'| {setup} | {cpu / best_cpu:.2f}x | '
+        f'{med("fedjx", "wall_s_per_round") / best_wall:.2f}x | {vs_hand} | '
+        f'{fx["staged_over_real"]:.3f} | {fx["computed_over_real_steps"]:.2f} |')
+  return '\n'.join(rows) + '\n\n' + '\n'.join(summary)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--envs', default=os.environ.get(
       'FEDJX_PEERS_DIR', os.path.expanduser('~/.cache/fedjx-peers')))
   parser.add_argument('--fedjx_python', default=sys.executable)
-  parser.add_argument('--frameworks', default=','.join(ORDER))
-  parser.add_argument('--setups', default='equal,skewed')
+  parser.add_argument('--frameworks', default=None,
+                      help='default: every framework of the suite')
+  parser.add_argument('--suite', default='cifar', choices=('cifar', 'cross_device'),
+                      help="pfl-research's CIFAR-10 setup, or cross_device.py's")
+  parser.add_argument('--setups', default=None,
+                      help='default: equal,skewed (cifar) or every cross-device setup')
   parser.add_argument('--repeats', type=int, default=2)
   parser.add_argument('--rounds', type=int, default=3,
                       help='rounds per run, the first a warm-up')
@@ -110,8 +201,11 @@ def main():
   parser.add_argument('--out', default='peers.jsonl')
   parser.add_argument('--table', action='store_true', help='only print the table of --out')
   args = parser.parse_args()
+  if args.suite == 'cross_device':
+    return main_cross_device(args)
+  args.setups = args.setups or 'equal,skewed'
   if not args.table:
-    names = args.frameworks.split(',')
+    names = (args.frameworks or ','.join(ORDER)).split(',')
     for repeat in range(args.repeats):
       for setup in args.setups.split(','):
         for name in names:
@@ -124,6 +218,37 @@ def main():
   with open(args.out) as f:
     records = [json.loads(l) for l in f if l.strip()]
   print(table(records))
+
+
+def main_cross_device(args):
+  """The cross-device suite: the checks once, then the timed runs of every
+  framework interleaved (each setup, each framework, then again)."""
+  names = (args.frameworks or ','.join(CROSS_DEVICE)).split(',')
+  setups = (args.setups or ','.join(CROSS_DEVICE_SETUPS)).split(',')
+  unknown = sorted(set(names) - set(CROSS_DEVICE))
+  if unknown:
+    raise SystemExit(f'--frameworks: {unknown} are not in {list(CROSS_DEVICE)}.')
+
+  def emit(record):
+    print(json.dumps(record), flush=True)
+    with open(args.out, 'a') as f:
+      f.write(json.dumps(record) + '\n')
+
+  if not args.table:
+    wanted = [(s, n) for s in setups for n in names
+              if s != 'logreg-sparse' or CROSS_DEVICE[n][3]]
+    for setup, name in wanted:
+      emit(check_round(name, setup, args))
+    for repeat in range(args.repeats):
+      for setup, name in wanted:
+        slow = CROSS_DEVICE[name][0] in ('pfl', 'flower')
+        record = run_one(name, setup, args.slow_rounds if slow else args.rounds,
+                         args, cross_device=True)
+        record['repeat'] = repeat
+        emit(record)
+  with open(args.out) as f:
+    records = [json.loads(l) for l in f if l.strip()]
+  print(cross_device_table([r for r in records if r.get('setup') in CROSS_DEVICE_SETUPS]))
 
 
 if __name__ == '__main__':

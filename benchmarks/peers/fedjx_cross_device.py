@@ -1,0 +1,99 @@
+"""fedjx's FedAvg on the cross-device setups, as a user writes it: the
+population from ``datasets.from_arrays``, put on the device with
+``datasets.on_device`` (what ``fedjx-run`` does under
+``config.data_placement='auto'``), each round's cohort from
+``datasets.make_cohort`` (shuffled per client and round, steps bucketed to
+a power of two), ``fedavg(...).compile()`` under ``map_strategy='auto'``,
+``client_evaluation=False`` (no extra passes over the data: what the peers
+compute).
+
+  python fedjx_cross_device.py --setup=2nn-1000 --rounds=4
+"""
+
+import common  # first: starts the clock
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fedjx
+from fedjx import algorithms
+from fedjx import datasets
+
+import cross_device as cd
+
+
+def loss_fn(setup):
+  if cd.kind(setup) == '2nn':
+    def loss(params, batch):
+      h = batch['x']
+      for i, (w, b) in enumerate(params):
+        h = h @ w + b
+        if i < len(params) - 1:
+          h = jax.nn.relu(h)
+      return optax.softmax_cross_entropy_with_integer_labels(h, batch['y'])
+    return loss
+
+  def loss(params, batch):
+    (w, b), = params
+    if 'tokens' in batch:  # The embedding sum of the example's tokens.
+      logits = jnp.sum(jnp.take(w, batch['tokens'], axis=0), axis=1) + b
+    else:
+      logits = batch['x'] @ w + b
+    return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, batch['y']), -1)
+  return loss
+
+
+def main():
+  args = cd.parse_args(__doc__.split('\n')[0])
+  data = cd.client_data(args.setup)
+  arrays = {k: np.concatenate([d[k] for d in data]) for k in data[0]}
+  arrays = {k: v.astype(np.int32) if v.dtype == np.int64 else v
+            for k, v in arrays.items()}
+  groups = np.repeat(np.arange(len(data)), [len(d['y']) for d in data])
+  population = datasets.on_device(datasets.from_arrays(arrays, groups=groups))
+  params = [tuple(map(jnp.asarray, layer)) for layer in cd.init(args.setup)]
+  algo = algorithms.fedavg(loss_fn(args.setup),
+                           client_optimizer=optax.sgd(cd.LOCAL_LR),
+                           server_optimizer=optax.sgd(cd.SERVER_LR),
+                           client_evaluation=False).compile(map_strategy='auto')
+  state = algo.init(params)
+  ids = np.arange(len(data))
+  rounds = 1 if args.check else args.rounds
+  clock = common.Clock()
+  for r in range(rounds):
+    cohort = datasets.place_cohort(datasets.make_cohort(
+        population, ids, cd.BATCH, round_num=r,
+        shuffle_seed=None if args.check else 0))
+    state = algo.round(state, cohort, jax.random.key(r))[0]
+    jax.block_until_ready(state.params)
+    clock.tick()
+  if args.check:
+    cd.save(args.check, [tuple(map(np.asarray, layer)) for layer in state.params])
+  # Staged per round: the cohort's host arrays (the table moved once).
+  staged = sum(np.asarray(a).nbytes for a in (
+      cohort.batches.index, cohort.mask, cohort.num_examples, cohort.client_ids))
+  row = sum(v.nbytes // len(v) for v in arrays.values())
+  real = int(sum(len(d['y']) for d in data)) * row
+  cost = np.asarray(jnp.sum(jnp.any(cohort.mask, -1), -1))
+  member = (int(np.prod(cohort.mask.shape[1:])) * (row + 5) +
+            sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(params)))
+  k = fedjx.mapping.choose_chunk_size('auto', len(ids), member, 1)
+  picked = 'sequential' if k == 1 else 'vmap' if k >= len(ids) else f'chunked:{k}'
+  strategy = 'sequential' if k == 1 else 'vmap' if k >= len(ids) else 'chunked'
+  cd.report('fedjx', f'fedjx (jax {jax.__version__})', args.setup, clock,
+            {'xla_flags': os.environ.get('XLA_FLAGS', ''),
+             'cpu_count': os.cpu_count()},
+            map_strategy=f'auto -> {picked}',
+            host_bytes_staged_per_round=int(staged), real_data_bytes=real,
+            staged_over_real=round(staged / real, 4),
+            padded_steps=int(cohort.mask.shape[1]),
+            computed_over_real_steps=round(fedjx.mapping.computed_steps(
+                cost, k, strategy) / int(cost.sum()), 4))
+
+
+if __name__ == '__main__':
+  main()
