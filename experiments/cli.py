@@ -22,6 +22,10 @@ again with the same ``--workdir`` resumes from its newest intact checkpoint;
 (named, and confirmed on a terminal or with ``--yes``). SIGINT (Ctrl-C) or
 SIGTERM saves a checkpoint after the current round and exits with status 130
 or 143; during start-up it exits at once with one line.
+
+``--list`` prints what there is to run, read from the code
+(:mod:`fedjx.experiments.listing`): the shipped configs, the registered
+algorithms, datasets and models, or one's options (``--list=fedprox``).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ fedjx-run: trains the federated experiment of a config file.
 
 usage: fedjx-run --config FILE[:ARG] [--workdir DIR] [--config.PATH=VALUE ...]
                  [--fresh [--yes]] [--debug]
+       fedjx-run --list[=configs|algorithms|datasets|models|NAME]
 
   --config FILE[:ARG]   a Python file whose get_config([ARG]) returns an
                         ml_collections ConfigDict (see configs/)
@@ -77,6 +82,8 @@ usage: fedjx-run --config FILE[:ARG] [--workdir DIR] [--config.PATH=VALUE ...]
   --fresh               start over instead: removes what a run wrote in DIR
                         (it names the files and asks; --yes skips the
                         question, and is needed where stdin is no terminal)
+  --list[=WHAT]         the shipped configs, the registered algorithms,
+                        datasets and models; --list=NAME one's options
   --config.PATH=VALUE   overrides a config field, an option of the selected
                         algorithm's builder, or of its optax optimizers, e.g.
                         --config.rounds=100
@@ -557,12 +564,40 @@ def apply_overrides(config: Any, extras: Sequence[tuple[tuple[str, ...], Any]]) 
 
 # ------------------------------------------------------------------ main
 
+def list_request(argv: Sequence[str]) -> str | None:
+  """What ``--list`` asks for (``'all'`` for a bare ``--list``), or None."""
+  for i, arg in enumerate(argv):
+    if arg in ('--list', '-list'):
+      following = argv[i + 1] if i + 1 < len(argv) else ''
+      return following if following and not following.startswith('-') else 'all'
+    if arg.startswith(('--list=', '-list=')):
+      return arg.split('=', 1)[1] or 'all'
+  return None
+
+
+def _print_list(what: str, argv: Sequence[str], prog: str) -> None:
+  """``--list``: prints what there is to run (:mod:`listing`) and exits."""
+  from fedjx.experiments import listing  # pylint: disable=g-import-not-at-top
+  try:
+    text = listing.render(what)
+  except listing.ListError as e:
+    if debug_requested(argv):
+      raise
+    print(f'{prog}: {_one_line(e)}', file=sys.stderr)
+    sys.exit(USAGE_STATUS)
+  print(text, end='')
+  sys.exit(0)
+
+
 def parse_flags(argv: Sequence[str], extras: list[Any], prog: str = 'fedjx-run',
                 usage: str = USAGE) -> list[str]:
   """absl flag parsing; builder-option overrides are put in ``extras``."""
   if any(a in HELP_FLAGS for a in argv[1:]):
     print(usage, end='')
     sys.exit(0)
+  what = list_request(argv[1:])
+  if what is not None:
+    _print_list(what, argv, prog)
   try:
     notes: list[str] = []
     rest, found = split_overrides(argv[1:], notes)

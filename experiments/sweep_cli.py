@@ -77,6 +77,8 @@ example:
   fedjx-sweep --config configs/fedadam_digits.py --workdir runs/grid \\
       --sweep 'algorithm.server_learning_rate=0.01,0.03,0.1' --seeds 0,1,2
 
+The configs and algorithms there are to sweep: fedjx-run --list.
+
 exit status: 0 done; 2 a usage, config or sweep error, a workdir in use or
 that cannot be written, or --fresh not confirmed; 130/143 stopped by
 Ctrl-C/SIGTERM (run the same command again to continue).
