@@ -439,7 +439,7 @@ class Checkpointer:
       return state, meta
     raise CheckpointError(
         f'no checkpoint in {self.directory} is intact (steps {steps} failed to '
-        'read or verify); delete the directory to start over.')
+        'read or verify); start over with --fresh (or delete the directory).')
 
   def _discard(self, step: int, why: str, warn: Callable[[str], None]) -> None:
     warn(f'fedjx: warning: the checkpoint of step {step} is damaged: {why}; '

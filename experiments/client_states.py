@@ -120,6 +120,6 @@ class StoreSteps:
     except (ValueError, OSError) as e:
       raise ConfigError(
           f'{workdir}: the per-client state of the checkpoint of step {step} '
-          f'cannot be restored ({" ".join(str(e).split())}); delete {workdir} '
-          'to start over.') from None
+          f'cannot be restored ({" ".join(str(e).split())}); start over with '
+          '--fresh (or delete the workdir).') from None
     self.saved = step

@@ -140,8 +140,8 @@ class RunTrainer:
     try:
       restored = ckpt.restore_latest_intact(self.state, check, warn=self.log)
     except checkpointing.StructureMismatch as e:
-      raise registry.ConfigError(f'{e} Use a new --workdir, or delete '
-                                 f'{self.workdir}.') from None
+      raise registry.ConfigError(f'{e} Use a new --workdir, or start over in '
+                                 f'{self.workdir} with --fresh.') from None
     if restored is None:
       return None
     self.state, meta = restored
@@ -403,5 +403,5 @@ def _check_same_experiment(saved: Mapping[str, Any], current: Mapping[str, Any],
     details = ', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:8])
     raise registry.ConfigError(
         f'{workdir} holds a checkpoint of a different experiment ({details}). '
-        f'Use a new --workdir, or delete {workdir}. Fields that may change on '
-        f'resumption: {list(RESUMABLE_CHANGES)}.')
+        'Use a new --workdir, or start over in it with --fresh. Fields that may '
+        f'change on resumption: {list(RESUMABLE_CHANGES)}.')

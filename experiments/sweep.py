@@ -184,7 +184,7 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
     with open(spec_path, encoding='utf-8') as f:
       if json.load(f) != fingerprint:
         raise SweepError(f'{workdir} holds a different sweep (its sweep.json '
-                         'differs); use a new --workdir or delete it.')
+                         'differs); use a new --workdir, or start over in it with --fresh.')
   else:  # A sweep.json of a sweep that never started training is replaced.
     metrics_writers.write_atomically(
         spec_path, json.dumps(fingerprint, indent=2, sort_keys=True) + '\n')

@@ -84,7 +84,7 @@ class GroupTrainer:
     def same_sweep(meta: Mapping[str, Any]) -> None:
       if meta.get('sweep') != self.fingerprint:
         raise SweepError(f'{group_dir} holds a checkpoint of a different '
-                         'sweep; use a new --workdir.')
+                         'sweep; use a new --workdir, or start over in it with --fresh.')
     return ckpt.restore_latest_intact(like, same_sweep, warn=self.log)
 
   def _trial_dir(self, trial: Trial) -> str:
