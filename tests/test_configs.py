@@ -179,3 +179,21 @@ def test_loading_a_config_file_imports_no_training_machinery():
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                        check=True)
   assert out.stdout.strip() == '[]', out.stdout
+
+
+def test_the_quickstart_s_split_is_the_one_its_docs_describe():
+  from sklearn import datasets as sk_datasets  # pylint: disable=import-outside-toplevel
+  total = len(sk_datasets.load_digits().target)
+  held_out = round(0.2 * total)  # test_fraction=0.2 of the 1,797 images.
+  data = registry.build_dataset(load(os.path.join(CONFIG_DIR, 'fedavg_digits.py')).dataset,
+                                seed=0)
+  sizes = [data.train.num_examples(c) for c in range(data.train.num_clients)]
+  assert (total, held_out, len(data.test['y'])) == (1797, 359, 359)
+  assert sum(sizes) == total - held_out == 1438
+  assert sorted(set(sizes)) == [28, 29]  # Equal sizes; the labels are skewed.
+  docs = os.path.join(os.path.dirname(CONFIG_DIR), 'docs', 'experiments.md')
+  for path in (docs, os.path.join(CONFIG_DIR, 'fedavg_digits.py')):
+    with open(path, encoding='utf-8') as f:
+      text = ' '.join(f.read().split())
+    assert '359' in text and '1,438' in text and '28 or 29' in text, path
+    assert '1,437' not in text and '360 held out' not in text, path
