@@ -203,10 +203,18 @@ class Compressor(NamedTuple):
 
   ``bits`` is a float32 scalar, the bits the message costs on the wire
   (:func:`representation_bits` of it, unless the wire code is variable-length).
+  ``unbiased`` declares ``E[x_hat] = x`` over the key. Error feedback
+  (Stich, Cordonnier, Jaggi 2018; Karimireddy et al. 2019) is analysed for
+  a contraction, ``E||x_hat - x||^2 <= (1 - delta) ||x||^2``; an unbiased
+  compressor need not be one (rescaled random-k has ``E||x_hat - x||^2 =
+  (d / k - 1) ||x||^2``, and the residual then grows by that factor every
+  round) and needs no memory, its errors averaging out: it defaults to no
+  error feedback and refuses it (:func:`compressed_mean`).
   """
 
   encode: Callable[[jax.Array, jax.Array], tuple[Message, jax.Array]]
   decode: Callable[[jax.Array, Message, int], jax.Array]
+  unbiased: bool = False
 
 
 def _counted(message: Message) -> tuple[Message, jax.Array]:
@@ -239,7 +247,7 @@ def uniform_levels(bits: int) -> Compressor:
     level = unpack_bits(m['levels'], bits, n).astype(jnp.float32)
     return lo + level * ((hi - lo) / (k - 1))
 
-  return Compressor(encode, decode)
+  return Compressor(encode, decode, unbiased=True)
 
 
 @functools.cache
@@ -293,7 +301,8 @@ def eden_codes(bits: int) -> Compressor:
     y = m['scale'][0] * jnp.asarray(centroids, jnp.float32)[index]
     return unrotate(jax.random.fold_in(key, _ROTATION), y, n)
 
-  return Compressor(encode, decode)
+  # Unbiased for uniformly random rotations (their Theorem 2.1).
+  return Compressor(encode, decode, unbiased=True)
 
 
 def qsgd_levels(levels: int, coding: str) -> Compressor:
@@ -339,7 +348,7 @@ def qsgd_levels(levels: int, coding: str) -> Compressor:
     sign = 1.0 - 2.0 * unpack_bits(m['signs'], 1, n).astype(jnp.float32)
     return m['norm'][0] * sign * level / levels
 
-  return Compressor(encode, decode)
+  return Compressor(encode, decode, unbiased=True)
 
 
 def ternary() -> Compressor:
@@ -361,7 +370,7 @@ def ternary() -> Compressor:
     value = jnp.where(code == 1, 1.0, jnp.where(code == 2, -1.0, 0.0))
     return m['scale'][0] * value
 
-  return Compressor(encode, decode)
+  return Compressor(encode, decode, unbiased=True)
 
 
 def signs() -> Compressor:
@@ -404,13 +413,13 @@ def sparse(k: int, choose: str, rescale: bool) -> Compressor:
              else indices(key, n))
     return jnp.zeros((n,), jnp.float32).at[index].set(m['values'])
 
-  return Compressor(encode, decode)
+  return Compressor(encode, decode, unbiased=choose == 'random' and rescale)
 
 
 def identity() -> Compressor:
   """``x`` as float32 (the uncompressed baseline)."""
   return Compressor(lambda key, x: _counted({'values': x.astype(jnp.float32)}),
-                    lambda key, m, n: m['values'])
+                    lambda key, m, n: m['values'], unbiased=True)
 
 
 # ------------------------------------------------------------- aggregator
@@ -484,7 +493,8 @@ def compressed_mean(compressor: Compressor, *, fn: str,
       ``R`` before compressing; the server sums the decoded (rotated)
       vectors and rotates the mean back once (Suresh et al. 2017).
     seed: the first round's shared seed.
-    error_feedback: keep per-client residuals (needs ``num_clients``).
+    error_feedback: keep per-client residuals (needs ``num_clients``);
+      refused for an unbiased compressor (``Compressor.unbiased``).
     num_clients: the population size ``N``.
     vote_step: combine as signSGD's majority vote,
       ``Delta = step_size sign(sum_i 1[w_i > 0] sign_i)``.
@@ -492,6 +502,12 @@ def compressed_mean(compressor: Compressor, *, fn: str,
   """
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise ValueError(f'{fn}: seed={seed!r} must be an int.')
+  if error_feedback and compressor.unbiased:
+    raise ValueError(
+        f'{fn}: error_feedback=True is refused for an unbiased compressor: '
+        'error feedback needs a contraction (E||C(x) - x||^2 < ||x||^2), '
+        'which an unbiased one need not be (its residual can grow every '
+        'round); use error_feedback=False.')
   if error_feedback:
     base.check_positive_int(fn, 'num_clients', num_clients)
 
@@ -653,7 +669,7 @@ def sign_majority(step_size: float = 1e-2) -> aggregators.Aggregator:
 
 
 def _sparse(fn: str, choose: str, fraction: float | None, k: int | None,
-            error_feedback: bool, num_clients: int | None, rescale: bool,
+            error_feedback: bool | None, num_clients: int | None, rescale: bool,
             seed: int) -> aggregators.Aggregator:
   if (fraction is None) == (k is None):
     raise ValueError(f'{fn}: give exactly one of fraction={fraction!r} and '
@@ -662,7 +678,17 @@ def _sparse(fn: str, choose: str, fraction: float | None, k: int | None,
     base.check_positive_int(fn, 'k', k)
   else:
     base.check_number(fn, 'fraction', fraction, strict=True, high=1.0)
-  base.check_choice(fn, 'error_feedback', error_feedback, (False, True))
+  base.check_choice(fn, 'error_feedback', error_feedback, (None, False, True))
+  unbiased = choose == 'random' and rescale
+  if error_feedback is None:  # Memory for biased compressors only.
+    error_feedback = not unbiased
+  if error_feedback and unbiased:
+    raise ValueError(
+        f'{fn}: error_feedback=True with rescale=True is refused: the '
+        'rescaled random-k is unbiased, E||C(x) - x||^2 = (d/k - 1) ||x||^2, '
+        'not a contraction, so the residual grows by d/k - 1 every round; '
+        'use rescale=False with error feedback, or error_feedback=None or '
+        'False with rescale=True.')
 
   def count(d):  # k depends on d, known when the update is.
     if k is not None:
@@ -673,35 +699,44 @@ def _sparse(fn: str, choose: str, fraction: float | None, k: int | None,
 
   comp = Compressor(
       lambda key, x: sparse(count(x.shape[0]), choose, rescale).encode(key, x),
-      lambda key, m, n: sparse(count(n), choose, rescale).decode(key, m, n))
+      lambda key, m, n: sparse(count(n), choose, rescale).decode(key, m, n),
+      unbiased=unbiased)
   return compressed_mean(comp, fn=fn, error_feedback=error_feedback,
                          num_clients=num_clients, seed=seed)
 
 
 def top_k(fraction: float | None = None, k: int | None = None,
-          error_feedback: bool = True, num_clients: int | None = None,
+          error_feedback: bool | None = None, num_clients: int | None = None,
           seed: int = 0) -> aggregators.Aggregator:
-  """Top-k sparsification, with error feedback by default.
+  """Top-k sparsification, with error feedback by default (it is biased).
+
 
   Client ``i`` sends the ``k`` largest-magnitude coordinates of ``a_i =
   Delta_i + e_i`` (values float32, indices in the narrowest unsigned dtype)
   and keeps ``e_i <- a_i - top_k(a_i)`` (Stich, Cordonnier, Jaggi,
   "Sparsified SGD with Memory", NeurIPS 2018; Karimireddy et al. 2019).
-  ``k`` is given, or ``ceil(fraction d)``. ``error_feedback=True`` needs
-  ``num_clients`` (residuals ``[N, d]`` in the aggregator's state, module
-  docstring). ``k = d`` decodes exactly.
+  ``k`` is given, or ``ceil(fraction d)``. Error feedback (the default,
+  ``error_feedback=None``: top-k is biased, a contraction with ``delta = k
+  / d``) needs ``num_clients`` (residuals ``[N, d]`` in the aggregator's
+  state, module docstring). ``k = d`` decodes exactly.
   """
   return _sparse('top_k', 'top', fraction, k, error_feedback, num_clients,
                  False, seed)
 
 
 def random_k(fraction: float | None = None, k: int | None = None,
-             error_feedback: bool = True, num_clients: int | None = None,
+             error_feedback: bool | None = None, num_clients: int | None = None,
              rescale: bool = False, seed: int = 0) -> aggregators.Aggregator:
   """Random-k sparsification (``k`` coordinates drawn from the client's key,
-  which the server shares: only the values are sent), with error feedback
-  by default as :func:`top_k`. ``rescale=True`` multiplies by ``d / k``
-  (unbiased; meant without error feedback)."""
+  which the server shares: only the values are sent).
+
+  Without ``rescale`` the values are sent as they are: biased, a
+  contraction (``E||C(x) - x||^2 = (1 - k / d) ||x||^2``), with error
+  feedback by default as :func:`top_k`. ``rescale=True`` multiplies them by
+  ``d / k``: unbiased (``Compressor.unbiased``), ``E||C(x) - x||^2 = (d / k
+  - 1) ||x||^2`` (Stich, Cordonnier, Jaggi 2018, Section 2), so the default
+  is no error feedback, and ``error_feedback=True`` is refused (the
+  residual would grow by ``d / k - 1`` a round)."""
   base.check_choice('random_k', 'rescale', rescale, (False, True))
   return _sparse('random_k', 'random', fraction, k, error_feedback,
                  num_clients, rescale, seed)

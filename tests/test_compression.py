@@ -344,6 +344,86 @@ def test_sign_majority_is_the_vote():
   assert float(metrics['upload_bits']) == 32  # 3 sign bits in one word
 
 
+def test_rescaled_random_k_converges_to_the_least_squares_solution():
+  """FedAvg (one full-batch step per client, server SGD 1) through rescaled
+  random-k (k = 1 of d = 4: unbiased, ``E||C(x) - x||^2 = 3 ||x||^2``) on a
+  consistent least-squares problem reaches the closed-form solution.
+
+  The default is no error feedback for an unbiased compressor (with it the
+  residual grows threefold a round and the run diverges). The bound: with
+  ``Delta_i = eta H_i e`` (``e = x - x*``, ``H_i`` client ``i``'s Hessian),
+  ``e <- A e``, ``A = I - eta sum_i p_i S_i H_i``, ``S_i`` the rescaled
+  coordinate sample (``E S_i = I``, ``E S_i^T S_i = (d / k) I``), so
+  ``E||A e||^2 <= rho^2 ||e||^2`` with ``rho^2 = lambda_max((I - eta
+  H)^2 + eta^2 (d / k - 1) sum_i p_i^2 H_i^2)``. Each round's float32
+  rounding adds at most ``eps`` (the update ``x - y_i`` and the server step
+  to ``u ||x||`` each, the update amplified by ``d / k``; the gradient's
+  rounding and its value at ``x*`` from the float32 data, times ``eta d /
+  k``), so ``sqrt(E||e_R||^2) <= rho^R ||e_0|| + eps / (1 - rho) = B``
+  (Minkowski), and ``||e_R|| <= 100 B`` but with probability ``1e-4``
+  (Chebyshev)."""
+  c, n, dim, eta, rounds, k = 4, 8, 3, 0.15, 300, 1
+  u = 2.0 ** -24
+  rng = np.random.default_rng(7)
+  w_true = np.array([1.0, -2.0, 0.5], np.float32)
+  data = []
+  for i in range(c):
+    x = (rng.normal(size=(n, dim)) + 0.5 * i).astype(np.float32)
+    data.append({'x': x, 'y': (x @ w_true + np.float32(0.3)).astype(np.float32)})
+  # The closed form of the pooled problem (float64, on the float32 data);
+  # parameters in ravel order: b, then w.
+  design = [np.c_[np.ones(n), c_['x'].astype(np.float64)] for c_ in data]
+  targets = [c_['y'].astype(np.float64) for c_ in data]
+  solution = np.linalg.lstsq(np.concatenate(design), np.concatenate(targets),
+                             rcond=None)[0]
+  hessians = [a.T @ a / n for a in design]
+  d, p = dim + 1, 1.0 / c
+  mean_h = sum(hessians) * p
+  a = np.eye(d) - eta * mean_h
+  rho = math.sqrt(np.linalg.eigvalsh(
+      a @ a + eta ** 2 * (d / k - 1) * p ** 2 * sum(h @ h for h in hessians)).max())
+  assert rho < 0.95
+  x_norm = np.linalg.norm(solution)
+  grad_at_solution = max(np.linalg.norm(a_.T @ (a_ @ solution - t) / n)
+                         for a_, t in zip(design, targets))
+  # A residual x~ . theta - y in float32: 5 terms of magnitude |x~||theta| + |y|.
+  grad_rounding = max(np.linalg.norm(
+      np.abs(a_).T @ (ft.gamma(d + 1) * (np.abs(a_) @ np.abs(solution) + np.abs(t)))
+      / n) for a_, t in zip(design, targets))
+  eps = (d / k) * (2 * u * x_norm + eta * (grad_rounding + grad_at_solution)) \
+      + u * x_norm
+  x0 = linreg_params(dim)
+  e0 = np.linalg.norm(np.concatenate([[float(x0['b'])], np.asarray(x0['w'])])
+                      - solution)
+  bound = rho ** rounds * e0 + eps / (1 - rho)
+
+  algo = algos.fedavg(linreg_loss, client_optimizer=optax.sgd(eta),
+                      aggregator=C.random_k(k=k, rescale=True, num_clients=c))
+  cohort = make_cohort(data, batch_size=n)
+  cohorts = jax.tree.map(lambda v: jnp.stack([v] * rounds), cohort)
+  keys = jax.random.split(KEY, rounds)
+  state, _ = algo.run_rounds(algo.init(x0), cohorts, keys)
+  got = np.concatenate([[float(state.params['b'])],
+                        np.asarray(state.params['w'], np.float64)])
+  assert np.linalg.norm(got - solution) <= 100 * bound, (got, solution, bound)
+
+
+def test_error_feedback_follows_the_compressors_bias():
+  """Biased sparsifiers keep error feedback by default; the unbiased
+  rescaled random-k has none and refuses it in one line."""
+  assert C.random_k(k=1, rescale=True).init({'w': jnp.zeros(4)}).residual == ()
+  assert C.random_k(k=1, num_clients=3).init({'w': jnp.zeros(4)}).residual.shape == (3, 4)
+  assert C.top_k(k=1, num_clients=3).init({'w': jnp.zeros(4)}).residual.shape == (3, 4)
+  with pytest.raises(ValueError) as e:
+    C.random_k(k=1, rescale=True, error_feedback=True, num_clients=3)
+  assert '\n' not in str(e.value)
+  assert str(e.value).startswith(
+      'random_k: error_feedback=True with rescale=True is refused')
+  with pytest.raises(ValueError, match='error_feedback=True is refused for an unbiased'):
+    C.compressed_mean(C.uniform_levels(2), fn='sq', error_feedback=True,
+                      num_clients=3)
+
+
 def test_errors_name_the_argument():
   with pytest.raises(ValueError, match='bits=3'):
     C.stochastic_quantization(bits=3)
