@@ -222,6 +222,28 @@ def centered_clipping(radius: float = 1.0, iterations: int = 1) -> aggregators.A
 
 # ----------------------------------------------------------- DP composition
 
+def _state_kept(aggregator: aggregators.Aggregator) -> str | None:
+  """What of ``aggregator``'s state outlives a round, in words, or None.
+
+  Its state (``init``'s leaves, which ``combine`` carries to the next round),
+  the part of it each client's ``encode`` reads (``broadcast``), and the
+  per-client values ``encode`` reads besides (``client_inputs``).
+  """
+  state = jax.eval_shape(aggregator.init, {'x': jax.ShapeDtypeStruct((1,), jnp.float32)})
+  kept = []
+  leaves = len(jax.tree.leaves(state))
+  if leaves:
+    kept.append(f'keeps state between rounds ({type(state).__name__}, '
+                f'{leaves} array{"s" if leaves > 1 else ""})')
+  if aggregator.broadcast is not None:
+    sent = sorted(jax.eval_shape(aggregator.broadcast, state))
+    kept.append(f'sends {", ".join(map(repr, sent))} of it to the clients '
+                'each round')
+  if aggregator.client_inputs is not None:
+    kept.append('gives each client inputs of its own')
+  return ', '.join(kept) or None
+
+
 def dp_defense(defense: Any, clip_norm: float = 1.0,
                noise_multiplier: float = 1.0) -> aggregators.Aggregator:
   """A defense on clipped updates, its output clipped and noised (user-level DP).
@@ -247,8 +269,11 @@ def dp_defense(defense: Any, clip_norm: float = 1.0,
   ``fedjx.experiments`` accounts only for its DP aggregators
   (``experiments/privacy.py``): a run with ``dp_defense`` reports no
   epsilon, and a ``config.privacy.target_epsilon`` is refused. Stateful
-  defenses (``centered_clipping``, whose center would be the aggregate
-  before the noise) are refused.
+  defenses are refused, the error naming what of theirs outlives a round
+  (state, what of it the clients receive, per-client inputs):
+  ``centered_clipping``'s center, for one, is the aggregate before the
+  noise. So are aggregators with a ``clip_norm`` or ``noise_multiplier`` of
+  their own (the DP aggregators: ``dp_defense`` adds both).
 
   Args:
     defense: an :class:`Aggregator` or a config spec ``{'name': ..., **options}``.
@@ -258,16 +283,21 @@ def dp_defense(defense: Any, clip_norm: float = 1.0,
   fn = 'dp_defense'
   aggregators.check_dp_options(fn, noise_multiplier, None, clip_norm=clip_norm)
   inner = aggregators.check(fn, defense)
-  if inner.broadcast is not None or jax.tree.leaves(
-      jax.eval_shape(inner.init, {'x': jax.ShapeDtypeStruct((1,), jnp.float32)})):
-    raise ValueError(f'{fn}: defense={defense!r} keeps state between rounds (e.g. '
-                     "centered_clipping's center, the aggregate before the noise), "
-                     'which DP noise on the output would not cover; use a stateless '
-                     'defense.')
-  for name in ('clip_norm', 'noise_multiplier'):
-    if name in inner.hparams:
-      raise ValueError(f'{fn}: defense={defense!r} has its own hparam {name!r}.')
+  cause = _state_kept(inner)
+  if cause is not None:
+    raise ValueError(f'{fn}: defense={defense!r} {cause}; the guarantee of '
+                     f'{fn} covers only the output it clips and noises, not '
+                     'state kept between rounds; use a stateless defense '
+                     '(median, trimmed_mean, krum, multi_krum, bulyan, '
+                     'geometric_median, norm_bounding).')
   own = ('clip_norm', 'noise_multiplier')
+  for name in own:
+    if name in inner.hparams:
+      raise ValueError(
+          f'{fn}: defense={defense!r} has a hyperparameter {name!r} of its own '
+          f"(it clips or noises by itself), which dp_defense's {name} would "
+          'replace; use a defense without DP of its own (dp_defense adds the '
+          'clipping and the noise).')
 
   def encode(hparams, update, w):
     clipped, norm = aggregators.clip_update(update, hparams['clip_norm'])

@@ -365,6 +365,28 @@ def test_bad_options_are_one_line_errors(build, message):
   assert '\n' not in str(e.value)
 
 
+@pytest.mark.parametrize('defense, leaves, sent', [
+    ({'name': 'centered_clipping'}, '1 array', ", sends 'center' of it to the "
+     'clients each round'),
+    ({'name': 'tree_gaussian'}, '3 arrays', ''),
+])
+def test_dp_defense_names_what_of_a_stateful_defense_outlives_a_round(defense, leaves,
+                                                                      sent):
+  # The error named centered_clipping's center whatever the defense was.
+  state = aggregators.check('test', defense).init({'x': jnp.zeros((1,))})
+  assert f'{len(jax.tree.leaves(state))} array' in leaves
+  with pytest.raises(ValueError) as e:
+    ra.dp_defense(defense)
+  assert str(e.value) == (
+      f'dp_defense: defense={defense!r} keeps state between rounds '
+      f'({type(state).__name__}, {leaves}){sent}; the guarantee of dp_defense '
+      'covers only the output it clips and noises, not state kept between rounds; '
+      'use a stateless defense (median, trimmed_mean, krum, multi_krum, bulyan, '
+      'geometric_median, norm_bounding).')
+  with pytest.raises(ValueError, match="has a hyperparameter 'clip_norm' of its own"):
+    ra.dp_defense({'name': 'gaussian', 'clip_norm': 1.0, 'noise_multiplier': 1.0})
+
+
 @pytest.mark.parametrize('name, f, c, bound', [('krum', 2, 6, 7), ('multi_krum', 2, 6, 7),
                                                ('bulyan', 1, 6, 7)])
 def test_cohort_bound_is_checked_when_the_round_is_traced(name, f, c, bound):
