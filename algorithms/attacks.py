@@ -10,16 +10,26 @@ algorithm's aggregator, and its ``combine``
        clients, ``n_i = 0``, and clients the non-finite guard skipped, whose
        ``n_i`` it zeroed, are never malicious votes);
     2. for an omniscient attack, computes the honest participants'
-       coordinate-wise statistics with the fedjx reductions,
-       ``h_i = 1[n_i > 0] (1 - a_i)``, ``H = sum_i h_i``,
-       ``mu = sum_i h_i m_i / H``, ``sigma^2 = sum_i h_i (m_i - mu)^2 / H``;
-    3. replaces each malicious client's message ``m_i`` by
-       ``Enc(P(m_i, mu, sigma))``, the attack's poisoned update ``P`` passed
-       through the wrapped aggregator's own ``encode`` (as an honest update
-       is: a DP aggregator clips it, a quantizer quantizes it, a
-       norm-bounding defense bounds it; the attacker controls what it
-       computes, not the protocol that encodes it);
+       coordinate-wise statistics of their updates ``Delta_i`` with the
+       fedjx reductions, ``h_i = 1[n_i > 0] (1 - a_i)``, ``H = sum_i h_i``,
+       ``mu = sum_i h_i Delta_i / H``, ``sigma^2 = sum_i h_i (Delta_i -
+       mu)^2 / H``;
+    3. replaces each malicious client's message ``m_i = Enc(Delta_i)`` by
+       ``Enc(P(Delta_i, mu, sigma))``, the attack's poisoned update ``P``
+       passed through the wrapped aggregator's own ``encode`` (as an honest
+       update is: a DP aggregator clips it, a quantizer quantizes it, a
+       norm-bounding defense bounds it, centered clipping clips it around
+       its centre; the attacker controls what it computes, not the protocol
+       that encodes it);
     4. calls the wrapped aggregator's ``combine`` on the poisoned cohort.
+
+The attack acts on the update, never on a message: a message need not be an
+update (centered clipping's is ``clip_tau(Delta_i - v)``, a compressor's its
+codes), and ``Enc(P(Enc(Delta_i)))`` would encode twice (subtract the
+centre twice). When the wrapped aggregator encodes, the attacked one's
+``encode`` therefore also keeps each client's update beside the wrapped
+``encode``'s values (``encoded = (e_i, Delta_i)``, one more copy of the
+update per client), and ``combine`` reads it there.
 
 So an attack composes with every algorithm that passes its cohort's
 ``client_ids`` to its aggregator (FedAvg and FedOpt, FedProx, SCAFFOLD,
@@ -30,17 +40,17 @@ malicious set lives in the aggregator's state (``AttackState.malicious``, a
 (sweeps vectorize them). The round's metrics gain ``malicious_clients``,
 ``sum_i a_i``.
 
-Attacks (``P`` for a malicious client's message ``m_i``; ``n`` the round's
+Attacks (``P`` for a malicious client's update ``Delta_i``; ``n`` the round's
 participants, ``f`` its malicious ones):
 
 | attack | ``P`` | paper |
 |---|---|---|
-| :func:`sign_flip` | ``-s m_i`` | reversed gradients (Damaskinos et al. 2018; Li et al. 2019, RSA) |
-| :func:`gaussian_noise` | ``m_i + sigma xi_i``, ``xi_i ~ N(0, I)`` | Gaussian Byzantine workers (Blanchard et al. 2017) |
-| :func:`scaling` | ``gamma m_i`` (``gamma = n`` by default) | model replacement (Bagdasaryan et al. 2020) |
+| :func:`sign_flip` | ``-s Delta_i`` | reversed gradients (Damaskinos et al. 2018; Li et al. 2019, RSA) |
+| :func:`gaussian_noise` | ``Delta_i + sigma xi_i``, ``xi_i ~ N(0, I)`` | Gaussian Byzantine workers (Blanchard et al. 2017) |
+| :func:`scaling` | ``gamma Delta_i`` (``gamma = n`` by default) | model replacement (Bagdasaryan et al. 2020) |
 | :func:`alie` | ``mu - z sigma`` | "A little is enough" (Baruch et al. 2019) |
 | :func:`ipm` | ``-epsilon mu`` | inner-product manipulation (Xie et al. 2020) |
-| :func:`identity` | ``m_i`` | (data poisoning: only counts the malicious) |
+| :func:`identity` | ``Delta_i`` | (data poisoning: only counts the malicious) |
 
 Each attack's numbers are traced hyperparameters in ``state.hparams``
 (``attack_scale``, ``attack_sigma``, ``attack_boost``, ``attack_z``,
@@ -49,6 +59,7 @@ Each attack's numbers are traced hyperparameters in ``state.hparams``
 
 from __future__ import annotations
 
+import fractions
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -73,7 +84,7 @@ class Honest(NamedTuple):
   """What an attack may read of the round, on the server (unplaced).
 
   Attributes:
-    mean: ``mu``, the honest participants' coordinate-wise mean message
+    mean: ``mu``, the honest participants' coordinate-wise mean update
       (None unless the attack is omniscient).
     std: ``sigma``, their coordinate-wise standard deviation (population
       form, divided by ``H``; None unless omniscient).
@@ -97,10 +108,10 @@ class Attack(NamedTuple):
 
   Attributes:
     name: the attack's name (for messages).
-    poison: ``poison(hparams, honest, message, key) -> poisoned``, for one
+    poison: ``poison(hparams, honest, update, key) -> poisoned``, for one
       malicious client (inside ``fedjx.map_fn``): ``hparams`` the attack's
       traced hyperparameters, ``honest`` the round's :class:`Honest`
-      statistics, ``message`` the client's own message ``m_i`` and ``key``
+      statistics, ``update`` the client's own update ``Delta_i`` and ``key``
       its PRNG key for the round.
     hparams: the attack's initial traced hyperparameters, by name
       (top-level keys of ``state.hparams``).
@@ -135,8 +146,22 @@ def _scaled(tree: base.PyTree, factor: jax.Array) -> base.PyTree:
 
 # ---------------------------------------------------------------- the set
 
+def malicious_count(num_clients: int, fraction: float) -> int:
+  """``floor(fraction N + 1/2)`` in exact arithmetic on ``fraction``'s decimal
+  (:func:`malicious_clients`)."""
+  exact = fractions.Fraction(repr(float(fraction))) * int(num_clients)
+  return int(math.floor(exact + fractions.Fraction(1, 2)))
+
+
 def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarray:
-  """``int32 [F]``: the sorted ids of the malicious clients, ``F = round(fraction N)``.
+  """``int32 [F]``: the sorted ids of ``F`` malicious clients of ``N``.
+
+  ``F = floor(fraction N + 1/2)``: the nearest count, halves rounded up,
+  with ``fraction`` taken as the decimal it is written as (``0.29`` is
+  29/100, not its binary float, whose product with 50 falls just below
+  14.5). So 0.25 of 10 clients is 3 (Python's ``round(2.5)`` would give 2),
+  0.24 of 10 is 2, 0.05 of 10 is 1, 0.04 of 10 is 0 (no malicious client),
+  0.29 of 50 is 15.
 
   Drawn uniformly without replacement from ``0 .. N - 1`` by a generator
   seeded with ``(seed, stream)`` only: the same set for the same seed,
@@ -152,7 +177,7 @@ def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarra
                      '(some clients must be honest).')
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
     raise ValueError(f'{fn}: seed={seed!r}; it must be an int >= 0.')
-  count = int(math.floor(fraction * num_clients + 0.5))
+  count = malicious_count(num_clients, fraction)
   rng = np.random.default_rng(np.random.SeedSequence([_MALICIOUS_STREAM, int(seed)]))
   return np.sort(rng.choice(num_clients, size=count, replace=False)).astype(np.int32)
 
@@ -160,7 +185,7 @@ def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarra
 # ---------------------------------------------------------------- attacks
 
 def identity() -> Attack:
-  """``P = m_i``: malicious clients send what they computed.
+  """``P = Delta_i``: malicious clients send what they computed.
 
   For data poisoning (:mod:`fedjx.datasets.poisoning`), whose malicious
   clients train honestly on poisoned data: the wrapper only counts them
@@ -170,7 +195,7 @@ def identity() -> Attack:
 
 
 def sign_flip(scale: float = 1.0) -> Attack:
-  """``P = -s m_i``: the update reversed (and scaled by ``s = scale``).
+  """``P = -s Delta_i``: the update reversed (and scaled by ``s = scale``).
 
   The reversed-gradient Byzantine worker of Damaskinos et al., "Asynchronous
   Byzantine Machine Learning", ICML 2018, and the sign-flipping attack of
@@ -187,7 +212,7 @@ def sign_flip(scale: float = 1.0) -> Attack:
 
 
 def gaussian_noise(sigma: float = 1.0) -> Attack:
-  """``P = m_i + sigma xi_i``, ``xi_i ~ N(0, I)`` fresh for each client and round.
+  """``P = Delta_i + sigma xi_i``, ``xi_i ~ N(0, I)`` fresh for each client and round.
 
   The Gaussian Byzantine workers of Blanchard, El Mhamdi, Guerraoui,
   Stainer, "Machine Learning with Adversaries: Byzantine Tolerant Gradient
@@ -206,7 +231,7 @@ def gaussian_noise(sigma: float = 1.0) -> Attack:
 
 
 def scaling(boost: float | None = None) -> Attack:
-  """``P = gamma m_i``: the boosted update of model replacement.
+  """``P = gamma Delta_i``: the boosted update of model replacement.
 
   Bagdasaryan, Veit, Hua, Estrin, Shmatikov, "How To Backdoor Federated
   Learning", AISTATS 2020, Section 4: an attacker who wants the global
@@ -308,7 +333,7 @@ def _key_data(key: jax.Array) -> jax.Array:
 
 def _honest_statistics(update: base.PyTree, honest: jax.Array,
                        count: jax.Array) -> tuple[base.PyTree, base.PyTree]:
-  """``(mu, sigma)`` of the messages of the clients with ``honest = 1``."""
+  """``(mu, sigma)`` of the updates of the clients with ``honest = 1``."""
   denom = jnp.maximum(count, 1.0)
   total = fedjx.reduce_sum(fedjx.map_fn(
       lambda m, h: jax.tree.map(lambda x: h.astype(x.dtype) * x, m),
@@ -363,6 +388,10 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
                      'names of the aggregator\'s.')
   inner_encode = inner.encode
 
+  def encode(hparams, update, w):
+    message, encoded = inner_encode(hparams, update, w)
+    return message, (encoded, update)
+
   def init(params):
     return AttackState(inner.init(params), jnp.asarray(table))
 
@@ -390,10 +419,15 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
                                       fedjx.broadcast(state.malicious)))
     participants = fedjx.reduce_sum(active)
     f = fedjx.reduce_sum(bad)
+    # The clients' updates: kept by encode beside its values, or the messages
+    # themselves when the wrapped aggregator sends the update as it is.
+    if inner_encode is None:
+      inner_encoded, updates = clients.encoded, clients.update
+    else:
+      inner_encoded, updates = clients.encoded
     mean = std = None
     if attack.omniscient:
-      mean, std = _honest_statistics(clients.update, active - bad,
-                                     participants - f)
+      mean, std = _honest_statistics(updates, active - bad, participants - f)
     honest = Honest(mean, std, participants, f)
     encode_hp = dict(inner_hp)
     if inner.broadcast is not None:
@@ -405,10 +439,11 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
     placed = aggregators.client_inputs(inner, state.inner, clients.client_ids,
                                        clients.num_examples)
 
-    def replace(a, cid, w, m, weighted, encoded, hp, enc_hp, own, stats, key_data):
+    def replace(a, cid, w, m, update, weighted, encoded, hp, enc_hp, own, stats,
+                key_data):
       k = jax.random.fold_in(jax.random.wrap_key_data(key_data),
                              jnp.maximum(jnp.asarray(cid, jnp.int32), 0))
-      poisoned = attack.poison(hp, stats, m, k)
+      poisoned = attack.poison(hp, stats, update, k)
       if inner_encode is not None:
         poisoned, new_encoded = inner_encode(dict(enc_hp, **own), poisoned, w)
       else:
@@ -421,8 +456,8 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
       return pick(poisoned, m), out_weighted, pick(new_encoded, encoded)
 
     update, weighted, encoded = fedjx.map_fn(replace, (
-        bad, clients.client_ids, clients.weights, clients.update,
-        clients.weighted_update if guarded else (), clients.encoded,
+        bad, clients.client_ids, clients.weights, clients.update, updates,
+        clients.weighted_update if guarded else (), inner_encoded,
         fedjx.broadcast(attack_hp), fedjx.broadcast(encode_hp), placed,
         fedjx.broadcast(honest), fedjx.broadcast(_key_data(noise_key))))
     poisoned = clients._replace(update=update, encoded=encoded,
@@ -440,9 +475,10 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
       lambda state, ids, size: inner.client_inputs(state.inner, ids, size))
   return inner._replace(init=init, combine=combine, broadcast=broadcast,
                         client_inputs=inputs,
+                        encode=None if inner_encode is None else encode,
                         hparams={**inner.hparams, **attack.hparams})
 
 
 __all__ = ['ATTACKS', 'Attack', 'AttackState', 'Honest', 'METRIC', 'alie',
            'alie_z', 'attacked', 'gaussian_noise', 'identity', 'ipm',
-           'malicious_clients', 'scaling', 'sign_flip']
+           'malicious_clients', 'malicious_count', 'scaling', 'sign_flip']

@@ -2,6 +2,7 @@
 composition with FedAvg, DP and the map strategies, data poisoning, the
 attack success rate, and config.attack through the runner."""
 
+import decimal
 import json
 import os
 import subprocess
@@ -238,6 +239,22 @@ def test_the_malicious_set_is_fixed_by_the_seed():
     attacks.attacked(aggregators.mean(), attacks.sign_flip(), [12], 10)
 
 
+@pytest.mark.parametrize('fraction, num_clients, count', [
+    (0.25, 10, 3), (0.24, 10, 2), (0.05, 10, 1), (0.04, 10, 0), (0.15, 10, 2),
+    (0.45, 10, 5), (0.29, 50, 15), (0.3, 7, 2), (0.5, 3, 2), (0.0, 10, 0)])
+def test_a_malicious_fraction_rounds_to_the_nearest_count_halves_up(
+    fraction, num_clients, count):
+  # The reference: decimal arithmetic on the fraction as written, rounded
+  # half up (Python's round() rounds halves to even: round(2.5) == 2).
+  exact = decimal.Decimal(str(fraction)) * num_clients
+  assert int(exact.quantize(decimal.Decimal(1), decimal.ROUND_HALF_UP)) == count
+  assert attacks.malicious_count(num_clients, fraction) == count
+  assert len(attacks.malicious_clients(num_clients, fraction, seed=0)) == count
+  # The boundary case where a float product would round the other way:
+  # 0.29 * 50 is 14.499999999999998 in binary floating point.
+  assert 0.29 * 50 < 14.5 and round(0.25 * 10) == 2
+
+
 def linreg_population(sizes, seed=0):
   data = linreg_data(np.random.default_rng(seed), sizes, dim=3, shift=1.0)
   return datasets.from_arrays(
@@ -292,7 +309,11 @@ def test_a_skipped_malicious_client_changes_nothing():
 
 
 def test_composes_with_fedavg_and_the_dp_aggregator():
-  """Poisoned messages go through the DP aggregator's encode: clipped to C."""
+  """Poisoned updates go through the DP aggregator's encode: clipped to C.
+
+  The attacked aggregator's clients send the DP aggregator's message (the
+  clipped update) and keep their update beside its values (the norm):
+  ``encoded = (norm, Delta_i)``, what the attack poisons."""
   clip = 0.05
   dp = aggregators.gaussian(clip_norm=clip, noise_multiplier=0.0,
                             expected_clients_per_round=None)
@@ -306,16 +327,17 @@ def test_composes_with_fedavg_and_the_dp_aggregator():
   state = agg.init(None)
 
   @fedjx.program(clients=len(IDS))
-  def body(u, norms):
+  def body(u, norms, raw):
     clients = nonfinite.Clients(u, {}, (), (), jnp.asarray(ones), jnp.asarray(COUNTS),
-                                encoded=norms, client_ids=jnp.asarray(IDS))
+                                encoded=(norms, raw), client_ids=jnp.asarray(IDS))
     out, _, metrics = agg.combine(state, aggregators.init_hparams(agg), clients, KEY)
     return out, metrics
 
-  out, metrics = jax.jit(body)(jnp.asarray(clipped), jnp.asarray(enc_norms))
+  out, metrics = jax.jit(body)(jnp.asarray(clipped), jnp.asarray(enc_norms),
+                               jnp.asarray(u))
   bad, _ = flags()
   c64 = clipped.astype(np.float64)
-  boosted = 100 * c64
+  boosted = 100 * u.astype(np.float64)
   bn = np.linalg.norm(boosted, axis=1, keepdims=True)
   poisoned = np.where(bad[:, None], boosted * np.minimum(1, clip / np.maximum(bn, 1e-30)), c64)
   want = (ones[:, None] * poisoned).sum(0) / ones.sum()
@@ -382,6 +404,22 @@ def test_label_flip_changes_the_malicious_clients_only():
                                 (base.client_data(2)['y'] + 1) % 5)
   with pytest.raises(ValueError, match='mapping'):
     poisoning.flip_labels(5, mapping=[0, 1])
+
+
+@pytest.mark.parametrize('mapping, label_key', [(None, 'y'), ([1, 2, 3, 4, 0], 'label')])
+def test_label_flip_s_repr_builds_the_same_transform(mapping, label_key):
+  flip = poisoning.flip_labels(5, mapping=mapping, label_key=label_key)
+  assert repr(flip) == (f'flip_labels(num_classes=5, mapping={mapping!r}, '
+                        f'label_key={label_key!r})')
+  again = eval(repr(flip), {'flip_labels': poisoning.flip_labels})  # pylint: disable=eval-used
+  assert again == flip and hash(again) == hash(flip)
+  y = np.arange(5, dtype=np.int32)
+  want = 4 - y if mapping is None else np.asarray(mapping, np.int32)
+  for transform in (flip, again):
+    np.testing.assert_array_equal(transform(0, {label_key: y})[label_key], want)
+  # K - 1 - y written out flips the same way as the default.
+  assert poisoning.flip_labels(5) == poisoning.flip_labels(5, mapping=[4, 3, 2, 1, 0])
+  assert poisoning.flip_labels(5) != poisoning.flip_labels(6)
 
 
 def test_backdoor_against_numpy():
@@ -548,6 +586,66 @@ def test_attacks_compose_with_a_defense():
   want = np.median(poisoned[COUNTS > 0], axis=0)  # 5 participants
   assert_message(got, want, np.abs(u).max())
   assert metrics[attacks.METRIC] == 3
+
+
+def _encoded_round(agg, state, u, key):
+  """One round of ``agg``: every client's ``encode`` (as an algorithm's
+  client map runs it), then ``combine``; returns ``(aggregate, state)``."""
+  hparams = aggregators.init_hparams(agg)
+
+  @jax.jit
+  def run(state, u, key):
+    @fedjx.program(clients=len(IDS))
+    def body(state, u):
+      clients = aggregators.map_clients(
+          agg, hparams, lambda x: nonfinite.ClientOutput(x, {}), (u,),
+          jnp.asarray(COUNTS), 'num_examples', False, aggregator_state=state,
+          client_ids=jnp.asarray(IDS))
+      out, state, _ = aggregators.aggregate(agg, state, hparams, clients, key)
+      return out, state
+    return body(state, u)
+
+  return run(state, jnp.asarray(u), key)
+
+
+def centered_clipping_reference(poisoned, participants, v, tau, iterations):
+  """Karimireddy, He, Jaggi 2021, eq. (CC), in float64: ``L`` times
+  ``v <- v + (1/m) sum_{i in P} clip_tau(P_i - v)``."""
+  p = poisoned[participants]
+  for _ in range(iterations):
+    z = p - v
+    norms = np.linalg.norm(z, axis=1, keepdims=True)
+    v = v + (z * np.minimum(1.0, tau / np.maximum(norms, 1e-300))).mean(0)
+  return v
+
+
+@pytest.mark.parametrize('iterations', [1, 2, 3])
+def test_an_attack_on_centered_clipping_follows_karimireddy_et_al(iterations):
+  """Three rounds of sign-flipped updates through centered clipping: each
+  round's aggregate is ``v + mean(clip_tau(P_i - v))`` over the poisoned
+  updates ``P_i`` (iterated ``L`` times), ``v`` the last aggregate. The
+  attack poisons the update, never the message ``clip_tau(Delta_i - v)``,
+  which would subtract the centre twice from the second round on."""
+  tau, scale = 0.8, 3.0
+  agg = attacks.attacked(aggregators.AGGREGATORS['centered_clipping'](
+      radius=tau, iterations=iterations), attacks.sign_flip(scale), MALICIOUS, N)
+  state = agg.init(jnp.zeros(DIM))
+  bad, _ = flags()
+  participants = COUNTS > 0
+  v = np.zeros(DIM)
+  for r in range(3):
+    u = messages(20 + r) + 0.5  # updates with a common direction
+    poisoned = np.where(bad[:, None], -scale * u.astype(np.float64), u)
+    v = centered_clipping_reference(poisoned, participants, v, tau, iterations)
+    out, state = _encoded_round(agg, state, u, jax.random.fold_in(KEY, r))
+    # Each iteration: a DIM-term norm and its square root, a clip factor, a
+    # sum over m = 5 participants of terms of norm <= tau, one division and
+    # the addition to v; the map v -> v + mean clip_tau(P_i - v) does not
+    # expand errors (its Jacobian's eigenvalues lie in [0, 1]), so the
+    # errors of all rounds and iterations add up.
+    n = (r + 1) * iterations * (DIM + 5 + 4)
+    np.testing.assert_allclose(np.asarray(out, np.float64), v,
+                               atol=float_tolerance.atol(n, tau + np.abs(v).max()))
 
 
 def test_seeds_share_one_program_and_differ_in_their_malicious_set():
