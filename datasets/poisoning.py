@@ -98,9 +98,46 @@ def label_mapping(num_classes: int, mapping: Sequence[int] | None = None) -> np.
   return table.astype(np.int32)
 
 
+class FlipLabels:
+  """Label flipping's transform ``y -> pi(y)``: what :func:`flip_labels` returns.
+
+  Its repr is the call that builds it (``flip_labels(num_classes=10,
+  mapping=None, label_key='y')``, which evaluates to an equal transform), and
+  two are equal when they flip the same labels the same way.
+  """
+
+  def __init__(self, num_classes: int, mapping: Sequence[int] | None = None,
+               label_key: str = 'y'):
+    self.table = label_mapping(num_classes, mapping)
+    self.num_classes = int(num_classes)
+    self.mapping = None if mapping is None else [int(v) for v in
+                                                 np.asarray(mapping).reshape(-1)]
+    self.label_key = label_key
+
+  def __call__(self, cid: int, examples: Examples) -> Examples:
+    del cid
+    y = np.asarray(examples[self.label_key])
+    return dict(examples, **{self.label_key: self.table[y].astype(y.dtype)})
+
+  def __repr__(self) -> str:
+    return (f'flip_labels(num_classes={self.num_classes}, mapping={self.mapping!r}, '
+            f'label_key={self.label_key!r})')
+
+  def __eq__(self, other: Any) -> bool:
+    return (isinstance(other, FlipLabels) and self.label_key == other.label_key
+            and np.array_equal(self.table, other.table))
+
+  def __hash__(self) -> int:
+    return hash((self.label_key, self.table.tobytes()))
+
+
 def flip_labels(num_classes: int, mapping: Sequence[int] | None = None, *,
-                label_key: str = 'y') -> Transform:
+                label_key: str = 'y') -> FlipLabels:
   """The transform ``y -> pi(y)`` on every example (module docstring).
+
+  ``config.attack = dict(name='label_flip', mapping=...)`` builds
+  ``flip_labels(num_classes, mapping)`` with the dataset's ``num_classes``;
+  the transform's repr is that call.
 
   Args:
     num_classes: ``K``.
@@ -108,14 +145,7 @@ def flip_labels(num_classes: int, mapping: Sequence[int] | None = None, *,
       class ``y``); None for ``pi(y) = K - 1 - y``.
     label_key: the label feature.
   """
-  table = label_mapping(num_classes, mapping)
-
-  def transform(cid: int, examples: Examples) -> Examples:
-    del cid
-    y = np.asarray(examples[label_key])
-    return dict(examples, **{label_key: table[y].astype(y.dtype)})
-
-  return transform
+  return FlipLabels(num_classes, mapping, label_key)
 
 
 def add_trigger(x: np.ndarray, patch_size: int = 2, value: float = 1.0) -> np.ndarray:
@@ -207,6 +237,6 @@ def flipped_examples(examples: Mapping[str, Any], num_classes: int,
   return out
 
 
-__all__ = ['PoisonedDataset', 'add_trigger', 'backdoor', 'check_backdoor',
-           'flip_labels', 'flipped_examples', 'label_mapping',
+__all__ = ['FlipLabels', 'PoisonedDataset', 'add_trigger', 'backdoor',
+           'check_backdoor', 'flip_labels', 'flipped_examples', 'label_mapping',
            'triggered_examples']

@@ -132,8 +132,9 @@ PRIVACY_DEFAULTS = dict(DEFAULTS['privacy'])
 AUDIT_DEFAULTS = {'canaries': None, 'seed': None, 'confidence': 0.95,
                   'resamples': 1000}
 # config.attack: name ('' for no attack), fraction (of the training
-# population that is malicious, in [0, 1): round(fraction N) clients drawn
-# from seed, None: config.seed) and the options of the named attack (None:
+# population that is malicious, in [0, 1): floor(fraction N + 1/2) clients,
+# halves rounded up (fedjx.algorithms.attacks.malicious_count), drawn from
+# seed, None: config.seed) and the options of the named attack (None:
 # the attack's default). Model poisoning replaces the malicious clients'
 # messages (fedjx.algorithms.attacks); data poisoning changes their examples
 # (fedjx.datasets.poisoning) and adds eval_attack_success_rate.
