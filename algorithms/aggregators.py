@@ -123,6 +123,14 @@ class Aggregator(NamedTuple):
   privacy: str | None = None
 
 
+# The fields of an Aggregator that declare what it is (its weights, its
+# bytes on the wire, its checks, its privacy), not its steps: a wrapper of an
+# aggregator (an attack, a privacy audit's canaries) keeps them all, built as
+# ``wrapped._replace(init=..., combine=..., ...)``.
+TRAITS = ('weights', 'message_bytes', 'checks_update', 'needs_all_updates',
+          'wire_bits', 'privacy')
+
+
 def _stateless(params: base.Params) -> tuple[()]:
   del params
   return ()

@@ -131,6 +131,13 @@ class Algorithm(NamedTuple):
     return self.compiler(map_strategy, chunk_size, donate)
 
 
+# The fields of an Algorithm that declare what it is, not how its rounds run:
+# every wrapper of an algorithm (``scheduled``, the hypergradient tuner, the
+# runner's finiteness check) keeps them all, by construction: it builds its
+# algorithm as ``wrapped._replace(init=..., round=..., ...)``.
+TRAITS = ('client_state_init', 'unprivatized')
+
+
 class ServerState(NamedTuple):
   """Server state of FedAvg-like algorithms.
 

@@ -141,7 +141,10 @@ def scheduled(algorithm: base.Algorithm, hparam_schedules: Mapping[str, Any], *,
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`: ``init`` sets the values of
     round 0, every round those of its ``round_index``; ``compile`` keeps the
-    schedules.
+    schedules. It is ``algorithm`` with its rounds replaced, so it keeps
+    every trait of ``algorithm`` (``base.TRAITS``): an algorithm whose
+    clients keep state (``client_state_init``) is scheduled with its rows
+    passed through and its ``run_rounds`` refused as it is.
   """
   schedules = check_schedules(name, hparam_schedules)
   if algorithm.compiler is None:
@@ -158,14 +161,17 @@ def scheduled(algorithm: base.Algorithm, hparam_schedules: Mapping[str, Any], *,
       state = at_round(state, schedules)
       used = {f'hparam/{path}': jnp.asarray(_get(state.hparams, _keys(path)),
                                             jnp.float32) for path in schedules}
-      state, metrics = inner.apply(state, cohort, key)
-      return state, {**metrics, **used}
+      # Clients' rows, for an algorithm with per-client state, come third.
+      state, metrics, *rows = inner.apply(state, cohort, key)
+      return (state, {**metrics, **used}, *rows)
 
     def run(state, cohorts, keys):
+      if inner.client_state_init is not None:  # Refused there, in one line.
+        return inner.run_rounds(state, cohorts, keys)
       return base.scan_rounds(apply, state, cohorts, keys)
 
     donated = (0,) if donate else ()
-    return base.Algorithm(
+    return inner._replace(
         init=init, round=jax.jit(apply, donate_argnums=donated),
         run_rounds=jax.jit(run, donate_argnums=donated), apply=apply,
         compiler=lambda s, c, d: wrap(inner.compiler(s, c, d), d))

@@ -170,11 +170,20 @@ def hypergradient_tuner(algo: base.Algorithm, loss_fn: base.LossFn, *,
     An :class:`~fedjx.algorithms.Algorithm` with the same interface; its
     state is a :class:`TunerState`; its metrics are the wrapped round's plus
     ``hparams/<path>`` (the value after this round's step), ``hypergrad/<path>``
-    (``dL/d log eta``) and ``tuner_objective`` (``L_t``).
+    (``dL/d log eta``) and ``tuner_objective`` (``L_t``). It is ``algo``
+    with its rounds replaced, so it keeps every trait of ``algo``
+    (``base.TRAITS``); an ``algo`` whose clients keep state outside the
+    server state (``client_state_init``) is refused.
   """
   name = 'hypergradient_tuner'
   if not isinstance(algo, base.Algorithm):
     raise ValueError(f'{name}: algo={algo!r} must be a fedjx.algorithms.Algorithm.')
+  if algo.client_state_init is not None:
+    raise ValueError(
+        f'{name}: algo.client_state_init is set (not None): its clients keep '
+        'state outside the server state, whose rows the tuner\'s derivative '
+        'through the round does not carry; tune an algorithm with '
+        'client_state_init=None.')
   if not callable(loss_fn):
     raise ValueError(f'{name}: loss_fn={loss_fn!r} must be callable.')
   paths = [tune] if isinstance(tune, str) else list(tune)
@@ -233,10 +242,11 @@ def hypergradient_tuner(algo: base.Algorithm, loss_fn: base.LossFn, *,
     apply.__name__ = f'{name}_round'
     run.__name__ = f'{name}_run_rounds'
     donated = (0,) if donate else ()
-    return base.Algorithm(init=init, round=jax.jit(apply, donate_argnums=donated),
-                          run_rounds=jax.jit(run, donate_argnums=donated),
-                          apply=apply,
-                          compiler=None if algo.compiler is None else compiler)
+    # ``algo`` with its rounds replaced: every trait kept (base.TRAITS).
+    return algo._replace(init=init, round=jax.jit(apply, donate_argnums=donated),
+                         run_rounds=jax.jit(run, donate_argnums=donated),
+                         apply=apply,
+                         compiler=None if algo.compiler is None else compiler)
 
   def tuned_round(algo, state, cohort, key):
     inner = state.inner
