@@ -6,7 +6,8 @@ population each round: one local epoch of SGD (learning rate 0.1, batch 10)
 over each client's examples, server SGD 1.0 (the example-weighted mean of
 the local models). Setups:
 
-* ``2nn-100`` and ``2nn-1000``: McMahan et al.'s 2NN (784-200-200-10, ReLU,
+* ``2nn-100`` and ``2nn-1000`` (and ``2nn-10000``, the accelerator's
+  scale): McMahan et al.'s 2NN (784-200-200-10, ReLU,
   softmax cross-entropy; 199,210 parameters) over 100 or 1,000 clients of
   log-normal sizes (median 20, sigma 0.8, at least 1; seed 0: 2,850 and
   26,038 examples, 334 and 3,054 steps of 10); MNIST-shaped inputs uniform
@@ -37,7 +38,7 @@ import numpy as np
 
 import common  # the clock and CPU time of a process tree
 
-SETUPS = ('2nn-100', '2nn-1000', 'logreg', 'logreg-sparse')
+SETUPS = ('2nn-100', '2nn-1000', '2nn-10000', 'logreg', 'logreg-sparse')
 BATCH, LOCAL_LR, SERVER_LR = 10, 0.1, 1.0
 FEATURES, TAGS, TOKENS, TAGS_PER_EXAMPLE = 10_000, 500, 30, 3
 LAYERS = (784, 200, 200, 10)
@@ -52,6 +53,7 @@ def kind(setup: str) -> str:
 def sizes(setup: str) -> np.ndarray:
   """Each client's example count."""
   clients, median = {'2nn-100': (100, 20), '2nn-1000': (1000, 20),
+                     '2nn-10000': (10000, 20),
                      'logreg': (50, 30), 'logreg-sparse': (50, 30)}[setup]
   rng = np.random.default_rng(0)
   return np.maximum(1, np.round(median * np.exp(0.8 * rng.normal(size=clients)))).astype(int)
