@@ -48,11 +48,12 @@ _NAMES = {
     'reduce_sum_p': 'fedjx.primitives',
     'reduce_weighted_mean_p': 'fedjx.primitives',
     'ClientStore': 'fedjx.client_store',
+    'IndexedBatches': 'fedjx.indexed',
 }
 # The primitive layer's own modules, for ``fedjx.mapping.any_in_chunk`` and
 # the like after ``import fedjx`` alone.
 MODULES = ('api', 'beam', 'client_store', 'distributed', 'execution', 'export',
-           'frames', 'fusion', 'interpreters', 'mapping', 'options',
+           'frames', 'fusion', 'indexed', 'interpreters', 'mapping', 'options',
            'placements', 'plan', 'primitives', 'reductions', 'sharding',
            'streaming')
 # Modules that need an optional dependency (the package, its extra): left out
@@ -64,6 +65,7 @@ __getattr__, __dir__ = _lazy.submodules(__name__, SUBPACKAGES + MODULES, _NAMES,
 
 __all__ = [
     'ClientStore',
+    'IndexedBatches',
     'MAP_STRATEGIES',
     'broadcast',
     'broadcast_p',

@@ -387,7 +387,12 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   Args:
     fn: the per-member function. If ``args`` is a tuple it is called as
       ``fn(*args_i)``, else as ``fn(args_i)``.
-    args: a pytree of placed arrays (leading axis = placement size).
+    args: a pytree of placed arrays (leading axis = placement size). An
+      :class:`fedjx.IndexedBatches` among them (a cohort of a population on
+      the device) is placed by its ``index``; its ``table`` is not placed:
+      each member receives it whole, with its own slice of the index, and
+      reads its rows with :func:`fedjx.indexed.take` (no per-member copy of
+      the table is made).
     placement: which placement to map over (default: the innermost declared).
     mesh: a mesh to shard the placement axis over (default: the program's, or
       the one set with ``jax.set_mesh``).
