@@ -5,6 +5,13 @@ Every builder returns an :class:`Algorithm` with ``init(params) -> state``,
 donated), ``run_rounds`` (many rounds in one ``lax.scan``) and ``apply`` (the
 plain round, for ``jax.grad`` and friends). See docs/algorithms.md.
 
+Names: an algorithm's builder is ``fedjx.algorithms.<name>`` (``fedavg``,
+``fedrep``, ``ditto``, ...) and the module that implements it, with its
+state type and public helpers, ``fedjx.algorithms.<name>_lib``
+(``fedjx.algorithms.fedrep_lib.personalize_fn``), so no builder shadows a
+module. Parts of the other kinds keep their modules' names
+(``aggregators``, ``compression``, ``attacks``, ``schedules``, ...).
+
 A new algorithm needs only names from here: :func:`make_algorithm` wraps its
 ``init`` and round (written with the fedjx primitives), and
 :func:`check_schedule`, :func:`local_update`, :func:`round_metrics`, :func:`server_update`,
@@ -63,53 +70,53 @@ from fedjx.algorithms.distributed_dp import local_gaussian
 from fedjx.algorithms.distributed_dp import local_gaussian_epsilon
 from fedjx.algorithms.distributed_dp import skellam_epsilon
 from fedjx.algorithms.secure_aggregation import secure_sum
-from fedjx.algorithms.async_diloco import AsyncDiLoCoState
-from fedjx.algorithms.async_diloco import DelayedNesterovState
-from fedjx.algorithms.async_diloco import async_diloco
-from fedjx.algorithms.async_diloco import delayed_nesterov
-from fedjx.algorithms.diloco import DiLoCoState
-from fedjx.algorithms.diloco import diloco
-from fedjx.algorithms.dp_fedavg import clip_update
-from fedjx.algorithms.dp_fedavg import dp_epsilon
-from fedjx.algorithms.dp_fedavg import dp_fedavg
+from fedjx.algorithms.async_diloco_lib import AsyncDiLoCoState
+from fedjx.algorithms.async_diloco_lib import DelayedNesterovState
+from fedjx.algorithms.async_diloco_lib import async_diloco
+from fedjx.algorithms.async_diloco_lib import delayed_nesterov
+from fedjx.algorithms.diloco_lib import DiLoCoState
+from fedjx.algorithms.diloco_lib import diloco
+from fedjx.algorithms.dp_fedavg_lib import clip_update
+from fedjx.algorithms.dp_fedavg_lib import dp_epsilon
+from fedjx.algorithms.dp_fedavg_lib import dp_fedavg
 from fedjx.algorithms.dp_ftrl import tree_gaussian
-from fedjx.algorithms.fedavg import fedadagrad
-from fedjx.algorithms.fedavg import fedadam
-from fedjx.algorithms.fedavg import fedavg
-from fedjx.algorithms.fedavg import fedavgm
-from fedjx.algorithms.fedavg import fedyogi
-from fedjx.algorithms.fedbuff import AsyncCohort
-from fedjx.algorithms.fedbuff import FedBuffState
-from fedjx.algorithms.fedbuff import fedbuff
-from fedjx.algorithms.fednova import fednova
-from fedjx.algorithms.fedexp import FedExPState
-from fedjx.algorithms.fedexp import fedexp
+from fedjx.algorithms.fedavg_lib import fedadagrad
+from fedjx.algorithms.fedavg_lib import fedadam
+from fedjx.algorithms.fedavg_lib import fedavg
+from fedjx.algorithms.fedavg_lib import fedavgm
+from fedjx.algorithms.fedavg_lib import fedyogi
+from fedjx.algorithms.fedbuff_lib import AsyncCohort
+from fedjx.algorithms.fedbuff_lib import FedBuffState
+from fedjx.algorithms.fedbuff_lib import fedbuff
+from fedjx.algorithms.fednova_lib import fednova
+from fedjx.algorithms.fedexp_lib import FedExPState
+from fedjx.algorithms.fedexp_lib import fedexp
 from fedjx.algorithms.schedules import scheduled
-from fedjx.algorithms.mime import MimeState
-from fedjx.algorithms.mime import mime
-from fedjx.algorithms.mime import mime_lite
-from fedjx.algorithms.ditto import ditto
-from fedjx.algorithms.ditto import personalize_fn as ditto_personalize_fn
-from fedjx.algorithms.feddyn import FedDynState
-from fedjx.algorithms.feddyn import feddyn
-from fedjx.algorithms.fedrep import fedper
-from fedjx.algorithms.fedrep import fedrep
-from fedjx.algorithms.fedrep import personalize_fn as fedrep_personalize_fn
-from fedjx.algorithms.apfl import apfl
-from fedjx.algorithms.apfl import personalize_fn as apfl_personalize_fn
-from fedjx.algorithms.hyp_cluster import HypClusterState
-from fedjx.algorithms.hyp_cluster import hyp_cluster
-from fedjx.algorithms.hyp_cluster import kmeans_init
-from fedjx.algorithms.hyp_cluster import personalize_fn as hyp_cluster_personalize_fn
-from fedjx.algorithms.afl import AFLState
-from fedjx.algorithms.afl import afl
-from fedjx.algorithms.fedasync import FedAsyncState
-from fedjx.algorithms.fedasync import fedasync
-from fedjx.algorithms.qffl import qffl
-from fedjx.algorithms.fedprox import fedprox
+from fedjx.algorithms.mime_lib import MimeState
+from fedjx.algorithms.mime_lib import mime
+from fedjx.algorithms.mime_lib import mime_lite
+from fedjx.algorithms.ditto_lib import ditto
+from fedjx.algorithms.ditto_lib import personalize_fn as ditto_personalize_fn
+from fedjx.algorithms.feddyn_lib import FedDynState
+from fedjx.algorithms.feddyn_lib import feddyn
+from fedjx.algorithms.fedrep_lib import fedper
+from fedjx.algorithms.fedrep_lib import fedrep
+from fedjx.algorithms.fedrep_lib import personalize_fn as fedrep_personalize_fn
+from fedjx.algorithms.apfl_lib import apfl
+from fedjx.algorithms.apfl_lib import personalize_fn as apfl_personalize_fn
+from fedjx.algorithms.hyp_cluster_lib import HypClusterState
+from fedjx.algorithms.hyp_cluster_lib import hyp_cluster
+from fedjx.algorithms.hyp_cluster_lib import kmeans_init
+from fedjx.algorithms.hyp_cluster_lib import personalize_fn as hyp_cluster_personalize_fn
+from fedjx.algorithms.afl_lib import AFLState
+from fedjx.algorithms.afl_lib import afl
+from fedjx.algorithms.fedasync_lib import FedAsyncState
+from fedjx.algorithms.fedasync_lib import fedasync
+from fedjx.algorithms.qffl_lib import qffl
+from fedjx.algorithms.fedprox_lib import fedprox
 from fedjx.algorithms.quantization import quantize
-from fedjx.algorithms.scaffold import ScaffoldState
-from fedjx.algorithms.scaffold import scaffold
+from fedjx.algorithms.scaffold_lib import ScaffoldState
+from fedjx.algorithms.scaffold_lib import scaffold
 from fedjx.algorithms.robust_aggregators import bulyan
 from fedjx.algorithms.robust_aggregators import centered_clipping
 from fedjx.algorithms.robust_aggregators import coordinate_median
@@ -119,13 +126,13 @@ from fedjx.algorithms.robust_aggregators import krum
 from fedjx.algorithms.robust_aggregators import multi_krum
 from fedjx.algorithms.robust_aggregators import norm_bounding
 from fedjx.algorithms.robust_aggregators import trimmed_mean
-from fedjx.algorithms.streaming_diloco import StreamingDiLoCoState
-from fedjx.algorithms.streaming_diloco import streaming_diloco
-from fedjx.algorithms.yogi import adaptive_adagrad
-from fedjx.algorithms.yogi import adaptive_adam
-from fedjx.algorithms.yogi import scale_by_adaptive
-from fedjx.algorithms.yogi import scale_by_yogi
-from fedjx.algorithms.yogi import yogi
+from fedjx.algorithms.streaming_diloco_lib import StreamingDiLoCoState
+from fedjx.algorithms.streaming_diloco_lib import streaming_diloco
+from fedjx.algorithms.yogi_lib import adaptive_adagrad
+from fedjx.algorithms.yogi_lib import adaptive_adam
+from fedjx.algorithms.yogi_lib import scale_by_adaptive
+from fedjx.algorithms.yogi_lib import scale_by_yogi
+from fedjx.algorithms.yogi_lib import yogi
 from fedjx.algorithms.hypergradients import hypergradient
 from fedjx.algorithms.hypergradients import learn_client_weights
 from fedjx.algorithms.hypergradients import reweight_cohort
@@ -135,6 +142,12 @@ from fedjx.algorithms.tuner import fedavg_hypergradient_tuner
 from fedjx.algorithms.tuner import hypergradient_tuner
 
 __all__ = [
+    # The modules of the algorithms (each builder's is ``<name>_lib``).
+    'afl_lib', 'apfl_lib', 'async_diloco_lib', 'diloco_lib', 'ditto_lib',
+    'dp_fedavg_lib', 'fedasync_lib', 'fedavg_lib', 'fedbuff_lib',
+    'feddyn_lib', 'fedexp_lib', 'fednova_lib', 'fedprox_lib', 'fedrep_lib',
+    'hyp_cluster_lib', 'mime_lib', 'qffl_lib', 'scaffold_lib',
+    'streaming_diloco_lib', 'yogi_lib',
     'compression',
     'distributed_dp',
     'distributed_skellam',

@@ -53,7 +53,7 @@ from jax.flatten_util import ravel_pytree
 
 import fedjx
 from fedjx.algorithms import base
-from fedjx.algorithms.fedavg import fedavg as fedavg_builder
+from fedjx.algorithms.fedavg_lib import fedavg as fedavg_builder
 from fedjx.algorithms import hypergradients
 
 Objective = Callable[[base.Params, base.Cohort], jax.Array]

@@ -6,7 +6,7 @@ runs on a simulated clock. This module is the host side of it: a
 discrete-event simulation in NumPy, a pure function of the seed, the server
 step and a ``duration(client_id, start_time) -> seconds`` callable (a
 system model; :func:`lognormal_durations` is a simple one). The device side
-is :mod:`fedjx.algorithms.fedbuff`.
+is :mod:`fedjx.algorithms.fedbuff_lib`.
 
 The simulation (:class:`AsyncScheduler`), for a population of ``N`` clients,
 a concurrency ``M`` (clients training at once) and a buffer of ``K``
@@ -32,7 +32,7 @@ With ``K = M`` every job of a step started on the current version: the
 staleness is always 0 and each step is a synchronous round of ``M`` clients.
 
 :func:`async_cohort_iterator` turns the steps into placed
-:class:`~fedjx.algorithms.fedbuff.AsyncCohort`\\ s, as
+:class:`~fedjx.algorithms.fedbuff_lib.AsyncCohort`\\ s, as
 :func:`fedjx.datasets.cohort_iterator` does for synchronous rounds.
 """
 
@@ -227,7 +227,7 @@ def async_cohort_iterator(dataset: FederatedDataset, scheduler: AsyncScheduler,
                           bucket: bool = True,
                           mesh: jax.sharding.Mesh | None = None,
                           prefetch: int = 1) -> Prefetcher:
-  """Placed :class:`~fedjx.algorithms.fedbuff.AsyncCohort`\\ s for steps ``start_round, ...``.
+  """Placed :class:`~fedjx.algorithms.fedbuff_lib.AsyncCohort`\\ s for steps ``start_round, ...``.
 
   Step ``r``'s is the cohort of ``scheduler.step(r).client_ids`` (batched by
   :func:`fedjx.datasets.make_cohort`, shuffled with ``(scheduler.seed, r,
@@ -235,7 +235,7 @@ def async_cohort_iterator(dataset: FederatedDataset, scheduler: AsyncScheduler,
   ``scheduler.step(r).time``). Arguments as
   :func:`fedjx.datasets.cohort_iterator`; one process only.
   """
-  from fedjx.algorithms.fedbuff import AsyncCohort  # pylint: disable=g-import-not-at-top
+  from fedjx.algorithms.fedbuff_lib import AsyncCohort  # pylint: disable=g-import-not-at-top
   mesh = calling_thread_mesh(mesh)
   if scheduler.num_clients != dataset.num_clients:
     raise ValueError(f'scheduler.num_clients={scheduler.num_clients} differs '

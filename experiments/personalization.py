@@ -17,7 +17,7 @@ the mean of the worst 10% of clients.
 ``client_state_i`` is client ``i``'s row (None for a stateless algorithm),
 ``D_i = {'batches': {k: [S, B, ...]}, 'mask': [S, B]}``. :func:`fine_tune`
 is one (``k`` local steps or epochs from ``w``); FedRep, Ditto, APFL and
-HypCluster each provide theirs (``fedjx.algorithms.<name>.personalize_fn``).
+HypCluster each provide theirs (``fedjx.algorithms.<name>_lib.personalize_fn``).
 
 The work is one ``fedjx.program`` over a block of ``cohort_size`` clients
 (``map_fn`` over them, so the map strategy and chunk size bound device

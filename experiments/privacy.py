@@ -86,7 +86,7 @@ def mechanism_of(algorithm: Mapping[str, Any]) -> Mechanism | None:
   from fedjx.algorithms import aggregators  # pylint: disable=g-import-not-at-top
   algorithm = _as_dict(algorithm)
   if algorithm.get('name') == 'dp_fedavg':
-    module = importlib.import_module('fedjx.algorithms.dp_fedavg')
+    module = importlib.import_module('fedjx.algorithms.dp_fedavg_lib')
     fn, spec, name = module.dp_fedavg, algorithm, 'gaussian'
   else:
     spec = _as_dict(algorithm.get('aggregator'))

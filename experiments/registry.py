@@ -241,7 +241,7 @@ OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
         'noisy_sgd', 'nadam', 'adamax')
     if hasattr(optax, name)
 }
-# The FedOpt server optimizers (Reddi et al. 2021; fedjx.algorithms.yogi), so
+# The FedOpt server optimizers (Reddi et al. 2021; fedjx.algorithms.yogi_lib), so
 # that algorithm='fedavg', server_optimizer={'name': 'yogi', ...} is FedYogi.
 # 'yogi' is FedYogi's (its v_{-1}, no bias correction); optax's is 'optax_yogi'.
 OPTIMIZERS.update({

@@ -7,7 +7,7 @@ default; any config, so that FedAvg's iterates can be averaged the same way)
 for each seed, evaluates both models after every round, and prints one JSON
 line per seed and model (rounds to the target accuracy, final and best
 accuracy), then the means. For FedExP the mean is
-``fedjx.algorithms.fedexp.averaged_params(state)``.
+``fedjx.algorithms.fedexp_lib.averaged_params(state)``.
 
   python scripts/fedexp_averaged.py --seeds 0,1,2 --rounds 150
   python scripts/fedexp_averaged.py --config configs/fedavg_digits.py

@@ -80,7 +80,7 @@ def test_kairouz_2021_dp_ftrl_stackoverflow(noise, published):
 
 
 def test_dp_epsilon_keeps_its_import_path_and_value():
-  from fedjx.algorithms.dp_fedavg import dp_epsilon  # the documented path
+  from fedjx.algorithms.dp_fedavg_lib import dp_epsilon  # the documented path
   assert dp_epsilon is algorithms.dp_epsilon is accounting.dp_epsilon
   got = accounting.epsilon(1.1, 200, 1e-5, sampling=S.poisson(1000, 0.03))
   assert dp_epsilon(1.1, 0.03, 200, 1e-5) == got

@@ -24,9 +24,9 @@ import pytest
 import fedjx.algorithms as algos
 import float_tolerance as ft
 import linreg_oracle as ref
-from fedjx.algorithms.afl import domain_sums
-from fedjx.algorithms.afl import project_simplex
-from fedjx.algorithms.afl import update_domain_weights
+from fedjx.algorithms.afl_lib import domain_sums
+from fedjx.algorithms.afl_lib import project_simplex
+from fedjx.algorithms.afl_lib import update_domain_weights
 from test_algorithms_util import CHAIN, KEY, assert_trees_close
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params, make_cohort
 

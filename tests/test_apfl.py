@@ -25,8 +25,8 @@ import pytest
 import fedjx.algorithms as algos
 import float_tolerance as ft
 import linreg_oracle as ref
-from fedjx.algorithms.apfl import initial_row
-from fedjx.algorithms.apfl import personalize_fn
+from fedjx.algorithms.apfl_lib import initial_row
+from fedjx.algorithms.apfl_lib import personalize_fn
 from fedjx.datasets.cohort import Cohort
 from test_algorithms_util import CHAIN, KEY, assert_trees_close
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params, make_cohort

@@ -8,8 +8,8 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
-from fedjx.algorithms.async_diloco import delayed_nesterov
-from fedjx.algorithms.fedbuff import AsyncCohort
+from fedjx.algorithms.async_diloco_lib import delayed_nesterov
+from fedjx.algorithms.fedbuff_lib import AsyncCohort
 from fedjx.datasets import async_schedule
 import float_tolerance as ft
 from test_algorithms_util import KEY, assert_trees_close

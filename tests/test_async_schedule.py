@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from fedjx import datasets
-from fedjx.algorithms.fedbuff import AsyncCohort
+from fedjx.algorithms.fedbuff_lib import AsyncCohort
 from fedjx.datasets import _seeding
 from fedjx.datasets import async_schedule as sched
 

@@ -12,7 +12,7 @@ import pytest
 
 import fedjx.algorithms as algos
 from fedjx.algorithms import aggregators
-from fedjx.algorithms.ditto import personalize_fn
+from fedjx.algorithms.ditto_lib import personalize_fn
 from client_rows import Rows, batches_of, linreg_grad, run_round, theta_of
 from test_algorithms_util import CHAIN, assert_trees_close, linreg_data
 from test_algorithms_util import linreg_loss, linreg_params, make_cohort

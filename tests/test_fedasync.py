@@ -21,8 +21,8 @@ import float_tolerance as ft
 import linreg_oracle as ref
 from fedjx import datasets
 from fedjx.algorithms import aggregators
-from fedjx.algorithms.fedbuff import AsyncCohort
-from fedjx.algorithms.fedbuff import staleness_weight
+from fedjx.algorithms.fedbuff_lib import AsyncCohort
+from fedjx.algorithms.fedbuff_lib import staleness_weight
 from fedjx.datasets import async_schedule as sched
 from test_algorithms_util import CHAIN, KEY, assert_trees_close
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params, make_cohort

@@ -8,8 +8,8 @@ import pytest
 
 import fedjx.algorithms as algos
 from fedjx import datasets
-from fedjx.algorithms.fedbuff import AsyncCohort
-from fedjx.algorithms.fedbuff import staleness_weight
+from fedjx.algorithms.fedbuff_lib import AsyncCohort
+from fedjx.algorithms.fedbuff_lib import staleness_weight
 from fedjx.datasets import async_schedule as sched
 import float_tolerance as ft
 from test_algorithms_util import CHAIN, KEY, assert_trees_close, copy

@@ -9,7 +9,7 @@ import pytest
 
 import fedjx.algorithms as algos
 from fedjx.algorithms import aggregators
-from fedjx.algorithms.fedexp import averaged_params
+from fedjx.algorithms.fedexp_lib import averaged_params
 import float_tolerance as ft
 from test_algorithms_util import CHAIN, assert_trees_close
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params, make_cohort

@@ -15,8 +15,8 @@ import pytest
 
 import fedjx.algorithms as algos
 from fedjx.algorithms import aggregators
-from fedjx.algorithms.fedrep import head_mask
-from fedjx.algorithms.fedrep import personalize_fn
+from fedjx.algorithms.fedrep_lib import head_mask
+from fedjx.algorithms.fedrep_lib import personalize_fn
 from client_rows import Rows, batches_of, linreg_grad, run_round, theta_of
 from test_algorithms_util import CHAIN, assert_trees_close, linreg_data
 from test_algorithms_util import linreg_loss, linreg_params, make_cohort

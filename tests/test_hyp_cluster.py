@@ -28,11 +28,11 @@ import pytest
 import fedjx.algorithms as algos
 import float_tolerance as ft
 import linreg_oracle as ref
-from fedjx.algorithms.hyp_cluster import cluster_losses
-from fedjx.algorithms.hyp_cluster import kmeans_init
-from fedjx.algorithms.hyp_cluster import personalize_fn
-from fedjx.algorithms.hyp_cluster import select
-from fedjx.algorithms.hyp_cluster import stack
+from fedjx.algorithms.hyp_cluster_lib import cluster_losses
+from fedjx.algorithms.hyp_cluster_lib import kmeans_init
+from fedjx.algorithms.hyp_cluster_lib import personalize_fn
+from fedjx.algorithms.hyp_cluster_lib import select
+from fedjx.algorithms.hyp_cluster_lib import stack
 from test_algorithms_util import CHAIN, KEY, assert_trees_close
 from test_algorithms_util import linreg_loss, make_cohort
 

@@ -10,7 +10,7 @@ import pytest
 
 import fedjx.algorithms as algos
 from fedjx.algorithms import aggregators
-from fedjx.algorithms.mime import svrg_loss
+from fedjx.algorithms.mime_lib import svrg_loss
 import float_tolerance as ft
 from test_algorithms_util import CHAIN, Cohort, assert_trees_close
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params, make_cohort
@@ -106,7 +106,7 @@ class _Adam:
 
 def _oracle_round(theta, s, data, base_opt, server_lr, mime, clip=None):
   """One Mime / MimeLite round in float64 (module docstring of
-  fedjx.algorithms.mime); ``clip``: MimeLite under a DP aggregator with
+  fedjx.algorithms.mime_lib); ``clip``: MimeLite under a DP aggregator with
   noise 0 (the joint (Delta_i, grad f_i(x)) clipped to ``clip``, the sum
   over the participants divided by their number, uniform weights)."""
   feats = [_features(d) for d in data]

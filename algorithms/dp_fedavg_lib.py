@@ -36,8 +36,8 @@ from typing import Any
 
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
-from fedjx.algorithms.fedavg import build as fedavg_build
-from fedjx.algorithms.fedavg import without
+from fedjx.algorithms.fedavg_lib import build as fedavg_build
+from fedjx.algorithms.fedavg_lib import without
 from fedjx.algorithms.aggregators import clip_update  # pylint: disable=unused-import
 from fedjx.algorithms.aggregators import safe_global_norm  # pylint: disable=unused-import
 

@@ -2,7 +2,7 @@
 
 Mansour, Mohri, Ro, Suresh, "Three Approaches for Personalization with
 Applications to Federated Learning", 2020 (arXiv:2002.10619), Algorithm 2
-(FedJAX's ``fedjax/algorithms/hyp_cluster.py``). The server keeps ``K``
+(FedJAX's ``fedjax/algorithms/hyp_cluster_lib.py``). The server keeps ``K``
 models ``h_1 .. h_K``; a round on a cohort:
 
     broadcast h_1 .. h_K
@@ -39,8 +39,8 @@ from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg import check_parts
-from fedjx.algorithms.fedavg import without
+from fedjx.algorithms.fedavg_lib import check_parts
+from fedjx.algorithms.fedavg_lib import without
 
 # What a round releases beside the aggregate (``Algorithm.unprivatized``).
 UNPRIVATIZED = ('each cluster\'s update is divided by the exact weight of the '

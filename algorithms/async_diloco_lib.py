@@ -1,11 +1,11 @@
 """Asynchronous DiLoCo: replicas of unequal speed, buffered outer steps.
 
-DiLoCo (Douillard et al. 2023, :mod:`fedjx.algorithms.diloco`) waits for
+DiLoCo (Douillard et al. 2023, :mod:`fedjx.algorithms.diloco_lib`) waits for
 every replica before an outer step, so the slowest sets the pace. Here
 replicas report when they finish, as in Liu et al., "Asynchronous Local-SGD
 Training for Language Modeling", 2024 (arXiv 2401.09135): the server takes
 an outer step whenever ``K`` outer gradients are buffered (FedBuff's
-machinery, :mod:`fedjx.algorithms.fedbuff`), each replica having trained
+machinery, :mod:`fedjx.algorithms.fedbuff_lib`), each replica having trained
 ``H`` inner steps, with its own persistent inner optimizer state, from the
 version it received ``tau_k`` outer steps ago:
 
@@ -81,22 +81,22 @@ from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms import quantization
-from fedjx.algorithms.diloco import OPTIONS as DILOCO_OPTIONS
-from fedjx.algorithms.diloco import check_aggregator
-from fedjx.algorithms.diloco import check_options
-from fedjx.algorithms.diloco import outer_nesterov
-from fedjx.algorithms.diloco import outer_step
-from fedjx.algorithms.diloco import replica_states
-from fedjx.algorithms.diloco import stack_states
-from fedjx.algorithms.fedbuff import async_metrics
-from fedjx.algorithms.fedbuff import check_async_cohort
-from fedjx.algorithms.fedbuff import check_async_options
-from fedjx.algorithms.fedbuff import in_ring
-from fedjx.algorithms.fedbuff import kept
-from fedjx.algorithms.fedbuff import ring_init
-from fedjx.algorithms.fedbuff import ring_push
-from fedjx.algorithms.fedbuff import ring_read
-from fedjx.algorithms.fedbuff import staleness_scale
+from fedjx.algorithms.diloco_lib import OPTIONS as DILOCO_OPTIONS
+from fedjx.algorithms.diloco_lib import check_aggregator
+from fedjx.algorithms.diloco_lib import check_options
+from fedjx.algorithms.diloco_lib import outer_nesterov
+from fedjx.algorithms.diloco_lib import outer_step
+from fedjx.algorithms.diloco_lib import replica_states
+from fedjx.algorithms.diloco_lib import stack_states
+from fedjx.algorithms.fedbuff_lib import async_metrics
+from fedjx.algorithms.fedbuff_lib import check_async_cohort
+from fedjx.algorithms.fedbuff_lib import check_async_options
+from fedjx.algorithms.fedbuff_lib import in_ring
+from fedjx.algorithms.fedbuff_lib import kept
+from fedjx.algorithms.fedbuff_lib import ring_init
+from fedjx.algorithms.fedbuff_lib import ring_push
+from fedjx.algorithms.fedbuff_lib import ring_read
+from fedjx.algorithms.fedbuff_lib import staleness_scale
 
 
 class AsyncDiLoCoState(NamedTuple):
@@ -186,7 +186,7 @@ def delayed_nesterov(learning_rate: float = 0.7, momentum: float = 0.9,
       momentum term applied at each of a period's first ``N - 1`` steps.
 
   With ``period=1`` it returns DiLoCo's outer Nesterov SGD itself
-  (:func:`fedjx.algorithms.diloco.outer_nesterov`: the same program, so the
+  (:func:`fedjx.algorithms.diloco_lib.outer_nesterov`: the same program, so the
   same bits, and no ``momentum_activation`` hyperparameter).
   """
   fn = 'delayed_nesterov'

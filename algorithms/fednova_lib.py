@@ -49,7 +49,7 @@ import fedjx
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg import without
+from fedjx.algorithms.fedavg_lib import without
 
 # fedavg's options but those FedNova's normalization does not cover.
 OPTIONS: dict[str, Any] = without('client_transform', 'aggregator',

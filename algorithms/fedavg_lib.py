@@ -29,9 +29,9 @@ from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms import schedules
-from fedjx.algorithms.yogi import adaptive_adagrad
-from fedjx.algorithms.yogi import adaptive_adam
-from fedjx.algorithms.yogi import yogi
+from fedjx.algorithms.yogi_lib import adaptive_adagrad
+from fedjx.algorithms.yogi_lib import adaptive_adam
+from fedjx.algorithms.yogi_lib import yogi
 
 
 # fedavg's options, by name, with their defaults (its variants take them too).
@@ -289,7 +289,7 @@ def fedadam(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
   eps^2``). ``initial_accumulator_value`` sets ``v_{-1}`` and
   ``bias_correction=True`` scales the step by ``sqrt(1 - b2^t) / (1 -
   b1^t)``: with ``initial_accumulator_value=0.0, bias_correction=True`` and
-  their ``eps``, Flower's and TFF's FedAdam (:mod:`fedjx.algorithms.yogi`).
+  their ``eps``, Flower's and TFF's FedAdam (:mod:`fedjx.algorithms.yogi_lib`).
   ``eps`` may be 0. Other arguments as :func:`fedavg`.
   """
   return _fedopt('fedadam', loss_fn, _fedopt_optimizer(

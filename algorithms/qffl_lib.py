@@ -45,9 +45,9 @@ import fedjx
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
-from fedjx.algorithms.fedavg import check_parts
-from fedjx.algorithms.fedavg import client_training
-from fedjx.algorithms.fedavg import without
+from fedjx.algorithms.fedavg_lib import check_parts
+from fedjx.algorithms.fedavg_lib import client_training
+from fedjx.algorithms.fedavg_lib import without
 from fedjx.algorithms import nonfinite
 
 # What a round releases beside the aggregate (``Algorithm.unprivatized``).

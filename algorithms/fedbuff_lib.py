@@ -53,8 +53,8 @@ import fedjx
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms import fedavg
-from fedjx.algorithms.fedavg import OPTIONS as FEDAVG_OPTIONS
+from fedjx.algorithms import fedavg_lib
+from fedjx.algorithms.fedavg_lib import OPTIONS as FEDAVG_OPTIONS
 
 STALENESS_WEIGHTINGS = ('polynomial', 'constant')
 # Xie et al. 2019's three staleness functions (FedAsync takes them all).
@@ -282,17 +282,17 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
   o = base.take_options(name, options, OPTIONS)
   client_transform, metrics_fn = o['client_transform'], o['metrics_fn']
   client_optimizer, server_optimizer, aggregator, schedule = (
-      fedavg.check_parts(name, o))
+      fedavg_lib.check_parts(name, o))
   buffer_size, max_staleness, weighting, exponent = check_async_options(
       name, o, 'clients')
-  train = fedavg.client_training(loss_fn, metrics_fn, client_optimizer,
+  train = fedavg_lib.client_training(loss_fn, metrics_fn, client_optimizer,
                                  client_transform, schedule)
 
   def init(params):
     return FedBuffState(
         params=params, opt_state=server_optimizer.init(params),
         versions=ring_init(params, max_staleness + 1),
-        hparams=fedavg.initial_hparams(client_optimizer, server_optimizer,
+        hparams=fedavg_lib.initial_hparams(client_optimizer, server_optimizer,
                                        client_transform, aggregator, params,
                                        'fedbuff'),
         round_index=jnp.zeros((), jnp.int32),
@@ -310,7 +310,7 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
 
   def round_fn(state, cohort, key):
     check_async_cohort(name, cohort, buffer_size)
-    client_hparams = fedavg.client_hparams_of(state, client_transform)
+    client_hparams = fedavg_lib.client_hparams_of(state, client_transform)
     tau = jnp.asarray(cohort.staleness, jnp.int32)
     num_examples = cohort.num_examples * kept(tau, max_staleness)
     clients = aggregators.map_clients(

@@ -45,10 +45,10 @@ import fedjx
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg import check_parts
-from fedjx.algorithms.fedavg import client_hparams_of
-from fedjx.algorithms.fedavg import client_training
-from fedjx.algorithms.fedavg import without
+from fedjx.algorithms.fedavg_lib import check_parts
+from fedjx.algorithms.fedavg_lib import client_hparams_of
+from fedjx.algorithms.fedavg_lib import client_training
+from fedjx.algorithms.fedavg_lib import without
 
 # What a round releases beside the aggregate (``Algorithm.unprivatized``).
 UNPRIVATIZED = ('its server step size eta_g reads sum_i ||Delta_i||^2, the '

@@ -60,9 +60,9 @@ from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg import check_parts
-from fedjx.algorithms.fedavg import initial_hparams
-from fedjx.algorithms.fedavg import without
+from fedjx.algorithms.fedavg_lib import check_parts
+from fedjx.algorithms.fedavg_lib import initial_hparams
+from fedjx.algorithms.fedavg_lib import without
 
 HeadLabels = Any  # A labels pytree, a callable params -> labels, or names.
 

@@ -2,7 +2,7 @@
 
 Deng, Kamani, Mahdavi, "Adaptive Personalized Federated Learning", 2020
 (arXiv:2003.13461), Algorithm 1, with the adaptive mixing weight of their
-Section 3 (FedJAX's ``fedjax/algorithms/apfl.py``). The server keeps the
+Section 3 (FedJAX's ``fedjax/algorithms/apfl_lib.py``). The server keeps the
 global model ``w``; each client ``i`` keeps a personal model ``v_i`` and a
 mixing weight ``alpha_i`` in ``[0, 1]``, and is served the mixture
 
@@ -56,8 +56,8 @@ from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg import check_parts
-from fedjx.algorithms.fedavg import without
+from fedjx.algorithms.fedavg_lib import check_parts
+from fedjx.algorithms.fedavg_lib import without
 
 PERSONAL_GRADIENTS = ('chain', 'mixed')
 

@@ -47,7 +47,7 @@ from fedjx.algorithms import base
 from fedjx.algorithms import client_transforms
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg import without
+from fedjx.algorithms.fedavg_lib import without
 
 
 class ScaffoldState(NamedTuple):

@@ -24,7 +24,7 @@ s, x)[1]``, its learning rate included. A round on a cohort with weights
 round (all real examples of its cohort batches) at the server model. With
 ``ServerOpt = SGD(1)`` (the default) ``x`` becomes the clients' weighted mean
 ``y_i``, the paper's; SGD with learning rate ``eta_g`` is FedJAX's
-``server_learning_rate`` (``fedjax/algorithms/mime.py``, ``mime_lite.py``).
+``server_learning_rate`` (``fedjax/algorithms/mime_lib.py``, ``mime_lite.py``).
 Mime's correction is SVRG's: its mean over the client's batches is ``c``'s
 direction, so client drift is removed along with the statistics' staleness.
 

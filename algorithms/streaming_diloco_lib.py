@@ -46,9 +46,9 @@ from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms.diloco import OPTIONS as DILOCO_OPTIONS
-from fedjx.algorithms.diloco import check_aggregator
-from fedjx.algorithms.diloco import check_options
+from fedjx.algorithms.diloco_lib import OPTIONS as DILOCO_OPTIONS
+from fedjx.algorithms.diloco_lib import check_aggregator
+from fedjx.algorithms.diloco_lib import check_options
 from fedjx.algorithms import quantization
 
 FRAGMENT_PATTERNS = ('strided', 'sequential')

@@ -20,7 +20,7 @@ Here ``tau`` counts the server updates since the client's version (0 for
 the freshest update, so ``alpha_t = alpha`` then), as FedBuff's staleness
 does; in Algorithm 1's indexing the freshest update has ``t - tau = 1``.
 
-The simulation is FedBuff's (:mod:`fedjx.algorithms.fedbuff`,
+The simulation is FedBuff's (:mod:`fedjx.algorithms.fedbuff_lib`,
 :mod:`fedjx.datasets.async_schedule`) with a buffer of one: each round is one
 arrival, an :class:`~fedjx.algorithms.AsyncCohort` of one client with its
 staleness, so ``config.cohort_size = 1`` and ``config.algorithm.concurrency``
@@ -48,20 +48,20 @@ from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_transforms
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedbuff import STALENESS_FUNCTIONS
-from fedjx.algorithms.fedbuff import async_metrics
-from fedjx.algorithms.fedbuff import check_async_cohort
-from fedjx.algorithms.fedbuff import check_staleness_options
-from fedjx.algorithms.fedbuff import in_ring
-from fedjx.algorithms.fedbuff import kept
-from fedjx.algorithms.fedbuff import ring_init
-from fedjx.algorithms.fedbuff import ring_push
-from fedjx.algorithms.fedbuff import ring_read
-from fedjx.algorithms.fedbuff import staleness_scale
-from fedjx.algorithms.fedavg import check_parts
-from fedjx.algorithms.fedavg import client_hparams_of
-from fedjx.algorithms.fedavg import client_training
-from fedjx.algorithms.fedavg import without
+from fedjx.algorithms.fedbuff_lib import STALENESS_FUNCTIONS
+from fedjx.algorithms.fedbuff_lib import async_metrics
+from fedjx.algorithms.fedbuff_lib import check_async_cohort
+from fedjx.algorithms.fedbuff_lib import check_staleness_options
+from fedjx.algorithms.fedbuff_lib import in_ring
+from fedjx.algorithms.fedbuff_lib import kept
+from fedjx.algorithms.fedbuff_lib import ring_init
+from fedjx.algorithms.fedbuff_lib import ring_push
+from fedjx.algorithms.fedbuff_lib import ring_read
+from fedjx.algorithms.fedbuff_lib import staleness_scale
+from fedjx.algorithms.fedavg_lib import check_parts
+from fedjx.algorithms.fedavg_lib import client_hparams_of
+from fedjx.algorithms.fedavg_lib import client_training
+from fedjx.algorithms.fedavg_lib import without
 
 OPTIONS: dict[str, Any] = {
     **without('server_optimizer', 'client_transform'),

@@ -41,9 +41,9 @@ from fedjx.algorithms import base
 from fedjx.algorithms import client_transforms
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg import check_parts
-from fedjx.algorithms.fedavg import client_training
-from fedjx.algorithms.fedavg import without
+from fedjx.algorithms.fedavg_lib import check_parts
+from fedjx.algorithms.fedavg_lib import client_training
+from fedjx.algorithms.fedavg_lib import without
 
 # fedavg's options but the client transform (the personal objective is
 # Ditto's own), and the personal model's.

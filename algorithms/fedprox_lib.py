@@ -24,8 +24,8 @@ import optax
 
 from fedjx.algorithms import base
 from fedjx.algorithms import client_transforms
-from fedjx.algorithms.fedavg import build as fedavg_build
-from fedjx.algorithms.fedavg import without
+from fedjx.algorithms.fedavg_lib import build as fedavg_build
+from fedjx.algorithms.fedavg_lib import without
 
 # fedavg's options but the client transform, which FedProx sets.
 OPTIONS = without('client_transform')
