@@ -21,3 +21,21 @@ if 'FEDJX_TEST_CACHE_HOME' not in os.environ:
   import tempfile  # pylint: disable=g-import-not-at-top
   os.environ['FEDJX_TEST_CACHE_HOME'] = tempfile.mkdtemp(prefix='fedjx-tests-')
 os.environ['XDG_CACHE_HOME'] = os.environ['FEDJX_TEST_CACHE_HOME']
+
+
+# The quick subset, `pytest -m quick` (README): the default tests of one file
+# or two per layer (primitives, algorithms, datasets, models, execution,
+# packaging, the command line and its workdir).
+QUICK_FILES = ('test_primitives.py', 'test_reductions.py', 'test_fedavg.py',
+               'test_algorithms_fedopt.py', 'test_datasets_partition.py',
+               'test_datasets_cohort.py', 'test_sampling.py', 'test_models.py',
+               'test_execution.py', 'test_packaging.py', 'test_listing.py',
+               'test_workdir.py')
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  import pytest  # pylint: disable=g-import-not-at-top
+  for item in items:
+    if item.path.name in QUICK_FILES and item.get_closest_marker('slow') is None:
+      item.add_marker(pytest.mark.quick)

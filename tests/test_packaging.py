@@ -139,3 +139,11 @@ def test_the_benchmark_script_finds_its_module_from_any_directory(tmp_path):
                        cwd=tmp_path)
   assert 'ModuleNotFoundError' not in out.stderr, out.stderr
   assert '--guard_cost' in out.stdout + out.stderr
+
+
+def test_the_quick_subset_names_test_files_that_exist():
+  import conftest  # pylint: disable=import-outside-toplevel
+  missing = [f for f in conftest.QUICK_FILES if not (REPO / 'tests' / f).is_file()]
+  assert not missing, f'tests/conftest.py QUICK_FILES names missing files: {missing}'
+  with open(REPO / 'setup.cfg', encoding='utf-8') as f:
+    assert '\n    quick: ' in f.read()  # A registered marker.
