@@ -1,10 +1,12 @@
 """The workdir of a run or a sweep: whether it can hold one, and starting over.
 
 :func:`check` tells, before JAX is imported, whether ``--workdir`` can hold
-a run: it creates the directory if missing, then lists it and creates (and
-removes) a file in it. A path that is a file, sits under a file, cannot be
-created, read or written, or sits on a full disk is a :class:`WorkdirError`
-of one line naming the path and what to do.
+a run: it lists the directory and creates (and removes) a file in it, or,
+for a directory still to be made, in its nearest existing ancestor, so that
+nothing stays written until the run's own checks have passed. A path that
+is a file, sits under a file, cannot be created, read or written, or sits on
+a full disk is a :class:`WorkdirError` of one line naming the path and what
+to do.
 
 :func:`start_over` is ``--fresh``: it removes what a run (:data:`RUN_OUTPUTS`)
 or a sweep (:data:`SWEEP_OUTPUTS`) writes in its workdir, and nothing else
@@ -58,8 +60,26 @@ def _file_above(path: str) -> str | None:
   return None
 
 
+def _probe(directory: str) -> OSError | None:
+  """Creates and removes a file in ``directory``; the error, if that fails."""
+  probe = os.path.join(directory,
+                       f'.fedjx-write-test.{os.getpid()}.{uuid.uuid4().hex[:8]}')
+  try:
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+  except OSError as e:
+    return e
+  os.close(fd)
+  os.remove(probe)
+  return None
+
+
 def check(workdir: str, flag: str = '--workdir') -> str:
-  """``workdir`` as an absolute path, created if missing, known to be usable.
+  """``workdir`` as an absolute path, known to be usable; nothing is left
+  written (a missing directory is created by the run, once its config and
+  data have passed their checks).
+
+  A directory is listed and a file created in it and removed; for a missing
+  one, that file goes to its nearest existing ancestor.
 
   Raises:
     WorkdirError: (one line naming the path and the fix) the path is a file
@@ -68,6 +88,8 @@ def check(workdir: str, flag: str = '--workdir') -> str:
   """
   path = os.path.abspath(workdir)
   given = f'{flag}={workdir!r}'
+  full_disk = (f'{given}: no space left on the device; free space or choose a '
+               f'{flag} on another disk.')
   if os.path.lexists(path) and not os.path.isdir(path):
     raise WorkdirError(f'{given} is a file, not a directory; give a directory '
                        '(it is created if missing), or move the file away.')
@@ -75,34 +97,31 @@ def check(workdir: str, flag: str = '--workdir') -> str:
   if above is not None:
     raise WorkdirError(f'{given}: {above!r} is a file, so no directory can be '
                        f'made under it; choose another {flag}.')
-  try:
-    os.makedirs(path, exist_ok=True)
-  except OSError as e:
-    if e.errno == errno.ENOSPC:
-      raise WorkdirError(f'{given} cannot be created: no space left on the '
-                         f'device; free space or choose a {flag} on another '
-                         'disk.') from None
-    raise WorkdirError(f'{given} cannot be created ({_reason(e)}); choose a '
-                       f'{flag} where you can write, e.g. under your home '
-                       'directory.') from None
+  if not os.path.isdir(path):
+    parent = os.path.dirname(path)
+    while not os.path.isdir(parent):
+      parent = os.path.dirname(parent)
+    error = _probe(parent)
+    if error is None:
+      return path
+    if error.errno == errno.ENOSPC:
+      raise WorkdirError(full_disk)
+    raise WorkdirError(f'{given} cannot be created in {parent!r} '
+                       f'({_reason(error)}); choose a {flag} where you can '
+                       'write, e.g. under your home directory.')
   try:
     os.listdir(path)
   except OSError as e:
     raise WorkdirError(f'{given} cannot be read ({_reason(e)}); give yourself '
                        f'access (chmod u+rwx {workdir}) or choose another '
                        f'{flag}.') from None
-  probe = os.path.join(path, f'.fedjx-write-test.{os.getpid()}.{uuid.uuid4().hex[:8]}')
-  try:
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-  except OSError as e:
-    if e.errno == errno.ENOSPC:
-      raise WorkdirError(f'{given}: no space left on the device; free space or '
-                         f'choose a {flag} on another disk.') from None
-    raise WorkdirError(f'{given} is not writable ({_reason(e)}); give yourself '
-                       f'access (chmod u+rwx {workdir}) or choose another '
-                       f'{flag}.') from None
-  os.close(fd)
-  os.remove(probe)
+  error = _probe(path)
+  if error is not None:
+    if error.errno == errno.ENOSPC:
+      raise WorkdirError(full_disk)
+    raise WorkdirError(f'{given} is not writable ({_reason(error)}); give '
+                       f'yourself access (chmod u+rwx {workdir}) or choose '
+                       f'another {flag}.')
   return path
 
 
@@ -140,6 +159,8 @@ def start_over(workdir: str, names: Sequence[str], prog: str, yes: bool,
   """
   stdin = sys.stdin if stdin is None else stdin
   stderr = sys.stderr if stderr is None else stderr
+  if not os.path.isdir(workdir):
+    return []  # Nothing there yet: nothing to start over from.
   with workdir_lock.hold(workdir):
     present = outputs(workdir, names)
     if not present:

@@ -111,8 +111,10 @@ def files(tmp_path_factory):
   return d
 
 
-def _cli(files, prog, workdir, *args, fault='', umask=None, stdin=subprocess.DEVNULL):
-  env = dict(os.environ, JAX_PLATFORMS='cpu', FAULT=fault, TARGET=str(workdir))
+def _cli(files, prog, workdir, *args, fault='', target=None, umask=None,
+         stdin=subprocess.DEVNULL):
+  env = dict(os.environ, JAX_PLATFORMS='cpu', FAULT=fault,
+             TARGET=str(workdir if target is None else target))
   env.pop('FEDJX_DEBUG', None)
   cmd = [sys.executable, str(files / 'wrap.py'), prog, '--config',
          str(files / 'config_file.py'), '--workdir', str(workdir), *args]
@@ -164,6 +166,15 @@ def test_an_unwritable_or_unreadable_workdir_is_one_line(files, tmp_path, prog):
       f'{prog}: --workdir={str(workdir)!r} cannot be read (Permission denied); '
       f'give yourself access (chmod u+rwx {workdir}) or choose another --workdir.')
   assert os.listdir(workdir) == []  # The probe file was never left behind.
+  # A workdir to be made in a directory where no file can be created.
+  missing = workdir / 'new' / 'run'
+  out = _cli(files, prog, missing, fault='unwritable', target=workdir)
+  assert out.returncode == 2
+  assert _one_line(out) == (
+      f'{prog}: --workdir={str(missing)!r} cannot be created in {str(workdir)!r} '
+      '(Permission denied); choose a --workdir where you can write, e.g. under '
+      'your home directory.')
+  assert os.listdir(workdir) == []
 
 
 def test_a_full_disk_while_a_metrics_row_is_written_is_one_line(files, tmp_path):
@@ -181,10 +192,12 @@ def test_a_full_disk_while_a_metrics_row_is_written_is_one_line(files, tmp_path)
   assert [r['round'] for r in metrics_writers.read_metrics(str(workdir))] == [0, 1, 2]
 
 
-def test_the_workdir_check_creates_a_missing_directory(tmp_path):
+def test_the_workdir_check_leaves_a_missing_directory_to_the_run(tmp_path):
   path = tmp_path / 'a' / 'b'
   assert workdir_lib.check(str(path)) == str(path)
-  assert path.is_dir() and os.listdir(path) == []
+  assert os.listdir(tmp_path) == []  # Its probe file came and went.
+  assert workdir_lib.start_over(str(path), workdir_lib.RUN_OUTPUTS, 'fedjx-run',
+                                yes=False) == []
 
 
 # ------------------------------------------------------------------ --fresh
