@@ -304,7 +304,7 @@ def check_model(fn: str, loss_fn: LossFn, metrics_fn: MetricsFn | None,
                 params: Params, cohort: Cohort) -> None:
   """Checks at trace time that ``loss_fn(params, batch)`` fits the cohort."""
   spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-  batch = jax.eval_shape(fedjx.indexed.example_batch, cohort.batches)
+  batch = fedjx.indexed.batch_spec(cohort.batches)
   p = jax.tree.map(spec, params)
   b = cohort.mask.shape[2]
   shapes = lambda t: jax.tree.map(lambda s: tuple(s.shape), t)

@@ -102,13 +102,18 @@ def row_bytes(batches: IndexedBatches) -> int:
              jnp.result_type(v).itemsize for v in batches.table.values())
 
 
-def example_batch(tree: Any) -> Any:
-  """One ``[B, ...]`` batch of ``tree`` (a cohort's ``[C, S, B, ...]``
-  batches or an :class:`IndexedBatches`): client 0's step 0."""
-  return jax.tree.map(
-      lambda x: x.rows(jnp.asarray(x.index)[0, 0]) if is_indexed(x)
-      else jnp.asarray(x)[0, 0], tree, is_leaf=is_indexed)
+def batch_spec(tree: Any) -> Any:
+  """Shape and dtype of one ``[B, ...]`` batch of ``tree`` (a cohort's
+  ``[C, S, B, ...]`` batches or an :class:`IndexedBatches`), from shapes
+  alone: nothing is sliced, so a sharded cohort needs no resharding."""
+  def spec(x):
+    if is_indexed(x):
+      b = jnp.shape(x.index)[2]
+      return {k: jax.ShapeDtypeStruct((b,) + s.shape, s.dtype)
+              for k, s in x.example_spec().items()}
+    return jax.ShapeDtypeStruct(jnp.shape(x)[2:], jnp.result_type(x))
+  return jax.tree.map(spec, tree, is_leaf=is_indexed)
 
 
-__all__ = ['IndexedBatches', 'dense', 'example_batch', 'is_indexed',
+__all__ = ['IndexedBatches', 'batch_spec', 'dense', 'is_indexed',
            'leading_shape', 'row_bytes', 'take']
