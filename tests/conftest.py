@@ -30,7 +30,7 @@ QUICK_FILES = ('test_primitives.py', 'test_reductions.py', 'test_fedavg.py',
                'test_algorithms_fedopt.py', 'test_datasets_partition.py',
                'test_datasets_cohort.py', 'test_sampling.py', 'test_models.py',
                'test_execution.py', 'test_packaging.py', 'test_listing.py',
-               'test_workdir.py')
+               'test_result_files.py', 'test_workdir.py')
 
 
 def pytest_collection_modifyitems(config, items):
