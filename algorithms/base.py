@@ -91,6 +91,13 @@ class Algorithm(NamedTuple):
       norms); every DP aggregator (``Aggregator.privacy`` set: central,
       distributed or local) is then refused in one line
       (:func:`check_private_uploads`).
+    indexed_batches: whether the round reads a cohort whose ``batches``
+      are a :class:`fedjx.IndexedBatches` (a population on the device) as
+      it is: its clients' code reads steps with ``fedjx.indexed.take``
+      inside ``map_fn``, so each step gathers its own rows. False: the
+      round first gathers the whole cohort's ``[C, S, B, ...]`` arrays on
+      the device (the same numbers, one device-side copy per round, no
+      host copy).
   """
 
   init: Callable[[Params], Any]
@@ -100,6 +107,7 @@ class Algorithm(NamedTuple):
   compiler: Callable[..., 'Algorithm'] | None = None
   client_state_init: Callable[[Params], PyTree] | None = None
   unprivatized: str | None = None
+  indexed_batches: bool = False
 
   def compile(self, map_strategy: str = 'auto', chunk_size: int | None = None,
               donate: bool = True) -> 'Algorithm':
@@ -135,7 +143,7 @@ class Algorithm(NamedTuple):
 # every wrapper of an algorithm (``scheduled``, the hypergradient tuner, the
 # runner's finiteness check) keeps them all, by construction: it builds its
 # algorithm as ``wrapped._replace(init=..., round=..., ...)``.
-TRAITS = ('client_state_init', 'unprivatized')
+TRAITS = ('client_state_init', 'unprivatized', 'indexed_batches')
 
 
 class ServerState(NamedTuple):
@@ -565,7 +573,8 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
                    chunk_size: int | None = None,
                    options: Mapping[str, Any] | None = None,
                    client_state_init: Callable[[Params], PyTree] | None = None,
-                   unprivatized: str | None = None) -> Algorithm:
+                   unprivatized: str | None = None,
+                   indexed_batches: bool = False) -> Algorithm:
   """Wraps an algorithm's ``init`` and round (a fedjx program body).
 
   ``round_fn`` is written with the fedjx primitives and called inside
@@ -580,6 +589,9 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
   ``cohort.client_states`` and returns ``(state, metrics, client_states)``.
   ``unprivatized`` is the algorithm's declared trait (see :class:`Algorithm`;
   its builder refuses DP aggregators with :func:`check_private_uploads`).
+  ``indexed_batches`` declares that ``round_fn`` reads an indexed cohort as
+  it is (see :class:`Algorithm`); otherwise such a cohort's batches are
+  gathered whole on the device before ``round_fn`` runs.
   """
   if client_state_init is not None and not callable(client_state_init):
     raise ValueError(f'{name}: client_state_init={client_state_init!r} must '
@@ -608,6 +620,9 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
   def compiler(strategy: str, chunks: int | None, donate: bool) -> Algorithm:
     def apply(state: Any, cohort: Cohort, key: jax.Array) -> tuple[Any, Metrics]:
       c = check_cohort(name, cohort)
+      if not indexed_batches and fedjx.indexed.is_indexed(
+          getattr(cohort, 'batches', None)):
+        cohort = cohort._replace(batches=cohort.batches.dense())
       check_model(name, loss_fn, metrics_fn, state.params, cohort)
       if client_state_init is not None:
         check_client_states(name, cohort, c)
@@ -633,6 +648,6 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
                      run_rounds=jax.jit(run, donate_argnums=donated),
                      apply=apply, compiler=compiler,
                      client_state_init=client_state_init,
-                     unprivatized=unprivatized)
+                     unprivatized=unprivatized, indexed_batches=indexed_batches)
 
   return compiler(map_strategy or 'auto', chunk_size, True)

@@ -253,4 +253,5 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
     return state._replace(round_index=state.round_index + 1,
                           **updated), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                             indexed_batches=True)

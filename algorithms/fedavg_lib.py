@@ -231,7 +231,8 @@ def build(name: str, loss_fn: base.LossFn,
                           round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                             indexed_batches=True)
 
 
 # ------------------------------------------------------------------- FedOpt

@@ -148,7 +148,8 @@ def fednova(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     return state._replace(params=params, opt_state=opt_state,
                           round_index=state.round_index + 1), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                             indexed_batches=True)
 
 
 __all__ = ['fednova', 'local_steps']

@@ -245,7 +245,7 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
 
   return base.make_algorithm(
       name, init, round_fn, loss_fn=loss_fn, options=o,
-      client_state_init=None if dense else zeros_like)
+      client_state_init=None if dense else zeros_like, indexed_batches=True)
 
 
 def zeros_like(params: base.Params) -> base.Params:

@@ -243,4 +243,5 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         inner_opt_states=scatter(state.inner_opt_states, inner),
         round_index=state.round_index + 1, aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                             indexed_batches=True)

@@ -52,6 +52,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 import fedjx
+import fedjx.indexed
 from fedjx.algorithms import base
 from fedjx.algorithms.fedavg_lib import fedavg as fedavg_builder
 from fedjx.algorithms import hypergradients
@@ -106,11 +107,12 @@ def cohort_objective(loss_fn: base.LossFn) -> Objective:
   def client_sums(params, batches, mask):
     dtype = jnp.result_type(jax.tree.leaves(params)[0])
 
-    def step(total, xs):
-      batch, m = xs
+    def step(total, t):
+      batch, m = fedjx.indexed.take((batches, mask), t)
       return total + jnp.sum(jnp.where(m, loss_fn(params, batch), 0.0)), None
 
-    total, _ = jax.lax.scan(step, jnp.zeros((), dtype), (batches, mask))
+    total, _ = jax.lax.scan(step, jnp.zeros((), dtype),
+                            jnp.arange(jnp.shape(mask)[0]))
     return total, jnp.sum(mask).astype(dtype)
 
   def objective(params, cohort):

@@ -123,6 +123,7 @@ def _pair(seed=0):
 
 def _two_rounds(name, cohorts, strategy, chunk):
   algo = ALL[name]().compile(map_strategy=strategy, chunk_size=chunk, donate=False)
+  assert algo.indexed_batches  # These read indexed cohorts as they are.
   state = algo.init(linreg_params(DIM))
   for r, cohort in enumerate(cohorts):
     state, metrics = algo.round(state, cohort, jax.random.key(r))
@@ -171,3 +172,17 @@ def test_fedavg_on_device_equals_host_and_differentiates(strategy, evaluation):
   g_host = jax.grad(final_loss)(1.0, host)
   g_dev = jax.grad(final_loss)(1.0, resident)
   np.testing.assert_allclose(g_dev, g_host, rtol=RTOL, atol=RTOL * abs(float(g_host)))
+
+
+def test_other_algorithms_gather_the_cohort_first():
+  """An algorithm that does not declare indexed_batches (HypCluster reads
+  the cohort's batches outside map_fn) gets them gathered on the device:
+  the host cohort's round."""
+  loss = lambda p, b: 0.5 * (b['x'] @ p['w'] - b['y']) ** 2
+  algo = algos.hyp_cluster(loss, num_clusters=2).compile(donate=False)
+  assert not algo.indexed_batches
+  host, resident = _pair(0)
+  params = [{'w': jnp.zeros(DIM)}, {'w': jnp.ones(DIM)}]
+  want = algo.round(algo.init(params), host, jax.random.key(0))
+  got = algo.round(algo.init(params), resident, jax.random.key(0))
+  _assert_close(got, want)
