@@ -553,9 +553,22 @@ def take_options(fn: str, given: Mapping[str, Any],
 
 def scan_rounds(apply: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]],
                 state: Any, cohorts: Cohort, keys: jax.Array) -> tuple[Any, Metrics]:
-  """Runs ``R`` rounds with ``lax.scan``: one per leading entry of ``cohorts``."""
+  """Runs ``R`` rounds with ``lax.scan``: one per leading entry of ``cohorts``.
+
+  Cohorts of a population on the device stack their indices and share one
+  table: ``batches = IndexedBatches(table, index)`` with ``index`` of shape
+  ``[R, C, S, B]`` (the table is not scanned over).
+  """
+  table = (cohorts.batches.table if fedjx.indexed.is_indexed(
+      getattr(cohorts, 'batches', None)) else None)
+  if table is not None:
+    cohorts = cohorts._replace(batches=cohorts.batches.index)
+
   def body(state, xs):
     cohort, key = xs
+    if table is not None:
+      cohort = cohort._replace(batches=fedjx.indexed.IndexedBatches(
+          table, cohort.batches))
     return apply(state, cohort, key)
   return jax.lax.scan(body, state, (cohorts, keys))
 

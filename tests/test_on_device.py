@@ -186,3 +186,26 @@ def test_other_algorithms_gather_the_cohort_first():
   want = algo.round(algo.init(params), host, jax.random.key(0))
   got = algo.round(algo.init(params), resident, jax.random.key(0))
   _assert_close(got, want)
+
+
+def test_run_rounds_scans_the_indices_of_one_table():
+  loss = lambda p, b: 0.5 * (b['x'] @ p['w'] - b['y']) ** 2
+  algo = algos.fedavg(loss).compile(donate=False)
+  population = _population(0)
+  resident = datasets.on_device(population)
+  ids = np.arange(len(SIZES))
+  host = [datasets.make_cohort(population, ids, B, round_num=r) for r in (0, 1)]
+  dev = [datasets.make_cohort(resident, ids, B, round_num=r) for r in (0, 1)]
+  stack = lambda *xs: jnp.stack(xs)
+  host = jax.tree.map(stack, *host)
+  indexed = dev[0]._replace(
+      batches=IndexedBatches(dev[0].batches.table,
+                             stack(*[d.batches.index for d in dev])),
+      mask=stack(*[d.mask for d in dev]),
+      num_examples=stack(*[d.num_examples for d in dev]),
+      client_ids=stack(*[d.client_ids for d in dev]))
+  keys = jax.random.split(jax.random.key(0), 2)
+  params = {'w': jnp.zeros(DIM)}
+  want = algo.run_rounds(algo.init(params), host, keys)
+  got = algo.run_rounds(algo.init(params), indexed, keys)
+  _assert_close(got, want)
