@@ -180,7 +180,7 @@ def test_a_round_that_is_not_a_plan_is_a_clear_error():
   # Streaming DiLoCo branches on client values outside map_fn (docs/beam.md).
   algo = algorithms.streaming_diloco(_loss, CLIENTS)
   state = algo.init(_params())
-  with pytest.raises(ValueError, match="'cond' at streaming_diloco.py.*inside a loop or a branch"):
+  with pytest.raises(ValueError, match="'cond' at streaming_diloco_lib.py.*inside a loop or a branch"):
     streaming.run(algo.apply, state, streaming.Clients.from_arrays(_cohort(0)),
                   jax.random.key(0), chunk_size=5)
 
