@@ -128,18 +128,31 @@ def step_schedule(mask: jax.Array, schedule: LocalSchedule) -> tuple[jax.Array, 
   return index, jnp.broadcast_to(n > 0, t.shape)
 
 
-def block_size(s: int) -> int:
-  """Steps per block of :func:`scan_steps`: ``ceil(sqrt(S))``."""
+# A carry (model and optimizer state) of fewer bytes than this runs its
+# steps one per block: the nested loop of a block costs more than copying
+# such a carry through a skipped branch (the 2NN, 0.8 MB: 9% less CPU one
+# step per block; the EMNIST CNN, 6.5 MB: blocks of sqrt(S) are faster,
+# benchmarks/peers/run.py and scripts/benchmark_padding.py, docs/benchmarks.md).
+BLOCK_MIN_CARRY_BYTES = 2 << 20
+
+
+def block_size(s: int, carry_bytes: int | None = None) -> int:
+  """Steps per block of :func:`scan_steps`: ``ceil(sqrt(S))``, or 1 for a
+  carry of fewer than :data:`BLOCK_MIN_CARRY_BYTES`."""
+  if carry_bytes is not None and carry_bytes < BLOCK_MIN_CARRY_BYTES:
+    return 1
   return max(1, math.isqrt(max(s - 1, 0)) + 1)
 
 
 def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]],
-               carry: PyTree, xs: PyTree, active: jax.Array) -> tuple[PyTree, PyTree]:
+               carry: PyTree, xs: PyTree, active: jax.Array,
+               block: int | None = None) -> tuple[PyTree, PyTree]:
   """``lax.scan`` of ``step(carry, x_t, active_t)`` over ``S = len(active)``
   steps, where a block of steps that no member of the chunk needs is skipped.
 
-  The ``S`` steps run as ``ceil(S / b)`` blocks of ``b = ceil(sqrt(S))``
-  (:func:`block_size`): an outer ``scan`` over blocks, each a ``lax.cond``
+  The ``S`` steps run as ``ceil(S / b)`` blocks of ``b`` steps (``block``,
+  default :func:`block_size` of ``S`` and the carry's bytes: ``ceil(sqrt(S))``,
+  or 1 for a small carry): an outer ``scan`` over blocks, each a ``lax.cond``
   on :func:`fedjx.mapping.any_in_chunk` of its steps' ``active``, around an
   inner ``scan`` over its ``b`` steps (past ``S``: inactive). ``step`` must
   leave ``carry`` unchanged and return zeros when ``active_t`` is False for
@@ -150,7 +163,8 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
   """
   active = jnp.asarray(active)
   s = active.shape[0]
-  b = block_size(s)
+  b = block or block_size(s, sum(x.size * x.dtype.itemsize
+                                 for x in jax.tree.leaves(carry)))
   blocks = -(-s // b)
 
   def inner(carry, t):
@@ -160,7 +174,7 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
 
   shapes = jax.eval_shape(inner, carry, jnp.zeros((), jnp.int32))[1]
 
-  def block(carry, start):
+  def run_block(carry, start):
     ts = start + jnp.arange(b)
     live = jnp.logical_and(ts < s, active[jnp.minimum(ts, s - 1)])
 
@@ -172,7 +186,7 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
     return jax.lax.cond(fedjx.mapping.any_in_chunk(jnp.any(live)),
                         lambda c: jax.lax.scan(inner, c, ts), skip, carry)
 
-  carry, ys = jax.lax.scan(block, carry, jnp.arange(blocks) * b)
+  carry, ys = jax.lax.scan(run_block, carry, jnp.arange(blocks) * b)
   return carry, jax.tree.map(lambda y: y.reshape((blocks * b,) + y.shape[2:])[:s], ys)
 
 

@@ -1,6 +1,8 @@
 """Padded steps cost nothing: a step that is padding for every client run
 together with it is skipped, and cohorts can be laid out by step count."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.test_util import check_grads
@@ -183,11 +185,20 @@ def test_scan_steps_equals_a_plain_scan_step_for_step(s):
   active = jnp.asarray(rng.random(s) < 0.5)
   carry = jnp.asarray(rng.normal(size=3), jnp.float32)
   plain = jax.lax.scan(lambda c, a: _scan_step(c, *a), carry, (xs, active))
-  blocked = jax.jit(client_update.scan_steps, static_argnums=0)(
-      _scan_step, carry, xs, active)
-  for got, want in zip(jax.tree.leaves(blocked), jax.tree.leaves(plain)):
-    np.testing.assert_array_equal(got, want)
+  for block in (None, client_update.block_size(s)):  # Per step, and sqrt(S).
+    blocked = jax.jit(functools.partial(client_update.scan_steps, _scan_step,
+                                        block=block))(carry, xs, active)
+    for got, want in zip(jax.tree.leaves(blocked), jax.tree.leaves(plain)):
+      np.testing.assert_array_equal(got, want)
   assert client_update.block_size(s) == int(np.ceil(np.sqrt(s)))
+
+
+def test_small_carries_run_one_step_per_block():
+  from fedjx.algorithms import client_update
+  small = client_update.BLOCK_MIN_CARRY_BYTES - 1
+  assert client_update.block_size(16, small) == 1
+  assert client_update.block_size(16, small + 1) == 4
+  assert client_update.block_size(16) == 4
 
 
 def test_scan_steps_skips_whole_blocks_of_padding():
@@ -202,8 +213,8 @@ def test_scan_steps_skips_whole_blocks_of_padding():
     return _scan_step(carry, x, active)
 
   active = jnp.arange(16) < 5
-  out = jax.jit(client_update.scan_steps, static_argnums=0)(
-      step, jnp.zeros(3), jnp.ones((16, 3)), active)
+  out = jax.jit(functools.partial(client_update.scan_steps, step, block=4))(
+      jnp.zeros(3), jnp.ones((16, 3)), active)
   jax.block_until_ready(out)
   assert len(entered) == 8
 
