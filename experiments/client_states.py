@@ -20,6 +20,11 @@ The runner (:mod:`fedjx.experiments.run_trainer`):
 * on resumption, and on the fall back to an older checkpoint when the newest
   is damaged, restores the store to the step actually restored.
 
+A store is one process's: a multi-process run keeps per-client state on the
+devices instead (:func:`for_processes` turns ``placement='store'`` into
+``'device'`` for an algorithm that offers a dense placement, SCAFFOLD) and
+refuses an algorithm whose rows live only in a store.
+
 ``docs/client_state.md`` ("In the runner") gives the guarantees.
 """
 
@@ -41,6 +46,52 @@ def directory(config: Any, workdir: str) -> str:
   return config.client_state.directory or os.path.join(workdir, 'client_states')
 
 
+def for_processes(config: Any, workdir: str, log: Any) -> Any:
+  """``config`` with ``placement='device'`` where a store cannot serve the run.
+
+  A :class:`fedjx.ClientStore` holds its rows in one process's memory and
+  files, while a cohort's clients are drawn afresh each round and land on
+  whichever process's devices hold their slot: the row a client reads may
+  have been written by another process. In a multi-process run
+  (``jax.process_count() > 1``) an algorithm whose registry entry offers a
+  dense placement (SCAFFOLD's ``client_state='dense'``) therefore keeps its
+  per-client state in the server state, sharded over the mesh like the rest
+  of it, and the run says so in one line. The config returned (and saved as
+  the workdir's ``config.json``) names ``'device'``; a later single-process
+  run in a workdir whose ``config.json`` names ``'device'`` keeps it, so the
+  workdir resumes under any process layout. Other algorithms are left as
+  they are (:func:`make_store` refuses them in a multi-process run).
+  """
+  import json  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  if config.client_state.placement != 'store':
+    return config
+  entry = registry.algorithm_entry(config.algorithm.name)
+  option = entry.client_state
+  if option is None or option in config.algorithm or option not in (
+      registry.accepted_kwargs(entry.builder)[0]):
+    return config
+  if jax.process_count() > 1:
+    why = (f'a run of {jax.process_count()} processes has no host store '
+           "(placement='store' is for single-process runs)")
+  else:
+    try:
+      with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+        saved = json.load(f).get('client_state', {}).get('placement')
+    except (OSError, ValueError, AttributeError):
+      saved = None
+    if saved != 'device':
+      return config
+    why = f"the run in {workdir} keeps it there (its config.json)"
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.client_state.placement = 'device'
+  log(f'fedjx: config.algorithm.name={config.algorithm.name!r} keeps its '
+      "per-client state on the devices (config.client_state.placement='device'): "
+      f'{why}.')
+  return config
+
+
 def make_store(config: Any, algorithm: Any, init_params: Any, num_clients: int,
                workdir: str) -> client_store_lib.ClientStore | None:
   """The run's store, or None for an algorithm without per-client state."""
@@ -49,9 +100,11 @@ def make_store(config: Any, algorithm: Any, init_params: Any, num_clients: int,
     return None
   if jax.process_count() > 1:
     raise ConfigError(
-        f'config.algorithm.name={config.algorithm.name!r} keeps per-client '
-        'state in a host store, which runs in single-process runs only; use '
-        "config.client_state.placement='device' where the algorithm offers it.")
+        f'config.algorithm.name={config.algorithm.name!r} keeps its per-client '
+        'state only in a host store (config.client_state.placement='
+        f"{config.client_state.placement!r}), which serves single-process runs; "
+        f'this run has {jax.process_count()} processes: run it on one process, '
+        "or choose an algorithm that offers placement='device' (scaffold).")
   initial = jax.tree.map(np.asarray, jax.device_get(init(init_params)))
   budget = int(config.client_state.memory_budget_mb * 2**20)
   return client_store_lib.ClientStore(initial, num_clients,

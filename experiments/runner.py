@@ -45,6 +45,7 @@ import jax
 import ml_collections
 
 from fedjx.experiments import checkpointing
+from fedjx.experiments import client_states
 from fedjx.experiments import config as config_lib
 from fedjx.experiments import compilation_cache
 from fedjx.experiments import processes
@@ -106,6 +107,7 @@ def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
         lambda msg: None)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
+  config = client_states.for_processes(config, workdir, log)
   try:
     compilation_cache.enable(config.compilation_cache, workdir)
   except ValueError as e:

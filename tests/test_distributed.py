@@ -86,6 +86,12 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
   tol = ft.rtol(4500)
   for a, b in zip(params_one, params_two):
     np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.max(np.abs(b))))
+  # The workdir resumes on one process too, keeping its placement.
+  more = subprocess.run([sys.executable, *cli(two, '--config.rounds=5')], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert more.returncode == 0, more.stderr[-2000:]
+  assert 'keeps it there' in more.stderr and 'after round 4' in more.stderr
+  assert _state(two)[0] == 5
 
 
 def test_processes_with_different_device_counts_are_one_line(tmp_path):
@@ -217,3 +223,87 @@ def test_diloco_replicas_sharded_over_model_axis_match_unsharded(tmp_path):
   # (The evaluation losses follow from these parameters; a bound on their
   # difference would need the loss's gradient, so they are not compared.)
   assert np.isfinite(sharded.history[-1]['eval_loss'])
+
+
+_SCAFFOLD_CONFIG = '''
+from fedjx.experiments.config_base import base_config, optimizer
+
+def get_config():
+  config = base_config()
+  config.seed = 3
+  config.rounds = 4
+  config.cohort_size = 8
+  config.batch_size = 16
+  config.local_steps = 2
+  config.eval_every = 2
+  config.checkpoint_every = 2
+  config.mesh = 'clients=-1'
+  config.progress = False
+  config.plot = False
+  config.tensorboard = False
+  config.dataset = dict(name='digits', num_clients=16, alpha=0.5)
+  config.model = dict(name='logistic_regression')
+  config.algorithm = dict(name='scaffold',
+                          client_optimizer=optimizer('sgd', learning_rate=0.1))
+  return config
+'''
+
+
+def _state(workdir):
+  state, step = runner.load_state(str(workdir))
+  return step, state
+
+
+@pytest.mark.slow  # ~50 s: runs on one process, on two, resumed on two and on one.
+def test_scaffold_over_two_processes_matches_one_process(tmp_path):
+  """SCAFFOLD's per-client c_i cannot live in a host store that each process
+  holds alone (a client's row would be on whichever process trained it
+  last): on two processes the runner keeps them on the devices, says so in
+  one line, and resumes like that, ending with the one-process store run's
+  model."""
+  config = tmp_path / 'scaffold.py'
+  config.write_text(_SCAFFOLD_CONFIG)
+  cli = lambda workdir, *extra: [RUN, '--config', str(config),
+                                 f'--workdir={workdir}', *extra]
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
+             JAX_PLATFORMS='cpu')
+  env.pop('FEDJX_DEBUG', None)
+  one = subprocess.run([sys.executable, *cli(tmp_path / 'one')], env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert one.returncode == 0, one.stderr[-2000:]
+  assert 'per-client state on the devices' not in one.stderr  # The store.
+  two = tmp_path / 'two'
+  # Two rounds, then resumed to four: checkpoint and resumption across processes.
+  for rounds in (2, 4):
+    results = distributed.launch_local(cli(two, f'--config.rounds={rounds}'),
+                                       num_processes=2, devices_per_process=4,
+                                       timeout=600, env={'FEDJX_DEBUG': ''})
+    for r in results:
+      assert r.returncode == 0, r.stderr[-2000:]
+    said = [l for l in results[0].stderr.splitlines()
+            if 'per-client state on the devices' in l]
+    assert len(said) == 1 and 'a run of 2 processes has no host store' in said[0]
+  assert 'resuming' in results[0].stderr and 'after round 2' in results[0].stderr
+  import json  # pylint: disable=g-import-not-at-top
+  with open(two / 'config.json', encoding='utf-8') as f:
+    assert json.load(f)['client_state']['placement'] == 'device'
+  step_one, state_one = _state(tmp_path / 'one')
+  step_two, state_two = _state(two)
+  assert step_one == step_two == 4
+  assert not jax.tree.leaves(state_one.client_controls)  # In the host store.
+  assert jax.tree.leaves(state_two.client_controls)      # Dense, [16, ...].
+  # The runs differ in the order of float32 sums only (cross-device
+  # reductions over 8 devices of 2 processes vs 1; c_i gathered from a dense
+  # array vs read from the store, both exact copies). The longest chain per
+  # local step of the 64-feature, 10-class logistic regression: the logits
+  # (64 terms), the softmax (10), the batch mean of the loss and the weight
+  # gradient (16 + 16): ~110; 2 steps, then the 8 clients' average and the
+  # server control's (8 + 8): ~240 per round, 4 rounds: ~960. The controls'
+  # rounding re-enters the model through the corrected steps (eta K (c - c_i)
+  # is a parameter-scale difference), doubling it to first order: n = 2000,
+  # relative to each leaf's scale.
+  tol = ft.rtol(2000)
+  for a, b in zip(jax.tree.leaves((state_one.params, state_one.control)),
+                  jax.tree.leaves((state_two.params, state_two.control))):
+    a, b = np.asarray(a), distributed.to_host(b)
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.max(np.abs(b))))
