@@ -77,6 +77,9 @@ DEFAULTS: dict[str, Any] = {
     'coordinator_address': '',  # multi-process runs: 'host:port' of process 0
     'num_processes': None,
     'process_id': None,
+    # Seconds a process other than 0 waits for the coordinator to come up; a
+    # program holding its port that is not the coordinator fails at once.
+    'coordinator_timeout_s': 300.0,
     # Who takes part in each round, and how a DP run is accounted: see
     # SAMPLING_OPTIONS, PRIVACY_DEFAULTS and docs/privacy.md.
     'sampling': {'name': 'uniform'},
@@ -190,7 +193,8 @@ RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
                      'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep',
                      'data_placement', 'compilation_cache',
                      'mesh', 'param_sharding', 'coordinator_address',
-                     'num_processes', 'process_id', 'execution',
+                     'num_processes', 'process_id', 'coordinator_timeout_s',
+                     'execution',
                      'streaming_chunk_size')
 # Fields inside sections that a resumed run may change (where rows live, not
 # what they hold).
@@ -233,6 +237,10 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
     options.RoundOptions.of(config)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  wait = config.coordinator_timeout_s
+  if not (_number(wait) and math.isfinite(wait) and wait > 0):
+    raise ConfigError(f'config.coordinator_timeout_s={wait!r}; it must be a '
+                      'positive number of seconds.')
   if config.param_sharding not in ('replicated', 'fsdp'):
     raise ConfigError(f'config.param_sharding={config.param_sharding!r} '
                                "is not one of ('replicated', 'fsdp').")

@@ -99,8 +99,11 @@ def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
   config = validate(config)
   from fedjx import distributed  # pylint: disable=g-import-not-at-top
   processes.check_coordinator_port(config)
-  distributed.initialize(config.coordinator_address or None, config.num_processes,
-                         config.process_id)
+  try:
+    distributed.initialize(config.coordinator_address or None, config.num_processes,
+                           config.process_id, timeout_s=config.coordinator_timeout_s)
+  except distributed.CoordinatorError as e:
+    raise config_lib.ConfigError(str(e)) from None
   lead = jax.process_index() == 0
   if log is None:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if lead else (

@@ -7,7 +7,10 @@ of them. This module adds what a federated experiment needs on top:
 * :func:`initialize`: ``jax.distributed.initialize`` from explicit arguments
   or the environment (``FEDJX_COORDINATOR``, ``FEDJX_NUM_PROCESSES``,
   ``FEDJX_PROCESS_ID``, set by :func:`launch_local`; on Cloud TPU, SLURM and
-  other clusters JAX detects everything itself);
+  other clusters JAX detects everything itself), whose processes other
+  than 0 first wait, for a bounded time, for the coordinator to answer
+  (:func:`wait_for_coordinator`: a port held by another program is one
+  line at once, not JAX's wait of minutes and abort);
 * :func:`make_mesh`: a mesh from axis names and sizes (``{'clients': -1,
   'model': 4}``: -1 takes the devices left over);
 * :func:`fsdp_sharding`: parameters sharded on the ``model`` axis (each array
@@ -19,6 +22,7 @@ of them. This module adds what a federated experiment needs on top:
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -35,14 +39,99 @@ ENV_NUM_PROCESSES = 'FEDJX_NUM_PROCESSES'
 ENV_PROCESS_ID = 'FEDJX_PROCESS_ID'
 
 
+# How long a process other than 0 waits for the coordinator by default (the
+# initialization_timeout of jax.distributed.initialize).
+COORDINATOR_TIMEOUT_S = 300.0
+# How long a program that accepts connections on the coordinator's port has to
+# answer as a gRPC (HTTP/2) server does, at once, before it is taken for a
+# program that is not the coordinator.
+ANSWER_S = 5.0
+_HTTP2_PREFACE = b'PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n'
+_HTTP2_SETTINGS = b'\x00\x00\x00\x04\x00\x00\x00\x00\x00'  # An empty SETTINGS frame.
+
+
+class CoordinatorError(ValueError):
+  """The coordinator cannot be reached: the message says why, in one line."""
+
+
+def wait_for_coordinator(coordinator_address: str,
+                         timeout_s: float = COORDINATOR_TIMEOUT_S,
+                         answer_s: float = ANSWER_S) -> None:
+  """Waits until ``coordinator_address`` serves JAX's coordination service.
+
+  The coordinator (process 0) is a gRPC server: it answers the HTTP/2
+  connection preface with a SETTINGS frame as soon as it accepts a
+  connection. Connections refused mean process 0 has not started it yet,
+  retried for up to ``timeout_s``. A program that accepts the connection but
+  does not answer within ``answer_s`` (or answers otherwise, or hangs up) is
+  holding the port in its place: JAX would wait out its whole
+  ``initialization_timeout`` and abort, so this raises
+  :class:`CoordinatorError` at once instead.
+  """
+  import time  # pylint: disable=g-import-not-at-top
+  answer_s = min(answer_s, timeout_s)
+  host, _, port = coordinator_address.rpartition(':')
+  host = host.strip('[]')
+  if not host or not port.isdigit():
+    raise CoordinatorError(
+        f'the coordinator address {coordinator_address!r} is not host:port '
+        "(e.g. 'localhost:1234').")
+  taken = (f'port {port} of {host} is taken by a program that is not '
+           "process 0's coordinator ({}); choose another port in "
+           '--config.coordinator_address (or FEDJX_COORDINATOR) for every '
+           'process, or stop the program holding it.')
+  deadline = time.monotonic() + timeout_s
+  while True:
+    left = deadline - time.monotonic()
+    try:
+      conn = socket.create_connection((host, int(port)), timeout=max(0.1, min(left, answer_s)))
+    except OSError as e:
+      if time.monotonic() + 0.5 >= deadline:
+        raise CoordinatorError(
+            f'the coordinator at {coordinator_address!r} did not come up within '
+            f'{timeout_s:g} s ({e.strerror or e}); start process 0 with the same '
+            '--config.coordinator_address, or raise '
+            '--config.coordinator_timeout_s.') from None
+      time.sleep(0.5)
+      continue
+    with conn:
+      try:
+        conn.sendall(_HTTP2_PREFACE + _HTTP2_SETTINGS)
+        conn.settimeout(answer_s)
+        head = b''
+        while len(head) < 9:
+          chunk = conn.recv(9 - len(head))
+          if not chunk:
+            break
+          head += chunk
+      except socket.timeout:
+        raise CoordinatorError(taken.format(
+            f'it accepts connections but did not answer within {answer_s:g} s'
+        )) from None
+      except OSError as e:
+        raise CoordinatorError(taken.format(
+            f'the connection failed: {e.strerror or e}')) from None
+    if len(head) == 9 and head[3] == 0x04:  # A SETTINGS frame: gRPC.
+      return
+    raise CoordinatorError(taken.format(
+        'it hung up' if not head else 'it answered, but not as a gRPC server'))
+
+
 def initialize(coordinator_address: str | None = None,
                num_processes: int | None = None,
                process_id: int | None = None, *,
-               cpu_collectives: str = 'gloo') -> bool:
+               cpu_collectives: str = 'gloo',
+               timeout_s: float | None = None) -> bool:
   """Starts JAX's multi-process runtime if this is a multi-process run.
 
   Arguments default to the ``FEDJX_*`` environment variables. With neither,
   nothing happens (a single-process run) unless ``num_processes`` is given.
+  ``timeout_s`` (default :data:`COORDINATOR_TIMEOUT_S`) bounds the wait for
+  the coordinator: a process other than 0 first checks that the
+  coordinator's address answers as one (:func:`wait_for_coordinator`;
+  :class:`CoordinatorError`, in one line, when the port is held by another
+  program or nothing comes up in time), and JAX's
+  ``initialization_timeout`` is set to it.
 
   Returns:
     Whether ``jax.distributed`` was initialized.
@@ -61,12 +150,19 @@ def initialize(coordinator_address: str | None = None,
       0 <= process_id < num_processes):
     raise ValueError(f'fedjx.distributed.initialize: process_id={process_id} is not '
                      f'in [0, {num_processes}).')
+  timeout_s = COORDINATOR_TIMEOUT_S if timeout_s is None else timeout_s
+  if not timeout_s > 0:
+    raise ValueError(f'fedjx.distributed.initialize: timeout_s={timeout_s!r}; it '
+                     'must be a positive number of seconds.')
   if jax.distributed.is_initialized():
     return True
+  if coordinator_address and process_id not in (None, 0):
+    wait_for_coordinator(coordinator_address, timeout_s)
   # Only CPU devices use this setting; it must be made before the backend starts.
   jax.config.update('jax_cpu_collectives_implementation', cpu_collectives)
   jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
+                             num_processes=num_processes, process_id=process_id,
+                             initialization_timeout=max(1, int(math.ceil(timeout_s))))
   return True
 
 

@@ -307,3 +307,64 @@ def test_scaffold_over_two_processes_matches_one_process(tmp_path):
                   jax.tree.leaves((state_two.params, state_two.control))):
     a, b = np.asarray(a), distributed.to_host(b)
     np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.max(np.abs(b))))
+
+
+def test_wait_for_coordinator_tells_a_coordinator_from_a_port_taken():
+  import socket  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  # A gRPC server answers the HTTP/2 preface with a SETTINGS frame at once.
+  with socket.socket() as server:
+    server.bind(('localhost', 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    def answer():
+      conn, _ = server.accept()
+      with conn:
+        conn.sendall(b'\x00\x00\x00\x04\x00\x00\x00\x00\x00')
+        conn.recv(64)
+
+    threading.Thread(target=answer, daemon=True).start()
+    distributed.wait_for_coordinator(f'localhost:{port}', timeout_s=5)
+  # A program that accepts connections and stays silent is not one.
+  with socket.socket() as busy:
+    busy.bind(('localhost', 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(distributed.CoordinatorError,
+                       match=rf'port {port} of localhost is taken by a program that '
+                       "is not process 0's coordinator"):
+      distributed.wait_for_coordinator(f'localhost:{port}', timeout_s=1)
+    assert time.monotonic() - start < 3  # Bounded by timeout_s, not JAX's 300 s.
+  # Nothing listening: retried until timeout_s, then one line.
+  with pytest.raises(distributed.CoordinatorError,
+                     match=rf"'localhost:{port}' did not come up within 1 s"):
+    distributed.wait_for_coordinator(f'localhost:{port}', timeout_s=1)
+  with pytest.raises(distributed.CoordinatorError, match='is not host:port'):
+    distributed.wait_for_coordinator('localhost', timeout_s=1)
+
+
+def test_a_coordinator_port_taken_is_one_line_from_process_1_in_bounded_time(tmp_path):
+  import socket  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  with socket.socket() as busy:
+    busy.bind(('localhost', 0))
+    busy.listen()  # Accepts connections (the kernel's backlog), never answers.
+    port = busy.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS='cpu', FEDJX_COORDINATOR=f'localhost:{port}',
+               FEDJX_NUM_PROCESSES='2', FEDJX_PROCESS_ID='1')
+    env.pop('FEDJX_DEBUG', None)
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, *_cli(tmp_path / 'w'),
+                          '--config.coordinator_timeout_s=3'], env=env,
+                         capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+  lines = out.stderr.strip().splitlines()
+  assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+  assert f'port {port} of localhost is taken' in lines[0]
+  assert 'choose another port in --config.coordinator_address' in lines[0]
+  assert 'stop the program holding it' in lines[0]
+  # Start-up (imports, flags) plus the 3 s wait; JAX alone would wait 300 s.
+  assert took < 20, took
