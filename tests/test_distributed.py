@@ -86,12 +86,6 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
   tol = ft.rtol(4500)
   for a, b in zip(params_one, params_two):
     np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.max(np.abs(b))))
-  # The workdir resumes on one process too, keeping its placement.
-  more = subprocess.run([sys.executable, *cli(two, '--config.rounds=5')], env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert more.returncode == 0, more.stderr[-2000:]
-  assert 'keeps it there' in more.stderr and 'after round 4' in more.stderr
-  assert _state(two)[0] == 5
 
 
 def test_processes_with_different_device_counts_are_one_line(tmp_path):
@@ -307,6 +301,12 @@ def test_scaffold_over_two_processes_matches_one_process(tmp_path):
                   jax.tree.leaves((state_two.params, state_two.control))):
     a, b = np.asarray(a), distributed.to_host(b)
     np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.max(np.abs(b))))
+  # The workdir resumes on one process too, keeping its placement.
+  more = subprocess.run([sys.executable, *cli(two, '--config.rounds=5')], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert more.returncode == 0, more.stderr[-2000:]
+  assert 'keeps it there' in more.stderr and 'after round 4' in more.stderr
+  assert _state(two)[0] == 5
 
 
 def test_wait_for_coordinator_tells_a_coordinator_from_a_port_taken():
