@@ -49,6 +49,11 @@ from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms.fedavg_lib import without
 
+# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+UNPRIVATIZED = ("each client's control variate change Delta c_i = c_i+ - c_i, "
+                'built from its exact update and summed exactly beside the '
+                'aggregate, which the noise does not cover')
+
 
 class ScaffoldState(NamedTuple):
   """SCAFFOLD's server state.
@@ -132,8 +137,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
     client_metrics: also return per-client ``[C]`` metrics
       (:func:`fedjx.algorithms.base.client_metrics` of ``Delta y_i``); False
       adds nothing to the round.
-    metrics_fn, local_epochs, local_steps, weighting, map_strategy,
-    chunk_size, client_evaluation, skip_nonfinite: as for :func:`fedavg`; a
+    metrics_fn, local_epochs, local_steps, weighting, client_evaluation,
+    skip_nonfinite: as for :func:`fedavg`; a
       skipped client's ``c_i`` is left unchanged and its ``Delta c_i`` is 0.
   """
   name = 'scaffold'
@@ -153,6 +158,7 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
   base.check_optimizer(name, 'server_optimizer', server_optimizer)
   base.check_choice(name, 'weighting', o['weighting'], base.WEIGHTINGS)
   aggregator = aggregators.check(name, o['aggregator'])
+  base.check_private_uploads(name, aggregator, UNPRIVATIZED)
   nonfinite.check_flag(name, o['skip_nonfinite'])
   client_metrics = o['client_metrics']
   base.check_choice(name, 'client_metrics', client_metrics, (False, True))
@@ -245,7 +251,8 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
 
   return base.make_algorithm(
       name, init, round_fn, loss_fn=loss_fn, options=o,
-      client_state_init=None if dense else zeros_like, indexed_batches=True)
+      client_state_init=None if dense else zeros_like, indexed_batches=True,
+      unprivatized=UNPRIVATIZED)
 
 
 def zeros_like(params: base.Params) -> base.Params:

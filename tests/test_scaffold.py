@@ -1,5 +1,7 @@
 """SCAFFOLD's control variates against option II on quadratics (NumPy)."""
 
+import re
+
 import numpy as np
 import optax
 import pytest
@@ -81,6 +83,23 @@ def test_scaffold_arguments():
     algos.scaffold(quadratic_loss, 0)
   with pytest.raises(ValueError, match='client_learning_rate'):
     algos.scaffold(quadratic_loss, 3, client_learning_rate=-0.1)
+
+
+@pytest.mark.parametrize('aggregator', [
+    algos.aggregators.gaussian(1.0, 1.0),
+    algos.distributed_skellam(clip_norm=1.0, noise_multiplier=1.0),
+    algos.local_gaussian(clip_norm=1.0, noise_multiplier=1.0),
+], ids=['gaussian', 'distributed_skellam', 'local_gaussian'])
+def test_dp_aggregators_are_refused(aggregator):
+  # Delta c_i is summed exactly beside the noised Delta y_i: no DP holds.
+  with pytest.raises(ValueError, match=(
+      rf'scaffold: aggregator {re.escape(aggregator.privacy)} is refused: each '
+      r"client's control variate change")) as e:
+    algos.scaffold(quadratic_loss, 3, aggregator=aggregator)
+  assert '\n' not in str(e.value)
+  assert algos.scaffold(quadratic_loss, 3).unprivatized is not None
+  # A non-private secure sum is still taken.
+  algos.scaffold(quadratic_loss, 3, aggregator=algos.secure_sum())
 
 
 def test_client_learning_rate_is_the_optimizer_s_or_a_mismatch_is_refused():
