@@ -46,13 +46,11 @@ Nesterov SGD; with ``c = 1/N`` and ``m = 0`` a period's first steps apply
 agreed with Algorithm 3 on those steps); the momentum's weights over a
 period sum to one.
 
-(Releases up to 0.1.x read the paper differently: between momentum steps
-they applied ``eta c g_t``, and at the period's last step
-``eta (beta m + mean of the period's g)``, so with ``c > 0`` the first
-``N - 1`` gradients of a period were applied twice, once alone and again in
-the mean, and the momentum at full weight at the last step; their
-``gradient_scale`` argument is now ``momentum_activation``. The old and the
-new rule agree on a period's first ``N - 1`` steps while ``m = 0`` and
+(An earlier reading of the paper applied ``eta c g_t`` between momentum
+steps and ``eta (beta m + mean of the period's g)`` at the period's last
+step, so with ``c > 0`` the first ``N - 1`` gradients of a period were
+applied twice, once alone and again in the mean, and the momentum at full
+weight at the last step. The old and the new rule agree on a period's first ``N - 1`` steps while ``m = 0`` and
 ``c = 1/N``, and first differ at its last step:
 ``tests/test_async_diloco.py`` checks both against float64 NumPy.)
 
@@ -75,7 +73,6 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx import _deprecation
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
@@ -164,7 +161,7 @@ def _delayed_nesterov(learning_rate: float, momentum: float,
 
 
 def delayed_nesterov(learning_rate: float = 0.7, momentum: float = 0.9,
-                     period: int = 1, gradient_scale: float | None = None, *,
+                     period: int = 1, *,
                      momentum_activation: float = 0.0) -> optax.GradientTransformation:
   """Liu et al. 2024's Delayed Nesterov outer optimizer, their Algorithm 3.
 
@@ -180,8 +177,6 @@ def delayed_nesterov(learning_rate: float = 0.7, momentum: float = 0.9,
     learning_rate: ``eta`` (injected hyperparameter).
     momentum: ``beta`` in ``[0, 1]`` (injected).
     period: ``N``, outer steps per momentum step (static).
-    gradient_scale: deprecated spelling of ``momentum_activation`` (up to
-      0.1.x it scaled the outer gradients applied between momentum steps).
     momentum_activation: ``c`` in ``[0, 1/N]`` (injected): the share of the
       momentum term applied at each of a period's first ``N - 1`` steps.
 
@@ -190,13 +185,6 @@ def delayed_nesterov(learning_rate: float = 0.7, momentum: float = 0.9,
   same bits, and no ``momentum_activation`` hyperparameter).
   """
   fn = 'delayed_nesterov'
-  if gradient_scale is not None:
-    _deprecation.warn(
-        f'{fn}: gradient_scale={gradient_scale!r} is deprecated; it is the '
-        'momentum activation c of Liu et al.\'s Algorithm 3 (every outer '
-        'gradient is applied once, at 1/period), so use momentum_activation',
-        stacklevel=3)
-    momentum_activation = gradient_scale
   base.check_number(fn, 'learning_rate', learning_rate)
   base.check_number(fn, 'momentum', momentum, high=1.0)
   base.check_positive_int(fn, 'period', period)
@@ -217,7 +205,6 @@ OPTIONS: dict[str, Any] = {
     'staleness_exponent': 0.5,
     'delay_period': 1,
     'momentum_activation': 0.0,
-    'gradient_scale': None,
     'concurrency': None,
     'client_durations': None,
 }
@@ -239,7 +226,7 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
       :func:`~fedjx.algorithms.fedbuff`'s (default ``s = (1 + tau)^-0.5``).
     delay_period: ``N`` of :func:`delayed_nesterov` [1: Nesterov SGD].
     momentum_activation: ``c`` of :func:`delayed_nesterov`, in ``[0, 1/N]``
-      [0]; ``gradient_scale`` is its deprecated spelling.
+      [0].
     outer_optimizer: any optax optimizer instead of the delayed Nesterov
       one (then ``delay_period`` and ``momentum_activation`` are not taken); or
       ``outer_learning_rate`` [0.7] and ``outer_momentum`` [0.9] for it.
@@ -259,13 +246,6 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   o = base.take_options(name, options, OPTIONS)
   period, scale = o['delay_period'], o['momentum_activation']
   base.check_positive_int(name, 'delay_period', period)
-  if o['gradient_scale'] is not None:
-    _deprecation.warn(
-        f'{name}: gradient_scale={o["gradient_scale"]!r} is deprecated; it is '
-        'the momentum activation c of Liu et al.\'s Algorithm 3 (every outer '
-        'gradient is applied once, at 1/delay_period), so use '
-        'momentum_activation', stacklevel=3)
-    scale = o['gradient_scale']
   base.check_number(name, 'momentum_activation', scale, high=1.0 / period)
   diloco_options = {k: o[k] for k in DILOCO_OPTIONS}
   if o['outer_optimizer'] is None:

@@ -43,9 +43,7 @@ import optax
 
 import fedjx
 import fedjx.indexed
-from fedjx import _deprecation
 from fedjx import options
-from fedjx.options import check_map_options
 
 Params = Any
 PyTree = Any
@@ -508,15 +506,13 @@ def pooled_metrics(stats: Mapping[str, jax.Array], *, clients: jax.Array,
 
 # ------------------------------------------------------------------ options
 
-# Options every builder takes (see docs/algorithms.md); ``map_strategy`` and
-# ``chunk_size`` are deprecated there (``Algorithm.compile`` sets them).
+# Options every builder takes (see docs/algorithms.md); how clients run is
+# not among them (``Algorithm.compile`` sets it).
 COMMON_OPTIONS: dict[str, Any] = {
     'metrics_fn': None,
     'weighting': 'num_examples',
     'client_evaluation': True,
     'skip_nonfinite': True,
-    'map_strategy': None,
-    'chunk_size': None,
 }
 
 
@@ -582,8 +578,6 @@ def _fresh_copy(tree: PyTree) -> PyTree:
 def make_algorithm(name: str, init: Callable[[Params], Any],
                    round_fn: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]],
                    *, loss_fn: LossFn, metrics_fn: MetricsFn | None = None,
-                   map_strategy: str | None = None,
-                   chunk_size: int | None = None,
                    options: Mapping[str, Any] | None = None,
                    client_state_init: Callable[[Params], PyTree] | None = None,
                    unprivatized: str | None = None,
@@ -593,10 +587,9 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
   ``round_fn`` is written with the fedjx primitives and called inside
   ``fedjx.program(clients=C, map_strategy=..., chunk_size=...)``, with ``C``
   the cohort size read from ``cohort.mask``. The execution options are those
-  of :meth:`Algorithm.compile` (default ``'auto'``, no chunks, donating);
-  ``map_strategy`` and ``chunk_size`` here are the builders' deprecated
-  arguments, passed on to ``compile``. ``options`` (a builder's
-  :data:`COMMON_OPTIONS`), if given, supplies all three.
+  of :meth:`Algorithm.compile` (default ``'auto'``, no chunks, donating).
+  ``options`` (a builder's :data:`COMMON_OPTIONS`), if given, supplies
+  ``metrics_fn``.
 
   With ``client_state_init`` (see :class:`Algorithm`), ``round_fn`` reads
   ``cohort.client_states`` and returns ``(state, metrics, client_states)``.
@@ -611,17 +604,10 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
                      'be callable (params -> one client\'s initial state) or None.')
   if options is not None:
     metrics_fn = options['metrics_fn']
-    map_strategy, chunk_size = options['map_strategy'], options['chunk_size']
   if not callable(loss_fn):
     raise ValueError(f'{name}: loss_fn={loss_fn!r} must be callable.')
   if metrics_fn is not None and not callable(metrics_fn):
     raise ValueError(f'{name}: metrics_fn={metrics_fn!r} must be callable or None.')
-  if map_strategy is not None or chunk_size is not None:
-    _deprecation.warn(f'{name}: map_strategy and chunk_size are deprecated '
-                      'builder arguments; use algorithm.compile(map_strategy=..., '
-                      'chunk_size=...)', stacklevel=3)
-    # Validated where every execution option is, with the builder's name.
-    check_map_options(map_strategy or 'auto', chunk_size, f'{name}: ')
 
   def init_state(params: Params) -> Any:
     if not jax.tree.leaves(params):
@@ -663,4 +649,4 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
                      client_state_init=client_state_init,
                      unprivatized=unprivatized, indexed_batches=indexed_batches)
 
-  return compiler(map_strategy or 'auto', chunk_size, True)
+  return compiler('auto', None, True)

@@ -197,8 +197,8 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
       (:func:`fedjx.algorithms.base.client_metrics` of the outer gradient
       ``Delta_k``, before the aggregator's encoding); False adds nothing to
       the round.
-    metrics_fn, weighting, client_evaluation, skip_nonfinite, map_strategy,
-    chunk_size: as for :func:`fedavg` (in ``**options``, with the inner and
+    metrics_fn, weighting, client_evaluation, skip_nonfinite: as for
+      :func:`fedavg` (in ``**options``, with the inner and
       outer optimizers' options above); a skipped replica keeps its inner
       optimizer state from before the round.
   """

@@ -91,7 +91,6 @@ def fedavg(loss_fn: base.LossFn, *,
       0.99), 'server_optimizer/learning_rate': ...}``: client learning-rate
       decay across rounds and server schedules
       (:func:`fedjx.algorithms.schedules.scheduled`); None: constant.
-    map_strategy, chunk_size: deprecated; use ``Algorithm.compile``.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a

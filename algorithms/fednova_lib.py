@@ -83,7 +83,6 @@ def fednova(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     metrics_fn, local_epochs, local_steps, weighting, client_evaluation,
     skip_nonfinite: as :func:`fedjx.algorithms.fedavg` (``p_i`` are the
       ``weighting``'s weights, normalized).
-    map_strategy, chunk_size: deprecated; use ``Algorithm.compile``.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a

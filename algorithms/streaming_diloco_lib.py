@@ -125,8 +125,7 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
       fragment when merging.
     inner_optimizer, outer_optimizer, outer_learning_rate, outer_momentum,
     inner_steps: as for :func:`diloco`.
-    metrics_fn, weighting, map_strategy, chunk_size, client_evaluation,
-    skip_nonfinite: as for :func:`fedavg`; the check is on the replica's
+    metrics_fn, weighting, client_evaluation, skip_nonfinite: as for :func:`fedavg`; the check is on the replica's
       whole trained model ``theta_k``, and a skipped replica keeps its model
       and inner state from before the round and is not merged.
   """

@@ -305,8 +305,7 @@ def fedavg_hypergradient_tuner(
     min_value: float = 1e-6,
     max_value: float = 1e3, metrics_fn: base.MetricsFn | None = None,
     local_epochs: int = 1, local_steps: int | None = None,
-    weighting: str = 'num_examples', map_strategy: str | None = None,
-    chunk_size: int | None = None,
+    weighting: str = 'num_examples',
     skip_nonfinite: bool = True) -> base.Algorithm:
   """FedAvg / FedOpt with hypergradient descent on its learning rates.
 
@@ -315,14 +314,13 @@ def fedavg_hypergradient_tuner(
   FedOpt with hypergradient descent; FedHyper-G, Wang et al. 2024, when
   ``tune`` is the server learning rate). Optimizers need injected
   hyperparameters (``optax.inject_hyperparams``) for the tuned learning rates
-  to exist in ``state.hparams``. ``map_strategy`` and ``chunk_size`` are
-  deprecated: use ``.compile(...)`` of the result.
+  to exist in ``state.hparams``. How clients run is set with
+  ``.compile(map_strategy=..., chunk_size=...)`` of the result.
   """
   algo = fedavg_builder(loss_fn, client_optimizer=client_optimizer,
                            server_optimizer=server_optimizer,
                            metrics_fn=metrics_fn, local_epochs=local_epochs,
                            local_steps=local_steps, weighting=weighting,
-                           map_strategy=map_strategy, chunk_size=chunk_size,
                            skip_nonfinite=skip_nonfinite)
   return hypergradient_tuner(algo, loss_fn, tune=tune,
                              hyper_learning_rate=hyper_learning_rate,

@@ -524,22 +524,10 @@ def config_hash(config: Any) -> str:
 
 
 def streaming_chunk(config: ml_collections.ConfigDict) -> int | None:
-  """Clients per streamed chunk: ``config.streaming_chunk_size``.
+  """Clients per streamed chunk: ``config.streaming_chunk_size`` (None: sized
+  by the clients' bytes, :func:`fedjx.execution.streaming_chunk`).
 
-  Before that field existed, ``config.chunk_size`` (the chunk of
-  ``map_fn``) also sized the streamed chunks; a config that sets only
-  ``chunk_size`` still gets that. With ``execution='streaming'`` it warns
-  (a FedjxDeprecationWarning: the fallback goes in 0.3.0); under ``'auto'``,
-  which streams only a cohort that does not fit, the log line that says so
-  names the chunk.
+  ``config.chunk_size`` is the chunk of ``map_fn`` only; it does not size
+  streamed chunks.
   """
-  if config.get('streaming_chunk_size') is not None:
-    return config.streaming_chunk_size
-  if config.get('chunk_size') is None or config.get('execution') == 'jit':
-    return None
-  if config.get('execution') == 'streaming':
-    from fedjx import _deprecation  # pylint: disable=g-import-not-at-top
-    _deprecation.warn('config.chunk_size sizing streamed chunks is deprecated; set '
-                      'config.streaming_chunk_size for those (config.chunk_size '
-                      'is the chunk of map_fn)')
-  return config.chunk_size
+  return config.get('streaming_chunk_size')

@@ -59,7 +59,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjx import _deprecation
 from fedjx import mapping
 from fedjx.interpreters import plan as plan_lib
 from fedjx import primitives
@@ -99,9 +98,6 @@ class Clients:
     n = jax.tree.leaves(placed)[0].shape[0]
     return cls(range(n), lambda ids: jax.tree.map(lambda a: a[np.asarray(ids)], placed),
                spec)
-
-  from_dataset = _deprecation.moved_to_datasets(
-      'fedjx.streaming.Clients.from_dataset', 'streaming_clients')
 
 
 @dataclasses.dataclass

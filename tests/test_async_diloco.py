@@ -160,14 +160,12 @@ def test_delayed_nesterov_in_the_four_replica_scenario():
                              atol=ft.atol(100, 3.0))
 
 
-def test_gradient_scale_is_a_deprecated_momentum_activation():
-  with pytest.deprecated_call(match='momentum_activation'):
-    old = delayed_nesterov(0.7, 0.9, 4, 0.25)
-  new = delayed_nesterov(0.7, 0.9, 4, momentum_activation=0.25)
-  g = jnp.arange(3.0)
-  a, b = old.update(g, old.init(g))[0], new.update(g, new.init(g))[0]
-  np.testing.assert_array_equal(a, b)
-  with pytest.deprecated_call(match='momentum_activation'):
+def test_gradient_scale_is_not_an_argument():
+  with pytest.raises(TypeError, match='positional'):
+    delayed_nesterov(0.7, 0.9, 4, 0.25)  # pylint: disable=too-many-function-args
+  with pytest.raises(TypeError, match='gradient_scale'):
+    delayed_nesterov(0.7, 0.9, 4, gradient_scale=0.25)  # pylint: disable=unexpected-keyword-arg
+  with pytest.raises(ValueError, match='gradient_scale'):
     algos.async_diloco(linreg_loss, 3, delay_period=4, gradient_scale=0.25)
 
 

@@ -6,7 +6,6 @@ algorithm, and ``Algorithm.compile``. Every reference is NumPy or plain JAX
 (the noise drawn with ``jax.random`` from the same key, leaf by leaf).
 """
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -242,17 +241,15 @@ def test_compile_options_give_the_same_round_and_donate_false_keeps_the_state():
       algo.compile(**kw)
 
 
-def test_builder_execution_options_are_deprecated_but_work():
-  with pytest.deprecated_call(match=r'removed in fedjx 0\.3\.0'):
-    algo = algos.fedprox(linreg_loss, map_strategy='sequential')
-  with warnings.catch_warnings():
-    warnings.simplefilter('error')
-    algos.fedprox(linreg_loss)  # No options, no warning.
-  with pytest.raises(ValueError, match='map_strategy'):
-    with warnings.catch_warnings():
-      warnings.simplefilter('ignore')
-      algos.fedavg(linreg_loss, map_strategy='pmap')
-  assert callable(algo.round)
+def test_builders_take_no_execution_options():
+  # How clients run is Algorithm.compile's business only.
+  for builder in (algos.fedavg, algos.fedprox, algos.fedadam):
+    for option in ('map_strategy', 'chunk_size'):
+      with pytest.raises(ValueError, match=f'option {option}=.* is not taken'):
+        builder(linreg_loss, **{option: 'sequential' if option == 'map_strategy'
+                                else 2})
+  with pytest.raises(TypeError, match='map_strategy'):
+    algos.fedavg_hypergradient_tuner(linreg_loss, map_strategy='vmap')  # pylint: disable=unexpected-keyword-arg
 
 
 # ----------------------------------------------------------- client metrics

@@ -195,8 +195,8 @@ def test_bad_inputs_name_the_argument():
   cohort = make_cohort(linreg_data(np.random.default_rng(7), [4, 4]), batch_size=2)
   with pytest.raises(ValueError, match='weighting'):
     algos.fedavg(linreg_loss, weighting='by_size')
-  with pytest.raises(ValueError, match='map_strategy'), pytest.deprecated_call():
-    algos.fedavg(linreg_loss, map_strategy='parallel')  # Deprecated, still checked.
+  with pytest.raises(ValueError, match='map_strategy'):
+    algos.fedavg(linreg_loss).compile(map_strategy='parallel')
   with pytest.raises(ValueError, match='local_epochs'):
     algos.fedavg(linreg_loss, local_epochs=0)
   with pytest.raises(ValueError, match='server_learning_rate'):

@@ -154,27 +154,20 @@ def _imports_in(node, module):
       yield from (f'{base}.{a.name}' for a in child.names)
 
 
-def _warns_deprecation(fn) -> bool:
-  return any(isinstance(n, ast.Name) and n.id.endswith('DeprecationWarning')
-             for n in ast.walk(fn))
-
-
 # fedjx.deploy is installed under fedjx but is the top layer: it runs an
 # experiment's config on Flower, above fedjx.experiments (docs/deploy.md).
 DEPLOY = CORE / 'deploy'
 
 
-def test_core_imports_nothing_above_it_but_in_deprecated_forwarders():
+def test_core_imports_nothing_above_it():
   for path in sorted(p for p in CORE.rglob('*.py') if DEPLOY not in p.parents):
     module = 'fedjx.' + '.'.join(path.relative_to(CORE).with_suffix('').parts)
     tree = ast.parse(path.read_text(), str(path))
     functions = [n for n in ast.walk(tree)
                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    for fn in functions:
+    for fn in functions:  # Not even lazily, inside a function.
       for name in _imports_in(fn, module):
-        if name.startswith(ABOVE):
-          # Only a deprecated spelling may still reach a layer above, lazily.
-          assert _warns_deprecation(fn), f'{path.name}:{fn.lineno} imports {name}'
+        assert not name.startswith(ABOVE), f'{path.name}:{fn.lineno} imports {name}'
 
     # What importing the module runs: statements outside functions.
     top = ast.Module(body=[n for n in tree.body if not isinstance(
@@ -224,14 +217,14 @@ def test_running_every_interpreter_imports_no_layer_above():
   assert int(count) >= 3 and loaded == '[]', out.stdout
 
 
-# --------------------------------------------- dataset clients, new and old names
+# ----------------------------------------------------------- dataset clients
 
 def _population():
   from fedjx import datasets  # pylint: disable=import-outside-toplevel
   return datasets, datasets.synthetic(1.0, 1.0, num_clients=9, seed=0, max_examples=60)
 
 
-def test_streaming_clients_from_a_dataset_and_the_deprecated_spelling():
+def test_streaming_clients_from_a_dataset():
   datasets, population = _population()
   ids = [4, 0, 7]
   new = datasets.streaming_clients(population, ids, batch_size=2, num_steps=3)
@@ -242,14 +235,11 @@ def test_streaming_clients_from_a_dataset_and_the_deprecated_spelling():
     np.testing.assert_array_equal(got, ref)
   assert jax.tree.map(lambda s: (s.shape, s.dtype), new.placed_spec()) == jax.tree.map(
       lambda a: (np.shape(a), np.asarray(a).dtype), want)
-  with pytest.warns(DeprecationWarning, match='fedjx.datasets.streaming_clients'):
-    old = streaming.Clients.from_dataset(population, ids, batch_size=2, num_steps=3)
-  assert old.spec == new.spec and list(old.client_ids) == ids
-  for a, b in zip(jax.tree.leaves(old.load(ids[1:])), jax.tree.leaves(new.load(ids[1:]))):
-    np.testing.assert_array_equal(a, b)
+  assert isinstance(new, streaming.Clients)
+  assert not hasattr(streaming.Clients, 'from_dataset')
 
 
-def test_beam_client_data_from_a_dataset_and_the_deprecated_spelling():
+def test_beam_client_data_from_a_dataset():
   pytest.importorskip('apache_beam')
   from fedjx.interpreters import beam  # pylint: disable=import-outside-toplevel
   import pickle  # pylint: disable=import-outside-toplevel
@@ -262,9 +252,8 @@ def test_beam_client_data_from_a_dataset_and_the_deprecated_spelling():
   for k, client in enumerate(ids):
     for got, ref in zip(jax.tree.leaves(shipped(client)), jax.tree.leaves(want)):
       np.testing.assert_array_equal(got, np.asarray(ref)[k])
-  with pytest.deprecated_call(match='fedjx.datasets.beam_client_data'):
-    old = beam.ClientData.from_dataset(population, ids, batch_size=2, num_steps=3)
-  assert old.spec == new.spec and list(old.client_ids) == ids
+  assert isinstance(new, beam.ClientData) and list(new.client_ids) == ids
+  assert not hasattr(beam.ClientData, 'from_dataset')
 
 
 @pytest.mark.parametrize('fn', ['streaming_clients', 'beam_client_data'])

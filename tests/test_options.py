@@ -57,12 +57,9 @@ def test_the_streamed_chunk_has_its_own_field():
   config.streaming_chunk_size = 8
   config.chunk_size = 2
   assert config_schema.streaming_chunk(config) == 8
-  config.streaming_chunk_size = None
-  assert config_schema.streaming_chunk(config) == 2  # 'auto': as before, quietly.
-  config.execution = 'streaming'
-  with pytest.deprecated_call(match='config.streaming_chunk_size'):
-    assert config_schema.streaming_chunk(config) == 2
-  config.execution = 'jit'  # Nothing streams: the map's chunk is only that.
-  assert config_schema.streaming_chunk(config) is None
+  config.streaming_chunk_size = None  # The map's chunk sizes no streamed chunk.
+  for execution_mode in ('auto', 'streaming', 'jit'):
+    config.execution = execution_mode
+    assert config_schema.streaming_chunk(config) is None
   # It changes no result, so a run may be resumed with another value.
   assert 'streaming_chunk_size' in config_schema.RESUMABLE_CHANGES

@@ -47,7 +47,6 @@ import numpy as np
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from fedjx import _deprecation
 from fedjx.interpreters import plan as plan_lib
 
 __all__ = ['ClientData', 'StableReduce', 'run']
@@ -85,9 +84,6 @@ class ClientData:
     placed = jax.tree.map(plan_lib.to_host, placed)
     n = jax.tree.leaves(placed)[0].shape[0]
     return cls(list(range(n)), _IndexLoader(placed), spec)
-
-  from_dataset = _deprecation.moved_to_datasets(
-      'fedjx.beam.ClientData.from_dataset', 'beam_client_data')
 
 
 class _IndexLoader:
