@@ -36,6 +36,7 @@ CROSS_DEVICE = {
     'torch_loop_default_threads': ('pfl', 'torch_cross_device.py', ('--threads=0',),
                                    True, 'data'),
     'pfl-research': ('pfl', 'pfl_cross_device.py', (), True, None),
+    'flower': ('flower', 'flower_cross_device.py', (), True, 'data'),
 }
 CROSS_DEVICE_SETUPS = ('2nn-100', '2nn-1000', 'logreg', 'logreg-sparse')
 
