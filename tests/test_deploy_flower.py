@@ -33,6 +33,7 @@ from fedjx.deploy import flower_app  # noqa: E402
 from fedjx.deploy import local  # noqa: E402
 from fedjx.deploy import programs  # noqa: E402
 from fedjx.deploy.flower import load_config  # noqa: E402
+from fedjx.experiments import experiment  # noqa: E402
 from fedjx.experiments import metrics_writers  # noqa: E402
 from fedjx.experiments import runner  # noqa: E402
 
@@ -194,7 +195,7 @@ def test_a_node_killed_mid_round(tmp_path):
   # The same rounds simulated with client 2 as a padding client (no
   # examples, weight 0) where it was missing.
   config = load_config(config_file, SMALL)
-  exp = runner.build(config)
+  exp = experiment.build(config)
   state = exp.algorithm.init(exp.init_params)
   apply = jax.jit(exp.algorithm.apply)
   for r, cohort in enumerate(exp.cohorts(0, 3)):
@@ -233,15 +234,20 @@ def test_flower_simulation_engine_runs_the_same_rounds(tmp_path):
 class InProcessGrid(Grid):
   """A Grid whose nodes are the ClientApp's functions called in this process:
   ``silent`` nodes say who they are but never return client work;
-  ``other_version`` nodes run a fedjx 9.9."""
+  ``other_version`` nodes run a fedjx 9.9; ``on_train(grid, msg)`` runs as
+  each TRAIN message is pushed and returns False to leave it unanswered;
+  nodes in ``gone`` are no longer connected."""
 
-  def __init__(self, num_nodes, silent=(), other_version=()):
+  def __init__(self, num_nodes, silent=(), other_version=(), on_train=None):
     self.contexts = {
         100 + i: Context(run_id=1, node_id=100 + i, state=RecordDict(), run_config={},
                          node_config={'partition-id': i, 'num-partitions': num_nodes})
         for i in range(num_nodes)}
     self.silent, self.other_version = set(silent), set(other_version)
+    self.on_train = on_train
+    self.gone = set()
     self._ids = itertools.count()
+    self._replies = {}
 
   def set_run(self, run):
     pass
@@ -255,31 +261,39 @@ class InProcessGrid(Grid):
                    group_id=group_id)
 
   def get_node_ids(self):
-    return list(self.contexts)
+    return [n for n in self.contexts if n not in self.gone]
 
   def push_messages(self, messages):
-    raise NotImplementedError
+    ids = []
+    for msg in messages:
+      ids.append(f'message-{next(self._ids)}')
+      msg.metadata.__dict__['_message_id'] = ids[-1]
+      reply = self._reply(msg)
+      if reply is not None:
+        self._replies[ids[-1]] = reply
+    return ids
 
   def pull_messages(self, message_ids):
-    raise NotImplementedError
+    return [self._replies.pop(m) for m in list(message_ids) if m in self._replies]
 
   def send_and_receive(self, messages, *, timeout=None):
-    replies = []
-    for msg in messages:
-      msg.metadata.__dict__['_message_id'] = f'message-{next(self._ids)}'
-      node, query = msg.metadata.dst_node_id, msg.metadata.message_type == 'query'
-      if node in self.silent and not query:
-        continue
-      app = flower.describe if query else flower.train
-      unpack = programs.unpack
-      if node in self.other_version:
-        unpack = functools.partial(programs.unpack, fedjx_version='9.9.0')
-      try:
-        with mock.patch.object(flower.programs, 'unpack', unpack):
-          replies.append(app(msg, self.contexts[node]))
-      except Exception as e:  # pylint: disable=broad-except
-        replies.append(Message(Error(code=0, reason=str(e)), reply_to=msg))  # as Flower does
-    return replies
+    return self.pull_messages(self.push_messages(messages))
+
+  def _reply(self, msg):
+    node, query = msg.metadata.dst_node_id, msg.metadata.message_type == 'query'
+    if node in self.gone or (node in self.silent and not query):
+      return None
+    if not query and self.on_train is not None and self.on_train(self, msg) is False:
+      return None
+    app = flower.describe if query else flower.train
+    unpack = programs.unpack
+    if node in self.other_version:
+      unpack = functools.partial(programs.unpack, fedjx_version='9.9.0')
+    try:
+      with mock.patch.object(flower.programs, 'unpack', unpack):
+        return app(msg, self.contexts[node])
+    except Exception as e:  # pylint: disable=broad-except
+      return Message(Error(code=0, reason=str(e)), reply_to=msg)  # as Flower does
 
 
 @pytest.fixture
@@ -311,7 +325,7 @@ def test_the_strategy_leaves_out_silent_and_refusing_nodes(tmp_path, task_identi
   # Node 100 keeps the program; the two that failed are sent it again.
   assert rows[1]['deploy_programs_sent'] == 3 and rows[2]['deploy_programs_sent'] == 2
   # The rounds simulated with clients 1 and 2 as padding clients.
-  exp = runner.build(load_config(config_file, overrides))
+  exp = experiment.build(load_config(config_file, overrides))
   state = exp.algorithm.init(exp.init_params)
   for r, cohort in enumerate(exp.cohorts(0, 2)):
     mask, num = np.asarray(cohort.mask).copy(), np.asarray(cohort.num_examples).copy()
@@ -331,7 +345,7 @@ def test_a_cohort_smaller_than_the_population(tmp_path, task_identity):
   workdir = str(tmp_path / 'deployed')
   strategy = flower.run_server(InProcessGrid(3), flower.Settings(
       config_file, overrides, workdir, timeout=5.0, wait_s=0.0))
-  exp = runner.build(load_config(config_file, overrides))
+  exp = experiment.build(load_config(config_file, overrides))
   details = _details(workdir)
   state = exp.algorithm.init(exp.init_params)
   for r, cohort in enumerate(exp.cohorts(0, 2)):
@@ -340,3 +354,100 @@ def test_a_cohort_smaller_than_the_population(tmp_path, task_identity):
     state, _ = jax.jit(exp.algorithm.apply)(state, cohort, exp.round_key_for(r))
   for g, w in zip(jax.tree.leaves(strategy.state), jax.tree.leaves(state)):
     _close(g, w)
+
+
+GRID_RUN = ('rounds=3 cohort_size=3 dataset.num_clients=3 model.hidden=(8,) '
+            'local_epochs=None local_steps=4 eval_every=1 checkpoint_every=2')
+
+
+def _round_of(msg):
+  return int(msg.content[flower.CONFIG]['round'])
+
+
+@pytest.mark.slow  # Four runs of the server, ~30 s.
+def test_a_stopped_run_resumes_to_the_uninterrupted_model(tmp_path, task_identity):
+  """SIGTERM while round 1 waits for a client, then SIGINT while round 2
+  does: each run drops the round in flight (no row, no checkpoint of it),
+  saves the last complete round (off the checkpoint_every=2 schedule), and
+  the runs resumed from those checkpoints end with the uninterrupted run's
+  model, bit for bit (the same operations on the same values), and with
+  one row per round."""
+  import signal  # pylint: disable=g-import-not-at-top
+  config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
+  settings = lambda w: flower.Settings(config_file, GRID_RUN, w, timeout=30.0,
+                                       wait_s=0.0)
+  whole = flower.run_server(InProcessGrid(3), settings(str(tmp_path / 'whole')))
+  workdir = str(tmp_path / 'stopped')
+
+  def signal_in(round_num, signum):
+    def on_train(grid, msg):
+      if _round_of(msg) == round_num and msg.metadata.dst_node_id == 102:
+        os.kill(os.getpid(), signum)  # The node's reply never comes.
+        return False
+      return True
+    return on_train
+
+  t0 = time.monotonic()
+  for round_num, signum in ((1, signal.SIGTERM), (2, signal.SIGINT)):
+    stopped = flower.run_server(InProcessGrid(3, on_train=signal_in(round_num, signum)),
+                                settings(workdir))
+    assert stopped.stopped and stopped.step == round_num
+    assert runner.load_state(workdir)[1] == round_num  # The last complete round.
+    assert max(_rows(workdir)) == round_num
+  assert time.monotonic() - t0 < 25  # Not the 30 s timeout of a round.
+  resumed = flower.run_server(InProcessGrid(3), settings(workdir))
+  assert not resumed.stopped and resumed.start_round == 2
+  for got, want in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(whole.state)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  rows = metrics_writers.read_metrics(workdir)
+  assert [r['round'] for r in rows] == [0, 1, 2, 3]
+  assert [d['round'] for d in _details(workdir)] == [0, 1, 2]
+  assert all(d['replied'] == [0, 1, 2] for d in _details(workdir))
+  assert not os.path.exists(os.path.join(workdir, flower.STOP_FILE))
+
+
+def test_a_stop_file_stops_the_run_and_a_stale_one_does_not(tmp_path, task_identity):
+  config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
+  workdir = str(tmp_path / 'deployed')
+  os.makedirs(workdir)
+  flower.request_stop(workdir)  # Left from an earlier run: removed at start.
+
+  def on_train(grid, msg):
+    if _round_of(msg) == 1:
+      flower.request_stop(workdir)
+      return False
+    return True
+
+  strategy = flower.run_server(InProcessGrid(3, on_train=on_train), flower.Settings(
+      config_file, GRID_RUN, workdir, timeout=30.0, wait_s=0.0))
+  assert strategy.stopped and strategy.step == 1
+  assert runner.load_state(workdir)[1] == 1
+  assert not os.path.exists(os.path.join(workdir, flower.STOP_FILE))
+
+
+def test_a_lost_node_is_detected_once_and_not_waited_for(tmp_path, task_identity):
+  """Node 102 disconnects while round 1 waits for it: round 1 ends at once
+  with the two others, and rounds 2 and 3 neither send to it nor wait for
+  it (wait-s and the timeout are 60 s each here; before, every later round
+  waited the whole wait-s for a third node)."""
+  def on_train(grid, msg):
+    if _round_of(msg) == 1 and msg.metadata.dst_node_id == 102:
+      grid.gone.add(102)
+      return False
+    return True
+
+  overrides = GRID_RUN.replace('rounds=3', 'rounds=4')
+  workdir = str(tmp_path / 'deployed')
+  t0 = time.monotonic()
+  flower.run_server(InProcessGrid(3, on_train=on_train), flower.Settings(
+      os.path.join(REPO, 'configs', 'fedavg_digits.py'), overrides, workdir,
+      timeout=60.0, wait_s=60.0))
+  assert time.monotonic() - t0 < 40
+  rows, details = _rows(workdir), _details(workdir)
+  assert [rows[s]['deploy_nodes_lost'] for s in (1, 2, 3, 4)] == [0, 1, 0, 0]
+  assert [rows[s]['deploy_nodes'] for s in (1, 2, 3, 4)] == [3, 2, 2, 2]
+  assert [rows[s]['deploy_replied'] for s in (1, 2, 3, 4)] == [3, 2, 2, 2]
+  assert details[1]['lost'] == [2] and details[1]['failed'] == {'2': 'node lost'}
+  for s in (3, 4):
+    assert details[s - 1]['failed'] == {'2': 'no node holds this partition'}
+    assert rows[s]['deploy_round_s'] < 10

@@ -28,6 +28,18 @@ state stays as it was. Every round's metrics count them: ``deploy_sampled``,
 ``deploy_replied``, ``deploy_failed`` (with reasons in
 ``workdir/deploy.jsonl``).
 
+A node is lost when the SuperLink no longer lists it as connected (it
+missed its heartbeats) or answers in its place that it is unavailable: the
+round goes on with the nodes alive, later rounds neither send to it nor
+wait for it (``deploy_nodes_lost`` counts each once), and it is found again
+if it reconnects.
+
+Stopping: a file ``workdir/deploy.stop`` (:data:`STOP_FILE`; the launcher
+``fedjx-deploy`` writes it on SIGTERM or Ctrl-C) or SIGTERM/SIGINT to the
+ServerApp's process ends the run at once: the round in flight is dropped
+(never recorded short of the clients the stop cut off) and a checkpoint of
+the last complete round is saved, from which the same run resumes.
+
 Nodes are found with a QUERY message: each node answers with its node
 config's ``partition-id`` and ``num-partitions`` (``flower-supernode
 --node-config "partition-id=0 num-partitions=3"``); ``num-partitions`` must
@@ -46,11 +58,13 @@ round), ``wait-s`` (seconds to wait for nodes), ``min-available-nodes``
 
 from __future__ import annotations
 
-import ast
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from logging import INFO, WARNING
@@ -77,8 +91,9 @@ from fedjx.deploy import flower_app
 from fedjx.deploy import programs
 from fedjx.deploy import rounds
 
-__all__ = ['FedjxStrategy', 'Settings', 'client_app', 'load_config',
-           'message_bytes', 'run_server', 'server_app', 'write_app']
+__all__ = ['STOP_FILE', 'FedjxStrategy', 'Settings', 'StopRequested', 'client_app',
+           'load_config', 'message_bytes', 'request_stop', 'run_server',
+           'server_app', 'write_app']
 
 # Keys of the records in fedjx's messages.
 ARRAYS = 'fedjx-arrays'
@@ -86,6 +101,23 @@ CONFIG = 'fedjx'
 OUTPUTS = 'fedjx-outputs'
 METRICS = 'fedjx-metrics'
 PROGRAM_STATE = 'fedjx-program'
+# In the workdir: its presence asks the ServerApp to stop (see the module).
+STOP_FILE = 'deploy.stop'
+# Seconds between two looks at the replies (and the nodes) while a round waits.
+POLL_S = 0.5
+
+
+class StopRequested(Exception):
+  """A stop was asked for (``STOP_FILE`` or a signal) while a round ran."""
+
+
+def request_stop(workdir: str) -> str:
+  """Asks the ServerApp running in ``workdir`` to stop after saving a
+  checkpoint of its last complete round; returns the stop file's path."""
+  path = os.path.join(workdir, STOP_FILE)
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write('stop\n')
+  return path
 
 
 # ------------------------------------------------------------------ settings
@@ -116,27 +148,7 @@ class Settings:
                values['timeout'], values['wait-s'], values['min-available-nodes'])
 
 
-def _literal(text: str) -> Any:
-  try:
-    return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return text
-
-
-def load_config(spec: str, overrides: str = '') -> Any:
-  """The fedjx config of file ``spec`` with ``overrides`` (``"a.b=v c=w"``,
-  each value a Python literal, else a string) set, validated."""
-  from fedjx.experiments import cli  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
-  config = cli.load_config_file(spec)
-  extras = []
-  for item in overrides.split():
-    path, sep, value = item.partition('=')
-    if not sep or not path:
-      raise ValueError(f'fedjx.deploy.flower: override {item!r} is not '
-                       "'path=value' (e.g. 'rounds=3 dataset.num_clients=3').")
-    extras.append((tuple(path.split('.')), _literal(value)))
-  return runner.validate(cli.apply_overrides(config, extras))
+load_config = rounds.load_config
 
 
 # ------------------------------------------------------------------ wire
@@ -252,10 +264,15 @@ class FedjxStrategy(flwr_strategy.Strategy):
     self.timeout_s = timeout
     self.workdir = workdir
     self.nodes: dict[int, int] = {}          # client id -> node id
+    self.lost: dict[int, int] = {}           # client id -> node id, lost once
+    self._lost_now: list[int] = []           # clients whose node was lost this round
     self.has_program: dict[int, str] = {}    # node id -> program digest held
     self.state = server.initial_state()
     self.start_round = 0
+    self.step = 0  # The last complete round (as a step: rounds done).
+    self.signalled = False  # SIGTERM or SIGINT reached the ServerApp.
     self.history: list[dict[str, Any]] = []
+    self.stopped = False
     self._round: dict[str, Any] = {}
     self._writer = self._ckpt = None
     if workdir:
@@ -268,10 +285,12 @@ class FedjxStrategy(flwr_strategy.Strategy):
       step = None
       if restored is not None:
         self.state, meta = restored
-        step = self.start_round = int(meta['step'])
+        step = self.start_round = self.step = int(meta['step'])
         log(INFO, 'fedjx: resuming %s from the checkpoint after round %d.',
             workdir, step)
-        self._truncate_details(step)
+      # Rows of rounds after the checkpoint (all, without one) are redone.
+      self._truncate_details(step or 0)
+      self._clear_stop()
       self._writer = metrics_writers.make_writer(
           workdir, self.config.metrics_format, self.config.tensorboard,
           resume_round=self.start_round if step is not None else None)
@@ -289,6 +308,8 @@ class FedjxStrategy(flwr_strategy.Strategy):
   def configure_train(self, server_round: int, arrays: ArrayRecord,
                       config: ConfigRecord, grid: Grid) -> Iterable[Message]:
     r = self.start_round + server_round - 1
+    self.check_stop()
+    self._lost_now = []
     self._discover(grid)
     ids, steps = self.server.cohort(r)
     pieces = self.server.pieces(self.state, steps)
@@ -346,6 +367,8 @@ class FedjxStrategy(flwr_strategy.Strategy):
       if msg.has_error():
         failed[client] = f'error: {msg.error.reason}'
         self.has_program.pop(node, None)
+        if _unavailable(msg.error):
+          self._lose(client, node, 'the SuperLink reports it unavailable')
         continue
       received += message_bytes(msg.content)
       outputs = _take(msg.content[OUTPUTS], 'out-')
@@ -358,7 +381,8 @@ class FedjxStrategy(flwr_strategy.Strategy):
                        for o in outputs]
     for client in info['ids']:
       if client not in by_client and client not in failed:
-        failed[client] = f'no reply within {self.timeout_s:g} s'
+        failed[client] = ('node lost' if client in self.lost
+                          else f'no reply within {self.timeout_s:g} s')
         self.has_program.pop(self.nodes.get(client), None)
     replied = [c for c in info['ids'] if c in by_client]
     row: dict[str, Any] = {}
@@ -371,6 +395,7 @@ class FedjxStrategy(flwr_strategy.Strategy):
     row.update({
         'deploy_sampled': len(info['ids']), 'deploy_replied': len(replied),
         'deploy_failed': len(failed),
+        'deploy_nodes': len(self.nodes), 'deploy_nodes_lost': len(self._lost_now),
         'deploy_bytes_to_clients': info['sent_bytes'],
         'deploy_bytes_from_clients': received,
         'deploy_program_bytes': info['program_bytes'],
@@ -384,15 +409,13 @@ class FedjxStrategy(flwr_strategy.Strategy):
     self._emit(step, row, {
         'round': r, 'sampled': info['ids'], 'replied': replied,
         'failed': {str(c): why for c, why in failed.items()},
+        'lost': sorted(self._lost_now),
         'output_shapes': [list(a.shape) for a in pieces.split.client_work.out_avals],
         'received_norms': {str(c): v for c, v in norms.items()},
         **{k: v for k, v in row.items() if k.startswith('deploy_')}})
-    if self._ckpt is not None and (step % self.config.checkpoint_every == 0
-                                   or step == self.config.rounds):
-      self._ckpt.save(step, self.state, {'step': step, 'next_round': step,
-                                         'seed': self.config.seed,
-                                         'config': _fingerprint(self.config)})
-      self._ckpt.wait()
+    self.step = step
+    if step % self.config.checkpoint_every == 0 or step == self.config.rounds:
+      self.save()
     metric_record = MetricRecord({k: float(v) for k, v in row.items()
                                   if isinstance(v, (int, float))})
     return ArrayRecord(_arrays(_leaves(self.state), 'state-')), metric_record
@@ -406,6 +429,75 @@ class FedjxStrategy(flwr_strategy.Strategy):
     return None
 
   # -- fedjx's side
+
+  def save(self) -> None:
+    """A checkpoint of the last complete round (``self.step``), if there is
+    a workdir and that round is not the one checkpointed at the start."""
+    if self._ckpt is None or (self.step == self.start_round
+                              and self._ckpt.latest_step() == self.step):
+      return
+    self._ckpt.save(self.step, self.state, {
+        'step': self.step, 'next_round': self.step, 'seed': self.config.seed,
+        'config': _fingerprint(self.config)})
+    self._ckpt.wait()
+
+  def stop_requested(self) -> bool:
+    """Whether a signal or ``workdir/deploy.stop`` asks the run to stop."""
+    return self.signalled or bool(
+        self.workdir and os.path.exists(os.path.join(self.workdir, STOP_FILE)))
+
+  def check_stop(self) -> None:
+    """Raises :class:`StopRequested` when a stop was asked for."""
+    if self.stop_requested():
+      raise StopRequested(f'stop requested after round {self.step}')
+
+  def _clear_stop(self) -> None:
+    """Removes a stop request (one left from an earlier run, or honoured)."""
+    if self.workdir:
+      try:
+        os.remove(os.path.join(self.workdir, STOP_FILE))
+      except FileNotFoundError:
+        pass
+
+  def wait_replies(self, grid: Grid, messages: Iterable[Message],
+                   timeout: float | None) -> list[Message]:
+    """Sends ``messages`` and collects their replies until every one
+    replied, ``timeout`` seconds passed, or the nodes still owing one are
+    no longer connected (lost: not waited for). Raises
+    :class:`StopRequested` when a stop is asked for meanwhile."""
+    messages = list(messages)
+    if not messages:
+      return []
+    ids = list(grid.push_messages(messages))
+    node_of = dict(zip(ids, (m.metadata.dst_node_id for m in messages)))
+    pending, replies = {i for i in ids if i is not None}, []
+    deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+    while pending:
+      got = list(grid.pull_messages(pending))
+      replies += got
+      pending -= {m.metadata.reply_to_message_id for m in got}
+      if not pending or time.monotonic() > deadline:
+        break
+      self.check_stop()
+      alive = set(grid.get_node_ids())
+      for mid in [m for m in pending if node_of[m] not in alive]:
+        pending.discard(mid)
+        client = next((c for c, n in self.nodes.items() if n == node_of[mid]), None)
+        if client is not None:
+          self._lose(client, node_of[mid], 'it is no longer connected')
+      if pending:
+        time.sleep(POLL_S)
+    return replies
+
+  def _lose(self, client: int, node: int, why: str) -> None:
+    """Client ``client``'s node is gone: said once, not waited for again."""
+    if client in self.lost:
+      return
+    self.lost[client] = node
+    self._lost_now.append(client)
+    self.nodes.pop(client, None)
+    log(WARNING, 'fedjx: node %d (client %d) is lost: %s; the rounds go on '
+        'with the %d nodes alive.', node, client, why, len(self.nodes))
 
   def first_rows(self) -> None:
     """The evaluation at step 0, as ``fedjx-run`` writes it."""
@@ -452,19 +544,24 @@ class FedjxStrategy(flwr_strategy.Strategy):
     deadline = time.monotonic() + self.wait_s
     while True:
       present = set(grid.get_node_ids())
-      if len(present) >= self.min_available_nodes or time.monotonic() > deadline:
+      for client, node in list(self.nodes.items()):
+        if node not in present:
+          self._lose(client, node, 'it is no longer connected')
+      # Nodes lost once are not waited for: the rounds go on without them.
+      wanted = self.min_available_nodes - len(self.lost)
+      if len(present) >= wanted or time.monotonic() > deadline:
         break
       log(INFO, 'fedjx: waiting for nodes: %d connected, %d wanted.', len(present),
-          self.min_available_nodes)
+          wanted)
+      self.check_stop()
       time.sleep(1.0)
-    self.nodes = {c: n for c, n in self.nodes.items() if n in present}
     new = sorted(present - set(self.nodes.values()))
     if not new:
       return
     queries = [Message(RecordDict({CONFIG: ConfigRecord({'want': 'partition'})}),
                        message_type=MessageType.QUERY, dst_node_id=n, group_id='describe')
                for n in new]
-    for reply in grid.send_and_receive(queries, timeout=self.timeout_s):
+    for reply in self.wait_replies(grid, queries, self.timeout_s):
       node = reply.metadata.src_node_id
       if reply.has_error():
         log(WARNING, 'fedjx: node %d did not describe itself: %s', node,
@@ -483,6 +580,8 @@ class FedjxStrategy(flwr_strategy.Strategy):
             self.nodes[client], node, client, self.nodes[client])
         continue
       self.nodes[client] = node
+      if self.lost.pop(client, None) is not None:
+        log(INFO, 'fedjx: client %d is back, on node %d.', client, node)
 
   def close(self) -> None:
     if self._writer is not None:
@@ -510,14 +609,67 @@ def run_server(grid: Grid, settings: Settings) -> FedjxStrategy:
                            min_available_nodes=settings.min_available_nodes,
                            wait_s=settings.wait_s)
   try:
-    strategy.first_rows()
-    remaining = config.rounds - strategy.start_round
-    if remaining > 0:
-      strategy.start(grid, ArrayRecord(_arrays(_leaves(strategy.state), 'state-')),
-                     num_rounds=remaining, timeout=settings.timeout)
+    with _signals_stop(strategy):
+      strategy.first_rows()
+      remaining = config.rounds - strategy.start_round
+      if remaining > 0:
+        strategy.start(_WatchedGrid(grid, strategy),
+                       ArrayRecord(_arrays(_leaves(strategy.state), 'state-')),
+                       num_rounds=remaining, timeout=settings.timeout)
+  except StopRequested:
+    strategy.save()
+    strategy._clear_stop()  # pylint: disable=protected-access
+    strategy.stopped = True
+    log(WARNING, 'fedjx: stopped; %s holds the checkpoint after round %d (the '
+        'last complete one): the same run resumes from it.',
+        settings.workdir or 'no workdir', strategy.step)
   finally:
     strategy.close()
   return strategy
+
+
+class _WatchedGrid:
+  """The grid as ``Strategy.start`` sees it: replies are collected by
+  :meth:`FedjxStrategy.wait_replies` (lost nodes and stop requests seen
+  while a round waits); everything else is the grid's."""
+
+  def __init__(self, grid: Grid, strategy: FedjxStrategy):
+    self._grid, self._strategy = grid, strategy
+
+  def send_and_receive(self, messages: Iterable[Message], *,
+                       timeout: float | None = None) -> list[Message]:
+    return self._strategy.wait_replies(self._grid, messages, timeout)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._grid, name)
+
+
+@contextlib.contextmanager
+def _signals_stop(strategy: FedjxStrategy):
+  """While the rounds run, SIGTERM and SIGINT ask the strategy to stop (it
+  saves the last complete round) instead of ending the process mid-round."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def handle(signum, frame):
+    del frame
+    strategy.signalled = True
+    log(WARNING, 'fedjx: %s received; stopping after saving the last complete '
+        'round.', signal.Signals(signum).name)
+
+  saved = {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for s, h in saved.items():
+      signal.signal(s, h)
+
+
+def _unavailable(error: Any) -> bool:
+  """Whether a reply's error is the SuperLink's own: the node is offline."""
+  from flwr.common.constant import ErrorCode  # pylint: disable=g-import-not-at-top
+  return getattr(error, 'code', None) == ErrorCode.NODE_UNAVAILABLE
 
 
 server_app = ServerApp()

@@ -183,15 +183,21 @@ class LocalFederation:
               + (f'options.num-supernodes = {self.num_nodes}\n'
                  if self.simulation else ''))
 
-  def run(self, app_dir: str, run_config: Mapping[str, Any] | None = None, *,
-          timeout: float | None = None) -> int:
-    """``flwr run app_dir`` on this federation, logs streamed to ``run.log``;
-    returns its exit status (124 when ``timeout`` seconds pass first)."""
+  def submit(self, app_dir: str, run_config: Mapping[str, Any] | None = None
+             ) -> subprocess.Popen:
+    """Starts ``flwr run app_dir`` on this federation, its log streamed to
+    ``run.log``; returns its process (it ends with the run)."""
     args = [_command('flwr'), 'run', os.path.abspath(app_dir), CONNECTION, '--stream']
     if run_config:
       args += ['--run-config',
                ' '.join(f'{k}={_toml_value(v)}' for k, v in run_config.items())]
-    process = self._start(args, 'run', os.path.join(self.home, 'flwr-cli'))
+    return self._start(args, 'run', os.path.join(self.home, 'flwr-cli'))
+
+  def run(self, app_dir: str, run_config: Mapping[str, Any] | None = None, *,
+          timeout: float | None = None) -> int:
+    """``flwr run app_dir`` on this federation, logs streamed to ``run.log``;
+    returns its exit status (124 when ``timeout`` seconds pass first)."""
+    process = self.submit(app_dir, run_config)
     try:
       return process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -237,10 +243,16 @@ class LocalFederation:
         pass
 
   def stop(self) -> None:
-    """Stops the nodes, then the SuperLink (and whatever they started)."""
+    """Stops the SuperLink (and the ServerApp it runs), then the nodes.
+
+    In this order a ServerApp still running sees its link end, not its
+    clients vanish one by one: it cannot record a round as done without
+    them. (``fedjx-deploy`` first asks the ServerApp to stop and save the
+    last complete round; see :mod:`fedjx.deploy.cli`.)
+    """
+    self.stop_process(self.superlink)
     for process in self.nodes:
       self.stop_process(process)
-    self.stop_process(self.superlink)
     for log in self._logs:
       log.close()
     self._logs = []

@@ -1,7 +1,7 @@
 """A fedjx experiment's rounds as the pieces a deployment runs.
 
 The server side (:class:`ServerRounds`) builds the experiment a config
-names, exactly as ``fedjx-run`` does (``fedjx.experiments.runner.build``:
+names, exactly as ``fedjx-run`` does (``fedjx.experiments.experiment.build``:
 the same algorithm, initial model, round keys ``fold_in(round_key, r)`` and
 cohort sampler), and splits its round with ``fedjx.export.split_round`` into
 
@@ -31,6 +31,7 @@ builds the dataset too (it reads sizes only to shape the round).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
@@ -43,7 +44,8 @@ from fedjx import datasets
 from fedjx.datasets import prefetch
 from fedjx.deploy import programs
 
-__all__ = ['DataSpec', 'NodeData', 'ServerRounds', 'SplitPieces', 'run_client']
+__all__ = ['DataSpec', 'NodeData', 'ServerRounds', 'SplitPieces', 'load_config',
+           'run_client']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,9 +180,10 @@ class ServerRounds:
   """
 
   def __init__(self, config: Any):
-    from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
-    self.config = runner.validate(config)
-    self.exp = runner.build(self.config)
+    from fedjx.experiments import config as config_lib  # pylint: disable=g-import-not-at-top
+    from fedjx.experiments import experiment  # pylint: disable=g-import-not-at-top
+    self.config = config_lib.validate(config)
+    self.exp = experiment.build(self.config)
     exp = self.exp
     for field, value in (('systems', exp.systems), ('sampling', exp.sampler),
                          ('algorithm (asynchronous)', exp.scheduler)):
@@ -259,6 +262,29 @@ class ServerRounds:
     outs = pieces.split.server_update.call(*residuals, *aggregates)
     state, metrics = jax.tree.unflatten(pieces.split.out_tree, list(outs))
     return state, metrics
+
+
+def _literal(text: str) -> Any:
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def load_config(spec: str, overrides: str = '') -> Any:
+  """The fedjx config of file ``spec`` with ``overrides`` (``"a.b=v c=w"``,
+  each value a Python literal, else a string) set, validated."""
+  from fedjx.experiments import cli  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import config as config_lib  # pylint: disable=g-import-not-at-top
+  config = cli.load_config_file(spec)
+  extras = []
+  for item in overrides.split():
+    path, sep, value = item.partition('=')
+    if not sep or not path:
+      raise ValueError(f'fedjx.deploy: override {item!r} is not '
+                       "'path=value' (e.g. 'rounds=3 dataset.num_clients=3').")
+    extras.append((tuple(path.split('.')), _literal(value)))
+  return config_lib.validate(cli.apply_overrides(config, extras))
 
 
 def flat_state(state: Any) -> list[np.ndarray]:
