@@ -144,8 +144,10 @@ def validate(args: argparse.Namespace) -> Any:
   except Exception as e:  # pylint: disable=broad-except
     where = f'--overrides={args.overrides!r}' if args.overrides else f'--config={args.config}'
     raise UsageError(f'{where}: {_one_line(e)}') from None
+  quiet = config.copy_and_resolve_references()
+  quiet.progress = False  # Validation shows no bars of its own.
   try:
-    server = rounds.ServerRounds(config)
+    server = rounds.ServerRounds(quiet)
     server.pieces(server.initial_state(), server.cohort(0)[1])
   except ValueError as e:
     raise UsageError(f'--config={args.config}: {_one_line(e)}') from None
