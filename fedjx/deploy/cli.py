@@ -185,6 +185,7 @@ class Progress:
     self.config, self.workdir, self.run_log = config, workdir, run_log
     self.rows: dict[int, dict[str, Any]] = {}
     self._log_at = 0
+    self._last: dict[str, Any] = {}
     self.bar = loop.progress_bar(config.rounds, _checkpointed(workdir),
                                  bool(config.progress))
     self.log = loop.above(self.bar, lambda m: print(m, file=sys.stderr, flush=True))
@@ -203,7 +204,8 @@ class Progress:
 
   def _after(self, step: int, row: dict[str, Any]) -> None:
     from fedjx.experiments import run_trainer  # pylint: disable=g-import-not-at-top
-    last = dict(self.rows.get(step - 1, {}), **row)
+    self._last.update(row)  # As fedjx-run: the newest value of each metric.
+    last = self._last
     postfix = {'loss': run_trainer._train_loss(last)}  # pylint: disable=protected-access
     if 'eval_accuracy' in last:
       postfix['eval_acc'] = last['eval_accuracy']
