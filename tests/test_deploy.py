@@ -20,7 +20,7 @@ from fedjx.deploy import local
 from fedjx.deploy import programs
 from fedjx.deploy import rounds
 from fedjx.experiments import cli
-from fedjx.experiments import runner
+from fedjx.experiments import config as config_lib
 
 
 def _square_program():
@@ -74,7 +74,7 @@ def _config(algorithm=None):
             (('local_steps',), 4)]
   if algorithm is not None:
     extras.append((('algorithm',), algorithm))
-  return runner.validate(cli.apply_overrides(config, extras))
+  return config_lib.validate(cli.apply_overrides(config, extras))
 
 
 def _deployed_rounds(server, num_rounds):
@@ -185,3 +185,14 @@ def test_stopping_a_process_ends_what_it_started_in_other_sessions(tmp_path):
 def test_a_federation_needs_a_node():
   with pytest.raises(ValueError, match='num_nodes=0'):
     local.LocalFederation(0, '.')
+
+
+def test_a_federation_stops_its_superlink_before_its_nodes(tmp_path, monkeypatch):
+  """A ServerApp still running then sees its link end, not its clients
+  vanish one by one (which it would record as a round without replies)."""
+  fed = local.LocalFederation(2, str(tmp_path))
+  fed.superlink, fed.nodes = 'superlink', ['node-0', 'node-1']
+  stopped = []
+  monkeypatch.setattr(fed, 'stop_process', stopped.append)
+  fed.stop()
+  assert stopped == ['superlink', 'node-0', 'node-1']
