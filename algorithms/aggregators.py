@@ -33,12 +33,13 @@ Aggregators here:
 
 ``adaptive_gaussian`` is :func:`fedjx.algorithms.adaptive_clipping.adaptive_gaussian`
 (Andrew et al. 2021), ``tree_gaussian`` :func:`fedjx.algorithms.dp_ftrl.tree_gaussian`
-(Kairouz et al. 2021).
+(Kairouz et al. 2021). Those, the compressors, secure sums, distributed DP
+and robust aggregators build on this module, which imports none of them; the
+names a config gives them are :data:`fedjx.experiments.parts.AGGREGATORS`.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -241,11 +242,7 @@ def normal_like(leaves: list[jax.Array], keys: jax.Array) -> list[jax.Array]:
   return out
 
 
-def participants(clients: nonfinite.Clients) -> jax.Array:
-  """``sum_i w_i``: with unit weights, the number of participating clients."""
-  if clients.totals is None:
-    return fedjx.reduce_sum(clients.weights)
-  return clients.totals['weights']
+participants = nonfinite.participants
 
 
 def denominator(expected_clients_per_round: float | None,
@@ -353,76 +350,23 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
 
 # ------------------------------------------------------------ for algorithms
 
-def _in_module(module: str, name: str) -> Callable[..., Aggregator]:
-  """``fedjx.algorithms.<module>.<name>``, imported when first called.
-
-  The DP mechanisms of their own modules build on this one, which therefore
-  cannot import them when it is imported.
-  """
-  def build(**options: Any) -> Aggregator:
-    return getattr(importlib.import_module(f'fedjx.algorithms.{module}'),
-                   name)(**options)
-  build.__name__ = build.__qualname__ = name
-  build.__doc__ = f'``fedjx.algorithms.{module}.{name}(**options)``.'
-  return build
-
-
-# DP mechanisms of their own modules, also reachable from here.
-_ELSEWHERE = {'adaptive_gaussian': 'adaptive_clipping', 'tree_gaussian': 'dp_ftrl'}
-# Compressors (their bits counted), secure sums and distributed DP.
-_ELSEWHERE.update({name: 'compression' for name in (
-    'stochastic_quantization', 'eden', 'drive', 'qsgd', 'terngrad',
-    'sign_majority', 'top_k', 'random_k', 'uncompressed')})
-_ELSEWHERE.update({'secure_sum': 'secure_aggregation',
-                   'distributed_skellam': 'distributed_dp',
-                   'local_gaussian': 'distributed_dp'})
-# Defenses against Byzantine clients (``median`` is ``coordinate_median``).
-_ELSEWHERE.update({name: 'robust_aggregators' for name in (
-    'median', 'trimmed_mean', 'krum', 'multi_krum', 'bulyan', 'geometric_median',
-    'norm_bounding', 'centered_clipping', 'dp_defense')})
-
-
-def __getattr__(name: str) -> Any:
-  """``aggregators.adaptive_gaussian`` and ``aggregators.tree_gaussian`` (PEP 562)."""
-  if name in _ELSEWHERE:
-    module = importlib.import_module(f'fedjx.algorithms.{_ELSEWHERE[name]}')
-    return getattr(module, name)
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-
-
-# The aggregators a config can name: ``aggregator=dict(name='gaussian', ...)``.
-AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
-    'mean': mean,
-    'quantized_mean': quantized_mean,
-    'gaussian': gaussian,
-    **{name: _in_module(module, name) for name, module in _ELSEWHERE.items()},
-}
-
-
 def check(fn: str, aggregator: Any) -> Aggregator:
   """The aggregator (default :func:`mean`), or a one-line error.
 
-  ``aggregator`` is an :class:`Aggregator`, None, or a config's spec
-  ``{'name': <a key of AGGREGATORS>, **options}``.
+  ``aggregator`` is an :class:`Aggregator` or None. A config names one as
+  ``{'name': ..., **options}``, which the experiments layer builds
+  (:func:`fedjx.experiments.parts.build_aggregator`).
   """
   if aggregator is None:
     return mean()
   if isinstance(aggregator, Mapping):
-    spec = dict(aggregator)
-    name = spec.pop('name', None)
-    if name not in AGGREGATORS:
-      raise ValueError(f'{fn}: aggregator name={name!r} is not one of '
-                       f'{tuple(AGGREGATORS)}.')
-    try:
-      return AGGREGATORS[name](**spec)
-    except TypeError as e:
-      raise ValueError(f'{fn}: aggregator {name!r} got options {sorted(spec)}: '
-                       f'{e}.') from None
+    raise ValueError(f'{fn}: aggregator={aggregator!r} is a config spec; '
+                     'build it with fedjx.experiments.parts.build_aggregator, '
+                     'or pass an Aggregator (e.g. mean(), gaussian(...)).')
   if not isinstance(aggregator, Aggregator):
     raise ValueError(f'{fn}: aggregator={aggregator!r} is not a '
                      'fedjx.algorithms.aggregators.Aggregator (e.g. mean(), '
-                     'gaussian(...), quantized_mean(...)) or a spec dict with '
-                     'a "name".')
+                     'gaussian(...), quantized_mean(...)).')
   return aggregator
 
 
@@ -562,6 +506,6 @@ def step(aggregator: Aggregator, optimizer, state: Any,
   return delta, params, opt_state, agg_state, metrics
 
 
-__all__ = ['AGGREGATORS', 'Aggregator', 'add_gaussian_noise', 'audited',
+__all__ = ['Aggregator', 'add_gaussian_noise', 'audited',
            'clip_update', 'denominator', 'gaussian', 'mean', 'normal_like',
            'participants', 'quantized_mean', 'safe_global_norm', 'upload_bytes']

@@ -356,7 +356,7 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
 
   Args:
     aggregator: the algorithm's aggregator (any
-      :class:`~fedjx.algorithms.aggregators.Aggregator`, or a config spec).
+      :class:`~fedjx.algorithms.aggregators.Aggregator`, or None for the mean).
     attack: an :class:`Attack` (e.g. :func:`sign_flip`).
     malicious: the malicious client ids (e.g. :func:`malicious_clients`),
       each in ``[0, num_clients)``.

@@ -238,6 +238,13 @@ def weighted_mean(clients: Clients) -> base.PyTree:
                       fedjx.reduce_sum(clients.weighted_update))
 
 
+def participants(clients: Clients) -> jax.Array:
+  """``sum_i w_i`` over the kept clients: with unit weights, their number."""
+  if clients.totals is None:
+    return fedjx.reduce_sum(clients.weights)
+  return clients.totals['weights']
+
+
 def round_metrics(clients: Clients, **extra: jax.Array) -> base.Metrics:
   """:func:`base.round_metrics` of a guarded cohort, plus ``nonfinite_clients``.
 

@@ -73,7 +73,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,8 +83,11 @@ from scipy import special
 from scipy import stats
 
 from fedjx.algorithms import accounting
-from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
+from fedjx.algorithms import nonfinite
+
+if TYPE_CHECKING:  # The DP aggregators build on this module.
+  from fedjx.algorithms import aggregators
 
 DESIGNS = ('insert', 'swap')
 # The design of each neighbouring relation (module docstring).
@@ -292,8 +295,8 @@ def with_canaries(aggregator: aggregators.Aggregator, canaries: Canaries, *,
                                                    clients, key)
     extra, sent = canary_sum(canaries, state.round, clip, aggregate)
     if expected_clients_per_round is None:
-      count = aggregators.participants(clients)
-      old = aggregators.denominator(None, count)
+      count = nonfinite.participants(clients)
+      old = jnp.maximum(count, 1.0)  # The mean's denominator without a fixed D.
       new = jnp.maximum(count + sent, 1.0)
       aggregate = jax.tree.map(
           lambda a, e: (a * old.astype(a.dtype) + e) / new.astype(a.dtype),

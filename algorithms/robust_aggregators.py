@@ -276,7 +276,8 @@ def dp_defense(defense: Any, clip_norm: float = 1.0,
   their own (the DP aggregators: ``dp_defense`` adds both).
 
   Args:
-    defense: an :class:`Aggregator` or a config spec ``{'name': ..., **options}``.
+    defense: the :class:`Aggregator` it clips and noises (a config's spec
+      ``{'name': ..., **options}`` is built by the experiments layer).
     clip_norm: ``C`` (traced: ``state.hparams['clip_norm']``).
     noise_multiplier: ``z`` (traced: ``state.hparams['noise_multiplier']``).
   """
@@ -285,7 +286,7 @@ def dp_defense(defense: Any, clip_norm: float = 1.0,
   inner = aggregators.check(fn, defense)
   cause = _state_kept(inner)
   if cause is not None:
-    raise ValueError(f'{fn}: defense={defense!r} {cause}; the guarantee of '
+    raise ValueError(f'{fn}: the defense {cause}; the guarantee of '
                      f'{fn} covers only the output it clips and noises, not '
                      'state kept between rounds; use a stateless defense '
                      '(median, trimmed_mean, krum, multi_krum, bulyan, '
@@ -294,7 +295,7 @@ def dp_defense(defense: Any, clip_norm: float = 1.0,
   for name in own:
     if name in inner.hparams:
       raise ValueError(
-          f'{fn}: defense={defense!r} has a hyperparameter {name!r} of its own '
+          f'{fn}: the defense has a hyperparameter {name!r} of its own '
           f"(it clips or noises by itself), which dp_defense's {name} would "
           'replace; use a defense without DP of its own (dp_defense adds the '
           'clipping and the noise).')

@@ -152,9 +152,12 @@ def algorithm_spec(config: Any, spec: Any, num_clients: int) -> Any:
                       f'algorithm {name!r} takes no aggregator, which the attack '
                       'wraps; use one that does (e.g. fedavg, fedadam, '
                       'scaffold, diloco).')
+  from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
+  inner = kwargs.get('aggregator')
   try:
-    aggregator = attacks.attacked(kwargs.get('aggregator'), model_attack(config),
-                                  malicious(config, num_clients), num_clients)
+    aggregator = attacks.attacked(
+        None if inner is None else parts.build_aggregator(inner),
+        model_attack(config), malicious(config, num_clients), num_clients)
   except ValueError as e:
     raise ConfigError(f'config.attack: {e}') from None
   return dict(kwargs, name=name, aggregator=aggregator)

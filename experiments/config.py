@@ -18,7 +18,6 @@ imports it only when called.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import math
@@ -28,18 +27,10 @@ from typing import Any
 import ml_collections
 
 from fedjx import options
+from fedjx.experiments.errors import ConfigError
+from fedjx.experiments.errors import suggest
 
 METRICS_FORMATS = ('jsonl', 'csv')
-
-
-class ConfigError(ValueError):
-  """A config names something unknown or passes an argument not accepted."""
-
-
-def suggest(name: Any, choices: Any) -> str:
-  """`` Did you mean 'x'?`` for the closest of ``choices``, or ``''``."""
-  close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
-  return f' Did you mean {close[0]!r}?' if close else ''
 
 
 # Top-level config fields and their defaults. ``dataset``, ``model`` and

@@ -22,7 +22,6 @@ clients (:func:`algorithm_spec`; :mod:`fedjx.algorithms.privacy_audit`) and
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import json
 import os
@@ -83,17 +82,17 @@ def _as_dict(value: Any) -> Any:
 
 def mechanism_of(algorithm: Mapping[str, Any]) -> Mechanism | None:
   """The DP mechanism of ``config.algorithm``, or None when it adds no DP noise."""
-  from fedjx.algorithms import aggregators  # pylint: disable=g-import-not-at-top
+  from fedjx.algorithms import dp_fedavg_lib  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
   algorithm = _as_dict(algorithm)
   if algorithm.get('name') == 'dp_fedavg':
-    module = importlib.import_module('fedjx.algorithms.dp_fedavg_lib')
-    fn, spec, name = module.dp_fedavg, algorithm, 'gaussian'
+    fn, spec, name = dp_fedavg_lib.dp_fedavg, algorithm, 'gaussian'
   else:
     spec = _as_dict(algorithm.get('aggregator'))
     if not isinstance(spec, Mapping) or spec.get('name') not in DP_AGGREGATORS:
       return None
     name = spec['name']
-    fn = aggregators.AGGREGATORS.get(name)
+    fn = parts.AGGREGATORS.get(name)
   z = spec.get('noise_multiplier', _default(fn, 'noise_multiplier', 1.0))
   d = spec.get('expected_clients_per_round',
                _default(fn, 'expected_clients_per_round', None))

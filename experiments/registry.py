@@ -31,12 +31,13 @@ import optax
 from fedjx import algorithms as algorithms_lib
 from fedjx import datasets
 from fedjx import models
-from fedjx.experiments import config as config_schema
 from fedjx.experiments import data as data_lib
+from fedjx.experiments import errors
+from fedjx.experiments import parts
 
 
-ConfigError = config_schema.ConfigError
-_suggest = config_schema.suggest
+ConfigError = errors.ConfigError
+_suggest = errors.suggest
 
 
 def lookup(kind: str, registry: Mapping[str, Any], name: Any) -> Any:
@@ -525,7 +526,9 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
   """An algorithm from ``config.algorithm``.
 
   Options whose name ends in ``optimizer`` are optimizer specs (see
-  :func:`build_optimizer`); the others are passed through. The entry
+  :func:`build_optimizer`), ``aggregator`` an aggregator spec
+  (:func:`fedjx.experiments.parts.build_aggregator`); the others are passed
+  through. The entry
   (:class:`AlgorithmEntry`) says what else the builder receives: the model's
   ``metrics_fn`` and ``skip_nonfinite`` (the runner's non-finite guard; left
   to the builder's default when None), and, for an algorithm with per-client
@@ -543,6 +546,8 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
   for key, value in list(kwargs.items()):
     if key.endswith('optimizer') and isinstance(value, Mapping):
       kwargs[key] = build_optimizer(value, where=f'algorithm.{key}')
+    elif key == 'aggregator' and isinstance(value, Mapping):
+      kwargs[key] = parts.build_aggregator(value, where=f'algorithm.{key}')
   supplied = {'metrics_fn': model.metrics_fn, 'skip_nonfinite': skip_nonfinite}
   names, var = accepted_kwargs(entry.builder)
   for key in entry.runner_options:

@@ -22,7 +22,6 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import sweep_spec
-from fedjx.experiments import sweep_summary
 
 
 def _numeric(values: Sequence[Any]) -> bool:
@@ -85,7 +84,7 @@ def plot_best_curves(workdir: str, trials: Sequence[Any],
                      main: str, top: int = 3) -> str | None:
   """Learning curves of the ``top`` best settings (every seed)."""
   key = f'best_{main}' if any(f'best_{main}' in r for r in trial_rows) else f'final_{main}'
-  lower = sweep_summary.lower_is_better(main)
+  lower = sweep_spec.lower_is_better(main)
   by_setting: dict[str, list[float]] = {}
   for t, r in zip(trials, trial_rows):
     if key in r:
@@ -103,7 +102,7 @@ def plot_best_curves(workdir: str, trials: Sequence[Any],
     for t in trials:
       if repr(sorted(t.setting.items())) != setting_key:
         continue
-      series = sweep_summary._finite_series(histories[t.name], main)  # pylint: disable=protected-access
+      series = sweep_spec.finite_series(histories[t.name], main)
       if not series:
         continue
       label = None

@@ -216,6 +216,22 @@ def format_value(value: Any) -> str:
   return str(value).replace(' ', '')
 
 
+def lower_is_better(metric: str) -> bool:
+  """Whether smaller values of ``metric`` are better (losses, errors, perplexity)."""
+  return 'loss' in metric or 'error' in metric or 'perplexity' in metric
+
+
+def finite_series(rows: Sequence[Mapping[str, Any]], metric: str
+                  ) -> list[tuple[int, float]]:
+  """``[(round, value)]`` of the rows' finite numbers for ``metric``."""
+  out = []
+  for row in rows:
+    v = row.get(metric)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+      out.append((int(row['round']), float(v)))
+  return out
+
+
 def trial_name(setting: Mapping[str, Any], seed: int,
                names: Mapping[str, str]) -> str:
   """A directory-safe name such as ``server_learning_rate=0.01,seed=0``."""

@@ -40,10 +40,6 @@ MAIN_METRICS = ('eval_accuracy', 'eval_loss', 'train_loss_after',
                 'train_loss_during', 'train_loss_before', 'train_loss', 'loss')
 
 
-def lower_is_better(metric: str) -> bool:
-  return 'loss' in metric or 'error' in metric or 'perplexity' in metric
-
-
 def parse_target(text: str | None) -> tuple[str, float] | None:
   """``'eval_accuracy=0.9'`` -> ``('eval_accuracy', 0.9)``."""
   if not text:
@@ -59,28 +55,18 @@ def parse_target(text: str | None) -> tuple[str, float] | None:
   return metric.strip(), number
 
 
-def _finite_series(rows: Sequence[Mapping[str, Any]], metric: str
-                   ) -> list[tuple[int, float]]:
-  out = []
-  for row in rows:
-    v = row.get(metric)
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-      out.append((int(row['round']), float(v)))
-  return out
-
-
 def trial_row(trial: Any, rows: Sequence[Mapping[str, Any]],
               target: tuple[str, float] | None) -> dict[str, Any]:
   """One line of ``summary_trials.csv`` from a trial's metric rows."""
   out: dict[str, Any] = {'trial': trial.name, **trial.setting, 'seed': trial.seed}
   metrics = sorted({k for r in rows for k in r} - {'round', 'elapsed_s', 'diverged'})
   for m in metrics:
-    series = _finite_series(rows, m)
+    series = sweep_spec.finite_series(rows, m)
     if not series:
       continue
     out[f'final_{m}'] = series[-1][1]
     if m.startswith('eval_'):
-      pick = min if lower_is_better(m) else max
+      pick = min if sweep_spec.lower_is_better(m) else max
       best_round, best = pick(series, key=lambda rv: rv[1])
       out[f'best_{m}'] = best
       out[f'best_round_{m}'] = best_round
@@ -95,8 +81,8 @@ def trial_row(trial: Any, rows: Sequence[Mapping[str, Any]],
   out['rounds'] = max((int(r['round']) for r in rows), default=0)
   if target is not None:
     metric, value = target
-    reached = [rnd for rnd, v in _finite_series(rows, metric)
-               if (v <= value if lower_is_better(metric) else v >= value)]
+    reached = [rnd for rnd, v in sweep_spec.finite_series(rows, metric)
+               if (v <= value if sweep_spec.lower_is_better(metric) else v >= value)]
     out['rounds_to_target'] = reached[0] if reached else None
   return out
 
@@ -211,7 +197,7 @@ def write_summary(workdir: str, trials: Sequence[Any], fields: Sequence[str],
     main = metric
   if main is not None:
     text = (f'# Sweep summary\n\nMean ± sample sd over seeds; main metric '
-            f'`{main}` ({"lower" if lower_is_better(main) else "higher"} is '
+            f'`{main}` ({"lower" if sweep_spec.lower_is_better(main) else "higher"} is '
             f'better).\n\n' + markdown(per_setting, fields, main, target))
     metrics_writers.write_atomically(os.path.join(workdir, 'summary.md'), text)
     if plot:

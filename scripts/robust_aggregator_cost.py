@@ -23,6 +23,7 @@ import numpy as np
 import fedjx
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import nonfinite
+from fedjx.experiments import parts
 
 DEFENSES = {
     'mean': {'name': 'mean'},
@@ -61,7 +62,7 @@ def main():
     updates = {'w': jnp.asarray(rng.normal(size=(c, args.dim)).astype(np.float32))}
     n = jnp.asarray(rng.integers(1, 50, size=c), jnp.float32)
     for name in args.defenses:
-      agg = aggregators.check('robust_aggregator_cost', DEFENSES[name])
+      agg = parts.build_aggregator(DEFENSES[name])
       state = agg.init({'w': updates['w'][0]})
       hp = aggregators.init_hparams(agg)
       key = jax.random.key(0)

@@ -26,6 +26,7 @@ from fedjx.experiments import attack as attack_lib
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import config_base
 from fedjx.experiments import registry
+from fedjx.experiments import parts
 
 import float_tolerance
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params
@@ -627,7 +628,7 @@ def test_an_attack_on_centered_clipping_follows_karimireddy_et_al(iterations):
   attack poisons the update, never the message ``clip_tau(Delta_i - v)``,
   which would subtract the centre twice from the second round on."""
   tau, scale = 0.8, 3.0
-  agg = attacks.attacked(aggregators.AGGREGATORS['centered_clipping'](
+  agg = attacks.attacked(parts.AGGREGATORS['centered_clipping'](
       radius=tau, iterations=iterations), attacks.sign_flip(scale), MALICIOUS, N)
   state = agg.init(jnp.zeros(DIM))
   bad, _ = flags()

@@ -23,6 +23,7 @@ import fedjx.algorithms as algos
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import compression as C
 from fedjx.algorithms import nonfinite
+from fedjx.experiments import parts
 import float_tolerance as ft
 from test_algorithms_util import (KEY, linreg_data, linreg_loss, linreg_params,
                                   make_cohort)
@@ -439,17 +440,22 @@ def test_errors_name_the_argument():
 
 # ------------------------------------------------------------ composition
 
+def built(spec):
+  """The aggregator a config spec names (None: the algorithm's default)."""
+  return None if spec is None else parts.build_aggregator(spec)
+
+
 BUILDERS = {
     'fedavg': lambda agg: algos.fedavg(linreg_loss, client_optimizer=optax.sgd(0.1),
-                                       aggregator=agg),
+                                       aggregator=built(agg)),
     'fedprox': lambda agg: algos.fedprox(linreg_loss, mu=0.1,
                                          client_optimizer=optax.sgd(0.1),
-                                         aggregator=agg),
+                                         aggregator=built(agg)),
     'scaffold': lambda agg: algos.scaffold(linreg_loss, num_clients=3,
-                                           client_learning_rate=0.1, aggregator=agg),
+                                           client_learning_rate=0.1, aggregator=built(agg)),
     'diloco': lambda agg: algos.diloco(linreg_loss, num_replicas=3,
                                        inner_optimizer=optax.sgd(0.1),
-                                       aggregator=agg),
+                                       aggregator=built(agg)),
 }
 
 
@@ -495,7 +501,8 @@ def test_every_map_strategy_gives_the_same_compressed_round(spec):
   quantization level, so the levels chosen agree)."""
   data = linreg_data(np.random.default_rng(81), [6, 4, 5], dim=3, shift=4.0)
   cohort = make_cohort(data, batch_size=3)
-  algo = algos.fedavg(linreg_loss, client_optimizer=optax.sgd(0.1), aggregator=spec)
+  algo = algos.fedavg(linreg_loss, client_optimizer=optax.sgd(0.1),
+                      aggregator=built(spec))
   out = {}
   for strategy, chunk in (('vmap', None), ('chunked', 2), ('sequential', None)):
     run = algo.compile(map_strategy=strategy, chunk_size=chunk, donate=False)
@@ -522,9 +529,9 @@ WIRE_SPECS = {
 }
 def test_every_wire_bits_aggregator_is_listed():
   wire = []
-  for name in aggregators.AGGREGATORS:
+  for name in parts.AGGREGATORS:
     try:
-      agg = aggregators.check('test', dict(WIRE_SPECS.get(name, {}), name=name))
+      agg = parts.build_aggregator(dict(WIRE_SPECS.get(name, {}), name=name))
     except ValueError:  # Options it needs (top_k's k, dp_defense's defense).
       assert name not in WIRE_SPECS
       continue
@@ -541,7 +548,7 @@ def test_communicated_bytes_are_the_upload_bits_of_the_round(name):
   data = linreg_data(np.random.default_rng(40), [8, 4, 6], shift=2.0)
   algo = algos.diloco(linreg_loss, 3, inner_optimizer=optax.sgd(0.05),
                       inner_steps=2,
-                      aggregator=dict(WIRE_SPECS[name], name=name))
+                      aggregator=built(dict(WIRE_SPECS[name], name=name)))
   state, metrics = algo.round(algo.init(linreg_params()),
                               make_cohort(data, batch_size=4), KEY)
   bits, clients = float(metrics['upload_bits']), float(metrics['clients'])

@@ -1,6 +1,7 @@
 """The DP aggregators (gaussian, adaptive_gaussian, tree_gaussian) with FedAvg,
-FedAdam, FedProx, SCAFFOLD and DiLoCo: hand-computed rounds without noise,
-finite rounds with noise."""
+FedAdam, FedProx and DiLoCo: hand-computed rounds without noise, finite
+rounds with noise; the algorithms that release more than the noised
+aggregate (SCAFFOLD, FedExP, Mime, ...) refuse every DP aggregator."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
+from fedjx.experiments import parts
 from test_algorithms_util import (KEY, assert_trees_close, copy, linreg_data,
                                   linreg_loss, linreg_params, make_cohort,
                                   reference_sgd)
@@ -38,8 +40,6 @@ BUILDERS = {
     'fedprox': lambda agg: algos.fedprox(linreg_loss, mu=0.1,
                                          client_optimizer=optax.sgd(LR),
                                          aggregator=agg),
-    'scaffold': lambda agg: algos.scaffold(linreg_loss, num_clients=3,
-                                           client_learning_rate=LR, aggregator=agg),
     'diloco': lambda agg: algos.diloco(linreg_loss, num_replicas=3,
                                        inner_optimizer=optax.sgd(LR),
                                        aggregator=agg),
@@ -75,39 +75,14 @@ def reference_fedavg(data, name, rounds=2):
   return x
 
 
-def reference_scaffold(data, name, rounds=2):
-  """SCAFFOLD option II (Karimireddy et al. 2020) with the clipped sum over D.
-
-  The control variates use the unclipped ``x - y_i``; ``c = sum_i c_i / N``.
-  """
-  x, clip = linreg_params(), CLIP
-  zeros = jax.tree.map(jnp.zeros_like, x)
-  c, c_i = zeros, [zeros] * 3
-  for _ in range(rounds):
-    outs = []
-    for i, d in enumerate(data):
-      correction = lambda g, p, i=i: jax.tree.map(lambda a, b: a - b, c, c_i[i])
-      y, k = reference_sgd(linreg_loss, x, d, 3, LR, correction=correction)
-      outs.append((jax.tree.map(jnp.subtract, x, y), k))
-    deltas, norms = zip(*[clipped(delta, clip) for delta, _ in outs])
-    new_ci = [jax.tree.map(lambda ci, c, u: ci - c + u / (k * LR), ci, c, delta)
-              for ci, (delta, k) in zip(c_i, outs)]
-    c = jax.tree.map(lambda c, *pairs: c + sum(pairs) / 3, c,
-                     *[jax.tree.map(jnp.subtract, n, o) for n, o in zip(new_ci, c_i)])
-    c_i = new_ci
-    x = jax.tree.map(lambda p, *ds: p - sum(ds) / D, x, *deltas)
-    clip = next_clip(norms, clip, name)
-  return x
-
-
-REFERENCES = {'fedavg': reference_fedavg, 'scaffold': reference_scaffold}
+REFERENCES = {'fedavg': reference_fedavg}
 
 
 @pytest.mark.parametrize('aggregator', sorted(SPECS))
 @pytest.mark.parametrize('algorithm', sorted(BUILDERS))
 def test_dp_aggregator_runs_with_the_algorithm(algorithm, aggregator):
   data, cohort = setup()
-  algo = BUILDERS[algorithm](SPECS[aggregator])
+  algo = BUILDERS[algorithm](parts.build_aggregator(SPECS[aggregator]))
   state0 = algo.init(linreg_params())
   keys = [jax.random.fold_in(KEY, r) for r in range(2)]
   state = copy(state0)
@@ -172,15 +147,18 @@ UNPRIVATIZED = {
             'per-domain losses'),
     'hyp_cluster': (lambda agg: algos.hyp_cluster(linreg_loss, aggregator=agg),
                     'which cluster'),
+    'scaffold': (lambda agg: algos.scaffold(linreg_loss, num_clients=3,
+                                            aggregator=agg),
+                 'control variate change'),
 }
 
 
 def test_dp_aggregators_declare_their_privacy():
   from fedjx.algorithms import aggregators
-  for name in aggregators.AGGREGATORS:
+  for name in parts.AGGREGATORS:
     spec = DP_SPECS.get(name, {'name': name})
     try:
-      agg = aggregators.check('test', spec)
+      agg = parts.build_aggregator(spec)
     except ValueError:  # Builders with required options (top_k's k, ...).
       assert name not in DP_SPECS
       continue
@@ -199,7 +177,7 @@ def test_algorithms_that_release_more_refuse_every_dp_aggregator(algorithm,
   aggregator and why."""
   build, why = UNPRIVATIZED[algorithm]
   with pytest.raises(ValueError) as e:
-    build(DP_SPECS[aggregator])
+    build(parts.build_aggregator(DP_SPECS[aggregator]))
   text = str(e.value)
   assert '\n' not in text
   assert text.startswith(f'{algorithm}: aggregator {aggregator} (')
@@ -209,7 +187,7 @@ def test_algorithms_that_release_more_refuse_every_dp_aggregator(algorithm,
 
 
 def test_algorithms_whose_message_is_all_they_release_take_dp_aggregators():
-  for spec in DP_SPECS.values():
+  for spec in map(parts.build_aggregator, DP_SPECS.values()):
     for algo in (algos.mime_lite(linreg_loss, aggregator=spec),
                  algos.fedavg(linreg_loss, aggregator=spec)):
       assert algo.unprivatized is None

@@ -17,6 +17,7 @@ import pytest
 
 import fedjx.algorithms as algos
 from fedjx.algorithms import nonfinite
+from fedjx.experiments import parts
 import float_tolerance as ft
 from test_algorithms_util import copy, linreg_data, linreg_params, make_cohort
 
@@ -106,12 +107,12 @@ BUILDERS = {
     # The DP aggregators check their norms ||Delta_i|| (checks_update).
     'dp_adaptive_fedavg': lambda **kw: algos.fedavg(
         scaled_loss, client_optimizer=sgd(), local_steps=T,
-        aggregator=algos.aggregators.AGGREGATORS['adaptive_gaussian'](
+        aggregator=parts.AGGREGATORS['adaptive_gaussian'](
             noise_multiplier=0.3, initial_clip_norm=0.5,
             clipped_count_stddev=0.5), **kw),
     'dp_ftrl_fedavg': lambda **kw: algos.fedavg(
         scaled_loss, client_optimizer=sgd(), local_steps=T,
-        aggregator=algos.aggregators.AGGREGATORS['tree_gaussian'](
+        aggregator=parts.AGGREGATORS['tree_gaussian'](
             clip_norm=0.5, noise_multiplier=0.3), **kw),
     'int8_fedavg': lambda **kw: algos.fedavg(
         scaled_loss, client_optimizer=sgd(), local_steps=T,
@@ -274,7 +275,7 @@ def test_dp_encodings_are_nonfinite_exactly_when_the_update_is(name):
   """``checks_update``: the guard reads the DP encoder's values (the norm)
   instead of the client's model, so they must be NaN/Inf exactly then."""
   from fedjx.algorithms import aggregators  # pylint: disable=import-outside-toplevel
-  agg = aggregators.AGGREGATORS[name](noise_multiplier=0.3, **(
+  agg = parts.AGGREGATORS[name](noise_multiplier=0.3, **(
       {'clipped_count_stddev': 0.5} if name == 'adaptive_gaussian' else {}))
   assert agg.checks_update
   hparams = dict(aggregators.init_hparams(agg),

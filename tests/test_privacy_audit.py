@@ -24,6 +24,7 @@ from fedjx.experiments import registry
 from fedjx.experiments import runner
 from fedjx.experiments.config import with_defaults
 from fedjx.experiments.config_base import base_config, optimizer
+from fedjx.experiments import parts
 import float_tolerance as ft
 from test_algorithms_util import KEY
 
@@ -197,7 +198,7 @@ def test_canaries_join_the_clipped_sum_before_the_noise(name, denominator):
   # sums, i.e. the round's leaf.
   dim, clip, m = 3000, 0.5, 20
   canaries = pa.Canaries(m, S('uniform', 10, 5), seed=7)  # swap, 10 a round
-  agg = aggregators.AGGREGATORS[name](
+  agg = parts.AGGREGATORS[name](
       clip_norm=clip, noise_multiplier=0.0,
       expected_clients_per_round=denominator, canaries=canaries)
   hparams = aggregators.init_hparams(agg)
@@ -228,10 +229,10 @@ def test_canaries_join_the_clipped_sum_before_the_noise(name, denominator):
 
 def test_adaptive_clipping_canaries_use_the_round_s_clip_norm_and_not_the_count():
   canaries = pa.Canaries(8, S('uniform', 4, 4), seed=1)  # every slot, swap
-  agg = aggregators.AGGREGATORS['adaptive_gaussian'](
+  agg = parts.AGGREGATORS['adaptive_gaussian'](
       noise_multiplier=0.0, clipped_count_stddev=0.0, initial_clip_norm=0.3,
       expected_clients_per_round=2.0, canaries=canaries)
-  plain = aggregators.AGGREGATORS['adaptive_gaussian'](
+  plain = parts.AGGREGATORS['adaptive_gaussian'](
       noise_multiplier=0.0, clipped_count_stddev=0.0, initial_clip_norm=0.3,
       expected_clients_per_round=2.0)
   hparams = aggregators.init_hparams(agg)

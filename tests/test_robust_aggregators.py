@@ -23,6 +23,7 @@ from fedjx.algorithms import nonfinite
 from fedjx.algorithms import order_statistics
 from fedjx.algorithms import robust_aggregators as ra
 from fedjx.interpreters import plan as plan_lib
+from fedjx.experiments import parts
 import float_tolerance as ft
 from test_algorithms_util import KEY, linreg_data, linreg_loss, linreg_params
 from test_algorithms_util import make_cohort
@@ -267,7 +268,7 @@ def test_skipped_and_padding_clients_change_nothing():
   only = jax.tree.map(lambda l: l[np.flatnonzero(keep)], updates)
   for name in ['median', 'trimmed_mean', 'krum', 'multi_krum', 'bulyan',
                'geometric_median', 'norm_bounding']:
-    agg = aggregators.check('test', {'name': name})
+    agg = parts.build_aggregator({'name': name})
     got, _, _ = aggregate(agg, updates, n)
     want, _, _ = aggregate(agg, only, n[keep])
     # Same float32 operations on the same values, up to the order of sums
@@ -357,7 +358,7 @@ def test_flower_closest_to_reference(reference, values, beta, want):
     (lambda: ra.norm_bounding(max_norm=-1.0), 'max_norm=-1.0'),
     (lambda: ra.centered_clipping(radius=float('inf')), 'radius=inf'),
     (lambda: ra.centered_clipping(iterations=2.0), 'iterations=2.0'),
-    (lambda: ra.dp_defense({'name': 'centered_clipping'}), 'keeps state'),
+    (lambda: ra.dp_defense(ra.centered_clipping()), 'keeps state'),
 ])
 def test_bad_options_are_one_line_errors(build, message):
   with pytest.raises(ValueError, match=message) as e:
@@ -373,24 +374,24 @@ def test_bad_options_are_one_line_errors(build, message):
 def test_dp_defense_names_what_of_a_stateful_defense_outlives_a_round(defense, leaves,
                                                                       sent):
   # The error named centered_clipping's center whatever the defense was.
-  state = aggregators.check('test', defense).init({'x': jnp.zeros((1,))})
+  state = parts.build_aggregator(defense).init({'x': jnp.zeros((1,))})
   assert f'{len(jax.tree.leaves(state))} array' in leaves
   with pytest.raises(ValueError) as e:
-    ra.dp_defense(defense)
+    ra.dp_defense(parts.build_aggregator(defense))
   assert str(e.value) == (
-      f'dp_defense: defense={defense!r} keeps state between rounds '
+      f'dp_defense: the defense keeps state between rounds '
       f'({type(state).__name__}, {leaves}){sent}; the guarantee of dp_defense '
       'covers only the output it clips and noises, not state kept between rounds; '
       'use a stateless defense (median, trimmed_mean, krum, multi_krum, bulyan, '
       'geometric_median, norm_bounding).')
   with pytest.raises(ValueError, match="has a hyperparameter 'clip_norm' of its own"):
-    ra.dp_defense({'name': 'gaussian', 'clip_norm': 1.0, 'noise_multiplier': 1.0})
+    ra.dp_defense(aggregators.gaussian(clip_norm=1.0, noise_multiplier=1.0))
 
 
 @pytest.mark.parametrize('name, f, c, bound', [('krum', 2, 6, 7), ('multi_krum', 2, 6, 7),
                                                ('bulyan', 1, 6, 7)])
 def test_cohort_bound_is_checked_when_the_round_is_traced(name, f, c, bound):
-  agg = aggregators.check('test', {'name': name, 'num_byzantine': f})
+  agg = parts.build_aggregator({'name': name, 'num_byzantine': f})
   updates = rows(*[[float(i)] for i in range(c)])
   with pytest.raises(ValueError, match=f'at least .* = {bound} clients; this '
                      f"round's cohort has {c}"):
@@ -407,12 +408,14 @@ def test_too_few_participants_is_reported():
                                   'bulyan', 'geometric_median', 'norm_bounding',
                                   'centered_clipping'])
 def test_config_names_select_the_defense(name):
-  agg = aggregators.check('fedavg', {'name': name})
+  agg = parts.build_aggregator({'name': name})
   assert isinstance(agg, aggregators.Aggregator)
   assert (agg.needs_all_updates is not None) == (name in (
       'median', 'trimmed_mean', 'krum', 'multi_krum', 'bulyan'))
-  with pytest.raises(ValueError, match=f'aggregator {name!r} got options'):
-    aggregators.check('fedavg', {'name': name, 'no_such_option': 1})
+  with pytest.raises(ValueError, match=(
+      rf'config.algorithm.aggregator.no_such_option=1 is not an option of '
+      rf'{name!r}\. It takes \[')):
+    parts.build_aggregator({'name': name, 'no_such_option': 1})
 
 
 def test_existing_aggregators_do_not_need_all_updates():
@@ -426,7 +429,8 @@ def _round_setup(aggregator, sizes=(3, 5, 7, 2, 4, 6), seed=5):
   data = linreg_data(np.random.default_rng(seed), list(sizes))
   cohort = make_cohort(data, 2)
   algo = algos.fedavg(linreg_loss, client_optimizer=optax.sgd(0.1),
-                      server_optimizer=optax.sgd(1.0), aggregator=aggregator)
+                      server_optimizer=optax.sgd(1.0),
+                      aggregator=parts.build_aggregator(aggregator))
   return data, cohort, algo
 
 
@@ -516,7 +520,7 @@ def test_defenses_run_on_beam(spec):
 
 def test_dp_defense_clips_inputs_and_output():
   updates, n = cohort_updates()
-  agg = ra.dp_defense({'name': 'krum', 'num_byzantine': 1}, clip_norm=1.0,
+  agg = ra.dp_defense(ra.krum(num_byzantine=1), clip_norm=1.0,
                       noise_multiplier=0.0)
   got, _, metrics = aggregate(agg, updates, n)
   x, _, _ = participants(updates, n)
@@ -534,7 +538,7 @@ def test_dp_defense_noise_and_no_epsilon_reported():
   updates, n = cohort_updates()
   spec = {'name': 'dp_defense', 'defense': {'name': 'median'}, 'clip_norm': 0.5,
           'noise_multiplier': 2.0}
-  got, _, metrics = aggregate(aggregators.check('fedavg', spec), updates, n)
+  got, _, metrics = aggregate(parts.build_aggregator(spec), updates, n)
   assert float(metrics['noise_std']) == pytest.approx(2.0 * 2.0 * 0.5)
   # 7 coordinates of N(0, 2^2) noise around a point in the 0.5-ball.
   assert 0.5 < np.linalg.norm(flat(got)) < 25.0

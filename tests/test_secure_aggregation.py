@@ -21,6 +21,7 @@ import fedjx.algorithms as algos
 from fedjx.algorithms import compression
 from fedjx.algorithms import distributed_dp as DD
 from fedjx.algorithms import secure_aggregation as S
+from fedjx.experiments import parts
 import float_tolerance as ft
 from test_algorithms_util import (KEY, linreg_data, linreg_loss, linreg_params,
                                   make_cohort)
@@ -166,7 +167,8 @@ def test_fedavg_through_secure_sum_equals_the_clipped_mean():
   out = []
   for agg in (dict(name='gaussian', clip_norm=clip, noise_multiplier=0.0),
               dict(name='secure_sum', clip_norm=clip, threshold=1, bits=20)):
-    algo = algos.fedavg(linreg_loss, client_optimizer=optax.sgd(0.1), aggregator=agg)
+    algo = algos.fedavg(linreg_loss, client_optimizer=optax.sgd(0.1),
+                        aggregator=parts.build_aggregator(agg))
     state, _ = algo.round(algo.init(linreg_params(3)), cohort, KEY)
     out.append(flat_of(state.params))
   s = (2 ** 19 - 1) / (3 * clip)
@@ -307,7 +309,7 @@ def test_the_runner_gives_distributed_dp_the_runs_sampling():
   from fedjx.experiments.config import with_defaults
   config = with_defaults(_skellam_run_config(clients_per_round=10))
   spec = privacy.algorithm_spec(config, 50)['aggregator']
-  agg = aggregators.check('test', dict(spec))
+  agg = parts.build_aggregator(dict(spec))
   d = 64 * 128 + 128 + 128 * 10 + 10
   state = agg.init({'w': jnp.zeros((d,), jnp.float32)})
   pad = compression.next_power_of_two(d)

@@ -21,6 +21,7 @@ from fedjx.algorithms import attacks
 from fedjx.algorithms import base
 from fedjx.algorithms import privacy_audit
 from fedjx.experiments import guarded_rounds
+from fedjx.experiments import parts
 from client_rows import Rows, run_round
 from test_algorithms_util import (KEY, assert_trees_close, linreg_data,
                                   linreg_loss, linreg_params, make_cohort)
@@ -107,14 +108,14 @@ AGGREGATOR_WRAPPERS = {
 @pytest.mark.parametrize('aggregator', sorted(AGGREGATOR_SPECS))
 @pytest.mark.parametrize('wrapper', sorted(AGGREGATOR_WRAPPERS))
 def test_aggregator_wrappers_keep_every_trait(wrapper, aggregator):
-  inner = aggregators.check('test', AGGREGATOR_SPECS[aggregator])
+  inner = parts.build_aggregator(AGGREGATOR_SPECS[aggregator])
   assert_same_traits(AGGREGATOR_WRAPPERS[wrapper](inner), inner,
                      aggregators.TRAITS)
 
 
 def test_dp_defense_keeps_the_defenses_traits_and_declares_its_own():
-  inner = aggregators.check('test', AGGREGATOR_SPECS['krum'])
-  wrapped = aggregators.check('test', dict(name='dp_defense', defense=inner))
+  inner = parts.build_aggregator(AGGREGATOR_SPECS['krum'])
+  wrapped = parts.build_aggregator(dict(name='dp_defense', defense=inner))
   assert_same_traits(wrapped, inner, [
       t for t in aggregators.TRAITS if t not in ('checks_update', 'privacy')])
   assert wrapped.checks_update and wrapped.privacy == 'dp_defense (central DP)'
