@@ -13,6 +13,9 @@ pieces on a deployment engine; fedjx builds no transport of its own.
   node halves, independent of any engine;
 * :mod:`fedjx.deploy.flower`: a Flower ServerApp and ClientApp over them
   (needs the ``flower`` extra: ``pip install 'fedjx[flower]'``).
+* :mod:`fedjx.deploy.cli`: ``fedjx-deploy``, a config's rounds on a local
+  Flower federation (checked before any process starts; stopped with a
+  checkpoint of the last complete round).
 
 ``import fedjx`` imports none of these; only :mod:`fedjx.deploy.flower`
 imports Flower. See ``docs/deploy.md``.
