@@ -35,8 +35,10 @@ from fedjx.algorithms import quantization
 from fedjx.algorithms import schedules
 from fedjx.algorithms import order_statistics
 from fedjx.algorithms import robust_aggregators
+from fedjx.algorithms.accounting import dp_epsilon
 from fedjx.algorithms.adaptive_clipping import adaptive_gaussian
 from fedjx.algorithms.aggregators import Aggregator
+from fedjx.algorithms.aggregators import clip_update
 from fedjx.algorithms.attacks import Attack
 from fedjx.algorithms.attacks import attacked
 from fedjx.algorithms.attacks import malicious_clients
@@ -76,8 +78,6 @@ from fedjx.algorithms.async_diloco_lib import async_diloco
 from fedjx.algorithms.async_diloco_lib import delayed_nesterov
 from fedjx.algorithms.diloco_lib import DiLoCoState
 from fedjx.algorithms.diloco_lib import diloco
-from fedjx.algorithms.dp_fedavg_lib import clip_update
-from fedjx.algorithms.dp_fedavg_lib import dp_epsilon
 from fedjx.algorithms.dp_fedavg_lib import dp_fedavg
 from fedjx.algorithms.dp_ftrl import tree_gaussian
 from fedjx.algorithms.fedavg_lib import fedadagrad

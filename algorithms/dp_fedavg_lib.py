@@ -20,7 +20,7 @@ cohort size ``qN`` (``expected_clients_per_round``, McMahan et al.'s
 fixed-denominator estimator) or, if None, the number of participating
 clients (which the privacy analysis treats as public).
 
-:func:`dp_epsilon` composes ``R`` such rounds with Poisson sampling rate
+:func:`fedjx.algorithms.accounting.dp_epsilon` composes ``R`` such rounds with Poisson sampling rate
 ``q`` through the ``dp_accounting`` package (RDP or PLD accountant) and
 returns epsilon at the given delta; :mod:`fedjx.algorithms.accounting`
 accounts for the other samplings and mechanisms (``docs/privacy.md``).
@@ -38,12 +38,6 @@ from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms.fedavg_lib import build as fedavg_build
 from fedjx.algorithms.fedavg_lib import without
-from fedjx.algorithms.aggregators import clip_update  # pylint: disable=unused-import
-from fedjx.algorithms.aggregators import safe_global_norm  # pylint: disable=unused-import
-
-# dp_epsilon lives in fedjx.algorithms.accounting; this import path stays.
-from fedjx.algorithms.accounting import ACCOUNTANTS  # pylint: disable=unused-import
-from fedjx.algorithms.accounting import dp_epsilon  # pylint: disable=unused-import
 
 # fedavg's options but those DP-FedAvg sets: its aggregator (which weights
 # every client 1) and no client transform.

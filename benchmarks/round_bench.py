@@ -650,24 +650,27 @@ def guard_cost_in_runs(configs: dict[str, Any], rounds: int = 20, pairs: int = 4
   are loaded once; then ``pairs`` times, in a random order (seeded; no
   experiment keeps a position, which shifts a round's time by about 1%), each
   experiment runs one round as the runner does (the round it would run,
-  unguarded first where it does so, :func:`runner.round_algorithms`, and
+  unguarded first where it does so,
+  :func:`fedjx.experiments.experiment.round_algorithms`, and
   the fetch of its metrics with the check's flag), cycling through the
   cohorts from the initial state. ``ratio_on_off`` is the median over repetitions of
   ``t_skip / t_off`` within a repetition, ``ratio_off2_off`` the same for the
   two identical experiments.
   """
-  # The runner imports the experiment registry and every algorithm; import
+  # The experiment layer imports the registry and every algorithm; import
   # it here to keep `import round_bench` light.
   from fedjx import execution  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import config as config_lib  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import experiment  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import loop  # pylint: disable=g-import-not-at-top
   records = []
   for name, config in configs.items():
     loops, first_unguarded = [], False
     for policy in ('skip', 'off', 'off'):
-      c = runner.with_defaults(config)
+      c = config_lib.with_defaults(config)
       c.nonfinite = policy
-      exp = runner.build(c)
-      guarded, unguarded = runner.round_algorithms(c, exp)
+      exp = experiment.build(c)
+      guarded, unguarded = experiment.round_algorithms(c, exp)
       first_unguarded = first_unguarded or unguarded is not None
       loops.append((exp, execution.round_runner(unguarded or guarded, c.execution,
                                                 c.chunk_size, lambda _: None)))
@@ -678,7 +681,7 @@ def guard_cost_in_runs(configs: dict[str, Any], rounds: int = 20, pairs: int = 4
 
     def one_round(k, r):
       states[k], metrics = loops[k][1](states[k], cohorts[r], keys[r])
-      runner._scalars(metrics)  # pylint: disable=protected-access
+      loop.host_scalars(metrics)
 
     for k in range(len(loops)):  # Compile and warm up.
       one_round(k, 0)

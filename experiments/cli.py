@@ -46,6 +46,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from fedjx.experiments import signatures
+
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Experiment config file (a Python file with get_config()).',
     lock_config=True)
@@ -199,35 +201,17 @@ def load_config_file(spec: str):
 
 # --------------------------------------------------- builder-option overrides
 
-def _target_type(param: inspect.Parameter) -> type | None:
-  """The type a command-line value for ``param`` is parsed as (None: literal)."""
-  default = param.default
-  annotation = '' if param.annotation is inspect.Parameter.empty else str(
-      param.annotation)
-  if isinstance(default, bool):
-    return bool
-  if isinstance(default, int) and not re.search(r'\bfloat\b', annotation):
-    return int
-  if isinstance(default, float):
-    return float
-  if isinstance(default, str):
-    return str
-  for name, kind in (('float', float), ('int', int), ('bool', bool), ('str', str)):
-    if re.search(rf'\b{name}\b', annotation):
-      return kind
-  return None
-
-
 def parse_value(text: str, param: inspect.Parameter, where: str) -> Any:
-  """``text`` as the type of ``param`` (its default's type, else its annotation).
+  """``text`` as the type of ``param`` (:func:`signatures.parse_type`: its
+  annotation, else its default's type).
 
-  Booleans accept true/false/1/0/yes/no; ``None`` is accepted when the default
-  is None or the annotation allows it; an option of unknown type is read as a
-  Python literal, or else as a string.
+  Booleans accept true/false/1/0/yes/no; ``None`` is accepted when the
+  parameter takes None; an option of unknown type is read as a Python
+  literal, or else as a string.
   """
-  kind = _target_type(param)
-  if text == 'None' and (param.default is None or 'None' in str(param.annotation)
-                         or 'Optional' in str(param.annotation)):
+  kind = signatures.parse_type(param)
+  types = signatures.option_types(param)
+  if text == 'None' and (types is None or type(None) in types):
     return None
   if kind is bool:
     low = text.strip().lower()
@@ -496,7 +480,7 @@ class _Overrides:
     if option == 'name':
       self.given.setdefault(parts[:2], {})
       return [(parts, opt_name)] if kept else []
-    params = _keyword_parameters(fn)
+    params = signatures.keyword_parameters(fn)
     if option not in params:
       raise UsageError(
           f'optax optimizer {opt_name!r} (config.algorithm.{slot}) has no option '
@@ -513,7 +497,7 @@ class _Overrides:
       fn = registry.OPTIMIZERS[opt_name]
       options = self.given.get(path, {})
       old = registry.split_name(f'config.{".".join(path)}', _get(self.config, path))
-      missing = [name for name, p in _keyword_parameters(fn).items()
+      missing = [name for name, p in signatures.keyword_parameters(fn).items()
                  if p.default is inspect.Parameter.empty and name not in options]
       flag = f'--config.{".".join(path)}'
       if missing:
@@ -532,11 +516,6 @@ class _Overrides:
 
 
 _BUILDERS = ('algorithm', 'dataset', 'model')
-
-
-def _keyword_parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
-  return {p.name: p for p in inspect.signature(fn).parameters.values()
-          if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def apply_overrides(config: Any, extras: Sequence[tuple[tuple[str, ...], Any]]) -> Any:
@@ -627,7 +606,7 @@ def _loaded(*names: tuple[str, str]) -> tuple[type[BaseException], ...]:
 
 
 def _plain_modules() -> tuple[type[BaseException], ...]:
-  return _loaded(('fedjx.experiments.runner', 'NonFiniteError'),
+  return _loaded(('fedjx.experiments.run_trainer', 'NonFiniteError'),
                  ('fedjx.experiments.workdir_lock', 'WorkdirLocked'),
                  ('fedjx.experiments.workdir', 'WorkdirError'),
                  ('fedjx.experiments.checkpointing', 'CheckpointError'),

@@ -38,6 +38,7 @@ import numpy as np
 
 from fedjx import client_store as client_store_lib
 from fedjx import streaming
+from fedjx.experiments import signatures
 from fedjx.experiments.config import ConfigError
 
 
@@ -69,7 +70,7 @@ def for_processes(config: Any, workdir: str, log: Any) -> Any:
   entry = registry.algorithm_entry(config.algorithm.name)
   option = entry.client_state
   if option is None or option in config.algorithm or option not in (
-      registry.accepted_kwargs(entry.builder)[0]):
+      signatures.accepted_kwargs(entry.builder)[0]):
     return config
   if jax.process_count() > 1:
     why = (f'a run of {jax.process_count()} processes has no host store '

@@ -188,7 +188,7 @@ def describe_algorithm(name: str) -> str:
   entry = registry.algorithm_entry(name)
   options = registry.builder_options(name)
   own = {p for p in inspect.signature(entry.builder).parameters}
-  forwarded = registry.FORWARDS.get(name)
+  forwarded = registry.forwarded_name(name)
   notes = {o: f'passed on to {forwarded}' for o in options
            if o not in own and forwarded}
   if entry.population is not None:

@@ -20,9 +20,6 @@ import dataclasses
 import inspect
 import math
 import os
-import re
-import sys
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +31,7 @@ from fedjx import models
 from fedjx.experiments import data as data_lib
 from fedjx.experiments import errors
 from fedjx.experiments import parts
+from fedjx.experiments import signatures
 
 
 ConfigError = errors.ConfigError
@@ -48,14 +46,6 @@ def lookup(kind: str, registry: Mapping[str, Any], name: Any) -> Any:
   return registry[name]
 
 
-def accepted_kwargs(fn: Callable[..., Any]) -> tuple[list[str], bool]:
-  """The keyword names ``fn`` takes, and whether it takes ``**kwargs``."""
-  params = inspect.signature(fn).parameters.values()
-  names = [p.name for p in params
-           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-  return names, any(p.kind == p.VAR_KEYWORD for p in params)
-
-
 def check_kwargs(kind: str, name: str, fn: Callable[..., Any],
                  kwargs: Mapping[str, Any], reserved: tuple[str, ...] = (),
                  forwards_to: Callable[..., Any] | None = None) -> None:
@@ -64,9 +54,9 @@ def check_kwargs(kind: str, name: str, fn: Callable[..., Any],
   A builder with ``**kwargs`` accepts anything, unless ``forwards_to`` names
   the function those go to: then the valid keys are both functions'.
   """
-  names, var = accepted_kwargs(fn)
+  names, var = signatures.accepted_kwargs(fn)
   if var and forwards_to is not None:
-    more, var = accepted_kwargs(forwards_to)
+    more, var = signatures.accepted_kwargs(forwards_to)
     names = names + [n for n in more if n not in names]
   valid = [n for n in names if n not in reserved]
   for key in kwargs:
@@ -110,58 +100,6 @@ def check_paths(kind: str, kwargs: Mapping[str, Any]) -> None:
                           'directory.')
 
 
-_SIMPLE_TYPES = {'int': int, 'float': float, 'bool': bool, 'str': str,
-                 'None': type(None), 'NoneType': type(None)}
-
-
-def _annotation_types(annotation: Any) -> tuple[type, ...] | None:
-  """The types of a plain annotation (``float``, ``int | None``,
-  ``Optional[str]``...), or None for anything else (unions of other types,
-  ``Any``, ``Sequence[int]``...)."""
-  if annotation is inspect.Parameter.empty:
-    return None
-  if isinstance(annotation, type):
-    text = annotation.__name__
-  else:
-    text = str(annotation).replace('typing.', '')
-  match = re.fullmatch(r'(Optional|Union)\[(.*)\]', text)
-  if match:
-    parts = match.group(2).split(',') + (['None'] if match.group(1) == 'Optional' else [])
-  else:
-    parts = text.split('|')
-  parts = [p.strip() for p in parts]
-  if not parts or any(p not in _SIMPLE_TYPES for p in parts):
-    return None
-  return tuple(_SIMPLE_TYPES[p] for p in parts)
-
-
-def option_types(param: inspect.Parameter) -> tuple[type, ...] | None:
-  """The types a config value of builder parameter ``param`` may have.
-
-  From a plain annotation (``float``, ``int | None``), else from the
-  default's type (a float default also takes ints; a None default adds
-  None); None when neither tells (no check).
-  """
-  types = _annotation_types(param.annotation)
-  default = param.default
-  if types is None:
-    if isinstance(default, bool):
-      types = (bool,)
-    elif isinstance(default, int):
-      types = (int,)
-    elif isinstance(default, float):
-      types = (float,)
-    elif isinstance(default, str):
-      types = (str,)
-    else:
-      return None
-  if float in types and int not in types:
-    types += (int,)
-  if default is None and type(None) not in types:
-    types += (type(None),)
-  return types
-
-
 _TYPE_WORDS = {bool: 'a bool (True or False)', int: 'an int', float: 'a number',
                str: 'a string', type(None): 'None'}
 
@@ -169,12 +107,13 @@ _TYPE_WORDS = {bool: 'a bool (True or False)', int: 'an int', float: 'a number',
 def check_types(where: str, params: Mapping[str, inspect.Parameter],
                 kwargs: Mapping[str, Any]) -> None:
   """Raises a ConfigError for an option whose value has a type its builder
-  parameter does not take (:func:`option_types`): a string for a number, a
-  number for a bool, a float for an int. ``where`` is e.g. ``'algorithm'``."""
+  parameter does not take (:func:`signatures.option_types`): a string for a
+  number, a number for a bool, a float for an int. ``where`` is e.g.
+  ``'algorithm'``."""
   for key, value in kwargs.items():
     if key not in params:
       continue
-    types = option_types(params[key])
+    types = signatures.option_types(params[key])
     if types is None:
       continue
     if isinstance(value, bool):
@@ -265,10 +204,9 @@ def check_optimizer(spec: Any, where: str = 'optimizer'
   name, kwargs = split_name(where, spec)
   fn = lookup(f'{where} (optax optimizer)', OPTIMIZERS, name)
   check_kwargs(f'{where}', name, fn, kwargs)
-  params = inspect.signature(fn).parameters
+  params = signatures.keyword_parameters(fn)
   check_types(where, params, kwargs)
   missing = [p.name for p in params.values() if p.default is p.empty and
-             p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and
              p.name not in kwargs]
   if missing:
     raise ConfigError(f'config.{where}: optax optimizer {name!r} needs '
@@ -429,56 +367,23 @@ ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
                                updates_reach_params=True),
 }
 # Algorithm options the runner sets (not config.algorithm), for every entry.
-RESERVED = ('loss_fn', 'metrics_fn', 'map_strategy', 'chunk_size',
-            'skip_nonfinite')
+RESERVED = ('loss_fn', 'metrics_fn', 'skip_nonfinite')
 
 
-def _entries() -> dict[str, AlgorithmEntry]:
-  return {name: algorithm_entry(name) for name in ALGORITHMS}
-
-
-# The tables this module used to keep beside ALGORITHMS, now read from the
-# entries each time (read-only: change an entry instead).
-_VIEWS: dict[str, Callable[[], Any]] = {
-    'ASYNCHRONOUS': lambda: tuple(
-        n for n, e in _entries().items() if e.asynchronous),
-    'UPDATES_REACH_PARAMS': lambda: tuple(
-        n for n, e in _entries().items() if e.updates_reach_params),
-    'FORWARDS': lambda: types.MappingProxyType({
-        n: _forward_name(e) for n, e in _entries().items()
-        if e.forwards_to is not None}),
-}
-
-
-def _forward_name(entry: AlgorithmEntry) -> Any:
-  if isinstance(entry.forwards_to, str):
+def forwarded_name(name: str) -> str | Callable[..., Any] | None:
+  """The registered name of the builder that algorithm ``name`` passes its
+  ``**kwargs`` to (the builder itself when no entry has it); None if it
+  forwards nothing or is not registered."""
+  if name not in ALGORITHMS:
+    return None
+  entry = algorithm_entry(name)
+  if entry.forwards_to is None or isinstance(entry.forwards_to, str):
     return entry.forwards_to
   target = entry.forwarded()
-  for name, other in _entries().items():
-    if other.builder is target:
-      return name
+  for other in ALGORITHMS:
+    if algorithm_entry(other).builder is target:
+      return other
   return target
-
-
-def __getattr__(name: str) -> Any:  # pylint: disable=invalid-name
-  if name in _VIEWS:
-    return _VIEWS[name]()
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-
-
-class _Module(types.ModuleType):
-  """Refuses assignments to the read-only views, which would change nothing."""
-
-  def __setattr__(self, name: str, value: Any) -> None:
-    if name in _VIEWS:
-      raise AttributeError(
-          f'{__name__}.{name} is read from the AlgorithmEntry of each algorithm '
-          f'and cannot be assigned; change the entries (register_algorithm or '
-          'dataclasses.replace) instead.')
-    super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Module
 
 
 def is_asynchronous(name: str) -> bool:
@@ -503,18 +408,15 @@ def builder_options(name: str, kind: str = 'algorithm') -> dict[str, inspect.Par
   """
   if kind != 'algorithm':
     table = {'dataset': DATASETS, 'model': MODELS}[kind]
-    params = inspect.signature(lookup(kind, table, name)).parameters.values()
-    return {p.name: p for p in params
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return signatures.keyword_parameters(lookup(kind, table, name))
   fns = [lookup('algorithm', ALGORITHMS, name), forwarded_builder(name)]
   options: dict[str, inspect.Parameter] = {}
   for fn in fns:
     if fn is None:
       continue
-    for p in inspect.signature(fn).parameters.values():
-      if (p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-          and p.name not in RESERVED and p.name not in options):
-        options[p.name] = p
+    for key, p in signatures.keyword_parameters(fn).items():
+      if key not in RESERVED and key not in options:
+        options[key] = p
   return options
 
 
@@ -549,7 +451,7 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
     elif key == 'aggregator' and isinstance(value, Mapping):
       kwargs[key] = parts.build_aggregator(value, where=f'algorithm.{key}')
   supplied = {'metrics_fn': model.metrics_fn, 'skip_nonfinite': skip_nonfinite}
-  names, var = accepted_kwargs(entry.builder)
+  names, var = signatures.accepted_kwargs(entry.builder)
   for key in entry.runner_options:
     if not var and key not in names:
       taken = tuple(k for k in entry.runner_options if k in names)
@@ -581,7 +483,7 @@ def _place_client_state(name: str, entry: AlgorithmEntry,
   option = entry.client_state
   if option is None or option in kwargs:
     return  # No choice to make (build_algorithm's caller refuses 'device').
-  if option in accepted_kwargs(entry.builder)[0]:
+  if option in signatures.accepted_kwargs(entry.builder)[0]:
     kwargs[option] = 'dense' if placement == 'device' else 'store'
 
 
@@ -627,7 +529,7 @@ def register_algorithm(name: str, builder: Callable[..., Any] | AlgorithmEntry, 
     entry = builder
   else:
     if runner_options is None:
-      names, var = accepted_kwargs(builder)
+      names, var = signatures.accepted_kwargs(builder)
       runner_options = tuple(k for k in RUNNER_OPTIONS if var or k in names)
     entry = AlgorithmEntry(builder, population, tuple(runner_options),
                            asynchronous=bool(asynchronous),
@@ -649,7 +551,7 @@ def build_dataset(spec: Any, seed: int) -> ExperimentData:
   name, kwargs = split_name('dataset', spec)
   fn = lookup('dataset', DATASETS, name)
   check_kwargs('dataset', name, fn, kwargs)
-  accepted, _ = accepted_kwargs(fn)
+  accepted, _ = signatures.accepted_kwargs(fn)
   if 'seed' in accepted and 'seed' not in kwargs:
     kwargs['seed'] = seed
   data = fn(**kwargs)
@@ -684,42 +586,8 @@ def build_model(spec: Any, info: Mapping[str, Any] | None = None) -> models.Mode
   name, kwargs = split_name('model', spec)
   fn = lookup('model', MODELS, name)
   check_kwargs('model', name, fn, kwargs)
-  accepted, _ = accepted_kwargs(fn)
+  accepted, _ = signatures.accepted_kwargs(fn)
   for key, value in (info or {}).items():
     if key in accepted and key not in kwargs:
       kwargs[key] = value
   return fn(**kwargs)
-
-
-# ------------------------------------------------------------------ resolve
-
-KINDS = ('algorithm', 'dataset', 'model', 'optimizer')
-
-
-def resolve(kind: str, spec: Any, **context: Any) -> Any:
-  """Builds what the config entry ``spec`` (``{'name': ..., **options}``) names.
-
-  The one entry point over the registries:
-
-  * ``resolve('optimizer', spec)``: an optax optimizer (:func:`build_optimizer`);
-  * ``resolve('dataset', spec, seed=0)``: :func:`build_dataset`;
-  * ``resolve('model', spec, info=data.info)``: :func:`build_model`;
-  * ``resolve('algorithm', spec, model=model, num_clients=n, ...)``:
-    :func:`build_algorithm` (other keywords as it takes them).
-
-  Raises:
-    ConfigError: an unknown kind, name or option (one line, with what is valid).
-  """
-  if kind == 'optimizer':
-    return build_optimizer(spec, **context)
-  if kind == 'dataset':
-    return build_dataset(spec, context.pop('seed', 0), **context)
-  if kind == 'model':
-    return build_model(spec, context.pop('info', None), **context)
-  if kind == 'algorithm':
-    if 'model' not in context:
-      raise ConfigError("resolve('algorithm', ...) needs model=, the Model the "
-                        'algorithm trains.')
-    return build_algorithm(spec, context.pop('model'), **context)
-  raise ConfigError(f'unknown registry kind {kind!r}.{_suggest(kind, KINDS)} '
-                    f'Valid kinds: {list(KINDS)}.')

@@ -46,47 +46,24 @@ import ml_collections
 
 from fedjx.experiments import checkpointing
 from fedjx.experiments import client_states
-from fedjx.experiments import config as config_lib
 from fedjx.experiments import compilation_cache
+from fedjx.experiments import config as config_lib
+from fedjx.experiments import experiment
 from fedjx.experiments import processes
+from fedjx.experiments import run_trainer
 from fedjx.experiments import workdir_lock
-# Names documented here first; they live in the modules of their concepts.
-# pylint: disable=unused-import
-from fedjx.experiments.config import DEFAULTS
-from fedjx.experiments.config import NONFINITE
-from fedjx.experiments.config import REQUIRED
-from fedjx.experiments.config import RESUMABLE_CHANGES
-from fedjx.experiments.config import config_hash
-from fedjx.experiments.config import validate
-from fedjx.experiments.config import with_defaults
-from fedjx.experiments.evaluation import make_evaluator
-from fedjx.experiments.experiment import Experiment
-from fedjx.experiments.experiment import async_scheduler
-from fedjx.experiments.experiment import build
-from fedjx.experiments.experiment import build_algorithm
-from fedjx.experiments.experiment import round_algorithms
-from fedjx.experiments.guarded_rounds import PARAMS_FINITE
-from fedjx.experiments.guarded_rounds import all_finite as _all_finite
-from fedjx.experiments.guarded_rounds import checking_finiteness
-from fedjx.experiments.loop import STOP_SIGNALS
-from fedjx.experiments.loop import StopFlag
-from fedjx.experiments.loop import host_scalars as _scalars
-from fedjx.experiments.processes import make_mesh
-from fedjx.experiments.run_trainer import Hook
-from fedjx.experiments.run_trainer import NonFiniteError
-from fedjx.experiments.run_trainer import RunResult
-from fedjx.experiments.run_trainer import RunTrainer
-from fedjx.experiments.run_trainer import TRAIN_LOSS_KEYS
-# pylint: enable=unused-import
+
+__all__ = ['load_state', 'run']
 
 
-def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
-        log: Callable[[str], None] | None = None) -> RunResult:
+def run(config: Any, workdir: str, *, hooks: Sequence[run_trainer.Hook] = (),
+        log: Callable[[str], None] | None = None) -> run_trainer.RunResult:
   """Trains the experiment of ``config`` in ``workdir``, resuming if possible.
 
   Args:
     config: an ``ml_collections.ConfigDict`` (or dict) with ``dataset``,
-      ``model``, ``algorithm`` and the fields of :data:`DEFAULTS`.
+      ``model``, ``algorithm`` and the fields of
+      :data:`fedjx.experiments.config.DEFAULTS`.
     workdir: where checkpoints, metrics, event files and the plot go. If it
       holds a checkpoint of the same experiment, training continues from it.
     hooks: ``hook(step, state, row)`` called after every round (after its
@@ -94,9 +71,9 @@ def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
     log: where to print one-line messages (default: stderr on process 0).
 
   Returns:
-    A :class:`RunResult`.
+    A :class:`fedjx.experiments.run_trainer.RunResult`.
   """
-  config = validate(config)
+  config = config_lib.validate(config)
   from fedjx import distributed  # pylint: disable=g-import-not-at-top
   processes.check_coordinator_port(config)
   try:
@@ -115,7 +92,7 @@ def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
     compilation_cache.enable(config.compilation_cache, workdir)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from None
-  mesh = make_mesh(config)
+  mesh = processes.make_mesh(config)
   with contextlib.ExitStack() as stack:
     if lead:
       stack.enter_context(workdir_lock.hold(workdir))
@@ -124,14 +101,15 @@ def run(config: Any, workdir: str, *, hooks: Sequence[Hook] = (),
     return _run(config, workdir, hooks, log, lead)
 
 
-def _run(config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook],
-         log: Callable[[str], None], lead: bool) -> RunResult:
+def _run(config: ml_collections.ConfigDict, workdir: str,
+         hooks: Sequence[run_trainer.Hook], log: Callable[[str], None],
+         lead: bool) -> run_trainer.RunResult:
   """The body of :func:`run`, inside the mesh context if there is one."""
-  exp = build(config)
+  exp = experiment.build(config)
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                     max_to_keep=max(2, config.checkpoints_to_keep))
   try:
-    trainer = RunTrainer(config, exp, workdir, log, lead, hooks, ckpt)
+    trainer = run_trainer.RunTrainer(config, exp, workdir, log, lead, hooks, ckpt)
     return trainer.train()
   finally:
     ckpt.close()
@@ -145,7 +123,7 @@ def load_state(workdir: str, step: int | None = None) -> tuple[Any, int]:
   """
   with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
     config = ml_collections.ConfigDict(json.load(f))
-  exp = build(config)
+  exp = experiment.build(config)
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'))
   try:
     step = ckpt.latest_step() if step is None else step

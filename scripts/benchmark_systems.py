@@ -36,7 +36,8 @@ import jax
 import numpy as np
 
 from fedjx import datasets
-from fedjx.experiments import runner
+from fedjx.experiments import config as config_lib
+from fedjx.experiments import experiment
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       'configs', 'heterogeneity_digits.py')
@@ -51,7 +52,7 @@ def _config(method: str, cohort_size: int):
   if config.systems.deadline.get('reports') is not None:
     config.systems.deadline.reports = max(1, int(0.77 * cohort_size))
   config.progress = False
-  return runner.validate(config)
+  return config_lib.validate(config)
 
 
 def _median_ms(times):
@@ -68,7 +69,7 @@ def _timed(fn, *args):
 def bench(method: str, cohort_size: int, reps: int, rounds: int,
           blocks: int, passes: int) -> None:
   config = _config(method, cohort_size)
-  exp = runner.build(config)
+  exp = experiment.build(config)
   model, c = exp.systems, config
   sampler = model.sampler(c.cohort_size)
   algo = exp.algorithm.compile(donate=False)

@@ -2,7 +2,7 @@
 
 For every config in ``configs/`` whose dataset is built offline (digits,
 synthetic, text), builds the experiment as ``fedjx-run`` does, takes the round
-the runner runs first (``runner.round_algorithms``: unguarded where that is
+the runner runs first (``experiment.round_algorithms``: unguarded where that is
 cheaper) and times ``round.lower(state, cohort, key)`` (tracing) and
 ``.compile()`` (XLA) separately on the first cohort. Nothing runs. Each line
 holds the config, algorithm, model, cohort size and the two times in seconds.
@@ -65,11 +65,12 @@ def base_twin(config):
 
 def measure(name, config):
   import jax  # pylint: disable=import-outside-toplevel
-  from fedjx.experiments import runner  # pylint: disable=import-outside-toplevel
-  config = runner.validate(config)
+  from fedjx.experiments import config as config_lib  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import experiment  # pylint: disable=import-outside-toplevel
+  config = config_lib.validate(config)
   t = time.perf_counter()
-  exp = runner.build(config)
-  guarded, unguarded = runner.round_algorithms(config, exp)
+  exp = experiment.build(config)
+  guarded, unguarded = experiment.round_algorithms(config, exp)
   algorithm = unguarded or guarded
   state = exp.algorithm.init(exp.init_params)
   cohort = next(iter(exp.cohorts(0, 1)))

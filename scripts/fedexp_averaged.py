@@ -36,14 +36,14 @@ def load(path: str):
 def run(path: str, seed: int, rounds: int, client_lr: float | None) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import experiment  # pylint: disable=g-import-not-at-top
   config = load(path)
   config.seed = seed
   config.rounds = rounds
   if client_lr is not None:
     config.algorithm.client_optimizer.learning_rate = client_lr
   config.progress = False
-  exp = runner.build(config)
+  exp = experiment.build(config)
   state = exp.algorithm.init(exp.init_params)
   acc = {'last': [], 'averaged': []}
   for r, cohort in enumerate(exp.cohorts(0, rounds)):

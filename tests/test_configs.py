@@ -13,9 +13,10 @@ import pytest
 from config_files import load
 
 from fedjx.experiments import client_states
+from fedjx.experiments import config as config_lib
 from fedjx.experiments import config_base
+from fedjx.experiments import experiment
 from fedjx.experiments import registry
-from fedjx.experiments import runner
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           'configs')
@@ -34,7 +35,7 @@ def test_the_issue_s_configs_exist():
 
 @pytest.mark.parametrize('path', CONFIG_FILES, ids=os.path.basename)
 def test_config_validates(path):
-  config = runner.validate(load(path))
+  config = config_lib.validate(load(path))
   assert config.dataset.name in registry.DATASETS
   assert config.model.name in registry.MODELS
   assert config.algorithm.name in registry.ALGORITHMS
@@ -44,7 +45,7 @@ def test_config_validates(path):
 def test_reddi_configs_accept_every_algorithm(task):
   path = os.path.join(CONFIG_DIR, f'{task}.py')
   for algorithm in config_base.REDDI_2021_LEARNING_RATES[task]:
-    config = runner.validate(load(path, algorithm))
+    config = config_lib.validate(load(path, algorithm))
     client_lr = config.algorithm.client_optimizer.learning_rate
     assert np.isclose(np.log10(client_lr),
                       config_base.REDDI_2021_LEARNING_RATES[task][algorithm][0])
@@ -67,7 +68,7 @@ _SLOW_CONFIGS = ('async_diloco_text.py', 'streaming_diloco_text.py', 'diloco_tex
     else p for p in OFFLINE_FILES], ids=os.path.basename)
 def test_offline_config_builds_and_runs_a_round(path, tmp_path):
   config = config_base.smoke_sized(load(path))
-  exp = runner.build(config)
+  exp = experiment.build(config)
   state = exp.algorithm.init(exp.init_params)
   cohort = next(iter(exp.cohorts(0, 1)))
   # Per-client rows, if the algorithm keeps them, from the runner's store.
@@ -84,7 +85,7 @@ def test_offline_config_builds_and_runs_a_round(path, tmp_path):
 def test_tff_datasets_say_which_file_they_need():
   config = load(os.path.join(CONFIG_DIR, 'emnist.py'))
   with pytest.raises(ValueError, match='train_path'):
-    runner.build(config)
+    experiment.build(config)
 
 
 @pytest.mark.parametrize('name,words', [

@@ -10,6 +10,7 @@ import pytest
 from fedjx import algorithms
 from fedjx import datasets
 from fedjx import execution
+from fedjx.experiments import config as config_lib
 from fedjx.experiments import registry
 from fedjx.experiments import runner
 
@@ -94,10 +95,10 @@ def test_config_execution_is_validated():
       'model': {'name': 'logistic_regression'},
       'algorithm': {'name': 'fedavg'}, 'execution': 'fast'})
   with pytest.raises(registry.ConfigError, match="config.execution='fast'"):
-    runner.validate(config)
+    config_lib.validate(config)
   config.execution = 'streaming'
-  assert runner.validate(config).execution == 'streaming'
-  assert runner.validate({k: v for k, v in config.items() if k != 'execution'}
+  assert config_lib.validate(config).execution == 'streaming'
+  assert config_lib.validate({k: v for k, v in config.items() if k != 'execution'}
                          ).execution == 'auto'
 
 

@@ -117,13 +117,18 @@ def test_an_unknown_runner_option_is_one_line():
   assert 'x' not in registry.ALGORITHMS
 
 
+def _having(trait: str) -> tuple[str, ...]:
+  """The registered algorithms whose entry has ``trait`` set."""
+  return tuple(n for n in registry.ALGORITHMS
+               if getattr(registry.algorithm_entry(n), trait))
+
+
 def test_algorithms_run_unguarded_first_are_synchronous_and_guardable():
-  """registry.UPDATES_REACH_PARAMS (fedjx.experiments.guarded_rounds)."""
-  for name in registry.UPDATES_REACH_PARAMS:
-    assert name in registry.ALGORITHMS
+  """Entries with updates_reach_params (fedjx.experiments.guarded_rounds)."""
+  for name in _having('updates_reach_params'):
     assert 'skip_nonfinite' in registry.algorithm_entry(name).runner_options
   for name in ('streaming_diloco', 'async_diloco', 'fedavg_hypergradient_tuner'):
-    assert name not in registry.UPDATES_REACH_PARAMS
+    assert name not in _having('updates_reach_params')
 
 
 # ------------------------------------------------- traits live in the entries
@@ -134,26 +139,18 @@ def _forwarding(loss_fn, *, extra=1.0, **kwargs):
   return registry.algorithms_lib.fedavg(loss_fn, **kwargs)
 
 
-def test_the_old_tables_are_read_from_the_entries():
-  assert registry.ASYNCHRONOUS == ('fedbuff', 'async_diloco', 'fedasync')
-  assert registry.UPDATES_REACH_PARAMS == (
+def test_the_traits_of_the_shipped_entries():
+  assert _having('asynchronous') == ('fedbuff', 'async_diloco', 'fedasync')
+  assert _having('updates_reach_params') == (
       'fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm', 'fedprox',
       'fednova', 'fedexp', 'scaffold', 'dp_fedavg', 'diloco', 'fedbuff',
       'qffl', 'fedasync')
-  assert dict(registry.FORWARDS) == {'fedadam': 'fedavg', 'fedyogi': 'fedavg',
-                                     'fedadagrad': 'fedavg', 'fedavgm': 'fedavg'}
+  assert {n: registry.forwarded_name(n) for n in _having('forwards_to')} == {
+      'fedadam': 'fedavg', 'fedyogi': 'fedavg', 'fedadagrad': 'fedavg',
+      'fedavgm': 'fedavg'}
   assert registry.forwarded_builder('fedadam') is registry.algorithms_lib.fedavg
   assert registry.forwarded_builder('scaffold') is None
   assert 'skip_nonfinite' in registry.RESERVED
-
-
-def test_the_old_tables_cannot_be_assigned():
-  for name in ('ASYNCHRONOUS', 'UPDATES_REACH_PARAMS', 'FORWARDS'):
-    with pytest.raises(AttributeError, match=f'{name} is read from the AlgorithmEntry'):
-      setattr(registry, name, ())
-  with pytest.raises(TypeError):
-    registry.FORWARDS['fedavg'] = 'fedprox'  # pytype: disable=unsupported-operands
-  assert registry.ASYNCHRONOUS == ('fedbuff', 'async_diloco', 'fedasync')
 
 
 def test_adding_an_algorithm_is_one_entry(register):
@@ -163,9 +160,9 @@ def test_adding_an_algorithm_is_one_entry(register):
                                   updates_reach_params=True, forwards_to='fedavg')
   register('mine', entry)
   assert registry.algorithm_entry('mine') is entry
-  assert registry.ASYNCHRONOUS[-1] == 'mine' and registry.is_asynchronous('mine')
-  assert registry.UPDATES_REACH_PARAMS[-1] == 'mine'
-  assert registry.FORWARDS['mine'] == 'fedavg'
+  assert _having('asynchronous')[-1] == 'mine' and registry.is_asynchronous('mine')
+  assert _having('updates_reach_params')[-1] == 'mine'
+  assert registry.forwarded_name('mine') == 'fedavg'
   # The options a config may give are both builders'.
   options = registry.builder_options('mine')
   assert {'extra', 'client_optimizer', 'weighting'} <= set(options)
@@ -185,7 +182,7 @@ def test_adding_an_algorithm_is_one_entry(register):
   with pytest.raises(sweep.SweepError, match="'mine' is asynchronous"):
     sweep._check_synchronous(config)  # pylint: disable=protected-access
   registry.ALGORITHMS.pop('mine')
-  assert 'mine' not in registry.ASYNCHRONOUS and 'mine' not in registry.FORWARDS
+  assert not registry.is_asynchronous('mine') and registry.forwarded_name('mine') is None
   registry.ALGORITHMS['mine'] = entry  # The fixture removes it again.
 
 
@@ -195,8 +192,8 @@ def test_register_algorithm_takes_the_traits_as_keywords(register):
   entry = registry.algorithm_entry('kw')
   assert (entry.asynchronous, entry.updates_reach_params) == (False, True)
   assert entry.forwarded() is registry.algorithms_lib.fedavg
-  assert registry.FORWARDS['kw'] == 'fedavg'  # Named by its entry when it has one.
-  assert 'kw' not in registry.ASYNCHRONOUS and 'kw' in registry.UPDATES_REACH_PARAMS
+  assert registry.forwarded_name('kw') == 'fedavg'  # Named by its entry when it has one.
+  assert 'kw' not in _having('asynchronous') and 'kw' in _having('updates_reach_params')
 
 
 def test_a_plain_builder_is_guarded_and_synchronous(register):

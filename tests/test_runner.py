@@ -18,9 +18,14 @@ import config_files
 import float_tolerance as ft
 
 from fedjx.experiments import checkpointing
+from fedjx.experiments import config as config_lib
+from fedjx.experiments import experiment
+from fedjx.experiments import guarded_rounds
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import plotting
+from fedjx.experiments import processes
 from fedjx.experiments import registry
+from fedjx.experiments import run_trainer
 from fedjx.experiments import runner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,18 +195,18 @@ def test_unknown_names_list_the_valid_choices(files, tmp_path):
     broken = _load_config(files)
     broken[field].name = bad
     with pytest.raises(registry.ConfigError) as e:
-      runner.build(broken)
+      experiment.build(broken)
     assert repr(bad) in str(e.value) and repr(valid) in str(e.value)
   broken = _load_config(files)
   broken.model.hidden_size = 3
   with pytest.raises(registry.ConfigError, match='no option .hidden_size'):
-    runner.build(broken)
+    experiment.build(broken)
   broken = _load_config(files)
   broken.algorithm.client_optimizer.name = 'sgdd'
   with pytest.raises(registry.ConfigError, match="'sgd'"):
-    runner.build(broken)
+    experiment.build(broken)
   with pytest.raises(registry.ConfigError, match="Valid top-level fields"):
-    runner.with_defaults(dict(config.to_dict(), round=3))
+    config_lib.with_defaults(dict(config.to_dict(), round=3))
 
 
 def test_cli_unknown_override_lists_fields(files, tmp_path):
@@ -263,7 +268,7 @@ def test_mesh_shards_cohorts_over_devices_with_the_same_numbers(files, tmp_path)
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
   with pytest.raises(registry.ConfigError, match='clients=-1'):
     config.mesh = 'clients'
-    runner.make_mesh(runner.with_defaults(config))
+    processes.make_mesh(config_lib.with_defaults(config))
 
 
 def test_readme_algorithm_example_runs_through_the_registry(files, tmp_path):
@@ -299,7 +304,7 @@ def test_a_nonfinite_server_state_stops_and_is_never_checkpointed(files, tmp_pat
   config = _small(files, rounds=6, checkpoint_every=1)
   config.algorithm.server_learning_rate = 1e38
   workdir = str(tmp_path / 'run')
-  with pytest.raises(runner.NonFiniteError) as e:
+  with pytest.raises(run_trainer.NonFiniteError) as e:
     runner.run(config, workdir)
   message = str(e.value)
   assert '\n' not in message and 'NaN or Inf' in message
@@ -308,8 +313,8 @@ def test_a_nonfinite_server_state_stops_and_is_never_checkpointed(files, tmp_pat
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'))
   try:
     assert ckpt.latest_step() == bad - 1
-    state, _ = ckpt.restore(bad - 1, runner.build(config).algorithm.init(
-        runner.build(config).init_params))
+    state, _ = ckpt.restore(bad - 1, experiment.build(config).algorithm.init(
+        experiment.build(config).init_params))
   finally:
     ckpt.close()
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
@@ -333,7 +338,7 @@ def test_an_infinite_training_loss_stops_the_run_as_it_stops_a_sweep_trial(tmp_p
   config.model = dict(name='logistic_regression')
   config.algorithm = dict(name='fedavg', server_optimizer=config_base.optimizer(
       'sgd', learning_rate=1e38))
-  with pytest.raises(runner.NonFiniteError) as e:
+  with pytest.raises(run_trainer.NonFiniteError) as e:
     runner.run(config, str(tmp_path / 'run'), log=lambda m: None)
   message = str(e.value)
   assert '\n' not in message
@@ -362,7 +367,7 @@ def _guarded_fedavg(calls):
   return builder
 
 
-@pytest.mark.parametrize('policy', runner.NONFINITE)
+@pytest.mark.parametrize('policy', config_lib.NONFINITE)
 def test_nonfinite_policy_reaches_the_builder_and_stop_stops(files, tmp_path, policy):
   calls = []
   registry.register_algorithm('guarded_fedavg', _guarded_fedavg(calls))
@@ -370,7 +375,7 @@ def test_nonfinite_policy_reaches_the_builder_and_stop_stops(files, tmp_path, po
     config = _small(files, rounds=4, nonfinite=policy)
     config.algorithm = dict(name='guarded_fedavg', local_epochs=1)
     if policy == 'stop':
-      with pytest.raises(runner.NonFiniteError,
+      with pytest.raises(run_trainer.NonFiniteError,
                          match=r'^round 3: 1 client\(s\) had a non-finite'):
         runner.run(config, str(tmp_path))
       rows = metrics_writers.read_metrics(str(tmp_path))
@@ -383,7 +388,7 @@ def test_nonfinite_policy_reaches_the_builder_and_stop_stops(files, tmp_path, po
     assert calls == [policy != 'off']
     config.algorithm.skip_nonfinite = False
     with pytest.raises(registry.ConfigError, match="no option 'skip_nonfinite'"):
-      runner.validate(config)
+      config_lib.validate(config)
   finally:
     registry.ALGORITHMS.pop('guarded_fedavg')
 
@@ -391,10 +396,10 @@ def test_nonfinite_policy_reaches_the_builder_and_stop_stops(files, tmp_path, po
 def test_the_all_finite_check_reads_every_float_leaf():
   tree = {'a': np.ones(3, np.float32), 'b': {'c': np.arange(4)},
           'd': np.zeros((2, 2), np.float16)}
-  assert bool(runner._all_finite(tree))  # pylint: disable=protected-access
+  assert bool(guarded_rounds.all_finite(tree))
   for bad in (np.nan, np.inf, -np.inf):
     broken = dict(tree, d=np.array([[0, 0], [0, bad]], np.float16))
-    assert not bool(runner._all_finite(broken))  # pylint: disable=protected-access
+    assert not bool(guarded_rounds.all_finite(broken))
 
 
 def test_resuming_with_a_changed_state_structure_is_one_line(files, tmp_path):
@@ -536,18 +541,18 @@ def test_the_server_model_check_runs_inside_the_round_and_changes_nothing_else()
   for lr, finite in ((0.1, True), (np.inf, False)):
     algo = algorithms.fedavg(loss, client_optimizer=optax.sgd(0.1),
                              server_optimizer=optax.sgd(lr)).compile(donate=False)
-    checked = runner.checking_finiteness(algo)
+    checked = guarded_rounds.checking_finiteness(algo)
     assert hasattr(checked.round, 'lower')  # One compiled program.
     key = jax.random.key(0)
     state, metrics = algo.round(algo.init(params), cohort, key)
     state2, metrics2 = checked.round(algo.init(params), cohort, key)
-    assert bool(metrics2.pop(runner.PARAMS_FINITE)) is finite
+    assert bool(metrics2.pop(guarded_rounds.PARAMS_FINITE)) is finite
     assert metrics2.keys() == metrics.keys()
     for a, b in zip(jax.tree.leaves((state, metrics)), jax.tree.leaves((state2, metrics2))):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # A round that is not a compiled program is left as it is (the loop checks).
   plain = algo._replace(round=lambda s, c, k: algo.apply(s, c, k))
-  assert runner.checking_finiteness(plain) is plain
+  assert guarded_rounds.checking_finiteness(plain) is plain
 
 
 def _digits_with_a_nan_client(bad):
@@ -577,7 +582,7 @@ def _digits_with_a_nan_client(bad):
 def _first_seen_late(files):
   """A client first sampled after the first checkpoint (round index >= 5), and
   the round indices that sample it."""
-  exp = runner.build(_small(files))
+  exp = experiment.build(_small(files))
   rounds = [set(np.asarray(c.client_ids).tolist()) for c in exp.cohorts(0, 12)]
   for cid in range(20):
     seen = [r for r, ids in enumerate(rounds) if cid in ids]
@@ -595,7 +600,6 @@ def test_a_nan_client_redoes_its_round_guarded_and_the_run_is_exact(
   8, or none before the end) by replaying the rounds since as they ran
   (guarded_rounds). The run equals the same rounds computed by hand, bit for
   bit, and its rows count the client."""
-  from fedjx.experiments import guarded_rounds  # pylint: disable=import-outside-toplevel
   bad, seen = _first_seen_late(files)
   assert len(seen) >= 2  # A later replay runs the first such round again.
   registry.register_dataset('digits_nan', _digits_with_a_nan_client(bad))
@@ -603,7 +607,7 @@ def test_a_nan_client_redoes_its_round_guarded_and_the_run_is_exact(
     config = _small(files, nonfinite=policy, checkpoint_every=checkpoint_every)
     config.dataset.name = 'digits_nan'
     if policy == 'stop':
-      with pytest.raises(runner.NonFiniteError,
+      with pytest.raises(run_trainer.NonFiniteError,
                          match=rf'^round {seen[0] + 1}: 1 client\(s\) had a non-finite'):
         runner.run(config, str(tmp_path))
       rows = metrics_writers.read_metrics(str(tmp_path))
@@ -612,9 +616,9 @@ def test_a_nan_client_redoes_its_round_guarded_and_the_run_is_exact(
       return
     result = runner.run(config, str(tmp_path))
     # The same rounds by hand: unguarded, except where the client is sampled.
-    exp = runner.build(config)
+    exp = experiment.build(config)
     fast = guarded_rounds.checking_finiteness(
-        runner.build_algorithm(config, exp.model, 20, guarded=False), whole=True)
+        experiment.build_algorithm(config, exp.model, 20, guarded=False), whole=True)
     slow = guarded_rounds.checking_finiteness(exp.algorithm)
     state = exp.algorithm.init(exp.init_params)
     peek = jax.jit(fast.apply)  # Does not donate.

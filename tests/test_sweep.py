@@ -14,7 +14,9 @@ import pytest
 
 from fedjx.algorithms import accounting
 from fedjx.experiments import config_base
+from fedjx.experiments import experiment
 from fedjx.experiments import metrics_writers
+from fedjx.experiments import run_trainer
 from fedjx.experiments import runner
 from fedjx.experiments import sweep
 from fedjx.experiments import sweep_round
@@ -340,7 +342,7 @@ def test_sigterm_then_resume_equals_an_uninterrupted_sweep(tmp_path):
 
 def test_trials_draw_cohorts_with_the_config_s_sampler():
   config = small_config(sampling=dict(name='poisson', rate=0.25))
-  exps = [runner.build(sweep.trial_config(config, {}, seed)) for seed in (0, 1)]
+  exps = [experiment.build(sweep.trial_config(config, {}, seed)) for seed in (0, 1)]
   stacked = sweep_round.stacked_cohort(exps, config, 3)
   for row, exp in enumerate(exps):
     ids = exp.sampler.sample(3)
@@ -420,7 +422,7 @@ def test_a_trial_stops_where_its_single_run_stops(tmp_path):
   result = sweep.run_sweep(config, str(tmp_path / 'sweep'), settings, (0,),
                            log=messages.append)
   good, bad = result.trials
-  with pytest.raises(runner.NonFiniteError, match=r'^round (\d+): every client') as info:
+  with pytest.raises(run_trainer.NonFiniteError, match=r'^round (\d+): every client') as info:
     runner.run(sweep.trial_config(config, bad.setting, 0), str(tmp_path / 'single'),
                log=lambda m: None)
   stopped = int(info.value.args[0].split(':')[0].split()[1])

@@ -9,6 +9,7 @@ import pytest
 
 from fedjx import datasets
 from fedjx.experiments import config as config_lib
+from fedjx.experiments import experiment
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import registry
 from fedjx.experiments import runner
@@ -40,11 +41,11 @@ def _rows(workdir):
 
 
 def test_the_runner_records_the_system_models_clock_and_counts(tmp_path):
-  config = runner.validate(_config(4))
+  config = config_lib.validate(_config(4))
   runner.run(config, str(tmp_path / 'whole'), log=lambda m: None)
   rows = _rows(str(tmp_path / 'whole'))
   # The clock and counts are the system model's, round by round.
-  exp = runner.build(config)
+  exp = experiment.build(config)
   assert exp.systems.speed.model_bytes == 4 * (64 * 10 + 10)
   with datasets.system_cohort_iterator(
       exp.data.train, exp.systems, 7, 16, num_rounds=4, num_steps=4,
@@ -88,7 +89,7 @@ def test_bad_systems_configs_are_one_line():
     config_lib.validate(_config(2, systems=dict(speed=dict(warp=2))))
   partial_with_steps = _config(2, algorithm=dict(name='fedavg', local_steps=3))
   with pytest.raises(registry.ConfigError, match="late='partial'") as e:
-    runner.build(runner.validate(partial_with_steps))
+    experiment.build(config_lib.validate(partial_with_steps))
   assert '\n' not in str(e.value)
 
 
@@ -123,8 +124,8 @@ def test_perfect_clients_give_the_same_run(tmp_path):
 def test_fedbuff_takes_its_durations_from_the_system_model():
   fedbuff = dict(name='fedbuff', concurrency=9, max_staleness=8,
                  client_optimizer=dict(name='sgd', learning_rate=0.1))
-  config = runner.validate(_config(3, algorithm=fedbuff, cohort_size=3))
-  exp = runner.build(config)
+  config = config_lib.validate(_config(3, algorithm=fedbuff, cohort_size=3))
+  exp = experiment.build(config)
   assert exp.systems is None  # No synchronous rounds: durations only.
   model = datasets.systems.from_config(
       SYSTEMS, 30, seed=2, model_bytes=4 * (64 * 10 + 10))
@@ -137,7 +138,7 @@ def test_fedbuff_takes_its_durations_from_the_system_model():
     assert got.time == want.time
   both = dict(fedbuff, client_durations=dict(name='lognormal'))
   with pytest.raises(registry.ConfigError, match='give one of them'):
-    runner.build(runner.validate(_config(2, algorithm=both, cohort_size=3)))
+    experiment.build(config_lib.validate(_config(2, algorithm=both, cohort_size=3)))
 
 
 def test_nan_clients_under_the_system_model_are_skipped_on_the_same_clock(tmp_path):
