@@ -13,6 +13,7 @@ builder                   model
 ``emnist_cnn``            the 1.2M-parameter EMNIST CNN of Reddi et al. 2021
 ``resnet``                small ResNet with GroupNorm (ResNet-18 by options)
 ``transformer_lm``        decoder-only transformer language model
+``llama_lm``              Llama-family decoder, presets 500k-2.4B (llama_config)
 ``lstm_lm``               LSTM language model (Shakespeare, Stack Overflow)
 ========================  =================================================
 """
@@ -21,6 +22,9 @@ from fedjx.models.cnn import EmnistCNN
 from fedjx.models.cnn import emnist_cnn
 from fedjx.models.linear import LogisticRegression
 from fedjx.models.linear import logistic_regression
+from fedjx.models.llama import LlamaLM
+from fedjx.models.llama import llama_lm
+from fedjx.models.llama_config import LlamaConfig
 from fedjx.models.losses import Model
 from fedjx.models.losses import accuracy
 from fedjx.models.losses import batch_rng
@@ -39,6 +43,8 @@ from fedjx.models.transformer import transformer_lm
 __all__ = [
     'EmnistCNN',
     'LSTMLanguageModel',
+    'LlamaConfig',
+    'LlamaLM',
     'LogisticRegression',
     'MLP',
     'Model',
@@ -47,6 +53,7 @@ __all__ = [
     'accuracy',
     'batch_rng',
     'emnist_cnn',
+    'llama_lm',
     'logistic_regression',
     'lstm_lm',
     'masked_sequence_mean',

@@ -256,7 +256,7 @@ def unstack_layers(params: Any) -> Any:
   return out
 
 
-def llama(preset: str | LlamaConfig = '1m', vocab_size: int | None = None,
+def llama_lm(preset: str | LlamaConfig = '1m', vocab_size: int | None = None,
           dtype: str | None = None, remat: str | None = None,
           scan_layers: bool | None = None, pad_id: int = 0,
           **changes) -> losses.Model:
@@ -278,7 +278,7 @@ def llama(preset: str | LlamaConfig = '1m', vocab_size: int | None = None,
     config = preset.replace(**changes) if changes else preset
   else:
     config = llama_config.preset(preset, **changes)
-  return losses.Model('llama', LlamaLM(config), task='language_modeling', pad_id=pad_id)
+  return losses.Model('llama_lm', LlamaLM(config), task='language_modeling', pad_id=pad_id)
 
 
 def param_shapes(config: LlamaConfig | str, batch: int = 1, length: int = 8) -> Any:

@@ -170,7 +170,7 @@ NOMINAL = {'500k': 5e5, '1m': 1e6, '2m': 2e6, '35m': 35e6, '180m': 180e6,
 def preset(name: str, **changes) -> LlamaConfig:
   """The preset ``name`` of :data:`PRESETS`, with fields replaced by ``changes``."""
   if name not in PRESETS:
-    raise ValueError(f'llama: preset={name!r} is not one of '
+    raise ValueError(f'llama_lm: preset={name!r} is not one of '
                      f'{", ".join(map(repr, PRESETS))}.')
   return PRESETS[name].replace(**changes) if changes else PRESETS[name]
 
