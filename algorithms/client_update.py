@@ -17,9 +17,9 @@ client alone under ``sequential``) is not computed at all: it sits in a
 ``lax.cond`` on :func:`fedjx.mapping.any_in_chunk`, so padding costs a
 branch, not a step (``scripts/benchmark_padding.py``). A skipped branch
 still passes the model through (XLA:CPU copies it: about 1 ms for 1.6M
-parameters), so the steps run as blocks of about ``sqrt(S)``
-(:func:`scan_steps`) and a block of padding is one skipped branch: a client
-of ``c`` real steps pays at most ``2 sqrt(S)`` branches instead of ``S - c``.
+parameters), so the steps are the leaves of a binary tree of branches
+(:func:`scan_steps`) and the padding after a client's last real step is at
+most ``log2(S) + 1`` skipped branches instead of ``S - c``.
 
 The schedule of steps (:class:`LocalSchedule`) is either ``epochs`` passes
 over the cohort's ``S`` steps (McMahan et al. 2017, ``E`` local epochs), or a
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Mapping
-import math
 from typing import NamedTuple
 
 import jax
@@ -128,66 +127,66 @@ def step_schedule(mask: jax.Array, schedule: LocalSchedule) -> tuple[jax.Array, 
   return index, jnp.broadcast_to(n > 0, t.shape)
 
 
-# A carry (model and optimizer state) of fewer bytes than this runs its
-# steps one per block: the nested loop of a block costs more than copying
-# such a carry through a skipped branch (the 2NN, 0.8 MB: 9% less CPU one
-# step per block; the EMNIST CNN, 6.5 MB: blocks of sqrt(S) are faster,
-# benchmarks/peers/run.py and scripts/benchmark_padding.py, docs/benchmarks.md).
-BLOCK_MIN_CARRY_BYTES = 2 << 20
-
-
-def block_size(s: int, carry_bytes: int | None = None) -> int:
-  """Steps per block of :func:`scan_steps`: ``ceil(sqrt(S))``, or 1 for a
-  carry of fewer than :data:`BLOCK_MIN_CARRY_BYTES`."""
-  if carry_bytes is not None and carry_bytes < BLOCK_MIN_CARRY_BYTES:
-    return 1
-  return max(1, math.isqrt(max(s - 1, 0)) + 1)
-
-
 def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]],
-               carry: PyTree, xs: PyTree, active: jax.Array,
-               block: int | None = None) -> tuple[PyTree, PyTree]:
+               carry: PyTree, xs: PyTree, active: jax.Array) -> tuple[PyTree, PyTree]:
   """``lax.scan`` of ``step(carry, x_t, active_t)`` over ``S = len(active)``
-  steps, where a block of steps that no member of the chunk needs is skipped.
+  steps, where the steps after the last active one are never entered.
 
-  The ``S`` steps run as ``ceil(S / b)`` blocks of ``b`` steps (``block``,
-  default :func:`block_size` of ``S`` and the carry's bytes: ``ceil(sqrt(S))``,
-  or 1 for a small carry): an outer ``scan`` over blocks, each a ``lax.cond``
-  on :func:`fedjx.mapping.any_in_chunk` of its steps' ``active``, around an
-  inner ``scan`` over its ``b`` steps (past ``S``: inactive). ``step`` must
-  leave ``carry`` unchanged and return zeros when ``active_t`` is False for
-  every member (as a skipped block does), so the result is the plain
-  ``scan``'s, step for step: the same ``carry`` and the same stacked
-  outputs ``[S, ...]``. Both levels are ``scan`` and ``cond``, so the loop
-  stays differentiable in both modes.
+  The steps are the leaves of a binary tree of depth ``D = ceil(log2 S)``: a
+  node of level ``d`` covers ``2^d`` consecutive steps and runs as a
+  ``lax.scan`` over its two children, each in a ``lax.cond`` on whether any
+  member of the chunk (:func:`fedjx.mapping.any_in_chunk`) has an active
+  step at or after the child's first step. A member whose last active step
+  is ``c - 1`` enters about ``2c`` nodes and skips at most ``D + 1`` (one per
+  level, beside its path to step ``c - 1``), so padding costs ``O(log S)``
+  branches for any ``S`` and carry, and the step's body is compiled once.
+  ``step`` must leave ``carry`` unchanged and return zeros when ``active_t``
+  is False (as a skipped node does), so the result is the plain ``scan``'s,
+  step for step: the same ``carry`` and the same stacked outputs ``[S,
+  ...]``, with inactive steps anywhere. Every level is ``scan`` and
+  ``cond``, so the loop stays differentiable in both modes.
   """
   active = jnp.asarray(active)
   s = active.shape[0]
-  b = block or block_size(s, sum(x.size * x.dtype.itemsize
-                                 for x in jax.tree.leaves(carry)))
-  blocks = -(-s // b)
+  depth = max(s - 1, 0).bit_length()
+  # One past the last active step (0 for none); placed as the client's data.
+  ends = jnp.where(active, jnp.arange(1, s + 1), 0)
+  end = jnp.max(ends)
 
-  def inner(carry, t):
+  def leaf(carry, t):
     i = jnp.minimum(t, s - 1)
     x = fedjx.indexed.take(xs, i)
-    return step(carry, x, jnp.logical_and(t < s, active[i]))
+    carry, y = step(carry, x, jnp.logical_and(t < s, active[i]))
+    return carry, jax.tree.map(lambda v: v[None], y)
 
-  shapes = jax.eval_shape(inner, carry, jnp.zeros((), jnp.int32))[1]
+  shapes = jax.eval_shape(leaf, carry, jnp.zeros((), jnp.int32))[1]
+  never = end < 0  # False, placed as the client's data is.
 
-  def run_block(carry, start):
-    ts = start + jnp.arange(b)
-    live = jnp.logical_and(ts < s, active[jnp.minimum(ts, s - 1)])
+  def zeros(steps):
+    return jax.tree.map(lambda y: jnp.broadcast_to(
+        never.reshape((1,) * len(y.shape)), (steps,) + y.shape[1:]).astype(y.dtype),
+                        shapes)
 
-    def skip(carry):
-      zero = jnp.zeros_like(live)  # Placed as the client's data is.
-      return carry, jax.tree.map(lambda y: jnp.broadcast_to(
-          zero.reshape((b,) + (1,) * len(y.shape)), (b,) + y.shape).astype(y.dtype), shapes)
+  def guarded(run, steps):
+    """``run`` from step ``first`` if a member needs a step there, else zeros."""
+    def node(carry, first):
+      return jax.lax.cond(fedjx.mapping.any_in_chunk(first < end),
+                          lambda c: run(c, first), lambda c: (c, zeros(steps)),
+                          carry)
+    return node
 
-    return jax.lax.cond(fedjx.mapping.any_in_chunk(jnp.any(live)),
-                        lambda c: jax.lax.scan(inner, c, ts), skip, carry)
+  run = guarded(leaf, 1)
+  for d in range(1, depth + 1):
+    half, child = 1 << (d - 1), run
 
-  carry, ys = jax.lax.scan(run_block, carry, jnp.arange(blocks) * b)
-  return carry, jax.tree.map(lambda y: y.reshape((blocks * b,) + y.shape[2:])[:s], ys)
+    def pair(carry, first, child=child, half=half):
+      carry, ys = jax.lax.scan(lambda c, j: child(c, first + j * half), carry,
+                               jnp.arange(2))
+      return carry, jax.tree.map(lambda y: y.reshape((2 * half,) + y.shape[2:]), ys)
+
+    run = guarded(pair, 1 << d)
+  carry, ys = run(carry, jnp.zeros((), jnp.int32))
+  return carry, jax.tree.map(lambda y: y[:s], ys)
 
 
 def tie_to(tree: PyTree, mask: jax.Array) -> PyTree:

@@ -2,6 +2,7 @@
 together with it is skipped, and cohorts can be laid out by step count."""
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -176,51 +177,61 @@ def _scan_step(carry, x, active):
 
 @pytest.mark.parametrize('s', [1, 2, 3, 7, 16, 23])
 def test_scan_steps_equals_a_plain_scan_step_for_step(s):
-  """The blocked loop gives the plain ``lax.scan``'s carry and stacked
-  outputs exactly (the same operations in the same order), for S a square,
-  a prime and 1, with padding anywhere (not only at the end)."""
+  """The tree of branches gives the plain ``lax.scan``'s carry and stacked
+  outputs exactly (the same operations in the same order), for S a power of
+  two, a prime and 1, with padding anywhere (not only at the end)."""
   from fedjx.algorithms import client_update
   rng = np.random.default_rng(s)
   xs = jnp.asarray(rng.normal(size=(s, 3)), jnp.float32)
   active = jnp.asarray(rng.random(s) < 0.5)
   carry = jnp.asarray(rng.normal(size=3), jnp.float32)
   plain = jax.lax.scan(lambda c, a: _scan_step(c, *a), carry, (xs, active))
-  for block in (None, client_update.block_size(s)):  # Per step, and sqrt(S).
-    blocked = jax.jit(functools.partial(client_update.scan_steps, _scan_step,
-                                        block=block))(carry, xs, active)
-    for got, want in zip(jax.tree.leaves(blocked), jax.tree.leaves(plain)):
-      np.testing.assert_array_equal(got, want)
-  assert client_update.block_size(s) == int(np.ceil(np.sqrt(s)))
+  tree = jax.jit(functools.partial(client_update.scan_steps, _scan_step))(
+      carry, xs, active)
+  for got, want in zip(jax.tree.leaves(tree), jax.tree.leaves(plain)):
+    np.testing.assert_array_equal(got, want)
 
 
-def test_small_carries_run_one_step_per_block():
+@pytest.mark.parametrize('s,real,entered,skipped', [
+    # S = 16 is a tree of depth 4. 5 real steps (0-4): the leaves 0-4 and,
+    # above them, the nodes [0,16), [0,8), [0,4), [4,8), [4,6), [0,2), [2,4);
+    # skipped: [8,16), [6,8), the leaf 5.
+    (16, 5, 5, 3),
+    (16, 16, 16, 0),
+    (16, 1, 1, 4),   # [1], [2,4), [4,8), [8,16).
+    (23, 23, 23, 2),  # Depth 5 covers 32: [24,32) and the leaf 23 are past S.
+    (16, 0, 0, 1),   # The root.
+])
+def test_scan_steps_enters_only_steps_up_to_the_last_real_one(s, real, entered,
+                                                              skipped):
+  """The steps after a client's last real one are never entered, and they
+  cost at most one skipped branch per level of the tree."""
   from fedjx.algorithms import client_update
-  small = client_update.BLOCK_MIN_CARRY_BYTES - 1
-  assert client_update.block_size(16, small) == 1
-  assert client_update.block_size(16, small + 1) == 4
-  assert client_update.block_size(16) == 4
-
-
-def test_scan_steps_skips_whole_blocks_of_padding():
-  """S = 16 runs as 4 blocks of 4; a client of 5 real steps computes its 5
-  steps' work and enters 2 blocks: the inner branch is taken 8 times (5
-  real, 3 padding inside the second block), not 16."""
-  from fedjx.algorithms import client_update
-  entered = []
+  steps, skips = [], []
 
   def step(carry, x, active):
-    jax.debug.callback(lambda: entered.append(1))
+    jax.debug.callback(lambda: steps.append(1))
     return _scan_step(carry, x, active)
 
-  active = jnp.arange(16) < 5
-  out = jax.jit(functools.partial(client_update.scan_steps, step, block=4))(
-      jnp.zeros(3), jnp.ones((16, 3)), active)
-  jax.block_until_ready(out)
-  assert len(entered) == 8
+  real_cond = jax.lax.cond
+
+  def counting_cond(pred, true_fn, false_fn, *operands):
+    def skip(*ops):
+      jax.debug.callback(lambda: skips.append(1))
+      return false_fn(*ops)
+    return real_cond(pred, true_fn, skip, *operands)
+
+  active = jnp.arange(s) < real
+  with mock.patch.object(jax.lax, 'cond', counting_cond):
+    out = jax.jit(functools.partial(client_update.scan_steps, step))(
+        jnp.zeros(3), jnp.ones((s, 3)), active)
+    jax.block_until_ready(out)
+  assert len(steps) == entered
+  assert len(skips) == skipped
 
 
-def test_gradients_flow_through_the_blocked_loop():
-  """Reverse and forward mode through the blocked loop (both levels are
+def test_gradients_flow_through_the_tree_of_steps():
+  """Reverse and forward mode through the tree of steps (every level is
   ``scan`` and ``cond``), against finite differences."""
   from fedjx.algorithms import client_update
   active = jnp.asarray([True, True, False, True, False, False, False])
