@@ -573,6 +573,7 @@ MODELS: dict[str, Callable[..., models.Model]] = {
     'resnet': models.resnet,
     'transformer_lm': models.transformer_lm,
     'lstm_lm': models.lstm_lm,
+    'llama_lm': models.llama_lm,
 }
 
 
