@@ -1,0 +1,216 @@
+"""The cost of one inner step of a Llama-family model, known before launch.
+
+:func:`plan_inner_step` lowers and compiles one AdamW inner step of
+:func:`fedjx.models.llama.llama_lm` for ``M`` replicas, each sharded FSDP-style
+over ``F`` devices, on a ``('clients', 'fsdp')`` mesh, from shapes alone
+(``jax.ShapeDtypeStruct``: no data, no parameters allocated), and reads:
+
+* **bytes per device** from XLA's memory analysis of the compiled program
+  (arguments, outputs, the outputs aliased to donated arguments, temporaries);
+  the peak is taken as ``arguments + outputs - aliased + temporaries``;
+* **FLOPs** from XLA's cost analysis, next to the analytic count
+  ``6 N_matmul + 12 L H h T`` per token
+  (:func:`fedjx.models.llama_config.train_flops_per_token`). XLA counts the
+  body of a loop once, not once per trip, so a scanned model's figure misses
+  ``L - 1`` layers: the plan also compiles the same step unscanned at
+  ``L = 1`` and ``L = 2`` (cheap), whose difference is one layer ``b`` and
+  whose remainder ``a = C(1) - b`` is the rest, and reports ``a + b L``.
+  Rematerialization adds the recomputed forward pass to XLA's count
+  (about ``8 N`` rather than ``6 N`` per token with ``'full'``); the
+  analytic figure is the model FLOPs, without recomputation.
+
+The step: per replica, ``loss = mean_b loss_fn(params, tokens_b)``, its
+gradient, then AdamW (``b2 = 0.99``, weight decay 0.1, as in Charles et al.
+2025's inner optimizer), vmapped over replicas with
+``spmd_axis_name='clients'``. Each replica's parameters and optimizer state
+are sharded on ``'fsdp'`` along their largest axis that ``F`` divides, and
+stacked over replicas on ``'clients'``; tokens are split over both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fedjx.models import llama
+from fedjx.models import llama_config
+
+GB = 1e9
+GIB = 2 ** 30
+
+DEVICE_MEMORY: dict[str, float] = {
+    'h100': 80 * GB,
+    'h200': 141 * GB,
+    'a100-40gb': 40 * GB,
+    'a100-80gb': 80 * GB,
+    'tpu-v4': 32 * GIB,
+    'tpu-v5e': 16 * GIB,
+    'tpu-v5p': 95 * GIB,
+    'tpu-v6e': 32 * GIB,
+}
+"""Accelerator memory in bytes, as the vendors state it (GPUs in GB, TPUs in GiB)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerStepPlan:
+  """The figures of one planned inner step (bytes are per device)."""
+
+  preset: str
+  replicas: int
+  fsdp: int
+  batch: int
+  seq_len: int
+  remat: str
+  dtype: str
+  params: int
+  analytic_state_bytes: float
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  xla_flops_scanned: float
+  xla_flops: float
+  analytic_flops: float
+  compile_seconds: float
+
+  @property
+  def peak_bytes(self) -> int:
+    """``arguments + outputs - aliased + temporaries`` on one device."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+  def fits(self, device: str) -> bool:
+    """Whether :attr:`peak_bytes` fits ``device``'s memory (:data:`DEVICE_MEMORY`)."""
+    return self.peak_bytes <= device_memory(device)
+
+
+def device_memory(device: str) -> float:
+  """Bytes of memory of ``device`` (a key of :data:`DEVICE_MEMORY`)."""
+  if device not in DEVICE_MEMORY:
+    raise ValueError(f'device={device!r} is not one of {", ".join(map(repr, DEVICE_MEMORY))}.')
+  return DEVICE_MEMORY[device]
+
+
+def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> tuple:
+  """The ``'fsdp'`` axis on the largest axis of ``shape`` that ``fsdp`` divides (else none)."""
+  if fsdp == 1:
+    return (None,) * len(shape)
+  axes = [i for i, n in enumerate(shape) if n % fsdp == 0]
+  if not axes:
+    return (None,) * len(shape)
+  best = max(axes, key=lambda i: (shape[i], -i))
+  return tuple('fsdp' if i == best else None for i in range(len(shape)))
+
+
+def _stacked(tree: Any, replicas: int, mesh, fsdp: int) -> Any:
+  """Abstract leaves ``[M, ...]``, sharded ``('clients', fsdp_spec...)``."""
+  def one(s):
+    spec = P('clients', *fsdp_spec(tuple(s.shape), fsdp))
+    return jax.ShapeDtypeStruct((replicas,) + tuple(s.shape), s.dtype,
+                                sharding=NamedSharding(mesh, spec))
+  return jax.tree.map(one, tree)
+
+
+def _inner_step_parts(config: llama_config.LlamaConfig, replicas: int, fsdp: int,
+                      batch: int, seq_len: int, mesh):
+  model = llama.llama_lm(config)
+  opt = optax.adamw(1e-3, b2=0.99, weight_decay=0.1)
+  params = llama.param_shapes(config)
+  opt_state = jax.eval_shape(opt.init, params)
+
+  def inner_step(params, opt_state, tokens):
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean(model.loss_fn(p, {'x': tokens})))(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  step = jax.vmap(inner_step, spmd_axis_name='clients')
+  a_params = _stacked(params, replicas, mesh, fsdp)
+  a_opt = _stacked(opt_state, replicas, mesh, fsdp)
+  token_spec = P('clients', 'fsdp' if batch % fsdp == 0 else None, None)
+  tokens = jax.ShapeDtypeStruct((replicas, batch, seq_len + 1), jnp.int32,
+                                sharding=NamedSharding(mesh, token_spec))
+  shardings = (jax.tree.map(lambda s: s.sharding, a_params),
+               jax.tree.map(lambda s: s.sharding, a_opt),
+               NamedSharding(mesh, P('clients')))
+  jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=shardings)
+  return jitted, (a_params, a_opt, tokens)
+
+
+def _compile(config, replicas, fsdp, batch, seq_len, mesh):
+  jitted, args = _inner_step_parts(config, replicas, fsdp, batch, seq_len, mesh)
+  return jitted.lower(*args).compile()
+
+
+def _flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0]
+  return float(cost.get('flops', 0.0))
+
+
+def plan_inner_step(preset: str | llama_config.LlamaConfig, replicas: int = 1,
+                    fsdp: int = 1, batch: int = 4, seq_len: int | None = None,
+                    remat: str | None = None, dtype: str | None = None) -> InnerStepPlan:
+  """Compiles one inner step for ``replicas x fsdp`` devices and reads its cost.
+
+  Args:
+    preset: a name in :data:`~fedjx.models.llama_config.PRESETS` or a config.
+    replicas: ``M``, on the mesh axis ``'clients'``.
+    fsdp: ``F`` devices per replica, on the mesh axis ``'fsdp'``.
+    batch: sequences per replica per inner step.
+    seq_len: tokens per sequence (``None``: the preset's ``seq_len``).
+    remat, dtype: replace the preset's.
+
+  Needs ``replicas * fsdp`` devices (host devices through
+  ``--xla_force_host_platform_device_count`` on a CPU).
+  """
+  import time  # pylint: disable=import-outside-toplevel
+  name = preset if isinstance(preset, str) else 'custom'
+  config = llama_config.preset(preset) if isinstance(preset, str) else preset
+  changes = {k: v for k, v in dict(remat=remat, dtype=dtype).items() if v is not None}
+  config = config.replace(**changes) if changes else config
+  seq_len = config.seq_len if seq_len is None else seq_len
+  for arg, value in (('replicas', replicas), ('fsdp', fsdp), ('batch', batch),
+                     ('seq_len', seq_len)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f'plan_inner_step: {arg}={value!r} must be a positive integer.')
+  need = replicas * fsdp
+  if len(jax.devices()) < need:
+    raise ValueError(f'plan_inner_step: replicas={replicas} x fsdp={fsdp} needs {need} '
+                     f'devices; {len(jax.devices())} are visible (on a CPU set XLA_FLAGS='
+                     f'--xla_force_host_platform_device_count={need} before jax starts).')
+  # Automatic axes: XLA propagates the shardings given to the arguments.
+  mesh = jax.make_mesh((replicas, fsdp), ('clients', 'fsdp'), devices=jax.devices()[:need],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  start = time.perf_counter()
+  compiled = _compile(config, replicas, fsdp, batch, seq_len, mesh)
+  seconds = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  scanned_flops = _flops(compiled)
+  if config.scan_layers or config.num_layers > 2:
+    one, two = (_flops(_compile(config.replace(num_layers=l, scan_layers=False), replicas,
+                                fsdp, batch, seq_len, mesh)) for l in (1, 2))
+    layer = two - one
+    xla_flops = one - layer + layer * config.num_layers
+  else:
+    xla_flops = scanned_flops
+  n = llama_config.num_params(config)
+  # float32 parameters and AdamW's two moments, one replica's over F devices.
+  state = 3 * n * np.dtype(config.param_dtype).itemsize / fsdp
+  analytic = llama_config.train_flops_per_token(config, seq_len) * batch * seq_len / fsdp
+  return InnerStepPlan(
+      preset=name, replicas=replicas, fsdp=fsdp, batch=batch, seq_len=seq_len,
+      remat=config.remat, dtype=config.dtype, params=n, analytic_state_bytes=state,
+      argument_bytes=int(memory.argument_size_in_bytes),
+      output_bytes=int(memory.output_size_in_bytes),
+      alias_bytes=int(memory.alias_size_in_bytes),
+      temp_bytes=int(memory.temp_size_in_bytes),
+      xla_flops_scanned=scanned_flops, xla_flops=xla_flops, analytic_flops=analytic,
+      compile_seconds=seconds)
