@@ -316,13 +316,6 @@ def ipm(epsilon: float = 0.1) -> Attack:
                 hparams={'attack_epsilon': epsilon}, omniscient=True)
 
 
-# The attacks a config can name (config.attack.name).
-ATTACKS: dict[str, Callable[..., Attack]] = {
-    'sign_flip': sign_flip, 'gaussian_noise': gaussian_noise,
-    'scaling': scaling, 'alie': alie, 'ipm': ipm, 'identity': identity,
-}
-
-
 # ---------------------------------------------------------------- the wrapper
 
 def _key_data(key: jax.Array) -> jax.Array:
@@ -479,6 +472,6 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
                         hparams={**inner.hparams, **attack.hparams})
 
 
-__all__ = ['ATTACKS', 'Attack', 'AttackState', 'Honest', 'METRIC', 'alie',
+__all__ = ['Attack', 'AttackState', 'Honest', 'METRIC', 'alie',
            'alie_z', 'attacked', 'gaussian_noise', 'identity', 'ipm',
            'malicious_clients', 'malicious_count', 'scaling', 'sign_flip']

@@ -1,10 +1,13 @@
 """``config.attack``: malicious clients in an experiment.
 
-The config section (schema and checks in :mod:`fedjx.experiments.config`,
-``ATTACK_DEFAULTS`` / ``ATTACK_OPTIONS``) names an attack, the malicious
-fraction of the training population and the attack's options. Building an
-experiment turns it into three parts, where the config becomes the dataset,
-the algorithm and the evaluation:
+The config section is a spec like every other part,
+``{'name': ..., 'fraction': ..., 'seed': ..., **options}``: the name picks
+a builder of :data:`fedjx.experiments.parts.ATTACKS`, the options are its
+keyword arguments (:func:`fedjx.experiments.parts.build_attack`), and
+``fraction`` and ``seed`` choose the malicious clients (schema in
+:mod:`fedjx.experiments.config`, ``ATTACK_DEFAULTS``). Building an
+experiment turns it into these parts, where the config becomes the
+dataset, the algorithm and the evaluation:
 
 * :func:`malicious` -- the malicious client ids,
   :func:`fedjx.algorithms.attacks.malicious_clients` of the population,
@@ -31,19 +34,15 @@ the algorithm and the evaluation:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from fedjx.experiments import config as config_schema
+from fedjx.experiments import errors
 
-ConfigError = config_schema.ConfigError
+ConfigError = errors.ConfigError
 SUCCESS_METRIC = 'eval_attack_success_rate'
-
-# config.attack's option defaults where None is given.
-_BACKDOOR_DEFAULTS = {'target': 0, 'patch_size': 2, 'patch_value': 1.0,
-                      'poison_fraction': 0.5}
 
 
 def _attack(config: Any) -> dict[str, Any]:
@@ -69,9 +68,24 @@ def malicious(config: Any, num_clients: int) -> np.ndarray | None:
                                    int(config.seed if seed is None else seed))
 
 
-def _backdoor_options(attack: Mapping[str, Any]) -> dict[str, Any]:
-  return {k: (d if attack.get(k) is None else attack[k])
-          for k, d in _BACKDOOR_DEFAULTS.items()}
+def built(config: Any) -> Any:
+  """:func:`fedjx.experiments.parts.build_attack` of ``config.attack``, or
+  None without an attack."""
+  attack = _attack(config)
+  if not attack.get('name'):
+    return None
+  from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
+  return parts.build_attack(attack)
+
+
+def _poisoning(config: Any) -> Any:
+  """The :class:`fedjx.experiments.parts.Poisoning` of ``config.attack``, or
+  None for no attack or a model-poisoning one."""
+  attack = built(config)
+  if attack is None:
+    return None
+  from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
+  return attack if isinstance(attack, parts.Poisoning) else None
 
 
 def _num_classes(data: Any, name: str) -> int:
@@ -87,27 +101,23 @@ def poison_data(config: Any, data: Any) -> Any:
 
   Unchanged unless ``config.attack.name`` is a data-poisoning attack.
   """
-  attack = _attack(config)
-  name = attack.get('name')
-  if name not in config_schema.DATA_POISONING:
+  poison = _poisoning(config)
+  if poison is None:
     return data
   from fedjx import datasets  # pylint: disable=g-import-not-at-top
+  name = poison.name
   num_classes = _num_classes(data, name)
   ids = malicious(config, data.train.num_clients)
+  if poison.needs_images:
+    sample = np.asarray(data.train.client_data(0)['x'])
+    if sample.ndim < 3:
+      raise ConfigError(f'config.attack.name={name!r} sets a pixel pattern, '
+                        f"but the dataset's inputs 'x' have shape "
+                        f'{sample.shape[1:]} per example; it needs images.')
+  seed = _attack(config).get('seed')
   try:
-    if name == 'label_flip':
-      transform = datasets.poisoning.flip_labels(num_classes, attack.get('mapping'))
-    else:
-      opts = _backdoor_options(attack)
-      sample = np.asarray(data.train.client_data(0)['x'])
-      if sample.ndim < 3:
-        raise ConfigError(f"config.attack.name='backdoor' sets a pixel pattern, "
-                          f"but the dataset's inputs 'x' have shape "
-                          f'{sample.shape[1:]} per example; it needs images.')
-      seed = attack.get('seed')
-      transform = datasets.poisoning.backdoor(
-          num_classes=num_classes, seed=int(config.seed if seed is None else seed),
-          **opts)
+    transform = poison.transform(num_classes,
+                                 int(config.seed if seed is None else seed))
   except ValueError as e:
     if isinstance(e, ConfigError):
       raise
@@ -117,26 +127,16 @@ def poison_data(config: Any, data: Any) -> Any:
 
 
 def model_attack(config: Any) -> Any:
-  """The :class:`fedjx.algorithms.attacks.Attack` of ``config.attack``."""
-  from fedjx.algorithms import attacks  # pylint: disable=g-import-not-at-top
-  attack = _attack(config)
-  name = attack['name']
-  get = lambda key, default: default if attack.get(key) is None else attack[key]
-  if name == 'sign_flip':
-    return attacks.sign_flip(float(get('scale', 1.0)))
-  if name == 'gaussian_noise':
-    return attacks.gaussian_noise(float(get('sigma', 1.0)))
-  if name == 'scaling':
-    boost = attack.get('boost')
-    return attacks.scaling(None if boost is None else float(boost))
-  if name == 'alie':
-    z = attack.get('z')
-    return attacks.alie(None if z is None else float(z))
-  if name == 'ipm':
-    return attacks.ipm(float(get('epsilon', 0.1)))
-  if name == 'backdoor' and attack.get('boost') not in (None, 1, 1.0):
-    return attacks.scaling(float(attack['boost']))
-  return attacks.identity()
+  """The :class:`fedjx.algorithms.attacks.Attack` of ``config.attack``
+  (:func:`fedjx.experiments.parts.build_attack`): what the malicious clients
+  send; for data poisoning, their own updates
+  (:func:`~fedjx.algorithms.attacks.identity`, or a backdoor's ``boost``)."""
+  attack = built(config)
+  if attack is None:
+    from fedjx.algorithms import attacks  # pylint: disable=g-import-not-at-top
+    return attacks.identity()
+  from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
+  return attack.attack if isinstance(attack, parts.Poisoning) else attack
 
 
 def algorithm_spec(config: Any, spec: Any, num_clients: int) -> Any:
@@ -173,21 +173,15 @@ def with_success_rate(config: Any, model: Any, data: Any,
   :func:`~fedjx.datasets.poisoning.flipped_examples` of the pooled test
   examples), whose labels are the attacker's.
   """
-  attack = _attack(config)
-  name = attack.get('name')
-  if evaluate is None or name not in config_schema.DATA_POISONING:
+  if evaluate is None:
     return evaluate
-  from fedjx.datasets import poisoning  # pylint: disable=g-import-not-at-top
+  poison = _poisoning(config)
+  if poison is None:
+    return evaluate
   from fedjx.experiments import evaluation  # pylint: disable=g-import-not-at-top
+  name = poison.name
   examples = evaluation.pool_examples(data.test, config.eval_max_examples)
-  if name == 'backdoor':
-    opts = _backdoor_options(attack)
-    held_out = poisoning.triggered_examples(
-        examples, opts['target'], patch_size=opts['patch_size'],
-        patch_value=opts['patch_value'])
-  else:
-    held_out = poisoning.flipped_examples(examples, _num_classes(data, name),
-                                          attack.get('mapping'))
+  held_out = poison.held_out(examples, _num_classes(data, name))
   if held_out is None:
     return evaluate
   success = evaluation.make_evaluator(model, held_out, config.eval_batch_size)

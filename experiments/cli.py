@@ -328,6 +328,9 @@ def split_overrides(argv: Sequence[str], notes: list[str] | None = None
   * ``algorithm.<x>optimizer.<option>``: an option of the selected optax
     optimizer of that spec (``name`` included, which creates the spec when
     the file leaves the builder's default optimizer), or
+  * ``attack.<option>``: an option of the named attack's builder
+    (``--config.attack.z=1.5`` with ``config.attack.name='alie'``,
+    :data:`fedjx.experiments.parts.ATTACKS`), or
   * a field holding None (or a field inside one), such as
     ``privacy.target_epsilon``.
 
@@ -425,6 +428,9 @@ class _Overrides:
     extras = []
     for arg, parts in self.pending:
       kind = parts[0]
+      if kind == 'attack' and len(parts) == 2 and '=' in arg:
+        extras.append(self._attack_option(arg, parts))
+        continue
       builder = self.name_of((kind,)) if kind in tables else None
       is_option = (builder in tables.get(kind, {}) and '=' in arg and (
           len(parts) == 2 or (len(parts) == 3 and kind == 'algorithm')))
@@ -457,6 +463,28 @@ class _Overrides:
           f'{registry._suggest(option, options)} Valid options: '  # pylint: disable=protected-access
           f'{sorted(options)}.')
     return parts, parse_value(_value(arg), options[option],
+                              f'--config.{".".join(parts)}')
+
+  def _attack_option(self, arg: str, parts: tuple[str, ...]) -> Any:
+    """``--config.attack.<option>``: an option of the named attack's builder
+    (:data:`fedjx.experiments.parts.ATTACKS`), parsed by its type."""
+    from fedjx.experiments import errors  # pylint: disable=g-import-not-at-top
+    from fedjx.experiments import parts as parts_lib  # pylint: disable=g-import-not-at-top
+    option = parts[1]
+    name = self.name_of(('attack',))
+    table = parts_lib.ATTACKS
+    if name not in table:
+      raise UsageError(
+          f'config.attack.name={name!r} is not one of {sorted(table)}, so '
+          f'{arg} is an option of no attack.{errors.suggest(name, table)} '
+          'Name the attack too, e.g. --config.attack.name=alie.')
+    params = signatures.keyword_parameters(table[name])
+    if option not in params:
+      raise UsageError(
+          f'attack {name!r} has no option {option!r} (in {arg}).'
+          f'{errors.suggest(option, params)} Valid options: '
+          f'{sorted(params)} (and fraction, seed).')
+    return parts, parse_value(_value(arg), params[option],
                               f'--config.{".".join(parts)}')
 
   def _optimizer_option(self, arg: str, parts: tuple[str, ...], builder: str,
@@ -515,7 +543,7 @@ class _Overrides:
     return extras
 
 
-_BUILDERS = ('algorithm', 'dataset', 'model')
+_BUILDERS = ('algorithm', 'dataset', 'model', 'attack')
 
 
 def apply_overrides(config: Any, extras: Sequence[tuple[tuple[str, ...], Any]]) -> Any:

@@ -79,13 +79,10 @@ DEFAULTS: dict[str, Any] = {
     # Unreliable clients on a simulated clock (fedjx.datasets.systems): {}
     # (perfect clients) or a dict of availability/dropout/speed/deadline.
     'systems': {},
-    # Malicious clients (fedjx.experiments.attack, docs/robustness.md): an
-    # attack name ('' for none), the malicious fraction of the population
-    # and the attack's options; see ATTACK_DEFAULTS and ATTACK_OPTIONS.
-    'attack': {'name': '', 'fraction': 0.0, 'seed': None, 'scale': None,
-               'sigma': None, 'boost': None, 'z': None, 'epsilon': None,
-               'mapping': None, 'target': None, 'patch_size': None,
-               'patch_value': None, 'poison_fraction': None},
+    # Malicious clients (fedjx.experiments.attack, docs/robustness.md):
+    # {name, fraction, seed, **options}, the named attack's options besides;
+    # see ATTACK_DEFAULTS.
+    'attack': {'name': '', 'fraction': 0.0, 'seed': None},
     # Where per-client state kept between rounds (SCAFFOLD's control
     # variates, a personal model) lives: see CLIENT_STATE_DEFAULTS and
     # docs/client_state.md.
@@ -102,10 +99,7 @@ OPTIONAL_TYPES: dict[str, type] = {
     'process_id': int,
     'privacy.delta': float, 'privacy.target_epsilon': float,
     'sampling.rate': float, 'sampling.max_cohort_size': int,
-    'attack.seed': int, 'attack.scale': float, 'attack.sigma': float,
-    'attack.boost': float, 'attack.z': float, 'attack.epsilon': float,
-    'attack.mapping': tuple, 'attack.target': int, 'attack.patch_size': int,
-    'attack.patch_value': float, 'attack.poison_fraction': float,
+    'attack.seed': int,
 }
 # config.sampling: 'uniform' (cohort_size clients without replacement, the
 # default), 'poisson' (each client with probability rate, default
@@ -125,25 +119,18 @@ PRIVACY_DEFAULTS = dict(DEFAULTS['privacy'])
 # resamples of the interval).
 AUDIT_DEFAULTS = {'canaries': None, 'seed': None, 'confidence': 0.95,
                   'resamples': 1000}
-# config.attack: name ('' for no attack), fraction (of the training
-# population that is malicious, in [0, 1): floor(fraction N + 1/2) clients,
-# halves rounded up (fedjx.algorithms.attacks.malicious_count), drawn from
-# seed, None: config.seed) and the options of the named attack (None:
-# the attack's default). Model poisoning replaces the malicious clients'
-# messages (fedjx.algorithms.attacks); data poisoning changes their examples
-# (fedjx.datasets.poisoning) and adds eval_attack_success_rate.
+# config.attack, a spec like every other part: name ('' for no attack; one
+# of fedjx.experiments.parts.ATTACKS), fraction (of the training population
+# that is malicious, in [0, 1): floor(fraction N + 1/2) clients, halves
+# rounded up (fedjx.algorithms.attacks.malicious_count), drawn from seed,
+# None: config.seed) and any other key an option of the named attack, a
+# keyword of its builder (dict(name='alie', fraction=0.2, z=1.5)); an option
+# not given takes the builder's default. Model poisoning replaces the
+# malicious clients' messages (fedjx.algorithms.attacks); data poisoning
+# changes their examples (fedjx.datasets.poisoning) and adds
+# eval_attack_success_rate. with_defaults checks the section's own keys;
+# validate the name and the options (fedjx.experiments.parts.build_attack).
 ATTACK_DEFAULTS = dict(DEFAULTS['attack'])
-ATTACK_OPTIONS = {
-    'sign_flip': ('scale',),            # P = -scale m_i (default 1)
-    'gaussian_noise': ('sigma',),       # P = m_i + sigma N(0, I) (default 1)
-    'scaling': ('boost',),              # P = boost m_i (default: participants)
-    'alie': ('z',),                     # P = mu - z sigma (default: the paper's z)
-    'ipm': ('epsilon',),                # P = -epsilon mu (default 0.1)
-    'label_flip': ('mapping',),         # y -> K - 1 - y, or mapping[y]
-    'backdoor': ('target', 'patch_size', 'patch_value', 'poison_fraction',
-                 'boost'),              # pixel trigger -> target (default 0)
-}
-DATA_POISONING = ('label_flip', 'backdoor')
 # config.client_state, for an algorithm whose clients keep state between
 # rounds: placement 'store' (a fedjx.client_store.ClientStore on the host:
 # each round reads its cohort's rows and writes them back, memory_budget_mb
@@ -274,46 +261,34 @@ def _section(path: str, value: Any, defaults: Mapping[str, Any], *,
 
 
 def _check_attack(config: ml_collections.ConfigDict) -> None:
-  """Checks ``config.attack`` (name, fraction, options) and fills its defaults."""
-  attack = _section('attack', config.attack, ATTACK_DEFAULTS)
+  """Checks ``config.attack``'s own keys (name, fraction, seed) and fills
+  their defaults; the named attack's options are checked by :func:`validate`
+  (:func:`fedjx.experiments.parts.build_attack`, which imports the attacks)."""
+  attack = _as_dict(config.attack)
+  if not isinstance(attack, Mapping):
+    raise ConfigError(f'config.attack={attack!r}; it must be a dict with a '
+                      "'name' (e.g. dict(name='sign_flip', fraction=0.2)).")
+  attack = dict(ATTACK_DEFAULTS, **attack)
   name, fraction = attack['name'], attack['fraction']
-  if name not in ('',) + tuple(ATTACK_OPTIONS):
-    raise ConfigError(f'config.attack.name={name!r} is not one of '
-                      f"{('',) + tuple(ATTACK_OPTIONS)} ('': no attack)."
-                      f'{suggest(name, ATTACK_OPTIONS)}')
+  if not isinstance(name, str):
+    raise ConfigError(f'config.attack.name={name!r}; it must be the name of an '
+                      "attack (a str, '' for no attack).")
   if not (_number(fraction) and 0 <= fraction < 1):
     raise ConfigError(f'config.attack.fraction={fraction!r}; it must be a number '
                       'in [0, 1), the malicious share of the population.')
-  if not name and fraction:
-    raise ConfigError(f'config.attack.fraction={fraction!r} but no '
-                      'config.attack.name; name an attack, e.g. '
-                      "config.attack.name='sign_flip'.")
   if attack['seed'] is not None and not (_int(attack['seed']) and attack['seed'] >= 0):
     raise ConfigError(f"config.attack.seed={attack['seed']!r}; it must be an "
                       'int >= 0 or None (config.seed).')
-  allowed = ATTACK_OPTIONS.get(name, ())
-  for key, value in attack.items():
-    if key in ('name', 'fraction', 'seed') or value is None:
-      continue
-    if key not in allowed:
-      raise ConfigError(f'config.attack.{key}={value!r} is not an option of '
-                        f'attack {name!r}; it takes {allowed}.')
-    if key == 'mapping':
-      if not (isinstance(value, (list, tuple)) and all(_int(v) for v in value)):
-        raise ConfigError(f'config.attack.mapping={value!r}; it must be a list '
-                          'of ints, the new label of each class.')
-    elif key in ('target', 'patch_size'):
-      if not (_int(value) and value >= (0 if key == 'target' else 1)):
-        raise ConfigError(f'config.attack.{key}={value!r}; it must be an int '
-                          f'>= {0 if key == "target" else 1}.')
-    elif not (_number(value) and math.isfinite(value)):
-      raise ConfigError(f'config.attack.{key}={value!r}; it must be a finite '
-                        'number.')
-    elif key == 'poison_fraction' and not 0 < value <= 1:
-      raise ConfigError(f'config.attack.poison_fraction={value!r}; it must be '
-                        'in (0, 1].')
-    elif key in ('sigma', 'epsilon', 'boost', 'scale') and value < 0:
-      raise ConfigError(f'config.attack.{key}={value!r}; it must be >= 0.')
+  if not name:
+    for key, value in attack.items():
+      if key not in ATTACK_DEFAULTS:
+        raise ConfigError(f'config.attack.{key}={value!r} but no '
+                          'config.attack.name; name the attack it is an option '
+                          "of, e.g. config.attack.name='sign_flip'.")
+    if fraction:
+      raise ConfigError(f'config.attack.fraction={fraction!r} but no '
+                        'config.attack.name; name an attack, e.g. '
+                        "config.attack.name='sign_flip'.")
   with config.unlocked():
     config.attack = attack
 
@@ -437,6 +412,9 @@ def validate(config: Any) -> ml_collections.ConfigDict:
   registry.check_hparam_bounds(kwargs)
   check_asynchronous(config, name, kwargs)
   _check_systems(config.systems)
+  if config.attack['name']:
+    from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
+    parts.build_attack(config.attack)
   for key, value in kwargs.items():
     if key.endswith('optimizer') and isinstance(value, Mapping):
       registry.check_optimizer(value, where=f'algorithm.{key}')

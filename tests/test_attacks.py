@@ -27,6 +27,7 @@ from fedjx.experiments import config as config_schema
 from fedjx.experiments import config_base
 from fedjx.experiments import registry
 from fedjx.experiments import parts
+from fedjx.experiments import signatures
 
 import float_tolerance
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params
@@ -489,7 +490,7 @@ def test_attack_success_rate_against_a_hand_computation():
   assert got == pytest.approx(want, abs=1e-6)
   assert 0 < want < 1
   # Label flip: the share of moved labels predicted as their flip.
-  config.attack.name, config.attack.target = 'label_flip', None
+  config.attack = dict(name='label_flip', fraction=0.25)
   evaluate = attack_lib.with_success_rate(config, model, data, lambda p: {})
   pred = np.argmax(np.asarray(model.apply(params, jnp.asarray(x))), axis=-1)
   moved = (9 - y) != y
@@ -519,14 +520,89 @@ def tiny_config(**attack):
     (dict(name='sign_flp'), "Did you mean 'sign_flip'"),
     (dict(name='sign_flip', fraction=1.0), 'fraction=1.0'),
     (dict(name='', fraction=0.2), 'no config.attack.name'),
-    (dict(name='sign_flip', sigma=2.0), "not an option of attack 'sign_flip'"),
-    (dict(name='backdoor', poison_fraction=0.0), 'poison_fraction=0.0'),
-    (dict(name='ipm', epsilon=-1.0), 'epsilon=-1.0'),
+    (dict(name='sign_flip', sigma=2.0),
+     r"config.attack.sigma=2.0 is not an option of 'sign_flip'.*\['scale'\]"),
+    (dict(name='alie', zz=1.5),
+     r"config.attack.zz=1.5 is not an option of 'alie'. Did you mean 'z'\?"),
+    (dict(name='alie', z='high'), r"config.attack.z='high'; it must be float"),
+    (dict(name='backdoor', poison_fraction=0.0),
+     r'config.attack.poison_fraction=0.0: .*\(0, 1\]'),
+    (dict(name='ipm', epsilon=-1.0), r'config.attack.epsilon=-1.0: .*>= 0'),
+    (dict(name='label_flip', mapping='x'), r"config.attack.mapping='x'"),
+    (dict(name='', z=1.5), r'config.attack.z=1.5 but no config.attack.name'),
 ])
 def test_config_attack_errors_are_one_line(attack, words):
   with pytest.raises(config_schema.ConfigError, match=words) as e:
-    config_schema.with_defaults(tiny_config(**attack))
+    config_schema.validate(tiny_config(**attack))
   assert '\n' not in str(e.value)
+
+
+def test_a_typo_d_attack_option_is_refused_naming_it():
+  spec = dict(name='gaussian_noise', fraction=0.1, sigm=0.5)
+  with pytest.raises(config_schema.ConfigError) as e:
+    parts.build_attack(spec)
+  assert str(e.value) == (
+      "config.attack.sigm=0.5 is not an option of 'gaussian_noise'. Did you "
+      "mean 'sigma'? It takes ['sigma'].")
+  # The section's own keys are checked before JAX, without the builders.
+  with pytest.raises(config_schema.ConfigError, match='sigm=0.5 but no'):
+    config_schema.with_defaults(tiny_config(name='', sigm=0.5))
+
+
+def _poison(attack, m, honest_mean):
+  """``attack``'s message for update ``m`` among honest updates of mean
+  ``honest_mean`` (standard deviation 1, 10 participants, 2 malicious)."""
+  honest = attacks.Honest(mean=honest_mean, std=jnp.ones_like(honest_mean),
+                          participants=jnp.asarray(10.0),
+                          malicious=jnp.asarray(2.0))
+  hparams = {k: jnp.asarray(v) for k, v in attack.hparams.items()}
+  return np.asarray(attack.poison(hparams, honest, m, jax.random.key(0)))
+
+
+@pytest.mark.parametrize('spec, call', [
+    (dict(name='sign_flip', scale=4.0), lambda: attacks.sign_flip(4.0)),
+    (dict(name='gaussian_noise', sigma=0.5), lambda: attacks.gaussian_noise(0.5)),
+    (dict(name='scaling', boost=3.0), lambda: attacks.scaling(3.0)),
+    (dict(name='scaling'), attacks.scaling),
+    (dict(name='alie', fraction=0.2, z=1.5), lambda: attacks.alie(1.5)),
+    (dict(name='alie'), attacks.alie),
+    (dict(name='ipm', epsilon=0.5), lambda: attacks.ipm(0.5)),
+    (dict(name='backdoor', boost=5.0), lambda: attacks.scaling(5.0)),
+    (dict(name='backdoor', target=1), attacks.identity),
+    (dict(name='label_flip', mapping=[1, 0]), attacks.identity),
+])
+def test_a_spec_with_options_builds_the_library_s_attack(spec, call):
+  got, want = attack_lib.model_attack(tiny_config(**spec)), call()
+  assert (got.name, got.hparams, got.omniscient) == (
+      want.name, want.hparams, want.omniscient)
+  m, mean = jnp.asarray([1.0, -2.0, 3.0]), jnp.asarray([0.5, 0.5, -1.0])
+  np.testing.assert_array_equal(_poison(got, m, mean), _poison(want, m, mean))
+
+
+def test_data_poisoning_specs_build_the_library_s_transforms():
+  examples = {'x': np.random.default_rng(0).random((6, 4, 4, 1), np.float32),
+              'y': np.asarray([0, 1, 2, 0, 1, 2])}
+  spec = dict(name='backdoor', target=2, patch_size=1, patch_value=0.5,
+              poison_fraction=0.5)
+  got = parts.build_attack(dict(spec, fraction=0.2, seed=3))
+  want = poisoning.backdoor(2, 3, patch_size=1, patch_value=0.5,
+                            poison_fraction=0.5, seed=7)
+  for key in ('x', 'y'):
+    np.testing.assert_array_equal(got.transform(3, 7)(4, examples)[key],
+                                  want(4, examples)[key])
+    np.testing.assert_array_equal(
+        got.held_out(examples, 3)[key],
+        poisoning.triggered_examples(examples, 2, patch_size=1,
+                                     patch_value=0.5)[key])
+  flip = parts.build_attack(dict(name='label_flip', mapping=[2, 0, 1]))
+  assert flip.transform(3, 0) == poisoning.flip_labels(3, [2, 0, 1])
+  # Their defaults are the library's.
+  params = signatures.keyword_parameters(poisoning.backdoor)
+  for key, param in signatures.keyword_parameters(parts.backdoor).items():
+    if key != 'boost':
+      assert param.default == params[key].default or key == 'target'
+  assert signatures.keyword_parameters(parts.label_flip)['mapping'].default is (
+      signatures.keyword_parameters(poisoning.flip_labels)['mapping'].default)
 
 
 def test_an_algorithm_without_an_aggregator_is_refused():
