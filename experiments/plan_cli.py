@@ -25,7 +25,8 @@ PROG = 'fedjx-plan'
 
 def _parser() -> argparse.ArgumentParser:
   from fedjx.models import llama_config  # pylint: disable=import-outside-toplevel
-  p = argparse.ArgumentParser(prog=PROG, description=__doc__.split('\n\n')[0].split(': ', 1)[1])
+  summary = __doc__.split('\n\n')[0].split(': ', 1)[1]
+  p = argparse.ArgumentParser(prog=PROG, description=summary[0].upper() + summary[1:])
   p.add_argument('--preset', default='1m', choices=list(llama_config.PRESETS),
                  help='model shape (fedjx.models.llama_config.PRESETS) [1m]')
   p.add_argument('--replicas', type=int, default=1, help="M, mesh axis 'clients' [1]")
@@ -53,10 +54,12 @@ def render(plan, device: str, platform: str) -> str:
   from fedjx.models import llama_config  # pylint: disable=import-outside-toplevel
   devices = plan.replicas * plan.fsdp
   analytic_params = llama_config.num_params(plan.preset)
+  plural = lambda n: '' if n == 1 else 's'
   lines = [
-      f'{PROG}: llama_lm preset {plan.preset}, {plan.replicas} replicas x FSDP {plan.fsdp} '
-      f'on {devices} {platform} devices, {plan.batch} x {plan.seq_len:,} tokens per replica '
-      f'per inner step, remat {plan.remat}, compute {plan.dtype}, AdamW',
+      f'{PROG}: llama_lm preset {plan.preset}, {plan.replicas} replica{plural(plan.replicas)} '
+      f'x FSDP {plan.fsdp} on {devices} {platform} device{plural(devices)}, '
+      f'{plan.batch} x {plan.seq_len:,} tokens per replica per inner step, '
+      f'remat {plan.remat}, compute {plan.dtype}, AdamW',
       f'parameters: {plan.params:,} (analytic {analytic_params:,})',
       f'bytes per device (XLA memory analysis): arguments {_gb(plan.argument_bytes)} '
       f'(analytic float32 parameters + AdamW moments {_gb(plan.analytic_state_bytes)}), '
@@ -68,7 +71,8 @@ def render(plan, device: str, platform: str) -> str:
       f'L), analytic 6 N_matmul + 12 L H h T per token {plan.analytic_flops:.4g} '
       f'(XLA / analytic {plan.xla_flops / plan.analytic_flops:.3f}'
       + (', recomputation included' if plan.remat != 'none' else '') + ')',
-      f'FLOPs per inner step, all {devices} devices: XLA {plan.xla_flops * devices:.4g}, '
+      f'FLOPs per inner step, all {devices} device{plural(devices)}: XLA '
+      f'{plan.xla_flops * devices:.4g}, '
       f'analytic {plan.analytic_flops * devices:.4g}',
       f'fits {device} ({_gb(lm_cost.device_memory(device))}): '
       f'{"yes" if plan.fits(device) else "no"} (peak {_gb(plan.peak_bytes)} per device)',
