@@ -13,6 +13,11 @@ rounds, with an attack
   fedjx-run --config configs/robustness_digits.py --workdir runs/robust \\
       --config.attack.name=sign_flip --config.attack.fraction=0.1
 
+``config.attack`` is a spec like every other part, ``{name, fraction, seed,
+**options}``: ``--config.attack.name=alie --config.attack.z=1.5`` (or
+``config.attack = dict(name='alie', fraction=0.2, z=1.5)``) sets an option
+of the named attack (fedjx.experiments.parts.ATTACKS).
+
 ``scripts/robustness_study.py`` runs the grid of attacks x defenses x
 malicious fractions of docs/robustness.md as sweeps of this config.
 """

@@ -39,7 +39,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, 'configs', 'robustness_digits.py')
 
-# Row name -> config.attack (besides the fraction).
+# Row name -> config.attack, a spec {name, **options} (besides the fraction;
+# fedjx.experiments.parts.ATTACKS).
 ATTACKS = {
     'sign_flip': dict(name='sign_flip'),
     'sign_flip_x10': dict(name='sign_flip', scale=10.0),

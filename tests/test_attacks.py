@@ -627,6 +627,25 @@ def test_an_attacked_run_from_a_config_reports_its_malicious_clients(tmp_path):
   assert attack_lib.SUCCESS_METRIC in rows[0]  # Step 0's evaluation too.
 
 
+def test_command_line_attack_options_take_the_builder_s_types():
+  from fedjx.experiments import cli  # pylint: disable=import-outside-toplevel
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config = ['--config', os.path.join(repo, 'configs', 'robustness_digits.py')]
+  _, extras = cli.split_overrides(config + ['--config.attack.name=alie',
+                                            '--config.attack.z=1.5'])
+  assert extras == [(('attack', 'z'), 1.5)]
+  _, extras = cli.split_overrides(config + ['--config.attack.name=sign_flip',
+                                            '--config.attack.scale=4'])
+  assert extras == [(('attack', 'scale'), 4.0)]
+  assert isinstance(extras[0][1], float)
+  with pytest.raises(cli.UsageError, match=r"attack 'alie' has no option 'zz'"
+                     r".*Did you mean 'z'\?"):
+    cli.split_overrides(config + ['--config.attack.name=alie',
+                                  '--config.attack.zz=1.5'])
+  with pytest.raises(cli.UsageError, match='an option of no attack'):
+    cli.split_overrides(config + ['--config.attack.z=1.5'])
+
+
 @pytest.mark.slow
 def test_the_command_line_sets_the_attack(tmp_path):
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
