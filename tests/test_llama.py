@@ -4,7 +4,8 @@ One layer's forward pass against a NumPy float64 reference written from the
 equations (RoPE as a rotation matrix per position, grouped-query attention by
 repeating the key/value heads, an explicit causal softmax, SwiGLU, RMSNorm);
 parameter counts of every preset (``jax.eval_shape``, nothing allocated)
-against the analytic formula; scanned against unscanned layers; every remat
+against the analytic formula; causality; scanned against unscanned layers
+(and a scanned program the same size at any depth); every remat
 policy against none; bfloat16 compute over float32 parameters; the preset
 table of the docs against the code.
 """
@@ -202,6 +203,30 @@ def test_scanned_and_unscanned_layers_give_the_same_logits():
                              atol=ft.atol(n, 4 * np.abs(scanned).max()))
   restacked = llama.stack_layers(unstacked, c.num_layers)
   jax.tree.map(np.testing.assert_array_equal, restacked, params)
+
+
+def test_a_token_sees_only_itself_and_the_past():
+  c = SMALL
+  params = _random_params(c, seed=10)
+  tokens = np.random.default_rng(11).integers(1, c.vocab_size, (1, 10)).astype(np.int32)
+  later = tokens.copy()
+  later[0, 6:] = (later[0, 6:] + 7) % c.vocab_size  # Only positions 6.. change.
+  apply = jax.jit(llama.LlamaLM(c).apply)
+  a, b = apply({'params': params}, tokens), apply({'params': params}, later)
+  np.testing.assert_array_equal(a[:, :6], b[:, :6])
+  assert np.abs(a[:, 6:] - b[:, 6:]).max() > 1e-3
+
+
+def test_the_scanned_program_does_not_grow_with_depth():
+  tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+
+  def program(num_layers, scan):
+    c = SMALL.replace(num_layers=num_layers, scan_layers=scan)
+    shapes = llama.param_shapes(c)
+    return len(jax.jit(llama.LlamaLM(c).apply).lower({'params': shapes}, tokens).as_text())
+
+  assert program(8, True) == program(2, True)  # One layer body, whatever L.
+  assert program(8, False) > 3 * program(2, False) / 2
 
 
 def _grads(c, params, tokens):
