@@ -12,6 +12,7 @@ import fedjx.algorithms as algos
 from fedjx.algorithms import adaptive_clipping
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import nonfinite
+from fedjx.experiments import parts
 import float_tolerance as ft
 from test_algorithms_util import KEY, copy, make_cohort, stack_cohorts
 
@@ -208,14 +209,14 @@ def test_errors_are_one_line(options, match):
 
 
 def test_config_spec_names_the_aggregator():
-  algo = algos.fedavg(linear_loss, aggregator=dict(
+  algo = algos.fedavg(linear_loss, aggregator=parts.build_aggregator(dict(
       name='adaptive_gaussian', noise_multiplier=0.5, initial_clip_norm=0.3,
-      expected_clients_per_round=20.0))
+      expected_clients_per_round=20.0)))
   state = algo.init(params_of(2))
   assert float(state.aggregator_state.clip_norm) == np.float32(0.3)
   assert float(state.hparams['clipped_count_stddev']) == 1.0
-  with pytest.raises(ValueError, match="'adaptive_gaussian' got options") as e:
-    algos.fedavg(linear_loss, aggregator=dict(name='adaptive_gaussian', clip=1.0))
+  with pytest.raises(ValueError, match="clip=1.0 is not an option of 'adaptive_gaussian'") as e:
+    parts.build_aggregator(dict(name='adaptive_gaussian', clip=1.0))
   assert '\n' not in str(e.value)
   # A custom algorithm that does not pass its aggregator state is told so.
   agg = adaptive_clipping.adaptive_gaussian(noise_multiplier=0.0)

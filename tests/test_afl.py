@@ -231,7 +231,7 @@ def test_domain_ids_outside_the_range_count_in_no_domain():
 def test_dp_aggregators_and_bad_options_are_refused():
   with pytest.raises(ValueError, match=r'afl: aggregator gaussian \(central DP\) is refused: .*per-domain losses'):
     algos.afl(linreg_loss, num_domains=2,
-              aggregator=dict(name='gaussian', clip_norm=1.0))
+              aggregator=algos.aggregators.gaussian(clip_norm=1.0))
   with pytest.raises(ValueError, match='give num_domains'):
     algos.afl(linreg_loss)
   with pytest.raises(ValueError, match='summing to 1'):

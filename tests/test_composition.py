@@ -18,6 +18,7 @@ import float_tolerance as ft
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import client_transforms
 from fedjx.algorithms import quantization
+from fedjx.experiments import parts
 from test_algorithms_util import KEY, assert_trees_close, copy, linreg_data
 from test_algorithms_util import linreg_loss, linreg_params, make_cohort
 from test_algorithms_util import mean_loss, minibatches, reference_sgd
@@ -197,8 +198,8 @@ def test_dp_fedavg_is_fedavg_with_the_gaussian_aggregator():
   a = algos.dp_fedavg(linreg_loss, clip_norm=0.2, noise_multiplier=0.4,
                       client_optimizer=optax.sgd(LR))
   b = algos.fedavg(linreg_loss, client_optimizer=optax.sgd(LR),
-                   aggregator=dict(name='gaussian', clip_norm=0.2,
-                                   noise_multiplier=0.4))
+                   aggregator=aggregators.gaussian(clip_norm=0.2,
+                                                   noise_multiplier=0.4))
   sa, ma = a.round(a.init(params), cohort, KEY)
   sb, mb = b.round(b.init(params), cohort, KEY)
   np.testing.assert_array_equal(sa.params['w'], sb.params['w'])
@@ -206,10 +207,14 @@ def test_dp_fedavg_is_fedavg_with_the_gaussian_aggregator():
 
 
 def test_aggregator_errors_are_one_line():
-  for bad, match in ((dict(name='geometric_mean'), "name='geometric_mean'"), (3, 'aggregator=3'),
-                     (dict(name='gaussian', clip=1.0), "'gaussian' got options")):
+  for bad, match in ((dict(name='mean'), 'is a config spec'), (3, 'aggregator=3')):
     with pytest.raises(ValueError, match=match) as e:
       algos.fedavg(linreg_loss, aggregator=bad)
+    assert '\n' not in str(e.value)
+  for bad, match in ((dict(name='geometric_mean'), "name='geometric_mean'"),
+                     (dict(name='gaussian', clip=1.0), "clip=1.0 is not an option of 'gaussian'")):
+    with pytest.raises(ValueError, match=match) as e:
+      parts.build_aggregator(bad)
     assert '\n' not in str(e.value)
   with pytest.raises(ValueError, match='not both'):
     algos.diloco(linreg_loss, 2, quantization_format='int8',

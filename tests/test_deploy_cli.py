@@ -62,3 +62,15 @@ def test_config_overrides_in_fedjx_run_s_spelling_join_the_others():
   args = cli.parse_args(['--config', CONFIG, '--overrides', 'rounds=2',
                          '--config.model.hidden=(16,)'])
   assert args.overrides == 'rounds=2 model.hidden=(16,)'
+
+
+def test_a_good_command_without_flower_names_the_install(no_federation, tmp_path,
+                                                         capsys, monkeypatch):
+  """The command is checked whole first; a missing Flower comes last."""
+  real = cli.importlib.util.find_spec
+  monkeypatch.setattr(cli.importlib.util, 'find_spec',
+                      lambda name, *a: None if name == 'flwr' else real(name, *a))
+  argv = ['--config', CONFIG, '--workdir', str(tmp_path / 'w'), '--overrides', THREE]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err == "fedjx-deploy: Flower is not installed: pip install 'fedjx[flower]'.\n"

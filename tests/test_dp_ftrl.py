@@ -162,9 +162,9 @@ def test_noise_variance_per_release_is_popcount_times_the_node_variance():
   """Var(B_t) = popcount(t) (z C)^2 per coordinate (Kairouz et al. 2021, tree aggregation)."""
   z, clip, d, rounds = 1.3, 0.5, 2.0, 8
   algo = algos.fedavg(linear_loss, client_optimizer=optax.sgd(1.0),
-                      aggregator=dict(name='tree_gaussian', clip_norm=clip,
-                                      noise_multiplier=z,
-                                      expected_clients_per_round=d))
+                      aggregator=algos.tree_gaussian(clip_norm=clip,
+                                                     noise_multiplier=z,
+                                                     expected_clients_per_round=d))
   state = algo.init(params_of(2, EXTRA))
   zero = cohort_of(np.zeros((2, 2)))  # Zero updates: the releases are noise.
   noises = []

@@ -214,7 +214,7 @@ def test_two_rounds_match_numpy_with_a_padding_client():
 
 def test_errors_are_one_line():
   with pytest.raises(ValueError, match=r'hyp_cluster: aggregator gaussian \(central DP\) is refused'):
-    algos.hyp_cluster(linreg_loss, 2, aggregator=dict(name='gaussian', clip_norm=1.0))
+    algos.hyp_cluster(linreg_loss, 2, aggregator=algos.aggregators.gaussian(clip_norm=1.0))
   with pytest.raises(ValueError, match=r'hyp_cluster: num_clusters=0 must be'):
     algos.hyp_cluster(linreg_loss, 0)
   with pytest.raises(ValueError, match=r'hyp_cluster: init_noise=-1.0 is not allowed'):

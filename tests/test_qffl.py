@@ -147,8 +147,8 @@ def test_every_map_strategy_gives_the_vmap_rounds(strategy, chunk):
 
 def test_dp_aggregators_are_refused_with_the_reason():
   with pytest.raises(ValueError, match=r'qffl: aggregator gaussian \(central DP\) is refused: .*h_k'):
-    algos.qffl(linreg_loss, aggregator=dict(name='gaussian', clip_norm=1.0))
-  algos.qffl(linreg_loss, aggregator=dict(name='mean'))  # The plain mean is it.
+    algos.qffl(linreg_loss, aggregator=algos.aggregators.gaussian(clip_norm=1.0))
+  algos.qffl(linreg_loss, aggregator=algos.aggregators.mean())  # The plain mean is it.
 
 
 def test_bad_options_are_one_line_errors():

@@ -124,11 +124,6 @@ def validate(args: argparse.Namespace) -> Any:
     raise UsageError(f'--nodes={args.nodes}; it must be an int >= 1.')
   _positive('--timeout', args.timeout)
   _positive('--wait', args.wait)
-  if importlib.util.find_spec('flwr') is None:
-    raise UsageError("Flower is not installed: pip install 'fedjx[flower]'.")
-  if args.simulation and importlib.util.find_spec('ray') is None:
-    raise UsageError("--simulation needs Flower's simulation engine, which runs "
-                     "on Ray: pip install 'flwr[simulation]'.")
   path = args.config.partition(':')[0]
   if not os.path.isfile(path):
     raise UsageError(f'--config={args.config}: no such file (give a config file, '
@@ -156,6 +151,12 @@ def validate(args: argparse.Namespace) -> Any:
         f'--nodes={args.nodes}, but config.dataset has {server.num_clients} '
         f'training clients; one node holds one client: give --nodes '
         f'{server.num_clients} or --overrides "dataset.num_clients={args.nodes}".')
+  # Last: a command that is wrong anyway says so before asking for installs.
+  if importlib.util.find_spec('flwr') is None:
+    raise UsageError("Flower is not installed: pip install 'fedjx[flower]'.")
+  if args.simulation and importlib.util.find_spec('ray') is None:
+    raise UsageError("--simulation needs Flower's simulation engine, which runs "
+                     "on Ray: pip install 'flwr[simulation]'.")
   return config
 
 
