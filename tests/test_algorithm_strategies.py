@@ -98,9 +98,9 @@ def _assert_close(got, want):
       np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
 
 
-# Fused chunks by default for one algorithm of each kind of round (plain,
-# per-client state, DP noise, replicas); for the rest with the slow tests.
-_CHUNKED_BY_DEFAULT = ('fedavg', 'scaffold', 'dp_fedavg', 'diloco')
+# Fused chunks by default for FedAvg; for the rest (per-client state, DP
+# noise, replicas and every other algorithm) with the slow tests.
+_CHUNKED_BY_DEFAULT = ('fedavg',)
 
 
 def _cases():

@@ -48,6 +48,7 @@ def _assert_close(got, want, tol=1e-5):
     lambda: algorithms.fedadam(_loss, client_optimizer=optax.sgd(0.1),
                                server_learning_rate=0.05),
 ], ids=['fedavg', 'fedadam'])
+@pytest.mark.slow
 def test_one_round_equals_jax(build):
   algo = build()
   state, cohort, key = algo.init(_params()), _cohort(0), jax.random.PRNGKey(0)

@@ -33,6 +33,7 @@ def test_a_fedjx_round_equals_the_hand_written_references():
                                  err_msg=name)
 
 
+@pytest.mark.slow
 def test_records_and_memory_plans():
   records = []
   benchmark.run(['logreg'], [2], ['vmap', 'chunked:1'], steps=1, batch=2,

@@ -60,7 +60,12 @@ OFFLINE_FILES = [p for p in CONFIG_FILES
 _SLOW_CONFIGS = ('async_diloco_text.py', 'streaming_diloco_text.py', 'diloco_text.py',
                  'diloco_text_equal_compute.py', 'secagg_ddp_digits.py',
                  # FedRep's and FedAvg's rounds with another client step.
-                 'fedper_digits.py', 'ditto_digits.py')
+                 'fedper_digits.py', 'ditto_digits.py',
+                 # Variants of rounds other configs build (clustering, the
+                 # tuner, buffered async, Mime, DP-FTRL's tree).
+                 'hyp_cluster_digits.py', 'fedavg_hypergradient_tuner.py',
+                 'fedbuff_digits.py', 'mime_digits.py', 'mime_lite_digits.py',
+                 'dp_ftrl_digits.py')
 
 
 @pytest.mark.parametrize('path', [

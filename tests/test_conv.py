@@ -205,6 +205,7 @@ def _perturbed(base, layers, record):
         lambda conv: models.resnet(10, widths=(4, 8, 8), conv=conv), (3, 16, 16, 3),
         marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_models_give_the_same_numbers_with_either_convolution(build, batch_shape,
                                                               monkeypatch):
   rng = np.random.default_rng(6)

@@ -306,6 +306,7 @@ def task_identity():
   TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = saved
 
 
+@pytest.mark.slow
 def test_the_strategy_leaves_out_silent_and_refusing_nodes(tmp_path, task_identity):
   overrides = ('rounds=2 cohort_size=3 dataset.num_clients=3 model.hidden=(8,) '
                'local_epochs=None local_steps=4 eval_every=1')

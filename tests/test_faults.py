@@ -263,6 +263,7 @@ def _one_line(stderr):
 
 
 @pytest.mark.parametrize('when', [0, 1], ids=['before_replace', 'after_replace'])
+@pytest.mark.slow
 def test_sigkill_mid_row_then_again_mid_metrics_rewrite(files, reference, tmp_path,
                                                         rng, when):
   workdir = tmp_path / 'run'
@@ -406,6 +407,7 @@ def _flip(path):
 
 @pytest.mark.parametrize('damage', [_truncate, _flip, os.remove],
                          ids=['truncated', 'flipped', 'deleted'])
+@pytest.mark.slow
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one(
     files, reference, stopped_at_six, tmp_path, damage):
   workdir = str(tmp_path / 'run')
@@ -424,6 +426,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(
 
 
 @pytest.mark.parametrize('damage', [_truncate, _flip], ids=['truncated', 'flipped'])
+@pytest.mark.slow
 def test_damage_is_caught_without_the_file_manifest(
     files, reference, stopped_at_six, tmp_path, damage):
   # A run killed between a checkpoint's completion and its manifest: Orbax's

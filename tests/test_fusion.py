@@ -123,6 +123,7 @@ def test_weights_from_the_map_and_zero_weights():
                              rtol=4 * n * EPS)
 
 
+@pytest.mark.slow
 def test_grad_and_jvp_through_a_fused_round():
   x, y, w = _data(n=6)
 

@@ -106,6 +106,7 @@ def test_weighted_mean_rules_compute_in_the_promoted_dtype():
     np.testing.assert_allclose(jax.jacrev(g)(w), want, rtol=2**-24)
 
 
+@pytest.mark.slow
 def test_checkpointed_equals_naive_and_selector_function():
   r, c, s, b = 4, 3, 2, 4
   cohorts, val = synthetic_rounds(r, c, s, b, dtype=jnp.float32)
@@ -170,6 +171,7 @@ def test_learned_client_weights_down_weight_corrupted_clients():
   assert theta[:, :2].mean() < theta[:, 2:].mean() - 0.3, theta
 
 
+@pytest.mark.slow
 def test_checkpointing_memory_100_rounds():
   """Reverse mode through 100 rounds of 5 local steps: sqrt(R) checkpointing
   needs under a fifth of the temporary memory of the naive unrolled scan."""

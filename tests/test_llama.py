@@ -240,6 +240,7 @@ _NO_REMAT = {}
 
 @pytest.mark.parametrize('scan,policy', [(True, p) for p in lc.REMAT_POLICIES[1:]] +
                          [(False, 'dots_saveable')])
+@pytest.mark.slow
 def test_a_remat_policy_gives_the_gradients_of_none(scan, policy):
   c = SMALL.replace(scan_layers=scan)
   params = _random_params(c, seed=7)

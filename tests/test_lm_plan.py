@@ -21,6 +21,7 @@ from fedjx.experiments import plan_cli
 from fedjx.models import llama_config as lc
 
 
+@pytest.mark.slow
 def test_the_plan_of_four_replicas_of_fsdp_two_matches_the_analytic_counts():
   assert len(jax.devices()) >= 8
   plan = lm_cost.plan_inner_step('1m', replicas=4, fsdp=2, batch=4, seq_len=64)

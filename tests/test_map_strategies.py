@@ -41,6 +41,7 @@ def _client_update(params, data):
 
 
 @pytest.mark.parametrize('clients', [5, 8])
+@pytest.mark.slow
 def test_all_strategies_agree_on_cnn_client_update(clients):
   params = _cnn_params(jax.random.key(0))
   rng = np.random.default_rng(0)

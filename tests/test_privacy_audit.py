@@ -276,6 +276,7 @@ def last_row(result):
   return result.history[-1]
 
 
+@pytest.mark.slow
 def test_with_noise_the_estimate_stays_below_the_accountant_s_epsilon(tmp_path):
   # Each canary is in 10 of the 20 rounds, the noise of all 20 is in the
   # final model: the final-model statistic sees mean shift 10 C over noise
@@ -345,6 +346,7 @@ def test_with_the_noise_halved_the_estimate_exceeds_the_reported_epsilon(
   assert row['audit_epsilon_low'] > row['epsilon']
 
 
+@pytest.mark.slow
 def test_the_swap_audit_catches_the_fixed_size_sensitivity_defect(tmp_path):
   # Fixed-size cohorts, every client every round (10 of 10, as in
   # configs/dp_diloco_digits.py): canaries send +C u or -C u, replace-one

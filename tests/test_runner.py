@@ -254,6 +254,7 @@ def test_plot_runs_overlays(tmp_path):
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 
 
+@pytest.mark.slow
 def test_mesh_shards_cohorts_over_devices_with_the_same_numbers(files, tmp_path):
   config = _load_config(files)
   config.rounds = 3

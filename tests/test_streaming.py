@@ -57,6 +57,7 @@ SUPPORTED = {
 
 
 @pytest.mark.parametrize('name', sorted(SUPPORTED))
+@pytest.mark.slow
 def test_streamed_round_equals_compiled_round(name):
   algo = SUPPORTED[name]()
   state, key = algo.init(_params()), jax.random.key(3)
@@ -68,6 +69,7 @@ def test_streamed_round_equals_compiled_round(name):
 
 
 @pytest.mark.parametrize('inner', [1, 2])
+@pytest.mark.slow
 def test_clients_inside_a_chunk_one_at_a_time_or_in_groups(monkeypatch, inner):
   # Large clients run one at a time inside a chunk (small ones vmapped): the
   # chunk's sums are carried from client to client, never stacked.

@@ -198,6 +198,7 @@ def test_a_diverging_trial_stops_alone(tmp_path):
   assert frozen and all(np.isfinite(x).all() for x in frozen)  # Its last finite model.
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
   settings = [{'algorithm.server_learning_rate': v} for v in (0.02, 0.1)]
   whole = sweep.run_sweep(small_config(rounds=4), str(tmp_path / 'whole'), settings,
@@ -274,6 +275,7 @@ def _config_file(tmp_path, changes, sweep_spec_text):
   return path
 
 
+@pytest.mark.slow
 def test_cli_sweep_from_the_config_file(tmp_path):
   config_file = _config_file(
       tmp_path, 'rounds=1, eval_every=1, plot=True',
@@ -407,6 +409,7 @@ def test_cli_a_grid_value_of_the_wrong_type_is_one_line(tmp_path):
   assert not (tmp_path / 'w').exists()
 
 
+@pytest.mark.slow
 def test_a_trial_stops_where_its_single_run_stops(tmp_path):
   """Client learning rate 1e30: every client is non-finite from some round
   on, so nothing can be aggregated. fedjx-run stops there with one line;

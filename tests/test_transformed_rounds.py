@@ -78,6 +78,7 @@ def _tangent():
     ('fedavg', 1), pytest.param('fedadam', 1, marks=pytest.mark.slow),
     pytest.param('fedavg', 2, marks=pytest.mark.slow)],
                          ids=['fedavg', 'fedadam', 'two_stage_fedavg'])
+@pytest.mark.slow
 def test_grad_and_jvp_of_rounds_in_beam_with_client_held_weights(name, rounds):
   objective = _objective(ALGORITHMS[name](), rounds)
   cohorts = [_cohort(r) for r in range(rounds)]
@@ -94,6 +95,7 @@ def test_grad_and_jvp_of_rounds_in_beam_with_client_held_weights(name, rounds):
 
 
 @pytest.mark.parametrize('name', sorted(ALGORITHMS))
+@pytest.mark.slow
 def test_grad_and_jvp_of_a_round_split_for_export(name):
   algo = ALGORITHMS[name]()
   cohort = _cohort(0)
@@ -241,6 +243,7 @@ def _grad_in_beam_matches_jax(name):
   _assert_close(got, grad(_params(), cohort))
 
 
+@pytest.mark.slow
 def test_grad_of_every_supported_round_is_a_plan():
   """Each gradient traces to a plan: every operation on client values is
   placed (running them all in Beam is the slow test below)."""
