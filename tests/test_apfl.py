@@ -241,8 +241,8 @@ def test_a_nonfinite_client_keeps_its_row_and_is_left_out():
 def test_a_dp_aggregator_applies_to_the_global_update():
   # The server sees FedAvg's update: a DP aggregator applies to it.
   algo = algos.apfl(linreg_loss, client_evaluation=False,
-                    aggregator=dict(name='gaussian', clip_norm=1.0,
-                                    noise_multiplier=0.0))
+                    aggregator=algos.aggregators.gaussian(clip_norm=1.0,
+                                                          noise_multiplier=0.0))
   params = linreg_params()
   store = RowStore(algo.client_state_init(params))
   cohort = Cohort(*make_cohort(_data(0)[:2], batch_size=B),
