@@ -51,7 +51,6 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-import fedjx.mapping
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
@@ -195,9 +194,10 @@ def apfl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
                      count + jnp.where(is_real, n, 0.0))
 
     def step(carry, i, is_real):
+      # Entered only when a client run with this one has a real step here
+      # (scan_steps); real_step keeps the state of a client whose is not.
       batch, m = jax.tree.map(lambda z: z[i], (batches, mask))
-      return jax.lax.cond(fedjx.mapping.any_in_chunk(is_real), real_step,
-                          lambda c, *unused: c, carry, batch, m, is_real), None
+      return real_step(carry, batch, m, is_real), None
 
     index, active = client_update.step_schedule(mask, schedule)
     zero = jnp.zeros((), jnp.float32)

@@ -130,28 +130,33 @@ def step_schedule(mask: jax.Array, schedule: LocalSchedule) -> tuple[jax.Array, 
 def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]],
                carry: PyTree, xs: PyTree, active: jax.Array) -> tuple[PyTree, PyTree]:
   """``lax.scan`` of ``step(carry, x_t, active_t)`` over ``S = len(active)``
-  steps, where the steps after the last active one are never entered.
+  steps, where a step no member of the chunk needs is never entered.
 
   The steps are the leaves of a binary tree of depth ``D = ceil(log2 S)``: a
   node of level ``d`` covers ``2^d`` consecutive steps and runs as a
   ``lax.scan`` over its two children, each in a ``lax.cond`` on whether any
   member of the chunk (:func:`fedjx.mapping.any_in_chunk`) has an active
-  step at or after the child's first step. A member whose last active step
-  is ``c - 1`` enters about ``2c`` nodes and skips at most ``D + 1`` (one per
-  level, beside its path to step ``c - 1``), so padding costs ``O(log S)``
-  branches for any ``S`` and carry, and the step's body is compiled once.
+  step at or after the child's first step; a leaf ``t`` is entered only if a
+  member is active at ``t``. A member whose last active step is ``c - 1``
+  enters about ``2c`` nodes and skips at most ``D + 1`` (one per level,
+  beside its path to step ``c - 1``), so padding costs ``O(log S)`` branches
+  for any ``S`` and carry, and the step's body is compiled once. The chunk's
+  ``[S]`` flags are combined once, before the tree, so no branch holds a
+  collective.
+
   ``step`` must leave ``carry`` unchanged and return zeros when ``active_t``
-  is False (as a skipped node does), so the result is the plain ``scan``'s,
-  step for step: the same ``carry`` and the same stacked outputs ``[S,
-  ...]``, with inactive steps anywhere. Every level is ``scan`` and
+  is False (as a skipped node does; it is entered so only when
+  :func:`fedjx.mapping.members_together`), so the result is the plain
+  ``scan``'s, step for step: the same ``carry`` and the same stacked outputs
+  ``[S, ...]``, with inactive steps anywhere. Every level is ``scan`` and
   ``cond``, so the loop stays differentiable in both modes.
   """
   active = jnp.asarray(active)
   s = active.shape[0]
   depth = max(s - 1, 0).bit_length()
-  # One past the last active step (0 for none); placed as the client's data.
-  ends = jnp.where(active, jnp.arange(1, s + 1), 0)
-  end = jnp.max(ends)
+  needed = fedjx.mapping.any_in_chunk(active)  # [S], the same for the chunk.
+  # One past the last needed step (0 for none); placed as the client's data.
+  end = jnp.max(jnp.where(needed, jnp.arange(1, s + 1), 0))
 
   def leaf(carry, t):
     i = jnp.minimum(t, s - 1)
@@ -167,15 +172,14 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
         never.reshape((1,) * len(y.shape)), (steps,) + y.shape[1:]).astype(y.dtype),
                         shapes)
 
-  def guarded(run, steps):
-    """``run`` from step ``first`` if a member needs a step there, else zeros."""
+  def guarded(run, steps, enter):
+    """``run`` from step ``first`` if ``enter(first)``, else zeros."""
     def node(carry, first):
-      return jax.lax.cond(fedjx.mapping.any_in_chunk(first < end),
-                          lambda c: run(c, first), lambda c: (c, zeros(steps)),
-                          carry)
+      return jax.lax.cond(enter(first), lambda c: run(c, first),
+                          lambda c: (c, zeros(steps)), carry)
     return node
 
-  run = guarded(leaf, 1)
+  run = guarded(leaf, 1, lambda t: jnp.logical_and(t < s, needed[jnp.minimum(t, s - 1)]))
   for d in range(1, depth + 1):
     half, child = 1 << (d - 1), run
 
@@ -184,7 +188,7 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
                                jnp.arange(2))
       return carry, jax.tree.map(lambda y: y.reshape((2 * half,) + y.shape[2:]), ys)
 
-    run = guarded(pair, 1 << d)
+    run = guarded(pair, 1 << d, lambda first: first < end)
   carry, ys = run(carry, jnp.zeros((), jnp.int32))
   return carry, jax.tree.map(lambda y: y[:s], ys)
 
@@ -239,18 +243,11 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     return (jax.tree.map(keep, new_params, params),
             jax.tree.map(keep, new_state, opt_state)), sums
 
-  def padding_step(carry, batch, m, is_real):
-    del batch, m
-    zero = jnp.zeros_like(is_real, jnp.float32)  # Placed as is_real is.
-    return carry, {'loss': zero, 'count': zero}
-
   def step(carry, x, is_real):
-    batch, m = x
-    # A step that is padding for every client run with this one computes
-    # nothing (fedjx.mapping.any_in_chunk); a client whose own step is
-    # padding keeps its state (jnp.where) either way.
-    return jax.lax.cond(fedjx.mapping.any_in_chunk(is_real), real_step,
-                        padding_step, carry, batch, m, is_real)
+    # A step that is padding for every client run with this one is never
+    # entered (scan_steps); a client whose own step is padding keeps its
+    # state (jnp.where in real_step).
+    return real_step(carry, *x, is_real)
 
   carry = tie_to((params, opt_state), mask)
   if schedule.steps is None:  # Epochs: scan over the steps as they are.
@@ -283,10 +280,13 @@ def evaluate(loss_fn: LossFn, metrics_fn: MetricsFn | None, params: Params,
     new['count'] = sums['count'] + jnp.sum(m, dtype=jnp.float32)
     return new
 
+  # Padding batches of every client run with this one are not evaluated; the
+  # chunk's flags are combined before the loop (no collective in a branch).
+  needed = fedjx.mapping.any_in_chunk(jnp.any(mask, axis=-1))
+
   def step(sums, t):
     batch, m = fedjx.indexed.take((batches, mask), t)
-    # Padding batches of every client run with this one are not evaluated.
-    return jax.lax.cond(fedjx.mapping.any_in_chunk(jnp.any(m)), real_batch,
+    return jax.lax.cond(needed[t], real_batch,
                         lambda sums, *unused: sums, sums, batch, m), None
 
   keys = ['loss'] + ([] if metrics_fn is None else list(jax.eval_shape(

@@ -51,7 +51,6 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-import fedjx.mapping
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
@@ -93,7 +92,7 @@ def full_gradient(loss_fn: base.LossFn, params: base.Params,
                   batches: Any, mask: jax.Array) -> base.PyTree:
   """``grad f_i(x) = (1/n_i) sum_e grad loss(x, e)`` over a client's real examples.
 
-  One client's (inside ``map_fn``): a scan over its ``S`` batches in blocks
+  One client's (inside ``map_fn``): a scan over its ``S`` batches as a tree
   (:func:`fedjx.algorithms.client_update.scan_steps`), where batches that
   are padding for every client run together are skipped; zero for a client
   with no data.
@@ -105,9 +104,10 @@ def full_gradient(loss_fn: base.LossFn, params: base.Params,
     return jax.tree.map(jnp.add, acc, jax.grad(total)(params, batch, m))
 
   def step(acc, x, is_real):
-    batch, m = x
-    return jax.lax.cond(fedjx.mapping.any_in_chunk(is_real), add,
-                        lambda acc, *unused: acc, acc, batch, m), None
+    # Entered only when a client run with this one has a real batch here
+    # (scan_steps); a client's padding batch adds a zero gradient (m False).
+    del is_real
+    return add(acc, *x), None
 
   zeros = client_update.tie_to(jax.tree.map(jnp.zeros_like, params), mask)
   sums, _ = client_update.scan_steps(step, zeros, (batches, mask),

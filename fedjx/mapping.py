@@ -362,7 +362,13 @@ def any_in_chunk(pred: Any) -> jax.Array:
   members' predicates), so the ``cond`` stays a
   branch instead of becoming a select that computes both sides. With one
   member at a time (``sequential``), it is ``pred`` itself. Each member must
-  still mask its own result (``jnp.where(p, new, old)``).
+  still mask its own result (``jnp.where(p, new, old)``). An array ``pred``
+  is combined elementwise.
+
+  The combination is a collective across the devices the chunk spans: call
+  it outside every ``lax.cond`` branch (once, on all the predicates a loop
+  will need, as :func:`fedjx.algorithms.client_update.scan_steps` does). A
+  collective inside a branch deadlocks runs of several processes on XLA:CPU.
   """
   pred = jnp.asarray(pred, bool)
   axes = frames.chunk_axes()
@@ -375,7 +381,7 @@ def any_in_chunk(pred: Any) -> jax.Array:
   for axis in gather:
     # On an Explicit mesh axis JAX refuses the psum; the gathered [k]
     # predicates of the chunk reduce to the same unbatched value.
-    pred = jnp.any(jax.lax.all_gather(pred, axis))
+    pred = jnp.any(jax.lax.all_gather(pred, axis), axis=0)
   return pred
 
 

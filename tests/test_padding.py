@@ -244,3 +244,65 @@ def test_gradients_flow_through_the_tree_of_steps():
     xs = jnp.linspace(-1.0, 1.0, 21, dtype=jnp.float64).reshape(7, 3)
     check_grads(f, (jnp.asarray([0.3, -0.2, 0.5], jnp.float64), xs), order=2,
                 modes=('fwd', 'rev'))
+
+
+_COLLECTIVES = ('all-reduce', 'all-gather', 'all-to-all', 'collective-permute',
+                'reduce-scatter')
+
+
+def _collectives_in_branches(hlo: str) -> list[str]:
+  """The collectives of compiled HLO text that run inside a conditional's
+  branch, however deeply nested (through loops, calls and fusions)."""
+  import re  # pylint: disable=g-import-not-at-top
+  bodies, name = {}, None
+  for line in hlo.splitlines():
+    head = re.match(r'(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
+    if name is None and head:
+      name, bodies[head.group(1)] = head.group(1), []
+    elif line.startswith('}'):
+      name = None
+    elif name is not None:
+      bodies[name].append(line)
+  single = r'(?:true_computation|false_computation|body|condition|calls|to_apply)=%?([\w.\-]+)'
+
+  def called(lines, branches_only=False):
+    out = []
+    for line in lines:
+      for group in re.findall(r'branch_computations=\{([^}]*)\}', line):
+        out += [n.strip().lstrip('%') for n in group.split(',')]
+      out += re.findall(r'(?:true_computation|false_computation)=%?([\w.\-]+)', line)
+      if not branches_only:
+        out += re.findall(single, line)
+    return out
+
+  seen, todo = set(), called([l for b in bodies.values() for l in b], branches_only=True)
+  while todo:
+    n = todo.pop()
+    if n not in seen and n in bodies:
+      seen.add(n)
+      todo += called(bodies[n])
+  return [l.strip() for n in seen for l in bodies[n]
+          if any(f' {c}(' in l or f' {c}-start(' in l for c in _COLLECTIVES)]
+
+
+@pytest.mark.parametrize('axis_type', ['Explicit', 'Auto'])
+def test_no_collective_runs_inside_a_branch(axis_type):
+  """The chunk's "any member needs this step" is combined across devices
+  once, before the tree of steps: a collective inside a ``lax.cond`` branch
+  deadlocks a run of several processes on XLA:CPU, so the compiled round of
+  8 clients on 8 devices has none there (while the skipping still works:
+  ``test_padding_is_skipped_on_a_clients_mesh``)."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  rng = np.random.default_rng(3)
+  cohort = make_cohort(linreg_data(rng, [12, 4, 8, 8, 4, 4, 8, 12], dim=3),
+                       batch_size=4, steps=4)
+  algo = algos.fedavg(linreg_loss, client_optimizer=optax.sgd(0.1)).compile(
+      map_strategy='vmap', donate=False)
+  state = algo.init(linreg_params(3))
+  mesh = jax.make_mesh((8,), ('clients',), axis_types=(getattr(AxisType, axis_type),))
+  with jax.set_mesh(mesh):
+    placed = jax.device_put(cohort, NamedSharding(mesh, P('clients')))
+    hlo = jax.jit(algo.round).lower(state, placed, jax.random.key(0)).compile().as_text()
+  assert 'conditional(' in hlo          # The steps are still skipped by branches,
+  assert any(f' {c}(' in hlo or f' {c}-start(' in hlo for c in _COLLECTIVES)  # across devices,
+  assert _collectives_in_branches(hlo) == []  # with every collective outside them.
