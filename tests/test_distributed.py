@@ -249,8 +249,6 @@ def _state(workdir):
 
 
 @pytest.mark.slow  # ~50 s: runs on one process, on two, resumed on two and on one.
-@pytest.mark.skip(reason='known regression, open: the resumed run on two processes '
-                  'hangs until the 600 s timeout since the latest changes')
 def test_scaffold_over_two_processes_matches_one_process(tmp_path):
   """SCAFFOLD's per-client c_i cannot live in a host store that each process
   holds alone (a client's row would be on whichever process trained it
