@@ -367,8 +367,9 @@ def any_in_chunk(pred: Any) -> jax.Array:
 
   The combination is a collective across the devices the chunk spans: call
   it outside every ``lax.cond`` branch (once, on all the predicates a loop
-  will need, as :func:`fedjx.algorithms.client_update.scan_steps` does). A
-  collective inside a branch deadlocks runs of several processes on XLA:CPU.
+  will need, as :func:`fedjx.algorithms.client_update.scan_steps` does).
+  One per branch of the tree of local steps, nested in its scans, deadlocked
+  runs of two processes on XLA:CPU, and it costs a collective per step.
   """
   pred = jnp.asarray(pred, bool)
   axes = frames.chunk_axes()

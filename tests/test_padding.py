@@ -288,8 +288,8 @@ def _collectives_in_branches(hlo: str) -> list[str]:
 @pytest.mark.parametrize('axis_type', ['Explicit', 'Auto'])
 def test_no_collective_runs_inside_a_branch(axis_type):
   """The chunk's "any member needs this step" is combined across devices
-  once, before the tree of steps: a collective inside a ``lax.cond`` branch
-  deadlocks a run of several processes on XLA:CPU, so the compiled round of
+  once, before the tree of steps: a collective in each of the tree's
+  branches deadlocked a run of two processes on XLA:CPU, so the compiled round of
   8 clients on 8 devices has none there (while the skipping still works:
   ``test_padding_is_skipped_on_a_clients_mesh``)."""
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
