@@ -389,18 +389,18 @@ class _Builder:
       env[v] = i
     found_scan = False
     client_scans = [e for e in inner.jaxpr.eqns
-                    if e.primitive.name == 'scan' and e.params['num_carry'] == 0]
+                    if e.primitive.name == 'scan' and _scan_counts(e)[1] == 0]
     n = self.num_clients
     if n is None and client_scans:
       n = client_scans[-1].params['length']
     for e in inner.jaxpr.eqns:
       e_ids = [self.read(env, v) for v in e.invars]
       kinds = [self.kinds[i] for i in e_ids]
-      if (e.primitive.name == 'scan' and e.params['num_carry'] == 0 and
+      if (e.primitive.name == 'scan' and _scan_counts(e)[1] == 0 and
           e.params['length'] == n and
           (any(k != SERVER for k in kinds) or
            any(v.aval.ndim and v.aval.shape[0] == n
-               for v in e.invars[e.params['num_consts']:]))):
+               for v in e.invars[_scan_counts(e)[0]:]))):
         outs = self.scan_over_clients(e, e_ids, name)
         found_scan = True
       elif all(k != CLIENT for k in kinds):
@@ -458,7 +458,7 @@ class _Builder:
     return out_ids
 
   def scan_over_clients(self, scan, scan_ids, name):
-    num_consts = scan.params['num_consts']
+    num_consts, _ = _scan_counts(scan)
     const_ids, x_ids = scan_ids[:num_consts], scan_ids[num_consts:]
     for i in const_ids:
       if self.kinds[i] == CLIENT:
@@ -472,6 +472,19 @@ class _Builder:
     body = scan.params['jaxpr']
     self.steps.append(MapStep(body, const_ids, x_ids, out_ids))
     return out_ids
+
+
+def _scan_counts(scan):
+  """``(number of constants, number of carries)`` of a scan equation.
+
+  JAX releases name them ``num_consts``/``num_carry``; later ones pack the
+  operands as a flat tree ``ft_in`` of (constants, carries, scanned inputs).
+  """
+  params = scan.params
+  if 'num_consts' in params:
+    return params['num_consts'], params['num_carry']
+  consts, carry, _ = params['ft_in'].unpack()
+  return len(consts), len(carry)
 
 
 # Elementwise primitives: on placed operands, each client's output depends on
