@@ -117,10 +117,22 @@ def _stacked(tree: Any, replicas: int, mesh, fsdp: int) -> Any:
   return jax.tree.map(one, tree)
 
 
-def _inner_step_parts(config: llama_config.LlamaConfig, replicas: int, fsdp: int,
-                      batch: int, seq_len: int, mesh):
+def inner_optimizer() -> optax.GradientTransformation:
+  """The inner step's AdamW (``b2 = 0.99``, weight decay 0.1; Charles et al. 2025)."""
+  return optax.adamw(1e-3, b2=0.99, weight_decay=0.1)
+
+
+def inner_step_program(config: llama_config.LlamaConfig, replicas: int, fsdp: int,
+                       batch: int, seq_len: int, mesh):
+  """The jitted inner step over ``replicas`` on ``mesh``, and its arguments' shapes.
+
+  Returns ``(step, (params, opt_state, tokens))``: ``step(params, opt_state,
+  tokens) -> (params, opt_state, loss)`` donates its first two arguments;
+  the shapes are ``jax.ShapeDtypeStruct`` with their shardings, stacked over
+  replicas, tokens ``[replicas, batch, seq_len + 1]``.
+  """
   model = llama.llama_lm(config)
-  opt = optax.adamw(1e-3, b2=0.99, weight_decay=0.1)
+  opt = inner_optimizer()
   params = llama.param_shapes(config)
   opt_state = jax.eval_shape(opt.init, params)
 
@@ -144,7 +156,7 @@ def _inner_step_parts(config: llama_config.LlamaConfig, replicas: int, fsdp: int
 
 
 def _compile(config, replicas, fsdp, batch, seq_len, mesh):
-  jitted, args = _inner_step_parts(config, replicas, fsdp, batch, seq_len, mesh)
+  jitted, args = inner_step_program(config, replicas, fsdp, batch, seq_len, mesh)
   return jitted.lower(*args).compile()
 
 
@@ -214,3 +226,90 @@ def plan_inner_step(preset: str | llama_config.LlamaConfig, replicas: int = 1,
       temp_bytes=int(memory.temp_size_in_bytes),
       xla_flops_scanned=scanned_flops, xla_flops=xla_flops, analytic_flops=analytic,
       compile_seconds=seconds)
+
+
+PEAK_BF16_FLOPS: dict[str, float] = {
+    'h100': 989.4e12,
+    'h200': 989.4e12,
+    'a100-40gb': 312e12,
+    'a100-80gb': 312e12,
+    'tpu-v4': 275e12,
+    'tpu-v5e': 197e12,
+    'tpu-v5p': 459e12,
+    'tpu-v6e': 918e12,
+}
+"""Dense bfloat16 peak FLOP/s per chip, as the vendors state it (no sparsity)."""
+
+
+def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
+                       seq_len: int | None = None, steps: int = 5, repeats: int = 3,
+                       remat: str | None = None, dtype: str | None = None,
+                       peak_flops: float | None = None, seed: int = 0) -> dict:
+  """Times the inner step of :func:`plan_inner_step` on one device, with data.
+
+  Parameters are initialized from ``seed``, tokens drawn uniformly from
+  ``1 .. V - 1``; after one warm-up step (the compile), ``repeats`` times
+  ``steps`` steps are run back to back and waited on. Reported: seconds per
+  step (median over repeats), ``tokens/s = batch seq_len / step``, the model
+  FLOPs per step (``train_flops_per_token x batch x seq_len``) and, with
+  ``peak_flops`` (FLOP/s of the device), the model FLOPs utilization
+  ``MFU = flops per step / step / peak`` (Chowdhery et al. 2022, PaLM,
+  Appendix B); the device's peak bytes in use where it reports them, and
+  XLA's planned peak; the losses of the first and last steps.
+  """
+  import statistics  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  name = preset if isinstance(preset, str) else 'custom'
+  config = llama_config.preset(preset) if isinstance(preset, str) else preset
+  changes = {k: v for k, v in dict(remat=remat, dtype=dtype).items() if v is not None}
+  config = config.replace(**changes) if changes else config
+  seq_len = config.seq_len if seq_len is None else seq_len
+  for arg, value in (('batch', batch), ('seq_len', seq_len), ('steps', steps),
+                     ('repeats', repeats)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f'measure_inner_step: {arg}={value!r} must be a positive integer.')
+  if peak_flops is not None and not peak_flops > 0:
+    raise ValueError(f'measure_inner_step: peak_flops={peak_flops!r} must be positive FLOP/s.')
+  device = jax.devices()[0]
+  mesh = jax.make_mesh((1, 1), ('clients', 'fsdp'), devices=[device],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  step, (p_shapes, o_shapes, t_shape) = inner_step_program(config, 1, 1, batch, seq_len, mesh)
+  k_init, k_tokens = jax.random.split(jax.random.key(seed))
+  model = llama.llama_lm(config)
+  one = jnp.zeros((batch, seq_len), jnp.int32)
+  params = jax.tree.map(lambda x: x[None],
+                        model.module.init(k_init, one, train=False)['params'])
+  opt_state = jax.vmap(inner_optimizer().init)(params)
+  params = jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), params, p_shapes)
+  opt_state = jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), opt_state, o_shapes)
+  tokens = jax.device_put(jax.random.randint(k_tokens, t_shape.shape, 1, config.vocab_size,
+                                             jnp.int32), t_shape.sharding)
+  start = time.perf_counter()
+  compiled = step.lower(p_shapes, o_shapes, t_shape).compile()
+  compile_s = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  planned = (memory.argument_size_in_bytes + memory.output_size_in_bytes -
+             memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  params, opt_state, loss = compiled(params, opt_state, tokens)
+  first_loss = float(loss[0])
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(steps):
+      params, opt_state, loss = compiled(params, opt_state, tokens)
+    jax.block_until_ready(loss)
+    times.append((time.perf_counter() - start) / steps)
+  step_s = statistics.median(times)
+  flops = llama_config.train_flops_per_token(config, seq_len) * batch * seq_len
+  stats = device.memory_stats() or {}
+  return {
+      'preset': name, 'params': llama_config.num_params(config), 'batch': batch,
+      'seq_len': seq_len, 'dtype': config.dtype, 'remat': config.remat,
+      'platform': device.platform, 'device': device.device_kind,
+      'compile_s': round(compile_s, 3), 'step_s': step_s, 'step_s_repeats': times,
+      'tokens_per_s': batch * seq_len / step_s, 'model_flops_per_step': flops,
+      'mfu': flops / step_s / peak_flops if peak_flops else None,
+      'peak_flops': peak_flops, 'device_peak_bytes': stats.get('peak_bytes_in_use'),
+      'planned_peak_bytes': int(planned), 'first_loss': first_loss,
+      'last_loss': float(loss[0]), 'steps': 1 + repeats * steps,
+  }

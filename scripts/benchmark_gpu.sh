@@ -50,10 +50,9 @@ cross() {  # cross SECONDS SCRIPT SETUP: one cross-device run (benchmarks/peers)
   echo "   exit $? after ${SECONDS}s in total"
 }
 
-# Parts not yet measured on a GPU come first (docs/benchmarks.md, "GPU"); the
-# part measured on 2026-12-04 (1024 CNN clients in float32) runs last. Time
-# limits sum to 9.2 minutes: compiling and building the synthetic cohorts
-# takes most of each part's time.
+# Only parts not yet measured on a GPU run (docs/benchmarks.md, "GPU"), the
+# most important first. Time limits sum to 9.3 minutes: compiling and building
+# the synthetic cohorts takes most of each part's time.
 cnn=(--steps=8 --batch=20 --repeats=3)
 # 1. 100,000 clients streamed from the host in chunks of 256
 #    (fedjx.streaming): time and peak memory; then streaming against the
@@ -67,7 +66,7 @@ bench 40 cnn_1024_streaming_vs_jit --streaming=64 --models=cnn --clients=1024 \
 #    stacked (nofuse:), then the fused round timed.
 bench 40 cnn_10000_plan --compile_only --models=cnn --clients=10000 \
   --strategies=chunked:64,nofuse:chunked:64 --steps=8 --batch=20
-bench 75 cnn_10000_fused --models=cnn --clients=10000 --strategies=chunked:64 \
+bench 65 cnn_10000_fused --models=cnn --clients=10000 --strategies=chunked:64 \
   --no_references --steps=8 --batch=20 --repeats=1
 # 3. The cross-device regime scaled up (2NN, 10,000 log-normal clients, one
 #    epoch of batch 10): fedjx (population on the device, auto) and the
@@ -80,13 +79,25 @@ bench 50 cnn_xla_1024_f32 --models=cnn_xla --clients=1024 \
   --strategies=chunked:64 "${cnn[@]}"
 bench 50 cnn_1024_bf16 --models=cnn --clients=1024 --precision=bfloat16 \
   --strategies=chunked:64 "${cnn[@]}"
-# 5. A cohort sweep, for the plot and the auto rule.
-bench 40 cnn_sweep --models=cnn --clients=16,128,1024 \
-  --strategies=vmap,chunked:64 "${cnn[@]}" --plot="$out/cnn_sweep.png"
-# 6. Measured before: 1024 CNN clients against the centralized reference in
-#    float32. (The 2NN on 1000 clients against the PyTorch loop:
-#    `cross 30 fedjx_cross_device.py 2nn-1000`, `cross 40 torch_cross_device.py
-#    2nn-1000`.)
-bench 60 cnn_1024_f32 --models=cnn --clients=1024 \
-  --strategies=chunked:256,auto "${cnn[@]}"
+# 5. Language-model inner steps (AdamW, bfloat16 compute over float32
+#    parameters, batch 8 of 2048 tokens): tokens/s, MFU against the H200's
+#    bfloat16 dense peak, and memory, for the presets that fit one card.
+lm() {  # lm SECONDS NAME ARGS...: scripts/benchmark_lm.py, JSON lines in NAME.jsonl
+  local seconds="$1" name="$2"
+  shift 2
+  echo "== $name: $*"
+  timeout "$seconds" python scripts/benchmark_lm.py --out="$out/$name.jsonl" \
+    --device=h200 --dtype=bfloat16 --batch=8 --seq_len=2048 "$@" \
+    >"$out/$name.log" 2>&1
+  echo "   exit $? after ${SECONDS}s in total"
+}
+lm 60 lm_small --presets=35m,180m
+lm 60 lm_large --presets=550m,1.3b --remat=full
+# Measured on 2026-12-04, not rerun here: 1024 CNN clients against the
+# centralized reference in float32 (`bench 110 cnn_1024_f32 --models=cnn
+# --clients=1024 --strategies=vmap,chunked:64,chunked:256,auto`), the 2NN on
+# 1000 clients against the PyTorch loop (`cross 30 fedjx_cross_device.py
+# 2nn-1000`, `cross 40 torch_cross_device.py 2nn-1000`), and, cut for time,
+# the cohort sweep (`bench 40 cnn_sweep --models=cnn --clients=16,128,1024
+# --strategies=vmap,chunked:64 --plot="$out/cnn_sweep.png"`).
 echo "done in ${SECONDS}s; results in $out"

@@ -1,0 +1,64 @@
+"""Tokens per second, MFU and memory of a Llama-family inner step on one device.
+
+For each preset, one AdamW inner step of ``fedjx.models.llama_lm`` (the step
+``fedjx-plan`` compiles, here run with data: see
+``fedjx.experiments.lm_cost.measure_inner_step``) is compiled and timed; one
+JSON line per preset. MFU needs the device's peak: ``--peak_tflops``, or
+``--device`` naming one of ``lm_cost.PEAK_BF16_FLOPS`` (bfloat16 dense peak).
+
+  python scripts/benchmark_lm.py --presets=35m,180m --batch=8 --seq_len=2048 \
+      --dtype=bfloat16 --device=h200 --out=runs/lm.jsonl
+  python scripts/benchmark_lm.py --presets=500k --batch=2 --seq_len=64
+"""
+
+import argparse
+import json
+import sys
+
+from fedjx.experiments import lm_cost
+from fedjx.models import llama_config
+
+
+def parse(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--presets', default='35m',
+                 help=f'comma-separated, of {", ".join(llama_config.PRESETS)}')
+  p.add_argument('--batch', type=int, default=8, help='sequences per step')
+  p.add_argument('--seq_len', type=int, default=None, help="tokens per sequence (the preset's)")
+  p.add_argument('--steps', type=int, default=5, help='steps per timed repeat')
+  p.add_argument('--repeats', type=int, default=3)
+  p.add_argument('--dtype', default=None, help="compute dtype (the preset's)")
+  p.add_argument('--remat', default=None, choices=[None, *llama_config.REMAT_POLICIES])
+  p.add_argument('--device', default=None, choices=list(lm_cost.PEAK_BF16_FLOPS),
+                 help='takes the peak FLOP/s for MFU from lm_cost.PEAK_BF16_FLOPS')
+  p.add_argument('--peak_tflops', type=float, default=None, help='peak TFLOP/s for MFU')
+  p.add_argument('--out', default=None, help='also append the JSON lines here')
+  args = p.parse_args(argv)
+  presets = [s for s in args.presets.split(',') if s]
+  for name in presets:
+    if name not in llama_config.PRESETS:
+      p.error(f'--presets holds {name!r}; allowed: {", ".join(llama_config.PRESETS)}')
+  args.presets = presets
+  return args
+
+
+def main(argv=None) -> list[dict]:
+  args = parse(argv)
+  peak = (args.peak_tflops * 1e12 if args.peak_tflops else
+          lm_cost.PEAK_BF16_FLOPS[args.device] if args.device else None)
+  rows = []
+  for name in args.presets:
+    row = lm_cost.measure_inner_step(name, batch=args.batch, seq_len=args.seq_len,
+                                     steps=args.steps, repeats=args.repeats,
+                                     remat=args.remat, dtype=args.dtype, peak_flops=peak)
+    line = json.dumps(row)
+    print(line, flush=True)
+    if args.out:
+      with open(args.out, 'a') as f:
+        f.write(line + '\n')
+    rows.append(row)
+  return rows
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])
