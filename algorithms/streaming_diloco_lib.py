@@ -27,10 +27,35 @@ replicas take the new global fragment.
 Fragments are groups of parameter leaves: ``'strided'`` puts leaf ``i`` (in
 ``jax.tree.leaves`` order) in fragment ``i mod P`` (the paper's strided
 pattern over layers), ``'sequential'`` makes ``P`` consecutive groups of about
-equal size. The paper's overlap of communication with ``tau`` further inner
-steps is not simulated (``tau = 0``).
+equal size.
 
-With ``P = 1``, ``alpha = 0`` and float32, Streaming DiLoCo is DiLoCo.
+Overlapping communication with computation (the paper's ``tau``,
+``overlap_steps``, ``0 <= tau <= S``): fragment ``p``'s outer gradient is
+sent at the end of round ``r`` (inner step ``t``), the server's outer step
+on it is taken then, and the replicas keep training while it is in flight;
+the new global fragment reaches them ``tau`` inner steps later, at step
+``t + tau``, and is merged into each replica's *current* fragment:
+
+    round r + 1 (S inner steps, q = r mod P the fragment sent in round r):
+        theta_k <- InnerOpt^tau(theta_k)
+        theta_k^q <- alpha theta_k^q(t + tau) + (1 - alpha) theta^q   (merge)
+        theta_k <- InnerOpt^(S - tau)(theta_k)
+    then the outer step on fragment p = (r + 1) mod P as above, without its
+    merge, which waits tau steps into round r + 2.
+
+``tau = 0`` merges at once, at the end of the round (the schedule above,
+and exactly the computation without the option). With ``tau = S`` the merge
+falls after the next round's ``S`` steps, just before that round's outer
+gradient is taken. Nothing extra is stored: the fragment in flight is the one
+sent in the previous round (``(round_index - 1) mod P``, none in round 0)
+and its global value is ``params``' (no other outer step touches it in the
+meantime, as ``tau <= S``). After the last round, ``params`` holds every
+outer step, the last round's fragment included (the server applied it);
+only the replicas' merge of that fragment is pending, so
+``replica_params`` do not include it (the next round would merge it).
+
+With ``P = 1``, ``alpha = 0``, ``tau = 0`` and float32, Streaming DiLoCo is
+DiLoCo.
 """
 
 from __future__ import annotations
@@ -42,6 +67,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
+import fedjx.indexed
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
@@ -101,12 +127,55 @@ def fragment_leaves(params: base.Params, num_fragments: int,
   return tuple(groups)
 
 
+def check_overlap_steps(overlap_steps: Any, inner_steps: int | None,
+                        cohort_steps: int | None = None) -> None:
+  """Raises unless ``overlap_steps`` is an int with ``0 <= tau <= S``.
+
+  ``S`` is ``inner_steps`` when set, else the cohort's ``cohort_steps``
+  (known only once a cohort is seen; unchecked before).
+  """
+  s = inner_steps if inner_steps is not None else cohort_steps
+  what = (f'inner_steps={inner_steps}' if inner_steps is not None else
+          'the cohort\'s steps per round, inner_steps being None' +
+          (f': {cohort_steps}' if cohort_steps is not None else ''))
+  if (isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int)
+      or overlap_steps < 0 or (s is not None and overlap_steps > s)):
+    raise ValueError(
+        f'streaming_diloco: overlap_steps={overlap_steps!r} is not allowed; '
+        'it must be an int tau with 0 <= tau <= S, the inner steps per round '
+        f'(S is {what}): 0 merges a synchronised fragment at the end of its '
+        'round, tau > 0 that many inner steps into the next round.')
+
+
+def _take_steps(batches: Any, mask: jax.Array, steps: Any) -> tuple[Any, jax.Array]:
+  """The batches and mask of ``steps`` (indices or a slice of the ``S`` axis)."""
+  def pick(x):
+    if fedjx.indexed.is_indexed(x):  # Only the index moves, not the table.
+      return fedjx.indexed.IndexedBatches(x.table, jnp.asarray(x.index)[steps])
+    return jnp.asarray(x)[steps]
+  return (jax.tree.map(pick, batches, is_leaf=fedjx.indexed.is_indexed),
+          jnp.asarray(mask)[steps])
+
+
+def _split_steps(batches: Any, mask: jax.Array, schedule: client_update.LocalSchedule,
+                 tau: int) -> tuple[tuple[Any, jax.Array], tuple[Any, jax.Array], int]:
+  """The round's inner steps as two runs of plain steps: ``[0, tau)`` and
+  ``[tau, S)`` (the batches each step of ``schedule`` reads), and ``S``."""
+  if schedule.steps is None:
+    s = int(jnp.shape(mask)[0])
+    return (_take_steps(batches, mask, slice(0, tau)),
+            _take_steps(batches, mask, slice(tau, s)), s)
+  index, _ = client_update.step_schedule(mask, schedule)
+  return (_take_steps(batches, mask, index[:tau]),
+          _take_steps(batches, mask, index[tau:]), schedule.steps)
+
+
 @base.with_options(DILOCO_OPTIONS)
 def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
                      num_fragments: int = 2, fragment_pattern: str = 'strided',
                      quantization_format: str | None = None,
                      aggregator: aggregators.Aggregator | None = None,
-                     mixing_factor: float = 0.0,
+                     mixing_factor: float = 0.0, overlap_steps: int = 0,
                      **options: Any) -> base.Algorithm:
   """Streaming DiLoCo with ``num_replicas`` replicas and ``P`` fragments.
 
@@ -123,11 +192,20 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
       of ``quantization_format``).
     mixing_factor: ``alpha`` in ``[0, 1]``, the weight of the replica's own
       fragment when merging.
+    overlap_steps: ``tau``, the inner steps a synchronised fragment spends in
+      flight: an int with ``0 <= tau <= S``, ``S`` the inner steps per round
+      (``inner_steps``, or the cohort's steps when None). 0 merges the new
+      global fragment into the replicas at the end of its round; ``tau > 0``
+      merges it ``tau`` inner steps into the next round, into the replicas'
+      fragment as trained by then (see the module docstring; after the last
+      round ``params`` include the last outer step, ``replica_params`` not
+      yet its merge).
     inner_optimizer, outer_optimizer, outer_learning_rate, outer_momentum,
     inner_steps: as for :func:`diloco`.
     metrics_fn, weighting, client_evaluation, skip_nonfinite: as for :func:`fedavg`; the check is on the replica's
       whole trained model ``theta_k``, and a skipped replica keeps its model
-      and inner state from before the round and is not merged.
+      and inner state from before the round and is not merged (with
+      ``overlap_steps``, it misses the merge of the fragment in flight too).
   """
   name = 'streaming_diloco'
   base.check_positive_int(name, 'num_replicas', num_replicas)
@@ -142,6 +220,8 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
   base.check_number(name, 'mixing_factor', mixing_factor, high=1.0)
   inner_optimizer, outer_optimizer, schedule, o = check_options(
       name, options)
+  check_overlap_steps(overlap_steps, schedule.steps)
+  tau = overlap_steps
   metrics_fn = o['metrics_fn']
   stack = lambda t: jax.tree.map(
       lambda x: jnp.broadcast_to(x, (num_replicas,) + jnp.shape(x)), t)
@@ -164,13 +244,46 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
-  def replica_fn(theta_k, hparams, inner_state, batches, mask):
+  def replica_fn(theta_k, hparams, inner_state, batches, mask, *in_flight):
     inner_state = base.with_hparams(inner_state, hparams)
-    out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer,
-                                     theta_k, inner_state, batches, mask, schedule)
+    if tau == 0:
+      out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer,
+                                       theta_k, inner_state, batches, mask,
+                                       schedule)
+    else:
+      out = overlapped_update(theta_k, inner_state, batches, mask, *in_flight)
     return nonfinite.ClientOutput(out.params, out.stats,
                                   state=(out.params, out.opt_state),
                                   previous_state=(theta_k, inner_state))
+
+  def overlapped_update(theta_k, inner_state, batches, mask, theta, merging,
+                        alpha):
+    """``tau`` inner steps, the merge of the fragment in flight (the leaves
+    where ``merging``), the round's other ``S - tau`` steps."""
+    first, rest, s = _split_steps(batches, mask, schedule, tau)
+    plain = client_update.LocalSchedule(epochs=1, steps=None)
+    before = (client_update.evaluate(loss_fn, metrics_fn, theta_k, batches, mask)
+              if schedule.evaluate else None)
+    y, state, n, sums = client_update.train(
+        loss_fn, inner_optimizer, theta_k, inner_state, *first, plain)
+    leaves, treedef = jax.tree.flatten(y)
+    leaves = [jnp.where(m, (alpha * r + (1 - alpha) * g).astype(r.dtype), r)
+              for r, g, m in zip(leaves, jax.tree.leaves(theta), merging)]
+    y = jax.tree.unflatten(treedef, leaves)
+    if s > tau:
+      y, state, n_rest, sums_rest = client_update.train(
+          loss_fn, inner_optimizer, y, state, *rest, plain)
+      n = n + n_rest
+      sums = jax.tree.map(jnp.add, sums, sums_rest)
+    if before is None:
+      stats = {'loss_during': sums['loss'], 'count': sums['count']}
+    else:  # As client_update.local_update reports them.
+      after = client_update.evaluate(loss_fn, metrics_fn, y, batches, mask)
+      stats = {'count': before.pop('count')}
+      after.pop('count')
+      stats.update({f'{k}_before': v for k, v in before.items()})
+      stats.update({f'{k}_after': v for k, v in after.items()})
+    return client_update.ClientUpdate(y, state, n, stats)
 
   def sync_fragment(p, frag, hparams, clients, num_clients, key, operands):
     """Outer step on fragment ``p`` (leaves ``frag``); updates the operands."""
@@ -185,7 +298,9 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     theta, opt_state = base.server_update(
         outer_optimizer, opt_states[p], hparams['outer_optimizer'], theta, outer_grad)
     merge = lambda r, g, a: jax.tree.map(lambda r, g: a * r + (1 - a) * g, r, g)
-    if clients.skipped is None:  # theta_k^p <- alpha theta_k^p + (1 - alpha) theta^p
+    if tau > 0:  # In flight: merged tau inner steps into the next round.
+      merged = theta_k
+    elif clients.skipped is None:  # theta_k^p <- alpha theta_k^p + (1 - alpha) theta^p
       merged = fedjx.map_fn(merge, (theta_k, fedjx.broadcast(theta),
                                     fedjx.broadcast(hparams['mixing_factor'])))
     else:  # A skipped replica keeps its fragment (alpha = 1).
@@ -201,6 +316,21 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     return (tuple(leaves), tuple(replica_leaves), opt_states, agg_state,
             optax.tree.norm(outer_grad), sent, agg_metrics)
 
+  def in_flight(state, cohort):
+    """The merge's operands: the global model, per leaf whether it is in the
+    fragment sent last round (none in round 0), and ``alpha``."""
+    if tau == 0:
+      return ()
+    check_overlap_steps(tau, schedule.steps, int(jnp.shape(cohort.mask)[1]))
+    frags = fragment_leaves(state.params, num_fragments, fragment_pattern)
+    last = (state.round_index - 1) % num_fragments
+    merging = [None] * len(jax.tree.leaves(state.params))
+    for j, f in enumerate(frags):
+      for i in f:
+        merging[i] = jnp.logical_and(state.round_index > 0, last == j)
+    return tuple(fedjx.broadcast(x) for x in (
+        state.params, tuple(merging), state.hparams['mixing_factor']))
+
   def round_fn(state, cohort, key):
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
     gather = lambda t: base.gather_clients(t, ids)
@@ -208,7 +338,8 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         replica_fn,
         (gather(state.replica_params),
          fedjx.broadcast(state.hparams['inner_optimizer']),
-         gather(state.inner_opt_states), cohort.batches, cohort.mask),
+         gather(state.inner_opt_states), cohort.batches, cohort.mask)
+        + in_flight(state, cohort),
         aggregators.client_weights(aggregator, cohort.num_examples,
                                    o['weighting']),
         cohort.num_examples, o['skip_nonfinite'])

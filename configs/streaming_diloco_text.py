@@ -2,7 +2,11 @@
 
 The DiLoCo config's data, model and inner optimizer, with the parameters
 split into P = 2 strided fragments synchronised in turn, outer gradients
-quantised to 4 bits (e3m0) and merged with mixing factor 0.5.
+quantised to 4 bits (e3m0) and merged with mixing factor 0.5. Each fragment
+is merged at the end of its round; ``--config.algorithm.overlap_steps=TAU``
+merges it ``TAU`` inner steps into the next round instead (the paper's
+overlap of communication with computation, ``0 <= TAU <= 16``, the
+round's inner steps).
 
   fedjx-run --config configs/streaming_diloco_text.py --workdir runs/sdiloco
 """
