@@ -12,6 +12,18 @@ parameter and optimizer-state bytes, FLOPs per inner step from XLA's cost
 analysis (its scanned layer body counted once, and corrected for the trip
 count) beside ``6 N_matmul + 12 L H h T`` per token, and whether the peak
 fits the named device (:mod:`fedjx.experiments.lm_cost` has the method).
+
+With ``--schedule`` it also prints the simulated step time and compute
+utilization of that schedule over a link of ``--bandwidth_gbps``
+(:mod:`fedjx.experiments.network` has the model)::
+
+  fedjx-plan --preset=1.3b --replicas=4 --schedule=diloco --inner_steps=100 \\
+      --overlap_fraction=0.667 --bandwidth_gbps=10 --latency_ms=50
+
+The compute time of an inner step is the analytic FLOPs per device over
+``--mfu`` times the device's bfloat16 peak, or ``--step_seconds``; the
+payload is the parameter count times ``--wire_bytes``, all-reduced between
+the ``--replicas`` replicas.
 """
 
 from __future__ import annotations
@@ -40,7 +52,75 @@ def _parser() -> argparse.ArgumentParser:
   from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
   p.add_argument('--device', default='h100', choices=list(lm_cost.DEVICE_MEMORY),
                  help='the accelerator whose memory the peak is compared with [h100]')
+  from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
+  g = p.add_argument_group('communication (fedjx.experiments.network)')
+  g.add_argument('--schedule', default=None, choices=list(network.SCHEDULES),
+                 help='when the replicas reduce; without it nothing is simulated')
+  g.add_argument('--bandwidth_gbps', type=float, default=None,
+                 help='bandwidth of the link between replicas, Gbit/s (with --schedule)')
+  g.add_argument('--latency_ms', type=float, default=0.0, help='latency per message, ms [0]')
+  g.add_argument('--topology', default='ring', choices=[t for t in network.TOPOLOGIES
+                                                        if t != 'hierarchical'],
+                 help='the all-reduce [ring]')
+  g.add_argument('--inner_steps', type=int, default=1, help='H, inner steps per round [1]')
+  g.add_argument('--fragments', type=int, default=1, help='P, streaming_diloco only [1]')
+  g.add_argument('--overlap_steps', type=float, default=0.0,
+                 help='tau, steps a fragment overlaps, streaming_diloco only [0]')
+  g.add_argument('--overlap_fraction', type=float, default=0.0,
+                 help="o, fraction of a step the reduction overlaps, data_parallel and diloco [0]")
+  g.add_argument('--wire_bytes', type=float, default=4.0,
+                 help='bytes sent per parameter [4: float32]')
+  g.add_argument('--mfu', type=float, default=0.4,
+                 help="model FLOPs utilization of the device's bfloat16 peak [0.4]")
+  g.add_argument('--step_seconds', type=float, default=None,
+                 help='compute time of an inner step, s [from the FLOPs, --mfu and --device]')
   return p
+
+
+def network_setup(args: argparse.Namespace):
+  """``(schedule, network)`` of the flags, or None without ``--schedule``; ValueError if bad."""
+  from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
+  if args.schedule is None:
+    return None
+  if args.bandwidth_gbps is None:
+    raise ValueError('--schedule needs --bandwidth_gbps (Gbit/s of the link between replicas).')
+  schedule = network.Schedule(args.schedule, inner_steps=args.inner_steps,
+                              fragments=args.fragments, overlap_steps=args.overlap_steps,
+                              overlap_fraction=args.overlap_fraction)
+  link = network.Link.gbps(args.bandwidth_gbps, args.latency_ms / 1e3)
+  return schedule, network.Network(link, args.topology)
+
+
+def step_seconds(args: argparse.Namespace, flops_per_device: float) -> float:
+  """``--step_seconds``, or ``flops_per_device / (mfu peak)`` of ``--device``."""
+  if args.step_seconds is not None:
+    return args.step_seconds
+  from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
+  if args.device not in lm_cost.PEAK_BF16_FLOPS:
+    raise ValueError(f'device={args.device!r} has no peak FLOP/s here; give --step_seconds.')
+  return flops_per_device / (args.mfu * lm_cost.PEAK_BF16_FLOPS[args.device])
+
+
+def render_network(args: argparse.Namespace, params: int, seconds: float) -> str:
+  """The lines of ``--schedule``: the simulated round of a step of ``seconds``."""
+  from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
+  schedule, net = network_setup(args)
+  payload = params * args.wire_bytes
+  timing = network.simulate(schedule, network.Compute.from_step_seconds(seconds), net,
+                            payload, args.replicas)
+  knobs = [f'H={schedule.inner_steps}']
+  if schedule.kind == 'streaming_diloco':
+    knobs += [f'P={schedule.fragments}', f'tau={schedule.overlap_steps:g}']
+  else:
+    knobs.append(f'overlap {schedule.overlap_fraction:g}')
+  return (
+      f'communication: {schedule.kind} ({", ".join(knobs)}), {net.topology} all-reduce of '
+      f'{_gb(payload)} between {args.replicas} replica{"" if args.replicas == 1 else "s"} over '
+      f'{args.bandwidth_gbps:g} Gbit/s, latency {args.latency_ms:g} ms\n'
+      f'simulated inner step: compute {seconds:.4g} s, communication {timing.communication_seconds:.4g} s '
+      f'per round of {timing.inner_steps} (exposed {timing.exposed_seconds:.4g} s), '
+      f'{timing.step_seconds:.4g} s per inner step, compute utilization '
+      f'{100 * timing.utilization:.1f}%\n')
 
 
 def _gb(n: float) -> str:
@@ -105,13 +185,17 @@ def main(argv: list[str] | None = None) -> int:
   import jax  # pylint: disable=import-outside-toplevel
   from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
   try:
+    network_setup(args)  # Bad communication flags fail before the compile.
     plan = lm_cost.plan_inner_step(args.preset, replicas=args.replicas, fsdp=args.fsdp,
                                    batch=args.batch, seq_len=args.seq_len,
                                    remat=args.remat, dtype=args.dtype)
+    out = render(plan, args.device, jax.devices()[0].platform)
+    if args.schedule is not None:
+      out += render_network(args, plan.params, step_seconds(args, plan.analytic_flops))
   except ValueError as e:
     print(f'{PROG}: {e}', file=sys.stderr)
     return 2
-  sys.stdout.write(render(plan, args.device, jax.devices()[0].platform))
+  sys.stdout.write(out)
   return 0
 
 

@@ -360,3 +360,51 @@ def test_table6_without_latency_is_what_the_docs_say():
          if _grid_index(r['ours_gbps']) != _grid_index(r['paper_gbps'])}
   assert off == {('data_parallel', 0.99): 222.3, ('diloco_h100', 0.5): 1.7,
                  ('diloco_h100', 0.95): 28.1}
+
+
+# fedjx-plan --schedule (experiments/plan_cli.py), without compiling a step.
+
+
+def _plan_args(*flags):
+  from fedjx.experiments import plan_cli  # pylint: disable=import-outside-toplevel
+  return plan_cli, plan_cli._parser().parse_args(list(flags))  # pylint: disable=protected-access
+
+
+def test_plan_reports_the_simulated_step_and_utilization():
+  plan_cli, args = _plan_args('--replicas=2', '--schedule=diloco', '--inner_steps=10',
+                              '--overlap_fraction=0.5', '--bandwidth_gbps=10', '--wire_bytes=2')
+  # 5e8 parameters x 2 bytes over 10 Gbit/s: 0.8 s; a step of 1 s hides 0.5 of it.
+  out = plan_cli.render_network(args, 500_000_000, 1.0)
+  assert out == ('communication: diloco (H=10, overlap 0.5), ring all-reduce of 1.00 GB between '
+                 '2 replicas over 10 Gbit/s, latency 0 ms\n'
+                 'simulated inner step: compute 1 s, communication 0.8 s per round of 10 '
+                 '(exposed 0.3 s), 1.03 s per inner step, compute utilization 97.1%\n')
+  # A step from the FLOPs: half of an H100's bfloat16 peak of 989.4e12 FLOP/s.
+  _, args = _plan_args('--mfu=0.5', '--device=h100')
+  np.testing.assert_allclose(plan_cli.step_seconds(args, 0.5 * 989.4e12), 1.0, rtol=RTOL)
+  _, args = _plan_args('--step_seconds=2.5')
+  assert plan_cli.step_seconds(args, 1e30) == 2.5
+
+
+def test_plan_streaming_line_and_no_schedule():
+  plan_cli, args = _plan_args('--replicas=4', '--schedule=streaming_diloco', '--inner_steps=8',
+                              '--fragments=4', '--overlap_steps=1', '--bandwidth_gbps=1',
+                              '--topology=tree')
+  assert 'streaming_diloco (H=8, P=4, tau=1), tree all-reduce' in plan_cli.render_network(
+      args, 1000, 1.0)
+  _, args = _plan_args()
+  assert plan_cli.network_setup(args) is None
+
+
+@pytest.mark.parametrize('flags,match', [
+    (['--schedule=diloco', '--inner_steps=0', '--bandwidth_gbps=1'],
+     'Schedule: inner_steps=0 must be an integer >= 1'),
+    (['--schedule=diloco', '--inner_steps=5'], '--schedule needs --bandwidth_gbps'),
+    (['--schedule=data_parallel', '--bandwidth_gbps=-1'], 'bandwidth_gbps=-1.0'),
+])
+def test_plan_refuses_bad_communication_flags_before_compiling(flags, match, capsys, monkeypatch):
+  import os  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
+  plan_cli, _ = _plan_args()
+  assert plan_cli.main(['--preset=500k'] + flags) == 2
+  assert match in capsys.readouterr().err
