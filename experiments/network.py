@@ -23,14 +23,16 @@ communication operations in MPICH") and Patarasuk and Yuan 2009
   carries ``n S`` bytes each way, one after the other:
   ``2 (alpha + 8 n S / B)``;
 * ``'hierarchical'`` (as in Jia et al. 2018, arXiv 1807.11205): inside
-  each group of ``g`` replicas a reduce to one leader, on the fast link
-  (``fast_link``); a ring all-reduce of ``S`` across the ``n / g`` leaders
-  on the slow link (``link``); a broadcast back inside each group. The
-  reduce and the broadcast are the two halves of a ring all-reduce (a
-  reduce-scatter then a gather to the leader, a scatter then an all-gather),
-  so ``ring(g, S, fast_link) + ring(n / g, S, link)``. The cross-group ring
-  carries the whole ``S`` (one member per group takes part), an upper bound
-  on schemes that split it over the ``g`` members.
+  each group of ``g`` replicas a reduce to one leader on the fast link
+  (``fast_link``), a ring all-reduce of ``S`` across the ``n / g`` leaders
+  on the slow link (``link``), then a broadcast back inside each group:
+  ``ring(g, S, fast_link) + ring(n / g, S, link)``. The reduce and the
+  broadcast together are charged one ring all-reduce, the bandwidth lower
+  bound of any all-reduce (Patarasuk and Yuan 2009), which a reduce and a
+  broadcast pipelined along the group (``8 S / B`` each) approach within a
+  factor ``g / (g - 1)``; the cross-group ring carries the whole ``S`` (one
+  member per group takes part), an upper bound on schemes that split it
+  over the ``g`` members.
 
 With ``n = 1`` there is nothing to reduce and every topology takes 0 s.
 
@@ -52,6 +54,12 @@ outer gradient of the whole model):
   in the simulation of Douillard et al. 2025): exposed ``max(0, t(S) - o T)``
   per round (``o = 0`` blocks; ``H = 1`` is data-parallel with the same
   ``o``);
+* either, with ``L`` layers (``layers``): the overlapped part of the step is
+  ``L`` equal pieces, after each of which that layer's ``S / L`` bytes go
+  on the link, one layer after the other, and the next step waits for the
+  last: exposed ``max(t(S) / L, t(S) - o T (1 - 1 / L))`` (the last layer's
+  reduction is never hidden; ``L = 1`` hides nothing, and ``L -> inf`` is
+  the formula above);
 * Streaming DiLoCo: the model in ``P`` fragments, each reduced once per
   round, one every ``H / P`` steps, and each overlapping ``tau`` inner steps
   of compute. The part of a fragment's transfer ``t(S / P)`` that fits in
@@ -243,6 +251,8 @@ class Schedule:
       of the gradient (``'data_parallel'``) or of the outer gradient
       (``'diloco'``, the round's last step) overlaps; 0 for
       ``'streaming_diloco'``.
+    layers: ``L``, the layers whose reductions follow one another within the
+      overlap (``'data_parallel'``, ``'diloco'``); None: infinitely many.
   """
 
   kind: str
@@ -250,6 +260,7 @@ class Schedule:
   fragments: int = 1
   overlap_steps: float = 0
   overlap_fraction: float = 0.0
+  layers: int | None = None
 
   def __post_init__(self):
     if self.kind not in SCHEDULES:
@@ -272,6 +283,11 @@ class Schedule:
       raise ValueError(f'Schedule: fragments={p} and overlap_steps={self.overlap_steps!r} '
                        f"apply only to kind='streaming_diloco' (got {self.kind!r}); "
                        f'leave them 1 and 0.')
+    if self.layers is not None:
+      _count('Schedule', 'layers', self.layers)
+      if self.kind == 'streaming_diloco':
+        raise ValueError(f"Schedule: layers={self.layers!r} applies only to kind="
+                         f"'data_parallel' or 'diloco' (got {self.kind!r}); leave it None.")
     if p > h:
       raise ValueError(f'Schedule: fragments={p} must be <= inner_steps={h} '
                        f'(one fragment every H / P >= 1 steps).')
@@ -280,15 +296,17 @@ class Schedule:
                        f'inner_steps={h}.')
 
   @classmethod
-  def data_parallel(cls, overlap_fraction: float = 0.0) -> Schedule:
+  def data_parallel(cls, overlap_fraction: float = 0.0, layers: int | None = None) -> Schedule:
     """A reduction of the gradient every step, overlapping ``overlap_fraction`` of it."""
-    return cls('data_parallel', overlap_fraction=overlap_fraction)
+    return cls('data_parallel', overlap_fraction=overlap_fraction, layers=layers)
 
   @classmethod
-  def diloco(cls, inner_steps: int, overlap_fraction: float = 0.0) -> Schedule:
+  def diloco(cls, inner_steps: int, overlap_fraction: float = 0.0,
+             layers: int | None = None) -> Schedule:
     """A reduction of the outer gradient every ``inner_steps`` steps, overlapping
     ``overlap_fraction`` of the round's last step (0: blocking)."""
-    return cls('diloco', inner_steps=inner_steps, overlap_fraction=overlap_fraction)
+    return cls('diloco', inner_steps=inner_steps, overlap_fraction=overlap_fraction,
+               layers=layers)
 
   @classmethod
   def streaming_diloco(cls, inner_steps: int, fragments: int, overlap_steps: float) -> Schedule:
@@ -354,7 +372,12 @@ def simulate(schedule: Schedule, compute: Compute, network: Network, payload_byt
     exposed = max(p * max(0.0, fragment - tau * step), p * fragment - h * step, 0.0)
     return Timing(h, h * step, p * fragment, exposed)
   full = network.allreduce_seconds(payload_bytes, replicas)
-  exposed = max(0.0, full - float(schedule.overlap_fraction) * step)
+  hidden = float(schedule.overlap_fraction) * step
+  if schedule.layers is None:
+    exposed = max(0.0, full - hidden)
+  else:
+    layers = schedule.layers
+    exposed = max(full / layers, full - hidden * (1.0 - 1.0 / layers))
   return Timing(h, h * step, full, exposed)
 
 

@@ -246,6 +246,47 @@ def test_utilization_grows_with_bandwidth_and_reaches_one(schedule, topology):
   assert inf.utilization == 1.0 and inf.exposed_seconds == 0.0
 
 
+def _layered_step_timeline(step: float, overlap: float, layers: int, transfer: float) -> float:
+  """Idle seconds after one step whose last ``overlap`` is ``layers`` equal pieces.
+
+  After piece k (the backward of one layer) that layer's reduction of
+  ``transfer / layers`` seconds goes on the link once the link is free; the
+  next step starts when the compute is done and the last reduction is in.
+  """
+  piece = overlap * step / layers
+  clock, link_free = (1.0 - overlap) * step, 0.0
+  for _ in range(layers):
+    clock += piece
+    link_free = max(clock, link_free) + transfer / layers
+  return max(clock, link_free) - clock
+
+
+@pytest.mark.parametrize('layers', [1, 2, 3, 8, 40])
+@pytest.mark.parametrize('overlap', [0.0, 0.5, 2 / 3, 1.0])
+@pytest.mark.parametrize('gbps', [1.0, 5.0, 12.0, 30.0, 1e3])
+def test_layers_match_their_timeline(layers, overlap, gbps):
+  # 1 GB over 2 replicas: 8 / gbps seconds; a step of 1 s.
+  for schedule in (network.Schedule.data_parallel(overlap, layers),
+                   network.Schedule.diloco(7, overlap, layers)):
+    t = _timing(schedule, gbps=gbps)
+    want = _layered_step_timeline(1.0, overlap, layers, 8.0 / gbps)
+    np.testing.assert_allclose(t.exposed_seconds, want, rtol=RTOL_TIMELINE, atol=1e-15)
+
+
+def test_layers_limits():
+  # One layer hides nothing; many layers approach the overlap fraction alone.
+  one = _timing(network.Schedule.data_parallel(2 / 3, layers=1), gbps=10.0)
+  assert one == _timing(network.Schedule.data_parallel(), gbps=10.0)
+  for gbps in (5.0, 10.0, 40.0):
+    fine = _timing(network.Schedule.data_parallel(2 / 3, layers=10**9), gbps=gbps)
+    plain = _timing(network.Schedule.data_parallel(2 / 3), gbps=gbps)
+    np.testing.assert_allclose(fine.exposed_seconds, plain.exposed_seconds, rtol=1e-8,
+                               atol=1e-8)
+  # Hand-computed: t = 0.8 s, o T = 0.5 s, L = 4: max(0.2, 0.8 - 0.5 * 0.75) = 0.425.
+  t = _timing(network.Schedule.diloco(10, 0.5, layers=4), gbps=10.0)
+  np.testing.assert_allclose(t.exposed_seconds, 0.425, rtol=RTOL)
+
+
 # required_bandwidth.
 
 
@@ -300,6 +341,9 @@ def test_required_bandwidth_grows_with_target():
     (lambda: network.Schedule.streaming_diloco(4, 5, 0), r'fragments=5 must be <= inner_steps=4'),
     (lambda: network.Schedule.streaming_diloco(4, 2, 4), r'overlap_steps=4 must be < inner_steps=4'),
     (lambda: network.Schedule.streaming_diloco(4, 2, -1), r'overlap_steps=-1'),
+    (lambda: network.Schedule.data_parallel(0.5, layers=0), r'layers=0 must be an integer >= 1'),
+    (lambda: network.Schedule('streaming_diloco', 4, 2, 1, layers=3),
+     r"layers=3 applies only to kind='data_parallel' or 'diloco'"),
     (lambda: network.simulate('dp', network.Compute(1, 1), network.Network(network.Link(1)), 1, 2),
      r"simulate: schedule='dp' must be a Schedule"),
     (lambda: network.simulate(network.Schedule.diloco(2), network.Compute(1, 1),
