@@ -120,6 +120,7 @@ def test_no_overlap_is_bit_equal_to_the_default():
                                   np.asarray(mb['train_loss_after']))
 
 
+@pytest.mark.slow
 def test_overlap_on_an_indexed_cohort_equals_the_host_cohort():
   # A gather copies values exactly: the same float32 operations, bit-equal.
   data = _data()
@@ -137,6 +138,7 @@ def test_overlap_on_an_indexed_cohort_equals_the_host_cohort():
     np.testing.assert_array_equal(np.asarray(a.params[n]), np.asarray(b.params[n]))
 
 
+@pytest.mark.slow
 def test_overlap_scanned_guarded_and_sequential_is_the_round():
   # run_rounds (a lax.scan over rounds), skip_nonfinite and the sequential
   # map: the same per-replica float32 operations; only the order of the sums
