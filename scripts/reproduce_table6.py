@@ -18,7 +18,7 @@ The assumptions (docs/reproductions.md says where each comes from):
 * a step of ``STEP_SECONDS`` and a link latency of ``LATENCY_S``: not stated
   in what we could read of either paper, fitted to the table.
 
-  python scripts/reproduce_table6.py [--step-seconds 1.18] [--latency-ms 62.5]
+  python scripts/reproduce_table6.py [--step-seconds 1.18] [--latency-ms 62.5] [--layers L]
 
 prints one JSON line per cell: schedule, target, paper (Gbit/s), ours
 (Gbit/s, the grid point), ratio (ours / paper).
@@ -50,20 +50,21 @@ PAPER = {
 """Table 6 of Charles et al. 2025, Gbit/s, for the targets of ``TARGETS``."""
 
 
-def schedules() -> dict[str, network.Schedule]:
-  """The three rows of the table."""
+def schedules(layers: int | None = None) -> dict[str, network.Schedule]:
+  """The three rows of the table (``layers``: reduced layer by layer)."""
   return {
-      'data_parallel': network.Schedule.data_parallel(OVERLAP),
-      'diloco_h100': network.Schedule.diloco(100, OVERLAP),
-      'diloco_h300': network.Schedule.diloco(300, OVERLAP),
+      'data_parallel': network.Schedule.data_parallel(OVERLAP, layers),
+      'diloco_h100': network.Schedule.diloco(100, OVERLAP, layers),
+      'diloco_h300': network.Schedule.diloco(300, OVERLAP, layers),
   }
 
 
-def rows(step_seconds: float = STEP_SECONDS, latency_s: float = LATENCY_S) -> list[dict]:
+def rows(step_seconds: float = STEP_SECONDS, latency_s: float = LATENCY_S,
+         layers: int | None = None) -> list[dict]:
   """One dict per cell: schedule, target, paper, ours, ratio."""
   compute = network.Compute.from_step_seconds(step_seconds)
   out = []
-  for name, schedule in schedules().items():
+  for name, schedule in schedules(layers).items():
     ours = network.required_bandwidth(
         schedule, compute, PARAMS * BYTES_PER_PARAM, GRID_GBPS, TARGETS,
         replicas=REPLICAS, latency_s=latency_s)
@@ -81,8 +82,10 @@ def main(argv=None) -> None:
                       help='compute time of one inner step (s)')
   parser.add_argument('--latency-ms', type=float, default=LATENCY_S * 1e3,
                       help='latency of one message on the link (ms)')
+  parser.add_argument('--layers', type=int, default=None,
+                      help='reduce layer by layer, L layers [no: one overlap fraction]')
   args = parser.parse_args(argv)
-  for row in rows(args.step_seconds, args.latency_ms / 1e3):
+  for row in rows(args.step_seconds, args.latency_ms / 1e3, args.layers):
     print(json.dumps(row))
 
 
