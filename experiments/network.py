@@ -55,11 +55,12 @@ outer gradient of the whole model):
   per round (``o = 0`` blocks; ``H = 1`` is data-parallel with the same
   ``o``);
 * either, with ``L`` layers (``layers``): the overlapped part of the step is
-  ``L`` equal pieces, after each of which that layer's ``S / L`` bytes go
-  on the link, one layer after the other, and the next step waits for the
-  last: exposed ``max(t(S) / L, t(S) - o T (1 - 1 / L))`` (the last layer's
-  reduction is never hidden; ``L = 1`` hides nothing, and ``L -> inf`` is
-  the formula above);
+  ``L`` equal pieces, after each of which that layer's ``S / L`` bytes are
+  reduced, one layer's reduction after the other on the link, and the next
+  step waits for the last: exposed
+  ``max(t(S / L), L t(S / L) - o T (1 - 1 / L))`` (the last layer's
+  reduction is never hidden; ``L = 1`` hides nothing, and without latency
+  ``L -> inf`` is the formula above);
 * Streaming DiLoCo: the model in ``P`` fragments, each reduced once per
   round, one every ``H / P`` steps, and each overlapping ``tau`` inner steps
   of compute. The part of a fragment's transfer ``t(S / P)`` that fits in
@@ -371,14 +372,14 @@ def simulate(schedule: Schedule, compute: Compute, network: Network, payload_byt
     fragment = network.allreduce_seconds(payload_bytes / p, replicas)
     exposed = max(p * max(0.0, fragment - tau * step), p * fragment - h * step, 0.0)
     return Timing(h, h * step, p * fragment, exposed)
-  full = network.allreduce_seconds(payload_bytes, replicas)
   hidden = float(schedule.overlap_fraction) * step
   if schedule.layers is None:
-    exposed = max(0.0, full - hidden)
-  else:
-    layers = schedule.layers
-    exposed = max(full / layers, full - hidden * (1.0 - 1.0 / layers))
-  return Timing(h, h * step, full, exposed)
+    full = network.allreduce_seconds(payload_bytes, replicas)
+    return Timing(h, h * step, full, max(0.0, full - hidden))
+  layers = schedule.layers
+  layer = network.allreduce_seconds(payload_bytes / layers, replicas)
+  exposed = max(layer, layers * layer - hidden * (1.0 - 1.0 / layers))
+  return Timing(h, h * step, layers * layer, exposed)
 
 
 def required_bandwidth(
