@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
                  help='tau, steps a fragment overlaps, streaming_diloco only [0]')
   g.add_argument('--overlap_fraction', type=float, default=0.0,
                  help="o, fraction of a step the reduction overlaps, data_parallel and diloco [0]")
+  g.add_argument('--layers', type=int, default=None,
+                 help='L, reduce layer by layer, data_parallel and diloco [no]')
   g.add_argument('--wire_bytes', type=float, default=4.0,
                  help='bytes sent per parameter [4: float32]')
   g.add_argument('--mfu', type=float, default=0.4,
@@ -86,7 +88,7 @@ def network_setup(args: argparse.Namespace):
     raise ValueError('--schedule needs --bandwidth_gbps (Gbit/s of the link between replicas).')
   schedule = network.Schedule(args.schedule, inner_steps=args.inner_steps,
                               fragments=args.fragments, overlap_steps=args.overlap_steps,
-                              overlap_fraction=args.overlap_fraction)
+                              overlap_fraction=args.overlap_fraction, layers=args.layers)
   link = network.Link.gbps(args.bandwidth_gbps, args.latency_ms / 1e3)
   return schedule, network.Network(link, args.topology)
 
@@ -113,6 +115,8 @@ def render_network(args: argparse.Namespace, params: int, seconds: float) -> str
     knobs += [f'P={schedule.fragments}', f'tau={schedule.overlap_steps:g}']
   else:
     knobs.append(f'overlap {schedule.overlap_fraction:g}')
+    if schedule.layers is not None:
+      knobs.append(f'{schedule.layers} layers')
   return (
       f'communication: {schedule.kind} ({", ".join(knobs)}), {net.topology} all-reduce of '
       f'{_gb(payload)} between {args.replicas} replica{"" if args.replicas == 1 else "s"} over '

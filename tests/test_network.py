@@ -446,6 +446,13 @@ def test_plan_streaming_line_and_no_schedule():
                               '--topology=tree')
   assert 'streaming_diloco (H=8, P=4, tau=1), tree all-reduce' in plan_cli.render_network(
       args, 1000, 1.0)
+  _, args = _plan_args('--schedule=data_parallel', '--overlap_fraction=0.5', '--layers=4',
+                       '--bandwidth_gbps=10', '--wire_bytes=2', '--replicas=2')
+  # As in test_layers_limits: max(0.2, 0.8 - 0.5 * 0.75) = 0.425 s exposed.
+  assert ('data_parallel (H=1, overlap 0.5, 4 layers)' in plan_cli.render_network(
+      args, 500_000_000, 1.0))
+  assert '(exposed 0.425 s), 1.425 s per inner step' in plan_cli.render_network(
+      args, 500_000_000, 1.0)
   _, args = _plan_args()
   assert plan_cli.network_setup(args) is None
 
