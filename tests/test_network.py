@@ -3,8 +3,9 @@
 The oracles are written here without the module's formulas: a ring
 all-reduce run as its 2 (n - 1) sends on real numbers, a binomial tree run
 round by round, a parameter server's link carrying one message after the
-other, and a timeline of Streaming DiLoCo (per-step compute, per-fragment
-transfers on one shared link) whose idle compute time is summed. Everything
+other, a timeline of Streaming DiLoCo (per-step compute, per-fragment
+transfers on one shared link) whose idle compute time is summed, and a
+timeline of one step's layers, each reduced after its backward. Everything
 is float64 on a few terms, hence rtol 1e-12 where a closed form is compared
 with a closed form; the timelines add a few hundred terms, hence 1e-11.
 """
@@ -233,7 +234,8 @@ def test_streaming_matches_its_timeline(h, p, tau, gbps):
 @pytest.mark.parametrize('schedule', [
     network.Schedule.data_parallel(), network.Schedule.data_parallel(2 / 3),
     network.Schedule.diloco(100), network.Schedule.diloco(30, 2 / 3),
-    network.Schedule.streaming_diloco(100, 10, 1), network.Schedule.streaming_diloco(30, 3, 5)])
+    network.Schedule.streaming_diloco(100, 10, 1), network.Schedule.streaming_diloco(30, 3, 5),
+    network.Schedule.data_parallel(2 / 3, layers=40), network.Schedule.diloco(30, 0.5, layers=8)])
 @pytest.mark.parametrize('topology', ['ring', 'tree', 'parameter_server'])
 def test_utilization_grows_with_bandwidth_and_reaches_one(schedule, topology):
   compute = network.Compute.from_step_seconds(0.8)
