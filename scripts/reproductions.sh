@@ -7,7 +7,8 @@
 # diloco_h16/50/125/500, then diloco_summary: the tables and
 # docs/diloco_equal_compute.{png,jsonl}). Default: all of them. Run when
 # named: privacy, fairness (q-FFL, AFL and FedAsync against their baselines),
-# mime_fedexp_schedules (Mime, MimeLite, FedExP, schedules against FedAvg).
+# mime_fedexp_schedules (Mime, MimeLite, FedExP, schedules against FedAvg),
+# table6 (Charles et al. 2025's bandwidth table, from the communication model).
 set -euo pipefail
 OUT=${1:-runs/reproductions}
 shift || true
@@ -104,7 +105,11 @@ for name in $WHICH; do
   fairness)  # q-FFL, AFL and FedAsync against their baselines (seeds 0-2).
     python scripts/fairness_study.py --workdir "$OUT/fairness" qffl afl fedasync
     python scripts/fairness_study.py --workdir "$OUT/fairness300" --rounds 300 qffl ;;
-  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold diloco diloco_rounds diloco_dp diloco_hH (H divides 2000) diloco_summary privacy fairness mime_fedexp_schedules" >&2
+  table6)  # Charles et al. 2025, Table 6: bandwidth for compute utilization
+    # (the communication model alone, seconds; JSON lines per cell).
+    mkdir -p "$OUT/table6"
+    python scripts/reproduce_table6.py | tee "$OUT/table6/cells.jsonl" ;;
+  *) echo "unknown reproduction $name; valid: fedopt fedopt_tuned fedprox scaffold diloco diloco_rounds diloco_dp diloco_hH (H divides 2000) diloco_summary privacy fairness mime_fedexp_schedules table6" >&2
      exit 2 ;;
   esac
 done
