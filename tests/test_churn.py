@@ -3,12 +3,12 @@
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import fedjx.algorithms as algos
+from fedjx.experiments import checkpointing
 from fedjx.experiments import churn
 from fedjx.experiments import network
 from test_algorithms_util import KEY, assert_trees_close, copy, linreg_data
@@ -102,7 +102,7 @@ def test_schedule_is_a_pure_function_of_seed_and_round():
   assert [sorted(r.contributing) for r in lone.rounds] == [[0], [1], [2], [3], [0]]
 
 
-def test_chaos_run_matches_numpy_replay_and_resumes_bit_for_bit():
+def test_chaos_run_matches_numpy_replay_and_resumes_bit_for_bit(tmp_path):
   data, cohort, algo = _setup()
   schedule = churn.seeded_schedule(M, ROUNDS, **CHAOS)
   full, clients = _run(algo, algo.init(linreg_params()), cohort, schedule, range(ROUNDS))
@@ -119,11 +119,17 @@ def test_chaos_run_matches_numpy_replay_and_resumes_bit_for_bit():
   assert_trees_close(full.params, _replay(data, schedule, range(ROUNDS)),
                      n=ROUNDS * (13 * H + 11))
 
-  # Resume: 3 rounds, the state to NumPy and back, the schedule rebuilt from
-  # its arguments, 3 more rounds: the uninterrupted run bit for bit.
+  # Resume: 3 rounds, a checkpoint of the state, the schedule rebuilt from
+  # its arguments (nothing of it is saved), 3 more rounds: the uninterrupted
+  # run bit for bit.
   half, _ = _run(algo, algo.init(linreg_params()), cohort, schedule, range(3))
-  saved = jax.tree.map(np.array, half)
-  restored = jax.tree.map(jnp.asarray, saved)
+  saver = checkpointing.Checkpointer(str(tmp_path / 'checkpoints'), async_save=False)
+  saver.save(3, half, {'round': 3})
+  saver.close()
+  restorer = checkpointing.Checkpointer(str(tmp_path / 'checkpoints'), async_save=False)
+  restored, meta = restorer.restore(3, like=algo.init(linreg_params()))
+  restorer.close()
+  assert meta['round'] == 3
   resumed, _ = _run(algo, restored, cohort, churn.seeded_schedule(M, ROUNDS, **CHAOS),
                     range(3, ROUNDS))
   _equal(resumed, full)
