@@ -1,0 +1,300 @@
+"""Compressed outer steps for DiLoCo: SparseLoCo and MuLoCo-style 2-bit EF.
+
+Both builders return an :class:`~fedjx.algorithms.aggregators.Aggregator`
+for :func:`fedjx.algorithms.diloco`'s ``aggregator=`` argument. They are
+:func:`fedjx.algorithms.compression.compressed_mean` over a
+:class:`~fedjx.algorithms.compression.Compressor` defined here, so the
+shared-key protocol, the per-replica residual store (``[K, d]`` float32 in
+the aggregator's state, indexed by replica id), the weighted mean of the
+decoded messages and the bit accounting (``upload_bits``,
+``download_bits``, ``communicated_bytes``) are those of every compressor.
+
+**Statistical quantization** (:func:`statistical_levels`), the ``b``-bit
+quantizer both use, applied to a vector ``v`` of ``m`` values: with ``mu``
+and ``sigma`` the mean and (population) standard deviation of ``v``,
+``L = 2^b`` bins of width ``w = 2 r sigma / L`` cover ``[mu - r sigma,
+mu + r sigma]``; value ``v_j`` gets the code ``c_j = clip(floor((v_j - mu
++ r sigma) / w), 0, L - 1)`` and decodes to ``lookup[c_j]``, the mean of
+the values of its bin (the bin's centre when it is empty). Sent: the codes
+packed ``b`` bits each and the ``L`` float32 entries of ``lookup``. It is
+deterministic and biased (``Compressor.unbiased`` is False), so error
+feedback is allowed.
+
+**SparseLoCo** (:func:`sparseloco`; Sarfi, Thérien, Lidin, Belilovsky,
+"Communication Efficient LLM Pre-training with SparseLoCo", 2025, arXiv
+2508.15706, Algorithm 1). Replica ``k`` with outer gradient ``Delta_k``:
+
+    e_k <- beta e_k + Delta_k                   (replaces outer momentum)
+    m_k = Q(TopK_chunk(e_k))                     (sent)
+    e_k <- e_k - m_k
+    Delta = sum_k w_k m_k / sum_k w_k ;  theta <- theta - alpha Delta
+
+``TopK_chunk`` splits the flattened ``e_k`` into chunks of ``chunk_size``
+coordinates (the last zero-padded) and keeps the ``k`` largest magnitudes
+of each; ``Q`` quantizes the kept values to ``bits`` with one lookup table
+per message. The outer optimizer is plain SGD (no momentum): pass DiLoCo
+``outer_momentum=0.0`` (or ``outer_optimizer=optax.sgd(alpha)``).
+Bits per replica, ``n_c = ceil(d / chunk_size)`` chunks and ``m = n_c k``
+kept values, ``w_i = max(1, ceil(log2 chunk_size))``::
+
+    upload_bits = 32 ceil(m w_i / 32) + 32 ceil(m bits / 32) + 32 2^bits
+
+(indices within their chunk packed ``w_i`` bits each, codes packed ``bits``
+each, the lookup table; words of 32 bits, as every packed message here).
+
+**MuLoCo-style 2-bit error feedback** (:func:`muloco_quantized`; Thérien,
+Huang, Rish, Belilovsky, "MuLoCo: Muon is a practical inner optimizer for
+DiLoCo", 2025, arXiv 2505.23725): replica ``k`` sends ``m_k = Q(Delta_k +
+e_k)`` over the whole flattened outer gradient and keeps ``e_k <- Delta_k
++ e_k - m_k``; the server's mean goes to DiLoCo's outer optimizer (Nesterov
+by default, as in the paper). The inner optimizer is Muon
+(:func:`muon_inner_optimizer`, ``optax.contrib.muon``). Bits per replica::
+
+    upload_bits = 32 ceil(d bits / 32) + 32 2^bits
+
+A replica that is skipped or has no data keeps its residual unchanged
+(``compressed_mean``), and, for SparseLoCo, undecayed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjx.algorithms import aggregators
+from fedjx.algorithms import base
+from fedjx.algorithms import compression
+
+_BITS = (1, 2, 3, 4, 8)
+
+
+def _check_real(fn: str, name: str, value: Any, low: float, high: float | None,
+                allowed: str) -> None:
+  ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+        and math.isfinite(value) and value >= low
+        and (high is None or value <= high))
+  if not ok:
+    raise ValueError(f'{fn}: {name}={value!r} is not allowed; {allowed}.')
+
+
+def _check_int(fn: str, name: str, value: Any, allowed: tuple[int, ...] | None,
+               low: int = 1) -> None:
+  ok = not isinstance(value, bool) and isinstance(value, int)
+  ok = ok and (value in allowed if allowed is not None else value >= low)
+  if not ok:
+    what = (f'one of {allowed}' if allowed is not None
+            else f'an int >= {low}')
+    raise ValueError(f'{fn}: {name}={value!r} is not allowed; it must be {what}.')
+
+
+def _check_quantizer(fn: str, bits: Any, range_sigmas: Any) -> None:
+  _check_int(fn, 'bits', bits, _BITS)
+  _check_real(fn, 'range_sigmas', range_sigmas, 0.0, None,
+              'it must be a finite number > 0 (the half-width of the '
+              'quantized range, in standard deviations)')
+  if range_sigmas == 0:
+    raise ValueError(f'{fn}: range_sigmas=0 is not allowed; it must be a '
+                     'finite number > 0.')
+
+
+# -------------------------------------------------------------- quantizer
+
+def statistical_quantize(v: jax.Array, bits: int, range_sigmas: float
+                         ) -> tuple[jax.Array, jax.Array]:
+  """``(codes [m] int32, lookup [2^bits] float32)`` of ``v`` (module docstring)."""
+  levels = 2 ** bits
+  v = v.astype(jnp.float32)
+  mu = jnp.mean(v)
+  sigma = jnp.sqrt(jnp.mean(jnp.square(v - mu)))
+  lo = mu - range_sigmas * sigma
+  width = 2.0 * range_sigmas * sigma / levels
+  safe = jnp.where(width > 0, width, 1.0)
+  codes = jnp.clip(jnp.floor((v - lo) / safe), 0, levels - 1).astype(jnp.int32)
+  sums = jnp.zeros((levels,), jnp.float32).at[codes].add(v)
+  counts = jnp.zeros((levels,), jnp.float32).at[codes].add(1.0)
+  centres = lo + (jnp.arange(levels, dtype=jnp.float32) + 0.5) * width
+  lookup = jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), centres)
+  return codes, lookup
+
+
+def statistical_levels(bits: int = 2, range_sigmas: float = 6.0
+                       ) -> compression.Compressor:
+  """The ``bits``-bit statistical quantizer of a whole vector (module docstring).
+
+  Message: ``{'codes': uint32 [ceil(d bits / 32)], 'lookup': float32
+  [2^bits]}``; ``upload_bits = 32 ceil(d bits / 32) + 32 2^bits``.
+  """
+  _check_quantizer('statistical_levels', bits, range_sigmas)
+
+  def encode(key, x):
+    del key
+    codes, lookup = statistical_quantize(x, bits, range_sigmas)
+    return compression._counted({'codes': compression.pack_bits(codes, bits),
+                                 'lookup': lookup})
+
+  def decode(key, m, n):
+    del key
+    codes = compression.unpack_bits(m['codes'], bits, n).astype(jnp.int32)
+    return m['lookup'][codes]
+
+  return compression.Compressor(encode, decode, unbiased=False)
+
+
+def index_bits(chunk_size: int) -> int:
+  """Bits of an index within a chunk: ``max(1, ceil(log2 chunk_size))``."""
+  return max(1, (int(chunk_size) - 1).bit_length())
+
+
+def chunked_top_k(k: int, chunk_size: int, bits: int = 2,
+                  range_sigmas: float = 6.0) -> compression.Compressor:
+  """The ``k`` largest magnitudes of each chunk, their values quantized.
+
+  ``x`` (length ``d``) is zero-padded to ``n_c chunk_size``, ``n_c =
+  ceil(d / chunk_size)``, and split into ``n_c`` consecutive chunks; the
+  ``k`` largest ``|x_j|`` of each are kept (``jax.lax.top_k``), their
+  ``m = n_c k`` values quantized by :func:`statistical_quantize` (one table).
+  Message: ``{'indices': uint32 [ceil(m w_i / 32)], 'codes': uint32
+  [ceil(m bits / 32)], 'lookup': float32 [2^bits]}``, ``w_i =``
+  :func:`index_bits` ``(chunk_size)``.
+  """
+  width = index_bits(chunk_size)
+
+  def encode(key, x):
+    del key
+    n = x.shape[0]
+    chunks = -(-n // chunk_size)
+    blocks = jnp.pad(x, (0, chunks * chunk_size - n)).reshape(chunks, chunk_size)
+    _, index = jax.lax.top_k(jnp.abs(blocks), k)
+    values = jnp.take_along_axis(blocks, index, axis=1).reshape(-1)
+    codes, lookup = statistical_quantize(values, bits, range_sigmas)
+    return compression._counted({
+        'indices': compression.pack_bits(index.reshape(-1), width),
+        'codes': compression.pack_bits(codes, bits),
+        'lookup': lookup})
+
+  def decode(key, m, n):
+    del key
+    chunks = -(-n // chunk_size)
+    count = chunks * k
+    index = compression.unpack_bits(m['indices'], width, count).astype(jnp.int32)
+    codes = compression.unpack_bits(m['codes'], bits, count).astype(jnp.int32)
+    rows = jnp.repeat(jnp.arange(chunks, dtype=jnp.int32), k)
+    dense = jnp.zeros((chunks, chunk_size), jnp.float32).at[
+        rows, index].set(m['lookup'][codes])
+    return dense.reshape(-1)[:n]
+
+  return compression.Compressor(encode, decode, unbiased=False)
+
+
+# --------------------------------------------------------------- builders
+
+def sparseloco_upload_bits(d: int, k: int, chunk_size: int, bits: int = 2) -> int:
+  """SparseLoCo's bits per replica for ``d`` coordinates (module docstring)."""
+  m = -(-d // chunk_size) * k
+  return (32 * -(-m * index_bits(chunk_size) // 32) + 32 * -(-m * bits // 32)
+          + 32 * 2 ** bits)
+
+
+def muloco_upload_bits(d: int, bits: int = 2) -> int:
+  """MuLoCo-style quantization's bits per replica for ``d`` coordinates."""
+  return 32 * -(-d * bits // 32) + 32 * 2 ** bits
+
+
+def sparseloco(num_replicas: int, k: int = 64, chunk_size: int = 4096,
+               beta: float = 0.95, bits: int = 2, range_sigmas: float = 6.0,
+               seed: int = 0) -> aggregators.Aggregator:
+  """SparseLoCo's outer step (Sarfi et al. 2025, arXiv 2508.15706), module docstring.
+
+  Args:
+    num_replicas: ``K``, DiLoCo's ``num_replicas`` (one accumulator each).
+    k: values kept per chunk; the paper's 64 of 4096 (density 1.56%; 32,
+      0.78%, is its other setting).
+    chunk_size: coordinates per chunk; the paper's 4096 (64 x 64 blocks of
+      a matrix; here consecutive coordinates of the flattened update).
+    beta: the accumulator's decay, ``e_k <- beta e_k + Delta_k``; the
+      paper's 0.95.
+    bits: bits per kept value (the paper's 2).
+    range_sigmas: the quantized range ``mu +- range_sigmas sigma``.
+    seed: the shared seed (unused by this deterministic compressor, kept
+      for the protocol).
+
+  Use with ``diloco(..., aggregator=sparseloco(K), outer_momentum=0.0,
+  outer_learning_rate=alpha)``: no outer momentum.
+  """
+  fn = 'sparseloco'
+  base.check_positive_int(fn, 'num_replicas', num_replicas)
+  _check_int(fn, 'chunk_size', chunk_size, None)
+  _check_int(fn, 'k', k, None)
+  if k > chunk_size:
+    raise ValueError(f'{fn}: k={k} is not allowed; it must be <= '
+                     f'chunk_size={chunk_size} (k values are kept per chunk).')
+  _check_real(fn, 'beta', beta, 0.0, 1.0, 'it must be a number in [0, 1]')
+  _check_quantizer(fn, bits, range_sigmas)
+  comp = chunked_top_k(k, chunk_size, bits, range_sigmas)
+  agg = compression.compressed_mean(comp, fn=fn, error_feedback=True,
+                                    num_clients=num_replicas, seed=seed)
+  gather = agg.client_inputs
+
+  def client_inputs(state, client_ids, cohort_size):
+    inputs = gather(state, client_ids, cohort_size)
+    # compressed_mean encodes Delta_k + (its residual input): decaying that
+    # input by beta makes it Delta_k + beta e_k, and the residual it keeps
+    # e_k <- Delta_k + beta e_k - m_k.
+    inputs['residual'] = beta * inputs['residual']
+    return inputs
+
+  return agg._replace(client_inputs=client_inputs)
+
+
+def muloco_quantized(num_replicas: int, bits: int = 2, range_sigmas: float = 6.0,
+                     seed: int = 0) -> aggregators.Aggregator:
+  """MuLoCo's quantized outer gradient with error feedback (module docstring).
+
+  Thérien et al. 2025, arXiv 2505.23725: ``m_k = Q(Delta_k + e_k)``,
+  ``e_k <- Delta_k + e_k - m_k``, ``bits`` per coordinate (the paper's 2)
+  and a ``2^bits``-entry float32 table.
+
+  Args:
+    num_replicas: ``K``, DiLoCo's ``num_replicas``.
+    bits: bits per coordinate.
+    range_sigmas: the quantized range ``mu +- range_sigmas sigma``.
+    seed: the shared seed (unused by this deterministic compressor).
+  """
+  fn = 'muloco_quantized'
+  base.check_positive_int(fn, 'num_replicas', num_replicas)
+  _check_quantizer(fn, bits, range_sigmas)
+  comp = statistical_levels(bits, range_sigmas)
+  return compression.compressed_mean(comp, fn=fn, error_feedback=True,
+                                     num_clients=num_replicas, seed=seed)
+
+
+def muon_inner_optimizer(learning_rate: float = 0.02, **kwargs: Any
+                         ) -> optax.GradientTransformation:
+  """Muon (``optax.contrib.muon``) as DiLoCo's inner optimizer, injected.
+
+  Muon orthogonalizes the momentum of each matrix parameter by Newton-Schulz
+  iterations; other parameters (biases, vectors) take AdamW steps. ``kwargs``
+  go to ``optax.contrib.muon``.
+  """
+  muon = getattr(getattr(optax, 'contrib', None), 'muon', None)
+  if muon is None:
+    raise ValueError('muon_inner_optimizer: optax.contrib.muon is not in the '
+                     f'installed optax {optax.__version__}; install optax '
+                     '>= 0.2.4, or pass another inner_optimizer.')
+  return optax.inject_hyperparams(muon)(learning_rate=learning_rate, **kwargs)
+
+
+# The builders a config can name: aggregator=dict(name='sparseloco', ...).
+OUTER_COMPRESSORS = {
+    'sparseloco': sparseloco,
+    'muloco_quantized': muloco_quantized,
+}
+
+__all__ = ['OUTER_COMPRESSORS', 'chunked_top_k', 'index_bits',
+           'muloco_quantized', 'muloco_upload_bits', 'muon_inner_optimizer',
+           'sparseloco', 'sparseloco_upload_bits', 'statistical_levels',
+           'statistical_quantize']
