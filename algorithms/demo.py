@@ -1,0 +1,184 @@
+"""DeMo: DCT-domain top-k of a decoupled momentum, as DiLoCo's outer step.
+
+Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization", 2024
+(arXiv 2411.19870), Algorithm 1. Each worker ``k`` keeps its own momentum,
+never synchronised; per step it adds its gradient, extracts the momentum's
+"fast components" (top-k of a chunked DCT), sends only those, and removes
+what it sent from its momentum:
+
+    m_k <- beta m_k + Delta_k
+    q_k  = IDCT(top_k(DCT(m_k)))              (chunks of s, k per chunk)
+    m_k <- m_k - q_k
+    Q    = sum_k w_k q_k / sum_k w_k           (the server decodes and averages)
+    Delta = sign(Q)   (sign=True)  or  Q   (sign=False)
+
+``DCT`` is the orthonormal DCT-II of each chunk of ``s`` consecutive
+coordinates (``jax.scipy.fft.dct(type=2, norm='ortho')``; the last chunk
+zero-padded): ``C[f, j] = a_f cos(pi (2 j + 1) f / (2 s))``, ``a_0 =
+sqrt(1 / s)``, ``a_f = sqrt(2 / s)``; ``C`` is orthogonal, so ``IDCT = C^T``.
+``top_k`` keeps, in every chunk, the ``k`` components of largest magnitude
+(ties to the lower frequency) and zeroes the rest.
+
+**Adaptation to DiLoCo.** The paper applies this to every step's gradient
+in data-parallel training. Here it is an aggregator, so DiLoCo applies it
+to the outer gradient ``Delta_k = theta - theta_k`` of replica ``k`` once
+per round: the momentum ``m_k`` accumulates outer gradients across rounds,
+and the server's ``Delta`` is what DiLoCo's outer optimizer applies. DeMo's
+own update is ``theta <- theta - eta Delta`` (SGD without momentum, the
+momentum being ``m_k``), so pair it with ``outer_optimizer=optax.sgd(eta)``
+(DiLoCo's default Nesterov outer optimizer would add a second momentum).
+Only the replicas with data update their ``m_k``; a skipped replica keeps
+its momentum as it was, undecayed.
+
+**Sign.** The paper's experiments and its reference implementation take the
+sign of the decoded average (signum), ``Delta = sign(Q)``; that is the
+default here. ``sign=False`` applies ``Q`` itself (Algorithm 1 with
+``x <- x - eta Q``). A coordinate where ``Q`` is exactly 0 (no replica with
+data, or components that cancel) gets ``sign(0) = 0``.
+
+**Chunks.** The paper chunks each tensor along each of its axes (``s x s``
+blocks of a matrix, so ``k`` of ``s^2`` components there); here the update
+is flattened (``ravel_pytree``, leaves in key order) and cut into 1-D
+chunks of ``s``, so ``k`` of ``s`` components. The paper's ``s = 64``, ``k
+= 32``, ``beta = 0.999`` are the defaults; for the density of its 2-D
+chunks (``32 / 4096``) give ``chunk_size=4096``.
+
+**Message and bits.** With ``d`` coordinates, ``c = ceil(d / s)`` chunks and
+``w = ceil(log2 s)``, replica ``k`` sends ``c k`` float32 values and ``c k``
+indices of ``w`` bits packed 32 to a ``uint32`` word
+(:func:`fedjx.algorithms.compression.pack_bits`):
+
+    upload_bits = 32 c k + 32 ceil(c k w / 32)
+
+reported as ``upload_bits`` (and ``download_bits``, the model plus the 64-bit
+seed) by :func:`fedjx.algorithms.compression.compressed_mean`, as every
+compressor there.
+
+**Reuse.** ``m_k`` is :func:`~fedjx.algorithms.compression.compressed_mean`'s
+error-feedback residual: that stores ``e_k <- x_k - C(x_k)`` with ``x_k =
+Delta_k + e_k``; DeMo's recursion is the same with ``x_k = Delta_k + beta
+e_k`` (``e_k`` is the momentum after the subtraction), so this module
+scales the residual by ``beta`` on the client before the compressor sees it,
+and otherwise uses the compressor's aggregator as it is (per-client state
+``[N, d]`` indexed by the replica ids, ``num_clients = N``). With ``beta =
+1`` it is error-feedback top-k in the DCT basis (Stich, Cordonnier, Jaggi
+2018); with ``k = s`` every component is sent, ``m_k`` is emptied each
+round, and the round is the uncompressed weighted mean of the ``Delta_k``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.scipy import fft
+
+from fedjx.algorithms import aggregators
+from fedjx.algorithms import compression
+
+
+def index_width(chunk_size: int) -> int:
+  """``ceil(log2 s)``: the bits of one index into a chunk of ``s >= 2``."""
+  return (int(chunk_size) - 1).bit_length()
+
+
+def chunked_dct(x: jax.Array, chunk_size: int) -> jax.Array:
+  """``[c, s]``: the orthonormal DCT-II of each chunk of ``x`` (zero-padded)."""
+  c = math.ceil(x.shape[0] / chunk_size)
+  chunks = jnp.pad(x, (0, c * chunk_size - x.shape[0])).reshape(c, chunk_size)
+  return fft.dct(chunks, type=2, norm='ortho', axis=-1)
+
+
+def chunked_idct(y: jax.Array, n: int) -> jax.Array:
+  """``[n]``: the inverse of :func:`chunked_dct`, the padding dropped."""
+  return fft.idct(y, type=2, norm='ortho', axis=-1).reshape(-1)[:n]
+
+
+def dct_top_k(chunk_size: int, k: int) -> compression.Compressor:
+  """DeMo's ``ExtractFastComponents``: top-``k`` DCT components per chunk.
+
+  Sends the ``k`` largest-magnitude DCT-II components of each chunk of
+  ``chunk_size`` (float32 values and ``ceil(log2 chunk_size)``-bit packed
+  indices, the module docstring's bits); decodes ``IDCT`` of the sparse
+  components. Biased (a contraction: the DCT is orthogonal, so
+  ``||x - C(x)||^2 <= (1 - k / s) ||x||^2``), hence error feedback.
+  """
+  width = index_width(chunk_size)
+
+  def encode(key, x):
+    del key
+    y = chunked_dct(x, chunk_size)
+    _, index = jax.lax.top_k(jnp.abs(y), k)
+    values = jnp.take_along_axis(y, index, axis=-1)
+    message = {'values': values.reshape(-1).astype(jnp.float32),
+               'indices': compression.pack_bits(index, width)}
+    return message, jnp.float32(compression.representation_bits(message))
+
+  def decode(key, m, n):
+    del key
+    c = math.ceil(n / chunk_size)
+    index = compression.unpack_bits(m['indices'], width, c * k)
+    index = index.reshape(c, k).astype(jnp.int32)
+    y = jnp.zeros((c, chunk_size), jnp.float32).at[
+        jnp.arange(c)[:, None], index].set(m['values'].reshape(c, k))
+    return chunked_idct(y, n)
+
+  return compression.Compressor(encode, decode, unbiased=False)
+
+
+def demo(chunk_size: int = 64, k: int = 32, beta: float = 0.999,
+         sign: bool = True, num_clients: int | None = None,
+         seed: int = 0) -> aggregators.Aggregator:
+  """DeMo (Peng, Quesnelle, Kingma 2024) as an aggregator (module docstring).
+
+  Args:
+    chunk_size: ``s``, the DCT's chunk length, an int >= 2 (the paper: 64).
+    k: components sent per chunk, an int in ``[1, chunk_size]`` (the
+      paper: 32).
+    beta: the momentum's decay, in ``[0, 1]`` (the paper: 0.999; 1 is
+      plain error feedback, 0 keeps no momentum).
+    sign: apply ``sign(Q)`` (the paper's signum update) or ``Q``.
+    num_clients: ``N``, the replicas (DiLoCo's ``num_replicas``): each
+      keeps its momentum in the aggregator's state, ``[N, d]`` float32.
+    seed: the first round's shared seed (nothing here is random; kept for
+      the compressors' state).
+  """
+  fn = 'demo'
+  if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 2:
+    raise ValueError(f'{fn}: chunk_size={chunk_size!r} must be an int >= 2 '
+                     '(the length of each DCT chunk; the paper uses 64).')
+  if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= chunk_size:
+    raise ValueError(f'{fn}: k={k!r} must be an int in [1, chunk_size={chunk_size}] '
+                     '(the components sent per chunk; the paper uses 32 of 64).')
+  if (isinstance(beta, bool) or not isinstance(beta, (int, float))
+      or not 0.0 <= beta <= 1.0):
+    raise ValueError(f'{fn}: beta={beta!r} must be a number in [0, 1] (the '
+                     'momentum\'s decay; the paper uses 0.999).')
+  if sign not in (False, True):
+    raise ValueError(f'{fn}: sign={sign!r} must be True (the paper\'s '
+                     'sign(Q)) or False (Q).')
+  if (num_clients is None or isinstance(num_clients, bool)
+      or not isinstance(num_clients, int) or num_clients < 1):
+    raise ValueError(f'{fn}: num_clients={num_clients!r} must be a positive int '
+                     '(the replicas, each keeping its momentum; DiLoCo\'s '
+                     'num_replicas).')
+  inner = compression.compressed_mean(
+      dct_top_k(chunk_size, k), fn=fn, error_feedback=True,
+      num_clients=num_clients, seed=seed)
+  beta = float(beta)
+
+  def encode(hp, update, w):
+    # m_k <- beta m_k + Delta_k: compressed_mean adds the residual it is given.
+    return inner.encode({**hp, 'residual': beta * hp['residual']}, update, w)
+
+  def combine(state, hp, clients, key):
+    mean, new_state, metrics = inner.combine(state, hp, clients, key)
+    if sign:
+      mean = jax.tree.map(jnp.sign, mean)
+    return mean, new_state, metrics
+
+  return inner._replace(encode=encode, combine=combine)
+
+
+__all__ = ['chunked_dct', 'chunked_idct', 'dct_top_k', 'demo', 'index_width']

@@ -1,0 +1,208 @@
+"""DeMo as DiLoCo's outer-step compressor (``fedjx.algorithms.demo``).
+
+The oracle is NumPy float64 with its own DCT-II matrix, independent of
+``jax.scipy.fft``: the recursion of Peng, Quesnelle, Kingma 2024 (arXiv
+2411.19870, Algorithm 1) on DiLoCo's outer gradients, replica by replica.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import fedjx.algorithms as algos
+from fedjx.algorithms import demo as demo_lib
+import float_tolerance as ft
+import linreg_oracle as lo
+from test_algorithms_util import KEY, linreg_data, linreg_loss, linreg_params, make_cohort
+
+
+def dct_matrix(s: int) -> np.ndarray:
+  """The orthonormal DCT-II, ``C[f, j] = a_f cos(pi (2 j + 1) f / (2 s))``."""
+  f, j = np.meshgrid(np.arange(s), np.arange(s), indexing='ij')
+  a = np.where(f == 0, np.sqrt(1.0 / s), np.sqrt(2.0 / s))
+  return a * np.cos(np.pi * (2 * j + 1) * f / (2 * s))
+
+
+def wire_bits(d: int, s: int, k: int) -> int:
+  """``32 c k + 32 ceil(c k w / 32)``, ``c = ceil(d / s)``, ``w = ceil(log2 s)``."""
+  c, w = math.ceil(d / s), math.ceil(math.log2(s))
+  return 32 * c * k + 32 * math.ceil(c * k * w / 32)
+
+
+def flat(p):  # ravel_pytree's order: the dict's keys sorted, 'b' then 'w'.
+  return np.concatenate([np.reshape(p['b'], -1), p['w']])
+
+
+def unflat(v):
+  return {'b': v[0], 'w': v[1:]}
+
+
+def fast_components(m, s, k, margins):
+  """``IDCT(top_k(DCT(m)))`` per chunk of ``s`` (zero-padded), float64."""
+  d = m.shape[0]
+  c = math.ceil(d / s)
+  mat = dct_matrix(s)
+  y = np.pad(m, (0, c * s - d)).reshape(c, s) @ mat.T
+  order = np.argsort(-np.abs(y), axis=1, kind='stable')
+  kept = np.zeros_like(y)
+  rows = np.arange(c)[:, None]
+  kept[rows, order[:, :k]] = y[rows, order[:, :k]]
+  if k < s:  # The gap at the k-th component: how far the choice is from a tie.
+    sorted_abs = np.take_along_axis(np.abs(y), order, axis=1)
+    margins.append(np.min(sorted_abs[:, k - 1] - sorted_abs[:, k]))
+  return (kept @ mat).reshape(-1)[:d]
+
+
+def demo_oracle(data, params, rounds, *, s, k, beta, sign, inner_lr, outer_lr,
+                batch_size):
+  """DiLoCo with SGD inside and outside, DeMo between (float64)."""
+  theta = flat(lo.as64(params))
+  n = np.array([len(c['y']) for c in data], np.float64)
+  m = np.zeros((len(data), theta.shape[0]))
+  margins, magnitudes = [], []
+  for _ in range(rounds):
+    q = np.zeros_like(m)
+    for i, client in enumerate(data):
+      local = lo.sgd(unflat(theta), client, batch_size, inner_lr)
+      m[i] = beta * m[i] + (theta - flat(local))  # Delta_k = theta - theta_k.
+      q[i] = fast_components(m[i], s, k, margins)
+      m[i] = m[i] - q[i]
+    mean = n @ q / n.sum()
+    magnitudes.append(np.min(np.abs(mean)))
+    theta = theta - outer_lr * (np.sign(mean) if sign else mean)
+  return theta, m, min(margins), min(magnitudes)
+
+
+def run_diloco(aggregator, data, rounds, inner_lr, outer, batch_size):
+  algo = algos.diloco(linreg_loss, 3, inner_optimizer=optax.sgd(inner_lr),
+                      outer_optimizer=outer, aggregator=aggregator)
+  state = algo.init(linreg_params(DIM))
+  cohort = make_cohort(data, batch_size=batch_size)
+  for r in range(rounds):
+    state, metrics = algo.round(state, cohort, jax.random.fold_in(KEY, r))
+  return flat(lo.as64(state.params)), metrics, state
+
+
+DIM = 5  # d = 6 coordinates (w and b): two chunks of 4, the second padded.
+
+
+def test_three_replicas_follow_the_numpy_oracle_and_report_the_wire_bits():
+  """The paper's update, ``sign(Q)`` (``sign=False`` is checked by the
+  ``k = s`` test below, where ``Q`` is applied itself)."""
+  s, k, beta, rounds, inner_lr, outer_lr, batch = 4, 2, 0.9, 3, 0.05, 0.05, 3
+  data = linreg_data(np.random.default_rng(7), [6, 4, 5], dim=DIM, shift=2.0)
+  want, momenta, margin, magnitude = demo_oracle(
+      data, linreg_params(DIM), rounds, s=s, k=k, beta=beta, sign=True,
+      inner_lr=inner_lr, outer_lr=outer_lr, batch_size=batch)
+  agg = demo_lib.demo(chunk_size=s, k=k, beta=beta, num_clients=3)
+  got, metrics, state = run_diloco(agg, data, rounds, inner_lr, optax.sgd(outer_lr),
+                                   batch)
+  # Tolerance: float32 against float64 is a chain of float32 sums per round
+  # (two local steps' dot products of DIM + 1 terms, a DCT and an IDCT of s
+  # terms, a mean of 3), three rounds of them through the momentum: well
+  # under 256 sums in all, of terms whose magnitudes (parameters, steps,
+  # DCT components) sum to less than 10. The oracle checks that the top-k
+  # choice and the signs sit beyond twice that error (no near-ties: two
+  # magnitudes each off by atol cannot swap, nor a mean off by atol flip).
+  atol = ft.atol(256, 10.0)
+  assert margin > 4 * atol and magnitude > 4 * atol
+  np.testing.assert_allclose(got, want, rtol=ft.rtol(256), atol=atol)
+  # Each replica's momentum m_k after its subtraction, in the state.
+  np.testing.assert_allclose(np.asarray(state.aggregator_state.residual), momenta,
+                             rtol=ft.rtol(256), atol=atol)
+  d = DIM + 1
+  # 2 chunks x 2 values (float32) and 4 indices of 2 bits in one uint32 word.
+  assert wire_bits(d, s, k) == 4 * 32 + 32
+  assert float(metrics['upload_bits']) == wire_bits(d, s, k)
+  assert float(metrics['download_bits']) == 32 * d + 64
+  assert float(metrics['communicated_bytes']) == 3 * wire_bits(d, s, k) / 8
+
+
+@pytest.mark.parametrize('d,s,k', [(1000, 64, 32), (13, 5, 3)])
+def test_the_message_holds_the_formulas_bits(d, s, k):
+  """``32 c k`` bits of float32 values and ``c k`` indices of ``ceil(log2 s)``
+  bits packed in ``uint32`` words; decoding gives the sparse IDCT."""
+  x = np.random.default_rng(d).normal(size=d).astype(np.float32)
+  comp = demo_lib.dct_top_k(s, k)
+  message, bits = jax.jit(comp.encode)(KEY, jax.numpy.asarray(x))
+  c, w = math.ceil(d / s), math.ceil(math.log2(s))
+  assert message['values'].dtype == np.float32 and message['values'].shape == (c * k,)
+  assert message['indices'].dtype == np.uint32
+  assert message['indices'].shape == (math.ceil(c * k * w / 32),)
+  assert float(bits) == wire_bits(d, s, k)
+  want = fast_components(x.astype(np.float64), s, k, [])
+  # One DCT and one IDCT of s terms each (see the round-trip test's bound).
+  np.testing.assert_allclose(np.asarray(jax.jit(comp.decode, static_argnums=2)(KEY, message, d)), want,
+                             atol=ft.atol(s + 1, 4.0 * np.abs(x).sum()))
+
+
+@pytest.mark.parametrize('s', [5, 64])
+def test_dct_is_the_orthonormal_dct_ii_and_inverts(s):
+  """``IDCT(DCT(x)) = x`` and ``DCT`` is the NumPy matrix, within float32.
+
+  Bound: a chunk's DCT is ``s`` products with ``|C| <= sqrt(2 / s)``, so its
+  error is at most ``gamma_{s+1} sqrt(2 / s) ||x||_1`` per component; the
+  IDCT adds its own and carries that one, together under
+  ``(2 + sqrt 2) gamma_{s+1} ||x||_1 <= ft.atol(s + 1, 2 ||x||_1)``.
+  """
+  x = np.random.default_rng(s).normal(size=3 * s - 1).astype(np.float32)
+  l1 = 2.0 * np.abs(x).sum()
+  y = np.asarray(jax.jit(demo_lib.chunked_dct, static_argnums=1)(x, s))
+  ref = np.pad(x.astype(np.float64), (0, 1)).reshape(3, s) @ dct_matrix(s).T
+  np.testing.assert_allclose(y, ref, atol=ft.atol(s + 1, l1))
+  back = np.asarray(jax.jit(demo_lib.chunked_idct, static_argnums=1)(y, x.shape[0]))
+  np.testing.assert_allclose(back, x, atol=ft.atol(s + 1, l1))
+  np.testing.assert_allclose(dct_matrix(s) @ dct_matrix(s).T, np.eye(s), atol=1e-12)
+
+
+def momentum_diloco_oracle(data, params, rounds, inner_lr, outer_lr, momentum,
+                           batch_size):
+  """DiLoCo's uncompressed weighted mean under outer momentum SGD (optax's
+  ``trace``: ``v <- mu v + Delta``, ``theta <- theta - eta v``), float64."""
+  theta = flat(lo.as64(params))
+  n = np.array([len(c['y']) for c in data], np.float64)
+  v = np.zeros_like(theta)
+  for _ in range(rounds):
+    deltas = np.stack([theta - flat(lo.sgd(unflat(theta), c, batch_size, inner_lr))
+                       for c in data])
+    v = momentum * v + n @ deltas / n.sum()
+    theta = theta - outer_lr * v
+  return theta
+
+
+def test_k_equal_to_the_chunk_size_is_uncompressed_momentum_sgd():
+  """With ``k = s`` every component is sent and ``m_k`` is emptied each
+  round (to the DCT round trip's float32 error), so ``sign=False`` gives
+  DiLoCo's uncompressed mean: under an outer momentum SGD, momentum SGD on
+  the outer gradients, three rounds of it against NumPy."""
+  data = linreg_data(np.random.default_rng(8), [6, 4, 5], dim=DIM, shift=2.0)
+  agg = demo_lib.demo(chunk_size=4, k=4, beta=0.9, sign=False, num_clients=3)
+  got, metrics, _ = run_diloco(agg, data, 3, 0.05, optax.sgd(0.5, momentum=0.9), 3)
+  want = momentum_diloco_oracle(data, linreg_params(DIM), 3, 0.05, 0.5, 0.9, 3)
+  # The same chain of float32 sums as the oracle test, the DCT's included.
+  np.testing.assert_allclose(got, want, rtol=ft.rtol(256), atol=ft.atol(256, 10.0))
+  assert float(metrics['upload_bits']) == wire_bits(DIM + 1, 4, 4)
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(chunk_size=1), r'chunk_size=1 must be an int >= 2'),
+    (dict(chunk_size=4.0), r'chunk_size=4.0 must be an int >= 2'),
+    (dict(chunk_size=True), r'chunk_size=True must be an int >= 2'),
+    (dict(chunk_size=8, k=0), r'k=0 must be an int in \[1, chunk_size=8\]'),
+    (dict(chunk_size=8, k=9), r'k=9 must be an int in \[1, chunk_size=8\]'),
+    (dict(beta=1.5), r'beta=1.5 must be a number in \[0, 1\]'),
+    (dict(beta=-0.1), r'beta=-0.1 must be a number in \[0, 1\]'),
+    (dict(beta=float('nan')), r'beta=nan must be a number in \[0, 1\]'),
+    (dict(sign='yes'), r"sign='yes' must be True"),
+    (dict(num_clients=None), r'num_clients=None must be a positive int'),
+    (dict(num_clients=0), r'num_clients=0 must be a positive int'),
+])
+def test_errors_name_the_argument_its_value_and_what_is_allowed(kwargs, match):
+  kwargs = {'num_clients': 3, **kwargs}
+  with pytest.raises(ValueError, match=r'^demo: ' + match):
+    demo_lib.demo(**kwargs)
