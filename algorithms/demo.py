@@ -60,7 +60,7 @@ Delta_k + e_k``; DeMo's recursion is the same with ``x_k = Delta_k + beta
 e_k`` (``e_k`` is the momentum after the subtraction), so this module
 scales the residual by ``beta`` on the client before the compressor sees it,
 and otherwise uses the compressor's aggregator as it is (per-client state
-``[N, d]`` indexed by the replica ids, ``num_clients = N``). With ``beta =
+``[K, d]`` indexed by the replica ids, ``num_replicas = K``). With ``beta =
 1`` it is error-feedback top-k in the DCT basis (Stich, Cordonnier, Jaggi
 2018); with ``k = s`` every component is sent, ``m_k`` is emptied each
 round, and the round is the uncompressed weighted mean of the ``Delta_k``.
@@ -127,20 +127,20 @@ def dct_top_k(chunk_size: int, k: int) -> compression.Compressor:
   return compression.Compressor(encode, decode, unbiased=False)
 
 
-def demo(chunk_size: int = 64, k: int = 32, beta: float = 0.999,
-         sign: bool = True, num_clients: int | None = None,
+def demo(num_replicas: int, chunk_size: int = 64, k: int = 32,
+         beta: float = 0.999, sign: bool = True,
          seed: int = 0) -> aggregators.Aggregator:
   """DeMo (Peng, Quesnelle, Kingma 2024) as an aggregator (module docstring).
 
   Args:
+    num_replicas: ``K``, DiLoCo's replicas (ids in ``[0, K)``): each keeps
+      its momentum in the aggregator's state, ``[K, d]`` float32.
     chunk_size: ``s``, the DCT's chunk length, an int >= 2 (the paper: 64).
     k: components sent per chunk, an int in ``[1, chunk_size]`` (the
       paper: 32).
     beta: the momentum's decay, in ``[0, 1]`` (the paper: 0.999; 1 is
       plain error feedback, 0 keeps no momentum).
     sign: apply ``sign(Q)`` (the paper's signum update) or ``Q``.
-    num_clients: ``N``, the replicas (DiLoCo's ``num_replicas``): each
-      keeps its momentum in the aggregator's state, ``[N, d]`` float32.
     seed: the first round's shared seed (nothing here is random; kept for
       the compressors' state).
   """
@@ -158,14 +158,13 @@ def demo(chunk_size: int = 64, k: int = 32, beta: float = 0.999,
   if sign not in (False, True):
     raise ValueError(f'{fn}: sign={sign!r} must be True (the paper\'s '
                      'sign(Q)) or False (Q).')
-  if (num_clients is None or isinstance(num_clients, bool)
-      or not isinstance(num_clients, int) or num_clients < 1):
-    raise ValueError(f'{fn}: num_clients={num_clients!r} must be a positive int '
-                     '(the replicas, each keeping its momentum; DiLoCo\'s '
-                     'num_replicas).')
+  if (isinstance(num_replicas, bool) or not isinstance(num_replicas, int)
+      or num_replicas < 1):
+    raise ValueError(f'{fn}: num_replicas={num_replicas!r} must be a positive '
+                     'int (DiLoCo\'s replicas, each keeping its momentum).')
   inner = compression.compressed_mean(
       dct_top_k(chunk_size, k), fn=fn, error_feedback=True,
-      num_clients=num_clients, seed=seed)
+      num_clients=num_replicas, seed=seed)
   beta = float(beta)
 
   def encode(hp, update, w):

@@ -99,7 +99,7 @@ def test_three_replicas_follow_the_numpy_oracle_and_report_the_wire_bits():
   want, momenta, margin, magnitude = demo_oracle(
       data, linreg_params(DIM), rounds, s=s, k=k, beta=beta, sign=True,
       inner_lr=inner_lr, outer_lr=outer_lr, batch_size=batch)
-  agg = demo_lib.demo(chunk_size=s, k=k, beta=beta, num_clients=3)
+  agg = demo_lib.demo(3, chunk_size=s, k=k, beta=beta)
   got, metrics, state = run_diloco(agg, data, rounds, inner_lr, optax.sgd(outer_lr),
                                    batch)
   # Tolerance: float32 against float64 is a chain of float32 sums per round
@@ -181,7 +181,7 @@ def test_k_equal_to_the_chunk_size_is_uncompressed_momentum_sgd():
   DiLoCo's uncompressed mean: under an outer momentum SGD, momentum SGD on
   the outer gradients, three rounds of it against NumPy."""
   data = linreg_data(np.random.default_rng(8), [6, 4, 5], dim=DIM, shift=2.0)
-  agg = demo_lib.demo(chunk_size=4, k=4, beta=0.9, sign=False, num_clients=3)
+  agg = demo_lib.demo(3, chunk_size=4, k=4, beta=0.9, sign=False)
   got, metrics, _ = run_diloco(agg, data, 3, 0.05, optax.sgd(0.5, momentum=0.9), 3)
   want = momentum_diloco_oracle(data, linreg_params(DIM), 3, 0.05, 0.5, 0.9, 3)
   # The same chain of float32 sums as the oracle test, the DCT's included.
@@ -199,10 +199,11 @@ def test_k_equal_to_the_chunk_size_is_uncompressed_momentum_sgd():
     (dict(beta=-0.1), r'beta=-0.1 must be a number in \[0, 1\]'),
     (dict(beta=float('nan')), r'beta=nan must be a number in \[0, 1\]'),
     (dict(sign='yes'), r"sign='yes' must be True"),
-    (dict(num_clients=None), r'num_clients=None must be a positive int'),
-    (dict(num_clients=0), r'num_clients=0 must be a positive int'),
+    (dict(num_replicas=None), r'num_replicas=None must be a positive int'),
+    (dict(num_replicas=0), r'num_replicas=0 must be a positive int'),
+    (dict(num_replicas=2.0), r'num_replicas=2.0 must be a positive int'),
 ])
 def test_errors_name_the_argument_its_value_and_what_is_allowed(kwargs, match):
-  kwargs = {'num_clients': 3, **kwargs}
+  kwargs = {'num_replicas': 3, **kwargs}
   with pytest.raises(ValueError, match=r'^demo: ' + match):
     demo_lib.demo(**kwargs)
