@@ -31,6 +31,7 @@ from fedjx.algorithms import secure_aggregation
 from fedjx.algorithms import dp_ftrl
 from fedjx.algorithms import hypergradients
 from fedjx.algorithms import nonfinite
+from fedjx.algorithms import outer_compression
 from fedjx.algorithms import quantization
 from fedjx.algorithms import schedules
 from fedjx.algorithms import order_statistics
