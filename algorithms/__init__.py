@@ -26,6 +26,7 @@ from fedjx.algorithms import attacks
 from fedjx.algorithms import client_transforms
 from fedjx.algorithms import client_update
 from fedjx.algorithms import compression
+from fedjx.algorithms import demo
 from fedjx.algorithms import distributed_dp
 from fedjx.algorithms import secure_aggregation
 from fedjx.algorithms import dp_ftrl
