@@ -30,18 +30,19 @@ momentum being ``m_k``), so pair it with ``outer_optimizer=optax.sgd(eta)``
 Only the replicas with data update their ``m_k``; a skipped replica keeps
 its momentum as it was, undecayed.
 
-**Sign.** The paper's experiments and its reference implementation take the
-sign of the decoded average (signum), ``Delta = sign(Q)``; that is the
-default here. ``sign=False`` applies ``Q`` itself (Algorithm 1 with
-``x <- x - eta Q``). A coordinate where ``Q`` is exactly 0 (no replica with
-data, or components that cancel) gets ``sign(0) = 0``.
+**Sign.** The paper's reference implementation steps with the sign of the
+decoded average (signSGD), ``Delta = sign(Q)``; that is the default here.
+``sign=False`` applies the average ``Q`` itself (``x <- x - eta Q``). A
+coordinate where ``Q`` is exactly 0 (no replica with data, or components
+that cancel) gets ``sign(0) = 0``.
 
 **Chunks.** The paper chunks each tensor along each of its axes (``s x s``
 blocks of a matrix, so ``k`` of ``s^2`` components there); here the update
 is flattened (``ravel_pytree``, leaves in key order) and cut into 1-D
-chunks of ``s``, so ``k`` of ``s`` components. The paper's ``s = 64``, ``k
-= 32``, ``beta = 0.999`` are the defaults; for the density of its 2-D
-chunks (``32 / 4096``) give ``chunk_size=4096``.
+chunks of ``s``, so ``k`` of ``s`` components. The reference
+implementation's ``s = 64``, ``k = 32``, ``beta = 0.999`` are the
+defaults; for the density of its 2-D chunks (``32 / 4096``) give
+``chunk_size=4096``.
 
 **Message and bits.** With ``d`` coordinates, ``c = ceil(d / s)`` chunks and
 ``w = ceil(log2 s)``, replica ``k`` sends ``c k`` float32 values and ``c k``
