@@ -11,14 +11,21 @@ decoded messages and the bit accounting (``upload_bits``,
 
 **Statistical quantization** (:func:`statistical_levels`), the ``b``-bit
 quantizer both use, applied to a vector ``v`` of ``m`` values: with ``mu``
-and ``sigma`` the mean and (population) standard deviation of ``v``,
-``L = 2^b`` bins of width ``w = 2 r sigma / L`` cover ``[mu - r sigma,
-mu + r sigma]``; value ``v_j`` gets the code ``c_j = clip(floor((v_j - mu
-+ r sigma) / w), 0, L - 1)`` and decodes to ``lookup[c_j]``, the mean of
-the values of its bin (the bin's centre when it is empty). Sent: the codes
-packed ``b`` bits each and the ``L`` float32 entries of ``lookup``. It is
-deterministic and biased (``Compressor.unbiased`` is False), so error
-feedback is allowed.
+the mean of ``v``, ``c = v - mu``, ``sigma = ||c|| / sqrt(m - 1)`` and
+``L = 2^b``, the step is ``s = r sigma / L`` (``r = range_sigmas``);
+value ``v_j`` gets the code ``q_j = clip(round(c_j / s + L / 2), 0, L - 1)``
+and decodes to ``mu + lookup[q_j]``, ``lookup[i]`` the mean of the ``c_j``
+coded ``i`` (0 for a code no value has). The codes' cells are ``s`` wide
+around ``(i - L / 2) s``, the end cells open (for ``L = 4``: below
+``-1.5 s``, ``[-1.5 s, -0.5 s)``, ``[-0.5 s, 0.5 s)``, from ``0.5 s`` up).
+Sent: the codes packed ``b`` bits each, the ``L`` float32 entries of
+``lookup`` and ``mu`` (float32). This is the statistical ("uniform
+buckets") quantization of the open implementations of DiLoCo-style
+training (hivemind's; the compressor released with SparseLoCo: a range in
+standard deviations, a table of bucket means); ``r = 6`` is a choice (the
+value a released 2-bit use of it takes), not a number in either paper's
+text. It is deterministic and biased
+(``Compressor.unbiased`` is False), so error feedback is allowed.
 
 **SparseLoCo** (:func:`sparseloco`; Sarfi, Thérien, Lidin, Belilovsky,
 "Communication Efficient LLM Pre-training with SparseLoCo", 2025, arXiv
@@ -37,10 +44,11 @@ per message. The outer optimizer is plain SGD (no momentum): pass DiLoCo
 Bits per replica, ``n_c = ceil(d / chunk_size)`` chunks and ``m = n_c k``
 kept values, ``w_i = max(1, ceil(log2 chunk_size))``::
 
-    upload_bits = 32 ceil(m w_i / 32) + 32 ceil(m bits / 32) + 32 2^bits
+    upload_bits = 32 ceil(m w_i / 32) + 32 ceil(m bits / 32) + 32 (2^bits + 1)
 
 (indices within their chunk packed ``w_i`` bits each, codes packed ``bits``
-each, the lookup table; words of 32 bits, as every packed message here).
+each, the lookup table and ``mu``; words of 32 bits, as every packed
+message here).
 
 **MuLoCo-style 2-bit error feedback** (:func:`muloco_quantized`; Thérien,
 Huang, Rish, Belilovsky, "MuLoCo: Muon is a practical inner optimizer for
@@ -50,7 +58,7 @@ e_k)`` over the whole flattened outer gradient and keeps ``e_k <- Delta_k
 by default, as in the paper). The inner optimizer is Muon
 (:func:`muon_inner_optimizer`, ``optax.contrib.muon``). Bits per replica::
 
-    upload_bits = 32 ceil(d bits / 32) + 32 2^bits
+    upload_bits = 32 ceil(d bits / 32) + 32 (2^bits + 1)
 
 A replica that is skipped or has no data keeps its residual unchanged
 (``compressed_mean``), and, for SparseLoCo, undecayed.
@@ -94,8 +102,8 @@ def _check_int(fn: str, name: str, value: Any, allowed: tuple[int, ...] | None,
 def _check_quantizer(fn: str, bits: Any, range_sigmas: Any) -> None:
   _check_int(fn, 'bits', bits, _BITS)
   _check_real(fn, 'range_sigmas', range_sigmas, 0.0, None,
-              'it must be a finite number > 0 (the half-width of the '
-              'quantized range, in standard deviations)')
+              'it must be a finite number > 0 (the step is range_sigmas '
+              'sigma / 2^bits)')
   if range_sigmas == 0:
     raise ValueError(f'{fn}: range_sigmas=0 is not allowed; it must be a '
                      'finite number > 0.')
@@ -104,21 +112,36 @@ def _check_quantizer(fn: str, bits: Any, range_sigmas: Any) -> None:
 # -------------------------------------------------------------- quantizer
 
 def statistical_quantize(v: jax.Array, bits: int, range_sigmas: float
-                         ) -> tuple[jax.Array, jax.Array]:
-  """``(codes [m] int32, lookup [2^bits] float32)`` of ``v`` (module docstring)."""
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(codes [m] int32, lookup [2^bits] float32, shift float32)`` of ``v``.
+
+  Module docstring: ``c = v - mu``, ``s = r sigma / L``, ``code =
+  clip(round(c / s + L / 2), 0, L - 1)``, ``lookup[j]`` the mean of the
+  ``c`` coded ``j`` (0 for none), ``shift = mu``.
+  """
   levels = 2 ** bits
   v = v.astype(jnp.float32)
+  m = v.shape[0]
   mu = jnp.mean(v)
-  sigma = jnp.sqrt(jnp.mean(jnp.square(v - mu)))
-  lo = mu - range_sigmas * sigma
-  width = 2.0 * range_sigmas * sigma / levels
-  safe = jnp.where(width > 0, width, 1.0)
-  codes = jnp.clip(jnp.floor((v - lo) / safe), 0, levels - 1).astype(jnp.int32)
-  sums = jnp.zeros((levels,), jnp.float32).at[codes].add(v)
+  c = v - mu
+  sigma = jnp.sqrt(jnp.sum(jnp.square(c)) / max(m - 1, 1)) if m > 1 else jnp.float32(0)
+  scale = range_sigmas * sigma / levels
+  scale = jnp.where((scale > 0) & jnp.isfinite(scale), scale, 1.0)
+  codes = jnp.clip(jnp.round(c / scale + levels // 2), 0, levels - 1).astype(jnp.int32)
+  sums = jnp.zeros((levels,), jnp.float32).at[codes].add(c)
   counts = jnp.zeros((levels,), jnp.float32).at[codes].add(1.0)
-  centres = lo + (jnp.arange(levels, dtype=jnp.float32) + 0.5) * width
-  lookup = jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), centres)
-  return codes, lookup
+  lookup = jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), 0.0)
+  return codes, lookup, mu
+
+
+def _quantized(codes, lookup, mu, bits) -> compression.Message:
+  return {'codes': compression.pack_bits(codes, bits), 'lookup': lookup,
+          'shift': jnp.reshape(mu, (1,)).astype(jnp.float32)}
+
+
+def _dequantized(m: compression.Message, bits: int, count: int) -> jax.Array:
+  codes = compression.unpack_bits(m['codes'], bits, count).astype(jnp.int32)
+  return m['lookup'][codes] + m['shift'][0]
 
 
 def statistical_levels(bits: int = 2, range_sigmas: float = 6.0
@@ -126,20 +149,19 @@ def statistical_levels(bits: int = 2, range_sigmas: float = 6.0
   """The ``bits``-bit statistical quantizer of a whole vector (module docstring).
 
   Message: ``{'codes': uint32 [ceil(d bits / 32)], 'lookup': float32
-  [2^bits]}``; ``upload_bits = 32 ceil(d bits / 32) + 32 2^bits``.
+  [2^bits], 'shift': float32 [1]}``; ``upload_bits = 32 ceil(d bits / 32)
+  + 32 (2^bits + 1)``.
   """
   _check_quantizer('statistical_levels', bits, range_sigmas)
 
   def encode(key, x):
     del key
-    codes, lookup = statistical_quantize(x, bits, range_sigmas)
-    return compression._counted({'codes': compression.pack_bits(codes, bits),
-                                 'lookup': lookup})
+    return compression._counted(
+        _quantized(*statistical_quantize(x, bits, range_sigmas), bits))
 
   def decode(key, m, n):
     del key
-    codes = compression.unpack_bits(m['codes'], bits, n).astype(jnp.int32)
-    return m['lookup'][codes]
+    return _dequantized(m, bits, n)
 
   return compression.Compressor(encode, decode, unbiased=False)
 
@@ -158,7 +180,8 @@ def chunked_top_k(k: int, chunk_size: int, bits: int = 2,
   ``k`` largest ``|x_j|`` of each are kept (``jax.lax.top_k``), their
   ``m = n_c k`` values quantized by :func:`statistical_quantize` (one table).
   Message: ``{'indices': uint32 [ceil(m w_i / 32)], 'codes': uint32
-  [ceil(m bits / 32)], 'lookup': float32 [2^bits]}``, ``w_i =``
+  [ceil(m bits / 32)], 'lookup': float32 [2^bits], 'shift': float32 [1]}``,
+  ``w_i =``
   :func:`index_bits` ``(chunk_size)``.
   """
   width = index_bits(chunk_size)
@@ -170,21 +193,18 @@ def chunked_top_k(k: int, chunk_size: int, bits: int = 2,
     blocks = jnp.pad(x, (0, chunks * chunk_size - n)).reshape(chunks, chunk_size)
     _, index = jax.lax.top_k(jnp.abs(blocks), k)
     values = jnp.take_along_axis(blocks, index, axis=1).reshape(-1)
-    codes, lookup = statistical_quantize(values, bits, range_sigmas)
-    return compression._counted({
-        'indices': compression.pack_bits(index.reshape(-1), width),
-        'codes': compression.pack_bits(codes, bits),
-        'lookup': lookup})
+    message = _quantized(*statistical_quantize(values, bits, range_sigmas), bits)
+    message['indices'] = compression.pack_bits(index.reshape(-1), width)
+    return compression._counted(message)
 
   def decode(key, m, n):
     del key
     chunks = -(-n // chunk_size)
     count = chunks * k
     index = compression.unpack_bits(m['indices'], width, count).astype(jnp.int32)
-    codes = compression.unpack_bits(m['codes'], bits, count).astype(jnp.int32)
     rows = jnp.repeat(jnp.arange(chunks, dtype=jnp.int32), k)
     dense = jnp.zeros((chunks, chunk_size), jnp.float32).at[
-        rows, index].set(m['lookup'][codes])
+        rows, index].set(_dequantized(m, bits, count))
     return dense.reshape(-1)[:n]
 
   return compression.Compressor(encode, decode, unbiased=False)
@@ -196,12 +216,12 @@ def sparseloco_upload_bits(d: int, k: int, chunk_size: int, bits: int = 2) -> in
   """SparseLoCo's bits per replica for ``d`` coordinates (module docstring)."""
   m = -(-d // chunk_size) * k
   return (32 * -(-m * index_bits(chunk_size) // 32) + 32 * -(-m * bits // 32)
-          + 32 * 2 ** bits)
+          + 32 * (2 ** bits + 1))
 
 
 def muloco_upload_bits(d: int, bits: int = 2) -> int:
   """MuLoCo-style quantization's bits per replica for ``d`` coordinates."""
-  return 32 * -(-d * bits // 32) + 32 * 2 ** bits
+  return 32 * -(-d * bits // 32) + 32 * (2 ** bits + 1)
 
 
 def sparseloco(num_replicas: int, k: int = 64, chunk_size: int = 4096,
@@ -218,7 +238,7 @@ def sparseloco(num_replicas: int, k: int = 64, chunk_size: int = 4096,
     beta: the accumulator's decay, ``e_k <- beta e_k + Delta_k``; the
       paper's 0.95.
     bits: bits per kept value (the paper's 2).
-    range_sigmas: the quantized range ``mu +- range_sigmas sigma``.
+    range_sigmas: ``r``, the step ``r sigma / 2^bits`` (default 6).
     seed: the shared seed (unused by this deterministic compressor, kept
       for the protocol).
 
@@ -256,12 +276,12 @@ def muloco_quantized(num_replicas: int, bits: int = 2, range_sigmas: float = 6.0
 
   Thérien et al. 2025, arXiv 2505.23725: ``m_k = Q(Delta_k + e_k)``,
   ``e_k <- Delta_k + e_k - m_k``, ``bits`` per coordinate (the paper's 2)
-  and a ``2^bits``-entry float32 table.
+  a ``2^bits``-entry float32 table and the mean.
 
   Args:
     num_replicas: ``K``, DiLoCo's ``num_replicas``.
     bits: bits per coordinate.
-    range_sigmas: the quantized range ``mu +- range_sigmas sigma``.
+    range_sigmas: ``r``, the step ``r sigma / 2^bits`` (default 6).
     seed: the shared seed (unused by this deterministic compressor).
   """
   fn = 'muloco_quantized'

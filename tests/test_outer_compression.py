@@ -59,17 +59,19 @@ def _inner_np(theta, data):
 
 
 def _quantize_np(v, bits=2, r=6.0):
+  """Statistical quantization (module docstring) in float64."""
   levels = 2 ** bits
-  mu, sigma = v.mean(), v.std()
-  lo, width = mu - r * sigma, 2 * r * sigma / levels
-  pos = (v - lo) / width
-  inside = (pos > 0) & (pos < levels)
-  frac = np.abs(pos - np.round(pos))
-  assert np.all(frac[inside] > MARGIN), 'a value lies on a bin boundary'
-  codes = np.clip(np.floor(pos), 0, levels - 1).astype(int)
-  lookup = np.array([v[codes == c].mean() if np.any(codes == c)
-                     else lo + (c + 0.5) * width for c in range(levels)])
-  return lookup[codes]
+  mu = v.mean()
+  c = v - mu
+  scale = r * np.sqrt(np.sum(c ** 2) / (len(v) - 1)) / levels
+  pos = c / scale + levels // 2
+  # Cells meet at the half-integers 0.5 .. L - 1.5 of pos.
+  edges = np.arange(levels - 1) + 0.5
+  assert np.min(np.abs(pos[:, None] - edges)) > MARGIN, 'a value on a cell edge'
+  codes = np.clip(np.round(pos), 0, levels - 1).astype(int)
+  lookup = np.array([c[codes == i].mean() if np.any(codes == i) else 0.0
+                     for i in range(levels)])
+  return mu + lookup[codes]
 
 
 def _top_k_np(e, k, chunk):
@@ -144,9 +146,9 @@ def test_sparseloco_matches_the_papers_algorithm_and_counts_its_bits():
                              rtol=2 * N_TERMS * 2 ** -24,
                              atol=2 * N_TERMS * 2 ** -24 * np.abs(e).max())
   # m = 2 chunks x 2 = 4 values: 4 indices of 2 bits and 4 codes of 2 bits
-  # (a word each), 4 float32 lookup entries.
+  # (a word each), 4 float32 lookup entries and the float32 mean.
   bits = oc.sparseloco_upload_bits(8, k, chunk)
-  assert bits == 32 + 32 + 4 * 32
+  assert bits == 32 + 32 + 5 * 32
   assert float(metrics['upload_bits']) == bits
   assert float(metrics['communicated_bytes']) == 3 * bits / 8
 
@@ -163,7 +165,7 @@ def test_muloco_quantized_matches_its_oracle_and_counts_its_bits():
                              rtol=2 * N_TERMS * 2 ** -24,
                              atol=2 * N_TERMS * 2 ** -24 * np.abs(e).max())
   bits = oc.muloco_upload_bits(8)
-  assert bits == 32 + 4 * 32  # 8 codes of 2 bits in one word, the table
+  assert bits == 32 + 5 * 32  # 8 codes of 2 bits in a word, the table, the mean
   assert float(metrics['upload_bits']) == bits
   assert float(metrics['communicated_bytes']) == 3 * bits / 8
 
@@ -178,14 +180,14 @@ def test_the_message_bits_equal_the_formula(d, k, chunk, bits):
   m = math.ceil(d / chunk) * k
   w = math.ceil(math.log2(chunk))
   expect = (32 * math.ceil(m * w / 32) + 32 * math.ceil(m * bits / 32)
-            + 32 * 2 ** bits)
+            + 32 * (2 ** bits + 1))
   encode = oc.chunked_top_k(k, chunk, bits).encode
   message = jax.eval_shape(lambda v: encode(None, v)[0], x)
   assert compression.representation_bits(message) == expect
   assert oc.sparseloco_upload_bits(d, k, chunk, bits) == expect
   encode = oc.statistical_levels(bits).encode
   message = jax.eval_shape(lambda v: encode(None, v)[0], x)
-  expect = 32 * math.ceil(d * bits / 32) + 32 * 2 ** bits
+  expect = 32 * math.ceil(d * bits / 32) + 32 * (2 ** bits + 1)
   assert compression.representation_bits(message) == expect
   assert oc.muloco_upload_bits(d, bits) == expect
 
