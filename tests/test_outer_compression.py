@@ -13,6 +13,7 @@ from fedjx.algorithms import compression
 from fedjx.algorithms import outer_compression as oc
 from test_algorithms_util import KEY, assert_trees_close, linreg_data
 from test_algorithms_util import linreg_loss, linreg_params, make_cohort
+from test_compression import aggregate
 
 SIZES = [8, 4, 8]  # Three replicas; batches of 4: 2, 1 and 2 real steps.
 DIM = 7            # d = 8 coordinates: b, then w (ravel order of the dict).
@@ -168,6 +169,36 @@ def test_muloco_quantized_matches_its_oracle_and_counts_its_bits():
   assert bits == 32 + 5 * 32  # 8 codes of 2 bits in a word, the table, the mean
   assert float(metrics['upload_bits']) == bits
   assert float(metrics['communicated_bytes']) == 3 * bits / 8
+
+
+def test_sparseloco_decays_only_the_accumulators_of_replicas_with_data():
+  """One combine over replicas [3, 1, 0] of 4 from nonzero accumulators,
+  replica 0 without data: it keeps its accumulator as it was (undecayed);
+  the others follow ``e <- beta e + Delta - m`` and the mean is that of
+  their two messages."""
+  rng = np.random.default_rng(21)
+  k, chunk, beta = 2, 4, 0.5
+  agg = oc.sparseloco(4, k=k, chunk_size=chunk, beta=beta)
+  ids = jnp.asarray([3, 1, 0], jnp.int32)
+  w = jnp.asarray([1.0, 1.0, 0.0])
+  u = rng.normal(size=(3, 6)).astype(np.float32)
+  e = rng.normal(size=(4, 6)).astype(np.float32)
+  state = agg.init(jnp.zeros(6))._replace(residual=jnp.asarray(e))
+  mean, state, _ = aggregate(agg, jnp.asarray(u), w, ids, state)
+  e = e.astype(np.float64)
+  sent = []
+  for i, rid in enumerate(np.asarray(ids)[:2]):
+    a = beta * e[rid] + u[i]
+    m = _top_k_np(a, k, chunk)
+    e[rid] = a - m
+    sent.append(m)
+  # Float32 sums of at most 4 terms (the kept values' mean and variance, a
+  # bucket), then the accumulator's 3 terms: n = 7 (float_tolerance).
+  tol = 2 * 7 * 2 ** -24
+  np.testing.assert_allclose(np.asarray(mean), np.mean(sent, 0), rtol=tol,
+                             atol=tol * np.abs(sent).max())
+  np.testing.assert_allclose(np.asarray(state.residual), e, rtol=tol,
+                             atol=tol * (np.abs(u).max() + np.abs(e).max()))
 
 
 @pytest.mark.parametrize('d,k,chunk,bits', [(5000, 64, 4096, 2),
