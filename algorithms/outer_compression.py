@@ -24,8 +24,8 @@ buckets") quantization of the open implementations of DiLoCo-style
 training (hivemind's; the compressor released with SparseLoCo: a range in
 standard deviations, a table of bucket means); ``r = 6`` is a choice (the
 value a released 2-bit use of it takes), not a number in either paper's
-text. It is deterministic and biased
-(``Compressor.unbiased`` is False), so error feedback is allowed.
+text. It is deterministic and biased (``Compressor.unbiased`` is False),
+so error feedback is allowed.
 
 **SparseLoCo** (:func:`sparseloco`; Sarfi, Thérien, Lidin, Belilovsky,
 "Communication Efficient LLM Pre-training with SparseLoCo", 2025, arXiv
@@ -40,7 +40,8 @@ text. It is deterministic and biased
 coordinates (the last zero-padded) and keeps the ``k`` largest magnitudes
 of each; ``Q`` quantizes the kept values to ``bits`` with one lookup table
 per message. The outer optimizer is plain SGD (no momentum): pass DiLoCo
-``outer_momentum=0.0`` (or ``outer_optimizer=optax.sgd(alpha)``).
+``outer_momentum=0.0`` (or ``outer_optimizer=optax.sgd(alpha)``); the
+paper's ``1 / R`` mean is DiLoCo's ``weighting='uniform'``.
 Bits per replica, ``n_c = ceil(d / chunk_size)`` chunks and ``m = n_c k``
 kept values, ``w_i = max(1, ceil(log2 chunk_size))``::
 
@@ -134,6 +135,11 @@ def statistical_quantize(v: jax.Array, bits: int, range_sigmas: float
   return codes, lookup, mu
 
 
+def _counted(message: compression.Message
+             ) -> tuple[compression.Message, jax.Array]:
+  return message, jnp.float32(compression.representation_bits(message))
+
+
 def _quantized(codes, lookup, mu, bits) -> compression.Message:
   return {'codes': compression.pack_bits(codes, bits), 'lookup': lookup,
           'shift': jnp.reshape(mu, (1,)).astype(jnp.float32)}
@@ -156,7 +162,7 @@ def statistical_levels(bits: int = 2, range_sigmas: float = 6.0
 
   def encode(key, x):
     del key
-    return compression._counted(
+    return _counted(
         _quantized(*statistical_quantize(x, bits, range_sigmas), bits))
 
   def decode(key, m, n):
@@ -195,7 +201,7 @@ def chunked_top_k(k: int, chunk_size: int, bits: int = 2,
     values = jnp.take_along_axis(blocks, index, axis=1).reshape(-1)
     message = _quantized(*statistical_quantize(values, bits, range_sigmas), bits)
     message['indices'] = compression.pack_bits(index.reshape(-1), width)
-    return compression._counted(message)
+    return _counted(message)
 
   def decode(key, m, n):
     del key
