@@ -57,6 +57,10 @@ AGGREGATORS: dict[str, Callable[..., aggregators.Aggregator]] = {
     **{name: getattr(algorithms.compression, name) for name in (
         'stochastic_quantization', 'eden', 'drive', 'qsgd', 'terngrad',
         'sign_majority', 'top_k', 'random_k', 'uncompressed')},
+    # Compressed outer steps of DiLoCo (per-replica state: num_replicas).
+    'sparseloco': algorithms.outer_compression.sparseloco,
+    'muloco_quantized': algorithms.outer_compression.muloco_quantized,
+    'demo': algorithms.demo.demo,
     'secure_sum': algorithms.secure_sum,
     'distributed_skellam': algorithms.distributed_skellam,
     'local_gaussian': algorithms.local_gaussian,

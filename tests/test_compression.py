@@ -526,6 +526,8 @@ WIRE_SPECS = {
     'top_k': dict(k=2, num_clients=3), 'random_k': dict(k=2, num_clients=3),
     'secure_sum': dict(bits=20), 'distributed_skellam': dict(bits=16,
                                                              clients_per_round=3),
+    'sparseloco': dict(num_replicas=3, k=2, chunk_size=4),
+    'muloco_quantized': dict(num_replicas=3), 'demo': dict(num_replicas=3, chunk_size=4, k=2),
 }
 def test_every_wire_bits_aggregator_is_listed():
   wire = []
