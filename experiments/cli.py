@@ -639,7 +639,7 @@ def _plain_modules() -> tuple[type[BaseException], ...]:
                  ('fedjx.experiments.workdir', 'WorkdirError'),
                  ('fedjx.experiments.checkpointing', 'CheckpointError'),
                  ('fedjx.experiments.config', 'ConfigError'),
-                 ('fedjx.experiments.sweep_spec', 'SweepError'))
+                 ('fedjx.experiments.sweeps.spec', 'SweepError'))
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

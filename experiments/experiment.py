@@ -7,7 +7,7 @@ evaluator, and what decides each round's clients (``config.sampling`` and
 its privacy accounting plan, ``config.systems``'s system model, or an
 asynchronous algorithm's schedule). Nothing here trains or writes; the
 runner (:mod:`fedjx.experiments.runner`) and the sweep
-(:mod:`fedjx.experiments.sweep`) drive the rounds.
+(:mod:`fedjx.experiments.sweeps.run`) drive the rounds.
 """
 
 from __future__ import annotations

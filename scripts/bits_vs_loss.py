@@ -270,7 +270,9 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument('--out', default='docs/bits_vs_loss')
   parser.add_argument('--step-seconds', type=float, default=0.01,
                       help='one replica\'s inner step, for the simulated clock')
-  parser.add_argument('--gbps', type=float, nargs='+', default=[1.0, 100.0])
+  parser.add_argument('--gbps', type=float, nargs='+', default=[0.1, 10.0],
+                      help='ring bandwidths, Gbit/s (a 43k-parameter model: at 100 '
+                      'Gbit/s every arm is compute-bound)')
   parser.add_argument('--arms', nargs='*', help='names of arms to keep (default all)')
   args = parser.parse_args(argv)
   arms = [a for a in ARMS if not args.arms or a['name'] in args.arms]

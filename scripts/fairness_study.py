@@ -21,12 +21,12 @@
   updates; the held-out accuracy at equal simulated time. ``fedjx-sweep``
   refuses asynchronous algorithms, so these are separate runs.
 
-The synchronous ones run as sweeps (``fedjx.experiments.sweep.run_sweep``,
-the engine of ``fedjx-sweep``; every trial of a grid in one compiled
-program), seeds 0, 1, 2; each trial's final state is read back with
-``sweep.load_trial_state``. Prints one JSON line per trial and a markdown
-table per study (mean ± sample sd over seeds), written to
-``WORKDIR/<study>.md``.
+The synchronous ones run as sweeps
+(``fedjx.experiments.sweeps.run.run_sweep``, the engine of ``fedjx-sweep``;
+every trial of a grid in one compiled program), seeds 0, 1, 2; each trial's
+final state is read back with ``run.load_trial_state``. Prints one JSON line
+per trial and a markdown table per study (mean ± sample sd over seeds),
+written to ``WORKDIR/<study>.md``.
 """
 
 from __future__ import annotations
@@ -61,11 +61,11 @@ def _config(name: str, **overrides):
 
 
 def _sweep(workdir, config, settings):
-  from fedjx.experiments import sweep  # pylint: disable=g-import-not-at-top
-  result = sweep.run_sweep(config, workdir, settings, SEEDS)
+  from fedjx.experiments.sweeps import run  # pylint: disable=g-import-not-at-top
+  result = run.run_sweep(config, workdir, settings, SEEDS)
   out = []
   for trial in result.trials:
-    state, _ = sweep.load_trial_state(workdir, trial.name)
+    state, _ = run.load_trial_state(workdir, trial.name)
     with open(os.path.join(workdir, 'trials', trial.name, 'config.json')) as f:
       out.append((trial.name, json.load(f), state.params))
   return out

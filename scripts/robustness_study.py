@@ -220,15 +220,15 @@ def main() -> None:
   os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', cache)
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
-  from fedjx.experiments import sweep  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments.sweeps import run  # pylint: disable=g-import-not-at-top
   seeds = [int(s) for s in args.seeds.split(',')]
   rows: list[dict] = []
   for row in args.attacks.split(','):
     workdir = os.path.join(args.workdir, row)
     t0 = time.perf_counter()
     if not args.report_only:
-      sweep.run_sweep(base_config(ATTACKS[row], args.rounds), workdir,
-                      cells(with_zero(row)), seeds, log=lambda m: None)
+      run.run_sweep(base_config(ATTACKS[row], args.rounds), workdir,
+                    cells(with_zero(row)), seeds, log=lambda m: None)
     cmd = command(row, args.workdir, args.seeds, with_zero(row), args.rounds)
     rows += read_trials(workdir, row, cmd)
     print(json.dumps({'attack': row, 'seconds': round(time.perf_counter() - t0, 1),

@@ -22,7 +22,7 @@ def _stopped(signum, frame):
 
 if __name__ == '__main__':
   for s in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(s, _stopped)  # sweep_cli.main installs its own next.
-  from fedjx.experiments import sweep_cli  # pylint: disable=g-import-not-at-top
-  sweep_cli.main()
+    signal.signal(s, _stopped)  # The command line installs its own next.
+  from fedjx.experiments.sweeps import cli  # pylint: disable=g-import-not-at-top
+  cli.main()
   sys.exit(0)

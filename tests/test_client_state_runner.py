@@ -331,12 +331,12 @@ def test_a_round_redone_guarded_writes_its_rows_once(tmp_path):
 
 
 def test_a_sweep_refuses_an_algorithm_whose_rows_live_only_in_a_store():
-  from fedjx.experiments import sweep_plan  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments.sweeps import plan  # pylint: disable=import-outside-toplevel
   config = _config()
   config.algorithm = dict(name='fedrep')
   with pytest.raises(config_schema.ConfigError,
                      match=r"^fedjx-sweep: algorithm 'fedrep' keeps per-client state"):
-    sweep_plan.build_trial(config_schema.validate(config))
+    plan.build_trial(config_schema.validate(config))
 
 
 def test_a_streamed_store_backed_run_equals_the_compiled_run_rows_included(

@@ -9,7 +9,7 @@ from tqdm import auto as tqdm_auto
 from fedjx.experiments import config_base
 from fedjx.experiments import loop
 from fedjx.experiments import runner
-from fedjx.experiments import sweep
+from fedjx.experiments.sweeps import run
 
 
 def small_config(rounds):
@@ -75,11 +75,11 @@ def test_a_resumed_sweep_s_bar_starts_at_the_rounds_done(tmp_path, bars, capsys)
   workdir = str(tmp_path / 'sweep')
   # Two groups (one setting each) of 2 rounds, then the same sweep resumed
   # to 4 rounds: 4 of its 8 rounds are done when it starts.
-  sweep.run_sweep(small_config(2), workdir, settings, (0,), settings_per_program=1)
+  run.run_sweep(small_config(2), workdir, settings, (0,), settings_per_program=1)
   first = bars[-1]
   assert (first.initial_n, first.n, first.total) == (0, 4, 4)
   capsys.readouterr()
-  sweep.run_sweep(small_config(4), workdir, settings, (0,), settings_per_program=1)
+  run.run_sweep(small_config(4), workdir, settings, (0,), settings_per_program=1)
   resumed = bars[-1]
   assert (resumed.initial_n, resumed.n, resumed.total) == (4, 8, 8)
   err = capsys.readouterr().err

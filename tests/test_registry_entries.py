@@ -155,7 +155,7 @@ def test_the_traits_of_the_shipped_entries():
 
 def test_adding_an_algorithm_is_one_entry(register):
   from fedjx.experiments import config as config_schema  # pylint: disable=import-outside-toplevel
-  from fedjx.experiments import sweep  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments.sweeps import run  # pylint: disable=import-outside-toplevel
   entry = registry.AlgorithmEntry(_forwarding, asynchronous=True,
                                   updates_reach_params=True, forwards_to='fedavg')
   register('mine', entry)
@@ -179,8 +179,8 @@ def test_adding_an_algorithm_is_one_entry(register):
        'model': {'name': 'mlp'}, 'cohort_size': 4})
   with pytest.raises(registry.ConfigError, match='concurrency=2 is less than'):
     config_schema.check_asynchronous(config, 'mine', {'concurrency': 2})
-  with pytest.raises(sweep.SweepError, match="'mine' is asynchronous"):
-    sweep._check_synchronous(config)  # pylint: disable=protected-access
+  with pytest.raises(run.SweepError, match="'mine' is asynchronous"):
+    run._check_synchronous(config)  # pylint: disable=protected-access
   registry.ALGORITHMS.pop('mine')
   assert not registry.is_asynchronous('mine') and registry.forwarded_name('mine') is None
   registry.ALGORITHMS['mine'] = entry  # The fixture removes it again.

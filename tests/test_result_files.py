@@ -8,7 +8,7 @@ import pytest
 
 from fedjx.experiments import checkpointing
 from fedjx.experiments import metrics_writers
-from fedjx.experiments import sweep_summary
+from fedjx.experiments.sweeps import summary
 
 
 def _mode(path):
@@ -26,7 +26,7 @@ def test_result_files_follow_the_umask(tmp_path, umask, mode):
       writer = metrics_writers.make_writer(str(tmp_path), fmt, tensorboard=False)
       writer.write(1, {'loss': 0.5})
       writer.close()
-    sweep_summary._write_csv(str(tmp_path / 'summary.csv'), [{'a': 1}])  # pylint: disable=protected-access
+    summary._write_csv(str(tmp_path / 'summary.csv'), [{'a': 1}])  # pylint: disable=protected-access
     ckpt = checkpointing.Checkpointer(str(tmp_path / 'checkpoints'))
     try:
       ckpt.save(1, {'w': [1.0, 2.0]}, {'step': 1})

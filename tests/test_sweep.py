@@ -18,11 +18,11 @@ from fedjx.experiments import experiment
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import run_trainer
 from fedjx.experiments import runner
-from fedjx.experiments import sweep
-from fedjx.experiments import sweep_round
-from fedjx.experiments import sweep_spec
-from fedjx.experiments import sweep_summary
 from fedjx.experiments import workdir_lock
+from fedjx.experiments.sweeps import group_round
+from fedjx.experiments.sweeps import run
+from fedjx.experiments.sweeps import spec
+from fedjx.experiments.sweeps import summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +56,7 @@ def small_config(**changes):
 
 
 def trial_params(workdir, trial):
-  state, _ = sweep.load_trial_state(str(workdir), trial.name)
+  state, _ = run.load_trial_state(str(workdir), trial.name)
   return jax.device_get(state.params)
 
 
@@ -66,25 +66,25 @@ def assert_trees_close(a, b):
 
 
 def test_axis_and_seed_parsing():
-  axis = sweep_spec.parse_axis('config.algorithm.server_learning_rate=0.01,1e-1,(1,2)')
+  axis = spec.parse_axis('config.algorithm.server_learning_rate=0.01,1e-1,(1,2)')
   assert axis.path == 'algorithm.server_learning_rate'
   assert axis.values == (0.01, 0.1, (1, 2))
-  rand = sweep_spec.parse_axis('algorithm.b1=loguniform(1e-3, 1)')
+  rand = spec.parse_axis('algorithm.b1=loguniform(1e-3, 1)')
   assert (rand.distribution, rand.arguments) == ('loguniform', (1e-3, 1.0))
-  assert sweep_spec.parse_seeds('0-2,7') == (0, 1, 2, 7)
+  assert spec.parse_seeds('0-2,7') == (0, 1, 2, 7)
   for bad in ('algorithm.x', 'algorithm.x=', '1x=2', 'seed=1,2', 'a=1,1',
               'a=loguniform(0,1)', 'a=uniform(2,1)', 'a=uniform(1)'):
-    with pytest.raises(sweep_spec.SweepError):
-      sweep_spec.parse_axis(bad)
+    with pytest.raises(spec.SweepError):
+      spec.parse_axis(bad)
   for bad in ('', 'a', '1,1', '-1'):
-    with pytest.raises(sweep_spec.SweepError):
-      sweep_spec.parse_seeds(bad)
+    with pytest.raises(spec.SweepError):
+      spec.parse_seeds(bad)
 
 
 def test_short_names():
-  assert sweep_spec.short_names(['algorithm.client_optimizer.learning_rate',
-                                 'algorithm.server_learning_rate', 'batch_size',
-                                 'model.hidden', 'dataset.hidden']) == {
+  assert spec.short_names(['algorithm.client_optimizer.learning_rate',
+                           'algorithm.server_learning_rate', 'batch_size',
+                           'model.hidden', 'dataset.hidden']) == {
       'algorithm.client_optimizer.learning_rate': 'client_optimizer.learning_rate',
       'algorithm.server_learning_rate': 'server_learning_rate',
       'batch_size': 'batch_size', 'model.hidden': 'model.hidden',
@@ -92,17 +92,17 @@ def test_short_names():
 
 
 def test_grid_and_random_settings():
-  grid = sweep_spec.settings([sweep_spec.parse_axis('a=1,2'),
-                              sweep_spec.parse_axis('b.c=x,y,z')])
+  grid = spec.settings([spec.parse_axis('a=1,2'),
+                        spec.parse_axis('b.c=x,y,z')])
   assert grid == [{'a': a, 'b.c': c} for a in (1, 2) for c in 'xyz']
-  axes = [sweep_spec.parse_axis('a=loguniform(1e-3,1)'), sweep_spec.parse_axis('b=3,4')]
-  draws = sweep_spec.settings(axes, num_samples=20, sample_seed=5)
-  assert draws == sweep_spec.settings(axes, num_samples=20, sample_seed=5)
+  axes = [spec.parse_axis('a=loguniform(1e-3,1)'), spec.parse_axis('b=3,4')]
+  draws = spec.settings(axes, num_samples=20, sample_seed=5)
+  assert draws == spec.settings(axes, num_samples=20, sample_seed=5)
   assert all(1e-3 <= d['a'] <= 1 and d['b'] in (3, 4) for d in draws)
   logs = np.log10([d['a'] for d in draws])
   assert logs.min() < -2 and logs.max() > -1  # Spread over the decades.
-  with pytest.raises(sweep_spec.SweepError, match='num_samples'):
-    sweep_spec.settings(axes)
+  with pytest.raises(spec.SweepError, match='num_samples'):
+    spec.settings(axes)
 
 
 def test_classification_traced_and_structural():
@@ -110,7 +110,7 @@ def test_classification_traced_and_structural():
             'algorithm.client_optimizer.learning_rate': [0.05, 0.2],
             'algorithm.local_epochs': [1, 2],
             'batch_size': [8, 16]}
-  traced, structural = sweep.classify(small_config(), values)
+  traced, structural = run.classify(small_config(), values)
   assert traced == ['algorithm.server_learning_rate',
                     'algorithm.client_optimizer.learning_rate']
   assert structural == ['algorithm.local_epochs', 'batch_size']
@@ -119,17 +119,17 @@ def test_classification_traced_and_structural():
 @pytest.mark.slow
 def test_trials_equal_single_runs(tmp_path):
   config = small_config()
-  settings = sweep_spec.settings(
-      [sweep_spec.parse_axis('algorithm.server_learning_rate=0.02,0.1'),
-       sweep_spec.parse_axis('batch_size=8,16')])
-  result = sweep.run_sweep(config, str(tmp_path / 'sweep'), settings, (0, 4),
-                           target='eval_accuracy=0.3', log=lambda m: None)
+  settings = spec.settings(
+      [spec.parse_axis('algorithm.server_learning_rate=0.02,0.1'),
+       spec.parse_axis('batch_size=8,16')])
+  result = run.run_sweep(config, str(tmp_path / 'sweep'), settings, (0, 4),
+                         target='eval_accuracy=0.3', log=lambda m: None)
   assert result.traced == ['algorithm.server_learning_rate']
   assert result.structural == ['batch_size']
   assert result.groups == 2 and len(result.trials) == 8
   # Every trial against its own single run.
   for trial in result.trials:
-    single = runner.run(sweep.trial_config(config, trial.setting, trial.seed),
+    single = runner.run(run.trial_config(config, trial.setting, trial.seed),
                         str(tmp_path / 'single' / trial.name), log=lambda m: None)
     rows = metrics_writers.read_metrics(str(tmp_path / 'sweep' / 'trials' / trial.name))
     assert [r['round'] for r in rows] == [r['round'] for r in single.history]
@@ -161,12 +161,12 @@ def test_rounds_to_target_and_best():
   rows = [{'round': 0, 'eval_accuracy': 0.1, 'eval_loss': 2.0},
           {'round': 2, 'eval_accuracy': 0.6, 'eval_loss': 1.0},
           {'round': 4, 'eval_accuracy': 0.5, 'eval_loss': 1.5}]
-  trial = sweep.Trial('t', {'a': 1}, 0)
-  row = sweep_summary.trial_row(trial, rows, ('eval_loss', 1.2))
+  trial = run.Trial('t', {'a': 1}, 0)
+  row = summary.trial_row(trial, rows, ('eval_loss', 1.2))
   assert row['best_eval_accuracy'] == 0.6 and row['best_round_eval_accuracy'] == 2
   assert row['best_eval_loss'] == 1.0 and row['final_eval_loss'] == 1.5
   assert row['rounds_to_target'] == 2 and row['diverged_round'] is None
-  assert sweep_summary.trial_row(trial, rows, ('eval_accuracy', 0.9))[
+  assert summary.trial_row(trial, rows, ('eval_accuracy', 0.9))[
       'rounds_to_target'] is None
 
 
@@ -176,8 +176,8 @@ def test_a_diverging_trial_stops_alone(tmp_path):
       'sgd', learning_rate=1.0))
   settings = [{'algorithm.server_optimizer.learning_rate': v} for v in (1.0, 1e38)]
   messages = []
-  result = sweep.run_sweep(config, str(tmp_path / 'sweep'), settings, (0,),
-                           log=messages.append)
+  result = run.run_sweep(config, str(tmp_path / 'sweep'), settings, (0,),
+                         log=messages.append)
   assert result.groups == 1
   good, bad = result.trials
   bad_rows = metrics_writers.read_metrics(str(tmp_path / 'sweep' / 'trials' / bad.name))
@@ -185,10 +185,10 @@ def test_a_diverging_trial_stops_alone(tmp_path):
   assert any(bad.name in m and f'diverged in round {last}' in m for m in messages)
   assert last < config.rounds and bad_rows[-1]['diverged'] == 1.0
   assert [r['round'] for r in bad_rows] == list(range(last + 1))
-  summary = {r['trial']: r for r in result.summary}
-  assert summary[bad.name]['diverged_round'] == last
-  assert summary[good.name]['diverged_round'] is None
-  single = runner.run(sweep.trial_config(config, good.setting, 0),
+  by_trial = {r['trial']: r for r in result.summary}
+  assert by_trial[bad.name]['diverged_round'] == last
+  assert by_trial[good.name]['diverged_round'] is None
+  single = runner.run(run.trial_config(config, good.setting, 0),
                       str(tmp_path / 'single'), log=lambda m: None)
   good_rows = metrics_writers.read_metrics(str(tmp_path / 'sweep' / 'trials' / good.name))
   np.testing.assert_allclose([r['eval_accuracy'] for r in good_rows if 'eval_accuracy' in r],
@@ -201,15 +201,15 @@ def test_a_diverging_trial_stops_alone(tmp_path):
 @pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
   settings = [{'algorithm.server_learning_rate': v} for v in (0.02, 0.1)]
-  whole = sweep.run_sweep(small_config(rounds=4), str(tmp_path / 'whole'), settings,
-                          (1,), log=lambda m: None)
-  sweep.run_sweep(small_config(rounds=2), str(tmp_path / 'parts'), settings, (1,),
-                  log=lambda m: None)
-  parts = sweep.run_sweep(small_config(rounds=4), str(tmp_path / 'parts'), settings,
-                          (1,), log=lambda m: None)
+  whole = run.run_sweep(small_config(rounds=4), str(tmp_path / 'whole'), settings,
+                        (1,), log=lambda m: None)
+  run.run_sweep(small_config(rounds=2), str(tmp_path / 'parts'), settings, (1,),
+                log=lambda m: None)
+  parts = run.run_sweep(small_config(rounds=4), str(tmp_path / 'parts'), settings,
+                        (1,), log=lambda m: None)
   for t in whole.trials:
-    a, _ = sweep.load_trial_state(str(tmp_path / 'whole'), t.name)
-    b, step = sweep.load_trial_state(str(tmp_path / 'parts'), t.name)
+    a, _ = run.load_trial_state(str(tmp_path / 'whole'), t.name)
+    b, step = run.load_trial_state(str(tmp_path / 'parts'), t.name)
     assert step == 4
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
     rows_a = metrics_writers.read_metrics(str(tmp_path / 'whole' / 'trials' / t.name))
@@ -217,29 +217,29 @@ def test_resume_continues_exactly(tmp_path):
     strip = lambda rows: [{k: v for k, v in r.items() if k != 'elapsed_s'} for r in rows]
     assert strip(rows_a) == strip(rows_b)
   assert [r['trial'] for r in parts.summary] == [t.name for t in whole.trials]
-  with pytest.raises(sweep_spec.SweepError, match='different sweep'):
-    sweep.run_sweep(small_config(rounds=4), str(tmp_path / 'parts'), settings[:1], (1,),
-                    log=lambda m: None)
+  with pytest.raises(spec.SweepError, match='different sweep'):
+    run.run_sweep(small_config(rounds=4), str(tmp_path / 'parts'), settings[:1], (1,),
+                  log=lambda m: None)
 
 
 def test_settings_per_program_splits_groups():
   settings = [{'algorithm.server_learning_rate': v} for v in (0.01, 0.02, 0.03)]
-  groups, traced, _ = sweep.plan(small_config(), settings, (0, 1), settings_per_program=2)
+  groups, traced, _ = run.plan(small_config(), settings, (0, 1), settings_per_program=2)
   assert traced == ['algorithm.server_learning_rate']
   assert [len(g.settings) for g in groups] == [2, 1]
   assert [[t.seed for t in row] for row in groups[1].trials] == [[0], [1]]
-  with pytest.raises(sweep_spec.SweepError, match='settings_per_program'):
-    sweep.plan(small_config(), settings, (0,), settings_per_program=0)
+  with pytest.raises(spec.SweepError, match='settings_per_program'):
+    run.plan(small_config(), settings, (0,), settings_per_program=0)
 
 
 def test_trials_are_sharded_over_devices(tmp_path):
   n = len(jax.devices())
   settings = [{'algorithm.server_learning_rate': 0.01 * (i + 1)} for i in range(n)]
-  assert sweep_round.trial_sharding((1, n)) is not None or n == 1  # pylint: disable=protected-access
-  result = sweep.run_sweep(small_config(rounds=1, eval_every=1), str(tmp_path / 's'),
-                           settings, (0,), log=lambda m: None)
-  single = runner.run(sweep.trial_config(small_config(rounds=1, eval_every=1),
-                                         settings[-1], 0), str(tmp_path / 'one'),
+  assert group_round.trial_sharding((1, n)) is not None or n == 1  # pylint: disable=protected-access
+  result = run.run_sweep(small_config(rounds=1, eval_every=1), str(tmp_path / 's'),
+                         settings, (0,), log=lambda m: None)
+  single = runner.run(run.trial_config(small_config(rounds=1, eval_every=1),
+                                       settings[-1], 0), str(tmp_path / 'one'),
                       log=lambda m: None)
   got = {r['trial']: r for r in result.summary}[result.trials[-1].name]
   np.testing.assert_allclose(got['final_eval_loss'], single.history[-1]['eval_loss'],
@@ -248,7 +248,7 @@ def test_trials_are_sharded_over_devices(tmp_path):
 
 def test_cli_one_line_errors(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  cmd = [sys.executable, '-m', 'fedjx.experiments.sweep_cli',
+  cmd = [sys.executable, '-m', 'fedjx.experiments.sweeps.cli',
          '--config', os.path.join(REPO, 'configs', 'fedavg_digits.py'),
          '--workdir', str(tmp_path / 'w')]
   for extra, message in (
@@ -263,7 +263,7 @@ def test_cli_one_line_errors(tmp_path):
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
-def _config_file(tmp_path, changes, sweep_spec_text):
+def _config_file(tmp_path, changes, sweep_text):
   """A config file whose get_config() is small_config(changes), with get_sweep()."""
   path = tmp_path / 'grid.py'
   path.write_text(
@@ -271,7 +271,7 @@ def _config_file(tmp_path, changes, sweep_spec_text):
       f'sys.path.insert(0, {os.path.join(REPO, "tests")!r})\n'
       'from test_sweep import small_config\n\n'
       f'def get_config():\n  return small_config({changes})\n\n'
-      f'def get_sweep():\n  return {sweep_spec_text}\n')
+      f'def get_sweep():\n  return {sweep_text}\n')
   return path
 
 
@@ -282,7 +282,7 @@ def test_cli_sweep_from_the_config_file(tmp_path):
       "{'sweep': ['algorithm.server_learning_rate=0.01,0.1'], 'seeds': '0-1', "
       "'target': 'eval_accuracy=0.01'}")
   proc = subprocess.run(
-      [sys.executable, '-m', 'fedjx.experiments.sweep_cli', '--config', str(config_file),
+      [sys.executable, '-m', 'fedjx.experiments.sweeps.cli', '--config', str(config_file),
        '--workdir', str(tmp_path / 'w'), '--seeds', '3'],  # The flag wins.
       capture_output=True, text=True, cwd=str(tmp_path), check=False,
       env=dict(os.environ, JAX_PLATFORMS='cpu'))
@@ -297,7 +297,7 @@ def test_cli_sweep_from_the_config_file(tmp_path):
 
 def _sweep_process(config_file, workdir):
   return subprocess.Popen(
-      [sys.executable, '-m', 'fedjx.experiments.sweep_cli', '--config', str(config_file),
+      [sys.executable, '-m', 'fedjx.experiments.sweeps.cli', '--config', str(config_file),
        '--workdir', str(workdir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       text=True, env=dict(os.environ, JAX_PLATFORMS='cpu'))
 
@@ -329,11 +329,11 @@ def test_sigterm_then_resume_equals_an_uninterrupted_sweep(tmp_path):
   _, err = resumed.communicate(timeout=300)
   assert resumed.returncode == 0, err[-2000:]
   settings = [{'algorithm.server_learning_rate': v} for v in (0.02, 0.1)]
-  whole = sweep.run_sweep(small_config(rounds=40, checkpoint_every=1), str(tmp_path / 'whole'),
-                          settings, (1,), log=lambda m: None)
+  whole = run.run_sweep(small_config(rounds=40, checkpoint_every=1), str(tmp_path / 'whole'),
+                        settings, (1,), log=lambda m: None)
   for t in whole.trials:
-    a, _ = sweep.load_trial_state(str(tmp_path / 'whole'), t.name)
-    b, step = sweep.load_trial_state(str(tmp_path / 'parts'), t.name)
+    a, _ = run.load_trial_state(str(tmp_path / 'whole'), t.name)
+    b, step = run.load_trial_state(str(tmp_path / 'parts'), t.name)
     assert step == 40
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
     rows = [metrics_writers.read_metrics(str(tmp_path / d / 'trials' / t.name))
@@ -344,8 +344,8 @@ def test_sigterm_then_resume_equals_an_uninterrupted_sweep(tmp_path):
 
 def test_trials_draw_cohorts_with_the_config_s_sampler():
   config = small_config(sampling=dict(name='poisson', rate=0.25))
-  exps = [experiment.build(sweep.trial_config(config, {}, seed)) for seed in (0, 1)]
-  stacked = sweep_round.stacked_cohort(exps, config, 3)
+  exps = [experiment.build(run.trial_config(config, {}, seed)) for seed in (0, 1)]
+  stacked = group_round.stacked_cohort(exps, config, 3)
   for row, exp in enumerate(exps):
     ids = exp.sampler.sample(3)
     got = np.asarray(stacked.client_ids[row])
@@ -361,8 +361,8 @@ def test_trials_draw_cohorts_with_the_config_s_sampler():
     (dict(systems=dict(dropout=dict(rate=0.1))), 'config.systems is set'),
 ])
 def test_asynchronous_or_unreliable_clients_are_refused(tmp_path, changes, message):
-  with pytest.raises(sweep.SweepError, match=message):
-    sweep.run_sweep(small_config(**changes), str(tmp_path / 'w'), [{}])
+  with pytest.raises(run.SweepError, match=message):
+    run.run_sweep(small_config(**changes), str(tmp_path / 'w'), [{}])
 
 
 def test_a_refused_grid_writes_nothing_and_the_corrected_grid_runs(tmp_path):
@@ -375,8 +375,8 @@ def test_a_refused_grid_writes_nothing_and_the_corrected_grid_runs(tmp_path):
       ([{'algorithm.client_optimizer.momentum': 1.5}],
        ['client_optimizer.momentum=1.5', '<= 1.0']),
       ([{'map_strategy': 'foo'}], ["config.map_strategy='foo'"])):
-    with pytest.raises(sweep_spec.SweepError) as e:
-      sweep.run_sweep(config, str(workdir), bad, (0,), log=lambda m: None)
+    with pytest.raises(spec.SweepError) as e:
+      run.run_sweep(config, str(workdir), bad, (0,), log=lambda m: None)
     assert '\n' not in str(e.value)
     for word in words:
       assert word in str(e.value), str(e.value)
@@ -385,19 +385,19 @@ def test_a_refused_grid_writes_nothing_and_the_corrected_grid_runs(tmp_path):
   # it before grids were checked first) does not block the corrected grid.
   workdir.mkdir()
   (workdir / 'sweep.json').write_text('{"settings": [{"x": "abc"}]}\n')
-  result = sweep.run_sweep(config, str(workdir), [{lr: 0.1}, {lr: 0.03}], (0,),
-                           log=lambda m: None)
+  result = run.run_sweep(config, str(workdir), [{lr: 0.1}, {lr: 0.03}], (0,),
+                         log=lambda m: None)
   assert len(result.trials) == 2 and not result.interrupted
   with open(workdir / 'sweep.json', encoding='utf-8') as f:
     assert json.load(f)['settings'] == [{lr: 0.1}, {lr: 0.03}]
   # Once trials exist, a different sweep is still refused.
-  with pytest.raises(sweep_spec.SweepError, match='different sweep'):
-    sweep.run_sweep(config, str(workdir), [{lr: 0.3}], (0,), log=lambda m: None)
+  with pytest.raises(spec.SweepError, match='different sweep'):
+    run.run_sweep(config, str(workdir), [{lr: 0.3}], (0,), log=lambda m: None)
 
 
 def test_cli_a_grid_value_of_the_wrong_type_is_one_line(tmp_path):
   proc = subprocess.run(
-      [sys.executable, '-m', 'fedjx.experiments.sweep_cli',
+      [sys.executable, '-m', 'fedjx.experiments.sweeps.cli',
        '--config', os.path.join(REPO, 'configs', 'fedavg_digits.py'),
        '--workdir', str(tmp_path / 'w'),
        '--sweep', 'algorithm.client_optimizer.learning_rate=abc,0.1'],
@@ -422,16 +422,16 @@ def test_a_trial_stops_where_its_single_run_stops(tmp_path):
       'sgd', learning_rate=0.1))
   settings = [{'algorithm.client_optimizer.learning_rate': v} for v in (0.1, 1e30)]
   messages = []
-  result = sweep.run_sweep(config, str(tmp_path / 'sweep'), settings, (0,),
-                           log=messages.append)
+  result = run.run_sweep(config, str(tmp_path / 'sweep'), settings, (0,),
+                         log=messages.append)
   good, bad = result.trials
   with pytest.raises(run_trainer.NonFiniteError, match=r'^round (\d+): every client') as info:
-    runner.run(sweep.trial_config(config, bad.setting, 0), str(tmp_path / 'single'),
+    runner.run(run.trial_config(config, bad.setting, 0), str(tmp_path / 'single'),
                log=lambda m: None)
   stopped = int(info.value.args[0].split(':')[0].split()[1])
-  summary = {r['trial']: r for r in result.summary}
-  assert summary[bad.name]['diverged_round'] == stopped
-  assert summary[good.name]['diverged_round'] is None
+  by_trial = {r['trial']: r for r in result.summary}
+  assert by_trial[bad.name]['diverged_round'] == stopped
+  assert by_trial[good.name]['diverged_round'] is None
   bad_rows = metrics_writers.read_metrics(str(tmp_path / 'sweep' / 'trials' / bad.name))
   assert bad_rows[-1]['round'] == stopped and bad_rows[-1]['diverged'] == 1.0
 
@@ -470,8 +470,8 @@ def test_a_private_trial_reports_its_run_s_epsilon_and_stops_at_its_budget(tmp_p
   assert eps[2.0][6] < target  # z = 2: every round fits
   config.privacy = dict(delta=1e-3, target_epsilon=target)
   settings = [{'algorithm.noise_multiplier': z} for z in (1.0, 2.0)]
-  result = sweep.run_sweep(config, str(tmp_path / 'sweep'), settings, (0,),
-                           log=lambda m: None)
+  result = run.run_sweep(config, str(tmp_path / 'sweep'), settings, (0,),
+                         log=lambda m: None)
   assert result.groups == 1  # The noise multiplier is traced.
   loud, quiet = result.trials
   rows = {t.name: [r for r in metrics_writers.read_metrics(
@@ -485,7 +485,7 @@ def test_a_private_trial_reports_its_run_s_epsilon_and_stops_at_its_budget(tmp_p
   statement = json.loads((tmp_path / 'sweep' / 'trials' / loud.name /
                           'privacy.json').read_text())
   assert statement['rounds'] == 2
-  single = runner.run(sweep.trial_config(config, loud.setting, 0),
+  single = runner.run(run.trial_config(config, loud.setting, 0),
                       str(tmp_path / 'single'), log=lambda m: None)
   assert single.step == 2
   np.testing.assert_allclose(

@@ -93,10 +93,11 @@ WRAP = textwrap.dedent('''
         self._file = FullDisk(self._file)
       metrics_writers.JsonlWriter.truncate = patched_truncate
 
-    from fedjx.experiments import cli, sweep_cli
+    from fedjx.experiments import cli
+    from fedjx.experiments.sweeps import cli as sweeps_cli
     prog = sys.argv[1]
     sys.argv = [prog] + sys.argv[2:]
-    cli.main() if prog == 'fedjx-run' else sweep_cli.main()
+    cli.main() if prog == 'fedjx-run' else sweeps_cli.main()
 ''')
 
 RUN_FILES = ['checkpoint_manifests/', 'checkpoints/', 'config.json',

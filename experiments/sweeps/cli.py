@@ -89,20 +89,20 @@ SWEEP_KEYS = ('sweep', 'seeds', 'num_samples', 'sample_seed', 'target')
 
 def sweep_arguments(config_path: str) -> dict[str, Any]:
   """The sweep of the command line, completed by the config's ``get_sweep()``."""
-  from fedjx.experiments import sweep_spec  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments.sweeps import spec  # pylint: disable=g-import-not-at-top
   module = cli.load_module(config_path, '_fedjx_sweep_config')
   defaults = {}
   if hasattr(module, 'get_sweep'):
     defaults = cli.call_in_config_file(config_path, module, 'get_sweep')
     if not isinstance(defaults, Mapping):
       got = 'None' if defaults is None else f'a {type(defaults).__name__}'
-      raise sweep_spec.SweepError(
+      raise spec.SweepError(
           f'get_sweep() in {config_path.partition(":")[0]} returned {got}; it '
           f'must return a dict with keys among {sorted(SWEEP_KEYS)}.')
     defaults = dict(defaults)
   unknown = set(defaults) - set(SWEEP_KEYS)
   if unknown:
-    raise sweep_spec.SweepError(
+    raise spec.SweepError(
         f'get_sweep() in {config_path} returns unknown keys {sorted(unknown)}; '
         f'valid: {sorted(SWEEP_KEYS)}.')
   pick = lambda flag, key, default: (flag.value if flag.present
@@ -131,12 +131,12 @@ def _sweep(argv: Sequence[str], extras: Sequence[Any]) -> int:
   from fedjx.experiments import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   cli.prepare_workdir(workdir, config, workdir_lib.SWEEP_OUTPUTS, 'fedjx-sweep')
   cli.quiet_orbax()
-  from fedjx.experiments import sweep  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import sweep_spec  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments.sweeps import run  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments.sweeps import spec  # pylint: disable=g-import-not-at-top
   args = sweep_arguments(config_path)
-  axes = [sweep_spec.parse_axis(a) for a in args['sweep']]
-  settings = sweep_spec.settings(axes, args['num_samples'], args['sample_seed'])
-  seeds = sweep_spec.parse_seeds(str(args['seeds']))
+  axes = [spec.parse_axis(a) for a in args['sweep']]
+  settings = spec.settings(axes, args['num_samples'], args['sample_seed'])
+  seeds = spec.parse_seeds(str(args['seeds']))
   result = sweep.run_sweep(config, workdir, settings, seeds, target=args['target'],
                            settings_per_program=_PER_PROGRAM.value,
                            metric=_METRIC.value)

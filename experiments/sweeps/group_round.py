@@ -22,10 +22,10 @@ import numpy as np
 from fedjx import datasets
 from fedjx.experiments import experiment as experiment_lib
 from fedjx.experiments import guarded_rounds
-from fedjx.experiments import sweep_plan
-from fedjx.experiments import sweep_spec
+from fedjx.experiments.sweeps import plan
+from fedjx.experiments.sweeps import spec
 
-SweepError = sweep_spec.SweepError
+SweepError = spec.SweepError
 
 
 def _stack(trees: Sequence[Any]) -> Any:
@@ -145,7 +145,7 @@ def per_trial_scalars(metrics: Mapping[str, Any], s: int, h: int) -> dict[str, f
           if np.asarray(v).ndim == 2}
 
 
-def check_memory(step_fn: Any, group: sweep_plan.Group, args: tuple[Any, ...]) -> None:
+def check_memory(step_fn: Any, group: plan.Group, args: tuple[Any, ...]) -> None:
   """Refuses a group whose compiled round would not fit the device's memory.
 
   Only where the backend reports a memory limit (GPUs, TPUs); XLA's memory
@@ -170,18 +170,18 @@ def check_memory(step_fn: Any, group: sweep_plan.Group, args: tuple[Any, ...]) -
         f'rerun in a new workdir with --settings_per_program={k} (or fewer seeds).')
 
 
-def group_states(config: Any, group: sweep_plan.Group
+def group_states(config: Any, group: plan.Group
                  ) -> tuple[list[experiment_lib.Experiment], Any, Any,
                             list[list[ml_collections.ConfigDict]]]:
   """Each seed's experiment, the group's algorithm, the ``[S, H]`` initial
   states and the trials' configs ``[seed][setting]``."""
   seeds, settings = group.seeds, group.settings
-  configs = [[sweep_plan.trial_config(config, h, s) for h in settings] for s in seeds]
-  exps = [sweep_plan.build_trial(configs[i][0]) for i in range(len(seeds))]
+  configs = [[plan.trial_config(config, h, s) for h in settings] for s in seeds]
+  exps = [plan.build_trial(configs[i][0]) for i in range(len(seeds))]
   states = []
   for i, exp in enumerate(exps):
     row = [exp.algorithm.init(exp.init_params)]
-    row += [sweep_plan.trial_algorithm(configs[i][j], exp).init(exp.init_params)
+    row += [plan.trial_algorithm(configs[i][j], exp).init(exp.init_params)
             for j in range(1, len(settings))]
     states.append(_stack(row))
   return exps, exps[0].algorithm, _stack(states), configs

@@ -3,7 +3,7 @@
 A field is *traced* when changing it leaves the lowered round (StableHLO)
 unchanged and only changes the initial state (:func:`classify`); trials
 that differ only in traced fields and the seed form one :class:`Group`,
-trained together as ``[seeds, settings]`` (:mod:`fedjx.experiments.sweep`).
+trained together as ``[seeds, settings]`` (:mod:`fedjx.experiments.sweeps.run`).
 Every other field is *structural*: each structural setting is its own group.
 """
 
@@ -21,9 +21,9 @@ import ml_collections
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import experiment as experiment_lib
 from fedjx.experiments import registry
-from fedjx.experiments import sweep_spec
+from fedjx.experiments.sweeps import spec
 
-SweepError = sweep_spec.SweepError
+SweepError = spec.SweepError
 
 @dataclasses.dataclass(frozen=True)
 class Trial:
@@ -53,7 +53,7 @@ def trial_config(config: Any, setting: Mapping[str, Any],
   tree = (config.to_dict() if hasattr(config, 'to_dict') else
           json.loads(json.dumps(dict(config))))
   for path, value in setting.items():
-    sweep_spec.set_path(tree, path, value)
+    spec.set_path(tree, path, value)
   tree['seed'] = seed
   return config_schema.validate(ml_collections.ConfigDict(tree))
 
@@ -156,7 +156,7 @@ def plan(config: Any, settings: Sequence[Mapping[str, Any]],
     for seed in seeds:
       trial_config(config, s, seed)  # Every trial's config is valid.
   traced, structural = classify(config, values, seeds[0])
-  names = sweep_spec.short_names(paths)
+  names = spec.short_names(paths)
   keyed: dict[str, list[dict[str, Any]]] = {}
   for s in settings:
     key = json.dumps({p: s[p] for p in structural}, sort_keys=True)
@@ -167,7 +167,7 @@ def plan(config: Any, settings: Sequence[Mapping[str, Any]],
     chunks += [group_settings[i:i + k] for i in range(0, len(group_settings), k)]
   groups = []
   for i, group_settings in enumerate(chunks):
-    trials = [[Trial(sweep_spec.trial_name(s, seed, names), s, seed)
+    trials = [[Trial(spec.trial_name(s, seed, names), s, seed)
                for s in group_settings] for seed in seeds]
     groups.append(Group(i, group_settings, tuple(seeds), trials))
   return groups, traced, structural
@@ -177,13 +177,13 @@ def check_trials(config: Any, settings: Sequence[Mapping[str, Any]],
   """Raises a one-line SweepError naming the first setting whose trial config
   is not valid (``config_schema.validate``: names, options, types, ranges),
   without loading data or writing anything."""
-  names = sweep_spec.short_names(list(settings[0]) if settings else [])
+  names = spec.short_names(list(settings[0]) if settings else [])
   for setting in settings:
     for seed in seeds:
       try:
         trial_config(config, setting, seed)
       except (ValueError, TypeError) as e:
-        shown = ', '.join(f'{names.get(p, p)}={sweep_spec.format_value(v)}'
+        shown = ', '.join(f'{names.get(p, p)}={spec.format_value(v)}'
                           for p, v in setting.items()) or 'the base config'
         text = ' '.join(str(e).split())
         raise SweepError(f'the setting {shown} (seed {seed}) is not a valid '

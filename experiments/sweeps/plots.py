@@ -21,7 +21,7 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 from fedjx.experiments import metrics_writers
-from fedjx.experiments import sweep_spec
+from fedjx.experiments.sweeps import spec
 
 
 def _numeric(values: Sequence[Any]) -> bool:
@@ -33,7 +33,7 @@ def plot_sweep(workdir: str, settings: Sequence[Mapping[str, Any]],
   """One figure per sweep: a panel per swept field; returns the paths written."""
   if not fields:
     return []
-  names = sweep_spec.short_names(fields)
+  names = spec.short_names(fields)
   stats = [k for k in (f'best_{main}', f'final_{main}')
            if any(f'{k}_mean' in s for s in settings)]
   fig, axes = plt.subplots(len(stats), len(fields),
@@ -43,7 +43,7 @@ def plot_sweep(workdir: str, settings: Sequence[Mapping[str, Any]],
     others = [f for f in fields if f != field]
     lines: dict[str, list[Mapping[str, Any]]] = {}
     for s in settings:
-      label = ', '.join(f'{names[o]}={sweep_spec.format_value(s.get(o))}'
+      label = ', '.join(f'{names[o]}={spec.format_value(s.get(o))}'
                         for o in others)
       lines.setdefault(label, []).append(s)
     for row, stat in enumerate(stats):
@@ -84,7 +84,7 @@ def plot_best_curves(workdir: str, trials: Sequence[Any],
                      main: str, top: int = 3) -> str | None:
   """Learning curves of the ``top`` best settings (every seed)."""
   key = f'best_{main}' if any(f'best_{main}' in r for r in trial_rows) else f'final_{main}'
-  lower = sweep_spec.lower_is_better(main)
+  lower = spec.lower_is_better(main)
   by_setting: dict[str, list[float]] = {}
   for t, r in zip(trials, trial_rows):
     if key in r:
@@ -93,7 +93,7 @@ def plot_best_curves(workdir: str, trials: Sequence[Any],
     return None
   ranked = sorted(by_setting, key=lambda k: sum(by_setting[k]) / len(by_setting[k]),
                   reverse=not lower)[:top]
-  names = sweep_spec.short_names(list(trials[0].setting))
+  names = spec.short_names(list(trials[0].setting))
   fig, ax = plt.subplots(figsize=(6.4, 4.0))
   colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
   for rank, setting_key in enumerate(ranked):
@@ -102,12 +102,12 @@ def plot_best_curves(workdir: str, trials: Sequence[Any],
     for t in trials:
       if repr(sorted(t.setting.items())) != setting_key:
         continue
-      series = sweep_spec.finite_series(histories[t.name], main)
+      series = spec.finite_series(histories[t.name], main)
       if not series:
         continue
       label = None
       if not labelled:
-        label = ', '.join(f'{names[p]}={sweep_spec.format_value(v)}'
+        label = ', '.join(f'{names[p]}={spec.format_value(v)}'
                           for p, v in t.setting.items()) or 'base config'
         labelled = True
       ax.plot(*zip(*series), color=color, alpha=0.8, label=label)

@@ -1,4 +1,4 @@
-"""Sweeps: a grid of hyperparameters and seeds trained in one compiled program.
+"""Running a sweep: a grid of hyperparameters and seeds trained in one compiled program.
 
 fedjx keeps every numeric hyperparameter of an algorithm as an array in
 ``state.hparams`` (that is what makes hypergradients work), so trials that
@@ -8,7 +8,7 @@ trials on two leading axes ``[seeds, settings]`` and trains them together,
 
     states[s, h] <- round(states[s, h], cohort_s(r), key_s(r))  for all s, h,
 
-as ``vmap(vmap(round))`` (:mod:`fedjx.experiments.sweep_round`): one
+as ``vmap(vmap(round))`` (:mod:`fedjx.experiments.sweeps.group_round`): one
 compiled call per round for the whole group, instead of one process per
 trial. Every trial sees exactly the cohorts, PRNG keys and initial model
 that ``fedjx-run`` would give its config, so a trial's numbers equal the
@@ -16,7 +16,7 @@ single run's (up to float32 summation order: a batched matrix product may
 add in another order than an unbatched one).
 
 Which swept fields are vectorized is decided by the program, not by a list
-of names (:mod:`fedjx.experiments.sweep_plan`): a field is *traced* when
+of names (:mod:`fedjx.experiments.sweeps.plan`): a field is *traced* when
 changing it leaves the lowered round (StableHLO) unchanged and only changes
 the initial state. Seeds are always vectorized. Everything else (model,
 cohort size, algorithm, local steps, ...) is *structural*: each structural
@@ -40,7 +40,7 @@ each trial follows the rules of its run:
 
 Groups are checkpointed like runs (``checkpoint_every``, SIGINT/SIGTERM save
 and stop); running the same sweep again resumes. At the end
-:mod:`fedjx.experiments.sweep_summary` writes the summary tables and plots.
+:mod:`fedjx.experiments.sweeps.summary` writes the summary tables and plots.
 """
 
 from __future__ import annotations
@@ -62,24 +62,24 @@ from fedjx.experiments import config as config_schema
 from fedjx.experiments import loop
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import registry
-from fedjx.experiments import sweep_round
-from fedjx.experiments import sweep_spec
-from fedjx.experiments import sweep_summary
+from fedjx.experiments.sweeps import group_round
+from fedjx.experiments.sweeps import spec
+from fedjx.experiments.sweeps import summary
 from fedjx.experiments import workdir_lock
 # Names documented here first; they live in the modules of their parts.
 # pylint: disable=unused-import
-from fedjx.experiments.sweep_plan import Group
-from fedjx.experiments.sweep_plan import Trial
-from fedjx.experiments.sweep_plan import check_trials
-from fedjx.experiments.sweep_plan import classify
-from fedjx.experiments.sweep_plan import plan
-from fedjx.experiments.sweep_plan import trial_config
-from fedjx.experiments.sweep_round import make_sweep_round
-from fedjx.experiments.sweep_trainer import GroupTrainer
-from fedjx.experiments.sweep_trainer import run_group as _run_group
+from fedjx.experiments.sweeps.group_round import make_sweep_round
+from fedjx.experiments.sweeps.plan import Group
+from fedjx.experiments.sweeps.plan import Trial
+from fedjx.experiments.sweeps.plan import check_trials
+from fedjx.experiments.sweeps.plan import classify
+from fedjx.experiments.sweeps.plan import plan
+from fedjx.experiments.sweeps.plan import trial_config
+from fedjx.experiments.sweeps.trainer import GroupTrainer
+from fedjx.experiments.sweeps.trainer import run_group as _run_group
 # pylint: enable=unused-import
 
-SweepError = sweep_spec.SweepError
+SweepError = spec.SweepError
 
 @dataclasses.dataclass
 class SweepResult:
@@ -91,7 +91,7 @@ class SweepResult:
     structural: the swept fields that made separate programs.
     groups: how many programs the sweep compiled (structural settings).
     interrupted: True when SIGINT/SIGTERM stopped it (run again to continue).
-    summary: the per-trial summary rows (see :mod:`sweep_summary`).
+    summary: the per-trial summary rows (see :mod:`fedjx.experiments.sweeps.summary`).
     workdir: the sweep directory.
     signal: the signal that interrupted it (``signal.SIGINT`` or
       ``signal.SIGTERM``), or None.
@@ -144,7 +144,7 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
   Args:
     config: the base experiment config (as for ``fedjx-run``).
     workdir: the sweep directory; running again with the same sweep resumes.
-    settings: the settings, e.g. from :func:`sweep_spec.settings`.
+    settings: the settings, e.g. from :func:`fedjx.experiments.sweeps.spec.settings`.
     seeds: the seeds every setting runs with.
     target: e.g. ``'eval_accuracy=0.9'``: the summary's rounds-to-target
       (first round at or above it; at or below it for a loss).
@@ -163,8 +163,8 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
   log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
   _check_synchronous(config)
   settings = [dict(s) for s in settings] or [{}]
-  seeds = sweep_spec.parse_seeds(list(seeds))
-  target_spec = sweep_summary.parse_target(target)
+  seeds = spec.parse_seeds(list(seeds))
+  target_spec = summary.parse_target(target)
   check_trials(config, settings, seeds)  # Before anything is written.
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
@@ -213,13 +213,13 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
   finally:
     bar.close()
   trials = [t for g in groups for row in g.trials for t in row]
-  summary = []
+  rows = []
   if stopped_by is None:
-    summary = sweep_summary.write_summary(
+    rows = summary.write_summary(
         workdir, trials, list(settings[0]), c.metrics_format, target_spec,
         plot=c.plot, metric=metric)
   return SweepResult(trials, traced, structural, len(groups), stopped_by is not None,
-                     summary, workdir, stopped_by)
+                     rows, workdir, stopped_by)
 
 
 def _rounds_done(workdir: str, group: Group, rounds: int) -> int:
@@ -238,16 +238,16 @@ def load_trial_state(workdir: str, trial: str) -> tuple[Any, int]:
   ``trials/``), like :func:`fedjx.experiments.runner.load_state` for a run.
   """
   with open(os.path.join(workdir, 'sweep.json'), encoding='utf-8') as f:
-    spec = json.load(f)
-  config = ml_collections.ConfigDict(spec['config'])
-  groups, _, _ = plan(config, spec['settings'], spec['seeds'],
-                      spec.get('settings_per_program'))
+    saved = json.load(f)
+  config = ml_collections.ConfigDict(saved['config'])
+  groups, _, _ = plan(config, saved['settings'], saved['seeds'],
+                      saved.get('settings_per_program'))
   for group in groups:
     for i, row in enumerate(group.trials):
       for j, t in enumerate(row):
         if t.name != trial:
           continue
-        _, _, states, _ = sweep_round.group_states(config, group)
+        _, _, states, _ = group_round.group_states(config, group)
         alive = jnp.ones((len(group.seeds), len(group.settings)), bool)
         ckpt = checkpointing.Checkpointer(
             os.path.join(workdir, 'groups', group.name, 'checkpoints'))

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from fedjx.experiments import metrics_writers
-from fedjx.experiments import sweep_spec
+from fedjx.experiments.sweeps import spec
 
 MAIN_METRICS = ('eval_accuracy', 'eval_loss', 'train_loss_after',
                 'train_loss_during', 'train_loss_before', 'train_loss', 'loss')
@@ -50,8 +50,8 @@ def parse_target(text: str | None) -> tuple[str, float] | None:
   except ValueError:
     number = float('nan')
   if not sep or not metric.strip() or not math.isfinite(number):
-    raise sweep_spec.SweepError(f'--target={text!r}: write METRIC=NUMBER, e.g. '
-                                'eval_accuracy=0.9.')
+    raise spec.SweepError(f'--target={text!r}: write METRIC=NUMBER, e.g. '
+                          'eval_accuracy=0.9.')
   return metric.strip(), number
 
 
@@ -61,12 +61,12 @@ def trial_row(trial: Any, rows: Sequence[Mapping[str, Any]],
   out: dict[str, Any] = {'trial': trial.name, **trial.setting, 'seed': trial.seed}
   metrics = sorted({k for r in rows for k in r} - {'round', 'elapsed_s', 'diverged'})
   for m in metrics:
-    series = sweep_spec.finite_series(rows, m)
+    series = spec.finite_series(rows, m)
     if not series:
       continue
     out[f'final_{m}'] = series[-1][1]
     if m.startswith('eval_'):
-      pick = min if sweep_spec.lower_is_better(m) else max
+      pick = min if spec.lower_is_better(m) else max
       best_round, best = pick(series, key=lambda rv: rv[1])
       out[f'best_{m}'] = best
       out[f'best_round_{m}'] = best_round
@@ -81,8 +81,8 @@ def trial_row(trial: Any, rows: Sequence[Mapping[str, Any]],
   out['rounds'] = max((int(r['round']) for r in rows), default=0)
   if target is not None:
     metric, value = target
-    reached = [rnd for rnd, v in sweep_spec.finite_series(rows, metric)
-               if (v <= value if sweep_spec.lower_is_better(metric) else v >= value)]
+    reached = [rnd for rnd, v in spec.finite_series(rows, metric)
+               if (v <= value if spec.lower_is_better(metric) else v >= value)]
     out['rounds_to_target'] = reached[0] if reached else None
   return out
 
@@ -138,7 +138,7 @@ def _fmt(v: Any) -> str:
 def markdown(settings: Sequence[Mapping[str, Any]], fields: Sequence[str],
              main: str, target: tuple[str, float] | None) -> str:
   """The per-setting table as Markdown: mean ± sd of the main metric."""
-  names = sweep_spec.short_names(fields)
+  names = spec.short_names(fields)
   head = [names[f] for f in fields] + ['seeds', f'final {main}', f'best {main}']
   if target is not None:
     head += [f'rounds to {target[0]}={target[1]:g}', 'reached']
@@ -192,16 +192,16 @@ def write_summary(workdir: str, trials: Sequence[Any], fields: Sequence[str],
     if not any(f'final_{metric}' in r for r in trial_rows):
       present = sorted({k[len('final_'):] for r in trial_rows for k in r
                         if k.startswith('final_')})
-      raise sweep_spec.SweepError(f'--metric={metric!r}: the trials report no such '
-                                  f'metric; they report {present}.')
+      raise spec.SweepError(f'--metric={metric!r}: the trials report no such '
+                            f'metric; they report {present}.')
     main = metric
   if main is not None:
     text = (f'# Sweep summary\n\nMean ± sample sd over seeds; main metric '
-            f'`{main}` ({"lower" if sweep_spec.lower_is_better(main) else "higher"} is '
+            f'`{main}` ({"lower" if spec.lower_is_better(main) else "higher"} is '
             f'better).\n\n' + markdown(per_setting, fields, main, target))
     metrics_writers.write_atomically(os.path.join(workdir, 'summary.md'), text)
     if plot:
-      from fedjx.experiments import sweep_plots  # pylint: disable=g-import-not-at-top
-      sweep_plots.plot_sweep(workdir, per_setting, fields, main)
-      sweep_plots.plot_best_curves(workdir, trials, trial_rows, histories, main)
+      from fedjx.experiments.sweeps import plots  # pylint: disable=g-import-not-at-top
+      plots.plot_sweep(workdir, per_setting, fields, main)
+      plots.plot_best_curves(workdir, trials, trial_rows, histories, main)
   return trial_rows

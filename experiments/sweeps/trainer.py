@@ -1,10 +1,10 @@
-"""A sweep group's trials under the runs' rules: what :func:`fedjx.experiments.sweep.run_sweep` trains.
+"""A sweep group's trials under the runs' rules: what :func:`fedjx.experiments.sweeps.run.run_sweep` trains.
 
 :class:`GroupTrainer` gives the shared loop (:mod:`fedjx.experiments.loop`)
 the rounds of one group of trials stacked ``[seeds, settings]``
-(:mod:`fedjx.experiments.sweep_round`). Each trial follows the rules of its
-run: it stops where :func:`fedjx.experiments.guarded_rounds.must_stop` would
-stop its run (``diverged``), at the end of its privacy budget
+(:mod:`fedjx.experiments.sweeps.group_round`). Each trial follows the rules
+of its run: it stops where :func:`fedjx.experiments.guarded_rounds.must_stop`
+would stop its run (``diverged``), at the end of its privacy budget
 (:class:`fedjx.experiments.privacy.Budget`, with its ``epsilon`` rows and
 ``privacy.json``), and is evaluated on its run's schedule.
 """
@@ -25,14 +25,14 @@ from fedjx.experiments import checkpointing
 from fedjx.experiments import loop
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import privacy as privacy_lib
-from fedjx.experiments import sweep_round
-from fedjx.experiments import sweep_spec
-from fedjx.experiments.sweep_plan import Group
-from fedjx.experiments.sweep_plan import Trial
-from fedjx.experiments.sweep_plan import trial_config
-from fedjx.experiments.sweep_round import make_sweep_round
+from fedjx.experiments.sweeps import group_round
+from fedjx.experiments.sweeps import spec
+from fedjx.experiments.sweeps.group_round import make_sweep_round
+from fedjx.experiments.sweeps.plan import Group
+from fedjx.experiments.sweeps.plan import Trial
+from fedjx.experiments.sweeps.plan import trial_config
 
-SweepError = sweep_spec.SweepError
+SweepError = spec.SweepError
 
 
 class GroupTrainer:
@@ -48,11 +48,11 @@ class GroupTrainer:
                ckpt: checkpointing.Checkpointer, group_dir: str, counted: int = 0):
     self.group, self.workdir, self.log, self.bar = group, workdir, log, bar
     self.fingerprint = fingerprint
-    self.exps, algorithm, states, configs = sweep_round.group_states(config, group)
+    self.exps, algorithm, states, configs = group_round.group_states(config, group)
     self.c = c = configs[0][0]
     self.shape = (len(group.seeds), len(group.settings))
     alive = jnp.ones(self.shape, bool)
-    self._sharding = sweep_round.trial_sharding(self.shape)
+    self._sharding = group_round.trial_sharding(self.shape)
     self.start, restored = 0, self._restore(ckpt, (states, alive), group_dir)
     if restored is not None:
       (states, alive), meta = restored
@@ -63,8 +63,8 @@ class GroupTrainer:
     self.bar.update(min(self.start, c.rounds) - counted)
     self._elapsed_before = float((restored or (None, {}))[1].get('elapsed_s', 0.0))
     self.saves = loop.Checkpoints(ckpt, self.start if restored else None)
-    self.state = (sweep_round.place(states, self._sharding),
-                  sweep_round.place(alive, self._sharding))
+    self.state = (group_round.place(states, self._sharding),
+                  group_round.place(alive, self._sharding))
     self.alive = np.asarray(alive)
     self.budgets = [[privacy_lib.Budget(
         privacy_lib.plan(cfg, exp.data.train.num_clients), c.rounds,
@@ -73,8 +73,8 @@ class GroupTrainer:
     self.schedule = loop.Schedule.of(c, max(b.stop for row in self.budgets for b in row))
     self.writers = self._writers(config, resume=self.start if restored else None)
     self.step_fn = make_sweep_round(algorithm, c.nonfinite)
-    sweep_round.check_memory(self.step_fn, group, (
-        self.state[0], jax.device_put(sweep_round.stacked_cohort(self.exps, c, self.start)),
+    group_round.check_memory(self.step_fn, group, (
+        self.state[0], jax.device_put(group_round.stacked_cohort(self.exps, c, self.start)),
         self._keys(self.start), self.state[1]))
     self._t0 = time.perf_counter()
     self._evaluable = self.alive
@@ -143,7 +143,7 @@ class GroupTrainer:
 
   def cohorts(self, start: int, stop: int) -> Iterator[Any]:
     return datasets.Prefetcher(
-        lambda r: jax.device_put(sweep_round.stacked_cohort(self.exps, self.c, r)),
+        lambda r: jax.device_put(group_round.stacked_cohort(self.exps, self.c, r)),
         start, stop, prefetch=self.c.prefetch)
 
   def dispatch(self, r: int, cohort: Any) -> Any:
@@ -157,7 +157,7 @@ class GroupTrainer:
     step, was_alive = r + 1, self.alive
     kept = np.asarray(self.state[1])
     metrics = jax.device_get(metrics)
-    rows = [[sweep_round.per_trial_scalars(metrics, i, j)
+    rows = [[group_round.per_trial_scalars(metrics, i, j)
              for j in range(self.shape[1])] for i in range(self.shape[0])]
     for i, j in self._each(was_alive & ~kept):
       rows[i][j]['diverged'] = 1.0
@@ -169,7 +169,7 @@ class GroupTrainer:
                        for row in self.budgets])
     self.alive = kept & within
     if not within.all():  # A trial's privacy budget ends it, as its run.
-      self.state = (self.state[0], sweep_round.place(
+      self.state = (self.state[0], group_round.place(
           jnp.asarray(self.alive), self._sharding))
     return rows
 
