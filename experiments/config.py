@@ -88,6 +88,12 @@ DEFAULTS: dict[str, Any] = {
     # docs/client_state.md.
     'client_state': {'placement': 'store', 'memory_budget_mb': 1024,
                      'directory': ''},
+    # A simulated wall clock from a communication model
+    # (fedjx.experiments.network_clock, docs/experiments.md): off while
+    # bandwidth_gbps is None; see NETWORK_DEFAULTS.
+    'network': {'bandwidth_gbps': None, 'latency_ms': 0.0, 'topology': 'ring',
+                'step_seconds': None, 'wire_bytes': None,
+                'overlap_fraction': 0.0, 'layers': None, 'inner_steps': None},
 }
 REQUIRED = ('dataset', 'model', 'algorithm')
 # The type of each field whose default is None, by dotted path: what a
@@ -100,6 +106,9 @@ OPTIONAL_TYPES: dict[str, type] = {
     'privacy.delta': float, 'privacy.target_epsilon': float,
     'sampling.rate': float, 'sampling.max_cohort_size': int,
     'attack.seed': int,
+    'network.bandwidth_gbps': float, 'network.step_seconds': float,
+    'network.wire_bytes': float, 'network.layers': int,
+    'network.inner_steps': int,
 }
 # config.sampling: 'uniform' (cohort_size clients without replacement, the
 # default), 'poisson' (each client with probability rate, default
@@ -139,6 +148,17 @@ ATTACK_DEFAULTS = dict(DEFAULTS['attack'])
 # server state, for algorithms that offer one: SCAFFOLD).
 CLIENT_STATE_DEFAULTS = dict(DEFAULTS['client_state'])
 CLIENT_STATE_PLACEMENTS = ('store', 'device')
+# config.network: each round's simulated wall clock over a link of
+# bandwidth_gbps Gbit/s (None: off, nothing added to the metrics) and
+# latency_ms per message, all-reduced over topology (NETWORK_TOPOLOGIES);
+# step_seconds is the compute time of one inner step (None: measured, the
+# round's wall seconds over its inner steps), wire_bytes the bytes sent per
+# parameter (None: the round's own communicated_bytes), overlap_fraction and
+# layers the DiLoCo overlap of fedjx.experiments.network.Schedule, and
+# inner_steps H (None: config.local_steps). It adds metrics and changes no
+# result, so a resumed run may change it (RESUMABLE_CHANGES).
+NETWORK_DEFAULTS = dict(DEFAULTS['network'])
+NETWORK_TOPOLOGIES = ('ring', 'tree', 'parameter_server')
 # config.nonfinite: what a NaN/Inf does. 'skip': clients with a non-finite
 # update or weight are left out of the aggregate (builders get
 # skip_nonfinite=True) and the run stops only if the server parameters become
@@ -173,7 +193,7 @@ RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
                      'mesh', 'param_sharding', 'coordinator_address',
                      'num_processes', 'process_id', 'coordinator_timeout_s',
                      'execution',
-                     'streaming_chunk_size')
+                     'streaming_chunk_size', 'network')
 # Fields inside sections that a resumed run may change (where rows live, not
 # what they hold).
 RESUMABLE_FIELDS = ('client_state.memory_budget_mb', 'client_state.directory')
@@ -235,6 +255,7 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   _check_sampling_and_privacy(config)
   _check_attack(config)
   _check_client_state(config)
+  _check_network(config)
   return config
 
 
@@ -311,6 +332,48 @@ def _check_client_state(config: ml_collections.ConfigDict) -> None:
                       "a path, or '' for <workdir>/client_states.")
   with config.unlocked():
     config.client_state = section
+
+
+def _check_network(config: ml_collections.ConfigDict) -> None:
+  """Checks ``config.network`` and fills its defaults."""
+  section = _section('network', config.network, NETWORK_DEFAULTS)
+  def bad(key: str, allowed: str) -> ConfigError:
+    return ConfigError(f'config.network.{key}={section[key]!r}; allowed: {allowed}.')
+  bandwidth = section['bandwidth_gbps']
+  if bandwidth is not None and not (_number(bandwidth) and bandwidth > 0):
+    raise bad('bandwidth_gbps', 'a number > 0 of Gbit/s (math.inf allowed), or '
+              'None (no simulated clock)')
+  latency = section['latency_ms']
+  if not (_number(latency) and 0 <= latency < math.inf):
+    raise bad('latency_ms', 'a finite number >= 0 of milliseconds per message')
+  if section['topology'] not in NETWORK_TOPOLOGIES:
+    raise ConfigError(f"config.network.topology={section['topology']!r}; allowed: "
+                      f"one of {NETWORK_TOPOLOGIES}."
+                      f"{suggest(section['topology'], NETWORK_TOPOLOGIES)}")
+  for key, what in (('step_seconds', 'seconds of compute per inner step, or None '
+                     '(measured: the round\'s wall seconds over its inner steps)'),
+                    ('wire_bytes', 'bytes sent per parameter, or None (the '
+                     'round\'s own communicated_bytes)')):
+    value = section[key]
+    if value is not None and not (_number(value) and 0 < value < math.inf):
+      raise bad(key, f'a finite number > 0 of {what}')
+  fraction = section['overlap_fraction']
+  if not (_number(fraction) and 0 <= fraction <= 1):
+    raise bad('overlap_fraction', 'a number in [0, 1], the share of the round\'s '
+              'last inner step the reduction overlaps (0: blocking)')
+  for key in ('layers', 'inner_steps'):
+    value = section[key]
+    if value is not None and not (_int(value) and value >= 1):
+      raise bad(key, 'an int >= 1, or None' + (
+          ' (config.local_steps)' if key == 'inner_steps' else
+          ' (infinitely many)'))
+  if bandwidth is not None and section['inner_steps'] is None and (
+      config.get('local_steps') is None):
+    raise ConfigError('config.network.inner_steps=None and config.local_steps=None; '
+                      'allowed: an int >= 1 in either (H, the inner steps of a '
+                      'round the simulated clock charges).')
+  with config.unlocked():
+    config.network = section
 
 
 def _number(value: Any) -> bool:

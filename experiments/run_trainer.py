@@ -33,6 +33,7 @@ from fedjx.experiments import config as config_schema
 from fedjx.experiments import guarded_rounds
 from fedjx.experiments import loop
 from fedjx.experiments import metrics_writers
+from fedjx.experiments import network_clock
 from fedjx.experiments import privacy as privacy_lib
 from fedjx.experiments import registry
 from fedjx.experiments.config import DEFAULTS
@@ -105,6 +106,8 @@ class RunTrainer:
     self.saves = loop.Checkpoints(ckpt, None if restored is None else self.start)
     self.clock = clock_lib.SimulatedClock(exp.systems, exp.scheduler, float(
         (restored or {}).get('simulated_time', 0.0)))
+    self.network_clock = network_clock.make(config, exp.init_params, restored)
+    self._round_t0: float | None = None  # When the round being run was dispatched.
     self.budget = privacy_lib.Budget(exp.privacy, config.rounds,
                                      config.eval_every, exp.init_params)
     self.schedule = loop.Schedule.of(config, self.budget.stop)
@@ -212,6 +215,9 @@ class RunTrainer:
     return self._cohorts_from(start, stop, self.clock.time, self.state)
 
   def dispatch(self, r: int, cohort: Any) -> Any:
+    # The round's wall time, for a measured step time; none for the round
+    # that compiles.
+    self._round_t0 = None if r == self.start else time.perf_counter()
     if self.exp.systems is not None:
       cohort, self._report = cohort
     cohort = client_states.attach(self.store, cohort)
@@ -246,6 +252,9 @@ class RunTrainer:
     self._finite = self.config.nonfinite == 'off' or (
         self._params_finite and all(map(math.isfinite, row.values())))
     row.update(self.clock.advance(r, self._report))
+    if self.network_clock is not None:
+      wall = None if self._round_t0 is None else time.perf_counter() - self._round_t0
+      row.update(self.network_clock.advance(row, wall))
     return row
 
   def evaluate(self, step: int, row: dict[str, float]) -> None:
@@ -270,7 +279,8 @@ class RunTrainer:
     return {'step': step, 'next_round': step, 'seed': self.config.seed,
             'round_key': np.asarray(jax.random.key_data(self.exp.round_key)).tolist(),
             'elapsed_s': self.elapsed(), 'config': self.fingerprint,
-            **self.clock.meta()}
+            **self.clock.meta(),
+            **({} if self.network_clock is None else self.network_clock.meta())}
 
   def flush(self) -> None:
     self.writer.flush()
