@@ -24,8 +24,10 @@ is ``communicated_bytes / clients``, reduced between ``clients`` replicas
 (the round's ``clients`` metric: replicas with data). With
 ``config.network.wire_bytes`` set the payload is instead the model's
 parameter count times it; a round that reports no ``communicated_bytes``
-(the FedAvg family) sends the bytes of the model's parameters as stored
-(float32: 4 bytes a parameter, an uncompressed mean's message).
+(the FedAvg family) sends its aggregator's ``upload_bits`` over 8 (the mean
+message of the clients with data) where it reports them, else the bytes of
+the model's parameters as stored (float32: 4 bytes a parameter, an
+uncompressed mean's message).
 
 **Schedule.** ``H`` is ``config.network.inner_steps``, else
 ``config.local_steps``.
@@ -126,6 +128,8 @@ class NetworkClock:
     if self.wire_bytes is not None:
       return self.parameters * float(self.wire_bytes), max(1, replicas)
     if 'communicated_bytes' not in row:
+      if 'upload_bits' in row:  # A compressing aggregator's mean message.
+        return float(row['upload_bits']) / 8.0, max(1, replicas)
       return self.model_bytes, max(1, replicas)
     if replicas < 1:
       return 0.0, 1

@@ -94,6 +94,7 @@ def test_measured_step_time_and_the_compiling_round():
   clock = network_clock.make(config, PARAMS, {'simulated_elapsed_s': 5.0})
   row = {'clients': 4.0}  # No communicated_bytes: the model's float32 bytes.
   assert clock.payload_bytes(row) == (MODEL_BYTES, 4)
+  assert clock.payload_bytes(dict(row, upload_bits=800.0)) == (100.0, 4)
   assert clock.advance(row, wall_seconds=None) == {}  # The round that compiled.
   got = clock.advance(row, wall_seconds=8.0)
   assert got == {'simulated_round_s': 8.0, 'simulated_step_s': 0.5,
