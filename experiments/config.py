@@ -336,7 +336,9 @@ def _check_client_state(config: ml_collections.ConfigDict) -> None:
 
 def _check_network(config: ml_collections.ConfigDict) -> None:
   """Checks ``config.network`` and fills its defaults."""
-  section = _section('network', config.network, NETWORK_DEFAULTS)
+  section = _section('network', config.network, NETWORK_DEFAULTS, none_ok=True)
+  if section is None:  # None: off, as bandwidth_gbps=None.
+    section = dict(NETWORK_DEFAULTS)
   def bad(key: str, allowed: str) -> ConfigError:
     return ConfigError(f'config.network.{key}={section[key]!r}; allowed: {allowed}.')
   bandwidth = section['bandwidth_gbps']

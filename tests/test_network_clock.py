@@ -136,6 +136,9 @@ def test_the_section_changes_neither_the_experiment_nor_a_run_without_it():
   on = _config(dict(name='diloco'), bandwidth_gbps=1.0)
   assert config_lib.config_hash(off) == config_lib.config_hash(on)
   assert network_clock.make(off, PARAMS, None) is None
+  config = config_base.base_config()
+  config.network = None
+  assert config_lib.with_defaults(config).network.to_dict() == config_lib.NETWORK_DEFAULTS
 
 
 @pytest.mark.slow
