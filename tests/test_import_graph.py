@@ -31,8 +31,11 @@ def test_no_import_cycle_between_fedjx_modules():
 def test_every_package_of_setup_cfg_is_walked():
   modules = import_graph.project_modules(ROOT)
   for package in ('fedjx', 'fedjx.algorithms', 'fedjx.datasets', 'fedjx.models',
-                  'fedjx.experiments', 'fedjx.interpreters', 'fedjx.deploy'):
+                  'fedjx.experiments', 'fedjx.experiments.sweeps',
+                  'fedjx.interpreters', 'fedjx.deploy'):
     assert package in modules
+  assert modules['fedjx.experiments.sweeps.run'] == os.path.join(
+      'experiments', 'sweeps', 'run.py')
   assert modules['fedjx.algorithms.aggregators'] == os.path.join(
       'algorithms', 'aggregators.py')
   assert modules['fedjx.interpreters.plan'] == os.path.join(

@@ -137,9 +137,9 @@ def _sweep(argv: Sequence[str], extras: Sequence[Any]) -> int:
   axes = [spec.parse_axis(a) for a in args['sweep']]
   settings = spec.settings(axes, args['num_samples'], args['sample_seed'])
   seeds = spec.parse_seeds(str(args['seeds']))
-  result = sweep.run_sweep(config, workdir, settings, seeds, target=args['target'],
-                           settings_per_program=_PER_PROGRAM.value,
-                           metric=_METRIC.value)
+  result = run.run_sweep(config, workdir, settings, seeds, target=args['target'],
+                         settings_per_program=_PER_PROGRAM.value,
+                         metric=_METRIC.value)
   if result.interrupted:
     return 128 + (result.signal or signal.SIGINT)
   print(f'fedjx-sweep: done; {len(result.trials)} trials in {result.groups} '
