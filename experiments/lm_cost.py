@@ -167,6 +167,15 @@ def _flops(compiled) -> float:
   return float(cost.get('flops', 0.0))
 
 
+def _resolve(preset, seq_len, remat, dtype):
+  """``(name, config, seq_len)``: the preset with ``remat``/``dtype`` replaced where given."""
+  name = preset if isinstance(preset, str) else 'custom'
+  config = llama_config.preset(preset) if isinstance(preset, str) else preset
+  changes = {k: v for k, v in dict(remat=remat, dtype=dtype).items() if v is not None}
+  config = config.replace(**changes) if changes else config
+  return name, config, config.seq_len if seq_len is None else seq_len
+
+
 def plan_inner_step(preset: str | llama_config.LlamaConfig, replicas: int = 1,
                     fsdp: int = 1, batch: int = 4, seq_len: int | None = None,
                     remat: str | None = None, dtype: str | None = None) -> InnerStepPlan:
@@ -184,11 +193,7 @@ def plan_inner_step(preset: str | llama_config.LlamaConfig, replicas: int = 1,
   ``--xla_force_host_platform_device_count`` on a CPU).
   """
   import time  # pylint: disable=import-outside-toplevel
-  name = preset if isinstance(preset, str) else 'custom'
-  config = llama_config.preset(preset) if isinstance(preset, str) else preset
-  changes = {k: v for k, v in dict(remat=remat, dtype=dtype).items() if v is not None}
-  config = config.replace(**changes) if changes else config
-  seq_len = config.seq_len if seq_len is None else seq_len
+  name, config, seq_len = _resolve(preset, seq_len, remat, dtype)
   for arg, value in (('replicas', replicas), ('fsdp', fsdp), ('batch', batch),
                      ('seq_len', seq_len)):
     if not isinstance(value, int) or value < 1:
@@ -259,11 +264,7 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
   """
   import statistics  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
-  name = preset if isinstance(preset, str) else 'custom'
-  config = llama_config.preset(preset) if isinstance(preset, str) else preset
-  changes = {k: v for k, v in dict(remat=remat, dtype=dtype).items() if v is not None}
-  config = config.replace(**changes) if changes else config
-  seq_len = config.seq_len if seq_len is None else seq_len
+  name, config, seq_len = _resolve(preset, seq_len, remat, dtype)
   for arg, value in (('batch', batch), ('seq_len', seq_len), ('steps', steps),
                      ('repeats', repeats)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

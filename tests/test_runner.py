@@ -166,6 +166,7 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(files, reference, tmp_path)
   _assert_same_params(result.state.params, reference.state.params)
 
 
+@pytest.mark.slow
 def test_extending_rounds_continues_a_finished_run(files, reference, tmp_path):
   config = _load_config(files)
   config.rounds = 8

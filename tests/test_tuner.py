@@ -82,6 +82,7 @@ def test_hypergradient_metric_matches_finite_differences():
                                0.5 * np.exp(0.1), rtol=ft.rtol(8))
 
 
+@pytest.mark.slow
 def test_tuner_recovers_a_small_server_learning_rate():
   rounds = 30
   cohorts = cohorts_of(rounds)
