@@ -105,6 +105,48 @@ def text(seq_len: int = 64, level: str = 'byte',
   return ExperimentData(datasets.from_arrays(train, groups=groups), test, info)
 
 
+def documents(path: str | None = None, format: str = 'text',  # pylint: disable=redefined-builtin
+              tokenizer: Any = 'bytes', seq_len: int = 128,
+              text_field: str = 'text', client_field: str | None = None,
+              suffixes: Sequence[str] = ('.txt',), tail: str = 'pad',
+              test_fraction: float = 0.1, seed: int = 0) -> ExperimentData:
+  """A language-modelling corpus of local documents (text, JSONL, Parquet).
+
+  ``fedjx.datasets.documents.documents_corpus``: clients from ``path``,
+  ``tokenizer`` ``'bytes'``, ``dict(kind='sentencepiece', model_file=...)`` or
+  ``dict(kind='huggingface', file=...)``, documents packed into ``seq_len``
+  windows with the targets across document boundaries set to the tokenizer's
+  ``pad_id``. Each client holds out ``test_fraction`` of its sequences
+  (clients need 2). ``info`` carries ``vocab_size``, ``max_len`` and
+  ``pad_id``, so the model's loss ignores the padding and masked targets.
+  """
+  from fedjx.datasets import documents as documents_lib  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  if path is None or not os.path.exists(os.path.expanduser(str(path))):
+    raise ConfigError(f'config.dataset.path={path!r}: no such file or directory;'
+                      " give a folder of .txt files (format='text') or a "
+                      "JSONL / Parquet file (format='jsonl' / 'parquet').")
+  if format not in documents_lib.FORMATS:
+    raise ConfigError(f'config.dataset.format={format!r} is not one of '
+                      f'{documents_lib.FORMATS}.')
+  if tail not in documents_lib.TAILS:
+    raise ConfigError(f'config.dataset.tail={tail!r} is not one of '
+                      f'{documents_lib.TAILS}.')
+  if hasattr(tokenizer, 'to_dict'):  # A ConfigDict.
+    tokenizer = tokenizer.to_dict()
+  try:
+    tok = documents_lib.make_tokenizer(tokenizer)
+  except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(f'config.dataset.tokenizer={tokenizer!r}: {e}') from None
+  corpus = documents_lib.documents_corpus(
+      os.path.expanduser(str(path)), format, tok, seq_len, text_field,
+      client_field, tuple(suffixes), tail, min_examples=2)
+  train, test = datasets.split_examples(corpus, test_fraction, seed)
+  return ExperimentData(train, test, {'vocab_size': corpus.vocab_size,
+                                      'max_len': seq_len,
+                                      'pad_id': corpus.pad_id})
+
+
 class _MissingFeature(KeyError):
   """A client's examples lack a feature a builder reads."""
 
@@ -387,6 +429,7 @@ BUILDERS: dict[str, Callable[..., ExperimentData]] = {
     'digits': digits,
     'synthetic': synthetic,
     'text': text,
+    'documents': documents,
     'emnist': emnist,
     'cifar100': cifar100,
     'shakespeare': shakespeare,
