@@ -17,7 +17,9 @@ Sources (``format``):
   Parquet file (read with ``pyarrow.parquet``; same client rule).
 
 Clients sort by name; a client's documents keep file (or line, or row)
-order. Reading is lazy per client: construction reads each client once to
+order. :func:`shard_documents` (``num_shards=K``) deals the documents
+round-robin to ``K`` clients instead: IID shards, one per data-parallel
+replica, each read as its own client. Reading is lazy per client: construction reads each client once to
 count its examples and keeps only the counts; ``client_data(c)`` reads and
 encodes client ``c`` again (a JSONL client re-parses only its own lines; a
 Parquet client is read with a filter on ``client_field``).
@@ -67,7 +69,7 @@ from fedjx.datasets.federated import Examples, FederatedDataset
 __all__ = ['FORMATS', 'TAILS', 'TOKENIZER_KINDS', 'Tokenizer', 'ByteTokenizer',
            'SentencePieceTokenizer', 'HuggingFaceTokenizer', 'make_tokenizer',
            'DocumentSource', 'read_text_files', 'read_jsonl', 'read_parquet',
-           'read_documents', 'pack', 'DocumentCorpus', 'documents_corpus']
+           'read_documents', 'shard_documents', 'pack', 'DocumentCorpus', 'documents_corpus']
 
 FORMATS = ('text', 'jsonl', 'parquet')
 TAILS = ('pad', 'drop')
@@ -389,6 +391,29 @@ def read_documents(path: str | os.PathLike, format: str = 'text',  # pylint: dis
   return reader(path, text_field, client_field)
 
 
+def shard_documents(source: DocumentSource, num_shards: int) -> DocumentSource:
+  """``num_shards`` clients ``shard0 .. shard{K-1}`` dealt from ``source``.
+
+  Document ``j`` in reading order (``source``'s clients in order, each one's
+  documents in order) goes to shard ``j mod num_shards``: IID shards, one per
+  data-parallel replica. Construction reads every client of ``source`` once
+  to count its documents; reading a shard reads all of ``source``.
+  """
+  if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+    raise ValueError(f'documents: num_shards={num_shards!r}; it must be an int '
+                     '>= 1 or None (clients as the source groups them).')
+  offsets = np.cumsum([0] + [len(source.documents(i)) for i in range(len(source))])
+
+  def read(k: int) -> list[str]:
+    out = []
+    for i in range(len(source)):
+      first = (k - int(offsets[i])) % num_shards
+      out += source.documents(i)[first::num_shards]
+    return out
+
+  return DocumentSource([f'shard{k}' for k in range(num_shards)], read)
+
+
 # ------------------------------------------------------------------ packing
 
 
@@ -514,7 +539,8 @@ def documents_corpus(path: str | os.PathLike, format: str = 'text',  # pylint: d
                      seq_len: int = 128, text_field: str = 'text',
                      client_field: str | None = None,
                      suffixes: Sequence[str] = ('.txt',), tail: str = 'pad',
-                     min_examples: int = 1) -> DocumentCorpus:
+                     min_examples: int = 1,
+                     num_shards: int | None = None) -> DocumentCorpus:
   """A federated language-model corpus of the documents at ``path``.
 
   Args:
@@ -529,11 +555,15 @@ def documents_corpus(path: str | os.PathLike, format: str = 'text',  # pylint: d
     suffixes: file endings read by ``format='text'``.
     tail: ``'pad'`` or ``'drop'`` (the last partial example).
     min_examples: drop clients with fewer examples than this.
+    num_shards: None for the source's clients, or ``K`` IID shards of its
+      documents (:func:`shard_documents`), one per replica.
 
   Returns:
     A :class:`DocumentCorpus`; ``client_name(c)`` is the client's name.
   """
   _check_pack(seq_len, tail)
   source = read_documents(path, format, text_field, client_field, suffixes)
+  if num_shards is not None:
+    source = shard_documents(source, num_shards)
   return DocumentCorpus(source, make_tokenizer(tokenizer), seq_len, tail,
                         min_examples)

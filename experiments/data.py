@@ -109,14 +109,17 @@ def documents(path: str | None = None, format: str = 'text',  # pylint: disable=
               tokenizer: Any = 'bytes', seq_len: int = 128,
               text_field: str = 'text', client_field: str | None = None,
               suffixes: Sequence[str] = ('.txt',), tail: str = 'pad',
-              test_fraction: float = 0.1, seed: int = 0) -> ExperimentData:
+              num_shards: int | None = None, test_fraction: float = 0.1,
+              seed: int = 0) -> ExperimentData:
   """A language-modelling corpus of local documents (text, JSONL, Parquet).
 
   ``fedjx.datasets.documents.documents_corpus``: clients from ``path``,
   ``tokenizer`` ``'bytes'``, ``dict(kind='sentencepiece', model_file=...)`` or
   ``dict(kind='huggingface', file=...)``, documents packed into ``seq_len``
   windows with the targets across document boundaries set to the tokenizer's
-  ``pad_id``. Each client holds out ``test_fraction`` of its sequences
+  ``pad_id``. ``num_shards=K`` deals the documents round-robin to ``K``
+  clients (IID shards, one per data-parallel replica) instead of the
+  source's clients. Each client holds out ``test_fraction`` of its sequences
   (clients need 2). ``info`` carries ``vocab_size``, ``max_len`` and
   ``pad_id``, so the model's loss ignores the padding and masked targets.
   """
@@ -132,6 +135,10 @@ def documents(path: str | None = None, format: str = 'text',  # pylint: disable=
   if tail not in documents_lib.TAILS:
     raise ConfigError(f'config.dataset.tail={tail!r} is not one of '
                       f'{documents_lib.TAILS}.')
+  if num_shards is not None and (isinstance(num_shards, bool) or
+                                 not isinstance(num_shards, int) or num_shards < 1):
+    raise ConfigError(f'config.dataset.num_shards={num_shards!r}; it must be an '
+                      'int >= 1 or None (the clients of the source).')
   if hasattr(tokenizer, 'to_dict'):  # A ConfigDict.
     tokenizer = tokenizer.to_dict()
   try:
@@ -140,7 +147,8 @@ def documents(path: str | None = None, format: str = 'text',  # pylint: disable=
     raise ConfigError(f'config.dataset.tokenizer={tokenizer!r}: {e}') from None
   corpus = documents_lib.documents_corpus(
       os.path.expanduser(str(path)), format, tok, seq_len, text_field,
-      client_field, tuple(suffixes), tail, min_examples=2)
+      client_field, tuple(suffixes), tail, min_examples=2,
+      num_shards=num_shards)
   train, test = datasets.split_examples(corpus, test_fraction, seed)
   return ExperimentData(train, test, {'vocab_size': corpus.vocab_size,
                                       'max_len': seq_len,

@@ -187,3 +187,19 @@ def test_config_builds_dataset_and_errors(tmp_path):
                                 tokenizer=dict(kind='wordpiece')), 0)
   with pytest.raises(registry.ConfigError, match=r"config.dataset.path='/no/such'"):
     registry.build_dataset(dict(name='documents', path='/no/such'), 0)
+
+
+def test_shards_deal_documents_round_robin(tmp_path):
+  path = _write_jsonl(tmp_path / 'docs.jsonl', ROWS)
+  corpus = documents.documents_corpus(path, 'jsonl', seq_len=2,
+                                      client_field='user', num_shards=3)
+  # Reading order: client a (gamma, eta), then b (alpha beta, delta ...).
+  assert [corpus.client_name(c) for c in range(3)] == ['shard0', 'shard1', 'shard2']
+  assert corpus.client_documents(0) == ['gamma', 'delta epsilon zeta']
+  assert corpus.client_documents(1) == ['eta']
+  assert corpus.client_documents(2) == ['alpha beta']
+  with pytest.raises(ValueError, match=r'num_shards=0; it must be an int >= 1'):
+    documents.documents_corpus(path, 'jsonl', num_shards=0)
+  with pytest.raises(registry.ConfigError, match=r'config.dataset.num_shards=0'):
+    registry.build_dataset(dict(name='documents', path=str(path), format='jsonl',
+                                num_shards=0), 0)
