@@ -31,6 +31,7 @@ from fedjx.algorithms import distributed_dp
 from fedjx.algorithms import secure_aggregation
 from fedjx.algorithms import dp_ftrl
 from fedjx.algorithms import hypergradients
+from fedjx.algorithms import lora_aggregation
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms import outer_compression
 from fedjx.algorithms import quantization
@@ -87,6 +88,8 @@ from fedjx.algorithms.fedavg_lib import fedadam
 from fedjx.algorithms.fedavg_lib import fedavg
 from fedjx.algorithms.fedavg_lib import fedavgm
 from fedjx.algorithms.fedavg_lib import fedyogi
+from fedjx.algorithms.fedlora_lib import FedLoraState
+from fedjx.algorithms.fedlora_lib import fedlora
 from fedjx.algorithms.fedbuff_lib import AsyncCohort
 from fedjx.algorithms.fedbuff_lib import FedBuffState
 from fedjx.algorithms.fedbuff_lib import fedbuff
@@ -147,7 +150,7 @@ __all__ = [
     # The modules of the algorithms (each builder's is ``<name>_lib``).
     'afl_lib', 'apfl_lib', 'async_diloco_lib', 'diloco_lib', 'ditto_lib',
     'dp_fedavg_lib', 'fedasync_lib', 'fedavg_lib', 'fedbuff_lib',
-    'feddyn_lib', 'fedexp_lib', 'fednova_lib', 'fedprox_lib', 'fedrep_lib',
+    'feddyn_lib', 'fedexp_lib', 'fedlora_lib', 'fednova_lib', 'fedprox_lib', 'fedrep_lib',
     'hyp_cluster_lib', 'mime_lib', 'qffl_lib', 'scaffold_lib',
     'streaming_diloco_lib', 'yogi_lib',
     'compression',
@@ -212,6 +215,9 @@ __all__ = [
     'fedavg',
     'fedavgm',
     'fedbuff',
+    'FedLoraState',
+    'fedlora',
+    'lora_aggregation',
     'fednova',
     'FedExPState',
     'fedexp',

@@ -365,9 +365,11 @@ ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
     # One arrival per round, mixed in at once.
     'fedasync': AlgorithmEntry(algorithms_lib.fedasync, asynchronous=True,
                                updates_reach_params=True),
+    # Its adapters (and FLoRA's merged deltas) are the state's params.
+    'fedlora': AlgorithmEntry(algorithms_lib.fedlora, updates_reach_params=True),
 }
 # Algorithm options the runner sets (not config.algorithm), for every entry.
-RESERVED = ('loss_fn', 'metrics_fn', 'skip_nonfinite')
+RESERVED = ('loss_fn', 'metrics_fn', 'skip_nonfinite', 'lora_config')
 
 
 def forwarded_name(name: str) -> str | Callable[..., Any] | None:
@@ -452,6 +454,11 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
       kwargs[key] = parts.build_aggregator(value, where=f'algorithm.{key}')
   supplied = {'metrics_fn': model.metrics_fn, 'skip_nonfinite': skip_nonfinite}
   names, var = signatures.accepted_kwargs(entry.builder)
+  if 'lora_config' in names:  # Federated LoRA reads the adapters' rank and scale.
+    if not isinstance(model, models.lora.LoraModel):
+      raise ConfigError(f'algorithm {name!r} trains LoRA adapters; set config.lora.rank '
+                        '(docs/fine_tuning.md).')
+    kwargs['lora_config'] = model.config
   for key in entry.runner_options:
     if not var and key not in names:
       taken = tuple(k for k in entry.runner_options if k in names)

@@ -221,7 +221,8 @@ class LlamaLM(nn.Module):
       # Under scan the loop keeps XLA from merging the recomputation away.
       layer = nn.remat(layer, policy=remat_policy(c.remat), prevent_cse=not c.scan_layers)
     if c.scan_layers:
-      scanned = nn.scan(layer, variable_axes={'params': 0}, split_rngs={'params': True},
+      scanned = nn.scan(layer, variable_axes={'params': 0},
+                        split_rngs={'params': True, 'dropout': True},
                         in_axes=nn.broadcast, length=c.num_layers)
       x, _ = scanned(c, name='layers')(x, positions)
     else:

@@ -1,0 +1,213 @@
+"""Federated LoRA: clients train low-rank adapters, the server aggregates them by a rule.
+
+Each client ``k`` of the cohort receives the global adapters ``(a, b)`` of
+every adapted matrix (:mod:`fedjx.models.lora`; ``W + s a b``, rank
+``r_max``), cut to its own rank ``r_k`` (the first ``r_k`` columns of ``a``
+and rows of ``b``; zero beyond, and zero stays zero under training, since
+the gradient of a zero column of ``a`` is ``s x^T g b_j = 0`` when row ``j``
+of ``b`` is zero too), trains them on its data with the client optimizer
+(the frozen base and, for FLoRA, the merged deltas ``M`` fixed), and sends
+its adapters. The server aggregates by a rule of
+:mod:`fedjx.algorithms.lora_aggregation`::
+
+  w_k        = rule.client_weight(client adapters, n_k)
+  (S_k, A_k) = rule.client_message(client adapters, global adapters, k, C)
+  S = sum_k S_k,   A = sum_k w_k A_k / sum_k w_k            (fedjx reductions)
+  (a, b), dM = rule.server_update(global adapters, S, A)
+  M <- M + dM                                              (FLoRA merges here)
+
+FedIT, FFA-LoRA, FlexLoRA, FLoRA and HetLoRA are rules; FedIT and FFA-LoRA
+are also plain FedAvg/FedOpt on the adapter tree (a
+:class:`~fedjx.models.lora.LoraModel` with ``train_a`` True or False), which
+is how configs run them, with every aggregator (DP, compression, secure
+sums) applying to the adapters. This algorithm runs the rules that are not
+a weighted mean of the adapters (FlexLoRA's SVD of the mean product, FLoRA's
+stacking, HetLoRA's norm weights); their messages are not adapter deltas, so
+it takes no aggregator: a DP or compressed variant of them is not defined
+by their papers, and is refused (``aggregator=``).
+
+Heterogeneous ranks (``client_ranks``): client ``i`` of the population has
+rank ``client_ranks[i mod len(client_ranks)]`` (FLoRA and HetLoRA's
+setting; FlexLoRA's "client resources"). The new global adapters replace the
+old ones (no server optimizer: the rules define the new model, not a step).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import fedjx
+from fedjx.algorithms import base
+from fedjx.algorithms import client_update
+from fedjx.algorithms import lora_aggregation
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms.fedavg_lib import without
+from fedjx.models import adapters as trees
+from fedjx.models.lora_config import LoraConfig
+
+
+class FedLoraState(NamedTuple):
+  """The server state of :func:`fedlora`.
+
+  Attributes:
+    params: the global adapters (the :class:`~fedjx.models.lora.LoraModel`'s
+      trainable tree) and, under FLoRA, the merged deltas ``M`` (leaves
+      ``kernel_lora_merged`` beside the kernels, zero at first).
+    hparams: the client optimizer's traced hyperparameters.
+    round_index: rounds run so far.
+  """
+
+  params: base.Params
+  hparams: dict[str, Any]
+  round_index: jax.Array
+
+
+# fedavg's options but those the rules replace (the server optimizer, the
+# aggregator, the weighting: each rule has its own).
+OPTIONS = without('server_optimizer', 'aggregator', 'weighting', 'client_transform')
+
+
+def _ranks(fn: str, client_ranks: Any, r_max: int) -> tuple[int, ...]:
+  if client_ranks is None:
+    return (r_max,)
+  if (not isinstance(client_ranks, Sequence) or not client_ranks or
+      any(isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= r_max
+          for r in client_ranks)):
+    raise ValueError(f'{fn}: client_ranks={client_ranks!r} must be a non-empty sequence of '
+                     f'integers in [1, {r_max}] (the adapters\' rank).')
+  return tuple(client_ranks)
+
+
+RULES = {'flexlora': lora_aggregation.flexlora, 'flora': lora_aggregation.flora,
+         'hetlora': lora_aggregation.hetlora, 'fedit': lora_aggregation.fedit}
+
+
+@base.with_options(OPTIONS)
+def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig,
+            rule: str | lora_aggregation.LoraAggregation = 'flexlora',
+            client_ranks: Sequence[int] | None = None, aggregator: Any = None,
+            **options: Any) -> base.Algorithm:
+  """Federated LoRA with the aggregation ``rule``.
+
+  Args:
+    loss_fn: a :class:`~fedjx.models.lora.LoraModel`'s ``loss_fn``; the
+      algorithm's params are its adapters (and FLoRA's merged deltas).
+    lora_config: the model's :class:`~fedjx.models.LoraConfig`
+      (``train_a=True``: the rules read both factors); the runner passes it.
+    rule: ``'flexlora'``, ``'flora'``, ``'hetlora'``, ``'fedit'`` or a
+      :class:`~fedjx.algorithms.lora_aggregation.LoraAggregation`.
+    client_ranks: the ranks ``r_k`` by population index (cycled); None:
+      every client has the adapters' rank.
+    aggregator: must be None (see the module docstring).
+    client_optimizer: the local optimizer of the adapters (default SGD 0.1).
+    metrics_fn, local_epochs, local_steps, client_evaluation,
+    skip_nonfinite, client_metrics: as :func:`~fedjx.algorithms.fedavg`.
+
+  Returns:
+    The :class:`~fedjx.algorithms.Algorithm` (state :class:`FedLoraState`).
+  """
+  name = 'fedlora'
+  if not isinstance(lora_config, LoraConfig):
+    raise ValueError(f'{name}: lora_config={lora_config!r} must be a '
+                     'fedjx.models.LoraConfig.')
+  if not lora_config.train_a:
+    raise ValueError(f'{name}: lora_config.train_a=False; FFA-LoRA is FedAvg on b '
+                     '(fedjx.algorithms.fedavg on the LoraModel).')
+  if isinstance(rule, str):
+    if rule not in RULES:
+      raise ValueError(f'{name}: rule={rule!r} is not one of {", ".join(RULES)} '
+                       '(FFA-LoRA is fedavg with lora.train_a=False).')
+    rule = RULES[rule]()
+  if not isinstance(rule, lora_aggregation.LoraAggregation):
+    raise ValueError(f'{name}: rule={rule!r} must be a name or a LoraAggregation '
+                     '(fedjx.algorithms.lora_aggregation).')
+  if aggregator is not None:
+    raise ValueError(f'{name}: aggregator={aggregator!r}: the {rule.name} rule combines '
+                     'adapters itself; DP, compression and secure sums apply to FedIT and '
+                     'FFA-LoRA (fedavg on the LoraModel).')
+  o = base.take_options(name, options, OPTIONS)
+  client_optimizer = o['client_optimizer'] or base.default_sgd(0.1)
+  base.check_optimizer(name, 'client_optimizer', client_optimizer)
+  nonfinite.check_flag(name, o['skip_nonfinite'])
+  base.check_choice(name, 'client_metrics', o['client_metrics'], (False, True))
+  schedule = client_update.check_schedule(name, o['local_epochs'], o['local_steps'],
+                                          o['client_evaluation'])
+  r_max, scale = lora_config.rank, lora_config.scale
+  ranks = jnp.asarray(_ranks(name, client_ranks, r_max), jnp.int32)
+  merges = rule.name == 'flora'
+  if merges and lora_config.base_dtype == 'int8':
+    raise ValueError(f'{name}: the {rule.name} rule merges into the base, which is int8 '
+                     '(lora.base_dtype); use float32 or bfloat16.')
+  metrics_fn = o['metrics_fn']
+
+  def init(adapters):
+    params = adapters
+    if merges:
+      params = trees.join(adapters, trees.merged_tree(
+          {n: jnp.zeros(p['a'].shape[:-1] + p['b'].shape[-1:], p['a'].dtype)
+           for n, p in trees.adapter_pairs(adapters).items()}))
+    return FedLoraState(
+        params=params,
+        hparams={'client_optimizer': base.optimizer_hparams(client_optimizer, adapters)},
+        round_index=jnp.zeros((), jnp.int32))
+
+  def client_fn(num_clients, adapters, merged, hparams, index, client_id, n_k, batches,
+                mask):
+    rank = ranks[client_id % ranks.shape[0]]
+    global_pairs = trees.adapter_pairs(adapters)
+    start = trees.from_pairs(lora_aggregation.truncate(global_pairs, rank))
+    local_loss = lambda p, batch: loss_fn(trees.join(p, merged), batch)
+    local_metrics = None if metrics_fn is None else (
+        lambda p, batch: metrics_fn(trees.join(p, merged), batch))
+    opt_state = base.with_hparams(client_optimizer.init(start), hparams)
+    out = client_update.local_update(local_loss, local_metrics, client_optimizer, start,
+                                     opt_state, batches, mask, schedule)
+    trained = trees.adapter_pairs(out.params)
+    w = rule.client_weight(trained, n_k, scale)
+    summed, averaged = rule.client_message(trained, global_pairs, index, num_clients, scale)
+    weighted = jax.tree.map(lambda v: w * v, averaged)
+    delta = base.tree_sub(start, out.params)
+    extra = (summed, weighted, w)
+    if o['client_metrics']:
+      extra = extra + (base.client_metrics(delta, out),)
+    return nonfinite.ClientOutput(delta, out.stats, extra=extra, checked=out.params)
+
+  def round_fn(state, cohort, key):
+    num_clients = int(cohort.mask.shape[0])
+    adapters, merged = trees.split_merged(state.params)
+    clients = nonfinite.map_clients(
+        functools.partial(client_fn, num_clients),
+        (fedjx.broadcast(adapters), fedjx.broadcast(merged),
+         fedjx.broadcast(state.hparams['client_optimizer']),
+         jnp.arange(num_clients, dtype=jnp.int32), cohort.client_ids,
+         cohort.num_examples, cohort.batches, cohort.mask),
+        jnp.ones_like(cohort.num_examples, jnp.float32), cohort.num_examples,
+        o['skip_nonfinite'])
+    summed, weighted, w = clients.extra[:3]
+    summed, weighted, total = fedjx.reduce_sum((summed, weighted, w))
+    averaged = jax.tree.map(lambda v: v / jnp.maximum(total, 1e-30), weighted)
+    result = rule.server_update(trees.adapter_pairs(adapters), summed, averaged, r_max,
+                                scale, key)
+    new = trees.from_pairs(result.adapters)
+    if merges:
+      old = trees.merged_pairs(merged)
+      new = trees.join(new, trees.merged_tree(
+          {n: old[n] + result.merged[n].astype(old[n].dtype) for n in old}))
+    metrics = nonfinite.round_metrics(
+        clients, adapter_norm=optax.tree.norm(trees.from_pairs(result.adapters)),
+        adapter_bytes_per_client=jnp.float32(trees.adapter_bytes(adapters)))
+    if o['client_metrics']:
+      metrics.update(clients.extra[3])
+    state = state._replace(params=new, round_index=state.round_index + 1)
+    return state, metrics
+
+  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+
+
+__all__ = ['FedLoraState', 'fedlora']
