@@ -138,7 +138,7 @@ def test_sparseloco_matches_the_papers_algorithm_and_counts_its_bits():
   algo = algos.diloco(linreg_loss, 3, inner_optimizer=optax.sgd(LR),
                       inner_steps=H, weighting='uniform',
                       aggregator=oc.sparseloco(3, k=k, chunk_size=chunk,
-                                               beta=beta),
+                                               beta=beta, chunk_shape='1d'),
                       outer_momentum=0.0, outer_learning_rate=1.0)
   state, metrics = _run(algo, params, cohort)
   theta, e = _sparseloco_np(data, _flat(params), k, chunk, beta, 1.0)
@@ -178,7 +178,7 @@ def test_sparseloco_decays_only_the_accumulators_of_replicas_with_data():
   their two messages."""
   rng = np.random.default_rng(21)
   k, chunk, beta = 2, 4, 0.5
-  agg = oc.sparseloco(4, k=k, chunk_size=chunk, beta=beta)
+  agg = oc.sparseloco(4, k=k, chunk_size=chunk, beta=beta, chunk_shape='1d')
   ids = jnp.asarray([3, 1, 0], jnp.int32)
   w = jnp.asarray([1.0, 1.0, 0.0])
   u = rng.normal(size=(3, 6)).astype(np.float32)
@@ -274,3 +274,189 @@ def test_diloco_takes_muon_as_its_inner_optimizer():
 def test_bad_arguments_name_argument_value_and_what_is_allowed(build, match):
   with pytest.raises(ValueError, match=match):
     build()
+
+
+# ------------------------------------------------------- 2-D tiles ('2d')
+
+def _tile_np(n, chunk):
+  """The largest divisor of n not above chunk (n when n <= chunk)."""
+  return n if n <= chunk else max(t for t in range(1, chunk + 1) if n % t == 0)
+
+
+def _quantize_any_np(v):
+  """:func:`_quantize_np`, with a single value sent exactly (its mean)."""
+  return v.copy() if len(v) == 1 else _quantize_np(v)
+
+
+def _tile_slices(shape, chunk):
+  """(layer, rows, cols) of every tile of a leaf, in row-major grid order,
+  the leaf viewed as [L, r, c] (a vector or scalar as [1, 1, size])."""
+  if len(shape) < 2:
+    layers, r, c = 1, 1, math.prod(shape)
+    tr, tc = 1, _tile_np(c, chunk)
+  else:
+    layers, (r, c) = math.prod(shape[:-2]), shape[-2:]
+    tr, tc = _tile_np(r, chunk), _tile_np(c, chunk)
+  return [(layer, slice(i, i + tr), slice(j, j + tc)) for layer in range(layers)
+          for i in range(0, r, tr) for j in range(0, c, tc)]
+
+
+def _as3(x):
+  return x.reshape(1, 1, -1) if x.ndim < 2 else x.reshape(-1, *x.shape[-2:])
+
+
+def _tiled_top_k_np(leaf, k, chunk):
+  """SparseLoCo's '2d' chunks of one leaf by an explicit loop over its tiles:
+  the top min(k, tile size) magnitudes of each, then the leaf's kept values
+  quantized together (one table per leaf), float64."""
+  x = _as3(np.asarray(leaf, np.float64))
+  picks = []
+  for where in _tile_slices(np.shape(leaf), chunk):
+    flat = x[where].reshape(-1)
+    kk = min(k, flat.size)
+    order = np.argsort(-np.abs(flat), kind='stable')
+    if kk < flat.size:
+      mags = np.abs(flat)[order]
+      assert mags[kk - 1] - mags[kk] > MARGIN * mags[0], 'a tie'
+    picks.append((where, order[:kk]))
+  sent = _quantize_any_np(np.concatenate([x[w].reshape(-1)[i] for w, i in picks]))
+  out, start = np.zeros_like(x), 0
+  for where, index in picks:
+    tile = np.zeros(x[where].size)
+    tile[index] = sent[start:start + len(index)]
+    out[where] = tile.reshape(x[where].shape)
+    start += len(index)
+  return out.reshape(np.shape(leaf))
+
+
+# A stacked [L, m, n] leaf with axes 64 does not divide (12 = 3 x 4, 10 = 5 x
+# 2 for chunk 4), a matrix with a prime axis (7: tiles of 1 row), a vector,
+# and a scalar.
+SHAPES = ((2, 12, 10), (7, 6), (10,), ())
+CHUNK = 4  # Tiles of at most 4 x 4: 4 x 2 (first leaf), 1 x 3, 1-D 2, 1.
+
+
+def _tree(rng, shapes=SHAPES, lead=()):
+  return {f'p{i}': rng.normal(size=lead + s).astype(np.float32)
+          for i, s in enumerate(shapes)}
+
+
+def _flatten(tree):  # ravel_pytree's order: the keys sorted.
+  return np.concatenate([np.reshape(tree[key], -1) for key in sorted(tree)])
+
+
+def test_tile_length_is_the_largest_divisor_not_above_the_chunk():
+  cases = [(100, 64), (128, 64), (97, 64), (30, 64), (64, 64), (12, 4), (7, 4),
+           (1, 4), (4096, 64), (50257, 64)]
+  for n, chunk in cases:
+    assert oc.tile_length(n, chunk) == _tile_np(n, chunk), (n, chunk)
+  assert oc.tile_shape((3, 100, 70), 64) == (50, 35)
+  assert oc.tile_shape((70,), 64) == (35,)
+  assert oc.tile_shape((), 64) == (1,)
+
+
+def test_tiles_round_trip_in_row_major_grid_order():
+  x = np.arange(2 * 12 * 10, dtype=np.float32).reshape(2, 12, 10)
+  tiles = np.asarray(oc.to_tiles(jnp.asarray(x), (4, 2)))
+  assert tiles.shape == (2 * 3 * 5, 4, 2)
+  # Tile (layer 1, grid row 2, grid column 3) is number 1 * 15 + 2 * 5 + 3.
+  np.testing.assert_array_equal(tiles[15 + 10 + 3], x[1, 8:12, 6:8])
+  np.testing.assert_array_equal(np.asarray(oc.from_tiles(jnp.asarray(tiles), x.shape)), x)
+
+
+def test_tiled_top_k_is_a_numpy_loop_over_tiles_and_counts_its_bits():
+  rng = np.random.default_rng(5)
+  tree = _tree(rng)
+  shapes = tuple(tree[key].shape for key in sorted(tree))
+  k = 3
+  comp = oc.tiled_top_k(shapes, k, CHUNK)
+  x = jnp.asarray(_flatten(tree))
+  message, counted = jax.jit(lambda v: comp.encode(None, v))(x)
+  decoded = np.asarray(jax.jit(lambda m: comp.decode(None, m, x.shape[0]))(message))
+  want = np.concatenate([_tiled_top_k_np(tree[key], k, CHUNK).reshape(-1)
+                         for key in sorted(tree)])
+  np.testing.assert_array_equal(decoded != 0, want != 0)
+  # Float32 mean, variance and bucket means of at most 60 kept values of a
+  # leaf (n = 3 * 60 sums), then one addition: relative to the largest value.
+  tol = 2 * 181 * 2 ** -24
+  np.testing.assert_allclose(decoded, want, rtol=tol, atol=tol * np.abs(want).max())
+  # Kept values and their index widths, counted from the layout by hand:
+  # leaf (2, 12, 10): 30 tiles of 4 x 2 = 8, 3 kept, 3-bit indices;
+  # (7, 6): 14 tiles of 1 x 3, 3 kept, 2-bit; (10,): 5 chunks of 2, 2 kept,
+  # 1-bit; (): 1 of 1, 1 kept, 1-bit (at least one bit per index).
+  kept = {(2, 12, 10): (90, 3), (7, 6): (42, 2), (10,): (10, 1), (): (1, 1)}
+  expect = sum(32 * math.ceil(m * w / 32) + 32 * math.ceil(m * 2 / 32) + 32 * 5
+               for m, w in kept.values())
+  assert float(counted) == compression.representation_bits(message) == expect
+  assert oc.tiled_top_k_bits(shapes, k, CHUNK) == expect
+  assert int(np.sum(decoded != 0)) == sum(m for m, _ in kept.values())
+
+
+def test_a_stacked_leaf_is_tiled_layer_by_layer():
+  """``[L, m, n]`` picks, per layer, the tiles and values of an ``[m, n]``
+  leaf: the same kept positions (the values differ only by the quantization
+  table, which is per leaf)."""
+  rng = np.random.default_rng(6)
+  stack = rng.normal(size=(3, 12, 10)).astype(np.float32)
+  k = 3
+  def round_trip(shape):
+    comp = oc.tiled_top_k((shape,), k, CHUNK)
+    return jax.jit(lambda v: comp.decode(None, comp.encode(None, v)[0], v.shape[0]))
+
+  got = np.asarray(round_trip(stack.shape)(stack.reshape(-1))).reshape(stack.shape)
+  one = round_trip((12, 10))
+  for layer in range(3):
+    alone = np.asarray(one(stack[layer].reshape(-1))).reshape(12, 10)
+    np.testing.assert_array_equal(got[layer] != 0, alone != 0)
+  # 3 layers x 15 tiles x 3 kept values of 3-bit indices, one table.
+  assert oc.tiled_top_k_bits((stack.shape,), k, CHUNK) == \
+      32 * math.ceil(135 * 3 / 32) + 32 * math.ceil(135 * 2 / 32) + 32 * 5
+
+
+def test_sparseloco_2d_one_combine_follows_the_tiled_oracle():
+  """The default layout through the aggregator: replicas [2, 0, 1] with
+  accumulators, replica 1 without data; the mean, the residuals, the
+  upload bits and the bytes of one message."""
+  rng = np.random.default_rng(9)
+  k, beta = 3, 0.5
+  agg = oc.sparseloco(3, k=k, chunk_size=CHUNK * CHUNK, beta=beta)
+  updates = _tree(rng, lead=(3,))
+  params = jax.tree.map(lambda u: u[0], updates)
+  d = sum(math.prod(s) for s in SHAPES)
+  e = rng.normal(size=(3, d)).astype(np.float32)
+  state = agg.init(params)._replace(residual=jnp.asarray(e))
+  ids = jnp.asarray([2, 0, 1], jnp.int32)
+  w = jnp.asarray([1.0, 2.0, 0.0])
+  mean, state, metrics = aggregate(agg, jax.tree.map(jnp.asarray, updates), w, ids, state)
+  e = e.astype(np.float64)
+  keys = sorted(updates)
+  offsets = np.cumsum([0] + [updates[key][0].size for key in keys])
+  sent = []
+  for i, rid in enumerate([2, 0]):
+    a = beta * e[rid] + _flatten({key: updates[key][i] for key in keys})
+    m = np.concatenate([
+        _tiled_top_k_np(a[offsets[j]:offsets[j + 1]].reshape(updates[key].shape[1:]),
+                        k, CHUNK).reshape(-1) for j, key in enumerate(keys)])
+    e[rid] = a - m
+    sent.append(m)
+  want = (sent[0] + 2 * sent[1]) / 3
+  # Float32: the accumulator's 2 terms, the quantizer's sums of at most 60
+  # values (3 per kept value), a 3-term weighted mean: n = 2 + 180 + 3.
+  tol = 2 * 185 * 2 ** -24
+  got = _flatten(jax.tree.map(np.asarray, mean))
+  np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+  np.testing.assert_allclose(np.asarray(state.residual), e, rtol=tol,
+                             atol=tol * np.abs(e).max())
+  bits = oc.tiled_top_k_bits(SHAPES, k, CHUNK)
+  assert float(metrics['upload_bits']) == bits
+  assert agg.message_bytes(params) == math.ceil(bits / 8)
+
+
+def test_sparseloco_2d_needs_a_square_chunk_and_a_known_chunk_shape():
+  with pytest.raises(ValueError, match=r"^sparseloco: chunk_size=200 is not allowed "
+                     r"with chunk_shape='2d'; it must be a square s\^2"):
+    oc.sparseloco(3, k=4, chunk_size=200)
+  oc.sparseloco(3, k=4, chunk_size=200, chunk_shape='1d')
+  with pytest.raises(ValueError, match=r"^sparseloco: chunk_shape='3d' is not allowed; "
+                     r"it must be '2d'"):
+    oc.sparseloco(3, chunk_shape='3d')
