@@ -24,6 +24,21 @@ The compute time of an inner step is the analytic FLOPs per device over
 ``--mfu`` times the device's bfloat16 peak, or ``--step_seconds``; the
 payload is the parameter count times ``--wire_bytes``, all-reduced between
 the ``--replicas`` replicas.
+
+With ``--lora_rank`` it plans LoRA fine-tuning instead
+(:mod:`fedjx.experiments.lora_plan` has the method): one AdamW client step on
+the adapters over a frozen base, on one device, and the bytes of a round::
+
+  fedjx-plan --preset=tinyllama-1.1b --lora_rank=8 --lora_targets=q_proj,v_proj \\
+      --lora_base_dtype=bfloat16 --cohort=100 --batch=4 --remat=full --device=h100
+
+prints the frozen base, adapters, optimizer state, gradients, activations
+(XLA's temporaries) and their total per device, whether it fits
+``--device``, and the upload and download of a round (FedIT/FlexLoRA, and
+FLoRA's stacked download). The fine-tuning shapes ``tinyllama-1.1b`` and
+``llama2-7b`` (:data:`fedjx.experiments.lora_plan.SHAPES`) are accepted by
+``--preset`` only with ``--lora_rank``; ``--replicas``, ``--fsdp`` and
+``--schedule`` are not, there.
 """
 
 from __future__ import annotations
@@ -39,8 +54,11 @@ def _parser() -> argparse.ArgumentParser:
   from fedjx.models import llama_config  # pylint: disable=import-outside-toplevel
   summary = __doc__.split('\n\n')[0].split(': ', 1)[1]
   p = argparse.ArgumentParser(prog=PROG, description=summary[0].upper() + summary[1:])
-  p.add_argument('--preset', default='1m', choices=list(llama_config.PRESETS),
-                 help='model shape (fedjx.models.llama_config.PRESETS) [1m]')
+  from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
+  p.add_argument('--preset', default='1m', choices=list(llama_config.PRESETS) +
+                 list(lora_plan.SHAPES),
+                 help='model shape (fedjx.models.llama_config.PRESETS; tinyllama-1.1b and '
+                 'llama2-7b, fedjx.experiments.lora_plan.SHAPES, only with --lora_rank) [1m]')
   p.add_argument('--replicas', type=int, default=1, help="M, mesh axis 'clients' [1]")
   p.add_argument('--fsdp', type=int, default=1, help="F devices per replica, mesh axis 'fsdp' [1]")
   p.add_argument('--batch', type=int, default=4, help='sequences per replica per inner step [4]')
@@ -76,7 +94,78 @@ def _parser() -> argparse.ArgumentParser:
                  help="model FLOPs utilization of the device's bfloat16 peak [0.4]")
   g.add_argument('--step_seconds', type=float, default=None,
                  help='compute time of an inner step, s [from the FLOPs, --mfu and --device]')
+  _lora_options(p)
   return p
+
+
+def _lora_options(p: argparse.ArgumentParser) -> None:
+  from fedjx.models import lora_config  # pylint: disable=import-outside-toplevel
+  g = p.add_argument_group('LoRA fine-tuning (fedjx.experiments.lora_plan)')
+  g.add_argument('--lora_rank', type=int, default=None,
+                 help='r; plans a LoRA client step instead of a full inner step [no]')
+  g.add_argument('--lora_targets', default='q_proj,v_proj',
+                 help=f'adapted projections, comma-separated, of {",".join(lora_config.TARGETS)} '
+                 '[q_proj,v_proj]')
+  g.add_argument('--lora_base_dtype', default='float32', choices=list(lora_config.BASE_DTYPES),
+                 help='storage of the frozen base [float32]')
+  g.add_argument('--lora_frozen_a', action='store_true',
+                 help='freeze a, train and send only b (FFA-LoRA) [no]')
+  g.add_argument('--cohort', type=int, default=1, help='m, clients per round [1]')
+  g.add_argument('--clients_per_device', type=int, default=1,
+                 help='C, clients stepping side by side on one device over one base [1]')
+  g.add_argument('--lora_extrapolate_layers', action='store_true',
+                 help='compile at L = 1, 2 and extrapolate in L, not the full depth [no]')
+
+
+def lora_setup(args: argparse.Namespace):
+  """``(name, config, LoraConfig)`` of the ``--lora_*`` flags, or None without ``--lora_rank``.
+
+  ValueError (naming the option) if bad.
+  """
+  from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
+  from fedjx.models import llama_config  # pylint: disable=import-outside-toplevel
+  from fedjx.models import lora_config  # pylint: disable=import-outside-toplevel
+  if args.lora_rank is None:
+    if args.preset in lora_plan.SHAPES:
+      raise ValueError(f'--preset={args.preset} is a fine-tuning shape; it needs --lora_rank.')
+    return None
+  if args.lora_rank < 1:
+    raise ValueError(f'--lora_rank={args.lora_rank} must be an integer >= 1.')
+  targets = tuple(t.strip() for t in args.lora_targets.split(',') if t.strip())
+  unknown = [t for t in targets if t not in lora_config.TARGETS]
+  if not targets or unknown or len(set(targets)) != len(targets):
+    raise ValueError(f'--lora_targets={args.lora_targets!r} must be distinct, comma-separated '
+                     f'names of {",".join(lora_config.TARGETS)}.')
+  for flag, value in (('--cohort', args.cohort), ('--clients_per_device',
+                                                  args.clients_per_device)):
+    if value < 1:
+      raise ValueError(f'{flag}={value} must be a positive integer.')
+  if args.replicas != 1 or args.fsdp != 1 or args.schedule is not None:
+    raise ValueError(f'--lora_rank={args.lora_rank} plans one device: --replicas and --fsdp '
+                     'must be 1 and --schedule absent.')
+  config = lora_plan.SHAPES.get(args.preset) or llama_config.PRESETS[args.preset]
+  lora = lora_config.LoraConfig(rank=args.lora_rank, targets=targets,
+                                base_dtype=args.lora_base_dtype,
+                                train_a=not args.lora_frozen_a)
+  shapes = lora_plan.projection_shapes(config)
+  small = [t for t in targets if args.lora_rank > min(shapes[t])]
+  if small:
+    raise ValueError(f'--lora_rank={args.lora_rank} exceeds min(n_in, n_out) of '
+                     f'{", ".join(f"{t} {shapes[t]}" for t in small)}.')
+  return args.preset, config, lora
+
+
+def plan_lora(args: argparse.Namespace) -> str:
+  """The lines of ``--lora_rank``: :func:`fedjx.experiments.lora_plan.render` of the plan."""
+  from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
+  name, config, lora = lora_setup(args)
+  plan = lora_plan.plan_lora(
+      config, lora, batch=args.batch,
+      seq_len=config.seq_len if args.seq_len is None else args.seq_len,
+      remat=config.remat if args.remat is None else args.remat,
+      clients_per_device=args.clients_per_device, cohort=args.cohort, dtype=args.dtype,
+      name=name, extrapolate_layers=args.lora_extrapolate_layers)
+  return lora_plan.render(plan, args.device, PROG)
 
 
 def network_setup(args: argparse.Namespace):
@@ -189,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
   import jax  # pylint: disable=import-outside-toplevel
   from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
   try:
+    if lora_setup(args) is not None:
+      sys.stdout.write(plan_lora(args))
+      return 0
     network_setup(args)  # Bad communication flags fail before the compile.
     plan = lm_cost.plan_inner_step(args.preset, replicas=args.replicas, fsdp=args.fsdp,
                                    batch=args.batch, seq_len=args.seq_len,
