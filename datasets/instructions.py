@@ -732,9 +732,8 @@ def _toy_record(category: str, gen: np.random.Generator) -> dict[str, str]:
           'output': ' '.join([word] * times)}
 
 
-def write_toy_instructions(path: str | os.PathLike, num_records: int = 200,
-                           seed: int = 0) -> str:
-  """Writes a synthetic, learnable instruction set as JSONL; returns the path.
+def toy_instructions(num_records: int = 200, seed: int = 0) -> list[dict[str, Any]]:
+  """The synthetic, learnable instruction records of :func:`write_toy_instructions`.
 
   Record ``i`` has fields ``id`` (``i``), ``category`` (drawn uniformly from
   :data:`TOY_CATEGORIES`), ``instruction``, ``input`` and ``output``:
@@ -742,20 +741,30 @@ def write_toy_instructions(path: str | os.PathLike, num_records: int = 200,
   ("Uppercase: abc" -> "ABC"), ``add`` ("Add: 3 + 4" -> "7", operands in
   ``[0, 50)``), ``sort`` ("Sort the letters: cab" -> "abc") and ``repeat``
   (instruction "Repeat the word 2 times.", input "ab" -> "ab ab"). Words are
-  3 to 6 random lowercase letters. The file is a function of
+  3 to 6 random lowercase letters. The records are a function of
   ``(num_records, seed)``.
   """
-  where = 'write_toy_instructions'
+  where = 'toy_instructions'
   num_records = _check_count(where, 'num_records', num_records, 1)
   seed = _check_count(where, 'seed', seed, 0)
+  gen = _seeding.rng(TOY, seed)
+  records = []
+  for i in range(num_records):
+    category = TOY_CATEGORIES[int(gen.integers(len(TOY_CATEGORIES)))]
+    records.append({'id': i, 'category': category, **_toy_record(category, gen)})
+  return records
+
+
+def write_toy_instructions(path: str | os.PathLike, num_records: int = 200,
+                           seed: int = 0) -> str:
+  """Writes :func:`toy_instructions` as JSONL (one record per line); returns the path."""
+  where = 'write_toy_instructions'
   if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(
       os.path.dirname(os.path.abspath(path))):
     raise ValueError(f'{where}: path={path!r}; give a file path in an existing '
                      'folder.')
-  gen = _seeding.rng(TOY, seed)
+  records = toy_instructions(num_records, seed)
   with open(path, 'w', encoding='utf-8') as f:
-    for i in range(num_records):
-      category = TOY_CATEGORIES[int(gen.integers(len(TOY_CATEGORIES)))]
-      record = {'id': i, 'category': category, **_toy_record(category, gen)}
+    for record in records:
       f.write(json.dumps(record) + '\n')
-  return os.fspath(path)
+  return str(path)

@@ -29,6 +29,7 @@ import ml_collections
 from fedjx import options
 from fedjx.experiments.errors import ConfigError
 from fedjx.experiments.errors import suggest
+from fedjx.experiments import lora_setup
 
 METRICS_FORMATS = ('jsonl', 'csv')
 
@@ -94,6 +95,9 @@ DEFAULTS: dict[str, Any] = {
     'network': {'bandwidth_gbps': None, 'latency_ms': 0.0, 'topology': 'ring',
                 'step_seconds': None, 'wire_bytes': None,
                 'overlap_fraction': 0.0, 'layers': None, 'inner_steps': None},
+    # LoRA adapters on a frozen (pretrained) model: off while rank is 0
+    # (fedjx.experiments.lora_setup, docs/fine_tuning.md).
+    'lora': dict(lora_setup.LORA_DEFAULTS),
 }
 REQUIRED = ('dataset', 'model', 'algorithm')
 # The type of each field whose default is None, by dotted path: what a
@@ -256,6 +260,7 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   _check_attack(config)
   _check_client_state(config)
   _check_network(config)
+  lora_setup.lora_config_of(config)
   return config
 
 

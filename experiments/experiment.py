@@ -26,6 +26,7 @@ from fedjx.experiments import attack as attack_lib
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import evaluation
 from fedjx.experiments import guarded_rounds
+from fedjx.experiments import lora_setup
 from fedjx.experiments import privacy as privacy_lib
 from fedjx.experiments import registry
 from fedjx.experiments.config import with_defaults
@@ -184,10 +185,12 @@ def build(config: Any, placement: str | None = None) -> Experiment:
         f'{data.train.num_clients}.')
   plan = privacy_lib.plan(config, data.train.num_clients)
   sampler = privacy_lib.make_sampler(config, data.train)
+  init_key, round_key = jax.random.split(jax.random.key(config.seed))
+  batch = _sample_batch(config, data)
+  model = lora_setup.adapt(config, model, data.info, batch, init_key)  # config.lora's
   algorithm = build_algorithm(config, model, data.train.num_clients,
                               placement=placement)
-  init_key, round_key = jax.random.split(jax.random.key(config.seed))
-  params = model.init(init_key, _sample_batch(config, data))
+  params = model.init(init_key, batch)
   examples = evaluation.pool_examples(data.test, config.eval_max_examples)
   evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size)
               if examples is not None else None)

@@ -455,7 +455,8 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
   supplied = {'metrics_fn': model.metrics_fn, 'skip_nonfinite': skip_nonfinite}
   names, var = signatures.accepted_kwargs(entry.builder)
   if 'lora_config' in names:  # Federated LoRA reads the adapters' rank and scale.
-    if not isinstance(model, models.lora.LoraModel):
+    from fedjx.models import lora  # pylint: disable=g-import-not-at-top
+    if not isinstance(model, lora.LoraModel):
       raise ConfigError(f'algorithm {name!r} trains LoRA adapters; set config.lora.rank '
                         '(docs/fine_tuning.md).')
     kwargs['lora_config'] = model.config

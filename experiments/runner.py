@@ -49,6 +49,7 @@ from fedjx.experiments import client_states
 from fedjx.experiments import compilation_cache
 from fedjx.experiments import config as config_lib
 from fedjx.experiments import experiment
+from fedjx.experiments import lora_setup
 from fedjx.experiments import processes
 from fedjx.experiments import run_trainer
 from fedjx.experiments import workdir_lock
@@ -110,7 +111,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str,
                                     max_to_keep=max(2, config.checkpoints_to_keep))
   try:
     trainer = run_trainer.RunTrainer(config, exp, workdir, log, lead, hooks, ckpt)
-    return trainer.train()
+    result = trainer.train()
+    if lead and not result.interrupted:  # config.lora.export's folders.
+      for folder in lora_setup.export(config, exp.model, result.state.params, workdir):
+        log(f'wrote {folder}')
+    return result
   finally:
     ckpt.close()
 

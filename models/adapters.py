@@ -6,7 +6,8 @@ merged deltas ``M [L?, n_in, n_out]`` are kept the same way, as
 ``kernel_lora_merged``. These functions move between that nested layout and
 the flat *pairs* ``{'layers/self_attn/q_proj/kernel': {'a': a, 'b': b}}`` of
 :mod:`fedjx.algorithms.lora_aggregation`, split a tree into what is trained
-and what is frozen, and merge ``W + s a b``. They need nothing but jax.
+and what is frozen. They need nothing but jax
+(:func:`fedjx.models.peft_adapters.merge_adapters` merges ``W + s a b``).
 """
 
 from __future__ import annotations
@@ -128,28 +129,6 @@ def merged_pairs(merged: Params) -> dict[str, jax.Array]:
     if keys[-1].endswith(M_SUFFIX):
       out['/'.join(keys[:-1] + (keys[-1][:-len(M_SUFFIX)],))] = leaf
   return out
-
-
-def merge(params: Params, scale: float) -> dict:
-  """The base parameters with every adapter merged: ``W + s a b`` (``s = scale``), no adapter leaves.
-
-  Only for float base weights (an int8 base is dequantized by qwix at use,
-  not here).
-  """
-  pairs = adapter_pairs(params)
-  _, base = partition(params, is_adapter)
-
-  def merged(path, w):
-    name = '/'.join(_keys(path))
-    if name not in pairs:
-      return w
-    a, b = pairs[name]['a'], pairs[name]['b']
-    delta = scale * jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32))
-    return (w.astype(jnp.float32) + delta).astype(w.dtype)
-
-  return jax.tree_util.tree_map_with_path(merged, base)
-
-
 
 
 def adapter_bytes(adapters: Params) -> int:

@@ -72,9 +72,24 @@ def _a_initializer(name: str, rank: int):
   return jax.nn.initializers.normal(1 / math.sqrt(rank))
 
 
+class _Provider(qwix.LoraProvider):
+  """qwix's LoRA provider, whose adapted products keep the layer's compute dtype.
+
+  The adapters are float32; in a bfloat16 model ``x W + s (x a) b`` would
+  otherwise come out float32 and change the residual stream's dtype (which a
+  scanned layer stack refuses). The sum is cast to the dtype ``x W`` has.
+  """
+
+  def dot_general(self, lhs, rhs, dimension_numbers, precision=None,
+                  preferred_element_type=None, out_sharding=None):
+    out = super().dot_general(lhs, rhs, dimension_numbers, precision,
+                              preferred_element_type, out_sharding=out_sharding)
+    return out.astype(preferred_element_type or lhs.dtype)
+
+
 def provider(config: LoraConfig, *, train: bool = True) -> qwix.LoraProvider:
   """The qwix provider of ``config`` (no dropout when ``train`` is False)."""
-  return qwix.LoraProvider(
+  return _Provider(
       module_path=config.module_path, rank=config.rank, alpha=float(config.alpha),
       dropout=float(config.dropout) if train else 0.0,
       lora_a_initializer=_a_initializer(config.a_init, config.rank),
