@@ -28,8 +28,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import jax
-
 from fedjx.experiments.errors import ConfigError
 
 LORA_DEFAULTS: dict[str, Any] = {
@@ -113,7 +111,7 @@ def pretrained_model(config: Any, model: Any, info: Mapping[str, Any]) -> tuple[
   return llama.llama_lm(shape, pad_id=spec.get('pad_id', info.get('pad_id', 0))), params
 
 
-def adapt(config: Any, model: Any, info: Mapping[str, Any], batch: Any, key: jax.Array) -> Any:
+def adapt(config: Any, model: Any, info: Mapping[str, Any], batch: Any, key: Any) -> Any:
   """``model`` with adapters by ``config.lora`` (``model`` itself when rank is 0)."""
   lora_config = lora_config_of(config)
   if lora_config is None:
@@ -134,6 +132,7 @@ def export(config: Any, model: Any, params: Any, workdir: str) -> list[str]:
   s = section(config)
   if not s['export']:
     return []
+  import jax  # pylint: disable=g-import-not-at-top
   from fedjx.models import hf_checkpoint  # pylint: disable=g-import-not-at-top
   from fedjx.models import llama  # pylint: disable=g-import-not-at-top
   from fedjx.models import peft_adapters  # pylint: disable=g-import-not-at-top
