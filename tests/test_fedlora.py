@@ -124,16 +124,6 @@ def test_fedit_is_fedavg_on_the_adapters():
     close(g, np.asarray(w, np.float64), float(np.max(np.abs(w))))
 
 
-def test_fedit_with_ranks_is_the_weighted_mean_of_truncated_clients():
-  trained = oracle_clients()
-  got = adapters.adapter_pairs(run('fedit')[0].params)
-  n = np.asarray(SIZES, np.float64)
-  for name, pair in got.items():
-    for x in ('a', 'b'):
-      want = sum(nk * t[name][x] for nk, t in zip(n, trained)) / n.sum()
-      close(pair[x], want, max(float(np.max(np.abs(t[name][x]))) for t in trained))
-
-
 def test_flora_merges_the_mean_product_and_resets_b():
   trained = oracle_clients()
   state = run('flora')[0]

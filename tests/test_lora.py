@@ -113,8 +113,8 @@ def test_adapted_logits_match_numpy_merge(scan, targets):
     # The change is not negligible: the test would see a missing adapter.
     assert np.max(np.abs(merged[name] - w)) > 0.1 * np.max(np.abs(w))
   assert {n.split('/')[-2] for n in merged} == set(targets)
-  want = lm.base.apply(set_kernels(lm.frozen, merged), x_of(BATCH))
-  assert_logits_close(lm.apply(ad, x_of(BATCH)), want)
+  want = jax.jit(lm.base.apply)(set_kernels(lm.frozen, merged), x_of(BATCH))
+  assert_logits_close(jax.jit(lm.apply)(ad, x_of(BATCH)), want)
 
 
 @pytest.mark.parametrize('scan', [True, False])
@@ -158,15 +158,15 @@ def test_ffa_trains_only_b_and_freezes_a():
     b = dict(adapters.adapter_pairs(adapters.join(lm.frozen, ad)))[base]['b']
     merged[base] = f64(frozen[base]) + 2.0 * f64(frozen[n]) @ f64(b)
   base_frozen = adapters.partition(lm.frozen, adapters.is_adapter)[1]
-  want = lm.base.apply(set_kernels(base_frozen, merged), x_of(BATCH))
-  assert_logits_close(lm.apply(ad, x_of(BATCH)), want)
+  want = jax.jit(lm.base.apply)(set_kernels(base_frozen, merged), x_of(BATCH))
+  assert_logits_close(jax.jit(lm.apply)(ad, x_of(BATCH)), want)
 
 
 @pytest.mark.parametrize('train_a', [True, False])
 def test_gradient_matches_finite_differences(train_a):
   lm = build(targets=ATTN, train_a=train_a)
   ad = with_random_b(lm.init(jax.random.key(1), BATCH), std=0.1)
-  loss = lambda p: jnp.mean(lm.loss_fn(p, BATCH))
+  loss = jax.jit(lambda p: jnp.mean(lm.loss_fn(p, BATCH)))
   # jax's float32 tolerance for first-order finite differences (1e-2, eps 1e-4
   # after its own scaling) covers the O(eps) truncation and O(u / eps) rounding.
   jtu.check_grads(loss, (ad,), order=1, modes=['rev'], atol=2e-2, rtol=2e-2)
@@ -260,12 +260,12 @@ def test_dropout_changes_training_not_evaluation():
   drop = build(targets=ATTN, dropout=0.5)
   plain = build(targets=ATTN)
   ad = with_random_b(drop.init(jax.random.key(1), BATCH))
-  train = np.asarray(drop.loss_fn(ad, BATCH))
-  np.testing.assert_array_equal(train, np.asarray(drop.loss_fn(ad, BATCH)))
-  ref = np.asarray(plain.eval_loss_fn(ad, BATCH))
+  train = np.asarray(jax.jit(drop.loss_fn)(ad, BATCH))
+  np.testing.assert_array_equal(train, np.asarray(jax.jit(drop.loss_fn)(ad, BATCH)))
+  ref = np.asarray(jax.jit(plain.eval_loss_fn)(ad, BATCH))
   # Same graph with dropout off: equal to a few roundings of the token mean (8 terms).
-  np.testing.assert_allclose(np.asarray(drop.eval_loss_fn(ad, BATCH)), ref, rtol=ft.rtol(CHAIN))
-  np.testing.assert_allclose(np.asarray(plain.loss_fn(ad, BATCH)), ref, rtol=ft.rtol(CHAIN))
+  np.testing.assert_allclose(np.asarray(jax.jit(drop.eval_loss_fn)(ad, BATCH)), ref, rtol=ft.rtol(CHAIN))
+  np.testing.assert_allclose(np.asarray(jax.jit(plain.loss_fn)(ad, BATCH)), ref, rtol=ft.rtol(CHAIN))
   assert np.max(np.abs(train - ref)) > 10 * ft.rtol(CHAIN) * np.max(ref)
   np.testing.assert_allclose(drop.metrics_fn(ad, BATCH)['accuracy'],
                              plain.metrics_fn(ad, BATCH)['accuracy'])
