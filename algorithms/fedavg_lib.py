@@ -225,6 +225,9 @@ def build(name: str, loss_fn: base.LossFn,
         clients, key)
     metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics)
+    # What the round's clients uploaded (the adapters alone, for a LoraModel).
+    metrics['communicated_bytes'] = aggregators.upload_bytes(
+        aggregator, state.params, metrics['clients'], agg_metrics)
     metrics.update(clients.extra)  # Per-client [C] metrics, if asked.
     return state._replace(params=params, opt_state=opt_state,
                           round_index=state.round_index + 1,

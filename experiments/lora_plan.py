@@ -231,12 +231,13 @@ def _abstract_trees(model, lora_config: LoraConfig, tokens: jax.ShapeDtypeStruct
   if lora_config.base_dtype == 'int8':
     quantized = jax.eval_shape(eval_module.init, key, tokens, train=False)['params']
     abstract = adapters.partition(_canonical(quantized), adapters.is_adapter)[1]
-  frozen = jax.eval_shape(lambda b: _store(b, lora_config, abstract), base)
+  frozen = jax.eval_shape(lambda b: _store(b, lora_config, abstract, lora_lib.compute_dtype(model)), base)
   frozen = adapters.join(frozen, frozen_a)
   lora_model = lora_lib.LoraModel(
       name=f'{model.name}+lora', module=eval_module, task=model.task,
       dropout=lora_config.dropout > 0, pad_id=model.pad_id, frozen=None,
-      train_module=train_module, init_module=init_module, base=model, config=lora_config)
+      train_module=train_module, init_module=init_module, base=model, config=lora_config,
+      compute_dtype=lora_lib.compute_dtype(model))
   return lora_model, trained, frozen
 
 

@@ -75,16 +75,18 @@ def _a_initializer(name: str, rank: int):
 class _Provider(qwix.LoraProvider):
   """qwix's LoRA provider, whose adapted products keep the layer's compute dtype.
 
-  The adapters are float32; in a bfloat16 model ``x W + s (x a) b`` would
-  otherwise come out float32 and change the residual stream's dtype (which a
-  scanned layer stack refuses). The sum is cast to the dtype ``x W`` has.
+  In a bfloat16 model the int8 kernel's product (its float32 scales) or the
+  adapters' would otherwise come out float32 and change the residual
+  stream's dtype (which a scanned layer stack refuses): the products are
+  asked for, and the sum cast to, the dtype of ``x``.
   """
 
   def dot_general(self, lhs, rhs, dimension_numbers, precision=None,
                   preferred_element_type=None, out_sharding=None):
-    out = super().dot_general(lhs, rhs, dimension_numbers, precision,
-                              preferred_element_type, out_sharding=out_sharding)
-    return out.astype(preferred_element_type or lhs.dtype)
+    dtype = preferred_element_type or lhs.dtype
+    out = super().dot_general(lhs, rhs, dimension_numbers, precision, dtype,
+                              out_sharding=out_sharding)
+    return out.astype(dtype)
 
 
 def provider(config: LoraConfig, *, train: bool = True) -> qwix.LoraProvider:
@@ -96,12 +98,24 @@ def provider(config: LoraConfig, *, train: bool = True) -> qwix.LoraProvider:
       weight_qtype='int8' if config.base_dtype == 'int8' else None)
 
 
-def _store(base: Params, config: LoraConfig, abstract: Params) -> Params:
-  """The frozen base in ``config.base_dtype`` (int8: quantized by qwix)."""
+def _store(base: Params, config: LoraConfig, abstract: Params, scale_dtype: Any = None
+           ) -> Params:
+  """The frozen base in ``config.base_dtype`` (int8: quantized by qwix).
+
+  ``scale_dtype`` (a model's bfloat16 compute dtype) is the dtype of the int8
+  kernels' scales, so that their products stay in the compute dtype.
+  """
   if config.base_dtype == 'bfloat16':
     return jax.tree.map(lambda w: w.astype(jnp.bfloat16), base)
   if config.base_dtype == 'int8':
-    return _quantize(base, abstract)
+    quantized = _quantize(base, abstract)
+    if scale_dtype is None:
+      return quantized
+    def cast(x):
+      if isinstance(x, qwix.QArray):
+        return dataclasses.replace(x, scale=x.scale.astype(scale_dtype))
+      return x
+    return jax.tree.map(cast, quantized, is_leaf=lambda x: isinstance(x, qwix.QArray))
   return base
 
 
@@ -130,7 +144,11 @@ class LoraModel(losses.Model):
   ``a`` under FFA-LoRA), joined to the adapters in :meth:`apply`.
   ``train_module`` is the qwix-wrapped module with adapter dropout, ``module``
   the same without (evaluation), ``init_module`` the same with a float base
-  (draws adapters); ``base`` the original :class:`Model`.
+  (draws adapters); ``base`` the original :class:`Model`. ``compute_dtype``
+  (the base module's ``config.dtype`` when it is not float32, e.g.
+  bfloat16): the float32 adapters are cast to it for the forward pass, as a
+  linen ``Dense`` casts its float32 kernel, and their gradients arrive in
+  float32.
   """
 
   frozen: Any = None
@@ -138,6 +156,7 @@ class LoraModel(losses.Model):
   init_module: Any = None
   base: Any = None
   config: LoraConfig = LoraConfig()
+  compute_dtype: Any = None
 
   def init(self, key: jax.Array, batch: losses.Batch) -> Params:
     """Fresh trainable adapters: ``a`` drawn from ``key`` and ``b = 0`` (only ``b`` under FFA)."""
@@ -146,6 +165,8 @@ class LoraModel(losses.Model):
 
   def apply(self, params: Params, x: jax.Array, train: bool = False,
             rng: jax.Array | None = None) -> jax.Array:
+    if self.compute_dtype is not None:  # Mixed precision: float32 masters, products in dtype.
+      params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
     full = {'params': self.full_params(params)}
     if train and self.config.dropout > 0:
       if rng is None:
@@ -173,6 +194,12 @@ class LoraModel(losses.Model):
         raise ValueError(f'LoraModel: cannot add a merged delta to the {w!r} kernel {name}.')
       leaf[kernel] = w.astype(jnp.float32) + delta.astype(jnp.float32)
     return full
+
+
+def compute_dtype(model: losses.Model) -> Any:
+  """The module's ``config.dtype`` when it computes in less than float32, else None."""
+  dtype = getattr(getattr(model.module, 'config', None), 'dtype', None)
+  return None if dtype is None or jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
 
 
 def _canonical(params: Params) -> dict:
@@ -229,14 +256,14 @@ def lora_model(model: losses.Model, config: LoraConfig, key: jax.Array,
   if config.base_dtype == 'int8':
     abstract = _canonical(jax.eval_shape(eval_module.init, k_lora, x, train=False)['params'])
     abstract = adapters.partition(abstract, adapters.is_adapter)[1]
-  frozen = _store(base_params, config, abstract)
+  frozen = _store(base_params, config, abstract, compute_dtype(model))
   if not config.train_a:
     frozen_a = adapters.split(_draw(init_module, k_lora, x), train_a=False)[1]
     frozen = adapters.join(frozen, frozen_a)
   return LoraModel(name=f'{model.name}+lora', module=eval_module, task=model.task,
                    dropout=config.dropout > 0, pad_id=model.pad_id, frozen=frozen,
                    train_module=train_module, init_module=init_module, base=model,
-                   config=config)
+                   config=config, compute_dtype=compute_dtype(model))
 
 
 def check_base(given: Params, expected: Params) -> None:

@@ -51,13 +51,13 @@ cross() {  # cross SECONDS SCRIPT SETUP: one cross-device run (benchmarks/peers)
 }
 
 # Only parts not yet measured on a GPU run (docs/benchmarks.md, "GPU"), the
-# most important first. Time limits sum to 9.3 minutes: compiling and building
+# most important first. Time limits sum to 9.1 minutes: compiling and building
 # the synthetic cohorts takes most of each part's time.
 cnn=(--steps=8 --batch=20 --repeats=3)
 # 1. 100,000 clients streamed from the host in chunks of 256
 #    (fedjx.streaming): time and peak memory; then streaming against the
 #    compiled round at 1024 clients, interleaved.
-bench 75 cnn_100000_streaming --streaming=256 --models=cnn --clients=100000 \
+bench 60 cnn_100000_streaming --streaming=256 --models=cnn --clients=100000 \
   --steps=8 --batch=20
 bench 40 cnn_1024_streaming_vs_jit --streaming=64 --models=cnn --clients=1024 \
   --compare_jit --steps=8 --batch=20 --repeats=3
@@ -66,18 +66,18 @@ bench 40 cnn_1024_streaming_vs_jit --streaming=64 --models=cnn --clients=1024 \
 #    stacked (nofuse:), then the fused round timed.
 bench 40 cnn_10000_plan --compile_only --models=cnn --clients=10000 \
   --strategies=chunked:64,nofuse:chunked:64 --steps=8 --batch=20
-bench 65 cnn_10000_fused --models=cnn --clients=10000 --strategies=chunked:64 \
+bench 45 cnn_10000_fused --models=cnn --clients=10000 --strategies=chunked:64 \
   --no_references --steps=8 --batch=20 --repeats=1
 # 3. The cross-device regime scaled up (2NN, 10,000 log-normal clients, one
 #    epoch of batch 10): fedjx (population on the device, auto) and the
 #    hand-written JAX round.
-cross 70 fedjx_cross_device.py 2nn-10000
-cross 50 handwritten_cross_device.py 2nn-10000
+cross 60 fedjx_cross_device.py 2nn-10000
+cross 45 handwritten_cross_device.py 2nn-10000
 # 4. 1024 CNN clients with XLA's convolutions, and in bfloat16 with float32
 #    master weights.
-bench 50 cnn_xla_1024_f32 --models=cnn_xla --clients=1024 \
+bench 45 cnn_xla_1024_f32 --models=cnn_xla --clients=1024 \
   --strategies=chunked:64 "${cnn[@]}"
-bench 50 cnn_1024_bf16 --models=cnn --clients=1024 --precision=bfloat16 \
+bench 45 cnn_1024_bf16 --models=cnn --clients=1024 --precision=bfloat16 \
   --strategies=chunked:64 "${cnn[@]}"
 # 5. Language-model inner steps (AdamW, bfloat16 compute over float32
 #    parameters, batch 8 of 2048 tokens): tokens/s, MFU against the H200's
@@ -91,8 +91,16 @@ lm() {  # lm SECONDS NAME ARGS...: scripts/benchmark_lm.py, JSON lines in NAME.j
     >"$out/$name.log" 2>&1
   echo "   exit $? after ${SECONDS}s in total"
 }
-lm 60 lm_small --presets=35m,180m
-lm 60 lm_large --presets=550m,1.3b --remat=full
+lm 50 lm_small --presets=35m,180m
+lm 55 lm_large --presets=550m,1.3b --remat=full
+# 6. Federated LoRA at the TinyLlama-1.1B shape (FlowerTune's: 2 clients of
+#    10 AdamW steps, rank 32 on q and v; batch 4 of 512 tokens, bfloat16
+#    compute and base): tokens/s, compile time and peak memory.
+echo "== lora_1.1b"
+timeout 60 python scripts/benchmark_lora.py --shape=tinyllama-1.1b --dtype=bfloat16 \
+  --base_dtype=bfloat16 --seq_len=512 --out="$out/lora_1.1b.jsonl" \
+  >"$out/lora_1.1b.log" 2>&1
+echo "   exit $? after ${SECONDS}s in total"
 # Measured on 2026-12-04, not rerun here: 1024 CNN clients against the
 # centralized reference in float32 (`bench 110 cnn_1024_f32 --models=cnn
 # --clients=1024 --strategies=vmap,chunked:64,chunked:256,auto`), the 2NN on
