@@ -9,8 +9,11 @@ A checkpoint at step ``r`` (after ``r`` rounds) holds:
   sampler position (the next round to sample: cohorts are a pure function of
   ``(seed, round)``, so this is all the sampler needs), a fingerprint of
   the config so a workdir is not resumed with a different experiment, the
-  state's ``structure`` (every leaf's tree path, shape and dtype) and a
-  SHA-256 ``checksum`` of the state's bytes.
+  state's ``structure`` (every leaf's tree path, shape and dtype), a
+  SHA-256 ``checksum`` of the state's bytes and, when the checkpointer is
+  given the run's data position (:mod:`fedjx.experiments.data_position`),
+  ``data_position``: the round, the population, the sampler, the batching
+  and each client's example count, rounds taken part in, epoch and offset.
 
 Once a checkpoint is completely written, the size and SHA-256 of each of its
 files go to ``checkpoint_manifests/<step>.json`` next to the checkpoint
@@ -18,7 +21,11 @@ directory (single-process runs).
 
 Restoring reads ``meta`` first and compares the structure with the state the
 current code builds (:func:`structure_difference`), so a changed model or
-optimizer is one line naming the leaf instead of an error deep in Orbax.
+optimizer is one line naming the leaf instead of an error deep in Orbax; the
+saved ``data_position`` is compared with the position the data now
+configured give at the restored step, so changed data (a corpus of another
+size, another ``num_shards``) is one line (:class:`DataPositionMismatch`)
+instead of a resumed run that silently trains on other examples.
 :meth:`Checkpointer.restore_latest_intact` checks the files against their
 manifest before Orbax reads them, verifies the checksum of what it restored,
 and falls back to the next older checkpoint when a file is truncated,
@@ -139,6 +146,10 @@ class CheckpointError(RuntimeError):
   """No checkpoint in the directory can be restored intact."""
 
 
+class DataPositionMismatch(CheckpointError):
+  """A checkpoint's saved data position differs from the data now configured."""
+
+
 class CheckpointWriteError(CheckpointError):
   """A checkpoint could not be written (a full disk, a read-only directory...)."""
 
@@ -246,10 +257,16 @@ class Checkpointer:
     async_save: write in a background thread (training continues meanwhile);
       a checkpoint becomes visible only once fully written, so a process
       killed mid-write leaves the previous checkpoint as the latest.
+    position: the run's data position
+      (:class:`fedjx.experiments.data_position.DataPosition`: ``at(step)``
+      and ``difference(saved, step)``), saved in every checkpoint's meta and
+      checked on restore; None: neither.
   """
 
-  def __init__(self, directory: str, max_to_keep: int = 2, async_save: bool = True):
+  def __init__(self, directory: str, max_to_keep: int = 2, async_save: bool = True,
+               position: Any = None):
     self.directory = os.path.abspath(directory)
+    self.position = position
     self.manifests = os.path.join(os.path.dirname(self.directory),
                                   'checkpoint_manifests')
     options = ocp.CheckpointManagerOptions(
@@ -324,14 +341,18 @@ class Checkpointer:
            force: bool = False) -> None:
     """Saves ``state`` and ``meta`` as step ``step`` (asynchronously).
 
-    ``meta`` gains the state's ``structure`` and ``checksum``. Orbax first
-    waits for any save still in flight, so at most one is pending.
+    ``meta`` gains the state's ``structure`` and ``checksum``, and the data
+    position after ``step`` rounds (``data_position``) when the checkpointer
+    has one. Orbax first waits for any save still in flight, so at most one
+    is pending.
     """
     if self._manager.latest_step() == step:
       return
     self.wait()
     self._saved = True
     meta = dict(meta, structure=structure(state), checksum=checksum(state))
+    if self.position is not None:
+      meta['data_position'] = self.position.at(step)
     self._writing = step
     with self._reporting_write_errors():
       self._manager.save(step, args=ocp.args.Composite(
@@ -393,13 +414,16 @@ class Checkpointer:
 
     For each step, newest first: reads ``meta`` and calls ``check_meta(meta)``
     (which raises to refuse a different experiment: that error propagates),
-    compares the saved structure with ``like``'s, restores the state and
+    compares the saved structure with ``like``'s and the saved data position
+    with the checkpointer's (:meth:`check_position`), restores the state and
     verifies its checksum. A checkpoint that fails to read or verify is
     reported through ``warn`` in one line and deleted, and the next older one
     is tried, so training continues from the newest intact state.
 
     Raises:
       CheckpointError: checkpoints exist but none is intact.
+      DataPositionMismatch: the newest readable checkpoint's data position
+        differs from the data now configured.
       ValueError: (from ``check_meta``) or a structure different from ``like``.
     """
     steps = self.all_steps()
@@ -423,6 +447,7 @@ class Checkpointer:
           raise StructureMismatch(
               f'{os.path.dirname(self.directory)} holds a checkpoint of a '
               f'different model or optimizer: {diff}.')
+      self.check_position(step, meta)
       failure = None
       with _quiet_abandoned_reads():
         try:
@@ -440,6 +465,21 @@ class Checkpointer:
     raise CheckpointError(
         f'no checkpoint in {self.directory} is intact (steps {steps} failed to '
         'read or verify); start over with --fresh (or delete the directory).')
+
+  def check_position(self, step: int, meta: dict[str, Any]) -> None:
+    """Refuses step ``step`` when its ``meta['data_position']`` differs from
+    the position the checkpointer's data give after ``meta['step']`` rounds
+    (one line naming the first difference). A checkpoint without a saved
+    position, or a checkpointer without one, is not checked."""
+    saved = meta.get('data_position')
+    if self.position is None or saved is None:
+      return
+    diff = self.position.difference(saved, int(meta.get('step', step)))
+    if diff is not None:
+      raise DataPositionMismatch(
+          f'{os.path.dirname(self.directory)} holds a checkpoint of step {step} '
+          f'written with other data: {diff}; run it with the data it was written '
+          'with, or start over with --fresh (or use a new --workdir).')
 
   def _discard(self, step: int, why: str, warn: Callable[[str], None]) -> None:
     warn(f'fedjx: warning: the checkpoint of step {step} is damaged: {why}; '

@@ -155,6 +155,49 @@ def documents(path: str | None = None, format: str = 'text',  # pylint: disable=
                                       'pad_id': corpus.pad_id})
 
 
+def c4(tfds_name: str = 'c4/en:3.1.0', split: str = 'train[:10000]',
+       test_split: str | None = 'validation[:1000]', tokenizer: Any = 'bytes',
+       seq_len: int = 128, tail: str = 'pad', num_shards: int = 1,
+       text_field: str = 'text', data_dir: str | None = None,
+       download: bool = False) -> ExperimentData:
+  """C4 from TFDS (Raffel et al. 2020, arXiv:1910.10683) as a language-modelling corpus.
+
+  ``fedjx.datasets.tfds_source.c4_corpus``: the records of ``split`` of the
+  TFDS builder ``tfds_name`` (read with ``tfds.data_source`` from ArrayRecord
+  files) dealt round-robin into ``num_shards`` IID shards, one per
+  data-parallel replica; each record's ``text_field`` tokenized by
+  ``tokenizer`` (as the ``documents`` builder's) and packed into ``seq_len``
+  windows with the targets across document boundaries set to ``pad_id``.
+  The held-out data are ``test_split`` packed the same way as one client
+  (None: none). ``download=False`` (the default) never starts a download: a
+  corpus not prepared in ``data_dir`` is an error saying how to prepare it.
+  ``info`` carries ``vocab_size``, ``max_len`` and ``pad_id``.
+  """
+  from fedjx.datasets import documents as documents_lib  # pylint: disable=g-import-not-at-top
+  from fedjx.datasets import tfds_source  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  if tail not in documents_lib.TAILS:
+    raise ConfigError(f'config.dataset.tail={tail!r} is not one of '
+                      f'{documents_lib.TAILS}.')
+  if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+    raise ConfigError(f'config.dataset.num_shards={num_shards!r}; it must be an '
+                      'int >= 1 (one shard per data-parallel replica).')
+  if hasattr(tokenizer, 'to_dict'):  # A ConfigDict.
+    tokenizer = tokenizer.to_dict()
+  try:
+    tok = documents_lib.make_tokenizer(tokenizer)
+  except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(f'config.dataset.tokenizer={tokenizer!r}: {e}') from None
+  options = dict(tokenizer=tok, seq_len=seq_len, tail=tail, text_field=text_field,
+                 data_dir=None if data_dir is None else os.path.expanduser(str(data_dir)),
+                 download=download)
+  train = tfds_source.c4_corpus(tfds_name, split, num_shards=num_shards, **options)
+  test = (None if test_split is None else
+          tfds_source.c4_corpus(tfds_name, test_split, num_shards=1, **options))
+  return ExperimentData(train, test, {'vocab_size': train.vocab_size,
+                                      'max_len': seq_len, 'pad_id': train.pad_id})
+
+
 def instructions(path: str = '', format: str = 'jsonl',  # pylint: disable=redefined-builtin
                  template: str = 'alpaca', tokenizer: Any = 'bytes', seq_len: int = 128,
                  partition: str = 'field', client_field: str | None = 'category',
@@ -482,6 +525,7 @@ BUILDERS: dict[str, Callable[..., ExperimentData]] = {
     'synthetic': synthetic,
     'text': text,
     'documents': documents,
+    'c4': c4,
     'instructions': instructions,
     'emnist': emnist,
     'cifar100': cifar100,

@@ -12,7 +12,8 @@
 * every ``eval_every`` steps (and at steps 0 and ``rounds``) the server model
   is evaluated on held-out data (``eval_loss``, ``eval_accuracy``);
 * every ``checkpoint_every`` steps (and at the end, and on SIGINT or
-  SIGTERM) an Orbax checkpoint holds the algorithm state and the step; a
+  SIGTERM) an Orbax checkpoint holds the algorithm state, the step and the
+  data position (:mod:`fedjx.experiments.data_position`); a
   save runs in the background during the next round, which waits for it
   before its metrics are written, so a crash redoes at most
   ``checkpoint_every`` rounds;
@@ -27,7 +28,9 @@
 * at the end ``workdir/learning_curve.png`` plots the metrics.
 
 Starting again with the same workdir resumes from the newest intact
-checkpoint (see :mod:`fedjx.experiments.checkpointing`). One process at a
+checkpoint (see :mod:`fedjx.experiments.checkpointing`), unless its data
+position differs from the data now configured (one line,
+:class:`fedjx.experiments.checkpointing.DataPositionMismatch`). One process at a
 time may run in a workdir (:mod:`fedjx.experiments.workdir_lock`). Only
 process 0 writes metrics and plots.
 """
@@ -48,6 +51,7 @@ from fedjx.experiments import checkpointing
 from fedjx.experiments import client_states
 from fedjx.experiments import compilation_cache
 from fedjx.experiments import config as config_lib
+from fedjx.experiments import data_position
 from fedjx.experiments import experiment
 from fedjx.experiments import lora_setup
 from fedjx.experiments import processes
@@ -108,7 +112,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str,
   """The body of :func:`run`, inside the mesh context if there is one."""
   exp = experiment.build(config)
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
-                                    max_to_keep=max(2, config.checkpoints_to_keep))
+                                    max_to_keep=max(2, config.checkpoints_to_keep),
+                                    position=data_position.of_experiment(exp))
   try:
     trainer = run_trainer.RunTrainer(config, exp, workdir, log, lead, hooks, ckpt)
     result = trainer.train()
