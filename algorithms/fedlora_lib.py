@@ -92,6 +92,7 @@ RULES = {'flexlora': lora_aggregation.flexlora, 'flora': lora_aggregation.flora,
 def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig,
             rule: str | lora_aggregation.LoraAggregation = 'flexlora',
             client_ranks: Sequence[int] | None = None, aggregator: Any = None,
+            self_prune: float | None = None, prune_strength: float = 0.0,
             **options: Any) -> base.Algorithm:
   """Federated LoRA with the aggregation ``rule``.
 
@@ -105,6 +106,15 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig,
     client_ranks: the ranks ``r_k`` by population index (cycled); None:
       every client has the adapters' rank.
     aggregator: must be None (see the module docstring).
+    self_prune: HetLoRA's rank self-pruning with decay ``gamma`` in (0, 1)
+      (:func:`fedjx.algorithms.lora_aggregation.self_prune`, our reading of
+      the paper): each client keeps its rank between rounds (client state,
+      ``0`` until it first takes part: then its ``client_ranks`` rank), and
+      after local training prunes it to ``max(1, floor(gamma r))`` when the
+      tail score of its trained adapters is below that of those it
+      received; it sends its adapters cut to the new rank. None: ranks stay.
+    prune_strength: ``lambda >= 0``, the weight of the tail score added to
+      the local loss while pruning is on (``loss + lambda T(a, b)``).
     client_optimizer: the local optimizer of the adapters (default SGD 0.1).
     metrics_fn, local_epochs, local_steps, client_evaluation,
     skip_nonfinite, client_metrics: as :func:`~fedjx.algorithms.fedavg`.
@@ -145,6 +155,14 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig,
     raise ValueError(f'{name}: the {rule.name} rule merges into the base, which is int8 '
                      '(lora.base_dtype); use float32 or bfloat16.')
   metrics_fn = o['metrics_fn']
+  if self_prune is not None:
+    if isinstance(self_prune, bool) or not isinstance(self_prune, (int, float)) or not (
+        0 < self_prune < 1):
+      raise ValueError(f'{name}: self_prune={self_prune!r} must be None or a decay in (0, 1).')
+  base.check_number(name, 'prune_strength', prune_strength)
+  if prune_strength and self_prune is None:
+    raise ValueError(f'{name}: prune_strength={prune_strength!r} needs self_prune (a decay).')
+  pruning = self_prune is not None
 
   def init(adapters):
     params = adapters
@@ -157,39 +175,58 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig,
         hparams={'client_optimizer': base.optimizer_hparams(client_optimizer, adapters)},
         round_index=jnp.zeros((), jnp.int32))
 
-  def client_fn(num_clients, adapters, merged, hparams, index, client_id, n_k, batches,
-                mask):
+  def client_fn(num_clients, adapters, merged, hparams, index, client_id, n_k, stored,
+                batches, mask):
     rank = ranks[client_id % ranks.shape[0]]
+    if pruning:  # 0 until the client first takes part.
+      rank = jnp.where(stored > 0, stored, rank)
     global_pairs = trees.adapter_pairs(adapters)
-    start = trees.from_pairs(lora_aggregation.truncate(global_pairs, rank))
-    local_loss = lambda p, batch: loss_fn(trees.join(p, merged), batch)
+    received = lora_aggregation.truncate(global_pairs, rank)
+    start = trees.from_pairs(received)
+
+    def local_loss(p, batch):
+      loss = loss_fn(trees.join(p, merged), batch)
+      if pruning and prune_strength:
+        tail = lora_aggregation.tail_norm(trees.adapter_pairs(p), rank, decay=self_prune)
+        loss = loss + prune_strength * tail
+      return loss
+
     local_metrics = None if metrics_fn is None else (
         lambda p, batch: metrics_fn(trees.join(p, merged), batch))
     opt_state = base.with_hparams(client_optimizer.init(start), hparams)
     out = client_update.local_update(local_loss, local_metrics, client_optimizer, start,
                                      opt_state, batches, mask, schedule)
     trained = trees.adapter_pairs(out.params)
+    new_rank = rank
+    if pruning:
+      threshold = lora_aggregation.tail_norm(received, rank, decay=self_prune)
+      new_rank = lora_aggregation.self_prune(trained, rank, decay=self_prune,
+                                             threshold=threshold)
+      trained = lora_aggregation.truncate(trained, new_rank)
     w = rule.client_weight(trained, n_k, scale)
     summed, averaged = rule.client_message(trained, global_pairs, index, num_clients, scale)
     weighted = jax.tree.map(lambda v: w * v, averaged)
     delta = base.tree_sub(start, out.params)
-    extra = (summed, weighted, w)
+    extra = (summed, weighted, w, new_rank.astype(jnp.float32))
     if o['client_metrics']:
       extra = extra + (base.client_metrics(delta, out),)
-    return nonfinite.ClientOutput(delta, out.stats, extra=extra, checked=out.params)
+    return nonfinite.ClientOutput(delta, out.stats, extra=extra, checked=out.params,
+                                  state=new_rank if pruning else (),
+                                  previous_state=stored if pruning else ())
 
   def round_fn(state, cohort, key):
     num_clients = int(cohort.mask.shape[0])
     adapters, merged = trees.split_merged(state.params)
+    stored = cohort.client_states if pruning else jnp.zeros((num_clients,), jnp.int32)
     clients = nonfinite.map_clients(
         functools.partial(client_fn, num_clients),
         (fedjx.broadcast(adapters), fedjx.broadcast(merged),
          fedjx.broadcast(state.hparams['client_optimizer']),
          jnp.arange(num_clients, dtype=jnp.int32), cohort.client_ids,
-         cohort.num_examples, cohort.batches, cohort.mask),
+         cohort.num_examples, stored, cohort.batches, cohort.mask),
         jnp.ones_like(cohort.num_examples, jnp.float32), cohort.num_examples,
         o['skip_nonfinite'])
-    summed, weighted, w = clients.extra[:3]
+    summed, weighted, w, client_rank = clients.extra[:4]
     summed, weighted, total = fedjx.reduce_sum((summed, weighted, w))
     averaged = jax.tree.map(lambda v: v / jnp.maximum(total, 1e-30), weighted)
     result = rule.server_update(trees.adapter_pairs(adapters), summed, averaged, r_max,
@@ -199,15 +236,23 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig,
       old = trees.merged_pairs(merged)
       new = trees.join(new, trees.merged_tree(
           {n: old[n] + result.merged[n].astype(old[n].dtype) for n in old}))
+    has_data = (cohort.num_examples > 0).astype(jnp.float32)
+    mean_rank = fedjx.reduce_sum(client_rank * has_data) / jnp.maximum(
+        fedjx.reduce_sum(has_data), 1.0)
     metrics = nonfinite.round_metrics(
         clients, adapter_norm=optax.tree.norm(trees.from_pairs(result.adapters)),
-        adapter_bytes_per_client=jnp.float32(trees.adapter_bytes(adapters)))
+        adapter_bytes_per_client=jnp.float32(trees.adapter_bytes(adapters)),
+        mean_client_rank=mean_rank)
     if o['client_metrics']:
-      metrics.update(clients.extra[3])
+      metrics.update(clients.extra[4])
     state = state._replace(params=new, round_index=state.round_index + 1)
+    if pruning:
+      return state, metrics, clients.state
     return state, metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return base.make_algorithm(
+      name, init, round_fn, loss_fn=loss_fn, options=o,
+      client_state_init=(lambda params: jnp.zeros((), jnp.int32)) if pruning else None)
 
 
 __all__ = ['FedLoraState', 'fedlora']

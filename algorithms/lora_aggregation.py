@@ -237,8 +237,14 @@ def exact_mean_product(client_pairs: Pairs, num_examples: Any, *, scale: Any) ->
 
 
 def _frobenius(x: jax.Array) -> jax.Array:
-  """``||x||_F`` over the last two axes (one norm per stacked matrix)."""
-  return jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1)))
+  """``||x||_F`` over the last two axes (one norm per stacked matrix).
+
+  Differentiable at zero (gradient 0 there, where ``sqrt`` has none): the
+  tail score is a training regularizer and the tails start at ``b = 0``.
+  """
+  squares = jnp.sum(jnp.square(x), axis=(-2, -1))
+  positive = squares > 0
+  return jnp.where(positive, jnp.sqrt(jnp.where(positive, squares, 1.0)), 0.0)
 
 
 def _divide(x: jax.Array, total: jax.Array, fallback: jax.Array) -> jax.Array:
