@@ -38,17 +38,26 @@ rebuilds it from its arguments and needs no saved state.
 **Goodput** (:func:`goodput`): useful tokens, those of the contributing
 replicas, per simulated second, the round's time from
 :func:`fedjx.experiments.network.simulate`.
+
+**In a run** (:func:`with_schedule`, what ``config.churn`` builds through
+:func:`fedjx.experiments.experiment.with_churn`): the algorithm's round
+applies the rule of :func:`round_cohort` to its own cohort, round ``r``
+read from ``state.round_index``, and its metrics gain the round's replica
+counts, useful and wasted tokens and, given the round's simulated seconds,
+its goodput.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjx.algorithms.base import scan_rounds
 from fedjx.experiments import network as network_lib
 
 
@@ -226,12 +235,103 @@ def round_cohort(cohort: Any, churn_round: ChurnRound, num_replicas: int) -> Any
                      f'[0, {m}) (num_replicas={m}).')
   keep = np.zeros(m, bool)
   keep[sorted(churn_round.contributing)] = True
-  kept = jnp.asarray(keep[ids])
+  return _keep_clients(cohort, jnp.asarray(keep[ids]))
+
+
+def _keep_clients(cohort: Any, kept: Any) -> Any:
+  """``cohort`` with the clients where ``kept`` (``[C]`` bools) unchanged and
+  every other one a padding client (mask and ``num_examples`` zero)."""
   mask = jnp.asarray(cohort.mask)
   n = jnp.asarray(cohort.num_examples)
   return cohort._replace(
       mask=jnp.logical_and(mask, kept.reshape(kept.shape + (1,) * (mask.ndim - 1))),
       num_examples=jnp.where(kept, n, jnp.zeros_like(n)))
+
+
+METRICS = ('churn_present', 'churn_contributing', 'churn_failed', 'churn_joined',
+           'churn_left', 'useful_tokens', 'wasted_tokens')
+"""What :func:`with_schedule` adds to each round's metrics (and ``goodput``
+when it is given the round's simulated seconds)."""
+
+
+def schedule_masks(schedule: ChurnSchedule) -> dict[str, np.ndarray]:
+  """``[R, M]`` bools per round and replica: ``present``, ``contributing``,
+  ``failed``, ``joined`` and ``left``."""
+  if not isinstance(schedule, ChurnSchedule):
+    raise ValueError(f'schedule_masks: schedule={schedule!r} must be a ChurnSchedule.')
+  out = {}
+  for name in ('present', 'contributing', 'failed', 'joined', 'left'):
+    table = np.zeros((schedule.num_rounds, schedule.num_replicas), bool)
+    for rnd in schedule.rounds:
+      table[rnd.index, sorted(getattr(rnd, name))] = True
+    out[name] = table
+  return out
+
+
+def with_schedule(algorithm: Any, schedule: ChurnSchedule, tokens_per_round: float,
+                  round_seconds: Callable[[Any, Any], Any] | None = None) -> Any:
+  """``algorithm`` whose round ``r = state.round_index`` runs ``schedule.round(r)``.
+
+  The round applies :func:`round_cohort`'s rule to the cohort it is given,
+  inside its own program: replica ``k`` (``client_ids == k``) keeps its
+  entries when it contributes to round ``r`` and is a padding client
+  otherwise. The round index is read from the state, so a run resumed from
+  a checkpoint continues the schedule where it stopped (rounds past the
+  schedule's last repeat that last round's membership). The metrics gain,
+  with ``U_r = tokens_per_round |C_r|`` and ``W_r = tokens_per_round |F_r|``
+  (``tokens_per_round`` = ``H D``, the tokens one replica trains on in a
+  round; :func:`goodput`'s notation):
+
+  * ``churn_present``, ``churn_contributing``, ``churn_failed``,
+    ``churn_joined``, ``churn_left``: the round's replica counts;
+  * ``useful_tokens`` ``U_r`` and ``wasted_tokens`` ``W_r``;
+  * ``goodput`` ``U_r / T_r`` when ``round_seconds`` is given:
+    ``round_seconds(communicated_bytes, clients)``, the round's simulated
+    seconds ``T_r`` from its own metrics, evaluated on the host.
+
+  Args:
+    algorithm: a :class:`fedjx.algorithms.Algorithm` whose state has
+      ``round_index`` (DiLoCo's).
+    schedule: the run's :class:`ChurnSchedule`.
+    tokens_per_round: ``H D``, a positive number.
+    round_seconds: None, or the round's simulated seconds as above.
+  """
+  where = 'with_schedule'
+  masks = schedule_masks(schedule)
+  if (isinstance(tokens_per_round, bool) or not isinstance(tokens_per_round, numbers.Real)
+      or not 0 < float(tokens_per_round) < float('inf')):
+    raise ValueError(f'{where}: tokens_per_round={tokens_per_round!r} must be a '
+                     'positive finite number.')
+  last = schedule.num_rounds - 1
+  per_round = float(tokens_per_round)
+  inner = algorithm.apply
+
+  def apply(state, cohort, key):
+    r = jnp.clip(jnp.asarray(state.round_index, jnp.int32), 0, last)
+    row = {name: jnp.asarray(table)[r] for name, table in masks.items()}
+    ids = jnp.asarray(cohort.client_ids, jnp.int32)
+    state, metrics, *rows = inner(state, _keep_clients(cohort, row['contributing'][ids]),
+                                  key)
+    counts = {f'churn_{name}': jnp.sum(mask).astype(jnp.float32)
+              for name, mask in row.items()}
+    useful = per_round * counts['churn_contributing']
+    extra = dict(counts, useful_tokens=useful,
+                 wasted_tokens=per_round * counts['churn_failed'])
+    if round_seconds is not None:
+      seconds = jax.pure_callback(
+          lambda b, c: np.asarray(round_seconds(float(b), float(c)), np.float32),
+          jax.ShapeDtypeStruct((), jnp.float32), metrics['communicated_bytes'],
+          metrics['clients'])
+      extra['goodput'] = useful / seconds
+    return (state, dict(metrics, **extra), *rows)
+
+  apply.__name__ = getattr(inner, '__name__', 'round')
+  return algorithm._replace(
+      apply=apply, round=jax.jit(apply, donate_argnums=(0,)),
+      run_rounds=jax.jit(lambda state, cohorts, keys: scan_rounds(apply, state, cohorts,
+                                                                  keys),
+                         donate_argnums=(0,)),
+      compiler=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,5 +406,6 @@ def run_goodput(rounds: Sequence[RoundGoodput]) -> float:
   return sum(r.useful_tokens for r in rounds) / sum(r.seconds for r in rounds)
 
 
-__all__ = ['ChurnRound', 'ChurnSchedule', 'RoundGoodput', 'explicit_schedule',
-           'goodput', 'round_cohort', 'run_goodput', 'seeded_schedule']
+__all__ = ['METRICS', 'ChurnRound', 'ChurnSchedule', 'RoundGoodput', 'explicit_schedule',
+           'goodput', 'round_cohort', 'run_goodput', 'schedule_masks', 'seeded_schedule',
+           'with_schedule']

@@ -95,6 +95,11 @@ DEFAULTS: dict[str, Any] = {
     'network': {'bandwidth_gbps': None, 'latency_ms': 0.0, 'topology': 'ring',
                 'step_seconds': None, 'wire_bytes': None,
                 'overlap_fraction': 0.0, 'layers': None, 'inner_steps': None},
+    # Replicas that join, leave or fail mid-round (fedjx.experiments.churn,
+    # docs/communication.md): off while join, leave and fail are all 0; see
+    # CHURN_DEFAULTS.
+    'churn': {'join': 0.0, 'leave': 0.0, 'fail': 0.0, 'seed': None,
+              'tokens_per_example': 1.0},
     # LoRA adapters on a frozen (pretrained) model: off while rank is 0
     # (fedjx.experiments.lora_setup, docs/fine_tuning.md).
     'lora': dict(lora_setup.LORA_DEFAULTS),
@@ -113,6 +118,7 @@ OPTIONAL_TYPES: dict[str, type] = {
     'network.bandwidth_gbps': float, 'network.step_seconds': float,
     'network.wire_bytes': float, 'network.layers': int,
     'network.inner_steps': int,
+    'churn.seed': int,
 }
 # config.sampling: 'uniform' (cohort_size clients without replacement, the
 # default), 'poisson' (each client with probability rate, default
@@ -170,6 +176,16 @@ NETWORK_TOPOLOGIES = ('ring', 'tree', 'parameter_server')
 # aggregate); 'stop': also stop at the first round with such a client; 'off':
 # nothing is checked (builders get skip_nonfinite=False).
 NONFINITE = ('skip', 'stop', 'off')
+# config.churn: a seeded schedule of DiLoCo replicas
+# (fedjx.experiments.churn.seeded_schedule) that join (join: probability that
+# a replica that did not contribute to the previous round is present),
+# leave (leave: that one that did is absent) or fail mid-round (fail: that a
+# present one fails), drawn from seed (None: config.seed); off (the rounds of
+# a run without the section) while join, leave and fail are all 0.
+# tokens_per_example counts the tokens of one example (the sequence length
+# for a language model; 1 counts examples) for the rows' useful_tokens,
+# wasted_tokens and goodput.
+CHURN_DEFAULTS = dict(DEFAULTS['churn'])
 # config.execution: how a round runs (fedjx.execution): 'jit' compiles the
 # whole round; 'streaming' runs it from its plan with clients arriving from
 # the host in chunks; 'auto' streams when XLA's memory plan of the compiled
@@ -260,6 +276,7 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   _check_attack(config)
   _check_client_state(config)
   _check_network(config)
+  _check_churn(config)
   lora_setup.lora_config_of(config)
   return config
 
@@ -381,6 +398,35 @@ def _check_network(config: ml_collections.ConfigDict) -> None:
                       'round the simulated clock charges).')
   with config.unlocked():
     config.network = section
+
+
+def _check_churn(config: ml_collections.ConfigDict) -> None:
+  """Checks ``config.churn`` and fills its defaults (None: off)."""
+  section = _section('churn', config.churn, CHURN_DEFAULTS, none_ok=True)
+  if section is None:
+    section = dict(CHURN_DEFAULTS)
+  for key in ('join', 'leave', 'fail'):
+    value = section[key]
+    if not (_number(value) and 0 <= value <= 1):
+      raise ConfigError(f'config.churn.{key}={value!r}; allowed: a probability '
+                        'in [0, 1].')
+  seed = section['seed']
+  if seed is not None and not (_int(seed) and seed >= 0):
+    raise ConfigError(f'config.churn.seed={seed!r}; allowed: an int >= 0, or None '
+                      '(config.seed).')
+  tokens = section['tokens_per_example']
+  if not (_number(tokens) and 0 < tokens < math.inf):
+    raise ConfigError(f'config.churn.tokens_per_example={tokens!r}; allowed: a '
+                      'finite number > 0 (the sequence length of a language '
+                      'model, 1 to count examples).')
+  with config.unlocked():
+    config.churn = section
+
+
+def churn_on(config: ml_collections.ConfigDict) -> bool:
+  """Whether ``config.churn`` (defaults filled) draws any churn."""
+  section = config.get('churn')
+  return bool(section) and any(section[k] > 0 for k in ('join', 'leave', 'fail'))
 
 
 def _number(value: Any) -> bool:

@@ -23,6 +23,7 @@ import numpy as np
 from fedjx import datasets
 from fedjx import models
 from fedjx.experiments import attack as attack_lib
+from fedjx.experiments import churn as churn_lib
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import evaluation
 from fedjx.experiments import guarded_rounds
@@ -116,7 +117,7 @@ def _sample_batch(config: ml_collections.ConfigDict,
 
 def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
                     num_clients: int, guarded: bool | None = None,
-                    placement: str | None = None) -> Any:
+                    placement: str | None = None, params: Any = None) -> Any:
   """The algorithm of ``config`` (defaults filled) for ``model`` and a population.
 
   ``guarded`` overrides ``config.nonfinite`` for the builder's
@@ -125,7 +126,9 @@ def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
   ``config.client_state.placement`` (a sweep keeps per-client state on the
   device, docs/sweeps.md). An algorithm whose clients keep state outside the
   server state (``client_state_init`` set) refuses ``'device'`` unless its
-  registry entry offers a dense placement.
+  registry entry offers a dense placement. With ``config.churn`` on, the
+  algorithm's round runs the churn schedule (:func:`with_churn`; ``params``,
+  the initial model, sizes the simulated clock of its ``goodput``).
   """
   if guarded is None:
     guarded = config.nonfinite != 'off'
@@ -142,7 +145,97 @@ def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
         f"config.client_state.placement='device' but algorithm "
         f'{config.algorithm.name!r} offers no dense in-state array of its '
         "per-client state; use placement='store' (the default).")
-  return algorithm
+  return with_churn(config, algorithm, num_clients, params)
+
+
+CHURN_ALGORITHMS = ('diloco',)
+"""The algorithms ``config.churn`` applies to: synchronous DiLoCo, whose
+every replica starts each round from the global model (so one that joins
+or rejoins needs nothing more, :mod:`fedjx.experiments.churn`)."""
+
+
+def churn_schedule(config: ml_collections.ConfigDict,
+                   num_clients: int) -> churn_lib.ChurnSchedule | None:
+  """``config.churn``'s seeded schedule of ``num_clients`` replicas over
+  ``config.rounds`` rounds (None when the section is off).
+
+  The schedule of round ``r`` depends on the seed and ``r`` alone, so a run
+  resumed with more rounds continues the schedule it started with.
+  """
+  if not config_schema.churn_on(config):
+    return None
+  section = config.churn
+  name = config.algorithm.name
+  if name not in CHURN_ALGORITHMS:
+    raise registry.ConfigError(
+        f'config.churn is set but config.algorithm.name={name!r}; allowed: one of '
+        f'{CHURN_ALGORITHMS} (replicas that join restart from the global model).')
+  if config.cohort_size != num_clients:
+    raise registry.ConfigError(
+        f'config.churn needs every replica in every cohort: config.cohort_size='
+        f'{config.cohort_size} but the training population has {num_clients} '
+        f'replicas; allowed: config.cohort_size={num_clients}.')
+  if config.execution == 'streaming':
+    raise registry.ConfigError(
+        "config.churn runs each round as one compiled program; "
+        "config.execution='streaming' is not allowed (use 'jit' or 'auto').")
+  seed = config.seed if section['seed'] is None else section['seed']
+  return churn_lib.seeded_schedule(
+      num_clients, max(1, config.rounds), join=section['join'],
+      leave=section['leave'], fail=section['fail'], seed=seed)
+
+
+def churn_inner_steps(config: ml_collections.ConfigDict) -> int:
+  """``H``, a replica's inner steps per round: ``config.network.inner_steps``,
+  else ``config.local_steps``, else the algorithm's ``inner_steps``."""
+  for h in ((config.network or {}).get('inner_steps'), config.get('local_steps'),
+            registry.split_name('algorithm', config.algorithm)[1].get('inner_steps')):
+    if h is not None:
+      return int(h)
+  raise registry.ConfigError(
+      'config.churn counts tokens of H inner steps a round, but config.local_steps, '
+      'config.network.inner_steps and config.algorithm.inner_steps are all None; '
+      'allowed: an int >= 1 in one of them.')
+
+
+def with_churn(config: ml_collections.ConfigDict, algorithm: Any, num_clients: int,
+               params: Any = None) -> Any:
+  """``algorithm`` under ``config.churn`` (unchanged when the section is off).
+
+  Each round ``r`` applies the schedule's round ``r`` to its cohort
+  (:func:`fedjx.experiments.churn.with_schedule`, the round index read from
+  the state) and reports the replica counts and ``useful_tokens`` /
+  ``wasted_tokens`` with ``D = config.batch_size config.churn.tokens_per_example``
+  tokens a replica step; and ``goodput``, useful tokens per simulated second,
+  when ``config.network`` gives a fixed ``step_seconds`` (its clock's
+  ``simulated_round_s`` of the round; with a measured step time the clock
+  is known only after the round, and the row has tokens only).
+  """
+  schedule = churn_schedule(config, num_clients)
+  if schedule is None:
+    return algorithm
+  tokens = (churn_inner_steps(config) * config.batch_size
+            * float(config.churn['tokens_per_example']))
+  return churn_lib.with_schedule(algorithm, schedule, tokens,
+                                 _churn_round_seconds(config, params))
+
+
+def _churn_round_seconds(config: ml_collections.ConfigDict,
+                         params: Any) -> Callable[[float, float], float] | None:
+  """``seconds(communicated_bytes, clients)``: the round's ``simulated_round_s``
+  by ``config.network``'s clock, or None (no clock, a measured step time, or
+  no model to size it)."""
+  from fedjx.experiments import network_clock  # pylint: disable=g-import-not-at-top
+  if params is None:
+    return None
+  clock = network_clock.make(config, params, None)
+  if clock is None or clock.step_seconds is None:
+    return None
+  def seconds(communicated_bytes: float, clients: float) -> float:
+    row = {'communicated_bytes': communicated_bytes, 'clients': clients}
+    timing = clock.timing(row, clock.step_seconds)
+    return timing.round_seconds / clock.rounds_per_schedule
+  return seconds
 
 
 def round_algorithms(config: ml_collections.ConfigDict,
@@ -164,7 +257,7 @@ def round_algorithms(config: ml_collections.ConfigDict,
   if not guarded_rounds.runs_unguarded(exp.algorithm, reach):
     return guarded, None
   unguarded = build_algorithm(config, exp.model, exp.data.train.num_clients,
-                              guarded=False)
+                              guarded=False, params=exp.init_params)
   return guarded, guarded_rounds.checking_finiteness(unguarded, whole=True)
 
 
@@ -188,9 +281,9 @@ def build(config: Any, placement: str | None = None) -> Experiment:
   init_key, round_key = jax.random.split(jax.random.key(config.seed))
   batch = _sample_batch(config, data)
   model = lora_setup.adapt(config, model, data.info, batch, init_key)  # config.lora's
-  algorithm = build_algorithm(config, model, data.train.num_clients,
-                              placement=placement)
   params = model.init(init_key, batch)
+  algorithm = build_algorithm(config, model, data.train.num_clients,
+                              placement=placement, params=params)
   examples = evaluation.pool_examples(data.test, config.eval_max_examples)
   evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size)
               if examples is not None else None)
