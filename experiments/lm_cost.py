@@ -2,7 +2,8 @@
 
 :func:`plan_inner_step` lowers and compiles one AdamW inner step of
 :func:`fedjx.models.llama.llama_lm` for ``M`` replicas, each sharded FSDP-style
-over ``F`` devices, on a ``('clients', 'fsdp')`` mesh, from shapes alone
+over ``F`` devices and, with ``tensor=T``, Megatron-style over ``T`` more, on a
+``('clients', 'fsdp', 'tensor')`` mesh, from shapes alone
 (``jax.ShapeDtypeStruct``: no data, no parameters allocated), and reads:
 
 * **bytes per device** from XLA's memory analysis of the compiled program
@@ -23,8 +24,19 @@ The step: per replica, ``loss = mean_b loss_fn(params, tokens_b)``, its
 gradient, then AdamW (``b2 = 0.99``, weight decay 0.1, as in Charles et al.
 2025's inner optimizer), vmapped over replicas with
 ``spmd_axis_name='clients'``. Each replica's parameters and optimizer state
-are sharded on ``'fsdp'`` along their largest axis that ``F`` divides, and
-stacked over replicas on ``'clients'``; tokens are split over both.
+are sharded on ``'fsdp'`` along their largest axis that ``F`` divides
+(:func:`fsdp_spec`), and stacked over replicas on ``'clients'``; tokens are
+split over both. With ``T > 1`` the layout is instead
+:func:`fedjx.sharding.llama_param_specs`: tensor parallelism (Shoeybi et al.
+2019, "Megatron-LM", arXiv 1909.08053) on ``'tensor'`` (attention heads, MLP
+width and vocabulary split), FSDP on the matrices' other dimension; the
+``T`` devices of a tensor group see the same tokens.
+
+:func:`outer_step_program` is DiLoCo's outer step (Douillard et al. 2023,
+arXiv 2311.08105, Algorithm 1) on the same layout: ``Delta = mean_k (theta -
+theta_k)`` over the replicas and Nesterov SGD on ``theta``; its only
+communication is the mean over ``'clients'``, which :func:`collective_axes`
+reads back from the compiled program.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fedjx import sharding
 from fedjx.models import llama
 from fedjx.models import llama_config
 
@@ -79,6 +92,7 @@ class InnerStepPlan:
   xla_flops: float
   analytic_flops: float
   compile_seconds: float
+  tensor: int = 1
 
   @property
   def peak_bytes(self) -> int:
@@ -108,13 +122,32 @@ def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> tuple:
   return tuple('fsdp' if i == best else None for i in range(len(shape)))
 
 
-def _stacked(tree: Any, replicas: int, mesh, fsdp: int) -> Any:
-  """Abstract leaves ``[M, ...]``, sharded ``('clients', fsdp_spec...)``."""
-  def one(s):
-    spec = P('clients', *fsdp_spec(tuple(s.shape), fsdp))
+def replica_specs(tree: Any, fsdp: int, tensor: int = 1) -> Any:
+  """One replica's ``PartitionSpec`` per leaf: :func:`fsdp_spec` if ``tensor == 1``,
+  else :func:`fedjx.sharding.llama_param_specs`."""
+  if tensor == 1:
+    return jax.tree.map(lambda s: P(*fsdp_spec(tuple(s.shape), fsdp)), tree)
+  return sharding.llama_param_specs(tree, fsdp, tensor)
+
+
+def _stacked(tree: Any, replicas: int, mesh, fsdp: int, tensor: int = 1) -> Any:
+  """Abstract leaves ``[M, ...]``, sharded ``('clients', *replica_specs)``."""
+  def one(s, spec):
     return jax.ShapeDtypeStruct((replicas,) + tuple(s.shape), s.dtype,
-                                sharding=NamedSharding(mesh, spec))
-  return jax.tree.map(one, tree)
+                                sharding=NamedSharding(mesh, P('clients', *spec)))
+  return jax.tree.map(one, tree, replica_specs(tree, fsdp, tensor))
+
+
+def check_tensor(fn: str, config: llama_config.LlamaConfig, tensor: int) -> None:
+  """Refuses a ``tensor`` that does not split heads, MLP width and vocabulary evenly."""
+  if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
+    raise ValueError(f'{fn}: tensor={tensor!r} must be a positive integer.')
+  sizes = {'num_heads': config.num_heads, 'num_kv_heads': config.num_kv_heads,
+           'mlp_width': config.mlp_width, 'vocab_size': config.vocab_size}
+  bad = [f'{k}={v}' for k, v in sizes.items() if v % tensor]
+  if bad:
+    raise ValueError(f'{fn}: tensor={tensor} must divide the heads, MLP width and '
+                     f'vocabulary; it does not divide {", ".join(bad)}.')
 
 
 def inner_optimizer() -> optax.GradientTransformation:
@@ -123,14 +156,16 @@ def inner_optimizer() -> optax.GradientTransformation:
 
 
 def inner_step_program(config: llama_config.LlamaConfig, replicas: int, fsdp: int,
-                       batch: int, seq_len: int, mesh):
+                       batch: int, seq_len: int, mesh, tensor: int = 1):
   """The jitted inner step over ``replicas`` on ``mesh``, and its arguments' shapes.
 
   Returns ``(step, (params, opt_state, tokens))``: ``step(params, opt_state,
   tokens) -> (params, opt_state, loss)`` donates its first two arguments;
   the shapes are ``jax.ShapeDtypeStruct`` with their shardings, stacked over
-  replicas, tokens ``[replicas, batch, seq_len + 1]``.
+  replicas, tokens ``[replicas, batch, seq_len + 1]``. With ``tensor > 1``
+  ``mesh`` needs a ``'tensor'`` axis of that size.
   """
+  check_tensor('inner_step_program', config, tensor)
   model = llama.llama_lm(config)
   opt = inner_optimizer()
   params = llama.param_shapes(config)
@@ -143,8 +178,8 @@ def inner_step_program(config: llama_config.LlamaConfig, replicas: int, fsdp: in
     return optax.apply_updates(params, updates), opt_state, loss
 
   step = jax.vmap(inner_step, spmd_axis_name='clients')
-  a_params = _stacked(params, replicas, mesh, fsdp)
-  a_opt = _stacked(opt_state, replicas, mesh, fsdp)
+  a_params = _stacked(params, replicas, mesh, fsdp, tensor)
+  a_opt = _stacked(opt_state, replicas, mesh, fsdp, tensor)
   token_spec = P('clients', 'fsdp' if batch % fsdp == 0 else None, None)
   tokens = jax.ShapeDtypeStruct((replicas, batch, seq_len + 1), jnp.int32,
                                 sharding=NamedSharding(mesh, token_spec))
@@ -155,9 +190,158 @@ def inner_step_program(config: llama_config.LlamaConfig, replicas: int, fsdp: in
   return jitted, (a_params, a_opt, tokens)
 
 
-def _compile(config, replicas, fsdp, batch, seq_len, mesh):
-  jitted, args = inner_step_program(config, replicas, fsdp, batch, seq_len, mesh)
+def outer_step_program(config: llama_config.LlamaConfig, replicas: int, fsdp: int,
+                       mesh, tensor: int = 1, learning_rate: float = 0.7,
+                       momentum: float = 0.9):
+  """DiLoCo's outer step on ``mesh``, jitted, and its arguments' shapes.
+
+  Douillard et al. 2023 ("DiLoCo: Distributed Low-Communication Training of
+  Language Models", arXiv 2311.08105), Algorithm 1: ``Delta = (1/M) sum_k
+  (theta - theta_k)``, then Nesterov SGD, ``b <- momentum b + Delta``,
+  ``theta <- theta - learning_rate (Delta + momentum b)`` (``optax.sgd`` with
+  ``nesterov=True``; the paper's 0.7 and 0.9).
+
+  Returns ``(step, (theta, momentum_state, replicas_params))``:
+  ``step(theta, b, theta_k) -> (theta, b)``; ``theta`` and ``b`` are one
+  replica's layout (:func:`replica_specs`, replicated over ``'clients'``),
+  ``theta_k`` stacked ``[M, ...]`` on ``'clients'``.
+  """
+  check_tensor('outer_step_program', config, tensor)
+  opt = optax.sgd(learning_rate, momentum=momentum, nesterov=True)
+  params = llama.param_shapes(config)
+  specs = replica_specs(params, fsdp, tensor)
+  a_theta = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(
+      s.shape, s.dtype, sharding=NamedSharding(mesh, spec)), params, specs)
+  a_state = jax.eval_shape(opt.init, params)
+  state_specs = replica_specs(a_state, fsdp, tensor)
+  a_state = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(
+      s.shape, s.dtype, sharding=NamedSharding(mesh, spec)), a_state, state_specs)
+  a_replicas = _stacked(params, replicas, mesh, fsdp, tensor)
+
+  def outer_step(theta, state, theta_k):
+    delta = jax.tree.map(lambda t, tk: t - jnp.mean(tk, axis=0), theta, theta_k)
+    updates, state = opt.update(delta, state, theta)
+    return optax.apply_updates(theta, updates), state
+
+  shardings = (jax.tree.map(lambda s: s.sharding, a_theta),
+               jax.tree.map(lambda s: s.sharding, a_state))
+  jitted = jax.jit(outer_step, donate_argnums=(0, 1), out_shardings=shardings)
+  return jitted, (a_theta, a_state, a_replicas)
+
+
+COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
+               'collective-permute')
+"""The HLO collectives :func:`collective_axes` reads."""
+
+
+def _iota_groups(dims: str, reshape: str, perm: str | None) -> np.ndarray:
+  """``[G, S]<=[reshape]T(perm)``: ``iota(prod).reshape(reshape).transpose(perm).reshape(G, S)``."""
+  shape = [int(n) for n in dims.split(',')]
+  ids = np.arange(int(np.prod(shape))).reshape([int(n) for n in reshape.split(',')])
+  if perm:
+    ids = ids.transpose([int(n) for n in perm.split(',')])
+  return ids.reshape(shape)
+
+
+def _listed(text: str) -> list[list[int]]:
+  """``{{0,1},{2,3}}`` -> ``[[0, 1], [2, 3]]``."""
+  import re  # pylint: disable=import-outside-toplevel
+  return [[int(n) for n in g.split(',')] for g in re.findall(r'\{([\d,]+)\}', text)]
+
+
+def _mesh_groups(axes: str, devices: str | None, spanned: str) -> list[list[int]]:
+  """``mesh['a'=2,'b'=4], device_ids=(...) {'b'}``: a group for each position
+  on the axes not listed. The mesh holds the device ids in row-major order, or
+  as ``device_ids`` gives them (a list, or the iota form ``[dims]T(perm)``)."""
+  import re  # pylint: disable=import-outside-toplevel
+  items = re.findall(r"'([^']+)'=(\d+)", axes)
+  names = [n for n, _ in items]
+  listed = re.findall(r"'([^']+)'", spanned)
+  if not items or any(n not in names for n in listed):
+    raise ValueError(f'collective_axes: cannot read replica_groups=mesh[{axes}] {{{spanned}}}.')
+  sizes = [int(k) for _, k in items]
+  ids = np.arange(int(np.prod(sizes)))
+  iota = re.fullmatch(r'\[([\d,]+)\](?:T\(([\d,]+)\))?', devices or '')
+  if iota:
+    ids = ids.reshape([int(n) for n in iota.group(1).split(',')])
+    if iota.group(2):
+      ids = ids.transpose([int(n) for n in iota.group(2).split(',')])
+  elif devices:
+    ids = np.array([int(n) for n in devices.split(',')])
+  ids = ids.reshape(sizes)
+  inner = [names.index(n) for n in listed]
+  outer = [i for i in range(len(names)) if i not in inner]
+  size = int(np.prod([ids.shape[i] for i in inner]))
+  return ids.transpose(outer + inner).reshape(-1, size).tolist()
+
+
+def _groups(line: str, num_devices: int) -> list[list[int]]:
+  """The device groups of one collective instruction of HLO text.
+
+  Reads ``source_target_pairs={{s,t},...}`` (each pair a group),
+  ``replica_groups={{...},...}``, the iota form ``[G,S]<=[dims]T(perm)``, the
+  mesh form ``mesh['axis_0'=2,...], device_ids=(...) {'axis_1',...}`` (the
+  ``device_ids`` optional) and ``{}`` (all devices).
+  """
+  import re  # pylint: disable=import-outside-toplevel
+  pairs = re.search(r'source_target_pairs=\{((?:\{[\d,]*\},?)*)\}', line)
+  if pairs:
+    return _listed(pairs.group(1))
+  iota = re.search(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', line)
+  if iota:
+    return _iota_groups(*iota.groups()).tolist()
+  mesh = re.search(r'replica_groups=mesh\[([^\]]*)\]'
+                   r'(?:, device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))? \{([^}]*)\}', line)
+  if mesh:
+    return _mesh_groups(*mesh.groups())
+  listed = re.search(r'replica_groups=\{((?:\{[\d,]*\},?)*)\}', line)
+  if listed and listed.group(1):
+    return _listed(listed.group(1))
+  if listed or 'replica_groups=' not in line:
+    return [list(range(num_devices))]  # replica_groups={}: all devices together.
+  raise ValueError(f'collective_axes: cannot read the replica groups of {line.strip()[:200]!r}.')
+
+
+def collective_axes(hlo: str, mesh) -> list[tuple[str, tuple[str, ...]]]:
+  """``(collective, mesh axes its groups span)`` for each collective of compiled HLO text.
+
+  A group's devices (partition ids, the positions of ``mesh.devices`` in
+  row-major order) span the axes along which their mesh coordinates differ;
+  a collective spans the union over its groups. A collective whose groups are
+  single devices spans ``()``.
+  """
+  shape = tuple(mesh.devices.shape)
+  out = []
+  for line in hlo.splitlines():
+    op = next((c for c in COLLECTIVES if f' {c}(' in line or f' {c}-start(' in line), None)
+    if op is None:
+      continue
+    axes = set()
+    for group in _groups(line, int(np.prod(shape))):
+      coords = np.array([np.unravel_index(i, shape) for i in group])
+      axes |= {mesh.axis_names[a] for a in range(len(shape))
+               if len(set(coords[:, a].tolist())) > 1}
+    out.append((op, tuple(n for n in mesh.axis_names if n in axes)))
+  return out
+
+
+def _compile(config, replicas, fsdp, batch, seq_len, mesh, tensor=1):
+  jitted, args = inner_step_program(config, replicas, fsdp, batch, seq_len, mesh, tensor)
   return jitted.lower(*args).compile()
+
+
+def plan_mesh(replicas: int, fsdp: int, tensor: int = 1, fn: str = 'plan_inner_step'):
+  """The ``('clients', 'fsdp', 'tensor')`` mesh of Auto axes over the first devices."""
+  need = replicas * fsdp * tensor
+  if len(jax.devices()) < need:
+    shape = f'replicas={replicas} x fsdp={fsdp}' + (f' x tensor={tensor}' if tensor > 1 else '')
+    raise ValueError(f'{fn}: {shape} needs {need} '
+                     f'devices; {len(jax.devices())} are visible (on a CPU set XLA_FLAGS='
+                     f'--xla_force_host_platform_device_count={need} before jax starts).')
+  # Automatic axes: XLA propagates the shardings given to the arguments.
+  return jax.make_mesh((replicas, fsdp, tensor), ('clients', 'fsdp', 'tensor'),
+                       devices=jax.devices()[:need],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
 def _flops(compiled) -> float:
@@ -178,8 +362,9 @@ def _resolve(preset, seq_len, remat, dtype):
 
 def plan_inner_step(preset: str | llama_config.LlamaConfig, replicas: int = 1,
                     fsdp: int = 1, batch: int = 4, seq_len: int | None = None,
-                    remat: str | None = None, dtype: str | None = None) -> InnerStepPlan:
-  """Compiles one inner step for ``replicas x fsdp`` devices and reads its cost.
+                    remat: str | None = None, dtype: str | None = None,
+                    tensor: int = 1) -> InnerStepPlan:
+  """Compiles one inner step for ``replicas x fsdp x tensor`` devices and reads its cost.
 
   Args:
     preset: a name in :data:`~fedjx.models.llama_config.PRESETS` or a config.
@@ -188,40 +373,38 @@ def plan_inner_step(preset: str | llama_config.LlamaConfig, replicas: int = 1,
     batch: sequences per replica per inner step.
     seq_len: tokens per sequence (``None``: the preset's ``seq_len``).
     remat, dtype: replace the preset's.
+    tensor: ``T`` more devices per replica, on the mesh axis ``'tensor'``
+      (Megatron-style tensor parallelism, :func:`fedjx.sharding.llama_param_specs`).
 
-  Needs ``replicas * fsdp`` devices (host devices through
+  Needs ``replicas * fsdp * tensor`` devices (host devices through
   ``--xla_force_host_platform_device_count`` on a CPU).
   """
   import time  # pylint: disable=import-outside-toplevel
   name, config, seq_len = _resolve(preset, seq_len, remat, dtype)
   for arg, value in (('replicas', replicas), ('fsdp', fsdp), ('batch', batch),
-                     ('seq_len', seq_len)):
+                     ('seq_len', seq_len), ('tensor', tensor)):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f'plan_inner_step: {arg}={value!r} must be a positive integer.')
-  need = replicas * fsdp
-  if len(jax.devices()) < need:
-    raise ValueError(f'plan_inner_step: replicas={replicas} x fsdp={fsdp} needs {need} '
-                     f'devices; {len(jax.devices())} are visible (on a CPU set XLA_FLAGS='
-                     f'--xla_force_host_platform_device_count={need} before jax starts).')
-  # Automatic axes: XLA propagates the shardings given to the arguments.
-  mesh = jax.make_mesh((replicas, fsdp), ('clients', 'fsdp'), devices=jax.devices()[:need],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  check_tensor('plan_inner_step', config, tensor)
+  mesh = plan_mesh(replicas, fsdp, tensor)
   start = time.perf_counter()
-  compiled = _compile(config, replicas, fsdp, batch, seq_len, mesh)
+  compiled = _compile(config, replicas, fsdp, batch, seq_len, mesh, tensor)
   seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
   scanned_flops = _flops(compiled)
   if config.scan_layers or config.num_layers > 2:
     one, two = (_flops(_compile(config.replace(num_layers=l, scan_layers=False), replicas,
-                                fsdp, batch, seq_len, mesh)) for l in (1, 2))
+                                fsdp, batch, seq_len, mesh, tensor)) for l in (1, 2))
     layer = two - one
     xla_flops = one - layer + layer * config.num_layers
   else:
     xla_flops = scanned_flops
   n = llama_config.num_params(config)
-  # float32 parameters and AdamW's two moments, one replica's over F devices.
-  state = 3 * n * np.dtype(config.param_dtype).itemsize / fsdp
-  analytic = llama_config.train_flops_per_token(config, seq_len) * batch * seq_len / fsdp
+  # float32 parameters and AdamW's two moments, one replica's over F T devices
+  # (the norms, replicated over T, are left out: 2 L d + d of N).
+  state = 3 * n * np.dtype(config.param_dtype).itemsize / (fsdp * tensor)
+  analytic = (llama_config.train_flops_per_token(config, seq_len) * batch * seq_len /
+              (fsdp * tensor))
   return InnerStepPlan(
       preset=name, replicas=replicas, fsdp=fsdp, batch=batch, seq_len=seq_len,
       remat=config.remat, dtype=config.dtype, params=n, analytic_state_bytes=state,
@@ -230,7 +413,7 @@ def plan_inner_step(preset: str | llama_config.LlamaConfig, replicas: int = 1,
       alias_bytes=int(memory.alias_size_in_bytes),
       temp_bytes=int(memory.temp_size_in_bytes),
       xla_flops_scanned=scanned_flops, xla_flops=xla_flops, analytic_flops=analytic,
-      compile_seconds=seconds)
+      compile_seconds=seconds, tensor=tensor)
 
 
 PEAK_BF16_FLOPS: dict[str, float] = {

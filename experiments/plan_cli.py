@@ -13,6 +13,13 @@ analysis (its scanned layer body counted once, and corrected for the trip
 count) beside ``6 N_matmul + 12 L H h T`` per token, and whether the peak
 fits the named device (:mod:`fedjx.experiments.lm_cost` has the method).
 
+With ``--tensor=T`` each replica is also split Megatron-style over ``T``
+devices on a mesh axis ``tensor`` (heads, MLP width and vocabulary;
+:func:`fedjx.sharding.llama_param_specs`), on ``replicas x fsdp x tensor``
+devices::
+
+  fedjx-plan --preset=1.3b --replicas=2 --fsdp=2 --tensor=2 --batch=4 --seq_len=1024
+
 With ``--schedule`` it also prints the simulated step time and compute
 utilization of that schedule over a link of ``--bandwidth_gbps``
 (:mod:`fedjx.experiments.network` has the model)::
@@ -61,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
                  'llama2-7b, fedjx.experiments.lora_plan.SHAPES, only with --lora_rank) [1m]')
   p.add_argument('--replicas', type=int, default=1, help="M, mesh axis 'clients' [1]")
   p.add_argument('--fsdp', type=int, default=1, help="F devices per replica, mesh axis 'fsdp' [1]")
+  p.add_argument('--tensor', type=int, default=1,
+                 help="T more devices per replica, Megatron-style, mesh axis 'tensor' [1]")
   p.add_argument('--batch', type=int, default=4, help='sequences per replica per inner step [4]')
   p.add_argument('--seq_len', type=int, default=None, help="tokens per sequence [the preset's]")
   p.add_argument('--remat', default=None, choices=list(llama_config.REMAT_POLICIES),
@@ -140,9 +149,9 @@ def lora_setup(args: argparse.Namespace):
                                                   args.clients_per_device)):
     if value < 1:
       raise ValueError(f'{flag}={value} must be a positive integer.')
-  if args.replicas != 1 or args.fsdp != 1 or args.schedule is not None:
-    raise ValueError(f'--lora_rank={args.lora_rank} plans one device: --replicas and --fsdp '
-                     'must be 1 and --schedule absent.')
+  if args.replicas != 1 or args.fsdp != 1 or args.tensor != 1 or args.schedule is not None:
+    raise ValueError(f'--lora_rank={args.lora_rank} plans one device: --replicas, --fsdp and '
+                     '--tensor must be 1 and --schedule absent.')
   config = lora_plan.SHAPES.get(args.preset) or llama_config.PRESETS[args.preset]
   lora = lora_config.LoraConfig(rank=args.lora_rank, targets=targets,
                                 base_dtype=args.lora_base_dtype,
@@ -225,12 +234,13 @@ def render(plan, device: str, platform: str) -> str:
   """The lines ``fedjx-plan`` prints for an :class:`~fedjx.experiments.lm_cost.InnerStepPlan`."""
   from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
   from fedjx.models import llama_config  # pylint: disable=import-outside-toplevel
-  devices = plan.replicas * plan.fsdp
+  devices = plan.replicas * plan.fsdp * plan.tensor
   analytic_params = llama_config.num_params(plan.preset)
   plural = lambda n: '' if n == 1 else 's'
   lines = [
       f'{PROG}: llama_lm preset {plan.preset}, {plan.replicas} replica{plural(plan.replicas)} '
-      f'x FSDP {plan.fsdp} on {devices} {platform} device{plural(devices)}, '
+      f'x FSDP {plan.fsdp}' + (f' x tensor {plan.tensor}' if plan.tensor > 1 else '') +
+      f' on {devices} {platform} device{plural(devices)}, '
       f'{plan.batch} x {plan.seq_len:,} tokens per replica per inner step, '
       f'remat {plan.remat}, compute {plan.dtype}, AdamW',
       f'parameters: {plan.params:,} (analytic {analytic_params:,})',
@@ -255,19 +265,20 @@ def render(plan, device: str, platform: str) -> str:
 
 
 def _ask_for_host_devices(argv: list[str]) -> None:
-  """Sets XLA's host device count to ``replicas x fsdp`` before jax starts."""
+  """Sets XLA's host device count to ``replicas x fsdp x tensor`` before jax starts."""
   if 'jax' in sys.modules:
     return  # Too late; plan_inner_step says so if there are too few.
   pre = argparse.ArgumentParser(add_help=False)
   pre.add_argument('--replicas', type=int, default=1)
   pre.add_argument('--fsdp', type=int, default=1)
+  pre.add_argument('--tensor', type=int, default=1)
   try:
     known, _ = pre.parse_known_args(argv)
   except SystemExit:
     return  # The full parser reports the error.
   flags = os.environ.get('XLA_FLAGS', '')
   if '--xla_force_host_platform_device_count' not in flags:
-    need = max(1, known.replicas * known.fsdp)
+    need = max(1, known.replicas * known.fsdp * known.tensor)
     os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count={need}'.strip()
 
 
@@ -284,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     network_setup(args)  # Bad communication flags fail before the compile.
     plan = lm_cost.plan_inner_step(args.preset, replicas=args.replicas, fsdp=args.fsdp,
                                    batch=args.batch, seq_len=args.seq_len,
-                                   remat=args.remat, dtype=args.dtype)
+                                   remat=args.remat, dtype=args.dtype, tensor=args.tensor)
     out = render(plan, args.device, jax.devices()[0].platform)
     if args.schedule is not None:
       out += render_network(args, plan.params, step_seconds(args, plan.analytic_flops))

@@ -7,6 +7,13 @@ and computes for its own slice of the clients. Values that arrive replicated or
 sharded another way are resharded, not rejected. With no such mesh, nothing
 happens. Both Auto and Explicit mesh axis types are supported: Auto axes get a
 sharding constraint, Explicit axes a ``jax.sharding.reshard``.
+
+:func:`llama_param_specs` lays one Llama replica's parameters (and any tree
+of the same paths, such as AdamW's moments) over an ``fsdp`` and a ``tensor``
+mesh axis: Megatron-style tensor parallelism (Shoeybi et al. 2019,
+"Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism", arXiv 1909.08053, Section 3) on ``tensor``, FSDP on ``fsdp``
+along the matrices' other dimension.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
@@ -71,3 +79,94 @@ def spmd_axis_name(placement: str, mesh: Any = None) -> str | None:
   """The axis name to give ``jax.vmap(spmd_axis_name=...)``, if a mesh has it."""
   mesh = active_mesh(mesh)
   return placement if placement_axis_type(mesh, placement) is not None else None
+
+
+COLUMN_PARALLEL = ('q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
+"""Llama kernels ``[in, out]`` split on their output (heads, MLP width) over ``tensor``."""
+
+ROW_PARALLEL = ('o_proj', 'down_proj')
+"""Llama kernels ``[in, out]`` split on their input (heads, MLP width) over ``tensor``."""
+
+
+def _path_names(path: Any) -> list[str]:
+  names = []
+  for key in path:
+    name = getattr(key, 'key', getattr(key, 'name', None))
+    if isinstance(name, str):
+      names.append(name)
+  return names
+
+
+def _matrix_axes(names: list[str], ndim: int) -> tuple[int, int] | None:
+  """``(tensor_axis, fsdp_axis)`` of a Llama leaf, None for a replicated one.
+
+  Axes count from the end, so a scanned leaf's leading layer axis is skipped.
+  """
+  if 'scale' in names[-1:]:
+    return None  # RMSNorm gains: d (or [L, d]) floats, replicated.
+  module = next((n for n in reversed(names) if n in COLUMN_PARALLEL + ROW_PARALLEL), None)
+  if names[-1:] == ['kernel'] and module in COLUMN_PARALLEL:
+    return ndim - 1, ndim - 2
+  if names[-1:] == ['kernel'] and module in ROW_PARALLEL:
+    return ndim - 2, ndim - 1
+  if names[-2:] == ['embed_tokens', 'embedding']:
+    return ndim - 2, ndim - 1  # [V, d]: the vocabulary on tensor.
+  if names[-2:] == ['lm_head', 'kernel']:
+    return ndim - 1, ndim - 2  # [d, V]: the vocabulary on tensor.
+  raise ValueError(f'llama_param_specs: the leaf {"/".join(names) or "<root>"} is not a Llama '
+                   'parameter (q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head or a '
+                   'norm scale).')
+
+
+def llama_param_spec(path: Any, shape: tuple[int, ...], fsdp: int = 1,
+                     tensor: int = 1) -> P:
+  """The ``PartitionSpec`` of one Llama leaf at ``path`` over ``('fsdp', 'tensor')``.
+
+  Megatron-LM's layout (Shoeybi et al. 2019, arXiv 1909.08053, Section 3):
+  with ``Y = X W`` and ``W = [W_1, ..., W_T]`` split by columns over the
+  ``T`` devices of ``tensor``, device ``t`` computes ``X W_t`` with no
+  communication; the next matrix, split by rows ``W' = [W'_1; ...; W'_T]``,
+  gives ``Y W' = sum_t Y_t W'_t``, one all-reduce over ``tensor``. Hence:
+
+  * ``q_proj, k_proj, v_proj, gate_proj, up_proj`` (``[d, out]``): ``out``
+    (the heads, the MLP width) on ``tensor``, ``d`` on ``fsdp``;
+  * ``o_proj, down_proj`` (``[in, d]``): ``in`` on ``tensor``, ``d`` on ``fsdp``;
+  * ``embed_tokens/embedding`` ``[V, d]`` and ``lm_head/kernel`` ``[d, V]``:
+    ``V`` on ``tensor``, ``d`` on ``fsdp``. The paper splits the vocabulary
+    (its Section 3, "parallelize the input embedding weight matrix along the
+    vocabulary dimension"): the logits ``[B, T, V]``, the largest activation,
+    are split with it, and a tied embedding is one matrix for both ends;
+  * RMSNorm scales: replicated.
+
+  A scanned leaf's leading layer axis ``L`` is not sharded. Leaves without
+  a Llama name (an optimizer's step count) are replicated if scalar.
+
+  Raises:
+    ValueError: if the leaf is not a Llama parameter, or ``fsdp`` or
+      ``tensor`` does not divide the dimension it would shard.
+  """
+  for arg, value in (('fsdp', fsdp), ('tensor', tensor)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f'llama_param_spec: {arg}={value!r} must be a positive integer.')
+  names = _path_names(path)
+  if not shape:
+    return P()
+  axes = _matrix_axes(names, len(shape))
+  if axes is None:
+    return P(*([None] * len(shape)))
+  spec: list[Any] = [None] * len(shape)
+  for axis, name, size in zip(axes, ('tensor', 'fsdp'), (tensor, fsdp)):
+    if size == 1:
+      continue
+    if shape[axis] % size:
+      raise ValueError(f'llama_param_spec: {name}={size} does not divide dimension {axis} '
+                       f'(size {shape[axis]}) of {"/".join(names)} {tuple(shape)}; choose a '
+                       'divisor of it.')
+    spec[axis] = name
+  return P(*spec)
+
+
+def llama_param_specs(tree: Any, fsdp: int = 1, tensor: int = 1) -> Any:
+  """:func:`llama_param_spec` of every leaf of ``tree`` (parameters or optimizer state)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: llama_param_spec(path, tuple(np.shape(x)), fsdp, tensor), tree)
