@@ -31,6 +31,7 @@ from fedjx.experiments import clock as clock_lib
 from fedjx.experiments import compile_progress
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import guarded_rounds
+from fedjx.experiments import lm_metrics
 from fedjx.experiments import loop
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import network_clock
@@ -108,6 +109,9 @@ class RunTrainer:
         (restored or {}).get('simulated_time', 0.0)))
     self.network_clock = network_clock.make(config, exp.init_params, restored)
     self._round_t0: float | None = None  # When the round being run was dispatched.
+    # Tokens/s and MFU of a llama_lm model's rounds (None for other models).
+    self.throughput = lm_metrics.throughput(exp.model,
+                                            (exp.data.info or {}).get('max_len'))
     self.budget = privacy_lib.Budget(exp.privacy, config.rounds,
                                      config.eval_every, exp.init_params)
     self.schedule = loop.Schedule.of(config, self.budget.stop)
@@ -251,9 +255,11 @@ class RunTrainer:
     self._params_finite = row.pop(PARAMS_FINITE, 1.0) == 1.0
     self._finite = self.config.nonfinite == 'off' or (
         self._params_finite and all(map(math.isfinite, row.values())))
+    wall = None if self._round_t0 is None else time.perf_counter() - self._round_t0
     row.update(self.clock.advance(r, self._report))
+    if self.throughput is not None and wall is not None and 'examples' in row:
+      row.update(self.throughput.row(row['examples'], wall))
     if self.network_clock is not None:
-      wall = None if self._round_t0 is None else time.perf_counter() - self._round_t0
       row.update(self.network_clock.advance(row, wall))
     return row
 
