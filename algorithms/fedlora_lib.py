@@ -89,7 +89,7 @@ RULES = {'flexlora': lora_aggregation.flexlora, 'flora': lora_aggregation.flora,
 
 
 @base.with_options(OPTIONS)
-def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig,
+def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig | None = None,
             rule: str | lora_aggregation.LoraAggregation = 'flexlora',
             client_ranks: Sequence[int] | None = None, aggregator: Any = None,
             self_prune: float | None = None, prune_strength: float = 0.0,
@@ -99,7 +99,7 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig,
   Args:
     loss_fn: a :class:`~fedjx.models.lora.LoraModel`'s ``loss_fn``; the
       algorithm's params are its adapters (and FLoRA's merged deltas).
-    lora_config: the model's :class:`~fedjx.models.LoraConfig`
+    lora_config: the model's :class:`~fedjx.models.lora_config.LoraConfig`
       (``train_a=True``: the rules read both factors); the runner passes it.
     rule: ``'flexlora'``, ``'flora'``, ``'hetlora'``, ``'fedit'`` or a
       :class:`~fedjx.algorithms.lora_aggregation.LoraAggregation`.
@@ -124,8 +124,8 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig,
   """
   name = 'fedlora'
   if not isinstance(lora_config, LoraConfig):
-    raise ValueError(f'{name}: lora_config={lora_config!r} must be a '
-                     'fedjx.models.LoraConfig.')
+    raise ValueError(f'{name}: lora_config={lora_config!r} must be the model\'s '
+                     'fedjx.models.lora_config.LoraConfig (the runner passes config.lora\'s).')
   if not lora_config.train_a:
     raise ValueError(f'{name}: lora_config.train_a=False; FFA-LoRA is FedAvg on b '
                      '(fedjx.algorithms.fedavg on the LoraModel).')

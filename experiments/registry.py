@@ -365,8 +365,8 @@ ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
     # One arrival per round, mixed in at once.
     'fedasync': AlgorithmEntry(algorithms_lib.fedasync, asynchronous=True,
                                updates_reach_params=True),
-    # Its adapters (and FLoRA's merged deltas) are the state's params.
-    'fedlora': AlgorithmEntry(algorithms_lib.fedlora, updates_reach_params=True),
+    # HetLoRA's pruned ranks are client state beside the adapters: guarded.
+    'fedlora': AlgorithmEntry(algorithms_lib.fedlora),
 }
 # Algorithm options the runner sets (not config.algorithm), for every entry.
 RESERVED = ('loss_fn', 'metrics_fn', 'skip_nonfinite', 'lora_config')
