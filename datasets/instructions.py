@@ -641,8 +641,9 @@ class InstructionDataset(IndexedDataset):
     return out
 
 
-def _tokenizer(spec: Any) -> Tokenizer:
-  """``make_tokenizer``, with Hugging Face special tokens off unless asked.
+def segment_tokenizer(spec: Any) -> Tokenizer:
+  """``make_tokenizer`` for records encoded segment by segment: Hugging Face
+  special tokens are off unless asked.
 
   Segments are encoded one by one, so a post-processor's BOS would otherwise
   start every segment.
@@ -697,7 +698,7 @@ def instruction_dataset(path: str | os.PathLike, format: str = 'jsonl',  # pylin
   _check_partition_args(partition, client_field, label_field, num_clients, alpha, seed,
                         n=None)
   try:
-    tok = _tokenizer(tokenizer)
+    tok = segment_tokenizer(tokenizer)
   except ValueError as e:
     raise ValueError(f'{where}: {e}') from None
   key = client_field if partition == 'field' else label_field

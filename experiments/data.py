@@ -105,6 +105,23 @@ def text(seq_len: int = 64, level: str = 'byte',
   return ExperimentData(datasets.from_arrays(train, groups=groups), test, info)
 
 
+def config_tokenizer(tokenizer: Any) -> Any:
+  """The :class:`fedjx.datasets.documents.Tokenizer` of ``config.dataset.tokenizer``.
+
+  ``'bytes'``, ``dict(kind='sentencepiece', model_file=...)`` or
+  ``dict(kind='huggingface', file=...)`` (a ConfigDict too); a bad spec is a
+  one-line ``ConfigError`` naming the field.
+  """
+  from fedjx.datasets import documents as documents_lib  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  if hasattr(tokenizer, 'to_dict'):  # A ConfigDict.
+    tokenizer = tokenizer.to_dict()
+  try:
+    return documents_lib.make_tokenizer(tokenizer)
+  except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(f'config.dataset.tokenizer={tokenizer!r}: {e}') from None
+
+
 def documents(path: str | None = None, format: str = 'text',  # pylint: disable=redefined-builtin
               tokenizer: Any = 'bytes', seq_len: int = 128,
               text_field: str = 'text', client_field: str | None = None,
@@ -139,12 +156,7 @@ def documents(path: str | None = None, format: str = 'text',  # pylint: disable=
                                  not isinstance(num_shards, int) or num_shards < 1):
     raise ConfigError(f'config.dataset.num_shards={num_shards!r}; it must be an '
                       'int >= 1 or None (the clients of the source).')
-  if hasattr(tokenizer, 'to_dict'):  # A ConfigDict.
-    tokenizer = tokenizer.to_dict()
-  try:
-    tok = documents_lib.make_tokenizer(tokenizer)
-  except (ValueError, FileNotFoundError) as e:
-    raise ConfigError(f'config.dataset.tokenizer={tokenizer!r}: {e}') from None
+  tok = config_tokenizer(tokenizer)
   corpus = documents_lib.documents_corpus(
       os.path.expanduser(str(path)), format, tok, seq_len, text_field,
       client_field, tuple(suffixes), tail, min_examples=2,
@@ -182,12 +194,7 @@ def c4(tfds_name: str = 'c4/en:3.1.0', split: str = 'train[:10000]',
   if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
     raise ConfigError(f'config.dataset.num_shards={num_shards!r}; it must be an '
                       'int >= 1 (one shard per data-parallel replica).')
-  if hasattr(tokenizer, 'to_dict'):  # A ConfigDict.
-    tokenizer = tokenizer.to_dict()
-  try:
-    tok = documents_lib.make_tokenizer(tokenizer)
-  except (ValueError, FileNotFoundError) as e:
-    raise ConfigError(f'config.dataset.tokenizer={tokenizer!r}: {e}') from None
+  tok = config_tokenizer(tokenizer)
   options = dict(tokenizer=tok, seq_len=seq_len, tail=tail, text_field=text_field,
                  data_dir=None if data_dir is None else os.path.expanduser(str(data_dir)),
                  download=download)
@@ -233,7 +240,7 @@ def instructions(path: str = '', format: str = 'jsonl',  # pylint: disable=redef
     else:
       corpus = instructions_lib.InstructionDataset(
           instructions_lib.toy_instructions(num_records, seed),
-          instructions_lib._tokenizer(tokenizer), seq_len, template, partition,  # pylint: disable=protected-access
+          instructions_lib.segment_tokenizer(tokenizer), seq_len, template, partition,
           client_field, label_field, num_clients, alpha, seed)
   except ValueError as e:
     raise ConfigError(f'config.dataset: {e}') from None
