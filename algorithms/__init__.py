@@ -81,6 +81,7 @@ from fedjx.algorithms.async_diloco_lib import async_diloco
 from fedjx.algorithms.async_diloco_lib import delayed_nesterov
 from fedjx.algorithms.diloco_lib import DiLoCoState
 from fedjx.algorithms.diloco_lib import diloco
+from fedjx.algorithms.diloco_recipe_lib import diloco_recipe
 from fedjx.algorithms.dp_fedavg_lib import dp_fedavg
 from fedjx.algorithms.dp_ftrl import tree_gaussian
 from fedjx.algorithms.fedavg_lib import fedadagrad
@@ -149,7 +150,7 @@ from fedjx.algorithms.tuner import hypergradient_tuner
 __all__ = [
     # The modules of the algorithms (each builder's is ``<name>_lib``).
     'afl_lib', 'apfl_lib', 'async_diloco_lib', 'diloco_lib', 'ditto_lib',
-    'dp_fedavg_lib', 'fedasync_lib', 'fedavg_lib', 'fedbuff_lib',
+    'diloco_recipe_lib', 'dp_fedavg_lib', 'fedasync_lib', 'fedavg_lib', 'fedbuff_lib',
     'feddyn_lib', 'fedexp_lib', 'fedlora_lib', 'fednova_lib', 'fedprox_lib', 'fedrep_lib',
     'hyp_cluster_lib', 'mime_lib', 'qffl_lib', 'scaffold_lib',
     'streaming_diloco_lib', 'yogi_lib',
@@ -206,6 +207,7 @@ __all__ = [
     'control_variate',
     'clip_update',
     'diloco',
+    'diloco_recipe',
     'dp_epsilon',
     'delayed_nesterov',
     'dp_fedavg',

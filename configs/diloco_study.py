@@ -35,11 +35,11 @@ clip the gradients. A config cannot say either for the registered
 ``'diloco'``: optimizer specs take numbers, not schedules, and
 ``hparam_schedules`` is not one of DiLoCo's options. The study therefore
 runs :func:`recipe_algorithm`'s ``'diloco_recipe'``
-(:mod:`fedjx.algorithms.diloco_recipe`): the same AdamW on gradients clipped
+(:mod:`fedjx.algorithms.diloco_recipe_lib`): the same AdamW on gradients clipped
 to global norm ``CLIP_NORM`` = 1.0, with a linear warmup over the first 10 %
 of the inner steps and a cosine decay to 5 % of ``PEAK_LR`` at the last one,
 a schedule of each replica's own inner step count (which persists across
-rounds); ``scripts/reproduce_table4.py`` registers it and swaps it in. The
+rounds). The
 peak learning rate, the warmup length and the global batch are chosen for
 these byte-level models, not tuned per ``M`` as the paper tunes them; the
 paper's exact weight decay and warmup length were not checked against its
@@ -55,8 +55,7 @@ Every round reports ``pseudo_grad_norm`` (the averaged outer gradient's
 norm) and ``communicated_bytes`` (the outer step's upload), with
 ``'diloco_recipe'`` also ``inner_grad_norm`` (the mean inner gradient norm
 before clipping); the run's rows add ``tokens_per_s`` and ``mfu``
-(``fedjx.experiments.lm_metrics``). ``fedjx-run`` runs the config as it is
-(``'diloco'``: a constant inner learning rate, no clipping):
+(``fedjx.experiments.lm_metrics``). ``fedjx-run`` runs it:
 
   fedjx-run --config configs/diloco_study.py:4,500k --workdir runs/study_m4
   fedjx-run --config configs/diloco_study.py:0,500k --workdir runs/study_dp
@@ -65,7 +64,7 @@ before clipping); the run's rows add ``tokens_per_s`` and ``mfu``
 
 from __future__ import annotations
 
-from fedjx.experiments.config_base import base_config, optimizer
+from fedjx.experiments.config_base import base_config
 from fedjx.models import llama_config
 
 GLOBAL_BATCH = 32         # sequences per inner step, over all replicas
@@ -134,34 +133,26 @@ def get_config(arg: str = '4,500k'):
   config.dataset = dict(name='text', seq_len=seq_len, level='byte', modules=None,
                         num_shards=max(replicas, 1), test_fraction=0.1)
   config.model = dict(name='llama_lm', preset=preset)
-  config.algorithm = dict(
-      name='diloco',
-      inner_optimizer=optimizer('adamw', learning_rate=PEAK_LR, b1=0.9, b2=0.99,
-                                weight_decay=0.1),
-      # M = 0: outer SGD of learning rate 1, no momentum (plain AdamW).
-      outer_optimizer=optimizer('sgd', learning_rate=0.7 if replicas else 1.0,
-                                momentum=0.9 if replicas else 0.0, nesterov=True),
-      # No evaluation of each replica's data before and after its steps (two
-      # more forward passes per round): the rows report the inner steps'
-      # own training loss (train_loss_during).
-      client_evaluation=False)
+  config.algorithm = recipe_algorithm(rounds, INNER_STEPS, replicas)
   return config
 
 
-def recipe_algorithm(config) -> dict:
-  """``config.algorithm`` for the algorithm ``'diloco_recipe'``
-  (:func:`fedjx.algorithms.diloco_recipe.diloco_recipe`) in place of
-  ``config``'s ``'diloco'``: the same AdamW and outer step, plus the
-  warmup-cosine schedule of the inner step and clipping at ``CLIP_NORM``.
-  The name must be registered (``fedjx.experiments.registry.register_algorithm``)
-  before the config is run; ``scripts/reproduce_table4.py`` does.
+def recipe_algorithm(rounds: int, inner_steps: int, replicas: int) -> dict:
+  """``config.algorithm``: ``'diloco_recipe'``
+  (:func:`fedjx.algorithms.diloco_recipe`) for ``rounds`` of
+  ``inner_steps``: AdamW (``b1 = 0.9``, ``b2 = 0.99``, weight decay 0.1) at
+  ``PEAK_LR`` with a warmup over ``WARMUP_FRACTION`` of the inner steps and a
+  cosine decay to ``FINAL_LR_FRACTION``, gradients clipped at ``CLIP_NORM``;
+  outer Nesterov 0.7 / 0.9, or for ``replicas = 0`` outer SGD 1.0 without
+  momentum (plain AdamW). No evaluation of each replica's data before and
+  after its steps (two more forward passes per round): the rows report the
+  inner steps' own training loss (``train_loss_during``).
   """
-  total_steps = config.rounds * config.local_steps
-  inner, outer = config.algorithm.inner_optimizer, config.algorithm.outer_optimizer
+  total_steps = rounds * inner_steps
   return dict(
-      name='diloco_recipe', peak_learning_rate=inner.learning_rate,
+      name='diloco_recipe', peak_learning_rate=PEAK_LR,
       warmup_steps=max(1, round(WARMUP_FRACTION * total_steps)),
-      total_steps=total_steps, final_lr_fraction=FINAL_LR_FRACTION, b1=inner.b1,
-      b2=inner.b2, weight_decay=inner.weight_decay, clip_norm=CLIP_NORM,
-      outer_learning_rate=outer.learning_rate, outer_momentum=outer.momentum,
-      client_evaluation=config.algorithm.client_evaluation)
+      total_steps=total_steps, final_lr_fraction=FINAL_LR_FRACTION, b1=0.9, b2=0.99,
+      weight_decay=0.1, clip_norm=CLIP_NORM,
+      outer_learning_rate=0.7 if replicas else 1.0,
+      outer_momentum=0.9 if replicas else 0.0, client_evaluation=False)

@@ -348,6 +348,9 @@ ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
     'dp_fedavg': AlgorithmEntry(algorithms_lib.dp_fedavg, updates_reach_params=True),
     'diloco': per_client(algorithms_lib.diloco, 'num_replicas',
                          updates_reach_params=True),
+    # The scaling-law study's inner recipe (clipped AdamW, warmup-cosine).
+    'diloco_recipe': per_client(algorithms_lib.diloco_recipe, 'num_replicas',
+                                updates_reach_params=True, forwards_to='diloco'),
     # Its replicas keep parameters a round does not synchronize: guarded.
     'streaming_diloco': per_client(algorithms_lib.streaming_diloco, 'num_replicas'),
     'fedavg_hypergradient_tuner': AlgorithmEntry(

@@ -7,7 +7,7 @@ difference of DiLoCo with M = 1, 2, 4, 8 replicas from it, at equal tokens.
 Here each arm is ``configs/diloco_study.py:M,preset,tokens_per_param``
 (``M = 0`` is data-parallel) with its ``recipe_algorithm`` (the inner
 warmup-cosine schedule and gradient clipping of
-``fedjx.algorithms.diloco_recipe``, registered here as ``'diloco_recipe'``),
+``fedjx.algorithms.diloco_recipe``, ``'diloco_recipe'``),
 trained with ``fedjx.experiments.runner.run``
 in its own work directory; the loss is the final ``eval_loss`` (held-out
 sequences of the standard-library corpus), and
@@ -32,9 +32,7 @@ import os
 import sys
 import time
 
-from fedjx.algorithms import diloco_recipe
 from fedjx.experiments import cli
-from fedjx.experiments import registry
 from fedjx.experiments import runner
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, 'configs',
@@ -48,17 +46,9 @@ PAPER = {
 """Charles et al. 2025, Table 4, as quoted for this comparison."""
 
 
-def register() -> None:
-  """Registers ``'diloco_recipe'`` (replacing any earlier entry), as ``'diloco'`` is."""
-  registry.register_algorithm('diloco_recipe', registry.per_client(
-      diloco_recipe.diloco_recipe, 'num_replicas', updates_reach_params=True))
-
-
 def arm_config(preset: str, replicas: int, tokens_per_param: float, seed: int,
                small: bool):
-  """The config of one arm (``replicas = 0``: data-parallel), with the study's
-  ``'diloco_recipe'`` in place of ``'diloco'``."""
-  register()
+  """The config of one arm (``replicas = 0``: data-parallel)."""
   spec = f'{CONFIG}:{replicas},{preset},{tokens_per_param}'
   config = cli.load_config_file(spec)
   config.seed = seed
@@ -71,7 +61,8 @@ def arm_config(preset: str, replicas: int, tokens_per_param: float, seed: int,
     config.checkpoint_every = 1
     config.eval_max_examples = 64
     config.dataset.modules = ('json',)
-  config.algorithm = cli.load_module(spec).recipe_algorithm(config)
+  config.algorithm = cli.load_module(spec).recipe_algorithm(
+      config.rounds, config.local_steps, replicas)  # Its schedule spans the rounds run.
   return config
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjx.algorithms import diloco_recipe
+from fedjx.algorithms import diloco_recipe_lib
 import float_tolerance as ft
 from test_algorithms_util import CHAIN, KEY, assert_trees_close, linreg_data
 from test_algorithms_util import linreg_loss, linreg_params, make_cohort
@@ -89,7 +89,7 @@ def _reference(batches, params):
 
 def test_rounds_norms_and_bytes_match_numpy():
   data, batches, params = _setup()
-  algorithm = diloco_recipe.diloco_recipe(
+  algorithm = diloco_recipe_lib.diloco_recipe(
       linreg_loss, len(SIZES), peak_learning_rate=PEAK, warmup_steps=WARMUP,
       total_steps=TOTAL, final_lr_fraction=FINAL, b1=B1, b2=B2, weight_decay=WD,
       clip_norm=CLIP, outer_learning_rate=OUTER_LR, outer_momentum=OUTER_MU,
@@ -116,7 +116,7 @@ def test_rounds_norms_and_bytes_match_numpy():
 
 def test_compiled_rounds_keep_the_metric():
   data, _, params = _setup()
-  algorithm = diloco_recipe.diloco_recipe(
+  algorithm = diloco_recipe_lib.diloco_recipe(
       linreg_loss, len(SIZES), warmup_steps=1, total_steps=6, inner_steps=H)
   compiled = algorithm.compile(map_strategy='vmap')
   state = compiled.init({k: jnp.asarray(v, jnp.float32) for k, v in params.items()})
@@ -125,7 +125,7 @@ def test_compiled_rounds_keep_the_metric():
 
 
 def test_clip_norm_zero_leaves_gradients_unclipped():
-  stages = diloco_recipe.inner_optimizer(1e-3, 1, 10, clip_norm=None)
+  stages = diloco_recipe_lib.inner_optimizer(1e-3, 1, 10, clip_norm=None)
   g = {'w': jnp.full((3,), 100.0)}
   state = stages.init(g)
   _, state = stages.update(g, state, g)
@@ -140,4 +140,4 @@ def test_clip_norm_zero_leaves_gradients_unclipped():
 ])
 def test_bad_schedules_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    diloco_recipe.inner_optimizer(1e-3, **kwargs)
+    diloco_recipe_lib.inner_optimizer(1e-3, **kwargs)

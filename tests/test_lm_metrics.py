@@ -10,12 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from fedjx.algorithms import diloco_recipe
 from fedjx.experiments import cli
 from fedjx.experiments import config as config_lib
 from fedjx.experiments import lm_cost
 from fedjx.experiments import lm_metrics
-from fedjx.experiments import registry
 from fedjx.experiments import runner
 from fedjx.models import llama_config
 
@@ -27,8 +25,6 @@ TINY = dict(width=16, num_layers=1, num_heads=2, num_kv_heads=1, mlp_width=32)
 
 
 def _tiny_study(tmp_path):
-  registry.register_algorithm('diloco_recipe', registry.per_client(
-      diloco_recipe.diloco_recipe, 'num_replicas', updates_reach_params=True))
   spec = f'{STUDY}:{REPLICAS},500k,0.1'
   config = cli.load_config_file(spec)
   config.rounds = 3
@@ -42,7 +38,7 @@ def _tiny_study(tmp_path):
   config.dataset.modules = ('json',)
   config.dataset.seq_len = SEQ_LEN
   config.model.update(TINY)
-  config.algorithm = cli.load_module(spec).recipe_algorithm(config)
+  config.algorithm = cli.load_module(spec).recipe_algorithm(config.rounds, H, REPLICAS)
   assert config.algorithm.total_steps == 3 * H and config.algorithm.warmup_steps == 1
   return runner.run(config, str(tmp_path / 'run'), log=lambda msg: None)
 
@@ -106,12 +102,10 @@ def test_study_config_rounds_batch_and_arms():
     assert config.batch_size == batch and config.cohort_size == max(m, 1)
     assert config.dataset.num_shards == max(m, 1)
     assert config.batch_size * config.cohort_size == study.GLOBAL_BATCH
-    sgd = config.algorithm.outer_optimizer
-    assert (sgd.learning_rate, sgd.momentum) == outer
-    assert config.algorithm.name == 'diloco'
-    recipe = study.recipe_algorithm(config)
-    assert recipe['total_steps'] == config.rounds * 30 and recipe['clip_norm'] == 1.0
-    assert (recipe['outer_learning_rate'], recipe['outer_momentum']) == outer
+    recipe = config.algorithm
+    assert recipe.name == 'diloco_recipe'
+    assert recipe.total_steps == config.rounds * 30 and recipe.clip_norm == 1.0
+    assert (recipe.outer_learning_rate, recipe.outer_momentum) == outer
 
 
 @pytest.mark.parametrize('arg, match', [

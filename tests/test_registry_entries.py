@@ -143,11 +143,11 @@ def test_the_traits_of_the_shipped_entries():
   assert _having('asynchronous') == ('fedbuff', 'async_diloco', 'fedasync')
   assert _having('updates_reach_params') == (
       'fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm', 'fedprox',
-      'fednova', 'fedexp', 'scaffold', 'dp_fedavg', 'diloco', 'fedbuff',
-      'qffl', 'fedasync')
+      'fednova', 'fedexp', 'scaffold', 'dp_fedavg', 'diloco', 'diloco_recipe',
+      'fedbuff', 'qffl', 'fedasync')
   assert {n: registry.forwarded_name(n) for n in _having('forwards_to')} == {
       'fedadam': 'fedavg', 'fedyogi': 'fedavg', 'fedadagrad': 'fedavg',
-      'fedavgm': 'fedavg'}
+      'fedavgm': 'fedavg', 'diloco_recipe': 'diloco'}
   assert registry.forwarded_builder('fedadam') is registry.algorithms_lib.fedavg
   assert registry.forwarded_builder('scaffold') is None
   assert 'skip_nonfinite' in registry.RESERVED

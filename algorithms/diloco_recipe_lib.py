@@ -121,6 +121,13 @@ def with_inner_grad_norm(algorithm: base.Algorithm) -> base.Algorithm:
   return wrap(algorithm, True)
 
 
+# DiLoCo's options but those the recipe sets itself.
+OPTIONS = {k: v for k, v in diloco_lib.OPTIONS.items()
+           if k not in ('inner_optimizer', 'outer_optimizer', 'outer_learning_rate',
+                        'outer_momentum', 'inner_steps')}
+
+
+@base.with_options(OPTIONS)
 def diloco_recipe(loss_fn: base.LossFn, num_replicas: int, *,
                   peak_learning_rate: float = 3e-3, warmup_steps: int = 100,
                   total_steps: int = 1000, final_lr_fraction: float = 0.05,
