@@ -325,6 +325,8 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics,
         **async_metrics(cohort, max_staleness))
+    metrics['communicated_bytes'] = aggregators.upload_bytes(
+        aggregator, state.params, metrics['clients'], agg_metrics)
     metrics.update(clients.extra)
     t = state.round_index + 1
     return state._replace(params=params, opt_state=opt_state,

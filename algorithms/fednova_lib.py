@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
+from fedjx.algorithms import aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import client_update
 from fedjx.algorithms import nonfinite
@@ -144,6 +145,8 @@ def fednova(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
         state.params, pseudo_grad)
     metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), tau_eff=tau_eff)
+    metrics['communicated_bytes'] = aggregators.upload_bytes(  # The full updates.
+        aggregators.mean(), state.params, metrics['clients'], {})
     return state._replace(params=params, opt_state=opt_state,
                           round_index=state.round_index + 1), metrics
 
