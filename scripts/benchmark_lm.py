@@ -4,7 +4,8 @@ For each preset, one AdamW inner step of ``fedjx.models.llama_lm`` (the step
 ``fedjx-plan`` compiles, here run with data: see
 ``fedjx.experiments.lm_cost.measure_inner_step``) is compiled and timed; one
 JSON line per preset. MFU needs the device's peak: ``--peak_tflops``, or
-``--device`` naming one of ``lm_cost.PEAK_BF16_FLOPS`` (bfloat16 dense peak).
+``--device`` naming one of ``lm_cost.PEAK_BF16_FLOPS`` (bfloat16 dense peak), or
+``--device=auto`` to take it from the device's kind (``lm_metrics.device_key``).
 
   python scripts/benchmark_lm.py --presets=35m,180m --batch=8 --seq_len=2048 \
       --dtype=bfloat16 --device=h200 --out=runs/lm.jsonl
@@ -16,6 +17,7 @@ import json
 import sys
 
 from fedjx.experiments import lm_cost
+from fedjx.experiments import lm_metrics
 from fedjx.models import llama_config
 
 
@@ -29,8 +31,9 @@ def parse(argv=None) -> argparse.Namespace:
   p.add_argument('--repeats', type=int, default=3)
   p.add_argument('--dtype', default=None, help="compute dtype (the preset's)")
   p.add_argument('--remat', default=None, choices=[None, *llama_config.REMAT_POLICIES])
-  p.add_argument('--device', default=None, choices=list(lm_cost.PEAK_BF16_FLOPS),
-                 help='takes the peak FLOP/s for MFU from lm_cost.PEAK_BF16_FLOPS')
+  p.add_argument('--device', default=None, choices=['auto', *lm_cost.PEAK_BF16_FLOPS],
+                 help='takes the peak FLOP/s for MFU from lm_cost.PEAK_BF16_FLOPS '
+                      "('auto': from the first device's kind)")
   p.add_argument('--peak_tflops', type=float, default=None, help='peak TFLOP/s for MFU')
   p.add_argument('--out', default=None, help='also append the JSON lines here')
   args = p.parse_args(argv)
@@ -44,8 +47,16 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> list[dict]:
   args = parse(argv)
+  device = args.device
+  if device == 'auto':
+    import jax  # pylint: disable=import-outside-toplevel
+    kind = jax.devices()[0].device_kind
+    device = lm_metrics.device_key(kind)
+    if device is None and not args.peak_tflops:
+      print(f'benchmark_lm: --device=auto found {kind!r}, which has no stated peak; '
+            'MFU is left out (give --peak_tflops).', file=sys.stderr)
   peak = (args.peak_tflops * 1e12 if args.peak_tflops else
-          lm_cost.PEAK_BF16_FLOPS[args.device] if args.device else None)
+          lm_cost.PEAK_BF16_FLOPS[device] if device else None)
   rows = []
   for name in args.presets:
     row = lm_cost.measure_inner_step(name, batch=args.batch, seq_len=args.seq_len,

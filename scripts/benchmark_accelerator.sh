@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The accelerator benchmark of docs/benchmarks.md, in one run of under 10
+# minutes on one GPU or TPU chip: whatever accelerator JAX sees (MFU against
+# lm_cost.PEAK_BF16_FLOPS, the device found from its kind). Writes JSON lines
+# and logs to the folder given (default runs/accelerator). Each part has its
+# own time limit, so one slow part cannot starve the others; the most
+# important parts run first.
+#
+#   bash scripts/benchmark_accelerator.sh runs/accelerator
+#
+# Needs jax for the accelerator, flax and optax; installs fedjx itself
+# without dependencies if it is not installed (or lays it out by links where
+# pip cannot). Stops in one line where JAX sees no accelerator.
+set -uo pipefail
+out="${1:-runs/accelerator}"
+mkdir -p "$out"
+importable() {  # from outside the checkout, whose fedjx/ lacks the subpackages
+  (cd / && python -c 'import fedjx.experiments, fedjx.algorithms' 2>/dev/null)
+}
+importable ||
+  python -m pip install --quiet --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1
+if ! importable; then  # no pip for this python: the package laid out by links
+  tree="$(mktemp -d)"
+  mkdir "$tree/fedjx"
+  cp -r fedjx/. "$tree/fedjx/"
+  for sub in algorithms datasets models experiments; do
+    ln -s "$PWD/$sub" "$tree/fedjx/$sub"
+  done
+  export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}"
+fi
+importable || { echo "fedjx is not importable; see $out/install.log" >&2; exit 1; }
+{
+  date -u
+  command -v nvidia-smi >/dev/null &&
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  python -c 'import jax, flax, optax; d = jax.devices()[0]; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices(), d.device_kind, (d.memory_stats() or {}).get("bytes_limit"))'
+} >"$out/environment.txt" 2>&1
+cat "$out/environment.txt"
+backend="$(python -c 'import jax; print(jax.default_backend())' 2>/dev/null)"
+if [ "$backend" != gpu ] && [ "$backend" != tpu ]; then
+  echo "benchmark_accelerator: JAX's backend is '$backend', not gpu or tpu; nothing run." >&2
+  exit 2
+fi
+
+part() {  # part SECONDS NAME COMMAND...: one part, its output in NAME.log
+  local seconds="$1" name="$2"
+  shift 2
+  echo "== $name: $*"
+  timeout "$seconds" "$@" >"$out/$name.log" 2>&1
+  echo "   exit $? after ${SECONDS}s in total"
+}
+cross() {  # cross SECONDS SCRIPT SETUP: one cross-device run (benchmarks/peers)
+  local seconds="$1" script="$2" setup="$3"
+  echo "== cross-device $script $setup"
+  (cd benchmarks/peers && timeout "$seconds" python "$script" --setup="$setup" \
+    --rounds=4) >>"$out/cross_device.jsonl" 2>>"$out/cross_device.log"
+  echo "   exit $? after ${SECONDS}s in total"
+}
+lm=(python scripts/benchmark_lm.py --out="$out/lm.jsonl" --device=auto --dtype=bfloat16
+    --seq_len=2048)
+cnn=(--steps=8 --batch=20 --repeats=3)
+
+# Time limits sum to 8.8 minutes: compiling and building the synthetic
+# cohorts takes most of each part's time.
+# 1. Language-model inner steps (AdamW, bfloat16 compute over float32
+#    parameters, sequences of 2048 tokens): tokens/s, MFU against the
+#    device's bfloat16 dense peak, and memory, for the presets that fit one
+#    chip (the larger with every block rematerialized).
+part 60 lm_small "${lm[@]}" --batch=8 --presets=35m,180m
+# 1.3B's float32 weights, gradients and AdamW moments alone take 21 GB: only
+# on a device of more than 40 GB.
+memory="$(python -c 'import jax; print((jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0))' 2>/dev/null)"
+large=550m
+[ "${memory:-0}" -gt 40000000000 ] && large=550m,1.3b
+part 110 lm_large "${lm[@]}" --batch=4 --presets="$large" --remat=full
+# 2. The cross-device regime (2NN, log-normal clients, one epoch of batch 10):
+#    fedjx (population on the device, auto) and the hand-written JAX round, at
+#    1,000 and 10,000 clients.
+cross 35 fedjx_cross_device.py 2nn-1000
+cross 25 handwritten_cross_device.py 2nn-1000
+cross 70 fedjx_cross_device.py 2nn-10000
+cross 50 handwritten_cross_device.py 2nn-10000
+# 3. CNN clients against the same FLOPs as one centralized batch, then in
+#    bfloat16 with float32 master weights: 1024 clients where the device holds
+#    the centralized batch of 163,840 images (over 40 GB), else 128.
+clients=128
+[ "${memory:-0}" -gt 40000000000 ] && clients=1024
+part 80 cnn_f32 python scripts/benchmark.py --out="$out/cnn_f32.jsonl" \
+  --models=cnn --clients="$clients" --strategies=vmap,chunked:64,auto "${cnn[@]}"
+part 40 cnn_bf16 python scripts/benchmark.py --out="$out/cnn_bf16.jsonl" \
+  --models=cnn --clients="$clients" --precision=bfloat16 --strategies=chunked:64 "${cnn[@]}"
+# 4. Federated LoRA at the TinyLlama-1.1B shape (FlowerTune's: 2 clients of
+#    10 AdamW steps, rank 32 on q and v; batch 4 of 512 tokens, bfloat16
+#    compute and base): tokens/s, compile time and peak memory.
+part 60 lora_1.1b python scripts/benchmark_lora.py --shape=tinyllama-1.1b \
+  --dtype=bfloat16 --base_dtype=bfloat16 --seq_len=512 --out="$out/lora_1.1b.jsonl"
+# Measured on one H200 on 2026-12-04 and not in the limits above: 100,000
+# clients streamed (`python scripts/benchmark.py --streaming=256 --models=cnn
+# --clients=100000 --steps=8 --batch=20`), XLA's memory plan at 10,000
+# clients (`--compile_only --clients=10000 --strategies=chunked:64,nofuse:chunked:64`)
+# and the cohort sweep (`--clients=16,128,1024 --strategies=vmap,chunked:64`).
+echo "done in ${SECONDS}s; results in $out"
