@@ -12,12 +12,12 @@ state type and public helpers, ``fedjx.algorithms.<name>_lib``
 module. Parts of the other kinds keep their modules' names
 (``aggregators``, ``compression``, ``attacks``, ``schedules``, ...).
 
-A new algorithm needs only names from here: :func:`make_algorithm` wraps its
-``init`` and round (written with the fedjx primitives), and
-:func:`check_schedule`, :func:`local_update`, :func:`round_metrics`, :func:`server_update`,
-:func:`default_sgd`, :class:`ServerState` and :func:`with_options` are the
-pieces its round and builder use (also importable from
-``fedjx.algorithms.base`` and ``fedjx.algorithms.client_update``).
+A new algorithm is written from one module, :mod:`fedjx.algorithms.kit`
+(``from fedjx.algorithms import kit``): its state record
+(:class:`ServerState`), ``make_algorithm``, the local update, the client
+map, aggregation and the server update, the options and the metrics. Every
+algorithm here, FedAvg included, is written from it; its docstring states
+what else an algorithm module may import (docs/writing_an_algorithm.md).
 """
 
 from fedjx.algorithms import adaptive_clipping
@@ -31,6 +31,7 @@ from fedjx.algorithms import distributed_dp
 from fedjx.algorithms import secure_aggregation
 from fedjx.algorithms import dp_ftrl
 from fedjx.algorithms import hypergradients
+from fedjx.algorithms import kit
 from fedjx.algorithms import lora_aggregation
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms import outer_compression
@@ -48,19 +49,9 @@ from fedjx.algorithms.attacks import malicious_clients
 from fedjx.algorithms.base import Algorithm
 from fedjx.algorithms.base import ServerState
 from fedjx.algorithms.base import WEIGHTINGS
-from fedjx.algorithms.base import COMMON_OPTIONS
-from fedjx.algorithms.base import aggregation_weights
 from fedjx.algorithms.base import default_sgd
-from fedjx.algorithms.base import make_algorithm
-from fedjx.algorithms.base import round_metrics
-from fedjx.algorithms.base import server_update
-from fedjx.algorithms.base import with_options
-from fedjx.algorithms.base import scan_rounds
 from fedjx.algorithms.client_transforms import control_variate
 from fedjx.algorithms.client_transforms import proximal
-from fedjx.algorithms.client_update import LocalSchedule
-from fedjx.algorithms.client_update import check_schedule
-from fedjx.algorithms.client_update import local_update
 from fedjx.algorithms.compression import drive
 from fedjx.algorithms.compression import eden
 from fedjx.algorithms.compression import qsgd
@@ -171,22 +162,16 @@ __all__ = [
     'terngrad',
     'top_k',
     'uncompressed',
-    'check_schedule',
-    'local_update',
-    'with_options',
-    'server_update',
-    'round_metrics',
-    'make_algorithm',
+    # The kit: the vocabulary every algorithm is written with.
+    'kit',
     'default_sgd',
     'Aggregator',
     'Algorithm',
-    'COMMON_OPTIONS',
     'AsyncCohort',
     'AsyncDiLoCoState',
     'DelayedNesterovState',
     'FedBuffState',
     'DiLoCoState',
-    'LocalSchedule',
     'ScaffoldState',
     'ServerState',
     'StreamingDiLoCoState',
@@ -195,7 +180,6 @@ __all__ = [
     'adaptive_clipping',
     'adaptive_gaussian',
     'adaptive_adam',
-    'aggregation_weights',
     'aggregators',
     'Attack',
     'attacked',
@@ -266,7 +250,6 @@ __all__ = [
     'scaffold',
     'scale_by_adaptive',
     'scale_by_yogi',
-    'scan_rounds',
     'streaming_diloco',
     'tree_gaussian',
     'yogi',

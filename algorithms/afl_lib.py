@@ -62,12 +62,7 @@ import numpy as np
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg_lib import check_parts
-from fedjx.algorithms.fedavg_lib import without
+from fedjx.algorithms import kit
 
 # What a round releases beside the aggregate (``Algorithm.unprivatized``).
 UNPRIVATIZED = ('its clients also send their exact per-domain losses and '
@@ -76,7 +71,7 @@ UNPRIVATIZED = ('its clients also send their exact per-domain losses and '
 DOMAIN_ALGORITHMS = ('eg', 'pgd', 'none')
 
 OPTIONS: dict[str, Any] = {
-    **without('weighting', 'client_transform'),
+    **kit.without('weighting', 'client_transform'),
     'num_domains': None,
     'init_domain_weights': None,
     'domain_learning_rate': 0.1,
@@ -102,7 +97,7 @@ class AFLState(NamedTuple):
     aggregator_state: the aggregator's state (``()`` for the mean).
   """
 
-  params: base.Params
+  params: kit.Params
   opt_state: optax.OptState
   domain_weights: jax.Array
   domain_window: jax.Array
@@ -150,7 +145,7 @@ def update_domain_weights(domain_weights: jax.Array, domain_loss: jax.Array,
   return lam
 
 
-def domain_sums(loss_fn: base.LossFn, params: base.Params, batches: Any,
+def domain_sums(loss_fn: kit.LossFn, params: kit.Params, batches: Any,
                 mask: jax.Array, domains: jax.Array,
                 num_domains: int) -> tuple[jax.Array, jax.Array]:
   """One client's ``(L^k, N^k)``: per-domain sums of ``loss(params)`` and
@@ -162,7 +157,7 @@ def domain_sums(loss_fn: base.LossFn, params: base.Params, batches: Any,
     count = jax.ops.segment_sum(m.astype(jnp.float32), d, num_domains)
     return (sums[0] + loss_sum, sums[1] + count), None
 
-  zeros = client_update.tie_to((jnp.zeros(num_domains, jnp.float32),) * 2, mask)
+  zeros = kit.tie_to((jnp.zeros(num_domains, jnp.float32),) * 2, mask)
   sums, _ = jax.lax.scan(step, zeros, (batches, mask, domains))
   return sums
 
@@ -184,7 +179,7 @@ def _check_domains(fn: str, o: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     raise ValueError(f'{fn}: give num_domains (uniform initial weights) or '
                      'init_domain_weights (one per domain, summing to 1).')
   if num is not None:
-    base.check_positive_int(fn, 'num_domains', num)
+    kit.check_positive_int(fn, 'num_domains', num)
   if init is None:
     lam = np.full(num, 1.0 / num)
   else:
@@ -196,10 +191,10 @@ def _check_domains(fn: str, o: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     if num is not None and lam.size != num:
       raise ValueError(f'{fn}: init_domain_weights has {lam.size} entries but '
                        f'num_domains={num}.')
-  base.check_number(fn, 'domain_learning_rate', o['domain_learning_rate'])
-  base.check_choice(fn, 'domain_algorithm', o['domain_algorithm'],
-                    DOMAIN_ALGORITHMS)
-  base.check_positive_int(fn, 'domain_window_size', o['domain_window_size'])
+  kit.check_number(fn, 'domain_learning_rate', o['domain_learning_rate'])
+  kit.check_choice(fn, 'domain_algorithm', o['domain_algorithm'],
+                   DOMAIN_ALGORITHMS)
+  kit.check_positive_int(fn, 'domain_window_size', o['domain_window_size'])
   if not isinstance(o['domain_key'], str):
     raise ValueError(f'{fn}: domain_key={o["domain_key"]!r} must be the name '
                      'of the batch feature holding each example\'s domain id.')
@@ -228,9 +223,9 @@ def _check_domain_feature(fn: str, cohort: Any, key: str) -> None:
                      f'{jnp.result_type(d)} {jnp.shape(d)}.')
 
 
-def _check_aggregator(fn: str, aggregator: Any) -> aggregators.Aggregator:
-  agg = aggregators.check(fn, aggregator)
-  base.check_private_uploads(fn, agg, UNPRIVATIZED)
+def _check_aggregator(fn: str, aggregator: Any) -> kit.Aggregator:
+  agg = kit.check_aggregator(fn, aggregator)
+  kit.check_private_uploads(fn, agg, UNPRIVATIZED)
   if agg.weights is not None:
     raise ValueError(
         f'{fn}: aggregator={aggregator!r} sets its own client weights, but '
@@ -240,8 +235,8 @@ def _check_aggregator(fn: str, aggregator: Any) -> aggregators.Aggregator:
 
 # ------------------------------------------------------------- the builder
 
-@base.with_options(OPTIONS)
-def afl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def afl(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
   """Agnostic federated averaging (Mohri et al. 2019; Ro et al. 2021).
 
   Args:
@@ -271,22 +266,22 @@ def afl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     ``worst_domain_loss`` (the largest ``L_d`` of the domains seen).
   """
   name = 'afl'
-  o = base.take_options(name, options, OPTIONS)
+  o = kit.take_options(name, options, OPTIONS)
   lam0, window0 = _check_domains(name, o)
   num_domains = lam0.size
   aggregator = _check_aggregator(name, o['aggregator'])
-  client_optimizer, server_optimizer, _, schedule = check_parts(
+  client_optimizer, server_optimizer, _, schedule = kit.check_parts(
       name, dict(o, weighting='num_examples', client_transform=None))
   metrics_fn, key = o['metrics_fn'], o['domain_key']
   domain_algorithm = o['domain_algorithm']
 
   def init(params):
-    hparams = base.combine_hparams(
+    hparams = kit.combine_hparams(
         name,
-        algorithm={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
-                   'server_optimizer': base.optimizer_hparams(server_optimizer, params),
+        algorithm={'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
+                   'server_optimizer': kit.optimizer_hparams(server_optimizer, params),
                    'domain_learning_rate': jnp.float32(o['domain_learning_rate'])},
-        aggregator=aggregators.init_hparams(aggregator))
+        aggregator=kit.aggregator_hparams(aggregator))
     return AFLState(params=params, opt_state=server_optimizer.init(params),
                     domain_weights=jnp.asarray(lam0, jnp.float32),
                     domain_window=jnp.asarray(window0, jnp.float32),
@@ -306,25 +301,25 @@ def afl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
       s = jnp.where(inside, scale[jnp.clip(d, 0, num_domains - 1)], 0.0)
       return loss_fn(params, batch) * s.astype(jnp.float32)
 
-    opt_state = base.with_hparams(client_optimizer.init(w),
-                                  hparams['client_optimizer'])
-    y, opt_state, num_steps, during = client_update.train(
+    opt_state = kit.with_hparams(client_optimizer.init(w),
+                                 hparams['client_optimizer'])
+    y, opt_state, num_steps, during = kit.train(
         scaled_loss, client_optimizer, w, opt_state, batches, mask, schedule)
     if schedule.evaluate:
-      before = client_update.evaluate(loss_fn, metrics_fn, w, batches, mask)
-      after = client_update.evaluate(loss_fn, metrics_fn, y, batches, mask)
+      before = kit.evaluate(loss_fn, metrics_fn, w, batches, mask)
+      after = kit.evaluate(loss_fn, metrics_fn, y, batches, mask)
       stats = {'count': before.pop('count')}
       after.pop('count')
       stats.update({f'{k}_before': v for k, v in before.items()})
       stats.update({f'{k}_after': v for k, v in after.items()})
     else:  # The domain pass is the loss before training, at no extra cost.
       stats = {'loss_before': jnp.sum(loss_sum), 'count': n}
-    out = client_update.ClientUpdate(y, opt_state, num_steps, stats)
-    delta = base.tree_sub(w, y)
+    out = kit.ClientUpdate(y, opt_state, num_steps, stats)
+    delta = kit.tree_sub(w, y)
     extra = {'domain_loss': loss_sum, 'domain_count': count}
     if o['client_metrics']:
-      extra.update(base.client_metrics(delta, out), client_beta=beta)
-    return nonfinite.ClientOutput(delta, stats, extra=extra, checked=y)
+      extra.update(kit.client_metrics(delta, out), client_beta=beta)
+    return kit.ClientOutput(delta, stats, extra=extra, checked=y)
 
   def round_fn(state, cohort, rng):
     _check_domain_feature(name, cohort, key)
@@ -334,18 +329,18 @@ def afl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     beta = fedjx.map_fn(lambda a, n: jnp.sum(a * n),
                         (fedjx.broadcast(alpha), counts))
     client_hparams = {'client_optimizer': state.hparams['client_optimizer']}
-    clients = nonfinite.map_clients(
+    clients = kit.map_guarded(
         client_fn, (fedjx.broadcast(state.params), fedjx.broadcast(alpha),
                     fedjx.broadcast(client_hparams), cohort.batches, cohort.mask),
         beta, cohort.num_examples, o['skip_nonfinite'],
         encode=aggregator.encode,
-        encode_hparams=aggregators.encode_hparams(aggregator, state.hparams,
-                                                  state.aggregator_state),
+        encode_hparams=kit.encode_hparams(aggregator, state.hparams,
+                                          state.aggregator_state),
         check_encoded=aggregator.checks_update)
     extra = dict(clients.extra)
     sums = fedjx.reduce_sum({'loss': extra.pop('domain_loss'),
                              'count': extra.pop('domain_count')})
-    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, rng)
     domain_loss = _safe_div(sums['loss'], sums['count'])
@@ -358,7 +353,7 @@ def afl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     for d in range(num_domains):
       per_domain[f'domain_loss_{d}'] = domain_loss[d]
       per_domain[f'domain_weight_{d}'] = state.domain_weights[d]
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad),
         worst_domain_loss=jnp.max(jnp.where(seen, domain_loss, 0.0)),
         **per_domain, **agg_metrics)
@@ -368,8 +363,8 @@ def afl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
                           round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             unprivatized=UNPRIVATIZED)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            unprivatized=UNPRIVATIZED)
 
 
 __all__ = ['AFLState', 'afl', 'domain_sums', 'project_simplex',

@@ -51,25 +51,20 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg_lib import check_parts
-from fedjx.algorithms.fedavg_lib import without
+from fedjx.algorithms import kit
 
 PERSONAL_GRADIENTS = ('chain', 'mixed')
 
 OPTIONS: dict[str, Any] = {
-    **without('client_transform'),
+    **kit.without('client_transform'),
     'init_alpha': 0.5,
     'alpha_learning_rate': 0.1,
     'personal_gradient': 'chain',
 }
 
 
-def mix(alpha: jax.Array, personal: base.Params,
-        server: base.Params) -> base.Params:
+def mix(alpha: jax.Array, personal: kit.Params,
+        server: kit.Params) -> kit.Params:
   """``alpha v + (1 - alpha) w``, leaf by leaf, in each leaf's dtype."""
   def one(v, w):
     a = jnp.asarray(alpha, jnp.result_type(w))
@@ -77,8 +72,8 @@ def mix(alpha: jax.Array, personal: base.Params,
   return jax.tree.map(one, personal, server)
 
 
-def alpha_gradient(personal: base.Params, server: base.Params,
-                   grads: base.Params) -> jax.Array:
+def alpha_gradient(personal: kit.Params, server: kit.Params,
+                   grads: kit.Params) -> jax.Array:
   """``<v - w, g>`` over every parameter: ``d f(alpha v + (1-alpha) w) / d alpha``."""
   parts = jax.tree.map(
       lambda v, w, g: jnp.sum((v - w).astype(jnp.float32) * g.astype(jnp.float32)),
@@ -86,7 +81,7 @@ def alpha_gradient(personal: base.Params, server: base.Params,
   return sum(jax.tree.leaves(parts), jnp.zeros((), jnp.float32))
 
 
-def initial_row(params: base.Params, init_alpha: float = 0.5) -> dict[str, Any]:
+def initial_row(params: kit.Params, init_alpha: float = 0.5) -> dict[str, Any]:
   """One client's row before it ever trains: ``v`` (a copy of ``params``,
   replaced by the current ``w`` at its first round), ``alpha`` and 0 rounds."""
   return {'params': jax.tree.map(lambda p: jnp.array(p, copy=True), params),
@@ -94,7 +89,7 @@ def initial_row(params: base.Params, init_alpha: float = 0.5) -> dict[str, Any]:
           'rounds': jnp.zeros((), jnp.int32)}
 
 
-def personalize_fn() -> Callable[[Any, Any, Any], base.Params]:
+def personalize_fn() -> Callable[[Any, Any, Any], kit.Params]:
   """``personalize(server_state, client_state, train) -> params``: the mixture.
 
   ``alpha_i v_i + (1 - alpha_i) w`` with ``w = server_state.params``; a client
@@ -114,14 +109,14 @@ def personalize_fn() -> Callable[[Any, Any, Any], base.Params]:
 
 
 def _check(fn: str, o: dict[str, Any]) -> None:
-  base.check_number(fn, 'init_alpha', o['init_alpha'], high=1.0)
-  base.check_number(fn, 'alpha_learning_rate', o['alpha_learning_rate'])
-  base.check_choice(fn, 'personal_gradient', o['personal_gradient'],
-                    PERSONAL_GRADIENTS)
+  kit.check_number(fn, 'init_alpha', o['init_alpha'], high=1.0)
+  kit.check_number(fn, 'alpha_learning_rate', o['alpha_learning_rate'])
+  kit.check_choice(fn, 'personal_gradient', o['personal_gradient'],
+                   PERSONAL_GRADIENTS)
 
 
-@base.with_options(OPTIONS)
-def apfl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def apfl(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
   """APFL (Deng et al. 2020), Algorithm 1 with adaptive ``alpha``.
 
   Args:
@@ -151,31 +146,31 @@ def apfl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     clients that trained.
   """
   name = 'apfl'
-  o = base.take_options(name, options, OPTIONS)
+  o = kit.take_options(name, options, OPTIONS)
   _check(name, o)
-  client_optimizer, server_optimizer, aggregator, schedule = check_parts(
+  client_optimizer, server_optimizer, aggregator, schedule = kit.check_parts(
       name, dict(o, client_transform=None))
   metrics_fn, chain = o['metrics_fn'], o['personal_gradient'] == 'chain'
   init_alpha = o['init_alpha']
 
   def init(params):
-    hparams = base.combine_hparams(
+    hparams = kit.combine_hparams(
         name,
-        algorithm={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
-                   'server_optimizer': base.optimizer_hparams(server_optimizer, params),
+        algorithm={'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
+                   'server_optimizer': kit.optimizer_hparams(server_optimizer, params),
                    'alpha_learning_rate': jnp.float32(o['alpha_learning_rate'])},
-        aggregator=aggregators.init_hparams(aggregator))
-    return base.ServerState(
+        aggregator=kit.aggregator_hparams(aggregator))
+    return kit.ServerState(
         params=params, opt_state=server_optimizer.init(params), hparams=hparams,
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
   def local_steps(x, v, alpha, eta_a, hparams, batches, mask):
     """The coupled local steps of ``w_i``, ``v_i`` and ``alpha_i``."""
-    value_grad = jax.value_and_grad(client_update.masked_mean_loss, argnums=1)
-    grad = jax.grad(client_update.masked_mean_loss, argnums=1)
-    sw = base.with_hparams(client_optimizer.init(x), hparams)
-    sv = base.with_hparams(client_optimizer.init(v), hparams)
+    value_grad = jax.value_and_grad(kit.masked_mean_loss, argnums=1)
+    grad = jax.grad(kit.masked_mean_loss, argnums=1)
+    sw = kit.with_hparams(client_optimizer.init(x), hparams)
+    sv = kit.with_hparams(client_optimizer.init(v), hparams)
 
     def real_step(carry, batch, m, is_real):
       w, v, a, sw, sv, total, count = carry
@@ -199,11 +194,11 @@ def apfl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
       batch, m = jax.tree.map(lambda z: z[i], (batches, mask))
       return real_step(carry, batch, m, is_real), None
 
-    index, active = client_update.step_schedule(mask, schedule)
+    index, active = kit.step_schedule(mask, schedule)
     zero = jnp.zeros((), jnp.float32)
-    carry = client_update.tie_to(
+    carry = kit.tie_to(
         (x, v, jnp.asarray(alpha, jnp.float32), sw, sv, zero, zero), mask)
-    carry, _ = client_update.scan_steps(step, carry, index, active)
+    carry, _ = kit.scan_steps(step, carry, index, active)
     w, v, a, sw, _, total, count = carry
     return w, v, a, sw, jnp.sum(active, dtype=jnp.int32), total, count
 
@@ -214,14 +209,14 @@ def apfl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     y, v, a, opt_state, num_steps, total, count = local_steps(
         x, v0, a0, eta_a, hparams, batches, mask)
     if schedule.evaluate:
-      before = client_update.evaluate(loss_fn, metrics_fn, x, batches, mask)
-      after = client_update.evaluate(loss_fn, metrics_fn, y, batches, mask)
+      before = kit.evaluate(loss_fn, metrics_fn, x, batches, mask)
+      after = kit.evaluate(loss_fn, metrics_fn, y, batches, mask)
       stats = {'count': before.pop('count')}
       after.pop('count')
       stats.update({f'{k}_before': s for k, s in before.items()})
       stats.update({f'{k}_after': s for k, s in after.items()})
       for when, model in (('before', mix(a0, v0, x)), ('after', mix(a, v, y))):
-        stats[f'personal_loss_{when}'] = client_update.evaluate(
+        stats[f'personal_loss_{when}'] = kit.evaluate(
             loss_fn, None, model, batches, mask)['loss']
     else:
       stats = {'loss_during': total, 'count': count}
@@ -229,18 +224,18 @@ def apfl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     new_row = {'params': v, 'alpha': a, 'rounds': row['rounds'] + 1}
     new_row = jax.tree.map(lambda n, old: jnp.where(has_data, n, old),
                            new_row, row)
-    delta = base.tree_sub(x, y)
+    delta = kit.tree_sub(x, y)
     extra = {'alpha_sum': jnp.where(has_data, a, 0.0),
              'alpha_count': has_data.astype(jnp.float32)}
     if o['client_metrics']:
-      out = client_update.ClientUpdate(y, opt_state, num_steps, stats)
-      extra.update(base.client_metrics(delta, out), client_alpha=a)
-    return nonfinite.ClientOutput(delta, stats, extra=extra, state=new_row,
-                                  previous_state=row, checked=(y, new_row))
+      out = kit.ClientUpdate(y, opt_state, num_steps, stats)
+      extra.update(kit.client_metrics(delta, out), client_alpha=a)
+    return kit.ClientOutput(delta, stats, extra=extra, state=new_row,
+                            previous_state=row, checked=(y, new_row))
 
   def round_fn(state, cohort, key):
     rows = cohort.client_states
-    clients = aggregators.map_clients(
+    clients = kit.map_clients(
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.params),
          fedjx.broadcast(state.hparams['alpha_learning_rate']),
@@ -251,11 +246,11 @@ def apfl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     extra = dict(clients.extra)
     sums = fedjx.reduce_sum({'alpha_sum': extra.pop('alpha_sum'),
                              'alpha_count': extra.pop('alpha_count')})
-    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, key)
     alpha_mean = sums['alpha_sum'] / jnp.maximum(sums['alpha_count'], 1.0)
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad),
         alpha_mean=alpha_mean, **agg_metrics)
     metrics.update(extra)  # Per-client [C] metrics, if asked.
@@ -264,7 +259,7 @@ def apfl(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
                                aggregator_state=agg_state)
     return new_state, metrics, clients.state
 
-  return base.make_algorithm(
+  return kit.make_algorithm(
       name, init, round_fn, loss_fn=loss_fn, options=o,
       client_state_init=lambda params: initial_row(params, init_alpha))
 

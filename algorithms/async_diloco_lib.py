@@ -73,10 +73,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
+from fedjx.algorithms import kit
 from fedjx.algorithms import quantization
 from fedjx.algorithms.diloco_lib import OPTIONS as DILOCO_OPTIONS
 from fedjx.algorithms.diloco_lib import check_aggregator
@@ -111,9 +108,9 @@ class AsyncDiLoCoState(NamedTuple):
     aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
-  params: base.Params
+  params: kit.Params
   opt_state: optax.OptState
-  versions: base.PyTree
+  versions: kit.PyTree
   inner_opt_states: Any
   hparams: dict[str, Any]
   round_index: jax.Array
@@ -130,8 +127,8 @@ class DelayedNesterovState(NamedTuple):
   """
 
   count: jax.Array
-  momentum: base.PyTree
-  buffer: base.PyTree
+  momentum: kit.PyTree
+  buffer: kit.PyTree
 
 
 def _delayed_nesterov(learning_rate: float, momentum: float,
@@ -185,11 +182,11 @@ def delayed_nesterov(learning_rate: float = 0.7, momentum: float = 0.9,
   same bits, and no ``momentum_activation`` hyperparameter).
   """
   fn = 'delayed_nesterov'
-  base.check_number(fn, 'learning_rate', learning_rate)
-  base.check_number(fn, 'momentum', momentum, high=1.0)
-  base.check_positive_int(fn, 'period', period)
-  base.check_number(fn, 'momentum_activation', momentum_activation,
-                    high=1.0 / period)
+  kit.check_number(fn, 'learning_rate', learning_rate)
+  kit.check_number(fn, 'momentum', momentum, high=1.0)
+  kit.check_positive_int(fn, 'period', period)
+  kit.check_number(fn, 'momentum_activation', momentum_activation,
+                   high=1.0 / period)
   if period == 1:
     return outer_nesterov(learning_rate, momentum)
   return optax.inject_hyperparams(_delayed_nesterov, static_args=('period',))(
@@ -210,12 +207,12 @@ OPTIONS: dict[str, Any] = {
 }
 
 
-@base.with_options(OPTIONS)
-def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
+@kit.with_options(OPTIONS)
+def async_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
                  reset_inner_state: bool = False,
                  quantization_format: str = 'float32',
-                 aggregator: aggregators.Aggregator | None = None,
-                 **options: Any) -> base.Algorithm:
+                 aggregator: kit.Aggregator | None = None,
+                 **options: Any) -> kit.Algorithm:
   """Asynchronous DiLoCo with ``num_replicas`` replicas.
 
   Args:
@@ -242,17 +239,17 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     :class:`~fedjx.algorithms.AsyncCohort`.
   """
   name = 'async_diloco'
-  base.check_positive_int(name, 'num_replicas', num_replicas)
-  o = base.take_options(name, options, OPTIONS)
+  kit.check_positive_int(name, 'num_replicas', num_replicas)
+  o = kit.take_options(name, options, OPTIONS)
   period, scale = o['delay_period'], o['momentum_activation']
-  base.check_positive_int(name, 'delay_period', period)
-  base.check_number(name, 'momentum_activation', scale, high=1.0 / period)
+  kit.check_positive_int(name, 'delay_period', period)
+  kit.check_number(name, 'momentum_activation', scale, high=1.0 / period)
   diloco_options = {k: o[k] for k in DILOCO_OPTIONS}
   if o['outer_optimizer'] is None:
     lr, mu = o['outer_learning_rate'], o['outer_momentum']
     lr, mu = 0.7 if lr is None else lr, 0.9 if mu is None else mu
-    base.check_number(name, 'outer_learning_rate', lr)
-    base.check_number(name, 'outer_momentum', mu, high=1.0)
+    kit.check_number(name, 'outer_learning_rate', lr)
+    kit.check_number(name, 'outer_momentum', mu, high=1.0)
     diloco_options.update(outer_optimizer=delayed_nesterov(
                               lr, mu, period, momentum_activation=scale),
                           outer_learning_rate=None, outer_momentum=None)
@@ -261,7 +258,7 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
                      f'{scale!r} set the delayed Nesterov outer optimizer; '
                      'they cannot apply to outer_optimizer.')
   inner_optimizer, outer_optimizer, schedule, _ = check_options(name, diloco_options)
-  base.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
+  kit.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
   quantization.check_format(name, 'quantization_format', quantization_format)
   aggregator = check_aggregator(name, aggregator, quantization_format)
   buffer_size, max_staleness, weighting, exponent = check_async_options(
@@ -274,11 +271,11 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     return AsyncDiLoCoState(
         params=params, opt_state=outer_optimizer.init(params),
         versions=ring_init(params, max_staleness + 1), inner_opt_states=inner,
-        hparams=base.combine_hparams(
+        hparams=kit.combine_hparams(
             'async_diloco',
-            algorithm={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
-                       'outer_optimizer': base.optimizer_hparams(outer_optimizer, params)},
-            aggregator=aggregators.init_hparams(aggregator)),
+            algorithm={'inner_optimizer': kit.optimizer_hparams(inner_optimizer, params),
+                       'outer_optimizer': kit.optimizer_hparams(outer_optimizer, params)},
+            aggregator=kit.aggregator_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
@@ -287,21 +284,21 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     mask = jnp.logical_and(mask, in_ring(tau, max_staleness))  # Dropped: no steps.
     if reset_inner_state:
       inner_state = inner_optimizer.init(theta)
-    inner_state = base.with_hparams(inner_state, hparams)
-    out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
-                                     inner_state, batches, mask, schedule)
+    inner_state = kit.with_hparams(inner_state, hparams)
+    out = kit.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
+                           inner_state, batches, mask, schedule)
     s = staleness_scale(tau, max_staleness, weighting, exponent)
     delta = jax.tree.map(lambda a, b: (a - b) * s.astype(a.dtype), theta,
                          out.params)
-    return nonfinite.ClientOutput(delta, out.stats, state=out.opt_state,
-                                  previous_state=inner_state, checked=out.params)
+    return kit.ClientOutput(delta, out.stats, state=out.opt_state,
+                            previous_state=inner_state, checked=out.params)
 
   def round_fn(state, cohort, key):
     check_async_cohort(name, cohort, buffer_size)
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
     tau = jnp.asarray(cohort.staleness, jnp.int32)
     num_examples = cohort.num_examples * kept(tau, max_staleness)
-    clients = aggregators.map_clients(
+    clients = kit.map_clients(
         aggregator, state.hparams, replica_fn,
         (fedjx.broadcast(state.versions), fedjx.broadcast(state.round_index),
          fedjx.broadcast(state.hparams['inner_optimizer']), tau,
@@ -317,7 +314,7 @@ def async_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         versions=ring_push(state.versions, updated['params'], t),
         round_index=t, **updated), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
 
 
 __all__ = ['AsyncDiLoCoState', 'DelayedNesterovState', 'async_diloco',

@@ -46,13 +46,19 @@ import fedjx.indexed
 from fedjx import options
 
 Params = Any
+"""A model's parameters: any pytree of arrays."""
 PyTree = Any
+"""Any pytree (updates, optimizer states, per-client values)."""
 Cohort = Any  # Any object with batches, mask, num_examples, client_ids.
 Metrics = dict[str, jax.Array]
+"""A round's metrics: a flat dict of scalars (or placed ``[C]`` arrays)."""
 LossFn = Callable[[Params, Mapping[str, jax.Array]], jax.Array]
+"""``loss_fn(params, batch) -> [B]``: per-example losses."""
 MetricsFn = Callable[[Params, Mapping[str, jax.Array]], Mapping[str, jax.Array]]
+"""``metrics_fn(params, batch) -> {name: [B]}``: per-example metrics."""
 
 WEIGHTINGS = ('num_examples', 'uniform')
+"""The client weightings ``w_i`` of :func:`aggregation_weights`."""
 
 
 class Algorithm(NamedTuple):
@@ -165,6 +171,7 @@ class ServerState(NamedTuple):
 # ------------------------------------------------------------------ checks
 
 def check_choice(fn: str, name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+  """Raises unless ``value`` is one of ``allowed``."""
   if value not in allowed:
     raise ValueError(f'{fn}: {name}={value!r} is not one of {allowed}.')
 
@@ -198,6 +205,7 @@ def check_number(fn: str, name: str, value: Any, *, low: float = 0.0,
 
 def check_positive_int(fn: str, name: str, value: Any, *,
                        allow_none: bool = False) -> None:
+  """Raises unless ``value`` is an int ``>= 1`` (or None, if ``allow_none``)."""
   if value is None and allow_none:
     return
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -226,6 +234,7 @@ def check_private_uploads(fn: str, aggregator: Any,
 
 
 def check_optimizer(fn: str, name: str, optimizer: Any) -> None:
+  """Raises unless ``optimizer`` has ``init`` and ``update`` (optax's interface)."""
   if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):
     raise ValueError(f'{fn}: {name}={optimizer!r} is not an '
                      'optax.GradientTransformation (it needs init and update).')
@@ -397,6 +406,7 @@ def default_sgd(learning_rate: float, **kwargs: Any) -> optax.GradientTransforma
 # ------------------------------------------------------------ server helpers
 
 def tree_sub(a: PyTree, b: PyTree) -> PyTree:
+  """``a - b`` leaf by leaf: a client's update ``Delta_i = x - y_i``."""
   return jax.tree.map(jnp.subtract, a, b)
 
 
@@ -514,6 +524,7 @@ COMMON_OPTIONS: dict[str, Any] = {
     'client_evaluation': True,
     'skip_nonfinite': True,
 }
+"""The options every builder takes, with their defaults."""
 
 
 def with_options(options: Mapping[str, Any]) -> Callable[[Callable], Callable]:

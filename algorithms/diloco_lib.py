@@ -34,9 +34,7 @@ import optax
 
 import fedjx
 from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
+from fedjx.algorithms import kit
 from fedjx.algorithms import quantization
 
 
@@ -53,7 +51,7 @@ class DiLoCoState(NamedTuple):
     aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
-  params: base.Params
+  params: kit.Params
   opt_state: optax.OptState
   inner_opt_states: Any
   hparams: dict[str, Any]
@@ -70,7 +68,7 @@ def default_inner_optimizer() -> optax.GradientTransformation:
 def outer_nesterov(learning_rate: float = 0.7,
                    momentum: float = 0.9) -> optax.GradientTransformation:
   """SGD with Nesterov momentum (injected): DiLoCo's outer optimizer."""
-  return base.default_sgd(learning_rate, momentum=momentum, nesterov=True)
+  return kit.default_sgd(learning_rate, momentum=momentum, nesterov=True)
 
 
 def stack_states(opt_state: optax.OptState, k: int) -> optax.OptState:
@@ -84,12 +82,12 @@ def check_outer(fn: str, outer_optimizer, outer_learning_rate, outer_momentum):
     if outer_learning_rate is not None or outer_momentum is not None:
       raise ValueError(f'{fn}: pass outer_optimizer or outer_learning_rate/'
                        'outer_momentum, not both.')
-    base.check_optimizer(fn, 'outer_optimizer', outer_optimizer)
+    kit.check_optimizer(fn, 'outer_optimizer', outer_optimizer)
     return outer_optimizer
   lr = 0.7 if outer_learning_rate is None else outer_learning_rate
   momentum = 0.9 if outer_momentum is None else outer_momentum
-  base.check_number(fn, 'outer_learning_rate', lr)
-  base.check_number(fn, 'outer_momentum', momentum, high=1.0)
+  kit.check_number(fn, 'outer_learning_rate', lr)
+  kit.check_number(fn, 'outer_momentum', momentum, high=1.0)
   return outer_nesterov(lr, momentum)
 
 
@@ -101,7 +99,7 @@ def check_aggregator(fn: str, aggregator, quantization_format: str):
                      '(aggregators.quantized_mean(fmt) is the latter).')
   if aggregator is None:
     return aggregators.quantized_mean(quantization_format)
-  return aggregators.check(fn, aggregator)
+  return kit.check_aggregator(fn, aggregator)
 
 
 # The options DiLoCo and Streaming DiLoCo share, with their defaults.
@@ -111,21 +109,21 @@ OPTIONS: dict[str, Any] = {
     'outer_learning_rate': None,
     'outer_momentum': None,
     'inner_steps': None,
-    **base.COMMON_OPTIONS,
+    **kit.COMMON_OPTIONS,
 }
 
 
 def check_options(fn: str, options: dict[str, Any]):
   """``(inner_optimizer, outer_optimizer, schedule, options)`` from the options."""
-  o = base.take_options(fn, options, OPTIONS)
+  o = kit.take_options(fn, options, OPTIONS)
   inner_optimizer = o['inner_optimizer'] or default_inner_optimizer()
-  base.check_optimizer(fn, 'inner_optimizer', inner_optimizer)
+  kit.check_optimizer(fn, 'inner_optimizer', inner_optimizer)
   outer_optimizer = check_outer(fn, o['outer_optimizer'],
                                 o['outer_learning_rate'], o['outer_momentum'])
-  base.check_choice(fn, 'weighting', o['weighting'], base.WEIGHTINGS)
-  nonfinite.check_flag(fn, o['skip_nonfinite'])
-  schedule = client_update.check_schedule(fn, 1, o['inner_steps'],
-                                          o['client_evaluation'])
+  kit.check_choice(fn, 'weighting', o['weighting'], kit.WEIGHTINGS)
+  kit.check_skip_nonfinite(fn, o['skip_nonfinite'])
+  schedule = kit.check_schedule(fn, 1, o['inner_steps'],
+                                o['client_evaluation'])
   return inner_optimizer, outer_optimizer, schedule, o
 
 
@@ -135,13 +133,13 @@ def replica_states(state: Any, ids: jax.Array, reset_inner_state: bool) -> Any:
   every replica starts afresh."""
   if reset_inner_state:
     return fedjx.broadcast(jnp.zeros(()))
-  return base.gather_clients(state.inner_opt_states, ids)
+  return kit.gather_clients(state.inner_opt_states, ids)
 
 
-def outer_step(aggregator: aggregators.Aggregator, outer_optimizer: Any,
-               state: Any, clients: nonfinite.Clients, key: jax.Array,
+def outer_step(aggregator: kit.Aggregator, outer_optimizer: Any,
+               state: Any, clients: kit.Clients, key: jax.Array,
                ids: jax.Array, num_examples: jax.Array, reset_inner_state: bool,
-               **extra_metrics: jax.Array) -> tuple[dict[str, Any], base.Metrics]:
+               **extra_metrics: jax.Array) -> tuple[dict[str, Any], kit.Metrics]:
   """The server's half of a DiLoCo round.
 
   Combines the replicas' outer gradients, takes the outer step
@@ -150,29 +148,29 @@ def outer_step(aggregator: aggregators.Aggregator, outer_optimizer: Any,
   (``params``, ``opt_state``, ``inner_opt_states``, ``aggregator_state``)
   and the round's metrics, with ``communicated_bytes``.
   """
-  outer_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+  outer_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
       aggregator, outer_optimizer, state, state.hparams['outer_optimizer'],
       clients, key)
   inner_states = state.inner_opt_states
   if not reset_inner_state:
-    inner_states = base.scatter_clients(inner_states, ids, clients.state,
-                                        num_examples > 0)
-  metrics = nonfinite.round_metrics(
+    inner_states = kit.scatter_clients(inner_states, ids, clients.state,
+                                       num_examples > 0)
+  metrics = kit.round_metrics(
       clients, pseudo_grad_norm=optax.tree.norm(outer_grad), **agg_metrics,
       **extra_metrics)
-  metrics['communicated_bytes'] = aggregators.upload_bytes(
+  metrics['communicated_bytes'] = kit.upload_bytes(
       aggregator, state.params, metrics['clients'], agg_metrics)
   return dict(params=params, opt_state=opt_state, inner_opt_states=inner_states,
               aggregator_state=agg_state), metrics
 
 
-@base.with_options(OPTIONS)
-def diloco(loss_fn: base.LossFn, num_replicas: int, *,
+@kit.with_options(OPTIONS)
+def diloco(loss_fn: kit.LossFn, num_replicas: int, *,
            reset_inner_state: bool = False,
            quantization_format: str = 'float32',
-           aggregator: aggregators.Aggregator | None = None,
+           aggregator: kit.Aggregator | None = None,
            client_metrics: bool = False,
-           **options: Any) -> base.Algorithm:
+           **options: Any) -> kit.Algorithm:
   """DiLoCo with ``num_replicas`` replicas.
 
   Args:
@@ -203,13 +201,13 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
       optimizer state from before the round.
   """
   name = 'diloco'
-  base.check_positive_int(name, 'num_replicas', num_replicas)
+  kit.check_positive_int(name, 'num_replicas', num_replicas)
   inner_optimizer, outer_optimizer, schedule, o = check_options(name, options)
   metrics_fn = o['metrics_fn']
-  base.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
+  kit.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
   quantization.check_format(name, 'quantization_format', quantization_format)
   aggregator = check_aggregator(name, aggregator, quantization_format)
-  base.check_choice(name, 'client_metrics', client_metrics, (False, True))
+  kit.check_choice(name, 'client_metrics', client_metrics, (False, True))
 
   def init(params):
     inner = () if reset_inner_state else stack_states(
@@ -217,28 +215,28 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
     return DiLoCoState(
         params=params, opt_state=outer_optimizer.init(params),
         inner_opt_states=inner,
-        hparams=base.combine_hparams(
+        hparams=kit.combine_hparams(
             'diloco',
-            algorithm={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
-                       'outer_optimizer': base.optimizer_hparams(outer_optimizer, params)},
-            aggregator=aggregators.init_hparams(aggregator)),
+            algorithm={'inner_optimizer': kit.optimizer_hparams(inner_optimizer, params),
+                       'outer_optimizer': kit.optimizer_hparams(outer_optimizer, params)},
+            aggregator=kit.aggregator_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
   def replica_fn(theta, hparams, inner_state, batches, mask):
     if reset_inner_state:
       inner_state = inner_optimizer.init(theta)
-    inner_state = base.with_hparams(inner_state, hparams)
-    out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
-                                     inner_state, batches, mask, schedule)
-    delta = base.tree_sub(theta, out.params)
-    extra = base.client_metrics(delta, out) if client_metrics else ()
-    return nonfinite.ClientOutput(delta, out.stats, extra=extra, state=out.opt_state,
-                                  previous_state=inner_state, checked=out.params)
+    inner_state = kit.with_hparams(inner_state, hparams)
+    out = kit.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
+                           inner_state, batches, mask, schedule)
+    delta = kit.tree_sub(theta, out.params)
+    extra = kit.client_metrics(delta, out) if client_metrics else ()
+    return kit.ClientOutput(delta, out.stats, extra=extra, state=out.opt_state,
+                            previous_state=inner_state, checked=out.params)
 
   def round_fn(state, cohort, key):
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
-    clients = aggregators.map_clients(
+    clients = kit.map_clients(
         aggregator, state.hparams, replica_fn,
         (fedjx.broadcast(state.params),
          fedjx.broadcast(state.hparams['inner_optimizer']),
@@ -253,5 +251,5 @@ def diloco(loss_fn: base.LossFn, num_replicas: int, *,
     return state._replace(round_index=state.round_index + 1,
                           **updated), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             indexed_batches=True)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            indexed_batches=True)

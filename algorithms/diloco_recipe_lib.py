@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjx.algorithms import base
+from fedjx.algorithms import kit
 from fedjx.algorithms import diloco_lib
 
 INNER_GRAD_NORM = 'inner_grad_norm'
@@ -67,8 +67,8 @@ def inner_optimizer(peak_learning_rate: float, warmup_steps: int, total_steps: i
   """``sum_grad_norms``, then global-norm clipping at ``clip_norm`` (None: none),
   then AdamW on the warmup-cosine schedule of the inner step (module docstring)."""
   fn = 'diloco_recipe'
-  base.check_number(fn, 'peak_learning_rate', peak_learning_rate)
-  base.check_number(fn, 'final_lr_fraction', final_lr_fraction, high=1.0)
+  kit.check_number(fn, 'peak_learning_rate', peak_learning_rate)
+  kit.check_number(fn, 'final_lr_fraction', final_lr_fraction, high=1.0)
   for name, value in (('warmup_steps', warmup_steps), ('total_steps', total_steps)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise ValueError(f'{fn}: {name}={value!r} must be an integer >= 0.')
@@ -76,7 +76,7 @@ def inner_optimizer(peak_learning_rate: float, warmup_steps: int, total_steps: i
     raise ValueError(f'{fn}: total_steps={total_steps} must exceed '
                      f'warmup_steps={warmup_steps}.')
   if clip_norm is not None:
-    base.check_number(fn, 'clip_norm', clip_norm)
+    kit.check_number(fn, 'clip_norm', clip_norm)
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=peak_learning_rate, warmup_steps=warmup_steps,
       decay_steps=total_steps, end_value=final_lr_fraction * peak_learning_rate)
@@ -99,18 +99,18 @@ def round_inner_grad_norm(before: Any, after: Any) -> jax.Array:
   return jnp.sum(b.total - a.total) / jnp.maximum(steps, 1).astype(jnp.float32)
 
 
-def with_inner_grad_norm(algorithm: base.Algorithm) -> base.Algorithm:
+def with_inner_grad_norm(algorithm: kit.Algorithm) -> kit.Algorithm:
   """``algorithm`` (DiLoCo with :func:`inner_optimizer`) whose rounds also
   report :data:`INNER_GRAD_NORM`; ``compile`` keeps the metric."""
 
-  def wrap(inner: base.Algorithm, donate: bool) -> base.Algorithm:
+  def wrap(inner: kit.Algorithm, donate: bool) -> kit.Algorithm:
     def apply(state, cohort, key):
       new, metrics, *rows = inner.apply(state, cohort, key)
       norm = round_inner_grad_norm(state.inner_opt_states, new.inner_opt_states)
       return (new, {**metrics, INNER_GRAD_NORM: norm}, *rows)
 
     def run(state, cohorts, keys):
-      return base.scan_rounds(apply, state, cohorts, keys)
+      return kit.scan_rounds(apply, state, cohorts, keys)
 
     donated = (0,) if donate else ()
     return inner._replace(
@@ -127,14 +127,14 @@ OPTIONS = {k: v for k, v in diloco_lib.OPTIONS.items()
                         'outer_momentum', 'inner_steps')}
 
 
-@base.with_options(OPTIONS)
-def diloco_recipe(loss_fn: base.LossFn, num_replicas: int, *,
+@kit.with_options(OPTIONS)
+def diloco_recipe(loss_fn: kit.LossFn, num_replicas: int, *,
                   peak_learning_rate: float = 3e-3, warmup_steps: int = 100,
                   total_steps: int = 1000, final_lr_fraction: float = 0.05,
                   b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1,
                   clip_norm: float = 1.0, outer_learning_rate: float = 0.7,
                   outer_momentum: float = 0.9, inner_steps: int | None = None,
-                  **options: Any) -> base.Algorithm:
+                  **options: Any) -> kit.Algorithm:
   """DiLoCo whose replicas run :func:`inner_optimizer`; outer Nesterov SGD.
 
   Args:

@@ -36,19 +36,12 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_transforms
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg_lib import check_parts
-from fedjx.algorithms.fedavg_lib import client_training
-from fedjx.algorithms.fedavg_lib import without
+from fedjx.algorithms import kit
 
 # fedavg's options but the client transform (the personal objective is
 # Ditto's own), and the personal model's.
 OPTIONS: dict[str, Any] = {
-    **without('client_transform'),
+    **kit.without('client_transform'),
     'personal_optimizer': None,
     'personal_epochs': 1,
     'personal_steps': None,
@@ -59,9 +52,9 @@ def _copy(tree):  # A new client's v_k: a copy of the initial model.
   return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
-@base.with_options(OPTIONS)
-def ditto(loss_fn: base.LossFn, *, lam: float = 0.1,
-          **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def ditto(loss_fn: kit.LossFn, *, lam: float = 0.1,
+          **options: Any) -> kit.Algorithm:
   """Ditto with regularization ``lambda = lam`` (``state.hparams['lam']``).
 
   Args:
@@ -84,51 +77,51 @@ def ditto(loss_fn: base.LossFn, *, lam: float = 0.1,
     rows are the personal models ``v_k`` (the params' structure).
   """
   name = 'ditto'
-  o = base.take_options(name, options, OPTIONS)
-  base.check_number(name, 'lam', lam)
-  client_optimizer, server_optimizer, aggregator, schedule = check_parts(
+  o = kit.take_options(name, options, OPTIONS)
+  kit.check_number(name, 'lam', lam)
+  client_optimizer, server_optimizer, aggregator, schedule = kit.check_parts(
       name, dict(o, client_transform=None))
-  personal_optimizer = o['personal_optimizer'] or base.default_sgd(0.1)
-  base.check_optimizer(name, 'personal_optimizer', personal_optimizer)
+  personal_optimizer = o['personal_optimizer'] or kit.default_sgd(0.1)
+  kit.check_optimizer(name, 'personal_optimizer', personal_optimizer)
   try:
-    personal = client_update.check_schedule(name, o['personal_epochs'],
-                                            o['personal_steps'], False)
+    personal = kit.check_schedule(name, o['personal_epochs'],
+                                  o['personal_steps'], False)
   except ValueError as e:  # Named as the options are.
     raise ValueError(str(e).replace('local_', 'personal_')) from None
   client_metrics = o['client_metrics']
-  train = client_training(loss_fn, o['metrics_fn'], client_optimizer, None,
-                          schedule)
+  train = kit.client_training(loss_fn, o['metrics_fn'], client_optimizer, None,
+                              schedule)
 
   def init(params):
-    return base.ServerState(
+    return kit.ServerState(
         params=params, opt_state=server_optimizer.init(params),
-        hparams=base.combine_hparams(
+        hparams=kit.combine_hparams(
             name,
             algorithm={
-                'client_optimizer': base.optimizer_hparams(client_optimizer, params),
-                'server_optimizer': base.optimizer_hparams(server_optimizer, params),
-                'personal_optimizer': base.optimizer_hparams(personal_optimizer, params),
+                'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
+                'server_optimizer': kit.optimizer_hparams(server_optimizer, params),
+                'personal_optimizer': kit.optimizer_hparams(personal_optimizer, params),
                 'lam': jnp.asarray(lam, jnp.float32)},
-            aggregator=aggregators.init_hparams(aggregator)),
+            aggregator=kit.aggregator_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
   def client_fn(w, v, lam_, hparams, personal_hparams, batches, mask):
     out = train(w, hparams, batches, mask)       # The global update w_k.
-    delta = base.tree_sub(w, out.params)
+    delta = kit.tree_sub(w, out.params)
     # v_k: steps on F_k(v) + lambda/2 ||v - w||^2, the anchor w as received.
-    optimizer = optax.chain(client_transforms.proximal(lam_), personal_optimizer)
-    state = (client_transforms.ProximalState(anchor=w),
-             base.with_hparams(personal_optimizer.init(v), personal_hparams))
-    v_new, _, _, _ = client_update.train(loss_fn, optimizer, v, state,
-                                         batches, mask, personal)
-    extra = base.client_metrics(delta, out) if client_metrics else ()
-    return nonfinite.ClientOutput(delta, out.stats, extra=extra, state=v_new,
-                                  previous_state=v, checked=(out.params, v_new))
+    optimizer = optax.chain(kit.proximal(lam_), personal_optimizer)
+    state = (kit.ProximalState(anchor=w),
+             kit.with_hparams(personal_optimizer.init(v), personal_hparams))
+    v_new, _, _, _ = kit.train(loss_fn, optimizer, v, state,
+                               batches, mask, personal)
+    extra = kit.client_metrics(delta, out) if client_metrics else ()
+    return kit.ClientOutput(delta, out.stats, extra=extra, state=v_new,
+                            previous_state=v, checked=(out.params, v_new))
 
   def round_fn(state, cohort, key):
     h = state.hparams
-    clients = aggregators.map_clients(
+    clients = kit.map_clients(
         aggregator, h, client_fn,
         (fedjx.broadcast(state.params), cohort.client_states,
          fedjx.broadcast(h['lam']),
@@ -136,9 +129,9 @@ def ditto(loss_fn: base.LossFn, *, lam: float = 0.1,
          fedjx.broadcast(h['personal_optimizer']), cohort.batches, cohort.mask),
         cohort.num_examples, o['weighting'], o['skip_nonfinite'],
         aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
-    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
         aggregator, server_optimizer, state, h['server_optimizer'], clients, key)
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics)
     metrics.update(clients.extra)  # Per-client [C] metrics, if asked.
     state = state._replace(params=params, opt_state=opt_state,
@@ -146,11 +139,11 @@ def ditto(loss_fn: base.LossFn, *, lam: float = 0.1,
                            aggregator_state=agg_state)
     return state, metrics, clients.state
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             client_state_init=_copy)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            client_state_init=_copy)
 
 
-def personalize_fn() -> Callable[[Any, Any, Mapping[str, Any]], base.Params]:
+def personalize_fn() -> Callable[[Any, Any, Mapping[str, Any]], kit.Params]:
   """``personalize(server_state, client_state, train) -> params`` for Ditto.
 
   The client's personal model ``v_k`` (its row) as it is: Ditto evaluates

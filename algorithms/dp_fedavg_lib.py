@@ -35,21 +35,20 @@ from __future__ import annotations
 from typing import Any
 
 from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
+from fedjx.algorithms import kit
 from fedjx.algorithms.fedavg_lib import build as fedavg_build
-from fedjx.algorithms.fedavg_lib import without
 
 # fedavg's options but those DP-FedAvg sets: its aggregator (which weights
 # every client 1) and no client transform.
-OPTIONS = without('aggregator', 'client_transform', 'weighting')
+OPTIONS = kit.without('aggregator', 'client_transform', 'weighting')
 
 
-@base.with_options(OPTIONS)
-def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
+@kit.with_options(OPTIONS)
+def dp_fedavg(loss_fn: kit.LossFn, *, clip_norm: float = 1.0,
               noise_multiplier: float = 1.0,
               expected_clients_per_round: float | None = None,
               canaries: Any = None,
-              **options: Any) -> base.Algorithm:
+              **options: Any) -> kit.Algorithm:
   """DP-FedAvg with clipping norm ``C`` and noise multiplier ``z``.
 
   ``fedavg(aggregator=aggregators.gaussian(clip_norm, noise_multiplier,
@@ -73,5 +72,5 @@ def dp_fedavg(loss_fn: base.LossFn, *, clip_norm: float = 1.0,
   aggregator = aggregators.gaussian(clip_norm, noise_multiplier,
                                     expected_clients_per_round, canaries)
   return fedavg_build(name, loss_fn, dict(
-      base.take_options(name, options, OPTIONS), aggregator=aggregator,
+      kit.take_options(name, options, OPTIONS), aggregator=aggregator,
       client_transform=None, weighting='uniform'))

@@ -44,10 +44,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_transforms
-from fedjx.algorithms import nonfinite
+from fedjx.algorithms import kit
 from fedjx.algorithms.fedbuff_lib import STALENESS_FUNCTIONS
 from fedjx.algorithms.fedbuff_lib import async_metrics
 from fedjx.algorithms.fedbuff_lib import check_async_cohort
@@ -58,13 +55,9 @@ from fedjx.algorithms.fedbuff_lib import ring_init
 from fedjx.algorithms.fedbuff_lib import ring_push
 from fedjx.algorithms.fedbuff_lib import ring_read
 from fedjx.algorithms.fedbuff_lib import staleness_scale
-from fedjx.algorithms.fedavg_lib import check_parts
-from fedjx.algorithms.fedavg_lib import client_hparams_of
-from fedjx.algorithms.fedavg_lib import client_training
-from fedjx.algorithms.fedavg_lib import without
 
 OPTIONS: dict[str, Any] = {
-    **without('server_optimizer', 'client_transform'),
+    **kit.without('server_optimizer', 'client_transform'),
     'alpha': 0.6,
     'rho': 0.0,
     'max_staleness': 16,
@@ -89,15 +82,15 @@ class FedAsyncState(NamedTuple):
     aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
-  params: base.Params
-  versions: base.PyTree
+  params: kit.Params
+  versions: kit.PyTree
   hparams: dict[str, Any]
   round_index: jax.Array
   aggregator_state: Any = ()
 
 
-@base.with_options(OPTIONS)
-def fedasync(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def fedasync(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
   """FedAsync (Xie et al. 2019): each arriving model mixed in at once.
 
   Args:
@@ -126,32 +119,32 @@ def fedasync(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     one client.
   """
   name = 'fedasync'
-  o = base.take_options(name, options, OPTIONS)
-  base.check_number(name, 'alpha', o['alpha'], strict=True, high=1.0)
-  base.check_number(name, 'rho', o['rho'])
-  base.check_positive_int(name, 'concurrency', o['concurrency'], allow_none=True)
+  o = kit.take_options(name, options, OPTIONS)
+  kit.check_number(name, 'alpha', o['alpha'], strict=True, high=1.0)
+  kit.check_number(name, 'rho', o['rho'])
+  kit.check_positive_int(name, 'concurrency', o['concurrency'], allow_none=True)
   weighting, exponent = o['staleness_weighting'], o['staleness_exponent']
   max_staleness = o['max_staleness']
   check_staleness_options(name, max_staleness, weighting, exponent,
                           allowed=STALENESS_FUNCTIONS)
-  base.check_number(name, 'staleness_hinge', o['staleness_hinge'])
-  transform = (optax.inject_hyperparams(client_transforms.proximal)(mu=o['rho'])
+  kit.check_number(name, 'staleness_hinge', o['staleness_hinge'])
+  transform = (optax.inject_hyperparams(kit.proximal)(mu=o['rho'])
                if o['rho'] > 0 else None)
-  client_optimizer, _, aggregator, schedule = check_parts(
+  client_optimizer, _, aggregator, schedule = kit.check_parts(
       name, dict(o, server_optimizer=None, client_transform=transform))
-  train = client_training(loss_fn, o['metrics_fn'], client_optimizer,
-                          transform, schedule)
+  train = kit.client_training(loss_fn, o['metrics_fn'], client_optimizer,
+                              transform, schedule)
 
   def init(params):
-    hparams = base.combine_hparams(
+    hparams = kit.combine_hparams(
         name,
-        algorithm={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
+        algorithm={'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
                    'alpha': jnp.float32(o['alpha']),
                    'staleness_exponent': jnp.float32(exponent),
                    'staleness_hinge': jnp.float32(o['staleness_hinge'])},
         client_transform=({} if transform is None else
-                          base.optimizer_hparams(transform, params)),
-        aggregator=aggregators.init_hparams(aggregator))
+                          kit.optimizer_hparams(transform, params)),
+        aggregator=kit.aggregator_hparams(aggregator))
     return FedAsyncState(
         params=params, versions=ring_init(params, max_staleness + 1),
         hparams=hparams, round_index=jnp.zeros((), jnp.int32),
@@ -164,9 +157,9 @@ def fedasync(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     s = staleness_scale(tau, max_staleness, weighting, a, b)
     delta = jax.tree.map(lambda u, y: (u - y) * s.astype(u.dtype), x_now,
                          out.params)  # s(tau) (x_t - y)
-    extra = base.client_metrics(delta, out) if o['client_metrics'] else ()
-    return nonfinite.ClientOutput(delta, out.stats, extra=extra,
-                                  checked=out.params)
+    extra = kit.client_metrics(delta, out) if o['client_metrics'] else ()
+    return kit.ClientOutput(delta, out.stats, extra=extra,
+                            checked=out.params)
 
   def round_fn(state, cohort, key):
     check_async_cohort(name, cohort, None)
@@ -177,17 +170,17 @@ def fedasync(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     hp = state.hparams
     tau = jnp.asarray(cohort.staleness, jnp.int32)
     num_examples = cohort.num_examples * kept(tau, max_staleness)
-    clients = aggregators.map_clients(
+    clients = kit.map_clients(
         aggregator, hp, client_fn,
         (fedjx.broadcast(state.params), fedjx.broadcast(state.versions),
          fedjx.broadcast(state.round_index),
-         fedjx.broadcast(client_hparams_of(state, transform)),
+         fedjx.broadcast(kit.client_hparams_of(state, transform)),
          fedjx.broadcast(hp['staleness_exponent']),
          fedjx.broadcast(hp['staleness_hinge']),
          tau, cohort.batches, cohort.mask),
         num_examples, o['weighting'], o['skip_nonfinite'],
         aggregator_state=state.aggregator_state)
-    delta, agg_state, agg_metrics = aggregators.aggregate(
+    delta, agg_state, agg_metrics = kit.aggregate(
         aggregator, state.aggregator_state, hp, clients, key)
     alpha = hp['alpha']
     params = jax.tree.map(lambda x, d: x - alpha.astype(x.dtype) * d,
@@ -196,7 +189,7 @@ def fedasync(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
         lambda t, a, b: staleness_scale(t, max_staleness, weighting, a, b),
         (tau, fedjx.broadcast(hp['staleness_exponent']),
          fedjx.broadcast(hp['staleness_hinge']))))
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(delta),
         mixing_weight=alpha * scale, **agg_metrics,
         **async_metrics(cohort, max_staleness))
@@ -206,7 +199,7 @@ def fedasync(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
                           versions=ring_push(state.versions, params, t),
                           round_index=t, aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
 
 
 __all__ = ['FedAsyncState', 'fedasync']

@@ -18,44 +18,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms import schedules
+from fedjx.algorithms import kit
 from fedjx.algorithms.yogi_lib import adaptive_adagrad
 from fedjx.algorithms.yogi_lib import adaptive_adam
 from fedjx.algorithms.yogi_lib import yogi
 
 
-# fedavg's options, by name, with their defaults (its variants take them too).
-OPTIONS: dict[str, Any] = {
-    'client_optimizer': None,
-    'server_optimizer': None,
-    'local_epochs': 1,
-    'local_steps': None,
-    'client_transform': None,
-    'aggregator': None,
-    'client_metrics': False,
-    **base.COMMON_OPTIONS,
-}
-
-
-def without(*names: str) -> dict[str, Any]:
-  """:data:`OPTIONS` less ``names`` (those a variant sets itself)."""
-  return {k: v for k, v in OPTIONS.items() if k not in names}
-
-
-@base.with_options(OPTIONS)
-def fedavg(loss_fn: base.LossFn, *,
+@kit.with_options(kit.OPTIONS)
+def fedavg(loss_fn: kit.LossFn, *,
            hparam_schedules: Mapping[str, Any] | None = None,
-           **options: Any) -> base.Algorithm:
+           **options: Any) -> kit.Algorithm:
   """Federated Averaging with any optax client and server optimizer.
 
   Args:
@@ -97,94 +75,15 @@ def fedavg(loss_fn: base.LossFn, *,
     :class:`~fedjx.algorithms.ServerState`.
   """
   algorithm = build('fedavg', loss_fn,
-                    base.take_options('fedavg', options, OPTIONS))
+                    kit.take_options('fedavg', options, kit.OPTIONS))
   if hparam_schedules is None:
     return algorithm
-  return schedules.scheduled(algorithm, hparam_schedules, name='fedavg')
+  return kit.scheduled(algorithm, hparam_schedules, name='fedavg')
 
 
-class Parts(NamedTuple):
-  """FedAvg's checked parts (see :func:`check_parts`)."""
-
-  client_optimizer: optax.GradientTransformation
-  server_optimizer: optax.GradientTransformation
-  aggregator: aggregators.Aggregator
-  schedule: Any
-
-
-def check_parts(name: str, o: Mapping[str, Any]) -> Parts:
-  """The optimizers (SGD 0.1 / SGD 1.0 by default), aggregator and local
-  schedule of FedAvg's options ``o``, every option checked (one-line errors)."""
-  client_optimizer = o['client_optimizer'] or base.default_sgd(0.1)
-  server_optimizer = o['server_optimizer'] or base.default_sgd(1.0)
-  base.check_optimizer(name, 'client_optimizer', client_optimizer)
-  base.check_optimizer(name, 'server_optimizer', server_optimizer)
-  if o['client_transform'] is not None:
-    base.check_optimizer(name, 'client_transform', o['client_transform'])
-  base.check_choice(name, 'weighting', o['weighting'], base.WEIGHTINGS)
-  aggregator = aggregators.check(name, o['aggregator'])
-  nonfinite.check_flag(name, o['skip_nonfinite'])
-  base.check_choice(name, 'client_metrics', o['client_metrics'], (False, True))
-  schedule = client_update.check_schedule(name, o['local_epochs'],
-                                          o['local_steps'], o['client_evaluation'])
-  return Parts(client_optimizer, server_optimizer, aggregator, schedule)
-
-
-def client_training(loss_fn: base.LossFn, metrics_fn: Any,
-                    client_optimizer: optax.GradientTransformation,
-                    client_transform: optax.GradientTransformation | None,
-                    schedule: Any) -> Any:
-  """``train(x, hparams, batches, mask)``: a client's local steps from ``x``.
-
-  The client optimizer, chained after the client transform when there is
-  one (``optax.chain(transform, optimizer)``), with the traced
-  hyperparameters ``hparams`` of :func:`client_hparams_of`; returns
-  :func:`fedjx.algorithms.client_update.local_update`'s result.
-  """
-
-  def train(x, hparams, batches, mask):
-    optimizer = client_optimizer
-    opt_state = base.with_hparams(client_optimizer.init(x),
-                                  hparams['client_optimizer'])
-    if client_transform is not None:
-      optimizer = optax.chain(client_transform, client_optimizer)
-      opt_state = (base.with_hparams(client_transform.init(x),
-                                     hparams['client_transform']), opt_state)
-    return client_update.local_update(loss_fn, metrics_fn, optimizer, x,
-                                      opt_state, batches, mask, schedule)
-
-  return train
-
-
-def initial_hparams(client_optimizer, server_optimizer, client_transform,
-                    aggregator: aggregators.Aggregator,
-                    params: base.Params, name: str = 'fedavg') -> dict[str, Any]:
-  """``state.hparams`` of FedAvg's parts: both optimizers', the client
-  transform's (top level) and the aggregator's; a name two of them share is
-  refused (:func:`base.combine_hparams`)."""
-  transform_hparams = ({} if client_transform is None else
-                       base.optimizer_hparams(client_transform, params))
-  return base.combine_hparams(
-      name,
-      algorithm={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
-                 'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
-      client_transform=transform_hparams,
-      aggregator=aggregators.init_hparams(aggregator))
-
-
-def client_hparams_of(state: Any, client_transform: Any) -> dict[str, Any]:
-  """The hyperparameters the clients' :func:`client_training` reads."""
-  hparams = {'client_optimizer': state.hparams['client_optimizer']}
-  if client_transform is not None:
-    hparams['client_transform'] = {
-        k: state.hparams[k]
-        for k in base.hparam_names(client_transform, state.params)}
-  return hparams
-
-
-def build(name: str, loss_fn: base.LossFn,
-          options: Mapping[str, Any]) -> base.Algorithm:
-  """FedAvg's round with its parts (``options``: all of :data:`OPTIONS`).
+def build(name: str, loss_fn: kit.LossFn,
+          options: Mapping[str, Any]) -> kit.Algorithm:
+  """FedAvg's round with its parts (``options``: all of :data:`kit.OPTIONS`).
 
   ``name`` names the builder in errors and in the round's function name.
   """
@@ -192,71 +91,71 @@ def build(name: str, loss_fn: base.LossFn,
   metrics_fn, client_transform = o['metrics_fn'], o['client_transform']
   weighting, skip_nonfinite = o['weighting'], o['skip_nonfinite']
   client_metrics = o['client_metrics']
-  client_optimizer, server_optimizer, aggregator, schedule = check_parts(name, o)
+  client_optimizer, server_optimizer, aggregator, schedule = kit.check_parts(name, o)
 
-  train = client_training(loss_fn, metrics_fn, client_optimizer,
-                          client_transform, schedule)
+  train = kit.client_training(loss_fn, metrics_fn, client_optimizer,
+                              client_transform, schedule)
 
   def init(params):
-    return base.ServerState(
+    return kit.ServerState(
         params=params, opt_state=server_optimizer.init(params),
-        hparams=initial_hparams(client_optimizer, server_optimizer,
-                                client_transform, aggregator, params, name),
+        hparams=kit.initial_hparams(client_optimizer, server_optimizer,
+                                    client_transform, aggregator, params, name),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
   def client_fn(x, hparams, batches, mask):
     out = train(x, hparams, batches, mask)
-    delta = base.tree_sub(x, out.params)
-    extra = base.client_metrics(delta, out) if client_metrics else ()
-    return nonfinite.ClientOutput(delta, out.stats, extra=extra,
-                                  checked=out.params)
+    delta = kit.tree_sub(x, out.params)
+    extra = kit.client_metrics(delta, out) if client_metrics else ()
+    return kit.ClientOutput(delta, out.stats, extra=extra,
+                            checked=out.params)
 
   def round_fn(state, cohort, key):
-    client_hparams = client_hparams_of(state, client_transform)
-    clients = aggregators.map_clients(
+    client_hparams = kit.client_hparams_of(state, client_transform)
+    clients = kit.map_clients(
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.params), fedjx.broadcast(client_hparams),
          cohort.batches, cohort.mask),
         cohort.num_examples, weighting, skip_nonfinite,
         aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
-    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, key)
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics)
     # What the round's clients uploaded (the adapters alone, for a LoraModel).
-    metrics['communicated_bytes'] = aggregators.upload_bytes(
+    metrics['communicated_bytes'] = kit.upload_bytes(
         aggregator, state.params, metrics['clients'], agg_metrics)
     metrics.update(clients.extra)  # Per-client [C] metrics, if asked.
     return state._replace(params=params, opt_state=opt_state,
                           round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             indexed_batches=True)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            indexed_batches=True)
 
 
 # ------------------------------------------------------------------- FedOpt
 
-def _fedopt(fn: str, loss_fn: base.LossFn, optimizer, options: Mapping[str, Any],
+def _fedopt(fn: str, loss_fn: kit.LossFn, optimizer, options: Mapping[str, Any],
             learning_rate: float, b1: float, b2: float | None, eps: float,
-            **more: Any) -> base.Algorithm:
+            **more: Any) -> kit.Algorithm:
   """FedAvg (named ``fn``) with the server optimizer ``optimizer(...)``."""
-  base.check_number(fn, 'server_learning_rate', learning_rate)
-  base.check_number(fn, 'b1', b1, high=1.0)
+  kit.check_number(fn, 'server_learning_rate', learning_rate)
+  kit.check_number(fn, 'b1', b1, high=1.0)
   if b2 is not None:
-    base.check_number(fn, 'b2', b2, high=1.0)
+    kit.check_number(fn, 'b2', b2, high=1.0)
     more['b2'] = b2
-  base.check_number(fn, 'eps', eps)
-  options = base.take_options(fn, options, FEDOPT_OPTIONS)
+  kit.check_number(fn, 'eps', eps)
+  options = kit.take_options(fn, options, FEDOPT_OPTIONS)
   return build(fn, loss_fn, dict(options, server_optimizer=optimizer(
       learning_rate=learning_rate, b1=b1, eps=eps, **more)))
 
 
 # What the FedOpt conveniences take besides their own: fedavg's options but
 # the server optimizer, which they set (use fedavg to pass your own).
-FEDOPT_OPTIONS = without('server_optimizer')
+FEDOPT_OPTIONS = kit.without('server_optimizer')
 
 
 def _fedopt_optimizer(fn, initial_accumulator_value, bias_correction):
@@ -265,11 +164,11 @@ def _fedopt_optimizer(fn, initial_accumulator_value, bias_correction):
   With the defaults the optimizer is the one of earlier versions (same
   ``state.hparams`` keys: ``learning_rate``, ``b1``, ``b2``, ``eps``).
   """
-  base.check_choice(fn.__name__, 'bias_correction', bias_correction,
+  kit.check_choice(fn.__name__, 'bias_correction', bias_correction,
                     (False, True))
   if initial_accumulator_value is not None:
-    base.check_number(fn.__name__, 'initial_accumulator_value',
-                      initial_accumulator_value)
+    kit.check_number(fn.__name__, 'initial_accumulator_value',
+                     initial_accumulator_value)
   extra = {}
   if initial_accumulator_value is not None:
     extra['initial_accumulator_value'] = initial_accumulator_value
@@ -280,11 +179,11 @@ def _fedopt_optimizer(fn, initial_accumulator_value, bias_correction):
                            **extra)
 
 
-@base.with_options(FEDOPT_OPTIONS)
-def fedadam(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
+@kit.with_options(FEDOPT_OPTIONS)
+def fedadam(loss_fn: kit.LossFn, *, server_learning_rate: float = 1e-2,
             b1: float = 0.9, b2: float = 0.99, eps: float = 1e-3,
             initial_accumulator_value: float | None = None,
-            bias_correction: bool = False, **options: Any) -> base.Algorithm:
+            bias_correction: bool = False, **options: Any) -> kit.Algorithm:
   """FedAdam (Reddi et al. 2021): FedAvg with Adam on the pseudo-gradient.
 
   ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
@@ -300,11 +199,11 @@ def fedadam(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
                  server_learning_rate, b1, b2, eps)
 
 
-@base.with_options(FEDOPT_OPTIONS)
-def fedyogi(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
+@kit.with_options(FEDOPT_OPTIONS)
+def fedyogi(loss_fn: kit.LossFn, *, server_learning_rate: float = 1e-2,
             b1: float = 0.9, b2: float = 0.99, eps: float = 1e-3,
             initial_accumulator_value: float | None = None,
-            bias_correction: bool = False, **options: Any) -> base.Algorithm:
+            bias_correction: bool = False, **options: Any) -> kit.Algorithm:
   """FedYogi (Reddi et al. 2021): FedAvg with Yogi on the pseudo-gradient.
 
   ``v = v - (1-b2) g^2 sign(v - g^2)``, otherwise as :func:`fedadam`.
@@ -314,32 +213,32 @@ def fedyogi(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-2,
                  server_learning_rate, b1, b2, eps)
 
 
-@base.with_options(FEDOPT_OPTIONS)
-def fedadagrad(loss_fn: base.LossFn, *, server_learning_rate: float = 1e-1,
+@kit.with_options(FEDOPT_OPTIONS)
+def fedadagrad(loss_fn: kit.LossFn, *, server_learning_rate: float = 1e-1,
                b1: float = 0.9, eps: float = 1e-3,
                initial_accumulator_value: float | None = None,
                bias_correction: bool = False,
-               **options: Any) -> base.Algorithm:
+               **options: Any) -> kit.Algorithm:
   """FedAdagrad (Reddi et al. 2021): ``v = v + g^2``, otherwise as FedAdam."""
   return _fedopt('fedadagrad', loss_fn, _fedopt_optimizer(
       adaptive_adagrad, initial_accumulator_value, bias_correction), options,
                  server_learning_rate, b1, None, eps)
 
 
-@base.with_options(FEDOPT_OPTIONS)
-def fedavgm(loss_fn: base.LossFn, *, server_learning_rate: float = 1.0,
-            server_momentum: float = 0.9, **options: Any) -> base.Algorithm:
+@kit.with_options(FEDOPT_OPTIONS)
+def fedavgm(loss_fn: kit.LossFn, *, server_learning_rate: float = 1.0,
+            server_momentum: float = 0.9, **options: Any) -> kit.Algorithm:
   """FedAvgM (Hsu et al. 2019, arXiv 1909.06335): server heavy-ball momentum.
 
   ``v <- server_momentum v + g``, ``x <- x - lr v``.
   """
   fn = 'fedavgm'
-  base.check_number(fn, 'server_learning_rate', server_learning_rate)
-  base.check_number(fn, 'server_momentum', server_momentum, high=1.0)
+  kit.check_number(fn, 'server_learning_rate', server_learning_rate)
+  kit.check_number(fn, 'server_momentum', server_momentum, high=1.0)
   return build(fn, loss_fn, dict(
-      base.take_options(fn, options, FEDOPT_OPTIONS),
-      server_optimizer=base.default_sgd(server_learning_rate,
-                                        momentum=server_momentum)))
+      kit.take_options(fn, options, FEDOPT_OPTIONS),
+      server_optimizer=kit.default_sgd(server_learning_rate,
+                                       momentum=server_momentum)))
 
 
 __all__ = ['fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm']

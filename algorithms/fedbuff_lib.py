@@ -50,11 +50,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms import fedavg_lib
-from fedjx.algorithms.fedavg_lib import OPTIONS as FEDAVG_OPTIONS
+from fedjx.algorithms import kit
 
 STALENESS_WEIGHTINGS = ('polynomial', 'constant')
 # Xie et al. 2019's three staleness functions (FedAsync takes them all).
@@ -112,9 +108,9 @@ class FedBuffState(NamedTuple):
     aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
-  params: base.Params
+  params: kit.Params
   opt_state: optax.OptState
-  versions: base.PyTree
+  versions: kit.PyTree
   hparams: dict[str, Any]
   round_index: jax.Array
   aggregator_state: Any = ()
@@ -147,8 +143,8 @@ def check_staleness_options(fn: str, max_staleness: Any, weighting: Any,
       or max_staleness < 0:
     raise ValueError(f'{fn}: max_staleness={max_staleness!r} must be an int '
                      '>= 0 (versions kept: max_staleness + 1).')
-  base.check_choice(fn, 'staleness_weighting', weighting, allowed)
-  base.check_number(fn, 'staleness_exponent', exponent)
+  kit.check_choice(fn, 'staleness_weighting', weighting, allowed)
+  kit.check_number(fn, 'staleness_exponent', exponent)
 
 
 def check_async_options(fn: str, o: Mapping[str, Any], who: str
@@ -157,8 +153,8 @@ def check_async_options(fn: str, o: Mapping[str, Any], who: str
   of an asynchronous algorithm's options ``o``, checked (one-line errors;
   ``who`` names what trains: clients or replicas)."""
   buffer_size, concurrency = o['buffer_size'], o['concurrency']
-  base.check_positive_int(fn, 'buffer_size', buffer_size, allow_none=True)
-  base.check_positive_int(fn, 'concurrency', concurrency, allow_none=True)
+  kit.check_positive_int(fn, 'buffer_size', buffer_size, allow_none=True)
+  kit.check_positive_int(fn, 'concurrency', concurrency, allow_none=True)
   if None not in (buffer_size, concurrency) and concurrency < buffer_size:
     raise ValueError(f'{fn}: concurrency={concurrency} is less than '
                      f'buffer_size={buffer_size}; at least K {who} must train '
@@ -186,22 +182,22 @@ def check_async_cohort(fn: str, cohort: Any, buffer_size: int | None) -> None:
                      f'{buffer_size}; a server step takes buffer_size updates.')
 
 
-def ring_init(params: base.Params, size: int) -> base.PyTree:
+def ring_init(params: kit.Params, size: int) -> kit.PyTree:
   """``size`` copies of ``params`` on a new leading axis (every slot ``x_0``)."""
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (size,) + jnp.shape(x)),
                       params)
 
 
-def ring_push(versions: base.PyTree, params: base.Params,
-              version: jax.Array) -> base.PyTree:
+def ring_push(versions: kit.PyTree, params: kit.Params,
+              version: jax.Array) -> kit.PyTree:
   """The ring with ``params`` stored as version ``version`` (slot ``version mod V``)."""
   def put(ring, x):
     return ring.at[version % ring.shape[0]].set(x.astype(ring.dtype))
   return jax.tree.map(put, versions, params)
 
 
-def ring_read(versions: base.PyTree, round_index: jax.Array,
-              staleness: jax.Array) -> base.PyTree:
+def ring_read(versions: kit.PyTree, round_index: jax.Array,
+              staleness: jax.Array) -> kit.PyTree:
   """Version ``round_index - staleness`` of the ring (one client, in the map)."""
   def get(ring):
     return ring[(round_index - staleness) % ring.shape[0]]
@@ -243,7 +239,7 @@ def async_metrics(cohort: AsyncCohort, max_staleness: int) -> dict[str, jax.Arra
 # ------------------------------------------------------------- the builder
 
 OPTIONS: dict[str, Any] = {
-    **FEDAVG_OPTIONS,
+    **kit.OPTIONS,
     'buffer_size': None,
     'max_staleness': 16,
     'staleness_weighting': 'polynomial',
@@ -253,8 +249,8 @@ OPTIONS: dict[str, Any] = {
 }
 
 
-@base.with_options(OPTIONS)
-def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def fedbuff(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
   """FedBuff: FedAvg's client work and aggregator on buffered, stale updates.
 
   Args:
@@ -279,22 +275,22 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     :class:`FedBuffState` and its round takes an :class:`AsyncCohort`.
   """
   name = 'fedbuff'
-  o = base.take_options(name, options, OPTIONS)
+  o = kit.take_options(name, options, OPTIONS)
   client_transform, metrics_fn = o['client_transform'], o['metrics_fn']
   client_optimizer, server_optimizer, aggregator, schedule = (
-      fedavg_lib.check_parts(name, o))
+      kit.check_parts(name, o))
   buffer_size, max_staleness, weighting, exponent = check_async_options(
       name, o, 'clients')
-  train = fedavg_lib.client_training(loss_fn, metrics_fn, client_optimizer,
-                                 client_transform, schedule)
+  train = kit.client_training(loss_fn, metrics_fn, client_optimizer,
+                              client_transform, schedule)
 
   def init(params):
     return FedBuffState(
         params=params, opt_state=server_optimizer.init(params),
         versions=ring_init(params, max_staleness + 1),
-        hparams=fedavg_lib.initial_hparams(client_optimizer, server_optimizer,
-                                       client_transform, aggregator, params,
-                                       'fedbuff'),
+        hparams=kit.initial_hparams(client_optimizer, server_optimizer,
+                                    client_transform, aggregator, params,
+                                    'fedbuff'),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
@@ -304,28 +300,28 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     out = train(x, hparams, batches, mask)
     s = staleness_scale(tau, max_staleness, weighting, exponent)
     delta = jax.tree.map(lambda a, b: (a - b) * s.astype(a.dtype), x, out.params)
-    extra = base.client_metrics(delta, out) if o['client_metrics'] else ()
-    return nonfinite.ClientOutput(delta, out.stats, extra=extra,
-                                  checked=out.params)
+    extra = kit.client_metrics(delta, out) if o['client_metrics'] else ()
+    return kit.ClientOutput(delta, out.stats, extra=extra,
+                            checked=out.params)
 
   def round_fn(state, cohort, key):
     check_async_cohort(name, cohort, buffer_size)
-    client_hparams = fedavg_lib.client_hparams_of(state, client_transform)
+    client_hparams = kit.client_hparams_of(state, client_transform)
     tau = jnp.asarray(cohort.staleness, jnp.int32)
     num_examples = cohort.num_examples * kept(tau, max_staleness)
-    clients = aggregators.map_clients(
+    clients = kit.map_clients(
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.versions), fedjx.broadcast(state.round_index),
          fedjx.broadcast(client_hparams), tau, cohort.batches, cohort.mask),
         num_examples, o['weighting'], o['skip_nonfinite'],
         aggregator_state=state.aggregator_state)
-    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, key)
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics,
         **async_metrics(cohort, max_staleness))
-    metrics['communicated_bytes'] = aggregators.upload_bytes(
+    metrics['communicated_bytes'] = kit.upload_bytes(
         aggregator, state.params, metrics['clients'], agg_metrics)
     metrics.update(clients.extra)
     t = state.round_index + 1
@@ -333,7 +329,7 @@ def fedbuff(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
                           versions=ring_push(state.versions, params, t),
                           round_index=t, aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
 
 
 __all__ = ['AsyncCohort', 'FedBuffState', 'fedbuff', 'staleness_weight']

@@ -40,13 +40,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_transforms
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg_lib import check_parts
-from fedjx.algorithms.fedavg_lib import without
+from fedjx.algorithms import kit
 
 # What a round releases beside the aggregate (``Algorithm.unprivatized``).
 UNPRIVATIZED = ('its h and each client\'s g_k are built from the exact updates, '
@@ -65,15 +59,15 @@ class FedDynState(NamedTuple):
     aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
-  params: base.Params
+  params: kit.Params
   opt_state: optax.OptState
-  h: base.Params
+  h: kit.Params
   hparams: dict[str, Any]
   round_index: jax.Array
   aggregator_state: Any = ()
 
 
-def linear_term(gradient: base.Params) -> optax.GradientTransformation:
+def linear_term(gradient: kit.Params) -> optax.GradientTransformation:
   """The gradient of ``- <g_k, theta>``: ``g -> g - g_k`` (no state)."""
   def init(params):
     del params
@@ -87,12 +81,12 @@ def linear_term(gradient: base.Params) -> optax.GradientTransformation:
 
 
 # fedavg's options but the client transform (FedDyn's regularizer).
-OPTIONS = without('client_transform')
+OPTIONS = kit.without('client_transform')
 
 
-@base.with_options(OPTIONS)
-def feddyn(loss_fn: base.LossFn, num_clients: int, *, alpha: float = 0.01,
-           **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def feddyn(loss_fn: kit.LossFn, num_clients: int, *, alpha: float = 0.01,
+           **options: Any) -> kit.Algorithm:
   """FedDyn over a population of ``num_clients`` clients (``m``).
 
   Args:
@@ -114,12 +108,12 @@ def feddyn(loss_fn: base.LossFn, num_clients: int, *, alpha: float = 0.01,
     with ``client_state_init``: rows are the clients' ``g_k``.
   """
   name = 'feddyn'
-  o = base.take_options(name, options, OPTIONS)
-  base.check_positive_int(name, 'num_clients', num_clients)
-  base.check_number(name, 'alpha', alpha, strict=True)  # h / alpha.
-  client_optimizer, server_optimizer, aggregator, schedule = check_parts(
+  o = kit.take_options(name, options, OPTIONS)
+  kit.check_positive_int(name, 'num_clients', num_clients)
+  kit.check_number(name, 'alpha', alpha, strict=True)  # h / alpha.
+  client_optimizer, server_optimizer, aggregator, schedule = kit.check_parts(
       name, dict(o, client_transform=None))
-  base.check_private_uploads(name, aggregator, UNPRIVATIZED)
+  kit.check_private_uploads(name, aggregator, UNPRIVATIZED)
   metrics_fn, client_metrics = o['metrics_fn'], o['client_metrics']
   m = num_clients
 
@@ -127,12 +121,12 @@ def feddyn(loss_fn: base.LossFn, num_clients: int, *, alpha: float = 0.01,
     return FedDynState(
         params=params, opt_state=server_optimizer.init(params),
         h=jax.tree.map(jnp.zeros_like, params),
-        hparams=base.combine_hparams(
+        hparams=kit.combine_hparams(
             name,
             algorithm={'alpha': jnp.asarray(alpha, jnp.float32),
-                       'client_optimizer': base.optimizer_hparams(client_optimizer, params),
-                       'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
-            aggregator=aggregators.init_hparams(aggregator)),
+                       'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
+                       'server_optimizer': kit.optimizer_hparams(server_optimizer, params)},
+            aggregator=kit.aggregator_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
@@ -140,21 +134,21 @@ def feddyn(loss_fn: base.LossFn, num_clients: int, *, alpha: float = 0.01,
     return jax.tree.map(jnp.zeros_like, params)
 
   def client_fn(x, g_k, alpha_, hparams, batches, mask):
-    optimizer = optax.chain(linear_term(g_k), client_transforms.proximal(alpha_),
+    optimizer = optax.chain(linear_term(g_k), kit.proximal(alpha_),
                             client_optimizer)
-    state = (optax.EmptyState(), client_transforms.ProximalState(anchor=x),
-             base.with_hparams(client_optimizer.init(x), hparams))
-    out = client_update.local_update(loss_fn, metrics_fn, optimizer, x, state,
-                                     batches, mask, schedule)
-    delta = base.tree_sub(x, out.params)                 # theta^{t-1} - theta_k
+    state = (optax.EmptyState(), kit.ProximalState(anchor=x),
+             kit.with_hparams(client_optimizer.init(x), hparams))
+    out = kit.local_update(loss_fn, metrics_fn, optimizer, x, state,
+                           batches, mask, schedule)
+    delta = kit.tree_sub(x, out.params)                 # theta^{t-1} - theta_k
     g_new = jax.tree.map(lambda g, d: g + alpha_ * d, g_k, delta)
-    extra = (delta, base.client_metrics(delta, out)) if client_metrics else delta
-    return nonfinite.ClientOutput(delta, out.stats, extra=extra, state=g_new,
-                                  previous_state=g_k, checked=out.params)
+    extra = (delta, kit.client_metrics(delta, out)) if client_metrics else delta
+    return kit.ClientOutput(delta, out.stats, extra=extra, state=g_new,
+                            previous_state=g_k, checked=out.params)
 
   def round_fn(state, cohort, key):
     a = state.hparams['alpha']
-    clients = aggregators.map_clients(
+    clients = kit.map_clients(
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.params), cohort.client_states,
          fedjx.broadcast(a), fedjx.broadcast(state.hparams['client_optimizer']),
@@ -162,15 +156,15 @@ def feddyn(loss_fn: base.LossFn, num_clients: int, *, alpha: float = 0.01,
         cohort.num_examples, o['weighting'], o['skip_nonfinite'],
         aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
     deltas, per_client = clients.extra if client_metrics else (clients.extra, {})
-    mean_delta, agg_state, agg_metrics = aggregators.aggregate(
+    mean_delta, agg_state, agg_metrics = kit.aggregate(
         aggregator, state.aggregator_state, state.hparams, clients, key)
     h = jax.tree.map(lambda h, s: h + a * s / m, state.h,  # -(a/m) sum (theta_k - theta)
                      fedjx.reduce_sum(deltas))
     pseudo_grad = jax.tree.map(lambda d, h: d + h / a, mean_delta, h)
-    params, opt_state = base.server_update(
+    params, opt_state = kit.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad),
         h_norm=optax.tree.norm(h), **agg_metrics)
     metrics.update(per_client)  # Per-client [C] metrics, if asked.
@@ -179,9 +173,9 @@ def feddyn(loss_fn: base.LossFn, num_clients: int, *, alpha: float = 0.01,
                            aggregator_state=agg_state)
     return state, metrics, clients.state
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             client_state_init=client_state_init,
-                             unprivatized=UNPRIVATIZED)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            client_state_init=client_state_init,
+                            unprivatized=UNPRIVATIZED)
 
 
 __all__ = ['FedDynState', 'feddyn', 'linear_term']

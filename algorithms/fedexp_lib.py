@@ -42,13 +42,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg_lib import check_parts
-from fedjx.algorithms.fedavg_lib import client_hparams_of
-from fedjx.algorithms.fedavg_lib import client_training
-from fedjx.algorithms.fedavg_lib import without
+from fedjx.algorithms import kit
 
 # What a round releases beside the aggregate (``Algorithm.unprivatized``).
 UNPRIVATIZED = ('its server step size eta_g reads sum_i ||Delta_i||^2, the '
@@ -69,32 +63,32 @@ class FedExPState(NamedTuple):
     aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
-  params: base.Params
-  previous_params: base.Params
+  params: kit.Params
+  previous_params: kit.Params
   hparams: dict[str, Any]
   round_index: jax.Array
   aggregator_state: Any = ()
 
 
-def averaged_params(state: FedExPState) -> base.Params:
+def averaged_params(state: FedExPState) -> kit.Params:
   """``(x_t + x_{t-1}) / 2``, the model the paper evaluates."""
   return jax.tree.map(lambda a, b: (a + b) / 2, state.params,
                       state.previous_params)
 
 
-def step_size(mean_squared_norm: jax.Array, mean_update: base.PyTree,
+def step_size(mean_squared_norm: jax.Array, mean_update: kit.PyTree,
               epsilon: jax.Array) -> jax.Array:
   """``eta_g = max(1, mean_squared_norm / (2 (||mean_update||^2 + eps)))``."""
   sq = jnp.square(optax.tree.norm(mean_update)).astype(jnp.float32)
   return jnp.maximum(1.0, mean_squared_norm / (2.0 * (sq + epsilon)))
 
 
-OPTIONS: dict[str, Any] = {**without('server_optimizer', 'client_metrics'),
+OPTIONS: dict[str, Any] = {**kit.without('server_optimizer', 'client_metrics'),
                            'epsilon': 1e-3}
 
 
-@base.with_options(OPTIONS)
-def fedexp(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def fedexp(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
   """FedExP (module docstring).
 
   Args:
@@ -112,61 +106,61 @@ def fedexp(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     ``mean_update_sq_norm`` (``sum_i p_i ||Delta_i||^2``).
   """
   name = 'fedexp'
-  o = base.take_options(name, options, OPTIONS)
+  o = kit.take_options(name, options, OPTIONS)
   eps = o['epsilon']
-  base.check_number(name, 'epsilon', eps, strict=True)
-  client_optimizer, _, aggregator, schedule = check_parts(
+  kit.check_number(name, 'epsilon', eps, strict=True)
+  client_optimizer, _, aggregator, schedule = kit.check_parts(
       name, dict(o, server_optimizer=None, client_metrics=False))
-  base.check_private_uploads(name, aggregator, UNPRIVATIZED)
+  kit.check_private_uploads(name, aggregator, UNPRIVATIZED)
   transform = o['client_transform']
   weighting, guard = o['weighting'], o['skip_nonfinite']
-  train = client_training(loss_fn, o['metrics_fn'], client_optimizer,
-                                 transform, schedule)
+  train = kit.client_training(loss_fn, o['metrics_fn'], client_optimizer,
+                              transform, schedule)
 
   def init(params):
     transform_hparams = ({} if transform is None else
-                         base.optimizer_hparams(transform, params))
+                         kit.optimizer_hparams(transform, params))
     return FedExPState(
         params=params, previous_params=params,
-        hparams=base.combine_hparams(
+        hparams=kit.combine_hparams(
             name,
-            algorithm={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
+            algorithm={'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
                        'epsilon': jnp.asarray(eps, jnp.float32)},
             client_transform=transform_hparams,
-            aggregator=aggregators.init_hparams(aggregator)),
+            aggregator=kit.aggregator_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
   def client_fn(x, hparams, batches, mask):
     out = train(x, hparams, batches, mask)
-    delta = base.tree_sub(x, out.params)
+    delta = kit.tree_sub(x, out.params)
     sq = jnp.square(optax.tree.norm(delta)).astype(jnp.float32)
-    return nonfinite.ClientOutput(delta, out.stats, extra=sq, checked=out.params)
+    return kit.ClientOutput(delta, out.stats, extra=sq, checked=out.params)
 
   def round_fn(state, cohort, key):
     x = state.params
-    clients = aggregators.map_clients(
+    clients = kit.map_clients(
         aggregator, state.hparams, client_fn,
-        (fedjx.broadcast(x), fedjx.broadcast(client_hparams_of(state, transform)),
+        (fedjx.broadcast(x), fedjx.broadcast(kit.client_hparams_of(state, transform)),
          cohort.batches, cohort.mask),
         cohort.num_examples, weighting, guard,
         aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
-    delta, agg_state, agg_metrics = aggregators.aggregate(
+    delta, agg_state, agg_metrics = kit.aggregate(
         aggregator, state.aggregator_state, state.hparams, clients, key)
     total = fedjx.reduce_sum(clients.weights)
     mean_sq = fedjx.reduce_sum(clients.weights * clients.extra) / jnp.maximum(
         total, jnp.finfo(jnp.float32).tiny)
     eta = step_size(mean_sq, delta, state.hparams['epsilon'])
     params = jax.tree.map(lambda p, d: p - eta.astype(d.dtype) * d, x, delta)
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(delta), server_step_size=eta,
         mean_update_sq_norm=mean_sq, **agg_metrics)
     return state._replace(params=params, previous_params=x,
                           round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             unprivatized=UNPRIVATIZED)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            unprivatized=UNPRIVATIZED)
 
 
 __all__ = ['FedExPState', 'averaged_params', 'fedexp', 'step_size']

@@ -43,11 +43,8 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
+from fedjx.algorithms import kit
 from fedjx.algorithms import lora_aggregation
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg_lib import without
 from fedjx.models import adapters as trees
 from fedjx.models.lora_config import LoraConfig
 
@@ -63,14 +60,14 @@ class FedLoraState(NamedTuple):
     round_index: rounds run so far.
   """
 
-  params: base.Params
+  params: kit.Params
   hparams: dict[str, Any]
   round_index: jax.Array
 
 
 # fedavg's options but those the rules replace (the server optimizer, the
 # aggregator, the weighting: each rule has its own).
-OPTIONS = without('server_optimizer', 'aggregator', 'weighting', 'client_transform')
+OPTIONS = kit.without('server_optimizer', 'aggregator', 'weighting', 'client_transform')
 
 
 def _ranks(fn: str, client_ranks: Any, r_max: int) -> tuple[int, ...]:
@@ -88,12 +85,12 @@ RULES = {'flexlora': lora_aggregation.flexlora, 'flora': lora_aggregation.flora,
          'hetlora': lora_aggregation.hetlora, 'fedit': lora_aggregation.fedit}
 
 
-@base.with_options(OPTIONS)
-def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig | None = None,
+@kit.with_options(OPTIONS)
+def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
             rule: str | lora_aggregation.LoraAggregation = 'flexlora',
             client_ranks: Sequence[int] | None = None, aggregator: Any = None,
             self_prune: float | None = None, prune_strength: float = 0.0,
-            **options: Any) -> base.Algorithm:
+            **options: Any) -> kit.Algorithm:
   """Federated LoRA with the aggregation ``rule``.
 
   Args:
@@ -141,13 +138,13 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig | None = None,
     raise ValueError(f'{name}: aggregator={aggregator!r}: the {rule.name} rule combines '
                      'adapters itself; DP, compression and secure sums apply to FedIT and '
                      'FFA-LoRA (fedavg on the LoraModel).')
-  o = base.take_options(name, options, OPTIONS)
-  client_optimizer = o['client_optimizer'] or base.default_sgd(0.1)
-  base.check_optimizer(name, 'client_optimizer', client_optimizer)
-  nonfinite.check_flag(name, o['skip_nonfinite'])
-  base.check_choice(name, 'client_metrics', o['client_metrics'], (False, True))
-  schedule = client_update.check_schedule(name, o['local_epochs'], o['local_steps'],
-                                          o['client_evaluation'])
+  o = kit.take_options(name, options, OPTIONS)
+  client_optimizer = o['client_optimizer'] or kit.default_sgd(0.1)
+  kit.check_optimizer(name, 'client_optimizer', client_optimizer)
+  kit.check_skip_nonfinite(name, o['skip_nonfinite'])
+  kit.check_choice(name, 'client_metrics', o['client_metrics'], (False, True))
+  schedule = kit.check_schedule(name, o['local_epochs'], o['local_steps'],
+                                o['client_evaluation'])
   r_max, scale = lora_config.rank, lora_config.scale
   ranks = jnp.asarray(_ranks(name, client_ranks, r_max), jnp.int32)
   merges = rule.name == 'flora'
@@ -159,7 +156,7 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig | None = None,
     if isinstance(self_prune, bool) or not isinstance(self_prune, (int, float)) or not (
         0 < self_prune < 1):
       raise ValueError(f'{name}: self_prune={self_prune!r} must be None or a decay in (0, 1).')
-  base.check_number(name, 'prune_strength', prune_strength)
+  kit.check_number(name, 'prune_strength', prune_strength)
   if prune_strength and self_prune is None:
     raise ValueError(f'{name}: prune_strength={prune_strength!r} needs self_prune (a decay).')
   pruning = self_prune is not None
@@ -172,7 +169,7 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig | None = None,
            for n, p in trees.adapter_pairs(adapters).items()}))
     return FedLoraState(
         params=params,
-        hparams={'client_optimizer': base.optimizer_hparams(client_optimizer, adapters)},
+        hparams={'client_optimizer': kit.optimizer_hparams(client_optimizer, adapters)},
         round_index=jnp.zeros((), jnp.int32))
 
   def client_fn(num_clients, adapters, merged, hparams, index, client_id, n_k, stored,
@@ -193,9 +190,9 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig | None = None,
 
     local_metrics = None if metrics_fn is None else (
         lambda p, batch: metrics_fn(trees.join(p, merged), batch))
-    opt_state = base.with_hparams(client_optimizer.init(start), hparams)
-    out = client_update.local_update(local_loss, local_metrics, client_optimizer, start,
-                                     opt_state, batches, mask, schedule)
+    opt_state = kit.with_hparams(client_optimizer.init(start), hparams)
+    out = kit.local_update(local_loss, local_metrics, client_optimizer, start,
+                           opt_state, batches, mask, schedule)
     trained = trees.adapter_pairs(out.params)
     new_rank = rank
     if pruning:
@@ -206,19 +203,19 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig | None = None,
     w = rule.client_weight(trained, n_k, scale)
     summed, averaged = rule.client_message(trained, global_pairs, index, num_clients, scale)
     weighted = jax.tree.map(lambda v: w * v, averaged)
-    delta = base.tree_sub(start, out.params)
+    delta = kit.tree_sub(start, out.params)
     extra = (summed, weighted, w, new_rank.astype(jnp.float32))
     if o['client_metrics']:
-      extra = extra + (base.client_metrics(delta, out),)
-    return nonfinite.ClientOutput(delta, out.stats, extra=extra, checked=out.params,
-                                  state=new_rank if pruning else (),
-                                  previous_state=stored if pruning else ())
+      extra = extra + (kit.client_metrics(delta, out),)
+    return kit.ClientOutput(delta, out.stats, extra=extra, checked=out.params,
+                            state=new_rank if pruning else (),
+                            previous_state=stored if pruning else ())
 
   def round_fn(state, cohort, key):
     num_clients = int(cohort.mask.shape[0])
     adapters, merged = trees.split_merged(state.params)
     stored = cohort.client_states if pruning else jnp.zeros((num_clients,), jnp.int32)
-    clients = nonfinite.map_clients(
+    clients = kit.map_guarded(
         functools.partial(client_fn, num_clients),
         (fedjx.broadcast(adapters), fedjx.broadcast(merged),
          fedjx.broadcast(state.hparams['client_optimizer']),
@@ -239,7 +236,7 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig | None = None,
     has_data = (cohort.num_examples > 0).astype(jnp.float32)
     mean_rank = fedjx.reduce_sum(client_rank * has_data) / jnp.maximum(
         fedjx.reduce_sum(has_data), 1.0)
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, adapter_norm=optax.tree.norm(trees.from_pairs(result.adapters)),
         adapter_bytes_per_client=jnp.float32(trees.adapter_bytes(adapters)),
         mean_client_rank=mean_rank)
@@ -250,7 +247,7 @@ def fedlora(loss_fn: base.LossFn, *, lora_config: LoraConfig | None = None,
       return state, metrics, clients.state
     return state, metrics
 
-  return base.make_algorithm(
+  return kit.make_algorithm(
       name, init, round_fn, loss_fn=loss_fn, options=o,
       client_state_init=(lambda params: jnp.zeros((), jnp.int32)) if pruning else None)
 

@@ -46,18 +46,14 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg_lib import without
+from fedjx.algorithms import kit
 
 # fedavg's options but those FedNova's normalization does not cover.
-OPTIONS: dict[str, Any] = without('client_transform', 'aggregator',
-                                  'client_metrics')
+OPTIONS: dict[str, Any] = kit.without('client_transform', 'aggregator',
+                                      'client_metrics')
 
 
-def local_steps(mask: jax.Array, schedule: client_update.LocalSchedule) -> jax.Array:
+def local_steps(mask: jax.Array, schedule: kit.LocalSchedule) -> jax.Array:
   """``tau_i``, the real local steps one client takes (float32; its ``[S, B]``
   mask), as :func:`fedjx.algorithms.client_update.train` counts them."""
   real = jnp.any(mask, axis=-1)
@@ -72,8 +68,8 @@ def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
   return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
 
 
-@base.with_options(OPTIONS)
-def fednova(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def fednova(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
   """FedNova (Wang et al. 2020) with local SGD and any server optimizer.
 
   Args:
@@ -92,42 +88,42 @@ def fednova(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     ``tau_eff``.
   """
   name = 'fednova'
-  o = base.take_options(name, options, OPTIONS)
-  client_optimizer = o['client_optimizer'] or base.default_sgd(0.1)
-  server_optimizer = o['server_optimizer'] or base.default_sgd(1.0)
-  base.check_optimizer(name, 'client_optimizer', client_optimizer)
-  base.check_optimizer(name, 'server_optimizer', server_optimizer)
+  o = kit.take_options(name, options, OPTIONS)
+  client_optimizer = o['client_optimizer'] or kit.default_sgd(0.1)
+  server_optimizer = o['server_optimizer'] or kit.default_sgd(1.0)
+  kit.check_optimizer(name, 'client_optimizer', client_optimizer)
+  kit.check_optimizer(name, 'server_optimizer', server_optimizer)
   weighting, skip_nonfinite = o['weighting'], o['skip_nonfinite']
-  base.check_choice(name, 'weighting', weighting, base.WEIGHTINGS)
-  nonfinite.check_flag(name, skip_nonfinite)
-  schedule = client_update.check_schedule(name, o['local_epochs'],
-                                          o['local_steps'], o['client_evaluation'])
+  kit.check_choice(name, 'weighting', weighting, kit.WEIGHTINGS)
+  kit.check_skip_nonfinite(name, skip_nonfinite)
+  schedule = kit.check_schedule(name, o['local_epochs'],
+                                o['local_steps'], o['client_evaluation'])
   metrics_fn = o['metrics_fn']
 
   def init(params):
-    return base.ServerState(
+    return kit.ServerState(
         params=params, opt_state=server_optimizer.init(params),
-        hparams={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
-                 'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
+        hparams={'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
+                 'server_optimizer': kit.optimizer_hparams(server_optimizer, params)},
         round_index=jnp.zeros((), jnp.int32))
 
   def client_fn(x, hparams, batches, mask):
-    opt_state = base.with_hparams(client_optimizer.init(x), hparams)
-    out = client_update.local_update(loss_fn, metrics_fn, client_optimizer, x,
-                                     opt_state, batches, mask, schedule)
-    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
-                                  checked=out.params)
+    opt_state = kit.with_hparams(client_optimizer.init(x), hparams)
+    out = kit.local_update(loss_fn, metrics_fn, client_optimizer, x,
+                           opt_state, batches, mask, schedule)
+    return kit.ClientOutput(kit.tree_sub(x, out.params), out.stats,
+                            checked=out.params)
 
   def normalized_weights(p, tau, tau_eff):
     return jnp.where(tau > 0, p * (tau_eff / jnp.where(tau > 0, tau, 1.0)), 0.0)
 
   def round_fn(state, cohort, key):
     del key
-    p = base.aggregation_weights(cohort.num_examples, weighting)
+    p = kit.aggregation_weights(cohort.num_examples, weighting)
     tau = fedjx.map_fn(lambda m: local_steps(m, schedule), cohort.mask)
     tau_all = _ratio(fedjx.reduce_sum(p * tau), fedjx.reduce_sum(p))
     w = fedjx.map_fn(normalized_weights, (p, tau, fedjx.broadcast(tau_all)))
-    clients = nonfinite.map_clients(
+    clients = kit.map_guarded(
         client_fn, (fedjx.broadcast(state.params),
                     fedjx.broadcast(state.hparams['client_optimizer']),
                     cohort.batches, cohort.mask),
@@ -139,19 +135,19 @@ def fednova(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
     scale = (_ratio(fedjx.reduce_sum(clients.weights), p_sum)
              * _ratio(tau_eff, tau_all))
     pseudo_grad = jax.tree.map(lambda g: g * scale.astype(g.dtype),
-                               nonfinite.weighted_mean(clients))
-    params, opt_state = base.server_update(
+                               kit.weighted_mean(clients))
+    params, opt_state = kit.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), tau_eff=tau_eff)
-    metrics['communicated_bytes'] = aggregators.upload_bytes(  # The full updates.
-        aggregators.mean(), state.params, metrics['clients'], {})
+    metrics['communicated_bytes'] = kit.upload_bytes(  # The full updates.
+        kit.mean(), state.params, metrics['clients'], {})
     return state._replace(params=params, opt_state=opt_state,
                           round_index=state.round_index + 1), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             indexed_batches=True)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            indexed_batches=True)
 
 
 __all__ = ['fednova', 'local_steps']

@@ -22,18 +22,16 @@ from typing import Any
 
 import optax
 
-from fedjx.algorithms import base
-from fedjx.algorithms import client_transforms
+from fedjx.algorithms import kit
 from fedjx.algorithms.fedavg_lib import build as fedavg_build
-from fedjx.algorithms.fedavg_lib import without
 
 # fedavg's options but the client transform, which FedProx sets.
-OPTIONS = without('client_transform')
+OPTIONS = kit.without('client_transform')
 
 
-@base.with_options(OPTIONS)
-def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
-            **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def fedprox(loss_fn: kit.LossFn, *, mu: float = 0.01,
+            **options: Any) -> kit.Algorithm:
   """FedProx with proximal coefficient ``mu`` (``state.hparams['mu']``).
 
   ``fedavg(client_transform=optax.inject_hyperparams(proximal)(mu=mu))``.
@@ -46,7 +44,7 @@ def fedprox(loss_fn: base.LossFn, *, mu: float = 0.01,
       ``local_epochs``, ``local_steps``, ``weighting``, ``aggregator``, ...).
   """
   name = 'fedprox'
-  base.check_number(name, 'mu', mu)
-  proximal = optax.inject_hyperparams(client_transforms.proximal)(mu=mu)
+  kit.check_number(name, 'mu', mu)
+  proximal = optax.inject_hyperparams(kit.proximal)(mu=mu)
   return fedavg_build(name, loss_fn, dict(
-      base.take_options(name, options, OPTIONS), client_transform=proximal))
+      kit.take_options(name, options, OPTIONS), client_transform=proximal))

@@ -56,13 +56,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg_lib import check_parts
-from fedjx.algorithms.fedavg_lib import initial_hparams
-from fedjx.algorithms.fedavg_lib import without
+from fedjx.algorithms import kit
 
 HeadLabels = Any  # A labels pytree, a callable params -> labels, or names.
 
@@ -70,7 +64,7 @@ LABELS = ('head', 'body')
 
 # fedavg's options but the client transform (the clients' steps are on the
 # head or the body alone, not on the model a transform is anchored to).
-OPTIONS = without('client_transform')
+OPTIONS = kit.without('client_transform')
 
 
 # ---------------------------------------------------------------- the split
@@ -90,7 +84,7 @@ def check_head(fn: str, head: HeadLabels) -> None:
                      'params -> labels, or a name or tuple of names.')
 
 
-def head_mask(fn: str, head: HeadLabels, params: base.Params) -> list[bool]:
+def head_mask(fn: str, head: HeadLabels, params: kit.Params) -> list[bool]:
   """One bool per leaf of ``params`` (in ``jax.tree.leaves`` order): in the head?
 
   One-line errors for labels that do not fit the params, that are not
@@ -133,7 +127,7 @@ def head_mask(fn: str, head: HeadLabels, params: base.Params) -> list[bool]:
 class Split:
   """The params' tree split into body and head (dicts keyed by path)."""
 
-  def __init__(self, fn: str, head: HeadLabels, params: base.Params):
+  def __init__(self, fn: str, head: HeadLabels, params: kit.Params):
     flat, self.treedef = jax.tree_util.tree_flatten_with_path(params)
     self.keys = [jax.tree_util.keystr(p) for p, _ in flat]
     self.mask = head_mask(fn, head, params)
@@ -142,13 +136,13 @@ class Split:
     leaves = self.treedef.flatten_up_to(params)
     return {k: v for k, v, m in zip(self.keys, leaves, self.mask) if m == in_head}
 
-  def body(self, params: base.Params) -> dict[str, jax.Array]:
+  def body(self, params: kit.Params) -> dict[str, jax.Array]:
     return self._part(params, False)
 
-  def head(self, params: base.Params) -> dict[str, jax.Array]:
+  def head(self, params: kit.Params) -> dict[str, jax.Array]:
     return self._part(params, True)
 
-  def merge(self, body: Mapping[str, Any], head: Mapping[str, Any]) -> base.Params:
+  def merge(self, body: Mapping[str, Any], head: Mapping[str, Any]) -> kit.Params:
     return self.treedef.unflatten(
         [head[k] if m else body[k] for k, m in zip(self.keys, self.mask)])
 
@@ -169,27 +163,27 @@ def _stats(before, after):
   return stats
 
 
-def _build(name: str, loss_fn: base.LossFn, head: HeadLabels,
+def _build(name: str, loss_fn: kit.LossFn, head: HeadLabels,
            options: Mapping[str, Any],
-           head_schedule: client_update.LocalSchedule | None) -> base.Algorithm:
+           head_schedule: kit.LocalSchedule | None) -> kit.Algorithm:
   o = options
   check_head(name, head)
-  client_optimizer, server_optimizer, aggregator, schedule = check_parts(
+  client_optimizer, server_optimizer, aggregator, schedule = kit.check_parts(
       name, dict(o, client_transform=None))
   metrics_fn, client_metrics = o['metrics_fn'], o['client_metrics']
   quiet = schedule._replace(evaluate=False)
 
   def steps(loss, params, hparams, batches, mask, sched):
-    state = base.with_hparams(client_optimizer.init(params), hparams)
-    return client_update.train(loss, client_optimizer, params, state,
-                               batches, mask, sched)
+    state = kit.with_hparams(client_optimizer.init(params), hparams)
+    return kit.train(loss, client_optimizer, params, state,
+                     batches, mask, sched)
 
   def client_fn(x, h_i, hparams, batches, mask):
     split = Split(name, head, x)
     phi = split.body(x)
     start = split.merge(phi, h_i)
     if schedule.evaluate:
-      before = client_update.evaluate(loss_fn, metrics_fn, start, batches, mask)
+      before = kit.evaluate(loss_fn, metrics_fn, start, batches, mask)
     if head_schedule is None:  # FedPer: joint steps on (phi_i, h_i).
       trained, _, k, sums = steps(loss_fn, start, hparams, batches, mask, quiet)
       phi_i, h_new = split.body(trained), split.head(trained)
@@ -200,23 +194,23 @@ def _build(name: str, loss_fn: base.LossFn, head: HeadLabels,
                                 phi, hparams, batches, mask, quiet)
       trained = split.merge(phi_i, h_new)
     if schedule.evaluate:
-      stats = _stats(before, client_update.evaluate(loss_fn, metrics_fn,
-                                                    trained, batches, mask))
+      stats = _stats(before, kit.evaluate(loss_fn, metrics_fn,
+                                          trained, batches, mask))
     else:
       stats = {'loss_during': sums['loss'], 'count': sums['count']}
-    delta = base.tree_sub(phi, phi_i)
-    out = client_update.ClientUpdate(trained, (), k, stats)
-    extra = base.client_metrics(delta, out) if client_metrics else ()
-    return nonfinite.ClientOutput(delta, stats, extra=extra, state=h_new,
-                                  previous_state=h_i, checked=(phi_i, h_new))
+    delta = kit.tree_sub(phi, phi_i)
+    out = kit.ClientUpdate(trained, (), k, stats)
+    extra = kit.client_metrics(delta, out) if client_metrics else ()
+    return kit.ClientOutput(delta, stats, extra=extra, state=h_new,
+                            previous_state=h_i, checked=(phi_i, h_new))
 
   def init(params):
     split = Split(name, head, params)
     body = split.body(params)
-    return base.ServerState(
+    return kit.ServerState(
         params=params, opt_state=server_optimizer.init(body),
-        hparams=initial_hparams(client_optimizer, server_optimizer, None,
-                                aggregator, params, name),
+        hparams=kit.initial_hparams(client_optimizer, server_optimizer, None,
+                                    aggregator, params, name),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(body))
 
@@ -225,19 +219,19 @@ def _build(name: str, loss_fn: base.LossFn, head: HeadLabels,
 
   def round_fn(state, cohort, key):
     split = Split(name, head, state.params)
-    clients = aggregators.map_clients(
+    clients = kit.map_clients(
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.params), cohort.client_states,
          fedjx.broadcast(state.hparams['client_optimizer']),
          cohort.batches, cohort.mask),
         cohort.num_examples, o['weighting'], o['skip_nonfinite'],
         aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
-    delta, agg_state, agg_metrics = aggregators.aggregate(
+    delta, agg_state, agg_metrics = kit.aggregate(
         aggregator, state.aggregator_state, state.hparams, clients, key)
-    body, opt_state = base.server_update(
+    body, opt_state = kit.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         split.body(state.params), delta)
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(delta), **agg_metrics)
     metrics.update(clients.extra)  # Per-client [C] metrics, if asked.
     state = state._replace(params=split.merge(body, split.head(state.params)),
@@ -245,14 +239,14 @@ def _build(name: str, loss_fn: base.LossFn, head: HeadLabels,
                            aggregator_state=agg_state)
     return state, metrics, clients.state
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             client_state_init=client_state_init)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            client_state_init=client_state_init)
 
 
-@base.with_options(OPTIONS)
-def fedrep(loss_fn: base.LossFn, head: HeadLabels = 'logits', *,
+@kit.with_options(OPTIONS)
+def fedrep(loss_fn: kit.LossFn, head: HeadLabels = 'logits', *,
            head_epochs: int = 1,
-           head_steps: int | None = None, **options: Any) -> base.Algorithm:
+           head_steps: int | None = None, **options: Any) -> kit.Algorithm:
   """FedRep: each client's head steps, then its body steps (module docstring).
 
   Args:
@@ -281,34 +275,34 @@ def fedrep(loss_fn: base.LossFn, head: HeadLabels = 'logits', *,
     body's), with ``client_state_init``: rows are the clients' heads.
   """
   name = 'fedrep'
-  o = base.take_options(name, options, OPTIONS)
+  o = kit.take_options(name, options, OPTIONS)
   try:
-    head_schedule = client_update.check_schedule(
+    head_schedule = kit.check_schedule(
         name, head_epochs, head_steps, False)
   except ValueError as e:  # Named as the arguments are.
     raise ValueError(str(e).replace('local_', 'head_')) from None
   return _build(name, loss_fn, head, o, head_schedule)
 
 
-@base.with_options(OPTIONS)
-def fedper(loss_fn: base.LossFn, head: HeadLabels = 'logits',
-           **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def fedper(loss_fn: kit.LossFn, head: HeadLabels = 'logits',
+           **options: Any) -> kit.Algorithm:
   """FedPer: joint local steps on body and personal head; the body averaged.
 
   Arguments as :func:`fedrep` without the head phase; ``local_epochs`` /
   ``local_steps`` are the joint steps.
   """
   name = 'fedper'
-  return _build(name, loss_fn, head, base.take_options(name, options, OPTIONS),
+  return _build(name, loss_fn, head, kit.take_options(name, options, OPTIONS),
                 None)
 
 
 # ---------------------------------------------------------- personalization
 
-def personalize_fn(loss_fn: base.LossFn, head: HeadLabels = 'logits', *,
+def personalize_fn(loss_fn: kit.LossFn, head: HeadLabels = 'logits', *,
                    head_steps: int = 0,
                    optimizer: optax.GradientTransformation | None = None
-                   ) -> Callable[[Any, Any, Mapping[str, Any]], base.Params]:
+                   ) -> Callable[[Any, Any, Mapping[str, Any]], kit.Params]:
   """``personalize(server_state, client_state, train) -> params`` for FedRep / FedPer.
 
   The global body with the client's own head (its row; a client that never
@@ -322,15 +316,15 @@ def personalize_fn(loss_fn: base.LossFn, head: HeadLabels = 'logits', *,
   if isinstance(head_steps, bool) or not isinstance(head_steps, int) or head_steps < 0:
     raise ValueError(f'{fn}: head_steps={head_steps!r} must be an int >= 0.')
   optimizer = optimizer or optax.sgd(0.1)
-  base.check_optimizer(fn, 'optimizer', optimizer)
+  kit.check_optimizer(fn, 'optimizer', optimizer)
 
   def personalize(server_state, client_state, train):
     split = Split(fn, head, server_state.params)
     phi = split.body(server_state.params)
     h = client_state
     if head_steps:
-      sched = client_update.LocalSchedule(steps=head_steps, evaluate=False)
-      h, _, _, _ = client_update.train(
+      sched = kit.LocalSchedule(steps=head_steps, evaluate=False)
+      h, _, _, _ = kit.train(
           lambda h, b: loss_fn(split.merge(phi, h), b), optimizer, h,
           optimizer.init(h), train['batches'], train['mask'], sched)
     return split.merge(phi, h)

@@ -35,19 +35,14 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg_lib import check_parts
-from fedjx.algorithms.fedavg_lib import without
+from fedjx.algorithms import kit
 
 # What a round releases beside the aggregate (``Algorithm.unprivatized``).
 UNPRIVATIZED = ('each cluster\'s update is divided by the exact weight of the '
                 'clients that chose it, and which cluster each client chose is '
                 'released, neither of which the noise covers')
 
-OPTIONS: dict[str, Any] = {**without('client_transform'), 'init_noise': 0.01,
+OPTIONS: dict[str, Any] = {**kit.without('client_transform'), 'init_noise': 0.01,
                            'init_seed': 0}
 
 
@@ -66,44 +61,44 @@ class HypClusterState(NamedTuple):
     aggregator_state: ``()`` (the weighted mean).
   """
 
-  params: base.Params
-  cluster_params: base.Params
+  params: kit.Params
+  cluster_params: kit.Params
   opt_state: optax.OptState
   hparams: dict[str, Any]
   round_index: jax.Array
   aggregator_state: Any = ()
 
 
-def stack(models: Any) -> base.Params:
+def stack(models: Any) -> kit.Params:
   """``K`` models (a list or tuple of pytrees) as one pytree of ``[K, ...]`` leaves."""
   return jax.tree.map(lambda *xs: jnp.stack(xs), *models)
 
 
-def cluster(cluster_params: base.Params, k: jax.Array) -> base.Params:
+def cluster(cluster_params: kit.Params, k: jax.Array) -> kit.Params:
   """Model ``k`` of stacked cluster models."""
   return jax.tree.map(lambda x: x[k], cluster_params)
 
 
-def cluster_losses(loss_fn: base.LossFn, cluster_params: base.Params,
+def cluster_losses(loss_fn: kit.LossFn, cluster_params: kit.Params,
                    batches: Any, mask: jax.Array) -> jax.Array:
   """One client's mean loss under each cluster model, float32 ``[K]``.
 
   Over the client's real examples (mask True); 0 for a client with none.
   """
   def one(params):
-    sums = client_update.evaluate(loss_fn, None, params, batches, mask)
+    sums = kit.evaluate(loss_fn, None, params, batches, mask)
     return sums['loss'] / jnp.maximum(sums['count'], 1.0)
   return jax.vmap(one)(cluster_params)
 
 
-def select(loss_fn: base.LossFn, cluster_params: base.Params, batches: Any,
+def select(loss_fn: kit.LossFn, cluster_params: kit.Params, batches: Any,
            mask: jax.Array) -> jax.Array:
   """``argmin_k`` of :func:`cluster_losses` (int32; ties to the lowest ``k``)."""
   return jnp.argmin(cluster_losses(loss_fn, cluster_params, batches, mask)
                     ).astype(jnp.int32)
 
 
-def personalize_fn(loss_fn: base.LossFn) -> Callable[[Any, Any, Any], base.Params]:
+def personalize_fn(loss_fn: kit.LossFn) -> Callable[[Any, Any, Any], kit.Params]:
   """``personalize(server_state, client_state, train) -> params``.
 
   The cluster model with the lowest mean loss on the client's training
@@ -118,12 +113,12 @@ def personalize_fn(loss_fn: base.LossFn) -> Callable[[Any, Any, Any], base.Param
   return personalize
 
 
-def kmeans_init(loss_fn: base.LossFn, params: base.Params, cohort: Any,
+def kmeans_init(loss_fn: kit.LossFn, params: kit.Params, cohort: Any,
                 num_clusters: int, *,
                 client_optimizer: optax.GradientTransformation | None = None,
                 local_epochs: int = 1, local_steps: int | None = None,
                 first: int | None = None,
-                key: jax.Array | None = None) -> list[base.Params]:
+                key: jax.Array | None = None) -> list[kit.Params]:
   """``num_clusters`` initial cluster models chosen among trained clients.
 
   Every client of ``cohort`` (with data) trains from ``params`` with
@@ -137,11 +132,11 @@ def kmeans_init(loss_fn: base.LossFn, params: base.Params, cohort: Any,
     A list of ``num_clusters`` models (:func:`stack` makes them one tree).
   """
   fn = 'hyp_cluster.kmeans_init'
-  base.check_positive_int(fn, 'num_clusters', num_clusters)
-  c = base.check_cohort(fn, cohort)
-  optimizer = client_optimizer or base.default_sgd(0.1)
-  base.check_optimizer(fn, 'client_optimizer', optimizer)
-  schedule = client_update.check_schedule(fn, local_epochs, local_steps, False)
+  kit.check_positive_int(fn, 'num_clusters', num_clusters)
+  c = kit.check_cohort(fn, cohort)
+  optimizer = client_optimizer or kit.default_sgd(0.1)
+  kit.check_optimizer(fn, 'client_optimizer', optimizer)
+  schedule = kit.check_schedule(fn, local_epochs, local_steps, False)
   has_data = jnp.asarray(cohort.num_examples) > 0
   if not bool(jnp.any(has_data)):
     raise ValueError(f'{fn}: cohort has no client with data '
@@ -157,9 +152,9 @@ def kmeans_init(loss_fn: base.LossFn, params: base.Params, cohort: Any,
                      f'with data in the cohort of {c}.')
 
   def train(batches, mask):
-    y, _, _, _ = client_update.train(loss_fn, optimizer, params,
-                                     optimizer.init(params), batches, mask,
-                                     schedule)
+    y, _, _, _ = kit.train(loss_fn, optimizer, params,
+                           optimizer.init(params), batches, mask,
+                           schedule)
     return y
 
   trained = jax.jit(jax.vmap(train))(cohort.batches, cohort.mask)
@@ -176,9 +171,9 @@ def kmeans_init(loss_fn: base.LossFn, params: base.Params, cohort: Any,
 
 
 def _check_aggregator(fn: str, aggregator: Any) -> None:
-  if isinstance(aggregator, (Mapping, aggregators.Aggregator)):
-    base.check_private_uploads(fn, aggregators.check(fn, aggregator),
-                               UNPRIVATIZED)
+  if isinstance(aggregator, (Mapping, kit.Aggregator)):
+    kit.check_private_uploads(fn, kit.check_aggregator(fn, aggregator),
+                              UNPRIVATIZED)
   if aggregator is not None and not (isinstance(aggregator, str) and aggregator == 'mean') \
       and not (isinstance(aggregator, dict) and aggregator.get('name') == 'mean'):
     raise ValueError(
@@ -187,9 +182,9 @@ def _check_aggregator(fn: str, aggregator: Any) -> None:
         'a robust aggregator does not bound: use the weighted mean (None).')
 
 
-@base.with_options(OPTIONS)
-def hyp_cluster(loss_fn: base.LossFn, num_clusters: int = 2,
-                **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def hyp_cluster(loss_fn: kit.LossFn, num_clusters: int = 2,
+                **options: Any) -> kit.Algorithm:
   """HypCluster (Mansour et al. 2020) with ``num_clusters`` cluster models.
 
   Args:
@@ -215,18 +210,18 @@ def hyp_cluster(loss_fn: base.LossFn, num_clusters: int = 2,
     that chose cluster ``k``) and, with ``client_metrics``, ``client_cluster``.
   """
   name = 'hyp_cluster'
-  o = base.take_options(name, options, OPTIONS)
-  base.check_positive_int(name, 'num_clusters', num_clusters)
-  base.check_number(name, 'init_noise', o['init_noise'])
+  o = kit.take_options(name, options, OPTIONS)
+  kit.check_positive_int(name, 'num_clusters', num_clusters)
+  kit.check_number(name, 'init_noise', o['init_noise'])
   if isinstance(o['init_seed'], bool) or not isinstance(o['init_seed'], int):
     raise ValueError(f'{name}: init_seed={o["init_seed"]!r} must be an int.')
   _check_aggregator(name, o['aggregator'])
-  client_optimizer, server_optimizer, _, schedule = check_parts(
+  client_optimizer, server_optimizer, _, schedule = kit.check_parts(
       name, dict(o, client_transform=None, aggregator=None))
   metrics_fn, k_num = o['metrics_fn'], num_clusters
-  train = lambda x, hp, b, m: client_update.local_update(
+  train = lambda x, hp, b, m: kit.local_update(
       loss_fn, metrics_fn, client_optimizer, x,
-      base.with_hparams(client_optimizer.init(x), hp), b, m, schedule)
+      kit.with_hparams(client_optimizer.init(x), hp), b, m, schedule)
 
   def init(models):
     if isinstance(models, (list, tuple)):
@@ -252,9 +247,9 @@ def hyp_cluster(loss_fn: base.LossFn, num_clusters: int = 2,
     return HypClusterState(
         params=one, cluster_params=stacked,
         opt_state=jax.vmap(server_optimizer.init)(stacked),
-        hparams=base.combine_hparams(name, algorithm={
-            'client_optimizer': base.optimizer_hparams(client_optimizer, one),
-            'server_optimizer': base.optimizer_hparams(server_optimizer, one)}),
+        hparams=kit.combine_hparams(name, algorithm={
+            'client_optimizer': kit.optimizer_hparams(client_optimizer, one),
+            'server_optimizer': kit.optimizer_hparams(server_optimizer, one)}),
         round_index=jnp.zeros((), jnp.int32))
 
   def client_fn(hs, hparams, batches, mask):
@@ -262,26 +257,26 @@ def hyp_cluster(loss_fn: base.LossFn, num_clusters: int = 2,
     x = cluster(hs, k)
     out = train(x, hparams, batches, mask)
     onehot = jax.nn.one_hot(k, k_num, dtype=jnp.float32)
-    delta = base.tree_sub(x, out.params)
+    delta = kit.tree_sub(x, out.params)
     rows = jax.tree.map(
         lambda d: onehot.reshape((k_num,) + (1,) * d.ndim).astype(d.dtype) * d,
         delta)
     has_data = jnp.any(mask).astype(jnp.float32)
     extra = {'cluster_clients': onehot * has_data}
     if o['client_metrics']:
-      extra.update(base.client_metrics(delta, out), client_cluster=k)
-    return nonfinite.ClientOutput({'delta': rows, 'weight': onehot}, out.stats,
-                                  extra=extra, checked=out.params)
+      extra.update(kit.client_metrics(delta, out), client_cluster=k)
+    return kit.ClientOutput({'delta': rows, 'weight': onehot}, out.stats,
+                            extra=extra, checked=out.params)
 
   def round_fn(state, cohort, key):
     del key
-    clients = nonfinite.map_clients(
+    clients = kit.map_guarded(
         client_fn, (fedjx.broadcast(state.cluster_params),
                     fedjx.broadcast(state.hparams['client_optimizer']),
                     cohort.batches, cohort.mask),
-        base.aggregation_weights(cohort.num_examples, o['weighting']),
+        kit.aggregation_weights(cohort.num_examples, o['weighting']),
         cohort.num_examples, o['skip_nonfinite'])
-    mean = nonfinite.weighted_mean(clients)  # Both divided by sum_i w_i.
+    mean = kit.weighted_mean(clients)  # Both divided by sum_i w_i.
     weight = mean['weight']                  # [K]: sum_{k_i = k} w_i / sum_i w_i
     chosen = weight > 0
     safe = jnp.where(chosen, weight, 1.0)
@@ -290,7 +285,7 @@ def hyp_cluster(loss_fn: base.LossFn, num_clusters: int = 2,
         mean['delta'])
     hp = state.hparams['server_optimizer']
     new_params, new_opt = jax.vmap(
-        lambda s, p, g: base.server_update(server_optimizer, s, hp, p, g))(
+        lambda s, p, g: kit.server_update(server_optimizer, s, hp, p, g))(
             state.opt_state, state.cluster_params, deltas)
     keep = lambda new, old: jnp.where(
         chosen.reshape((k_num,) + (1,) * (jnp.ndim(old) - 1)), new, old)
@@ -305,15 +300,15 @@ def hyp_cluster(loss_fn: base.LossFn, num_clusters: int = 2,
     pseudo_grad_norm = optax.tree.norm(
         jax.tree.map(lambda d: d * weight.reshape(
             (k_num,) + (1,) * (d.ndim - 1)).astype(d.dtype), deltas))
-    metrics = nonfinite.round_metrics(clients, pseudo_grad_norm=pseudo_grad_norm,
-                                      **per_cluster)
+    metrics = kit.round_metrics(clients, pseudo_grad_norm=pseudo_grad_norm,
+                                **per_cluster)
     metrics.update(extra)  # Per-client [C] metrics, if asked.
     return state._replace(params=params, cluster_params=cluster_params,
                           opt_state=opt_state,
                           round_index=state.round_index + 1), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             unprivatized=UNPRIVATIZED)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            unprivatized=UNPRIVATIZED)
 
 
 __all__ = ['HypClusterState', 'cluster', 'cluster_losses', 'hyp_cluster',

@@ -51,10 +51,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
+from fedjx.algorithms import kit
 
 
 class MimeState(NamedTuple):
@@ -70,7 +67,7 @@ class MimeState(NamedTuple):
     aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
-  params: base.Params
+  params: kit.Params
   base_state: optax.OptState
   opt_state: optax.OptState
   hparams: dict[str, Any]
@@ -88,8 +85,8 @@ def frozen(optimizer: optax.GradientTransformation) -> optax.GradientTransformat
   return optax.GradientTransformation(optimizer.init, update)
 
 
-def full_gradient(loss_fn: base.LossFn, params: base.Params,
-                  batches: Any, mask: jax.Array) -> base.PyTree:
+def full_gradient(loss_fn: kit.LossFn, params: kit.Params,
+                  batches: Any, mask: jax.Array) -> kit.PyTree:
   """``grad f_i(x) = (1/n_i) sum_e grad loss(x, e)`` over a client's real examples.
 
   One client's (inside ``map_fn``): a scan over its ``S`` batches as a tree
@@ -109,15 +106,15 @@ def full_gradient(loss_fn: base.LossFn, params: base.Params,
     del is_real
     return add(acc, *x), None
 
-  zeros = client_update.tie_to(jax.tree.map(jnp.zeros_like, params), mask)
-  sums, _ = client_update.scan_steps(step, zeros, (batches, mask),
-                                     jnp.any(mask, axis=-1))
+  zeros = kit.tie_to(jax.tree.map(jnp.zeros_like, params), mask)
+  sums, _ = kit.scan_steps(step, zeros, (batches, mask),
+                           jnp.any(mask, axis=-1))
   n = jnp.maximum(jnp.sum(mask), 1)
   return jax.tree.map(lambda s: s / n.astype(s.dtype), sums)
 
 
-def svrg_loss(loss_fn: base.LossFn, anchor: base.Params,
-              control: base.PyTree) -> base.LossFn:
+def svrg_loss(loss_fn: kit.LossFn, anchor: kit.Params,
+              control: kit.PyTree) -> kit.LossFn:
   """``loss_fn`` with Mime's gradient: ``grad l_e(y) - grad l_e(x) + c``.
 
   Per example ``e``, ``l_e(y) + (t_e(y) - stop_gradient(t_e(y)))`` with
@@ -143,7 +140,7 @@ OPTIONS: dict[str, Any] = {
     'local_epochs': 1,
     'local_steps': None,
     'aggregator': None,
-    **base.COMMON_OPTIONS,
+    **kit.COMMON_OPTIONS,
 }
 
 
@@ -155,20 +152,20 @@ UNPRIVATIZED = ('it releases the cohort\'s exact full-batch gradients c at the '
                 'a DP aggregator privatizes)')
 
 
-def _build(name: str, loss_fn: base.LossFn, options: dict[str, Any],
-           control_variate: bool) -> base.Algorithm:
-  o = base.take_options(name, options, OPTIONS)
-  base_optimizer = o['base_optimizer'] or base.default_sgd(0.01, momentum=0.9)
-  server_optimizer = o['server_optimizer'] or base.default_sgd(1.0)
-  base.check_optimizer(name, 'base_optimizer', base_optimizer)
-  base.check_optimizer(name, 'server_optimizer', server_optimizer)
-  base.check_choice(name, 'weighting', o['weighting'], base.WEIGHTINGS)
-  aggregator = aggregators.check(name, o['aggregator'])
+def _build(name: str, loss_fn: kit.LossFn, options: dict[str, Any],
+           control_variate: bool) -> kit.Algorithm:
+  o = kit.take_options(name, options, OPTIONS)
+  base_optimizer = o['base_optimizer'] or kit.default_sgd(0.01, momentum=0.9)
+  server_optimizer = o['server_optimizer'] or kit.default_sgd(1.0)
+  kit.check_optimizer(name, 'base_optimizer', base_optimizer)
+  kit.check_optimizer(name, 'server_optimizer', server_optimizer)
+  kit.check_choice(name, 'weighting', o['weighting'], kit.WEIGHTINGS)
+  aggregator = kit.check_aggregator(name, o['aggregator'])
   unprivatized = UNPRIVATIZED if control_variate else None
-  base.check_private_uploads(name, aggregator, unprivatized)
-  nonfinite.check_flag(name, o['skip_nonfinite'])
-  schedule = client_update.check_schedule(name, o['local_epochs'],
-                                          o['local_steps'], o['client_evaluation'])
+  kit.check_private_uploads(name, aggregator, unprivatized)
+  kit.check_skip_nonfinite(name, o['skip_nonfinite'])
+  schedule = kit.check_schedule(name, o['local_epochs'],
+                                o['local_steps'], o['client_evaluation'])
   metrics_fn, weighting, guard = o['metrics_fn'], o['weighting'], o['skip_nonfinite']
   local = frozen(base_optimizer)
 
@@ -178,65 +175,65 @@ def _build(name: str, loss_fn: base.LossFn, options: dict[str, Any],
     return MimeState(
         params=params, base_state=base_optimizer.init(params),
         opt_state=server_optimizer.init(params),
-        hparams=base.combine_hparams(
+        hparams=kit.combine_hparams(
             name,
-            algorithm={'base_optimizer': base.optimizer_hparams(base_optimizer, params),
-                       'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
-            aggregator=aggregators.init_hparams(aggregator)),
+            algorithm={'base_optimizer': kit.optimizer_hparams(base_optimizer, params),
+                       'server_optimizer': kit.optimizer_hparams(server_optimizer, params)},
+            aggregator=kit.aggregator_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(message))
 
   def gradient_fn(x, batches, mask):
-    return nonfinite.ClientOutput(full_gradient(loss_fn, x, batches, mask), {})
+    return kit.ClientOutput(full_gradient(loss_fn, x, batches, mask), {})
 
   def client_fn(x, s, c, batches, mask):
     loss = svrg_loss(loss_fn, x, c) if control_variate else loss_fn
-    out = client_update.local_update(loss, metrics_fn, local, x, s, batches,
-                                     mask, schedule)
-    delta = base.tree_sub(x, out.params)
+    out = kit.local_update(loss, metrics_fn, local, x, s, batches,
+                           mask, schedule)
+    delta = kit.tree_sub(x, out.params)
     if control_variate:
-      return nonfinite.ClientOutput(delta, out.stats, checked=out.params)
+      return kit.ClientOutput(delta, out.stats, checked=out.params)
     grad = full_gradient(loss_fn, x, batches, mask)
-    return nonfinite.ClientOutput((delta, grad), out.stats,
-                                  checked=(out.params, grad))
+    return kit.ClientOutput((delta, grad), out.stats,
+                            checked=(out.params, grad))
 
   def round_fn(state, cohort, key):
     x = state.params
-    s = base.with_hparams(state.base_state, state.hparams['base_optimizer'])
+    s = kit.with_hparams(state.base_state, state.hparams['base_optimizer'])
     if control_variate:  # c: the cohort's full-batch gradient at x.
-      grads = nonfinite.map_clients(
+      grads = kit.map_guarded(
           gradient_fn, (fedjx.broadcast(x), cohort.batches, cohort.mask),
-          base.aggregation_weights(cohort.num_examples, weighting),
+          kit.aggregation_weights(cohort.num_examples, weighting),
           cohort.num_examples, guard)
-      c = nonfinite.weighted_mean(grads)
+      c = kit.weighted_mean(grads)
     else:
       c = ()
-    clients = aggregators.map_clients(
+    clients = kit.map_clients(
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(x), fedjx.broadcast(s), fedjx.broadcast(c),
          cohort.batches, cohort.mask),
         cohort.num_examples, weighting, guard,
         aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
-    combined, agg_state, agg_metrics = aggregators.aggregate(
+    combined, agg_state, agg_metrics = kit.aggregate(
         aggregator, state.aggregator_state, state.hparams, clients, key)
     pseudo_grad, grad = (combined, c) if control_variate else combined
-    params, opt_state = base.server_update(
+    params, opt_state = kit.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         x, pseudo_grad)
     _, base_state = base_optimizer.update(grad, s, x)     # s <- V(grad f(x), s)
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad),
         server_gradient_norm=optax.tree.norm(grad), **agg_metrics)
     return state._replace(params=params, base_state=base_state,
                           opt_state=opt_state, round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             unprivatized=unprivatized)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            unprivatized=unprivatized)
 
 
-@base.with_options(OPTIONS)
-def mime_lite(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def mime_lite(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
   """MimeLite: clients step with the base optimizer's frozen server state.
 
   Args:
@@ -260,8 +257,8 @@ def mime_lite(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
   return _build('mime_lite', loss_fn, options, control_variate=False)
 
 
-@base.with_options(OPTIONS)
-def mime(loss_fn: base.LossFn, **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def mime(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
   """Mime: MimeLite plus the SVRG control variate at the server model.
 
   A round maps over the cohort twice: once for ``c``, the full-batch

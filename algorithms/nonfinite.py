@@ -260,6 +260,7 @@ def round_metrics(clients: Clients, **extra: jax.Array) -> base.Metrics:
 
 
 def check_flag(fn: str, skip_nonfinite: Any) -> None:
+  """Raises unless the ``skip_nonfinite`` option is True or False."""
   if not isinstance(skip_nonfinite, bool):
     raise ValueError(f'{fn}: skip_nonfinite={skip_nonfinite!r} must be True '
                      'or False.')

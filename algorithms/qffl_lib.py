@@ -42,13 +42,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
-from fedjx.algorithms.fedavg_lib import check_parts
-from fedjx.algorithms.fedavg_lib import client_training
-from fedjx.algorithms.fedavg_lib import without
-from fedjx.algorithms import nonfinite
+from fedjx.algorithms import kit
 
 # What a round releases beside the aggregate (``Algorithm.unprivatized``).
 UNPRIVATIZED = ('its step sum_k Delta_k / sum_k h_k divides by h_k, a function '
@@ -59,13 +53,13 @@ UNPRIVATIZED = ('its step sum_k Delta_k / sum_k h_k divides by h_k, a function '
 LOSS_OFFSET = 1e-10
 
 OPTIONS: dict[str, Any] = {
-    **without('server_optimizer', 'client_transform'),
+    **kit.without('server_optimizer', 'client_transform'),
     'lipschitz': None,
 }
 
 
-def qffl_terms(server: base.Params, trained: base.Params, loss: jax.Array,
-               q: jax.Array, lipschitz: jax.Array) -> tuple[base.PyTree, jax.Array]:
+def qffl_terms(server: kit.Params, trained: kit.Params, loss: jax.Array,
+               q: jax.Array, lipschitz: jax.Array) -> tuple[kit.PyTree, jax.Array]:
   """One client's ``(Delta_k, h_k)`` of q-FedAvg (Li et al. 2020, Algorithm 2).
 
   ``Dw_k = L (w - wbar_k)``, ``Delta_k = F_k^q Dw_k`` and ``h_k = q
@@ -83,8 +77,8 @@ def _plain_mean(fn: str, aggregator: Any) -> bool:
   """Whether ``aggregator`` is None or the plain weighted mean."""
   if aggregator is None:
     return True
-  agg = aggregators.check(fn, aggregator)
-  plain = aggregators.mean()
+  agg = kit.check_aggregator(fn, aggregator)
+  plain = kit.mean()
   return agg.combine is plain.combine and agg.encode is None and agg.weights is None
 
 
@@ -96,8 +90,8 @@ def _lipschitz(fn: str, lipschitz: Any, client_hparams: dict[str, Any]) -> None:
         'or build the client optimizer with optax.inject_hyperparams.')
 
 
-@base.with_options(OPTIONS)
-def qffl(loss_fn: base.LossFn, *, q: float = 1.0, **options: Any) -> base.Algorithm:
+@kit.with_options(OPTIONS)
+def qffl(loss_fn: kit.LossFn, *, q: float = 1.0, **options: Any) -> kit.Algorithm:
   """q-FedAvg (Li et al. 2020): FedAvg's clients, the q-FFL server step.
 
   Args:
@@ -118,34 +112,34 @@ def qffl(loss_fn: base.LossFn, *, q: float = 1.0, **options: Any) -> base.Algori
     :class:`~fedjx.algorithms.ServerState` (no server optimizer state).
   """
   name = 'qffl'
-  o = base.take_options(name, options, OPTIONS)
-  base.check_number(name, 'q', q)
+  o = kit.take_options(name, options, OPTIONS)
+  kit.check_number(name, 'q', q)
   if o['lipschitz'] is not None:
-    base.check_number(name, 'lipschitz', o['lipschitz'], strict=True)
+    kit.check_number(name, 'lipschitz', o['lipschitz'], strict=True)
   if o['aggregator'] is not None:
-    base.check_private_uploads(name, aggregators.check(name, o['aggregator']),
-                               UNPRIVATIZED)
+    kit.check_private_uploads(name, kit.check_aggregator(name, o['aggregator']),
+                              UNPRIVATIZED)
   if not _plain_mean(name, o['aggregator']):
     raise ValueError(
         f'{name}: aggregator={o["aggregator"]!r} is not taken: the q-FFL step '
         'sum_k Delta_k / sum_k h_k divides by terms of each client\'s loss and '
         'update norm, which a compressing or robust aggregator of the updates '
         'alone would not cover; use aggregator=None.')
-  parts = check_parts(name, dict(o, server_optimizer=None,
-                                        client_transform=None, aggregator=None))
+  parts = kit.check_parts(name, dict(o, server_optimizer=None,
+                                     client_transform=None, aggregator=None))
   client_optimizer, schedule = parts.client_optimizer, parts.schedule
   metrics_fn, lipschitz = o['metrics_fn'], o['lipschitz']
-  train = client_training(loss_fn, metrics_fn, client_optimizer, None,
-                                 schedule)
+  train = kit.client_training(loss_fn, metrics_fn, client_optimizer, None,
+                              schedule)
 
   def init(params):
-    client_hparams = base.optimizer_hparams(client_optimizer, params)
+    client_hparams = kit.optimizer_hparams(client_optimizer, params)
     _lipschitz(name, lipschitz, client_hparams)
     hparams = {'client_optimizer': client_hparams, 'q': jnp.float32(q)}
     if lipschitz is not None:
       hparams['lipschitz'] = jnp.float32(lipschitz)
-    return base.ServerState(params=params, opt_state=(), hparams=hparams,
-                            round_index=jnp.zeros((), jnp.int32))
+    return kit.ServerState(params=params, opt_state=(), hparams=hparams,
+                           round_index=jnp.zeros((), jnp.int32))
 
   def lipschitz_of(hparams):
     if 'lipschitz' in hparams:
@@ -158,20 +152,20 @@ def qffl(loss_fn: base.LossFn, *, q: float = 1.0, **options: Any) -> base.Algori
     if schedule.evaluate:
       loss_sum, count = out.stats['loss_before'], out.stats['count']
     else:
-      before = client_update.evaluate(loss_fn, None, w, batches, mask)
+      before = kit.evaluate(loss_fn, None, w, batches, mask)
       loss_sum, count = before['loss'], before['count']
     loss = loss_sum / jnp.maximum(count, 1.0)  # F_k(w^t)
     delta, h = qffl_terms(w, out.params, loss, q, big_l)
-    extra = ({**base.client_metrics(base.tree_sub(w, out.params), out),
+    extra = ({**kit.client_metrics(kit.tree_sub(w, out.params), out),
               'client_h': h} if o['client_metrics'] else ())
-    return nonfinite.ClientOutput((delta, h), out.stats, extra=extra)
+    return kit.ClientOutput((delta, h), out.stats, extra=extra)
 
   def round_fn(state, cohort, key):
     del key
     hp = state.hparams
     big_l = lipschitz_of(hp)
-    weights = base.aggregation_weights(cohort.num_examples, o['weighting'])
-    clients = nonfinite.map_clients(
+    weights = kit.aggregation_weights(cohort.num_examples, o['weighting'])
+    clients = kit.map_guarded(
         client_fn,
         (fedjx.broadcast(state.params),
          fedjx.broadcast({'client_optimizer': hp['client_optimizer']}),
@@ -186,14 +180,14 @@ def qffl(loss_fn: base.LossFn, *, q: float = 1.0, **options: Any) -> base.Algori
     step = jax.tree.map(lambda d: jnp.where(sum_h > 0, d / safe.astype(d.dtype),
                                             jnp.zeros_like(d)), sum_delta)
     params = jax.tree.map(jnp.subtract, state.params, step)
-    metrics = nonfinite.round_metrics(
+    metrics = kit.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(step), h_sum=sum_h,
         lipschitz=big_l)
     metrics.update(clients.extra)
     return state._replace(params=params, round_index=state.round_index + 1), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             unprivatized=UNPRIVATIZED)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            unprivatized=UNPRIVATIZED)
 
 
 __all__ = ['qffl', 'qffl_terms']

@@ -42,12 +42,7 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_transforms
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
-from fedjx.algorithms.fedavg_lib import without
+from fedjx.algorithms import kit
 
 # What a round releases beside the aggregate (``Algorithm.unprivatized``).
 UNPRIVATIZED = ("each client's control variate change Delta c_i = c_i+ - c_i, "
@@ -69,10 +64,10 @@ class ScaffoldState(NamedTuple):
     aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
-  params: base.Params
+  params: kit.Params
   opt_state: optax.OptState
-  control: base.Params
-  client_controls: base.Params
+  control: kit.Params
+  client_controls: kit.Params
   hparams: dict[str, Any]
   round_index: jax.Array
   aggregator_state: Any = ()
@@ -88,8 +83,8 @@ def _check_learning_rate(fn: str, client_learning_rate: float | None,
   lr = None
   if client_optimizer is not None:
     try:
-      lr = client_transforms.learning_rate_of(client_optimizer,
-                                              jnp.zeros((1,), jnp.float32))
+      lr = kit.learning_rate_of(client_optimizer,
+                                jnp.zeros((1,), jnp.float32))
     except Exception:  # pylint: disable=broad-except
       lr = None  # An optimizer that cannot be probed: eta_l as given.
   if client_learning_rate is None:
@@ -104,15 +99,15 @@ def _check_learning_rate(fn: str, client_learning_rate: float | None,
 
 
 # fedavg's options but the one SCAFFOLD sets itself (its client correction).
-OPTIONS = without('client_transform')
+OPTIONS = kit.without('client_transform')
 CLIENT_STATES = ('dense', 'store')
 
 
-@base.with_options(OPTIONS)
-def scaffold(loss_fn: base.LossFn, num_clients: int, *,
+@kit.with_options(OPTIONS)
+def scaffold(loss_fn: kit.LossFn, num_clients: int, *,
              client_learning_rate: float | None = None,
              client_state: str = 'dense',
-             **options: Any) -> base.Algorithm:
+             **options: Any) -> kit.Algorithm:
   """SCAFFOLD (option II) over a population of ``num_clients`` clients.
 
   Args:
@@ -142,28 +137,28 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
       skipped client's ``c_i`` is left unchanged and its ``Delta c_i`` is 0.
   """
   name = 'scaffold'
-  o = base.take_options(name, options, OPTIONS)
+  o = kit.take_options(name, options, OPTIONS)
   client_optimizer, metrics_fn = o['client_optimizer'], o['metrics_fn']
-  base.check_positive_int(name, 'num_clients', num_clients)
-  base.check_choice(name, 'client_state', client_state, CLIENT_STATES)
+  kit.check_positive_int(name, 'num_clients', num_clients)
+  kit.check_choice(name, 'client_state', client_state, CLIENT_STATES)
   dense = client_state == 'dense'
   if client_optimizer is not None:
-    base.check_optimizer(name, 'client_optimizer', client_optimizer)
+    kit.check_optimizer(name, 'client_optimizer', client_optimizer)
   client_learning_rate = _check_learning_rate(name, client_learning_rate,
                                               client_optimizer)
   # Option II divides by K eta_l: eta_l = 0 would make every c_i 0 / 0.
-  base.check_number(name, 'client_learning_rate', client_learning_rate,
-                    strict=True)
-  server_optimizer = o['server_optimizer'] or base.default_sgd(1.0)
-  base.check_optimizer(name, 'server_optimizer', server_optimizer)
-  base.check_choice(name, 'weighting', o['weighting'], base.WEIGHTINGS)
-  aggregator = aggregators.check(name, o['aggregator'])
-  base.check_private_uploads(name, aggregator, UNPRIVATIZED)
-  nonfinite.check_flag(name, o['skip_nonfinite'])
+  kit.check_number(name, 'client_learning_rate', client_learning_rate,
+                   strict=True)
+  server_optimizer = o['server_optimizer'] or kit.default_sgd(1.0)
+  kit.check_optimizer(name, 'server_optimizer', server_optimizer)
+  kit.check_choice(name, 'weighting', o['weighting'], kit.WEIGHTINGS)
+  aggregator = kit.check_aggregator(name, o['aggregator'])
+  kit.check_private_uploads(name, aggregator, UNPRIVATIZED)
+  kit.check_skip_nonfinite(name, o['skip_nonfinite'])
   client_metrics = o['client_metrics']
-  base.check_choice(name, 'client_metrics', client_metrics, (False, True))
-  schedule = client_update.check_schedule(name, o['local_epochs'],
-                                          o['local_steps'], o['client_evaluation'])
+  kit.check_choice(name, 'client_metrics', client_metrics, (False, True))
+  schedule = kit.check_schedule(name, o['local_epochs'],
+                                o['local_steps'], o['client_evaluation'])
   n_pop = num_clients
 
   def local_optimizer(eta_l):
@@ -176,22 +171,22 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
         client_controls=jax.tree.map(
             lambda p: jnp.zeros((n_pop,) + jnp.shape(p), jnp.result_type(p)),
             params) if dense else (),
-        hparams=base.combine_hparams(
+        hparams=kit.combine_hparams(
             'scaffold',
             algorithm={'client_learning_rate': jnp.asarray(client_learning_rate, jnp.float32),
                        'client_optimizer': ({} if client_optimizer is None else
-                           base.optimizer_hparams(client_optimizer, params)),
-                       'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
-            aggregator=aggregators.init_hparams(aggregator)),
+                           kit.optimizer_hparams(client_optimizer, params)),
+                       'server_optimizer': kit.optimizer_hparams(server_optimizer, params)},
+            aggregator=kit.aggregator_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
   def client_fn(x, c, c_i, eta_l, hparams, batches, mask):
     opt = local_optimizer(eta_l)
-    opt_state = base.with_hparams(opt.init(x), hparams)
-    out = client_update.local_update(  # Steps on g_i(y) - c_i + c.
+    opt_state = kit.with_hparams(opt.init(x), hparams)
+    out = kit.local_update(  # Steps on g_i(y) - c_i + c.
         loss_fn, metrics_fn,
-        optax.chain(client_transforms.control_variate(c, c_i), opt), x,
+        optax.chain(kit.control_variate(c, c_i), opt), x,
         (optax.EmptyState(), opt_state), batches, mask, schedule)
     k = out.num_steps
     denom = jnp.where(k > 0, k * eta_l, 1.0)
@@ -200,21 +195,21 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
       return jnp.where(k > 0, ci - c + (x - y) / denom, ci) - ci
 
     delta_c = jax.tree.map(option_ii, c_i, c, x, out.params)
-    delta_y = base.tree_sub(x, out.params)
+    delta_y = kit.tree_sub(x, out.params)
     # Per-client metrics ride along with Delta c_i only when asked.
-    extra = (delta_c, base.client_metrics(delta_y, out)) if client_metrics else delta_c
-    return nonfinite.ClientOutput(delta_y, out.stats, extra=extra,
-                                  checked=out.params)
+    extra = (delta_c, kit.client_metrics(delta_y, out)) if client_metrics else delta_c
+    return kit.ClientOutput(delta_y, out.stats, extra=extra,
+                            checked=out.params)
 
   def round_fn(state, cohort, key):
     real = cohort.num_examples > 0
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
     if dense:
-      c_i = base.gather_clients(state.client_controls, ids)
+      c_i = kit.gather_clients(state.client_controls, ids)
     else:
       c_i = jax.tree.map(lambda p, r: jnp.asarray(r, jnp.result_type(p)),
                          state.params, cohort.client_states)
-    clients = aggregators.map_clients(
+    clients = kit.map_clients(
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.params), fedjx.broadcast(state.control), c_i,
          fedjx.broadcast(state.hparams['client_learning_rate']),
@@ -223,14 +218,14 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
         cohort.num_examples, o['weighting'], o['skip_nonfinite'],
         aggregator_state=state.aggregator_state, client_ids=ids)
     delta_c, per_client = clients.extra if client_metrics else (clients.extra, {})
-    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, key)  # pseudo_grad = -Delta x
     control = jax.tree.map(lambda c, s: c + s / n_pop, state.control,
                            fedjx.reduce_sum(delta_c))
     c_plus = jax.tree.map(jnp.add, c_i, delta_c)  # Delta c_i = 0 if skipped.
     if dense:
-      client_controls = base.scatter_clients(  # c_i <- c_i+ (not for padding).
+      client_controls = kit.scatter_clients(  # c_i <- c_i+ (not for padding).
           state.client_controls, ids, c_plus, real)
     else:
       client_controls = ()
@@ -238,10 +233,10 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
           lambda new, old: jnp.where(
               jnp.reshape(real, real.shape + (1,) * (new.ndim - 1)), new, old),
           c_plus, c_i)
-    metrics = nonfinite.round_metrics(clients,
-                                      pseudo_grad_norm=optax.tree.norm(pseudo_grad),
-                                      control_norm=optax.tree.norm(control),
-                                      **agg_metrics)
+    metrics = kit.round_metrics(clients,
+                                pseudo_grad_norm=optax.tree.norm(pseudo_grad),
+                                control_norm=optax.tree.norm(control),
+                                **agg_metrics)
     metrics.update(per_client)  # Per-client [C] metrics, if asked.
     state = state._replace(params=params, opt_state=opt_state, control=control,
                            client_controls=client_controls,
@@ -249,12 +244,12 @@ def scaffold(loss_fn: base.LossFn, num_clients: int, *,
                            aggregator_state=agg_state)
     return (state, metrics) if dense else (state, metrics, c_plus)
 
-  return base.make_algorithm(
+  return kit.make_algorithm(
       name, init, round_fn, loss_fn=loss_fn, options=o,
       client_state_init=None if dense else zeros_like, indexed_batches=True,
       unprivatized=UNPRIVATIZED)
 
 
-def zeros_like(params: base.Params) -> base.Params:
+def zeros_like(params: kit.Params) -> kit.Params:
   """One client's ``c_i`` before it participates: zeros shaped like ``params``."""
   return jax.tree.map(jnp.zeros_like, params)

@@ -68,10 +68,7 @@ import optax
 
 import fedjx
 import fedjx.indexed
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import base
-from fedjx.algorithms import client_update
-from fedjx.algorithms import nonfinite
+from fedjx.algorithms import kit
 from fedjx.algorithms.diloco_lib import OPTIONS as DILOCO_OPTIONS
 from fedjx.algorithms.diloco_lib import check_aggregator
 from fedjx.algorithms.diloco_lib import check_options
@@ -95,8 +92,8 @@ class StreamingDiLoCoState(NamedTuple):
     aggregator_state: the aggregator's state (``()`` when it has none).
   """
 
-  params: base.Params
-  replica_params: base.Params
+  params: kit.Params
+  replica_params: kit.Params
   opt_state: tuple[optax.OptState, ...]
   inner_opt_states: Any
   hparams: dict[str, Any]
@@ -104,7 +101,7 @@ class StreamingDiLoCoState(NamedTuple):
   aggregator_state: Any = ()
 
 
-def fragment_leaves(params: base.Params, num_fragments: int,
+def fragment_leaves(params: kit.Params, num_fragments: int,
                     pattern: str) -> tuple[tuple[int, ...], ...]:
   """Leaf indices (``jax.tree.leaves`` order) of each of the ``P`` fragments."""
   sizes = [max(1, int(jnp.size(x))) for x in jax.tree.leaves(params)]
@@ -157,7 +154,7 @@ def _take_steps(batches: Any, mask: jax.Array, steps: Any) -> tuple[Any, jax.Arr
           jnp.asarray(mask)[steps])
 
 
-def _split_steps(batches: Any, mask: jax.Array, schedule: client_update.LocalSchedule,
+def _split_steps(batches: Any, mask: jax.Array, schedule: kit.LocalSchedule,
                  tau: int) -> tuple[tuple[Any, jax.Array], tuple[Any, jax.Array], int]:
   """The round's inner steps as two runs of plain steps: ``[0, tau)`` and
   ``[tau, S)`` (the batches each step of ``schedule`` reads), and ``S``."""
@@ -165,18 +162,18 @@ def _split_steps(batches: Any, mask: jax.Array, schedule: client_update.LocalSch
     s = int(jnp.shape(mask)[0])
     return (_take_steps(batches, mask, slice(0, tau)),
             _take_steps(batches, mask, slice(tau, s)), s)
-  index, _ = client_update.step_schedule(mask, schedule)
+  index, _ = kit.step_schedule(mask, schedule)
   return (_take_steps(batches, mask, index[:tau]),
           _take_steps(batches, mask, index[tau:]), schedule.steps)
 
 
-@base.with_options(DILOCO_OPTIONS)
-def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
+@kit.with_options(DILOCO_OPTIONS)
+def streaming_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
                      num_fragments: int = 2, fragment_pattern: str = 'strided',
                      quantization_format: str | None = None,
-                     aggregator: aggregators.Aggregator | None = None,
+                     aggregator: kit.Aggregator | None = None,
                      mixing_factor: float = 0.0, overlap_steps: int = 0,
-                     **options: Any) -> base.Algorithm:
+                     **options: Any) -> kit.Algorithm:
   """Streaming DiLoCo with ``num_replicas`` replicas and ``P`` fragments.
 
   Args:
@@ -208,16 +205,16 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
       ``overlap_steps``, it misses the merge of the fragment in flight too).
   """
   name = 'streaming_diloco'
-  base.check_positive_int(name, 'num_replicas', num_replicas)
-  base.check_positive_int(name, 'num_fragments', num_fragments)
-  base.check_choice(name, 'fragment_pattern', fragment_pattern, FRAGMENT_PATTERNS)
+  kit.check_positive_int(name, 'num_replicas', num_replicas)
+  kit.check_positive_int(name, 'num_fragments', num_fragments)
+  kit.check_choice(name, 'fragment_pattern', fragment_pattern, FRAGMENT_PATTERNS)
   if quantization_format is None and aggregator is None:
     quantization_format = 'e3m0'
   quantization.check_format(name, 'quantization_format',
                             quantization_format or 'float32')
   aggregator = check_aggregator(name, aggregator,
                                 quantization_format or 'float32')
-  base.check_number(name, 'mixing_factor', mixing_factor, high=1.0)
+  kit.check_number(name, 'mixing_factor', mixing_factor, high=1.0)
   inner_optimizer, outer_optimizer, schedule, o = check_options(
       name, options)
   check_overlap_steps(overlap_steps, schedule.steps)
@@ -234,68 +231,68 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         opt_state=tuple(outer_optimizer.init(tuple(leaves[i] for i in f))
                         for f in frags),
         inner_opt_states=stack(inner_optimizer.init(params)),
-        hparams=base.combine_hparams(
+        hparams=kit.combine_hparams(
             'streaming_diloco',
-            algorithm={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
-                       'outer_optimizer': base.optimizer_hparams(
+            algorithm={'inner_optimizer': kit.optimizer_hparams(inner_optimizer, params),
+                       'outer_optimizer': kit.optimizer_hparams(
                            outer_optimizer, tuple(leaves[i] for i in frags[0])),
                        'mixing_factor': jnp.asarray(mixing_factor, jnp.float32)},
-            aggregator=aggregators.init_hparams(aggregator)),
+            aggregator=kit.aggregator_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
   def replica_fn(theta_k, hparams, inner_state, batches, mask, *in_flight):
-    inner_state = base.with_hparams(inner_state, hparams)
+    inner_state = kit.with_hparams(inner_state, hparams)
     if tau == 0:
-      out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer,
-                                       theta_k, inner_state, batches, mask,
-                                       schedule)
+      out = kit.local_update(loss_fn, metrics_fn, inner_optimizer,
+                             theta_k, inner_state, batches, mask,
+                             schedule)
     else:
       out = overlapped_update(theta_k, inner_state, batches, mask, *in_flight)
-    return nonfinite.ClientOutput(out.params, out.stats,
-                                  state=(out.params, out.opt_state),
-                                  previous_state=(theta_k, inner_state))
+    return kit.ClientOutput(out.params, out.stats,
+                            state=(out.params, out.opt_state),
+                            previous_state=(theta_k, inner_state))
 
   def overlapped_update(theta_k, inner_state, batches, mask, theta, merging,
                         alpha):
     """``tau`` inner steps, the merge of the fragment in flight (the leaves
     where ``merging``), the round's other ``S - tau`` steps."""
     first, rest, s = _split_steps(batches, mask, schedule, tau)
-    plain = client_update.LocalSchedule(epochs=1, steps=None)
-    before = (client_update.evaluate(loss_fn, metrics_fn, theta_k, batches, mask)
+    plain = kit.LocalSchedule(epochs=1, steps=None)
+    before = (kit.evaluate(loss_fn, metrics_fn, theta_k, batches, mask)
               if schedule.evaluate else None)
-    y, state, n, sums = client_update.train(
+    y, state, n, sums = kit.train(
         loss_fn, inner_optimizer, theta_k, inner_state, *first, plain)
     leaves, treedef = jax.tree.flatten(y)
     leaves = [jnp.where(m, (alpha * r + (1 - alpha) * g).astype(r.dtype), r)
               for r, g, m in zip(leaves, jax.tree.leaves(theta), merging)]
     y = jax.tree.unflatten(treedef, leaves)
     if s > tau:
-      y, state, n_rest, sums_rest = client_update.train(
+      y, state, n_rest, sums_rest = kit.train(
           loss_fn, inner_optimizer, y, state, *rest, plain)
       n = n + n_rest
       sums = jax.tree.map(jnp.add, sums, sums_rest)
     if before is None:
       stats = {'loss_during': sums['loss'], 'count': sums['count']}
-    else:  # As client_update.local_update reports them.
-      after = client_update.evaluate(loss_fn, metrics_fn, y, batches, mask)
+    else:  # As kit.local_update reports them.
+      after = kit.evaluate(loss_fn, metrics_fn, y, batches, mask)
       stats = {'count': before.pop('count')}
       after.pop('count')
       stats.update({f'{k}_before': v for k, v in before.items()})
       stats.update({f'{k}_after': v for k, v in after.items()})
-    return client_update.ClientUpdate(y, state, n, stats)
+    return kit.ClientUpdate(y, state, n, stats)
 
   def sync_fragment(p, frag, hparams, clients, num_clients, key, operands):
     """Outer step on fragment ``p`` (leaves ``frag``); updates the operands."""
     leaves, replica_leaves, opt_states, agg_state = operands
     theta = tuple(leaves[i] for i in frag)
     theta_k = tuple(replica_leaves[i] for i in frag)
-    fragment_clients = aggregators.encode_map(  # messages Q(theta^p - theta_k^p)
-        aggregator, hparams, clients, base.tree_sub,
+    fragment_clients = kit.encode_map(  # messages Q(theta^p - theta_k^p)
+        aggregator, hparams, clients, kit.tree_sub,
         (fedjx.broadcast(theta), theta_k), aggregator_state=agg_state)
-    outer_grad, agg_state, agg_metrics = aggregators.aggregate(
+    outer_grad, agg_state, agg_metrics = kit.aggregate(
         aggregator, agg_state, hparams, fragment_clients, key)
-    theta, opt_state = base.server_update(
+    theta, opt_state = kit.server_update(
         outer_optimizer, opt_states[p], hparams['outer_optimizer'], theta, outer_grad)
     merge = lambda r, g, a: jax.tree.map(lambda r, g: a * r + (1 - a) * g, r, g)
     if tau > 0:  # In flight: merged tau inner steps into the next round.
@@ -312,7 +309,7 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     for j, i in enumerate(frag):
       leaves[i], replica_leaves[i] = theta[j], merged[j]
     opt_states = opt_states[:p] + (opt_state,) + opt_states[p + 1:]
-    sent = aggregators.upload_bytes(aggregator, theta, num_clients, agg_metrics)
+    sent = kit.upload_bytes(aggregator, theta, num_clients, agg_metrics)
     return (tuple(leaves), tuple(replica_leaves), opt_states, agg_state,
             optax.tree.norm(outer_grad), sent, agg_metrics)
 
@@ -333,15 +330,15 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
 
   def round_fn(state, cohort, key):
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
-    gather = lambda t: base.gather_clients(t, ids)
-    clients = nonfinite.map_clients(
+    gather = lambda t: kit.gather_clients(t, ids)
+    clients = kit.map_guarded(
         replica_fn,
         (gather(state.replica_params),
          fedjx.broadcast(state.hparams['inner_optimizer']),
          gather(state.inner_opt_states), cohort.batches, cohort.mask)
         + in_flight(state, cohort),
-        aggregators.client_weights(aggregator, cohort.num_examples,
-                                   o['weighting']),
+        kit.client_weights(aggregator, cohort.num_examples,
+                           o['weighting']),
         cohort.num_examples, o['skip_nonfinite'])
     theta_k, inner = clients.state
     # Synchronise fragment p = round mod P (one branch per fragment).
@@ -360,11 +357,11 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
      agg_metrics) = jax.lax.switch(
          p, branches, (tuple(leaves), tuple(jax.tree.leaves(theta_k)),
                        state.opt_state, state.aggregator_state))
-    scatter = lambda store, new: base.scatter_clients(
+    scatter = lambda store, new: kit.scatter_clients(
         store, ids, new, cohort.num_examples > 0)
-    metrics = nonfinite.round_metrics(clients, pseudo_grad_norm=norm,
-                                      communicated_bytes=sent, synced_fragment=p,
-                                      **agg_metrics)
+    metrics = kit.round_metrics(clients, pseudo_grad_norm=norm,
+                                communicated_bytes=sent, synced_fragment=p,
+                                **agg_metrics)
     return state._replace(
         params=jax.tree.unflatten(treedef, leaves),
         replica_params=scatter(state.replica_params,
@@ -373,5 +370,5 @@ def streaming_diloco(loss_fn: base.LossFn, num_replicas: int, *,
         inner_opt_states=scatter(state.inner_opt_states, inner),
         round_index=state.round_index + 1, aggregator_state=agg_state), metrics
 
-  return base.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             indexed_batches=True)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
+                            indexed_batches=True)

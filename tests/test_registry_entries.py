@@ -216,11 +216,13 @@ def test_bad_registrations_are_one_line():
 
 def test_a_new_algorithm_needs_only_public_names():
   import fedjx.algorithms as algos  # pylint: disable=import-outside-toplevel
-  from fedjx.algorithms import base, client_update  # pylint: disable=import-outside-toplevel
-  for name in ('make_algorithm', 'default_sgd', 'round_metrics', 'server_update',
+  from fedjx.algorithms import base, client_update, kit  # pylint: disable=import-outside-toplevel
+  assert algos.kit is kit and 'kit' in algos.__all__
+  for name in ('make_algorithm', 'default_sgd', 'server_update',
                'with_options', 'COMMON_OPTIONS', 'ServerState'):
-    assert getattr(algos, name) is getattr(base, name), name
-    assert name in algos.__all__
+    assert getattr(kit, name) is getattr(base, name), name
+    assert name in kit.__all__
+  assert kit.stats_metrics is base.round_metrics
   for name in ('local_update', 'check_schedule', 'LocalSchedule'):
-    assert getattr(algos, name) is getattr(client_update, name), name
-    assert name in algos.__all__
+    assert getattr(kit, name) is getattr(client_update, name), name
+    assert name in kit.__all__

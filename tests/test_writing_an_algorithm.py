@@ -1,7 +1,8 @@
 """docs/writing_an_algorithm.md, run as a test.
 
 The page's Python code blocks execute in order in one namespace; its
-algorithm block (the first) is at most 60 lines, as the page says; and its
+algorithm block (the first) is at most 60 lines, as the page says, and
+imports nothing of ``fedjx.algorithms`` but the kit; and its
 FedDyn (Acar et al., "Federated Learning Based on Dynamic Regularization",
 ICLR 2021, Algorithm 1) agrees over three rounds with the shipped
 ``fedjx.algorithms.feddyn`` (same hyperparameters, data and seed) and with a
@@ -14,6 +15,7 @@ float64 NumPy loop of the paper's equations written here:
                theta^t = mean_k theta_k - h / alpha
 """
 
+import ast
 import pathlib
 import re
 
@@ -59,6 +61,19 @@ def test_algorithm_block_is_at_most_60_lines():
   assert f'one code\nblock of {lines} lines' in text, 'the page states the count'
   assert 'def my_feddyn(' in blocks[0]
   assert max(len(line) for line in blocks[0].splitlines()) <= 80
+
+
+def test_algorithm_block_is_written_from_the_kit():
+  tree = ast.parse(code_blocks(PAGE.read_text())[0])
+  imported = [alias.name for node in ast.walk(tree)
+              if isinstance(node, ast.Import) for alias in node.names]
+  imported += [f'{node.module}.{alias.name}' for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) for alias in node.names]
+  assert [m for m in imported if m.startswith('fedjx.algorithms')] == [
+      'fedjx.algorithms.kit']
+  used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+          and isinstance(node.value, ast.Name) and node.value.id == 'kit'}
+  assert used <= set(algos.kit.__all__)
 
 
 def _population():
