@@ -64,8 +64,10 @@ DEFAULTS: dict[str, Any] = {
     # Compiled rounds kept on disk for the next run: 'user' (a cache folder
     # of this user), 'workdir', 'off' or a folder (compilation_cache.py).
     'compilation_cache': 'user',
-    'mesh': '',                 # e.g. 'clients=-1': shard cohorts over devices
-    'param_sharding': 'replicated',  # or 'fsdp': server state sharded on 'model'
+    # Device mesh axes (MESH_AXES): e.g. 'clients=-1' shards cohorts over the
+    # devices; 'clients=2,fsdp=2,tensor=2' also shards each replica's model
+    # FSDP-style on fsdp and (llama_lm only) Megatron-style on tensor.
+    'mesh': '',
     'coordinator_address': '',  # multi-process runs: 'host:port' of process 0
     'num_processes': None,
     'process_id': None,
@@ -210,7 +212,7 @@ DATA_PLACEMENTS = ('auto', 'device', 'host')
 RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
                      'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep',
                      'data_placement', 'compilation_cache',
-                     'mesh', 'param_sharding', 'coordinator_address',
+                     'mesh', 'coordinator_address',
                      'num_processes', 'process_id', 'coordinator_timeout_s',
                      'execution',
                      'streaming_chunk_size', 'network')
@@ -259,9 +261,7 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   if not (_number(wait) and math.isfinite(wait) and wait > 0):
     raise ConfigError(f'config.coordinator_timeout_s={wait!r}; it must be a '
                       'positive number of seconds.')
-  if config.param_sharding not in ('replicated', 'fsdp'):
-    raise ConfigError(f'config.param_sharding={config.param_sharding!r} '
-                               "is not one of ('replicated', 'fsdp').")
+  check_mesh(config)
   if not isinstance(config.compilation_cache, str) or not config.compilation_cache:
     raise ConfigError(f'config.compilation_cache={config.compilation_cache!r};'
                       " it must be 'user', 'workdir', 'off' or a folder's path.")
@@ -279,6 +279,85 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   _check_churn(config)
   lora_setup.lora_config_of(config)
   return config
+
+
+MESH_AXES = ('clients', 'fsdp', 'tensor')
+"""The axes ``config.mesh`` may name. ``clients``: the cohort's clients (DiLoCo's
+replicas) are split over it; ``fsdp``: every replica's parameters and optimizer
+state are split over it FSDP-style (ZeRO stage 3, Rajbhandari et al. 2020,
+arXiv 1910.02054) and its batch with them; ``tensor``: a ``llama_lm``
+replica's matrices are split over it Megatron-style (Shoeybi et al. 2019,
+arXiv 1909.08053). :func:`fedjx.sharding.replica_specs` gives the layout."""
+
+
+def mesh_axes(mesh: str) -> dict[str, int]:
+  """Axis names to sizes of a ``config.mesh`` string, in order.
+
+  ``'clients=-1'``, ``'clients=4,fsdp=2'``, ``'clients=2,fsdp=2,tensor=2'``:
+  comma-separated ``name=size`` items, names Python identifiers, each once,
+  sizes integers (-1: the devices left over, checked when the mesh is laid
+  out). Raises :class:`ConfigError` in one line. (Which names a run accepts
+  is :func:`check_mesh`'s.)
+  """
+  axes: dict[str, int] = {}
+  for item in str(mesh).split(','):
+    name, _, size = (part.strip() for part in item.partition('='))
+    try:
+      value = int(size)
+    except ValueError:
+      value = None
+    if value is None or not name.isidentifier():
+      raise ConfigError(
+          f'config.mesh={mesh!r}: write axis sizes as '
+          "'clients=-1', 'clients=4,fsdp=2' or 'clients=2,fsdp=2,tensor=2'.")
+    if name in axes:
+      raise ConfigError(f'config.mesh={mesh!r}: the axis {name!r} is named twice; '
+                        'name each axis once.')
+    axes[name] = value
+  return axes
+
+
+def check_mesh(config: ml_collections.ConfigDict) -> dict[str, int]:
+  """Checks ``config.mesh`` against the run (no JAX): its axes by name.
+
+  Refuses, in one line naming the value and what is allowed: a non-string;
+  an axis not in :data:`MESH_AXES`; a size that is neither a positive int nor
+  -1; a ``tensor`` axis of more than one device for a model other than
+  ``llama_lm`` (only the Llama layout splits matrices Megatron-style) or for
+  a LoRA run (``config.lora.rank > 0``, whose server state is the adapters).
+  """
+  mesh = config.mesh
+  if not isinstance(mesh, str):
+    raise ConfigError(f'config.mesh={mesh!r}; it must be a str such as '
+                      "'clients=-1' or 'clients=2,fsdp=2,tensor=2' ('' for no mesh).")
+  if not mesh:
+    return {}
+  axes = mesh_axes(mesh)
+  for name, size in axes.items():
+    if name not in MESH_AXES:
+      raise ConfigError(
+          f'config.mesh={mesh!r}: the axis {name!r} is not one of {MESH_AXES} '
+          "(clients: the cohort; fsdp and tensor: each replica's model)."
+          f'{suggest(name, MESH_AXES)}')
+    if size != -1 and size < 1:
+      raise ConfigError(f'config.mesh={mesh!r}: the axis {name!r} has size {size}; '
+                        'sizes are positive ints or -1 (the devices left over).')
+  if axes.get('tensor', 1) != 1:
+    model = _as_dict(config.model)
+    name = model.get('name') if isinstance(model, Mapping) else None
+    if name != 'llama_lm':
+      raise ConfigError(
+          f'config.mesh={mesh!r}: the tensor axis splits a llama_lm model '
+          f"Megatron-style, and config.model.name={name!r} has no such layout; "
+          "use 'llama_lm', or shard the model on fsdp only.")
+    rank = _as_dict(config.lora).get('rank', 0) if isinstance(
+        _as_dict(config.lora), Mapping) else 0
+    if rank:
+      raise ConfigError(
+          f'config.mesh={mesh!r}: the tensor axis splits the full model, and '
+          f'config.lora.rank={rank!r} trains adapters; with LoRA use clients '
+          'and fsdp axes only.')
+  return axes
 
 
 def _section(path: str, value: Any, defaults: Mapping[str, Any], *,

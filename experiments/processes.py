@@ -13,49 +13,26 @@ import os
 import jax
 import ml_collections
 
+from fedjx.experiments import config as config_lib
 from fedjx.experiments import registry
 
 
-def mesh_axes(mesh: str) -> dict[str, int]:
-  """Axis names to sizes of a ``config.mesh`` string, in order.
-
-  ``'clients=-1'``, ``'clients=4,model=2'``, ``'clients=2,fsdp=2,tensor=2'``:
-  comma-separated ``name=size`` items, names Python identifiers, each once,
-  sizes integers (-1: the devices left over, checked when the mesh is laid
-  out). Raises :class:`~fedjx.experiments.registry.ConfigError` in one line.
-  """
-  axes: dict[str, int] = {}
-  for item in str(mesh).split(','):
-    name, _, size = (part.strip() for part in item.partition('='))
-    try:
-      value = int(size)
-    except ValueError:
-      value = None
-    if value is None or not name.isidentifier():
-      raise registry.ConfigError(
-          f'config.mesh={mesh!r}: write axis sizes as '
-          "'clients=-1', 'clients=4,model=2' or 'clients=2,fsdp=2,tensor=2'.")
-    if name in axes:
-      raise registry.ConfigError(f'config.mesh={mesh!r}: the axis {name!r} is named twice; '
-                                 'name each axis once.')
-    axes[name] = value
-  return axes
-
-
 def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
-  """The device mesh of ``config.mesh``, e.g. ``'clients=-1'`` or ``'clients=4,model=2'``.
+  """The device mesh of ``config.mesh``, e.g. ``'clients=-1'`` or ``'clients=2,fsdp=2,tensor=2'``.
 
-  Axis names and sizes over all devices (-1: the devices left over), read by
-  :func:`mesh_axes`. With a ``clients`` axis, cohorts are sharded over it
-  (each device trains its slice of the clients); ``cohort_size`` must be a
-  multiple of its size. ``'clients=2,fsdp=2,tensor=2'`` lays out the axes of
-  a language model's replicas (FSDP and Megatron-style tensor parallelism,
-  :func:`fedjx.sharding.llama_param_specs`).
+  Axis names and sizes over all devices (-1: the devices left over), read
+  by :func:`fedjx.experiments.config.mesh_axes` (a run checks them first,
+  :func:`fedjx.experiments.config.check_mesh`). With a
+  ``clients`` axis, cohorts are sharded over it (each device trains its slice
+  of the clients); ``cohort_size`` must be a multiple of its size. ``fsdp``
+  and ``tensor`` are the axes of each replica's model: the runner lays the
+  server state on :func:`fedjx.sharding.replica_specs` over them (FSDP, and
+  Megatron-style tensor parallelism of a ``llama_lm`` model).
   """
   if not config.mesh:
     return None
   from fedjx import distributed  # pylint: disable=g-import-not-at-top
-  axes = mesh_axes(config.mesh)
+  axes = config_lib.mesh_axes(config.mesh)
   check_devices_per_process(config.mesh)
   return distributed.make_mesh(axes)
 

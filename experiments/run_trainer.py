@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 
 from fedjx import execution as execution_lib
+from fedjx import sharding
 from fedjx.experiments import checkpointing
 from fedjx.experiments import client_states
 from fedjx.experiments import clock as clock_lib
@@ -129,15 +130,22 @@ class RunTrainer:
     self._finite = self._params_finite = True
 
   def initial_state(self) -> Any:
-    """The algorithm's initial state, placed on the mesh if there is one."""
+    """The algorithm's initial state, placed on the mesh if there is one.
+
+    Global arrays over every process's devices, each leaf on
+    :func:`fedjx.sharding.replica_specs` over the mesh's ``fsdp`` and
+    ``tensor`` axes (the model's ``layout``: Megatron-style for ``llama_lm``,
+    FSDP along the largest divisible dimension otherwise) and replicated over
+    ``clients``; with neither axis, replicated. Inside a round each replica's
+    parameters keep this layout (:meth:`fedjx.models.Model.apply` constrains
+    them), stacked on ``clients``; a checkpoint restores into it.
+    """
     fresh = self.exp.algorithm.init(self.exp.init_params)
     mesh = jax.sharding.get_mesh()
     if mesh is not None and not mesh.empty:
       from fedjx import distributed  # pylint: disable=g-import-not-at-top
-      # Global arrays over every process's devices: replicated, or FSDP-sharded
-      # on the 'model' axis (each client's model spans the model axis).
-      fresh = distributed.put_global(fresh, mesh, distributed.state_specs(
-          fresh, mesh, self.config.param_sharding))
+      fresh = distributed.put_global(fresh, mesh, state_specs(
+          self.config, self.exp.model, fresh, mesh))
     return fresh
 
   def _restore(self, ckpt: checkpointing.Checkpointer) -> dict[str, Any] | None:
@@ -360,6 +368,28 @@ class RunTrainer:
           write=lambda c, new: client_states.write_back(self.store, c, new))
     finally:
       replay.close()
+
+
+def state_specs(config: ml_collections.ConfigDict, model: Any, state: Any,
+                mesh: jax.sharding.Mesh) -> Any:
+  """The ``PartitionSpec`` of each leaf of a server state on ``mesh``.
+
+  :func:`fedjx.sharding.replica_specs` with the sizes of the mesh's ``fsdp``
+  and ``tensor`` axes and ``model.layout``. Refuses, naming ``config.mesh``,
+  a ``tensor`` size that does not divide a Llama model's heads, MLP width and
+  vocabulary, and a size that does not divide the dimension of a Llama
+  matrix it would split.
+  """
+  fsdp, tensor = sharding.replica_axis_sizes(mesh)
+  layout = getattr(model, 'layout', 'fsdp')
+  try:
+    shape = lm_metrics.llama_shape(model)
+    if tensor > 1 and shape is not None:
+      from fedjx.experiments import lm_cost  # pylint: disable=g-import-not-at-top
+      lm_cost.check_tensor('llama_lm', shape, tensor)
+    return sharding.replica_specs(state, fsdp, tensor, layout)
+  except ValueError as e:
+    raise registry.ConfigError(f'config.mesh={config.mesh!r}: {e}') from None
 
 
 def _train_loss(row: Mapping[str, Any]) -> float | None:

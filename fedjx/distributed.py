@@ -12,10 +12,9 @@ of them. This module adds what a federated experiment needs on top:
   (:func:`wait_for_coordinator`: a port held by another program is one
   line at once, not JAX's wait of minutes and abort);
 * :func:`make_mesh`: a mesh from axis names and sizes (``{'clients': -1,
-  'model': 4}``: -1 takes the devices left over);
-* :func:`fsdp_sharding`: parameters sharded on the ``model`` axis (each array
-  along its largest divisible dimension), so one client's (or one DiLoCo
-  replica's) model spans several devices;
+  'fsdp': 4}``: -1 takes the devices left over); how a replica's state lies
+  on its ``fsdp`` and ``tensor`` axes is :func:`fedjx.sharding.replica_specs`;
+* :func:`put_global`: global arrays on a mesh from host values;
 * :func:`launch_local`: N processes of D CPU devices each on this machine,
   talking over gloo; what the tests use.
 """
@@ -204,46 +203,6 @@ def make_mesh(axes: Mapping[str, int] | None = None,
                        devices=devices)
 
 
-def fsdp_spec(shape: Sequence[int], axis_size: int, axis: str = 'model',
-              min_size: int = 1024) -> P:
-  """Shards an array's largest dimension divisible by ``axis_size`` on ``axis``.
-
-  Arrays smaller than ``min_size`` elements stay replicated.
-  """
-  if axis_size <= 1 or int(np.prod(shape)) < min_size:
-    return P()
-  order = sorted(range(len(shape)), key=lambda d: -shape[d])
-  for d in order:
-    if shape[d] % axis_size == 0:
-      spec = [None] * len(shape)
-      spec[d] = axis
-      return P(*spec)
-  return P()
-
-
-def fsdp_sharding(params: Any, mesh: jax.sharding.Mesh, axis: str = 'model',
-                  min_size: int = 1024) -> Any:
-  """``NamedSharding`` s that shard each parameter on ``axis`` (FSDP-style)."""
-  size = mesh.shape[axis] if axis in mesh.axis_names else 1
-  return jax.tree.map(
-      lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), size, axis, min_size)), params)
-
-
-def constrain_fsdp(params: Any, axis: str = 'model', min_size: int = 1024) -> Any:
-  """Inside a jitted computation: keeps parameters sharded on ``axis``.
-
-  Works inside ``map_fn`` (the clients axis is added by vmap's
-  ``spmd_axis_name``). A no-op without an active mesh that has ``axis``.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty or axis not in mesh.axis_names:
-    return params
-  size = mesh.shape[axis]
-  return jax.tree.map(
-      lambda x: jax.lax.with_sharding_constraint(x, fsdp_spec(x.shape, size, axis, min_size)),
-      params)
-
-
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(('localhost', 0))
@@ -330,15 +289,3 @@ def put_global(tree: Any, mesh: jax.sharding.Mesh, specs: Any = None) -> Any:
     return jax.make_array_from_callback(arr.shape, sharding, lambda index: arr[index])
 
   return jax.tree.map(one, tree, specs)
-
-
-def state_specs(tree: Any, mesh: jax.sharding.Mesh, param_sharding: str = 'replicated',
-                axis: str = 'model') -> Any:
-  """``PartitionSpec`` s for a server state: replicated, or FSDP on ``axis``."""
-  if param_sharding not in ('replicated', 'fsdp'):
-    raise ValueError(f"param_sharding={param_sharding!r} is not one of "
-                     "('replicated', 'fsdp').")
-  if param_sharding == 'replicated' or axis not in mesh.axis_names:
-    return jax.tree.map(lambda _: P(), tree)
-  size = mesh.shape[axis]
-  return jax.tree.map(lambda x: fsdp_spec(np.shape(x), size, axis), tree)

@@ -170,3 +170,120 @@ def llama_param_specs(tree: Any, fsdp: int = 1, tensor: int = 1) -> Any:
   """:func:`llama_param_spec` of every leaf of ``tree`` (parameters or optimizer state)."""
   return jax.tree_util.tree_map_with_path(
       lambda path, x: llama_param_spec(path, tuple(np.shape(x)), fsdp, tensor), tree)
+
+
+REPLICA_AXES = ('fsdp', 'tensor')
+"""The mesh axes one replica (one client's model) spans, beside ``clients``."""
+
+LAYOUTS = ('fsdp', 'llama')
+"""How a model's parameters lie on :data:`REPLICA_AXES` (:func:`replica_spec`)."""
+
+
+def fsdp_spec(shape: tuple[int, ...], fsdp: int, min_size: int = 1024) -> P:
+  """``'fsdp'`` on the largest dimension of ``shape`` that ``fsdp`` divides.
+
+  FSDP / ZeRO stage 3 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+  Toward Training Trillion Parameter Models", arXiv 1910.02054; Zhao et al.
+  2023, "PyTorch FSDP", arXiv 2304.11277): each of the ``fsdp`` devices
+  stores ``1/fsdp`` of every parameter and of its optimizer state, and the
+  whole matrix is gathered only where a product needs it. Arrays of fewer
+  than ``min_size`` elements, and arrays no dimension of which ``fsdp``
+  divides, stay replicated (ties go to the first dimension).
+  """
+  shape = tuple(shape)
+  if fsdp <= 1 or int(np.prod(shape)) < min_size:
+    return P(*([None] * len(shape)))
+  axes = [i for i, n in enumerate(shape) if n % fsdp == 0]
+  if not axes:
+    return P(*([None] * len(shape)))
+  best = max(axes, key=lambda i: (shape[i], -i))
+  return P(*('fsdp' if i == best else None for i in range(len(shape))))
+
+
+def replica_spec(path: Any, shape: tuple[int, ...], fsdp: int = 1, tensor: int = 1,
+                 layout: str = 'fsdp') -> P:
+  """The ``PartitionSpec`` over ``('fsdp', 'tensor')`` of one leaf of a replica's state.
+
+  ``layout='llama'``: a Llama parameter (or a leaf of the same path, such as
+  an optimizer moment) follows :func:`llama_param_spec` (Megatron-LM, Shoeybi
+  et al. 2019, arXiv 1909.08053, Section 3, on ``tensor``; FSDP on ``fsdp``
+  along the other dimension); any other leaf (a LoRA adapter, a per-leaf
+  statistic of another shape) falls back to :func:`fsdp_spec`.
+  ``layout='fsdp'``: every leaf follows :func:`fsdp_spec`, whatever the model
+  (``tensor`` is then not used). Scalars are replicated.
+
+  Raises:
+    ValueError: ``layout`` is not one of :data:`LAYOUTS`, or a Llama leaf has
+      a dimension that ``fsdp`` or ``tensor`` does not divide.
+  """
+  if layout not in LAYOUTS:
+    raise ValueError(f'replica_spec: layout={layout!r} is not one of {LAYOUTS}.')
+  shape = tuple(shape)
+  if not shape:
+    return P()
+  if layout == 'llama' and (fsdp > 1 or tensor > 1):
+    names = _path_names(path)
+    try:
+      axes = _matrix_axes(names, len(shape))
+    except ValueError:
+      axes = False  # Not a Llama parameter.
+    if axes is not False:
+      return llama_param_spec(path, shape, fsdp, tensor)
+  return fsdp_spec(shape, fsdp)
+
+
+def replica_specs(tree: Any, fsdp: int = 1, tensor: int = 1, layout: str = 'fsdp') -> Any:
+  """:func:`replica_spec` of every leaf of ``tree`` (a state, parameters, moments)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: replica_spec(path, tuple(np.shape(x)), fsdp, tensor, layout), tree)
+
+
+def replica_axis_sizes(mesh: Any = None) -> tuple[int, int]:
+  """``(fsdp, tensor)``: the sizes of those axes of ``mesh`` (or the active mesh), 1 if absent."""
+  mesh = active_mesh(mesh)
+  if mesh is None:
+    return 1, 1
+  shape = dict(mesh.shape)
+  return int(shape.get('fsdp', 1)), int(shape.get('tensor', 1))
+
+
+def constrain_replica(tree: Any, layout: str = 'fsdp', mesh: Any = None) -> Any:
+  """Inside a traced computation: lays ``tree`` on :func:`replica_specs`.
+
+  Called on one replica's parameters (by :meth:`fedjx.models.Model.apply`),
+  so a model's products, gradients and optimizer state keep the layout of the
+  server state. Inside :func:`fedjx.map_fn` on a mesh with a ``clients``
+  axis, ``vmap``'s ``spmd_axis_name`` adds ``clients`` on the replica axis:
+  a stacked leaf ``[M, ...]`` lies on ``P('clients', *spec)``. A no-op
+  without an active mesh that has an ``fsdp`` or ``tensor`` axis.
+  """
+  fsdp, tensor = replica_axis_sizes(mesh)
+  if fsdp == 1 and tensor == 1:
+    return tree
+  mesh = active_mesh(mesh)
+  specs = replica_specs(tree, fsdp, tensor, layout)
+  def one(x, spec):
+    if not isinstance(mesh, jax.sharding.Mesh):
+      return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.tree.map(one, tree, specs)
+
+
+def constrain_batch(x: jax.Array, mesh: Any = None) -> jax.Array:
+  """Inside a traced computation: one replica's batch ``[B, ...]`` split on ``fsdp``.
+
+  FSDP is data parallelism inside a replica (ZeRO, arXiv 1910.02054): each of
+  the ``fsdp`` devices computes the loss of ``B / fsdp`` examples with the
+  gathered parameters, and the gradient's sum over them is reduce-scattered
+  back onto the parameters' shards. The ``tensor`` devices of a group see
+  the same examples (Megatron-LM). A no-op without an ``fsdp`` axis, or
+  when ``fsdp`` does not divide ``B``.
+  """
+  fsdp, _ = replica_axis_sizes(mesh)
+  if fsdp == 1 or not np.ndim(x) or np.shape(x)[0] % fsdp:
+    return x
+  mesh = active_mesh(mesh)
+  spec = P('fsdp', *([P.UNCONSTRAINED] * (np.ndim(x) - 1)))
+  if isinstance(mesh, jax.sharding.Mesh):
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.lax.with_sharding_constraint(x, spec)

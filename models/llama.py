@@ -279,7 +279,8 @@ def llama_lm(preset: str | LlamaConfig = '1m', vocab_size: int | None = None,
     config = preset.replace(**changes) if changes else preset
   else:
     config = llama_config.preset(preset, **changes)
-  return losses.Model('llama_lm', LlamaLM(config), task='language_modeling', pad_id=pad_id)
+  return losses.Model('llama_lm', LlamaLM(config), task='language_modeling', pad_id=pad_id,
+                      layout='llama')
 
 
 def param_shapes(config: LlamaConfig | str, batch: int = 1, length: int = 8) -> Any:

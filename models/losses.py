@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjx import sharding
+
 Batch = Mapping[str, jax.Array]
 Params = Any
 
@@ -95,6 +97,13 @@ class Model:
     dropout: whether training applies the module's dropout (with a key drawn
       by :func:`batch_rng`); evaluation never does.
     pad_id: the padding token of language models (ignored in loss/accuracy).
+    layout: how the parameters lie on a mesh's ``fsdp`` and ``tensor`` axes
+      (:data:`fedjx.sharding.LAYOUTS`): ``'fsdp'`` (every array on ``fsdp``
+      along its largest divisible dimension) or ``'llama'`` (Megatron-style,
+      :func:`fedjx.sharding.llama_param_specs`). Under a mesh with those axes
+      :meth:`apply` constrains the parameters to it and splits the batch on
+      ``fsdp`` (:func:`fedjx.sharding.constrain_replica`); without one it does
+      nothing.
   """
 
   name: str
@@ -102,6 +111,7 @@ class Model:
   task: str = 'classification'
   dropout: bool = False
   pad_id: int = 0
+  layout: str = 'fsdp'
 
   def init(self, key: jax.Array, batch: Batch) -> Params:
     """Initial parameters for inputs shaped like ``batch['x']`` (``[B, ...]``)."""
@@ -112,6 +122,8 @@ class Model:
             rng: jax.Array | None = None) -> jax.Array:
     """Logits for inputs ``x``."""
     rngs = {'dropout': rng} if (train and rng is not None) else None
+    params = sharding.constrain_replica(params, self.layout)
+    x = sharding.constrain_batch(x)
     return self.module.apply({'params': params}, x, train=train, rngs=rngs)
 
   def _inputs_and_targets(self, batch: Batch) -> tuple[jax.Array, jax.Array]:

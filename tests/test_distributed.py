@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import float_tolerance as ft
 from fedjx import distributed
+from fedjx import sharding
 from fedjx.experiments import runner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,31 +19,31 @@ RUN = os.path.join(REPO, 'scripts', 'run.py')
 
 
 def test_make_mesh_from_axis_sizes():
-  mesh = distributed.make_mesh({'clients': -1, 'model': 2})
-  assert dict(mesh.shape) == {'clients': 4, 'model': 2}
+  mesh = distributed.make_mesh({'clients': -1, 'fsdp': 2})
+  assert dict(mesh.shape) == {'clients': 4, 'fsdp': 2}
   assert distributed.make_mesh({'clients': 8}, axis_types='explicit').axis_types[0] == (
       jax.sharding.AxisType.Explicit)
   with pytest.raises(ValueError, match='need 6 devices'):
-    distributed.make_mesh({'clients': 3, 'model': 2})
+    distributed.make_mesh({'clients': 3, 'fsdp': 2})
   with pytest.raises(ValueError, match='at most one size'):
-    distributed.make_mesh({'clients': -1, 'model': -1})
+    distributed.make_mesh({'clients': -1, 'fsdp': -1})
   with pytest.raises(ValueError, match='axis_types'):
     distributed.make_mesh({'clients': 8}, axis_types='manual')
 
 
 def test_fsdp_spec_shards_the_largest_divisible_dimension():
-  assert distributed.fsdp_spec((64, 256), 4) == P(None, 'model')
-  assert distributed.fsdp_spec((256, 6), 4) == P('model', None)
-  assert distributed.fsdp_spec((3, 5, 7), 4, min_size=1) == P()
-  assert distributed.fsdp_spec((8,), 4) == P()  # Too small to be worth it.
+  assert sharding.fsdp_spec((64, 256), 4) == P(None, 'fsdp')
+  assert sharding.fsdp_spec((256, 6), 4) == P('fsdp', None)
+  assert sharding.fsdp_spec((3, 5, 7), 4, min_size=1) == P(None, None, None)
+  assert sharding.fsdp_spec((8,), 4) == P(None)  # Too small to be worth it.
 
 
 def test_put_global_and_to_host_round_trip():
-  mesh = distributed.make_mesh({'clients': 4, 'model': 2})
+  mesh = distributed.make_mesh({'clients': 4, 'fsdp': 2})
   tree = {'w': np.arange(64.0).reshape(8, 8), 'key': jax.random.key(3)}
-  specs = {'w': P(None, 'model'), 'key': P()}
+  specs = {'w': P(None, 'fsdp'), 'key': P()}
   placed = distributed.put_global(tree, mesh, specs)
-  assert placed['w'].sharding.spec == P(None, 'model')
+  assert placed['w'].sharding.spec == P(None, 'fsdp')
   np.testing.assert_array_equal(distributed.to_host(placed)['w'], tree['w'])
   np.testing.assert_array_equal(jax.random.key_data(placed['key']),
                                 jax.random.key_data(tree['key']))
@@ -133,9 +134,9 @@ def _eval_rows(workdir):
 
 @pytest.mark.slow  # ~50 s: a one-process and a two-process FSDP run compile.
 def test_fsdp_over_two_processes_evaluates_like_one_process(tmp_path):
-  # The MLP's 64x128 and 128x10 kernels are sharded over the model axis, so
+  # The MLP's 64x128 and 128x10 kernels are sharded over the fsdp axis, so
   # no process holds the parameters whole: evaluation must gather them.
-  fsdp = ('--config.mesh=clients=2,model=4', '--config.param_sharding=fsdp')
+  fsdp = ('--config.mesh=clients=2,fsdp=4',)
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
              JAX_PLATFORMS='cpu')
   one = subprocess.run([sys.executable, *_cli(tmp_path / 'one', *fsdp)], env=env,
@@ -148,7 +149,7 @@ def test_fsdp_over_two_processes_evaluates_like_one_process(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
   with open(tmp_path / 'two' / 'config.json', encoding='utf-8') as f:
     saved = json.load(f)
-  assert (saved['mesh'], saved['param_sharding']) == ('clients=2,model=4', 'fsdp')
+  assert saved['mesh'] == 'clients=2,fsdp=4'
   rows_one, rows_two = _eval_rows(tmp_path / 'one'), _eval_rows(tmp_path / 'two')
   assert [r['round'] for r in rows_two] == [r['round'] for r in rows_one] == [0, 3]
   step_one, params_one = _params(tmp_path / 'one')
@@ -190,14 +191,13 @@ def _diloco_config(**overrides):
 
 
 @pytest.mark.slow  # ~35 s, mostly compiling two transformer rounds.
-def test_diloco_replicas_sharded_over_model_axis_match_unsharded(tmp_path):
+def test_diloco_replicas_sharded_over_fsdp_axis_match_unsharded(tmp_path):
   plain = runner.run(_diloco_config(), str(tmp_path / 'plain'))
-  sharded = runner.run(_diloco_config(mesh='clients=2,model=4', param_sharding='fsdp'),
-                       str(tmp_path / 'sharded'))
+  sharded = runner.run(_diloco_config(mesh='clients=2,fsdp=4'), str(tmp_path / 'sharded'))
   specs = [x.sharding.spec for x in jax.tree.leaves(sharded.state.params)]
-  assert any('model' in tuple(s) for s in specs)  # The model spans 4 devices.
+  assert any('fsdp' in tuple(s) for s in specs)  # The model spans 4 devices.
   # The runs differ only in the order of float32 sums (matrix products split
-  # over the 'model' axis, replicas averaged over 'clients'). The longest
+  # over the 'fsdp' axis, replicas averaged over 'clients'). The longest
   # chain of sums per inner step of the byte-level transformer (width 64, 2
   # layers, MLP 256, 64 positions of batch 8, 256 byte classes): forward,
   # per layer, layer norms, projections and attention over 64 terms (7 x 64)

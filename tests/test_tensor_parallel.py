@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import float_tolerance as ft
 from fedjx import sharding
+from fedjx.experiments import config as config_lib
 from fedjx.experiments import lm_cost
 from fedjx.experiments import plan_cli
 from fedjx.experiments import processes
@@ -80,15 +81,15 @@ def test_sizes_that_do_not_divide_and_foreign_leaves_are_refused():
     lm_cost.plan_inner_step(PRESET, tensor=3)
 
 
-def test_mesh_strings_keep_the_old_forms_and_add_fsdp_and_tensor():
-  assert processes.mesh_axes('clients=-1') == {'clients': -1}
-  assert processes.mesh_axes('clients=4, model=2') == {'clients': 4, 'model': 2}
-  assert processes.mesh_axes('clients=2,fsdp=2,tensor=2') == {
+def test_mesh_strings_name_clients_fsdp_and_tensor():
+  assert config_lib.mesh_axes('clients=-1') == {'clients': -1}
+  assert config_lib.mesh_axes('clients=4, fsdp=2') == {'clients': 4, 'fsdp': 2}
+  assert config_lib.mesh_axes('clients=2,fsdp=2,tensor=2') == {
       'clients': 2, 'fsdp': 2, 'tensor': 2}
   with pytest.raises(registry.ConfigError, match=r"'clients=2,fsdp=2,tensor=2'"):
-    processes.mesh_axes('clients=2,tensor')
+    config_lib.mesh_axes('clients=2,tensor')
   with pytest.raises(registry.ConfigError, match=r"the axis 'tensor' is named twice"):
-    processes.mesh_axes('tensor=2,clients=2,tensor=2')
+    config_lib.mesh_axes('tensor=2,clients=2,tensor=2')
   mesh = processes.make_mesh(ml_collections.ConfigDict({'mesh': 'clients=2,fsdp=2,tensor=2'}))
   assert mesh.axis_names == ('clients', 'fsdp', 'tensor')
   assert dict(mesh.shape) == {'clients': 2, 'fsdp': 2, 'tensor': 2}
