@@ -21,11 +21,14 @@ the error it is handed.
 """
 
 import jax
+import ml_collections
 import numpy as np
 import optax
 import pytest
 
 import fedjx.algorithms as algos
+from fedjx.experiments import network
+from fedjx.experiments import network_clock
 from test_algorithms_util import KEY, assert_trees_close, linreg_data
 from test_algorithms_util import linreg_loss, linreg_params, make_cohort
 
@@ -210,3 +213,21 @@ def test_bad_options_name_the_argument_value_and_what_is_allowed(kw, words):
   for w in words:
     assert w in str(e.value)
 
+
+def test_the_clock_hides_the_all_reduce_behind_the_next_inner_phase():
+  config = ml_collections.ConfigDict(dict(
+      algorithm=dict(name='eager_diloco'), local_steps=16,
+      network=dict(inner_steps=None, overlap_fraction=0.0, layers=None)))
+  knobs = network_clock.schedule_knobs(config)
+  assert (knobs['schedule'], knobs['inner_steps'], knobs['fragments'],
+          knobs['overlap_steps'], knobs['rounds_per_schedule']) == (
+              'streaming_diloco', 16, 1, 16.0, 1)
+  schedule = network.Schedule.streaming_diloco(16, 1, 16)
+  net = network.Network(network.Link.gbps(1.0), 'ring')
+  compute = network.Compute.from_step_seconds(0.1)
+  for payload in (1e6, 1e9):  # Hidden; then exposed by what exceeds H T.
+    full = net.allreduce_seconds(payload, 4)
+    timing = network.simulate(schedule, compute, net, payload, 4)
+    assert timing.exposed_seconds == pytest.approx(max(0.0, full - 16 * 0.1))
+  with pytest.raises(ValueError, match='overlap_steps=5 must be < inner_steps=4'):
+    network.Schedule.streaming_diloco(4, 2, 5)
