@@ -152,9 +152,9 @@ def eager_diloco(loss_fn: base.LossFn, num_replicas: int, *,
     inner_steps: as for :func:`diloco` (each replica's outer optimizer is a
       copy of ``outer_optimizer``, with the shared hyperparameters).
     metrics_fn, weighting, client_evaluation, skip_nonfinite: as for
-      :func:`fedavg`; a skipped replica sends nothing (weight 0), keeps its
-      inner state from before the round and still takes its outer step
-      (on the average that arrived, its own fresh term being zero).
+      :func:`fedavg`; a skipped replica is one not sampled: it sends nothing
+      (weight 0) and keeps its outer model, outer and inner optimizer states
+      and share from before the round.
   """
   name = 'eager_diloco'
   base.check_positive_int(name, 'num_replicas', num_replicas)
@@ -231,7 +231,9 @@ def eager_diloco(loss_fn: base.LossFn, num_replicas: int, *,
          fedjx.broadcast(state.hparams['outer_optimizer']),
          fedjx.broadcast(state.in_flight), gather(state.own_share), share,
          fedjx.broadcast(state.round_index == 0)))
-    real = cohort.num_examples > 0
+    # A replica skipped as non-finite (n_i zeroed) is one not sampled: it
+    # keeps its outer model and state, inner state and share.
+    real = clients.num_examples > 0
     scatter = lambda store, new: base.scatter_clients(store, ids, new, real)
     replica_params = scatter(state.replica_params, new_theta)
     metrics = nonfinite.round_metrics(
