@@ -75,6 +75,8 @@ from fedjx.algorithms.diloco_lib import diloco
 from fedjx.algorithms.diloco_recipe_lib import diloco_recipe
 from fedjx.algorithms.dp_fedavg_lib import dp_fedavg
 from fedjx.algorithms.dp_ftrl import tree_gaussian
+from fedjx.algorithms.eager_diloco_lib import EagerDiLoCoState
+from fedjx.algorithms.eager_diloco_lib import eager_diloco
 from fedjx.algorithms.fedavg_lib import fedadagrad
 from fedjx.algorithms.fedavg_lib import fedadam
 from fedjx.algorithms.fedavg_lib import fedavg
@@ -141,9 +143,9 @@ from fedjx.algorithms.tuner import hypergradient_tuner
 __all__ = [
     # The modules of the algorithms (each builder's is ``<name>_lib``).
     'afl_lib', 'apfl_lib', 'async_diloco_lib', 'diloco_lib', 'ditto_lib',
-    'diloco_recipe_lib', 'dp_fedavg_lib', 'fedasync_lib', 'fedavg_lib', 'fedbuff_lib',
-    'feddyn_lib', 'fedexp_lib', 'fedlora_lib', 'fednova_lib', 'fedprox_lib', 'fedrep_lib',
-    'hyp_cluster_lib', 'mime_lib', 'qffl_lib', 'scaffold_lib',
+    'diloco_recipe_lib', 'dp_fedavg_lib', 'eager_diloco_lib', 'fedasync_lib', 'fedavg_lib',
+    'fedbuff_lib', 'feddyn_lib', 'fedexp_lib', 'fedlora_lib', 'fednova_lib', 'fedprox_lib',
+    'fedrep_lib', 'hyp_cluster_lib', 'mime_lib', 'qffl_lib', 'scaffold_lib',
     'streaming_diloco_lib', 'yogi_lib',
     'compression',
     'distributed_dp',
@@ -172,6 +174,7 @@ __all__ = [
     'DelayedNesterovState',
     'FedBuffState',
     'DiLoCoState',
+    'EagerDiLoCoState',
     'ScaffoldState',
     'ServerState',
     'StreamingDiLoCoState',
@@ -196,6 +199,7 @@ __all__ = [
     'delayed_nesterov',
     'dp_fedavg',
     'dp_ftrl',
+    'eager_diloco',
     'fedadagrad',
     'fedadam',
     'fedavg',

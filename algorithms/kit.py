@@ -41,7 +41,8 @@ parts, which every FedAvg-like algorithm shares):
 4. The client map and its non-finite guard: :func:`map_clients` (with an
    aggregator's per-client encode), :func:`map_guarded` (given weights, no
    aggregator), :class:`ClientOutput`, :class:`Clients`,
-   :func:`weighted_mean`, :func:`aggregation_weights`, ``WEIGHTINGS``
+   :func:`weighted_mean`, :func:`participants` (the guarded cohort's count),
+   :func:`aggregation_weights`, ``WEIGHTINGS``
    (:mod:`~fedjx.algorithms.nonfinite`, :mod:`~fedjx.algorithms.aggregators`).
 5. Aggregation and the server update: :class:`Aggregator`, :func:`mean` (the
    default, ``sum_i w_i Delta_i / sum_i w_i``), :func:`aggregate`,
@@ -152,6 +153,7 @@ from fedjx.algorithms.nonfinite import ClientOutput
 from fedjx.algorithms.nonfinite import Clients
 from fedjx.algorithms.nonfinite import check_flag as check_skip_nonfinite
 from fedjx.algorithms.nonfinite import map_clients as map_guarded
+from fedjx.algorithms.nonfinite import participants
 from fedjx.algorithms.nonfinite import round_metrics
 from fedjx.algorithms.nonfinite import weighted_mean
 from fedjx.algorithms.schedules import scheduled
@@ -278,7 +280,7 @@ __all__ = [
     'tree_sub',
     # 4. The client map and the non-finite guard.
     'ClientOutput', 'Clients', 'WEIGHTINGS', 'aggregation_weights',
-    'map_clients', 'map_guarded', 'weighted_mean',
+    'map_clients', 'map_guarded', 'participants', 'weighted_mean',
     # 5. Aggregation and the server update.
     'Aggregator', 'aggregate', 'aggregator_hparams', 'client_weights',
     'encode_hparams', 'encode_map', 'mean', 'server_step', 'server_update',

@@ -70,6 +70,11 @@ outer gradient of the whole model):
   state of a timeline in which one link carries the fragments one after
   the other (the first term binds when ``tau <= H / P``, the second when the
   link is the bottleneck).
+* DiLoCo with a 1-outer-step overlap (the delayed and eager outer updates
+  of Kale et al. 2025, :mod:`fedjx.algorithms.eager_diloco_lib`): the
+  outer gradient's reduction runs during the next round's ``H`` steps,
+  Streaming DiLoCo's schedule with ``P = 1`` and ``tau = H``: exposed
+  ``max(0, t(S) - H T)`` per round.
 
 **Compute utilization** is ``H T / (H T + exposed)``; the simulated
 wall-clock of a round is ``H T + exposed`` and of an inner step that over
@@ -292,9 +297,12 @@ class Schedule:
     if p > h:
       raise ValueError(f'Schedule: fragments={p} must be <= inner_steps={h} '
                        f'(one fragment every H / P >= 1 steps).')
-    if tau and not tau < h:
+    # One fragment may overlap the whole next round (tau = H): the transfer
+    # lands as the next one starts (the 1-outer-step overlap of eager
+    # updates, Kale et al. 2025).
+    if tau and not (tau < h or (p == 1 and tau == h)):
       raise ValueError(f'Schedule: overlap_steps={self.overlap_steps!r} must be < '
-                       f'inner_steps={h}.')
+                       f'inner_steps={h} (or equal to it with fragments=1).')
 
   @classmethod
   def data_parallel(cls, overlap_fraction: float = 0.0, layers: int | None = None) -> Schedule:

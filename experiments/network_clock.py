@@ -44,6 +44,10 @@ uncompressed mean's message).
   fragment (the round's own bytes scaled to the model; fragments of unequal
   size are each charged as if all were its size). ``simulated_round_s`` is
   the model's round over ``P``; step time and utilization are the model's.
+* DiLoCo with a 1-outer-step overlap (an algorithm with ``outer_update``:
+  ``eager_diloco``, eager or delayed): the outer gradient's all-reduce runs
+  during the next round's ``H`` inner steps, ``Schedule.streaming_diloco(H,
+  1, H)`` (exposed ``max(0, t(S) - H T)``).
 
 **Step time.** ``config.network.step_seconds``, or, when None (the
 default: the run's own hardware is the compute the model should charge,
@@ -88,6 +92,10 @@ def schedule_knobs(config: Any) -> dict[str, Any]:
     return dict(schedule='streaming_diloco', inner_steps=p * h, fragments=p,
                 overlap_steps=float(tau), overlap_fraction=section['overlap_fraction'],
                 layers=section['layers'], rounds_per_schedule=p)
+  if 'outer_update' in options:  # The 1-outer-step overlap: hidden behind H steps.
+    return dict(schedule='streaming_diloco', inner_steps=h, fragments=1,
+                overlap_steps=float(h), overlap_fraction=section['overlap_fraction'],
+                layers=section['layers'], rounds_per_schedule=1)
   return dict(schedule='diloco', inner_steps=h, fragments=1, overlap_steps=0.0,
               overlap_fraction=section['overlap_fraction'], layers=section['layers'],
               rounds_per_schedule=1)

@@ -353,6 +353,8 @@ ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
                                 updates_reach_params=True, forwards_to='diloco'),
     # Its replicas keep parameters a round does not synchronize: guarded.
     'streaming_diloco': per_client(algorithms_lib.streaming_diloco, 'num_replicas'),
+    # Its replicas keep their own outer models (eager updates): guarded.
+    'eager_diloco': per_client(algorithms_lib.eager_diloco, 'num_replicas'),
     'fedavg_hypergradient_tuner': AlgorithmEntry(
         algorithms_lib.fedavg_hypergradient_tuner),
     # Its buffer is the round's cohort: every update reaches the model.

@@ -97,6 +97,8 @@ BUILDERS = {
     'streaming_diloco': lambda **kw: algos.streaming_diloco(
         scaled_loss, C, num_fragments=2, quantization_format='float32',
         inner_steps=T, **kw),
+    'eager_diloco': lambda **kw: algos.eager_diloco(
+        scaled_loss, C, inner_optimizer=sgd(), inner_steps=T, **kw),
     # Aggregators on other algorithms: the guard works with every one.
     'dp_fedadam': lambda **kw: algos.fedadam(
         scaled_loss, client_optimizer=sgd(), server_learning_rate=0.05,
