@@ -5,12 +5,21 @@ Every builder returns an :class:`Algorithm` with ``init(params) -> state``,
 donated), ``run_rounds`` (many rounds in one ``lax.scan``) and ``apply`` (the
 plain round, for ``jax.grad`` and friends). See docs/algorithms.md.
 
-Names: an algorithm's builder is ``fedjx.algorithms.<name>`` (``fedavg``,
-``fedrep``, ``ditto``, ...) and the module that implements it, with its
-state type and public helpers, ``fedjx.algorithms.<name>_lib``
-(``fedjx.algorithms.fedrep_lib.personalize_fn``), so no builder shadows a
-module. Parts of the other kinds keep their modules' names
-(``aggregators``, ``compression``, ``attacks``, ``schedules``, ...).
+Names are grouped by kind:
+
+* algorithms, here: a builder is ``fedjx.algorithms.<name>`` (``fedavg``,
+  ``fedrep``, ``ditto``, ...) and the module that implements it, with its
+  state type and public helpers, ``fedjx.algorithms.<name>_lib``
+  (``fedjx.algorithms.fedrep_lib.personalize_fn``), so no builder shadows a
+  module; the wrappers :mod:`~fedjx.algorithms.hypergradients` and
+  :mod:`~fedjx.algorithms.tuner`;
+* the parts an algorithm takes, one subpackage per kind, each with a short
+  public list: :mod:`~fedjx.algorithms.aggregators` (aggregators and
+  defenses), :mod:`~fedjx.algorithms.transforms` (client transforms),
+  :mod:`~fedjx.algorithms.attacks`, :mod:`~fedjx.algorithms.compression`
+  and :mod:`~fedjx.algorithms.privacy`
+  (``fedjx.algorithms.aggregators.krum``,
+  ``fedjx.algorithms.privacy.dp_epsilon``).
 
 A new algorithm is written from one module, :mod:`fedjx.algorithms.kit`
 (``from fedjx.algorithms import kit``): its state record
@@ -18,54 +27,23 @@ A new algorithm is written from one module, :mod:`fedjx.algorithms.kit`
 map, aggregation and the server update, the options and the metrics. Every
 algorithm here, FedAvg included, is written from it; its docstring states
 what else an algorithm module may import (docs/writing_an_algorithm.md).
+The tables from config names to builders live in :mod:`fedjx.experiments`.
 """
 
-from fedjx.algorithms import adaptive_clipping
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import attacks
-from fedjx.algorithms import client_transforms
-from fedjx.algorithms import client_update
 from fedjx.algorithms import compression
-from fedjx.algorithms import demo
-from fedjx.algorithms import distributed_dp
-from fedjx.algorithms import secure_aggregation
-from fedjx.algorithms import dp_ftrl
+from fedjx.algorithms import privacy
+from fedjx.algorithms import transforms
+from fedjx.algorithms import client_update
 from fedjx.algorithms import hypergradients
 from fedjx.algorithms import kit
-from fedjx.algorithms import lora_aggregation
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms import outer_compression
-from fedjx.algorithms import quantization
 from fedjx.algorithms import schedules
-from fedjx.algorithms import order_statistics
-from fedjx.algorithms import robust_aggregators
-from fedjx.algorithms.accounting import dp_epsilon
-from fedjx.algorithms.adaptive_clipping import adaptive_gaussian
-from fedjx.algorithms.aggregators import Aggregator
-from fedjx.algorithms.aggregators import clip_update
-from fedjx.algorithms.attacks import Attack
-from fedjx.algorithms.attacks import attacked
-from fedjx.algorithms.attacks import malicious_clients
 from fedjx.algorithms.base import Algorithm
 from fedjx.algorithms.base import ServerState
 from fedjx.algorithms.base import WEIGHTINGS
 from fedjx.algorithms.base import default_sgd
-from fedjx.algorithms.client_transforms import control_variate
-from fedjx.algorithms.client_transforms import proximal
-from fedjx.algorithms.compression import drive
-from fedjx.algorithms.compression import eden
-from fedjx.algorithms.compression import qsgd
-from fedjx.algorithms.compression import random_k
-from fedjx.algorithms.compression import sign_majority
-from fedjx.algorithms.compression import stochastic_quantization
-from fedjx.algorithms.compression import terngrad
-from fedjx.algorithms.compression import top_k
-from fedjx.algorithms.compression import uncompressed
-from fedjx.algorithms.distributed_dp import distributed_skellam
-from fedjx.algorithms.distributed_dp import local_gaussian
-from fedjx.algorithms.distributed_dp import local_gaussian_epsilon
-from fedjx.algorithms.distributed_dp import skellam_epsilon
-from fedjx.algorithms.secure_aggregation import secure_sum
 from fedjx.algorithms.async_diloco_lib import AsyncDiLoCoState
 from fedjx.algorithms.async_diloco_lib import DelayedNesterovState
 from fedjx.algorithms.async_diloco_lib import async_diloco
@@ -74,7 +52,6 @@ from fedjx.algorithms.diloco_lib import DiLoCoState
 from fedjx.algorithms.diloco_lib import diloco
 from fedjx.algorithms.diloco_recipe_lib import diloco_recipe
 from fedjx.algorithms.dp_fedavg_lib import dp_fedavg
-from fedjx.algorithms.dp_ftrl import tree_gaussian
 from fedjx.algorithms.eager_diloco_lib import EagerDiLoCoState
 from fedjx.algorithms.eager_diloco_lib import eager_diloco
 from fedjx.algorithms.fedavg_lib import fedadagrad
@@ -113,18 +90,8 @@ from fedjx.algorithms.fedasync_lib import FedAsyncState
 from fedjx.algorithms.fedasync_lib import fedasync
 from fedjx.algorithms.qffl_lib import qffl
 from fedjx.algorithms.fedprox_lib import fedprox
-from fedjx.algorithms.quantization import quantize
 from fedjx.algorithms.scaffold_lib import ScaffoldState
 from fedjx.algorithms.scaffold_lib import scaffold
-from fedjx.algorithms.robust_aggregators import bulyan
-from fedjx.algorithms.robust_aggregators import centered_clipping
-from fedjx.algorithms.robust_aggregators import coordinate_median
-from fedjx.algorithms.robust_aggregators import dp_defense
-from fedjx.algorithms.robust_aggregators import geometric_median
-from fedjx.algorithms.robust_aggregators import krum
-from fedjx.algorithms.robust_aggregators import multi_krum
-from fedjx.algorithms.robust_aggregators import norm_bounding
-from fedjx.algorithms.robust_aggregators import trimmed_mean
 from fedjx.algorithms.streaming_diloco_lib import StreamingDiLoCoState
 from fedjx.algorithms.streaming_diloco_lib import streaming_diloco
 from fedjx.algorithms.yogi_lib import adaptive_adagrad
@@ -141,33 +108,17 @@ from fedjx.algorithms.tuner import fedavg_hypergradient_tuner
 from fedjx.algorithms.tuner import hypergradient_tuner
 
 __all__ = [
+    # The parts of an algorithm, one subpackage per kind.
+    'aggregators', 'attacks', 'compression', 'privacy', 'transforms',
     # The modules of the algorithms (each builder's is ``<name>_lib``).
     'afl_lib', 'apfl_lib', 'async_diloco_lib', 'diloco_lib', 'ditto_lib',
     'diloco_recipe_lib', 'dp_fedavg_lib', 'eager_diloco_lib', 'fedasync_lib', 'fedavg_lib',
     'fedbuff_lib', 'feddyn_lib', 'fedexp_lib', 'fedlora_lib', 'fednova_lib', 'fedprox_lib',
     'fedrep_lib', 'hyp_cluster_lib', 'mime_lib', 'qffl_lib', 'scaffold_lib',
     'streaming_diloco_lib', 'yogi_lib',
-    'compression',
-    'distributed_dp',
-    'distributed_skellam',
-    'drive',
-    'eden',
-    'local_gaussian',
-    'local_gaussian_epsilon',
-    'qsgd',
-    'random_k',
-    'secure_aggregation',
-    'secure_sum',
-    'sign_majority',
-    'skellam_epsilon',
-    'stochastic_quantization',
-    'terngrad',
-    'top_k',
-    'uncompressed',
     # The kit: the vocabulary every algorithm is written with.
     'kit',
     'default_sgd',
-    'Aggregator',
     'Algorithm',
     'AsyncCohort',
     'AsyncDiLoCoState',
@@ -180,25 +131,13 @@ __all__ = [
     'StreamingDiLoCoState',
     'WEIGHTINGS',
     'adaptive_adagrad',
-    'adaptive_clipping',
-    'adaptive_gaussian',
     'adaptive_adam',
-    'aggregators',
-    'Attack',
-    'attacked',
-    'attacks',
-    'malicious_clients',
     'async_diloco',
-    'client_transforms',
     'client_update',
-    'control_variate',
-    'clip_update',
     'diloco',
     'diloco_recipe',
-    'dp_epsilon',
     'delayed_nesterov',
     'dp_fedavg',
-    'dp_ftrl',
     'eager_diloco',
     'fedadagrad',
     'fedadam',
@@ -207,7 +146,6 @@ __all__ = [
     'fedbuff',
     'FedLoraState',
     'fedlora',
-    'lora_aggregation',
     'fednova',
     'FedExPState',
     'fedexp',
@@ -237,25 +175,10 @@ __all__ = [
     'fedprox',
     'fedyogi',
     'nonfinite',
-    'proximal',
-    'quantization',
-    'quantize',
-    'order_statistics',
-    'robust_aggregators',
-    'bulyan',
-    'centered_clipping',
-    'coordinate_median',
-    'dp_defense',
-    'geometric_median',
-    'krum',
-    'multi_krum',
-    'norm_bounding',
-    'trimmed_mean',
     'scaffold',
     'scale_by_adaptive',
     'scale_by_yogi',
     'streaming_diloco',
-    'tree_gaussian',
     'yogi',
     'TunerState',
     'fedavg_hypergradient_tuner',

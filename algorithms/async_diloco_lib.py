@@ -74,7 +74,7 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
-from fedjx.algorithms import quantization
+from fedjx.algorithms.compression import quantization
 from fedjx.algorithms.diloco_lib import OPTIONS as DILOCO_OPTIONS
 from fedjx.algorithms.diloco_lib import check_aggregator
 from fedjx.algorithms.diloco_lib import check_options

@@ -7,7 +7,7 @@ One client runs ``T`` local steps of an optax optimizer on its data,
 
 with a ``lax.scan`` over steps (client-side variants such as FedProx's
 proximal term or SCAFFOLD's correction are transformations chained into
-``opt``, :mod:`fedjx.algorithms.client_transforms`), where ``b_t`` are the real (mask True)
+``opt``, :mod:`fedjx.algorithms.transforms.core`), where ``b_t`` are the real (mask True)
 examples of the step's batch. A step whose mask is all False is padding and
 changes nothing (``jnp.where`` on parameters and optimizer state), so a client
 padded to the cohort's ``[S, B]`` shape gives exactly the result of its

@@ -16,7 +16,7 @@ InnerOpt defaults to AdamW (learning rate 4e-4, weight decay 0.1, as in the
 paper), OuterOpt to SGD with Nesterov momentum (learning rate 0.7, momentum
 0.9). ``H`` is ``inner_steps``, or the cohort's ``S`` steps if None.
 ``Q`` is an optional lossy format for the outer gradients
-(:mod:`fedjx.algorithms.quantization`; full precision by default). With an
+(:mod:`fedjx.algorithms.compression.quantization`; full precision by default). With an
 outer SGD of learning rate 1 and no momentum, and a fresh inner state every
 round, DiLoCo is FedAvg.
 
@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import kit
-from fedjx.algorithms import quantization
+from fedjx.algorithms.compression import quantization
 
 
 class DiLoCoState(NamedTuple):

@@ -16,7 +16,7 @@ The global update is FedAvg's (its client optimizer, local schedule,
 aggregator and server optimizer; ``ServerOpt = SGD(1)`` with
 ``weighting='uniform'`` is the paper's average). The personal steps are on ``h_k(v; w) = F_k(v) + (lambda / 2)
 ||v - w||^2``: the personal optimizer (SGD ``eta_v = 0.1`` by default)
-chained after :func:`fedjx.algorithms.client_transforms.proximal` anchored
+chained after :func:`fedjx.algorithms.transforms.proximal` anchored
 at ``w``, the model the client received. ``lambda = 0`` trains ``v_k`` on
 the client's data alone; large ``lambda`` keeps it at ``w``.
 

@@ -15,14 +15,14 @@ paper) and the noise of standard deviation ``z C`` makes the round a
 Gaussian mechanism with noise multiplier ``z``; with fixed-size cohorts
 (replace-one: one client's update swapped for another's) the sensitivity
 is ``2C`` and the noise multiplier ``z / 2``
-(:func:`fedjx.algorithms.accounting.sensitivity`). ``D`` is the expected
+(:func:`fedjx.algorithms.privacy.accounting.sensitivity`). ``D`` is the expected
 cohort size ``qN`` (``expected_clients_per_round``, McMahan et al.'s
 fixed-denominator estimator) or, if None, the number of participating
 clients (which the privacy analysis treats as public).
 
-:func:`fedjx.algorithms.accounting.dp_epsilon` composes ``R`` such rounds with Poisson sampling rate
+:func:`fedjx.algorithms.privacy.dp_epsilon` composes ``R`` such rounds with Poisson sampling rate
 ``q`` through the ``dp_accounting`` package (RDP or PLD accountant) and
-returns epsilon at the given delta; :mod:`fedjx.algorithms.accounting`
+returns epsilon at the given delta; :mod:`fedjx.algorithms.privacy.accounting`
 accounts for the other samplings and mechanisms (``docs/privacy.md``).
 
 DP-FedAvg is FedAvg with the DP aggregator
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import kit
 from fedjx.algorithms.fedavg_lib import build as fedavg_build
 
@@ -61,7 +61,7 @@ def dp_fedavg(loss_fn: kit.LossFn, *, clip_norm: float = 1.0,
     expected_clients_per_round: ``qN``, the fixed denominator; None divides
       by the number of participating clients.
     canaries: the canary clients of a privacy audit
-      (:mod:`fedjx.algorithms.privacy_audit`; the runner sets them from
+      (:mod:`fedjx.algorithms.privacy.audit`; the runner sets them from
       ``config.privacy.audit``), or None.
     **options: those of :func:`fedavg` but ``aggregator``,
       ``client_transform`` and ``weighting``. A skipped client counts as

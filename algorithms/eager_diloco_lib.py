@@ -84,9 +84,9 @@ import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import kit
-from fedjx.algorithms import quantization
+from fedjx.algorithms.compression import quantization
 from fedjx.algorithms.diloco_lib import OPTIONS as DILOCO_OPTIONS
 from fedjx.algorithms.diloco_lib import check_options
 from fedjx.algorithms.diloco_lib import stack_states

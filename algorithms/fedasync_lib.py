@@ -98,7 +98,7 @@ def fedasync(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
     alpha: the mixing weight ``alpha`` in ``(0, 1]`` [0.6]
       (``state.hparams['alpha']``).
     rho: the proximal coefficient of the local objective [0: plain local
-      SGD]; ``rho > 0`` chains :func:`fedjx.algorithms.proximal` (its
+      SGD]; ``rho > 0`` chains :func:`fedjx.algorithms.transforms.proximal` (its
       ``state.hparams['mu']``) before the client optimizer.
     max_staleness: versions kept are ``max_staleness + 1``; staler updates
       are dropped and counted in ``stale_dropped``.

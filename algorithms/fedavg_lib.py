@@ -47,7 +47,7 @@ def fedavg(loss_fn: kit.LossFn, *,
     local_steps: or exactly this many local steps per client.
     weighting: ``'num_examples'`` (``w_i = n_i``) or ``'uniform'``.
     client_transform: an optax transformation chained in front of the client
-      optimizer (:mod:`fedjx.algorithms.client_transforms`, e.g.
+      optimizer (:mod:`fedjx.algorithms.transforms.core`, e.g.
       ``proximal(mu)``: FedProx); it is initialised from the model each
       client receives, and its injected hyperparameters live at the top level
       of ``state.hparams``.

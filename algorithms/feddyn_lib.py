@@ -17,7 +17,7 @@ state, ``Algorithm.client_state_init``). A round on a cohort ``P``:
 The argmin is approximated by the client optimizer's local steps (SGD 0.1
 by default, the paper's local solver) on the gradient ``grad L_k(theta) -
 g_k + alpha (theta - theta^{t-1})``: the optimizer chained after the linear
-term and :func:`fedjx.algorithms.client_transforms.proximal` (anchored at
+term and :func:`fedjx.algorithms.transforms.proximal` (anchored at
 ``theta^{t-1}``). The server step is ``theta <- theta - ServerOpt(mean_k
 Delta_k + h / alpha)``; ``ServerOpt = SGD(1)`` (the default) is the paper's
 ``theta^t``. ``h`` divides by the population size ``m`` (``num_clients``),

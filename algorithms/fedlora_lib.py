@@ -8,7 +8,7 @@ the gradient of a zero column of ``a`` is ``s x^T g b_j = 0`` when row ``j``
 of ``b`` is zero too), trains them on its data with the client optimizer
 (the frozen base and, for FLoRA, the merged deltas ``M`` fixed), and sends
 its adapters. The server aggregates by a rule of
-:mod:`fedjx.algorithms.lora_aggregation`::
+:mod:`fedjx.algorithms.aggregators.lora`::
 
   w_k        = rule.client_weight(client adapters, n_k)
   (S_k, A_k) = rule.client_message(client adapters, global adapters, k, C)
@@ -44,7 +44,7 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
-from fedjx.algorithms import lora_aggregation
+from fedjx.algorithms.aggregators import lora as lora_aggregation
 from fedjx.models import adapters as trees
 from fedjx.models.lora_config import LoraConfig
 
@@ -99,12 +99,12 @@ def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
     lora_config: the model's :class:`~fedjx.models.lora_config.LoraConfig`
       (``train_a=True``: the rules read both factors); the runner passes it.
     rule: ``'flexlora'``, ``'flora'``, ``'hetlora'``, ``'fedit'`` or a
-      :class:`~fedjx.algorithms.lora_aggregation.LoraAggregation`.
+      :class:`~fedjx.algorithms.aggregators.lora.LoraAggregation`.
     client_ranks: the ranks ``r_k`` by population index (cycled); None:
       every client has the adapters' rank.
     aggregator: must be None (see the module docstring).
     self_prune: HetLoRA's rank self-pruning with decay ``gamma`` in (0, 1)
-      (:func:`fedjx.algorithms.lora_aggregation.self_prune`, our reading of
+      (:func:`fedjx.algorithms.aggregators.lora.self_prune`, our reading of
       the paper): each client keeps its rank between rounds (client state,
       ``0`` until it first takes part: then its ``client_ranks`` rank), and
       after local training prunes it to ``max(1, floor(gamma r))`` when the
@@ -133,7 +133,7 @@ def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
     rule = RULES[rule]()
   if not isinstance(rule, lora_aggregation.LoraAggregation):
     raise ValueError(f'{name}: rule={rule!r} must be a name or a LoraAggregation '
-                     '(fedjx.algorithms.lora_aggregation).')
+                     '(fedjx.algorithms.aggregators.lora).')
   if aggregator is not None:
     raise ValueError(f'{name}: aggregator={aggregator!r}: the {rule.name} rule combines '
                      'adapters itself; DP, compression and secure sums apply to FedIT and '

@@ -12,7 +12,7 @@ optimizer as in FedOpt). ``mu = 0`` is FedAvg. Reported train losses are of
 ``F_i``, without the proximal term.
 
 FedProx is FedAvg whose client optimizer is chained after the proximal
-transformation :func:`fedjx.algorithms.client_transforms.proximal`, anchored
+transformation :func:`fedjx.algorithms.transforms.proximal`, anchored
 at the model the client received.
 """
 

@@ -35,7 +35,7 @@ parts, which every FedAvg-like algorithm shares):
    (:mod:`~fedjx.algorithms.client_update`); client-side variants chained in
    front of the client optimizer: :func:`proximal`, :class:`ProximalState`,
    :func:`control_variate`, :func:`learning_rate_of`
-   (:mod:`~fedjx.algorithms.client_transforms`); :func:`client_training`
+   (:mod:`~fedjx.algorithms.transforms.core`); :func:`client_training`
    (the client optimizer after an optional transform), :func:`tree_sub`,
    :func:`client_metrics`, :func:`gather_clients`, :func:`scatter_clients`.
 4. The client map and its non-finite guard: :func:`map_clients` (with an
@@ -80,10 +80,11 @@ What an algorithm module (``fedjx.algorithms.<name>_lib``) imports from
   and DP-FedAvg are FedAvg's round with a part fixed; the FedOpt family
   takes ``yogi_lib``'s server optimizers; Async and Streaming DiLoCo take
   DiLoCo's outer step; FedAsync takes FedBuff's ring of updates);
-* a part of another kind than the kit's, from the module of its kind
-  (:data:`PART_MODULES`): a DP or quantized aggregator
-  (``aggregators.gaussian``, ``aggregators.quantized_mean``), a wire format
-  (``quantization``), a LoRA aggregation rule (``lora_aggregation``).
+* a part of another kind than the kit's, from the subpackage of its kind
+  (:data:`PART_MODULES`) or one of its modules: a DP or quantized
+  aggregator (``aggregators.gaussian``, ``aggregators.quantized_mean``), a
+  LoRA aggregation rule (``aggregators.lora``), a wire format
+  (``compression.quantization``).
 """
 
 from __future__ import annotations
@@ -93,17 +94,17 @@ from typing import Any, NamedTuple
 
 import optax
 
-from fedjx.algorithms.aggregators import Aggregator
-from fedjx.algorithms.aggregators import aggregate
-from fedjx.algorithms.aggregators import check as check_aggregator
-from fedjx.algorithms.aggregators import client_weights
-from fedjx.algorithms.aggregators import encode_hparams
-from fedjx.algorithms.aggregators import encode_map
-from fedjx.algorithms.aggregators import init_hparams as aggregator_hparams
-from fedjx.algorithms.aggregators import map_clients
-from fedjx.algorithms.aggregators import mean
-from fedjx.algorithms.aggregators import step as server_step
-from fedjx.algorithms.aggregators import upload_bytes
+from fedjx.algorithms.aggregators.core import Aggregator
+from fedjx.algorithms.aggregators.core import aggregate
+from fedjx.algorithms.aggregators.core import check as check_aggregator
+from fedjx.algorithms.aggregators.core import client_weights
+from fedjx.algorithms.aggregators.core import encode_hparams
+from fedjx.algorithms.aggregators.core import encode_map
+from fedjx.algorithms.aggregators.core import init_hparams as aggregator_hparams
+from fedjx.algorithms.aggregators.core import map_clients
+from fedjx.algorithms.aggregators.core import mean
+from fedjx.algorithms.aggregators.core import step as server_step
+from fedjx.algorithms.aggregators.core import upload_bytes
 from fedjx.algorithms.base import COMMON_OPTIONS
 from fedjx.algorithms.base import WEIGHTINGS
 from fedjx.algorithms.base import Algorithm
@@ -135,10 +136,10 @@ from fedjx.algorithms.base import take_options
 from fedjx.algorithms.base import tree_sub
 from fedjx.algorithms.base import with_hparams
 from fedjx.algorithms.base import with_options
-from fedjx.algorithms.client_transforms import ProximalState
-from fedjx.algorithms.client_transforms import control_variate
-from fedjx.algorithms.client_transforms import learning_rate_of
-from fedjx.algorithms.client_transforms import proximal
+from fedjx.algorithms.transforms.core import ProximalState
+from fedjx.algorithms.transforms.core import control_variate
+from fedjx.algorithms.transforms.core import learning_rate_of
+from fedjx.algorithms.transforms.core import proximal
 from fedjx.algorithms.client_update import ClientUpdate
 from fedjx.algorithms.client_update import LocalSchedule
 from fedjx.algorithms.client_update import check_schedule
@@ -158,9 +159,9 @@ from fedjx.algorithms.nonfinite import round_metrics
 from fedjx.algorithms.nonfinite import weighted_mean
 from fedjx.algorithms.schedules import scheduled
 
-PART_MODULES = ('aggregators', 'lora_aggregation', 'quantization')
-"""The modules of ``fedjx.algorithms`` whose parts, of other kinds than the
-kit's, an algorithm module may import beside the kit (module docstring)."""
+PART_MODULES = ('aggregators', 'compression')
+"""The subpackages of ``fedjx.algorithms`` whose parts, of other kinds than
+the kit's, an algorithm module may import beside the kit (module docstring)."""
 
 
 # ------------------------------------------------------- FedAvg's options

@@ -118,7 +118,7 @@ def scaffold(loss_fn: kit.LossFn, num_clients: int, *,
       the client optimizer's injected ``learning_rate``, or 0.1.
     client_optimizer: by default SGD with ``eta_l``, as in the paper. Another
       optimizer receives the corrected gradient ``g - c_i + c`` (chained
-      after :func:`fedjx.algorithms.client_transforms.control_variate`);
+      after :func:`fedjx.algorithms.transforms.control_variate`);
       option II still divides by ``K eta_l``, so an optimizer whose injected
       ``learning_rate`` differs from ``client_learning_rate`` is refused.
     client_state: where the ``c_i`` live: ``'dense'`` (``[N, ...]`` arrays

@@ -18,7 +18,7 @@ So each fragment is synchronised every ``H = P S`` inner steps, fragment
 ``p`` offset by ``p S`` steps from fragment 0, and each round sends one
 fragment, a ``1/P`` share of the bytes DiLoCo sends every ``H`` steps. Outer
 gradients are quantized (``Q``: bfloat16, int8, int4 or e3m0, see
-:mod:`fedjx.algorithms.quantization`) before the reduction, which runs in
+:mod:`fedjx.algorithms.compression.quantization`) before the reduction, which runs in
 float32; ``communicated_bytes`` reports what replicas send per round.
 Each fragment has its own outer optimizer state (Nesterov SGD, learning rate
 0.7, momentum 0.9 by default). ``alpha`` (``mixing_factor``) is 0 by default:
@@ -72,7 +72,7 @@ from fedjx.algorithms import kit
 from fedjx.algorithms.diloco_lib import OPTIONS as DILOCO_OPTIONS
 from fedjx.algorithms.diloco_lib import check_aggregator
 from fedjx.algorithms.diloco_lib import check_options
-from fedjx.algorithms import quantization
+from fedjx.algorithms.compression import quantization
 
 FRAGMENT_PATTERNS = ('strided', 'sequential')
 

@@ -15,14 +15,14 @@ With 50 of 500 clients sampled uniformly without replacement for 300
 rounds, z = 4.0 gives epsilon = 7.75 at delta = 500^-1.1 (RDP). Fixed-size
 cohorts are accounted under replace-one, whose sensitivities are twice the
 add-or-remove ones (2C for the sum, 1 for the centred count), so the
-accountant composes z / 2 = 2.0 (``fedjx.algorithms.accounting.sensitivity``;
+accountant composes z / 2 = 2.0 (``fedjx.algorithms.privacy.accounting.sensitivity``;
 docs/privacy.md). Until this was corrected the config ran z = 2.0, reported
 as epsilon 7.75 but in truth 21.33; at z = 4.0 the paper's count noise D / 20
 = 2.5 takes most of the budget (z_Delta = 6.67) and the run diverges (15.6%
 after 300 rounds with server learning rate 1, 18.9% with 0.5), hence
 sigma_b = D / 5 and the smaller server step. With server momentum 0.9 at
 learning rate 0.3 it diverges too (24.2%); at learning rate 0.03 it reaches
-85.8%. ``fedjx.algorithms.accounting.noise_multiplier_for_epsilon``
+85.8%. ``fedjx.algorithms.privacy.accounting.noise_multiplier_for_epsilon``
 calibrates z for another budget.
 """
 

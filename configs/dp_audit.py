@@ -10,7 +10,7 @@ sending clipped random directions; at the end the runner compares the
 final model's change with them and writes the estimate (Andrew et al.
 2024) and the one-run lower bound (Steinke et al. 2023) to
 ``privacy.json`` and the last metrics row, beside the accountant's
-epsilon (``fedjx.algorithms.privacy_audit``, docs/privacy.md, which has the
+epsilon (``fedjx.algorithms.privacy.audit``, docs/privacy.md, which has the
 results of each).
 """
 

@@ -17,7 +17,7 @@ so each tree holds a client at most once (``docs/privacy.md``).
 
 Over 300 rounds (30 epochs, one tree each), z = 5.7 gives epsilon = 8.0 at
 delta = 500^-1.1 (RDP; the run's metrics report it, and
-``fedjx.algorithms.accounting.noise_multiplier_for_epsilon`` calibrates z for
+``fedjx.algorithms.privacy.accounting.noise_multiplier_for_epsilon`` calibrates z for
 another budget, see docs/privacy.md); 77% test accuracy after 300 rounds
 (DP-FTRL pays for needing no sampling with 3 to 6 times the noise).
 """

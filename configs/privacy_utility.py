@@ -13,7 +13,7 @@ of batches of 10, delta = 500^-1.1, on
   what the noise costs).
 
 The methods (``scripts/privacy_utility.py`` sets each noise multiplier for a
-target epsilon with ``fedjx.algorithms.accounting``):
+target epsilon with ``fedjx.algorithms.privacy.accounting``):
 
 * ``fedavg``: FedAvg (McMahan et al. 2017), server SGD 1.0, uniform cohorts;
   non-private.

@@ -2,7 +2,7 @@
 
 Agarwal, Kairouz, Liu, "The Skellam Mechanism for Differentially Private
 Federated Learning", NeurIPS 2021, on the simulated SecAgg of
-:mod:`fedjx.algorithms.secure_aggregation` (Bonawitz et al. 2017; with
+:mod:`fedjx.algorithms.aggregators.secure` (Bonawitz et al. 2017; with
 ``neighbors`` set, SecAgg+ of Bell et al. 2020). 50 non-IID digits clients,
 10 a round (fixed-size cohorts: replace-one neighbours, amplified by
 sampling 10 of 50), an MLP with 128 hidden units. Each client clips its

@@ -132,7 +132,7 @@ SAMPLING_OPTIONS = {'uniform': (), 'poisson': ('rate', 'max_cohort_size'),
 # config.privacy: delta (None: N^-1.1), accountant ('rdp' or 'pld'), a
 # budget target_epsilon at which the run stops (None: no budget) and an
 # empirical audit from canary clients (None, or a dict of AUDIT_DEFAULTS;
-# fedjx.algorithms.privacy_audit, docs/privacy.md).
+# fedjx.algorithms.privacy.audit, docs/privacy.md).
 PRIVACY_DEFAULTS = dict(DEFAULTS['privacy'])
 # config.privacy.audit: canaries (how many canary clients, required), seed
 # (of their directions and signs; None: config.seed), confidence (of the

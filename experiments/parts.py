@@ -37,9 +37,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from fedjx import algorithms
 from fedjx.algorithms import aggregators
 from fedjx.algorithms import attacks
+from fedjx.algorithms import compression
+from fedjx.algorithms import privacy
 from fedjx.datasets import poisoning
 from fedjx.experiments import errors
 from fedjx.experiments import signatures
@@ -51,24 +52,35 @@ AGGREGATORS: dict[str, Callable[..., aggregators.Aggregator]] = {
     'mean': aggregators.mean,
     'quantized_mean': aggregators.quantized_mean,
     'gaussian': aggregators.gaussian,
-    'adaptive_gaussian': algorithms.adaptive_gaussian,
-    'tree_gaussian': algorithms.tree_gaussian,
+    'adaptive_gaussian': privacy.adaptive_gaussian,
+    'tree_gaussian': privacy.tree_gaussian,
     # Compressors (their bits counted), secure sums and distributed DP.
-    **{name: getattr(algorithms.compression, name) for name in (
-        'stochastic_quantization', 'eden', 'drive', 'qsgd', 'terngrad',
-        'sign_majority', 'top_k', 'random_k', 'uncompressed')},
+    'stochastic_quantization': compression.stochastic_quantization,
+    'eden': compression.eden,
+    'drive': compression.drive,
+    'qsgd': compression.qsgd,
+    'terngrad': compression.terngrad,
+    'sign_majority': compression.sign_majority,
+    'top_k': compression.top_k,
+    'random_k': compression.random_k,
+    'uncompressed': compression.uncompressed,
     # Compressed outer steps of DiLoCo (per-replica state: num_replicas).
-    'sparseloco': algorithms.outer_compression.sparseloco,
-    'muloco_quantized': algorithms.outer_compression.muloco_quantized,
-    'demo': algorithms.demo.demo,
-    'secure_sum': algorithms.secure_sum,
-    'distributed_skellam': algorithms.distributed_skellam,
-    'local_gaussian': algorithms.local_gaussian,
+    'sparseloco': compression.sparseloco,
+    'muloco_quantized': compression.muloco_quantized,
+    'demo': compression.demo,
+    'secure_sum': aggregators.secure_sum,
+    'distributed_skellam': privacy.distributed_skellam,
+    'local_gaussian': privacy.local_gaussian,
     # Defenses against Byzantine clients (``median`` is ``coordinate_median``).
-    'median': algorithms.coordinate_median,
-    **{name: getattr(algorithms.robust_aggregators, name) for name in (
-        'trimmed_mean', 'krum', 'multi_krum', 'bulyan', 'geometric_median',
-        'norm_bounding', 'centered_clipping', 'dp_defense')},
+    'median': aggregators.coordinate_median,
+    'trimmed_mean': aggregators.trimmed_mean,
+    'krum': aggregators.krum,
+    'multi_krum': aggregators.multi_krum,
+    'bulyan': aggregators.bulyan,
+    'geometric_median': aggregators.geometric_median,
+    'norm_bounding': aggregators.norm_bounding,
+    'centered_clipping': aggregators.centered_clipping,
+    'dp_defense': aggregators.dp_defense,
 }
 # Options of an aggregator that are aggregators themselves (specs in a config).
 NESTED_AGGREGATORS = {'dp_defense': ('defense',)}

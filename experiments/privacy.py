@@ -9,13 +9,13 @@ its ``privacy`` field how the run is accounted (``docs/privacy.md``)::
 
 :func:`plan` reads the DP mechanism from ``config.algorithm`` (``dp_fedavg``,
 or an ``aggregator`` named ``gaussian``, ``adaptive_gaussian`` or
-``tree_gaussian``), checks that ``fedjx.algorithms.accounting`` can account
+``tree_gaussian``), checks that ``fedjx.algorithms.privacy.accounting`` can account
 for it under the configured sampling (one-line :class:`ConfigError`
 otherwise) and gives a :class:`Plan`: the epsilon after each round, the last
 round within ``target_epsilon`` and the privacy statement the runner writes
 to ``workdir/privacy.json``. :func:`make_sampler` builds the sampler the
 accounting assumes. With ``privacy.audit`` the DP aggregator gets canary
-clients (:func:`algorithm_spec`; :mod:`fedjx.algorithms.privacy_audit`) and
+clients (:func:`algorithm_spec`; :mod:`fedjx.algorithms.privacy.audit`) and
 :func:`run_audit` estimates epsilon from them at the end of the run.
 """
 
@@ -71,7 +71,7 @@ def _default(fn: Any, name: str, fallback: Any) -> Any:
 def _accounting():
   # Imported when used: fedjx.algorithms is heavy, and the config schema
   # (fedjx.experiments.config) must stay light.
-  from fedjx.algorithms import accounting  # pylint: disable=g-import-not-at-top
+  from fedjx.algorithms.privacy import accounting  # pylint: disable=g-import-not-at-top
   return accounting
 
 
@@ -332,7 +332,7 @@ AUDITABLE = ('fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm',
 def canaries_of(config: Any, population: int) -> Any:
   """The canary clients of ``config.privacy.audit`` (defaults filled), or None.
 
-  A :class:`fedjx.algorithms.privacy_audit.Canaries` with the run's
+  A :class:`fedjx.algorithms.privacy.audit.Canaries` with the run's
   sampling; :class:`ConfigError` (one line) when the algorithm adds no DP
   noise or does not aggregate the whole model once a round, or when the
   count does not fit a fixed-size cohort.
@@ -351,7 +351,7 @@ def canaries_of(config: Any, population: int) -> Any:
         f'config.privacy.audit is set but algorithm {name!r} does not '
         'aggregate the whole model once a round, which the canaries need; use '
         f'one of {AUDITABLE}.')
-  from fedjx.algorithms import privacy_audit  # pylint: disable=g-import-not-at-top
+  from fedjx.algorithms.privacy import audit as privacy_audit  # pylint: disable=g-import-not-at-top
   seed = config.seed if audit.get('seed') is None else audit['seed']
   try:
     return privacy_audit.Canaries(int(audit['canaries']),
@@ -389,7 +389,7 @@ def algorithm_spec(config: Any, population: int) -> Any:
 def run_audit(p: Plan, rounds: int, initial_params: Any,
               final_params: Any) -> dict[str, Any]:
   """The audit of a finished run (``privacy.json``'s ``audit``)."""
-  from fedjx.algorithms import privacy_audit  # pylint: disable=g-import-not-at-top
+  from fedjx.algorithms.privacy import audit as privacy_audit  # pylint: disable=g-import-not-at-top
   options = p.audit_options or {}
   cos = privacy_audit.cosines(p.canaries, initial_params, final_params)
   dimension = sum(int(np.size(x)) for x in jax_leaves(initial_params))

@@ -5,7 +5,7 @@ as ``kernel_lora_a [L?, n_in, r]`` and ``kernel_lora_b [L?, r, n_out]``; FLoRA's
 merged deltas ``M [L?, n_in, n_out]`` are kept the same way, as
 ``kernel_lora_merged``. These functions move between that nested layout and
 the flat *pairs* ``{'layers/self_attn/q_proj/kernel': {'a': a, 'b': b}}`` of
-:mod:`fedjx.algorithms.lora_aggregation`, split a tree into what is trained
+:mod:`fedjx.algorithms.aggregators.lora`, split a tree into what is trained
 and what is frozen. They need nothing but jax
 (:func:`fedjx.models.peft_adapters.merge_adapters` merges ``W + s a b``).
 """

@@ -48,8 +48,8 @@ def topk_runs():
 
 
 def ddp_runs(rounds: int, bits: tuple[int, ...]):
-  from fedjx.algorithms import accounting  # pylint: disable=g-import-not-at-top
-  from fedjx.algorithms import distributed_dp  # pylint: disable=g-import-not-at-top
+  from fedjx.algorithms.privacy import accounting  # pylint: disable=g-import-not-at-top
+  from fedjx.algorithms.privacy import distributed_dp  # pylint: disable=g-import-not-at-top
   clip, z, n, n_min, d_pad, delta = 0.5, 1.0, 10, 6, 16384, 1e-5
   base = {'name': 'distributed_skellam', 'clip_norm': clip,
           'noise_multiplier': z, 'clients_per_round': n, 'threshold': n_min - 1,

@@ -6,7 +6,7 @@ FedAvg, DP-FedAvg's clipping without noise (z = 0) and FedAvgM with
 DP-FTRLM's server and cohorts once, and DP-FedAvg,
 adaptive clipping, DP-FTRL and DP-FedAdam at
 each target epsilon, with the noise multiplier that
-``fedjx.algorithms.accounting.noise_multiplier_for_epsilon`` calibrates for
+``fedjx.algorithms.privacy.accounting.noise_multiplier_for_epsilon`` calibrates for
 that config's mechanism and sampling (rounded up to 4 decimals, so the
 achieved epsilon is at most the target). Each run is what its ``command``
 does (``fedjx-run``); an existing workdir is resumed, so a rerun only trains
@@ -59,7 +59,7 @@ def noise_field(config) -> str:
 
 def calibrate(config, target: float) -> float:
   """The noise multiplier for ``target`` epsilon, rounded up to 4 decimals."""
-  from fedjx.algorithms import accounting  # pylint: disable=g-import-not-at-top
+  from fedjx.algorithms.privacy import accounting  # pylint: disable=g-import-not-at-top
   from fedjx.experiments import privacy  # pylint: disable=g-import-not-at-top
   from fedjx.experiments.config import with_defaults  # pylint: disable=g-import-not-at-top
   plan = privacy.plan(with_defaults(config), config.dataset.num_clients)

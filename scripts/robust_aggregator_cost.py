@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedjx
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import nonfinite
 from fedjx.experiments import parts
 

@@ -1,4 +1,4 @@
-"""Privacy accounting (fedjx.algorithms.accounting): published epsilons and references.
+"""Privacy accounting (fedjx.algorithms.privacy.accounting): published epsilons and references.
 
 The published values are reproduced with the event :func:`accounting.dp_event`
 builds for each setting, the RDP orders the publication used and the
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from fedjx import algorithms
-from fedjx.algorithms import accounting
-from fedjx.algorithms import adaptive_clipping
+from fedjx.algorithms.privacy import accounting
+from fedjx.algorithms.privacy import adaptive_clipping
 
 S = accounting.Sampling
 # The orders of TensorFlow Privacy's tutorials and of Kairouz et al.'s code.
@@ -80,7 +80,7 @@ def test_kairouz_2021_dp_ftrl_stackoverflow(noise, published):
 
 
 def test_dp_epsilon_is_the_poisson_epsilon():
-  assert algorithms.dp_epsilon is accounting.dp_epsilon
+  assert algorithms.privacy.dp_epsilon is accounting.dp_epsilon
   got = accounting.epsilon(1.1, 200, 1e-5, sampling=S.poisson(1000, 0.03))
   assert accounting.dp_epsilon(1.1, 0.03, 200, 1e-5) == got
 

@@ -9,8 +9,8 @@ import pytest
 
 import fedjx
 import fedjx.algorithms as algos
-from fedjx.algorithms import adaptive_clipping
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.privacy import adaptive_clipping
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import nonfinite
 from fedjx.experiments import parts
 import float_tolerance as ft

@@ -18,8 +18,8 @@ from scipy import stats
 import fedjx
 import fedjx.algorithms as algos
 from fedjx import datasets
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import attacks
+from fedjx.algorithms.aggregators import core as aggregators
+from fedjx.algorithms.attacks import core as attacks
 from fedjx.algorithms import nonfinite
 from fedjx.datasets import poisoning
 from fedjx.experiments import attack as attack_lib
@@ -673,7 +673,7 @@ def test_the_command_line_sets_the_attack(tmp_path):
 
 def test_attacks_compose_with_a_defense():
   """The coordinate median receives the poisoned messages of the participants."""
-  from fedjx.algorithms import robust_aggregators  # pylint: disable=import-outside-toplevel
+  from fedjx.algorithms.aggregators import robust as robust_aggregators  # pylint: disable=import-outside-toplevel
   u = messages(8)
   got, metrics = combine(attacks.sign_flip(100.0), u,
                          inner=robust_aggregators.coordinate_median())

@@ -16,8 +16,8 @@ import pytest
 import fedjx.algorithms as algos
 import float_tolerance as ft
 from fedjx.algorithms import aggregators
-from fedjx.algorithms import client_transforms
-from fedjx.algorithms import quantization
+from fedjx.algorithms.transforms import core as client_transforms
+from fedjx.algorithms.compression import quantization
 from fedjx.experiments import parts
 from test_algorithms_util import KEY, assert_trees_close, copy, linreg_data
 from test_algorithms_util import linreg_loss, linreg_params, make_cohort
@@ -92,7 +92,7 @@ def test_fedavg_with_proximal_and_adam_matches_a_hand_written_round():
   data, params, mu = _data(), linreg_params(), 0.5
   cohort = make_cohort(data, batch_size=B)
   algo = algos.fedavg(linreg_loss, client_optimizer=optax.adam(0.05),
-                      client_transform=algos.proximal(mu))
+                      client_transform=algos.transforms.proximal(mu))
   state, _ = algo.round(algo.init(params), cohort, KEY)
   grad = jax.grad(lambda p, b: jnp.mean(linreg_loss(p, b)))
   ys = []
@@ -116,7 +116,7 @@ def test_fedprox_is_fedavg_with_the_proximal_transform():
   cohort = make_cohort(data, batch_size=B)
   a = algos.fedprox(linreg_loss, mu=0.3, client_optimizer=optax.sgd(LR))
   b = algos.fedavg(linreg_loss, client_optimizer=optax.sgd(LR),
-                   client_transform=optax.inject_hyperparams(algos.proximal)(mu=0.3))
+                   client_transform=optax.inject_hyperparams(algos.transforms.proximal)(mu=0.3))
   sa, _ = a.round(a.init(params), cohort, KEY)
   sb, _ = b.round(b.init(params), cohort, KEY)
   assert sorted(sa.hparams) == sorted(sb.hparams) == [

@@ -20,8 +20,8 @@ import pytest
 
 import fedjx
 import fedjx.algorithms as algos
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import compression as C
+from fedjx.algorithms.aggregators import core as aggregators
+from fedjx.algorithms.compression import compressors as C
 from fedjx.algorithms import nonfinite
 from fedjx.experiments import parts
 import float_tolerance as ft

@@ -1,4 +1,4 @@
-"""DeMo as DiLoCo's outer-step compressor (``fedjx.algorithms.demo``).
+"""DeMo as DiLoCo's outer-step compressor (``fedjx.algorithms.compression.dct``).
 
 The oracle is NumPy float64 with its own DCT-II matrix, independent of
 ``jax.scipy.fft``: the recursion of Peng, Quesnelle, Kingma 2024 (arXiv
@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
-from fedjx.algorithms import demo as demo_lib
+from fedjx.algorithms.compression import dct as demo_lib
 import float_tolerance as ft
 import linreg_oracle as lo
 from test_algorithms_util import KEY, linreg_data, linreg_loss, linreg_params, make_cohort

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
-from fedjx.algorithms import quantization
+from fedjx.algorithms.compression import quantization
 from fedjx.algorithms.streaming_diloco_lib import fragment_leaves
 import float_tolerance as ft
 from test_algorithms_util import CHAIN, KEY, assert_trees_close, linreg_data

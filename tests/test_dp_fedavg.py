@@ -25,7 +25,7 @@ def test_clip_update_bounds_every_contribution():
   for scale in (0.01, 1.0, 100.0):
     u = {'a': jnp.asarray(rng.normal(size=(7,)) * scale, jnp.float32),
          'b': jnp.asarray(rng.normal(size=(2, 3)) * scale, jnp.float32)}
-    clipped, norm = algos.clip_update(u, 0.5)
+    clipped, norm = algos.aggregators.clip_update(u, 0.5)
     # Norms of 13 numbers: 13 squares summed, a square root (n = 15).
     np.testing.assert_allclose(norm, optax.tree.norm(u), rtol=ft.rtol(15))
     out = float(optax.tree.norm(clipped))
@@ -34,7 +34,7 @@ def test_clip_update_bounds_every_contribution():
       jax.tree.map(np.testing.assert_array_equal, clipped, u)
     else:
       np.testing.assert_allclose(out, 0.5, rtol=ft.rtol(15 + 2))
-  zero, norm = algos.clip_update({'a': jnp.zeros(3)}, 1.0)
+  zero, norm = algos.aggregators.clip_update({'a': jnp.zeros(3)}, 1.0)
   assert float(norm) == 0 and not np.any(np.isnan(zero['a']))
 
 
@@ -94,15 +94,15 @@ def test_epsilon_matches_dp_accounting():
       rounds)
   rdp = dp_accounting.rdp.RdpAccountant()
   rdp.compose(event)
-  assert algos.dp_epsilon(z, q, rounds, delta) == pytest.approx(
+  assert algos.privacy.dp_epsilon(z, q, rounds, delta) == pytest.approx(
       rdp.get_epsilon(delta), rel=1e-9)
   pld = dp_accounting.pld.PLDAccountant()
   pld.compose(event)
-  assert algos.dp_epsilon(z, q, rounds, delta, accountant='pld') == pytest.approx(
+  assert algos.privacy.dp_epsilon(z, q, rounds, delta, accountant='pld') == pytest.approx(
       pld.get_epsilon(delta), rel=1e-9)
   # More noise or fewer rounds spend less privacy.
-  assert algos.dp_epsilon(2 * z, q, rounds, delta) < algos.dp_epsilon(z, q, rounds, delta)
-  assert algos.dp_epsilon(z, q, rounds // 2, delta) < algos.dp_epsilon(z, q, rounds, delta)
+  assert algos.privacy.dp_epsilon(2 * z, q, rounds, delta) < algos.privacy.dp_epsilon(z, q, rounds, delta)
+  assert algos.privacy.dp_epsilon(z, q, rounds // 2, delta) < algos.privacy.dp_epsilon(z, q, rounds, delta)
 
 
 def test_dp_arguments():
@@ -111,6 +111,6 @@ def test_dp_arguments():
   with pytest.raises(ValueError, match='noise_multiplier'):
     algos.dp_fedavg(loss_fn, noise_multiplier=-1.0)
   with pytest.raises(ValueError, match='sampling_rate'):
-    algos.dp_epsilon(1.0, 1.5, 10, 1e-5)
+    algos.privacy.dp_epsilon(1.0, 1.5, 10, 1e-5)
   with pytest.raises(ValueError, match='accountant'):
-    algos.dp_epsilon(1.0, 0.1, 10, 1e-5, accountant='moments')
+    algos.privacy.dp_epsilon(1.0, 0.1, 10, 1e-5, accountant='moments')

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
-from fedjx.algorithms import dp_ftrl
+from fedjx.algorithms.privacy import dp_ftrl
 import float_tolerance as ft
 from test_algorithms_util import (CHAIN, KEY, assert_trees_close, copy, linreg_data,
                                   linreg_loss, linreg_params, make_cohort,
@@ -162,7 +162,7 @@ def test_noise_variance_per_release_is_popcount_times_the_node_variance():
   """Var(B_t) = popcount(t) (z C)^2 per coordinate (Kairouz et al. 2021, tree aggregation)."""
   z, clip, d, rounds = 1.3, 0.5, 2.0, 8
   algo = algos.fedavg(linear_loss, client_optimizer=optax.sgd(1.0),
-                      aggregator=algos.tree_gaussian(clip_norm=clip,
+                      aggregator=algos.privacy.tree_gaussian(clip_norm=clip,
                                                      noise_multiplier=z,
                                                      expected_clients_per_round=d))
   state = algo.init(params_of(2, EXTRA))

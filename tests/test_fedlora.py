@@ -26,7 +26,7 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
-from fedjx.algorithms import lora_aggregation
+from fedjx.algorithms.aggregators import lora as lora_aggregation
 from fedjx.models import adapters
 from fedjx.models import llama
 from fedjx.models import lora

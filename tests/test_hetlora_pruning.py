@@ -24,7 +24,7 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
-from fedjx.algorithms import lora_aggregation as agg
+from fedjx.algorithms.aggregators import lora as agg
 from fedjx.models import adapters as trees
 from fedjx.models import llama
 from fedjx.models import lora

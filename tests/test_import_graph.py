@@ -30,14 +30,17 @@ def test_no_import_cycle_between_fedjx_modules():
 
 def test_every_package_of_setup_cfg_is_walked():
   modules = import_graph.project_modules(ROOT)
-  for package in ('fedjx', 'fedjx.algorithms', 'fedjx.datasets', 'fedjx.models',
+  for package in ('fedjx', 'fedjx.algorithms', 'fedjx.algorithms.aggregators',
+                  'fedjx.algorithms.attacks', 'fedjx.algorithms.compression',
+                  'fedjx.algorithms.privacy', 'fedjx.algorithms.transforms',
+                  'fedjx.datasets', 'fedjx.models',
                   'fedjx.experiments', 'fedjx.experiments.sweeps',
                   'fedjx.interpreters', 'fedjx.deploy'):
     assert package in modules
   assert modules['fedjx.experiments.sweeps.run'] == os.path.join(
       'experiments', 'sweeps', 'run.py')
-  assert modules['fedjx.algorithms.aggregators'] == os.path.join(
-      'algorithms', 'aggregators.py')
+  assert modules['fedjx.algorithms.aggregators.core'] == os.path.join(
+      'algorithms', 'aggregators', 'core.py')
   assert modules['fedjx.interpreters.plan'] == os.path.join(
       'fedjx', 'interpreters', 'plan.py')
 
@@ -48,7 +51,9 @@ def test_the_graph_sees_imports_of_every_kind():
   # A function-local import.
   assert 'fedjx.experiments.registry' in edges['fedjx.experiments.config']
   # Attributes of a lazy package: ``import fedjx`` then ``fedjx.reduce_sum``.
-  assert 'fedjx.api' in edges['fedjx.algorithms.aggregators']
+  assert 'fedjx.api' in edges['fedjx.algorithms.aggregators.core']
+  # A lazy subpackage's name is an edge to the module that defines it.
+  assert 'fedjx.algorithms.aggregators.robust' in edges['fedjx.experiments.parts']
   # The lazy package itself imports none of its names.
   assert 'fedjx.algorithms' not in edges['fedjx']
 

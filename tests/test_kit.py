@@ -24,26 +24,46 @@ from fedjx.algorithms import kit
 
 PACKAGE = 'fedjx.algorithms'
 ROOT = pathlib.Path(__file__).resolve().parent.parent / 'algorithms'
-MODULES = frozenset(p.stem for p in ROOT.glob('*.py') if p.stem != '__init__')
+SUBPACKAGES = frozenset(p.parent.name for p in ROOT.glob('*/__init__.py'))
+MODULES = frozenset(p.stem for p in ROOT.glob('*.py')
+                    if p.stem != '__init__') | SUBPACKAGES
 ALGORITHM_MODULES = sorted(m for m in MODULES if m.endswith('_lib'))
 
 
 class Ref(NamedTuple):
-  """A reference to ``fedjx.algorithms.<module>`` (``''``: the package itself,
-  ``'?'``: a computed name) or to its attribute ``name``, at ``line``."""
+  """A reference to ``fedjx.algorithms.<module>`` (``'aggregators.core'`` for
+  a subpackage's module, ``''``: the package itself, ``'?'``: a computed
+  name) or to its attribute ``name``, at ``line``."""
 
   module: str
   name: str | None
   line: int
 
 
+def _is_module(module: str) -> bool:
+  """Whether ``fedjx.algorithms.<module>`` is a module or a subpackage."""
+  path = ROOT.joinpath(*module.split('.'))
+  return path.with_suffix('.py').exists() or (path / '__init__.py').exists()
+
+
+def _split(dotted: str) -> tuple[str, list[str]] | None:
+  """``('aggregators.core', ['mean'])`` for
+  ``'fedjx.algorithms.aggregators.core.mean'``: the longest module prefix
+  (``''`` for the package) and the attributes after it."""
+  if dotted != PACKAGE and not dotted.startswith(PACKAGE + '.'):
+    return None
+  parts = dotted[len(PACKAGE) + 1:].split('.') if dotted != PACKAGE else []
+  n = len(parts)
+  while n and not _is_module('.'.join(parts[:n])):
+    n -= 1
+  return '.'.join(parts[:n]), parts[n:]
+
+
 def _submodule(dotted: str) -> str | None:
   """``'base'`` for ``'fedjx.algorithms.base'``, ``''`` for the package."""
-  if dotted == PACKAGE:
-    return ''
-  if dotted.startswith(PACKAGE + '.'):
-    return dotted[len(PACKAGE) + 1:].split('.')[0]
-  return None
+  split = _split(dotted)
+  return None if split is None else (
+      '.'.join(filter(None, [split[0]] + split[1][:1])))
 
 
 def _dotted(node: ast.expr) -> str | None:
@@ -74,9 +94,10 @@ def references(source: str) -> list[Ref]:
           f'{base}.{node.module}' if node.module else base)
       module = _submodule(name) if name else None
       for alias in node.names:
-        if module == '' and alias.name in MODULES:
-          refs.append(Ref(alias.name, None, node.lineno))
-          bound[alias.asname or alias.name] = alias.name
+        inner = '.'.join(filter(None, [module, alias.name]))
+        if module is not None and _is_module(inner):
+          refs.append(Ref(inner, None, node.lineno))
+          bound[alias.asname or alias.name] = inner
         elif module is not None:
           refs.append(Ref(module, alias.name, node.lineno))
     elif isinstance(node, ast.Call) and _dotted(node.func) in (
@@ -94,8 +115,9 @@ def references(source: str) -> list[Ref]:
     if isinstance(node.value, ast.Name) and node.value.id in bound:
       refs.append(Ref(bound[node.value.id], node.attr, node.lineno))
     dotted = _dotted(node)
-    if dotted and dotted.startswith(PACKAGE + '.') and dotted.count('.') <= 3:
-      module, *name = dotted.split('.')[2:]
+    split = _split(dotted) if dotted else None
+    if split and split[0] and len(split[1]) <= 1:
+      module, name = split
       refs.append(Ref(module, name[0] if name else None, node.lineno))
   return refs
 
@@ -116,7 +138,7 @@ def violations(source: str, itself: str = '') -> list[str]:
         found.append(where + f'kit.{ref.name} is not in kit.__all__')
       continue
     allowed = ((ref.module.endswith('_lib') and ref.module != itself)
-               or ref.module in kit.PART_MODULES)
+               or ref.module.split('.')[0] in kit.PART_MODULES)
     if not allowed:
       what = {'': PACKAGE, '?': 'a computed module name'}.get(
           ref.module, f'{PACKAGE}.{ref.module}')
@@ -174,11 +196,16 @@ BAD = {
     'import as': ('import fedjx.algorithms.schedules as s\n', 'schedules'),
     'the package': ('from fedjx.algorithms import feddyn\n', 'feddyn'),
     'a kit object from a part module': (
-        'from fedjx.algorithms import aggregators\naggregators.map_clients\n',
-        'aggregators.map_clients is exported by the kit'),
+        'from fedjx.algorithms.aggregators import core\ncore.map_clients\n',
+        'aggregators.core.map_clients is exported by the kit'),
     'a kit name from a part module': (
-        'from fedjx.algorithms.aggregators import Aggregator\n',
-        'aggregators.Aggregator'),
+        'from fedjx.algorithms.aggregators.core import Aggregator\n',
+        'aggregators.core.Aggregator'),
+    'a kit name from a part subpackage': (
+        'from fedjx.algorithms import aggregators\naggregators.Aggregator\n',
+        'aggregators.Aggregator is exported by the kit'),
+    'a part of another kind than allowed': (
+        'from fedjx.algorithms.attacks import core\n', 'attacks.core'),
     'a name the kit lacks': ('from fedjx.algorithms import kit\nkit.nothing\n',
                              'kit.nothing is not in kit.__all__'),
     'itself': ('from fedjx.algorithms.fedavg_lib import build\n', 'fedavg_lib'),
@@ -200,11 +227,11 @@ def test_walker_refuses(case):
 def test_walker_sees_function_local_imports_and_attributes():
   refs = references(textwrap.dedent('''
       def f():
-        from fedjx.algorithms import aggregators as agg
+        from fedjx.algorithms.aggregators import core as agg
         return agg.gaussian
   '''))
-  assert ('aggregators', None) in [(r.module, r.name) for r in refs]
-  assert ('aggregators', 'gaussian') in [(r.module, r.name) for r in refs]
+  assert ('aggregators.core', None) in [(r.module, r.name) for r in refs]
+  assert ('aggregators.core', 'gaussian') in [(r.module, r.name) for r in refs]
 
 
 # ---------------------------------------------------------------- documented
@@ -216,13 +243,14 @@ def _definition(name: str) -> tuple[str, str]:
     if isinstance(node, ast.ImportFrom):
       for alias in node.names:
         if (alias.asname or alias.name) == name:
-          return node.module.rsplit('.', 1)[1], alias.name
+          return node.module[len(PACKAGE) + 1:], alias.name
   return 'kit', name
 
 
 def _attribute_docstring(module: str, name: str) -> str:
   """The string right after ``name = ...`` at the top level of ``module``."""
-  body = ast.parse((ROOT / f'{module}.py').read_text()).body
+  path = ROOT.joinpath(*module.split('.')).with_suffix('.py')
+  body = ast.parse(path.read_text()).body
   for node, following in zip(body, body[1:]):
     targets = (node.targets if isinstance(node, ast.Assign) else
                [node.target] if isinstance(node, ast.AnnAssign) else [])

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import fedjx
-from fedjx.algorithms import lora_aggregation as la
+from fedjx.algorithms.aggregators import lora as la
 
 RTOL = ATOL = 1e-5
 N_IN, N_OUT, R_MAX = 6, 5, 3

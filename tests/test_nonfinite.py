@@ -276,7 +276,7 @@ def test_derivatives_stay_finite_when_a_client_is_skipped_for_its_weight():
 def test_dp_encodings_are_nonfinite_exactly_when_the_update_is(name):
   """``checks_update``: the guard reads the DP encoder's values (the norm)
   instead of the client's model, so they must be NaN/Inf exactly then."""
-  from fedjx.algorithms import aggregators  # pylint: disable=import-outside-toplevel
+  from fedjx.algorithms.aggregators import core as aggregators  # pylint: disable=import-outside-toplevel
   agg = parts.AGGREGATORS[name](noise_multiplier=0.3, **(
       {'clipped_count_stddev': 0.5} if name == 'adaptive_gaussian' else {}))
   assert agg.checks_update
@@ -293,7 +293,7 @@ def test_dp_encodings_are_nonfinite_exactly_when_the_update_is(name):
 
 
 def test_the_safe_norm_keeps_nan_and_inf_and_a_zero_gradient_at_zero():
-  from fedjx.algorithms import aggregators  # pylint: disable=import-outside-toplevel
+  from fedjx.algorithms.aggregators import core as aggregators  # pylint: disable=import-outside-toplevel
   norm = aggregators.safe_global_norm
   assert float(norm({'a': jnp.array([3.0, 4.0])})) == 5.0
   assert float(norm({'a': jnp.zeros(3)})) == 0.0

@@ -9,8 +9,8 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
-from fedjx.algorithms import compression
-from fedjx.algorithms import outer_compression as oc
+from fedjx.algorithms.compression import compressors as compression
+from fedjx.algorithms.compression import outer as oc
 from test_algorithms_util import KEY, assert_trees_close, linreg_data
 from test_algorithms_util import linreg_loss, linreg_params, make_cohort
 from test_compression import aggregate

@@ -2,8 +2,8 @@
 
 import pytest
 
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import robust_aggregators
+from fedjx.algorithms.aggregators import core as aggregators
+from fedjx.algorithms.aggregators import robust as robust_aggregators
 from fedjx.experiments import parts
 from fedjx.experiments.config import ConfigError
 

@@ -1,4 +1,4 @@
-"""The canary audit (fedjx.algorithms.privacy_audit): estimators against closed
+"""The canary audit (fedjx.algorithms.privacy.audit): estimators against closed
 forms, the canaries' participation and insertion, and the audit of whole runs
 (with noise, without, with the noise halved by an injected bug)."""
 
@@ -15,10 +15,10 @@ from scipy import special
 from scipy import stats
 
 import fedjx
-from fedjx.algorithms import accounting
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.privacy import accounting
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms import privacy_audit as pa
+from fedjx.algorithms.privacy import audit as pa
 from fedjx.experiments import privacy
 from fedjx.experiments import registry
 from fedjx.experiments import runner

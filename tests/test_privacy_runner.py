@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from fedjx import datasets
-from fedjx.algorithms import accounting
+from fedjx.algorithms.privacy import accounting
 from fedjx.experiments import privacy
 from fedjx.experiments import registry
 from fedjx.experiments import runner

@@ -18,10 +18,10 @@ import pytest
 import fedjx
 import fedjx.algorithms as algos
 from fedjx import streaming
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms import order_statistics
-from fedjx.algorithms import robust_aggregators as ra
+from fedjx.algorithms.aggregators import order_statistics
+from fedjx.algorithms.aggregators import robust as ra
 from fedjx.interpreters import plan as plan_lib
 from fedjx.experiments import parts
 import float_tolerance as ft

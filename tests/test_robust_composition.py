@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fedjx.algorithms as algos
 from fedjx.algorithms import aggregators
-from fedjx.algorithms import order_statistics
+from fedjx.algorithms.aggregators import order_statistics
 from fedjx.experiments import parts
 import test_robust_aggregators as oracles
 from test_algorithms_util import KEY, assert_trees_close, linreg_data

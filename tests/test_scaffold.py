@@ -87,8 +87,8 @@ def test_scaffold_arguments():
 
 @pytest.mark.parametrize('aggregator', [
     algos.aggregators.gaussian(1.0, 1.0),
-    algos.distributed_skellam(clip_norm=1.0, noise_multiplier=1.0),
-    algos.local_gaussian(clip_norm=1.0, noise_multiplier=1.0),
+    algos.privacy.distributed_skellam(clip_norm=1.0, noise_multiplier=1.0),
+    algos.privacy.local_gaussian(clip_norm=1.0, noise_multiplier=1.0),
 ], ids=['gaussian', 'distributed_skellam', 'local_gaussian'])
 def test_dp_aggregators_are_refused(aggregator):
   # Delta c_i is summed exactly beside the noised Delta y_i: no DP holds.
@@ -99,7 +99,7 @@ def test_dp_aggregators_are_refused(aggregator):
   assert '\n' not in str(e.value)
   assert algos.scaffold(quadratic_loss, 3).unprivatized is not None
   # A non-private secure sum is still taken.
-  algos.scaffold(quadratic_loss, 3, aggregator=algos.secure_sum())
+  algos.scaffold(quadratic_loss, 3, aggregator=algos.aggregators.secure_sum())
 
 
 def test_client_learning_rate_is_the_optimizer_s_or_a_mismatch_is_refused():

@@ -18,9 +18,9 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
-from fedjx.algorithms import compression
-from fedjx.algorithms import distributed_dp as DD
-from fedjx.algorithms import secure_aggregation as S
+from fedjx.algorithms.compression import compressors as compression
+from fedjx.algorithms.privacy import distributed_dp as DD
+from fedjx.algorithms.aggregators import secure as S
 from fedjx.experiments import parts
 import float_tolerance as ft
 from test_algorithms_util import (KEY, linreg_data, linreg_loss, linreg_params,
@@ -375,7 +375,7 @@ def test_skellam_accounting_takes_its_relation_from_the_sampling():
   """The run's Sampling gives the relation (accounting.sensitivity): fixed
   cohorts are replace-one (2 Delta), Poisson add-or-remove (Delta), epochs
   zero-out (Delta) with ceil(R / E) compositions and no amplification."""
-  from fedjx.algorithms import accounting
+  from fedjx.algorithms.privacy import accounting
   z, clip, s, d, delta = 1.0, 0.5, 300.0, 1024, 1e-5
   uniform = accounting.Sampling('uniform', 50, 20)
   poisson = accounting.Sampling.poisson(50, 0.4)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedjx.algorithms import accounting
+from fedjx.algorithms.privacy import accounting
 from fedjx.experiments import config_base
 from fedjx.experiments import experiment
 from fedjx.experiments import metrics_writers

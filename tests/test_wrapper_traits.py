@@ -2,7 +2,7 @@
 
 An algorithm's traits (``fedjx.algorithms.base.TRAITS``: its per-client
 state, what its round releases beside the aggregate) and an aggregator's
-(``fedjx.algorithms.aggregators.TRAITS``: weights, bytes, checks, privacy)
+(``fedjx.algorithms.aggregators.core.TRAITS``: weights, bytes, checks, privacy)
 say what it is; every wrapper builds its result from the wrapped value
 (``_replace``), so each trait field is the wrapped one's, and a scheduled
 algorithm with per-client state still runs as one.
@@ -15,11 +15,11 @@ import optax
 import pytest
 
 import fedjx.algorithms as algos
-from fedjx.algorithms import accounting
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.privacy import accounting
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import attacks
 from fedjx.algorithms import base
-from fedjx.algorithms import privacy_audit
+from fedjx.algorithms.privacy import audit as privacy_audit
 from fedjx.experiments import guarded_rounds
 from fedjx.experiments import parts
 from client_rows import Rows, run_round

@@ -99,9 +99,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
-from fedjx.algorithms import compression
+from fedjx.algorithms.compression import compressors as compression
 
 _BITS = (1, 2, 3, 4, 8)
 CHUNK_SHAPES = ('2d', '1d')

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjx import plan as plan_lib
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
 
 VIOLATED = 'robust_bound_violated'

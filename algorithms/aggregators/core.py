@@ -31,8 +31,8 @@ Aggregators here:
 | ``adaptive_gaussian`` (DP) | clip to the state's ``C``, ``b_i = 1[||Delta_i|| <= C]`` | noisy mean, ``C`` to a quantile |
 | ``tree_gaussian`` (DP-FTRL) | clip to ``C``, ``w_i = 1`` | ``(s_t - s_{t-1}) / D``, tree prefix sums |
 
-``adaptive_gaussian`` is :func:`fedjx.algorithms.adaptive_clipping.adaptive_gaussian`
-(Andrew et al. 2021), ``tree_gaussian`` :func:`fedjx.algorithms.dp_ftrl.tree_gaussian`
+``adaptive_gaussian`` is :func:`fedjx.algorithms.privacy.adaptive_gaussian`
+(Andrew et al. 2021), ``tree_gaussian`` :func:`fedjx.algorithms.privacy.tree_gaussian`
 (Kairouz et al. 2021). Those, the compressors, secure sums, distributed DP
 and robust aggregators build on this module, which imports none of them; the
 names a config gives them are :data:`fedjx.experiments.parts.AGGREGATORS`.
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import fedjx
 from fedjx.algorithms import base
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms import quantization
+from fedjx.algorithms.compression import quantization
 
 Encode = Callable[[Mapping[str, jax.Array], base.PyTree, jax.Array],
                   tuple[base.PyTree, base.PyTree]]
@@ -82,7 +82,7 @@ class Aggregator(NamedTuple):
       (:mod:`fedjx.algorithms.nonfinite`).
     needs_all_updates: None for rules written with the fedjx reductions;
       for rules that read every client's message at once (order statistics,
-      pairwise distances: :mod:`fedjx.algorithms.robust_aggregators`), why,
+      pairwise distances: :mod:`fedjx.algorithms.aggregators.robust`), why,
       in a phrase. Their ``combine`` stacks the messages on the server
       (:func:`fedjx.plan.gather_to_server`, the memory of every update), so
       Beam runs them and a streamed round refuses them with that phrase.
@@ -153,7 +153,7 @@ def mean() -> Aggregator:
 def quantized_mean(fmt: str) -> Aggregator:
   """The weighted mean of quantized updates ``sum_i w_i Q(Delta_i) / sum_i w_i``.
 
-  ``Q`` is :func:`fedjx.algorithms.quantization.quantize` in ``fmt``
+  ``Q`` is :func:`fedjx.algorithms.compression.quantize` in ``fmt``
   (Streaming DiLoCo's 4-bit ``'e3m0'``, Douillard et al. 2025); the sum runs
   in the update's dtype (float32).
   """
@@ -274,13 +274,13 @@ def audited(aggregator: Aggregator, canaries: Any,
             expected_clients_per_round: float | None) -> Aggregator:
   """``aggregator`` with the canary clients of a privacy audit, if any.
 
-  ``canaries`` is a :class:`fedjx.algorithms.privacy_audit.Canaries` (or
+  ``canaries`` is a :class:`fedjx.algorithms.privacy.audit.Canaries` (or
   None: ``aggregator`` as it is); see
-  :func:`fedjx.algorithms.privacy_audit.with_canaries`.
+  :func:`fedjx.algorithms.privacy.audit.with_canaries`.
   """
   if canaries is None:
     return aggregator
-  from fedjx.algorithms import privacy_audit  # pylint: disable=g-import-not-at-top
+  from fedjx.algorithms.privacy import audit as privacy_audit  # pylint: disable=g-import-not-at-top
   return privacy_audit.with_canaries(
       aggregator, canaries, clip_norm=clip_norm,
       expected_clients_per_round=expected_clients_per_round)
@@ -302,8 +302,8 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   (shuffled epochs), changes the sum by at most ``C``, and replacing one
   client's update by another's (fixed-size cohorts) by at most ``2C``: the
   round is a Gaussian mechanism with noise multiplier ``z``, or ``z / 2``
-  under replace-one (:func:`fedjx.algorithms.accounting.sensitivity`
-  derives it for each sampling; :mod:`fedjx.algorithms.accounting`
+  under replace-one (:func:`fedjx.algorithms.privacy.accounting.sensitivity`
+  derives it for each sampling; :mod:`fedjx.algorithms.privacy.accounting`
   accounts for it). ``D`` is
   ``expected_clients_per_round`` (``qN``, the fixed-denominator estimator) or,
   if None, the number of participating clients. ``C`` and ``z`` are traced:
@@ -311,7 +311,7 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   The noise is drawn from the round's key. Metrics: ``clipped_fraction``,
   ``mean_update_norm`` (before clipping) and ``noise_std`` (``zC``).
   ``canaries``: the canary clients of a privacy audit
-  (:mod:`fedjx.algorithms.privacy_audit`; the runner sets them from
+  (:mod:`fedjx.algorithms.privacy.audit`; the runner sets them from
   ``config.privacy.audit``), or None.
   """
   fn = 'gaussian'

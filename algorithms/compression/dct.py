@@ -51,7 +51,7 @@ or 1 for a prime above ``s``), a leaf of rank 0 or 1 cut the same way into
 tile, clamped to the tile's size as in the reference: 32 of 64 for a
 bias). The reference implementation's ``s = 64``, ``k = 32``, ``beta =
 0.999`` are the defaults (see
-:func:`fedjx.algorithms.outer_compression.tiled_layout` for the tiles).
+:func:`fedjx.algorithms.compression.outer.tiled_layout` for the tiles).
 ``'1d'`` flattens the update (``ravel_pytree``, leaves in key order) and
 cuts it into consecutive chunks of ``s``, the last zero-padded, ``k`` of
 ``s`` components each (this module's earlier layout; for the density of
@@ -60,7 +60,7 @@ the paper's 2-D tiles, ``32 / 4096``, give ``chunk_size=4096`` there).
 **Message and bits.** With ``'1d'``, ``d`` coordinates, ``c = ceil(d / s)``
 chunks and ``w = ceil(log2 s)``, replica ``k`` sends ``c k`` float32 values
 and ``c k`` indices of ``w`` bits packed 32 to a ``uint32`` word
-(:func:`fedjx.algorithms.compression.pack_bits`):
+(:func:`fedjx.algorithms.compression.compressors.pack_bits`):
 
     upload_bits = 32 c k + 32 ceil(c k w / 32)
 
@@ -94,9 +94,9 @@ import jax
 import jax.numpy as jnp
 from jax.scipy import fft
 
-from fedjx.algorithms import aggregators
-from fedjx.algorithms import compression
-from fedjx.algorithms import outer_compression as oc
+from fedjx.algorithms.aggregators import core as aggregators
+from fedjx.algorithms.compression import compressors as compression
+from fedjx.algorithms.compression import outer as oc
 
 
 def index_width(chunk_size: int) -> int:
@@ -151,7 +151,7 @@ def dct_top_k(chunk_size: int, k: int) -> compression.Compressor:
 def tiled_dct(x: jax.Array, chunk: int) -> jax.Array:
   """``[n, *tile]``: the orthonormal DCT-II of each tile of the leaf ``x``.
 
-  Tiles of :func:`fedjx.algorithms.outer_compression.tile_shape` ``(x.shape,
+  Tiles of :func:`fedjx.algorithms.compression.outer.tile_shape` ``(x.shape,
   chunk)``; a 2-D tile ``X`` gives ``C_r X C_c^T`` (the DCT along both of
   its axes), a 1-D chunk ``C x``.
   """
@@ -175,8 +175,8 @@ def tiled_dct_top_k(shapes: Sequence[Sequence[int]], chunk: int, k: int
   """DeMo's ``'2d'`` ``ExtractFastComponents``: top-``k`` DCT components per tile.
 
   ``shapes`` are the update's leaves
-  (:func:`fedjx.algorithms.outer_compression.leaf_shapes`), cut by
-  :func:`fedjx.algorithms.outer_compression.tiled_layout`. Message, for leaf
+  (:func:`fedjx.algorithms.compression.outer.leaf_shapes`), cut by
+  :func:`fedjx.algorithms.compression.outer.tiled_layout`. Message, for leaf
   ``i`` (keys suffixed ``.i``): ``values`` (float32, ``min(k, z)`` per tile
   of ``z`` coordinates) and ``indices`` (within-tile row-major indices
   packed ``ceil(log2 z)`` bits each). Bits: :func:`tiled_dct_bits`.

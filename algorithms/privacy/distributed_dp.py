@@ -3,7 +3,7 @@
 **Distributed Skellam** (Agarwal, Kairouz, Liu, "The Skellam Mechanism for
 Differentially Private Federated Learning", NeurIPS 2021). Each client of
 :func:`distributed_skellam` runs the secure sum's encoding
-(:mod:`fedjx.algorithms.secure_aggregation`: clip to ``C``, shared
+(:mod:`fedjx.algorithms.aggregators.secure`: clip to ``C``, shared
 Hadamard rotation, scale ``s``, randomized rounding) and adds integer noise
 ``Sk(mu / n_min)`` per coordinate, ``Sk(lambda) = Poisson(lambda / 2) -
 Poisson(lambda / 2)`` (variance ``lambda``), before the modular reduction.
@@ -36,9 +36,9 @@ Accountant", AISTATS 2019, Theorem 9); shuffled epochs of ``E`` rounds
 (zero-out, sensitivity ``Delta``) claim no amplification, a client
 composing at most ``ceil(R / E)`` rounds; ``sampling=None`` claims no
 amplification (replace-one). The relation, and with it the factor 1 or 2
-on ``Delta``, is :func:`fedjx.algorithms.accounting.sensitivity`'s for the
+on ``Delta``, is :func:`fedjx.algorithms.privacy.accounting.sensitivity`'s for the
 sampling, as for central DP. ``sampling`` is the run's
-:class:`fedjx.algorithms.accounting.Sampling` (population, cohort size and
+:class:`fedjx.algorithms.privacy.accounting.Sampling` (population, cohort size and
 sampler: what the runner passes, ``experiments/privacy.py``), or, for a
 caller without one, a sampler name with its ``sampling_rate``. Epsilon at ``delta`` is ``min_alpha eps(alpha)
 + log((alpha - 1) / alpha) - (log delta + log alpha) / (alpha - 1)``
@@ -77,11 +77,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedjx
-from fedjx.algorithms import accounting
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.privacy import accounting
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
-from fedjx.algorithms import compression
-from fedjx.algorithms import secure_aggregation
+from fedjx.algorithms.compression import compressors as compression
+from fedjx.algorithms.aggregators import secure as secure_aggregation
 
 ORDERS = tuple(range(2, 257))
 SAMPLINGS = (None, 'poisson', 'uniform')
@@ -195,8 +195,8 @@ def _check_accounting(fn: str, sampling: Sampling, sampling_rate: float | None,
 def sensitivity_factor(sampling: Sampling) -> int:
   """``k``: ``Delta`` of one client's vector times 1 or 2, by the relation.
 
-  :func:`fedjx.algorithms.accounting.sensitivity` of the run's
-  :class:`~fedjx.algorithms.accounting.Sampling`; a sampler name takes the
+  :func:`fedjx.algorithms.privacy.accounting.sensitivity` of the run's
+  :class:`~fedjx.algorithms.privacy.accounting.Sampling`; a sampler name takes the
   relation of that sampler (``None``: replace-one).
   """
   if isinstance(sampling, accounting.Sampling):
@@ -223,7 +223,7 @@ def skellam_round_rdp(noise_multiplier: float, clip_norm: float, scale: float,
   ``dimension`` is the padded length ``D``; the noise of the sum is
   ``Sk((z C s)^2)``, on a query of sensitivity ``k Delta``
   (:func:`sensitivity_factor`). ``sampling``: the run's
-  :class:`~fedjx.algorithms.accounting.Sampling` (``'poisson'``: rate ``q``;
+  :class:`~fedjx.algorithms.privacy.accounting.Sampling` (``'poisson'``: rate ``q``;
   ``'uniform'``: ``m / N``; ``'epochs'``: no amplification), or a sampler
   name with ``sampling_rate``: ``'poisson'`` (add-or-remove, ``q``),
   ``'uniform'`` (replace-one, ``m / N``) or None (replace-one, no
@@ -345,7 +345,7 @@ def distributed_skellam(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
     scale: ``s`` (None: :func:`default_scale`).
     expected_clients_per_round: divide the sum by it (else by the survivors).
     sampling: the cohorts' sampling ``ddp_epsilon`` is accounted for: the
-      run's :class:`fedjx.algorithms.accounting.Sampling` (the runner
+      run's :class:`fedjx.algorithms.privacy.accounting.Sampling` (the runner
       passes it), or a sampler name (``'poisson'``, ``'uniform'``, None)
       with ``sampling_rate`` (module docstring).
     sampling_rate: ``q`` or ``m / N``, with a sampler name only.

@@ -57,7 +57,7 @@ elsewhere means the add-or-remove one.
   of such an epoch is ``alpha ceil(log2(T + 1)) / (2 z^2)`` for its longest
   tree of ``T`` rounds (their Appendix D).
 * ``distributed_skellam`` (Agarwal, Kairouz, Liu 2021; the aggregator of
-  :mod:`fedjx.algorithms.distributed_dp`) is not a ``dp_accounting`` event:
+  :mod:`fedjx.algorithms.privacy.distributed_dp`) is not a ``dp_accounting`` event:
   its RDP is the Skellam mechanism's, which that module computes and
   composes in the aggregator's state. The relation and the factor ``k`` on
   its sensitivity ``Delta_2`` still come from :func:`sensitivity` under the

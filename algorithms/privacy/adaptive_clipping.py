@@ -33,7 +33,7 @@ Those sensitivities are add-or-remove's (Poisson cohorts) and zero-out's
 both double (``2C``, and 1 for the centred bit, which goes from ``-1/2`` to
 ``1/2``), so the round is a Gaussian mechanism with noise multiplier
 ``((2 / z_Delta)^2 + (1 / sigma_b)^2)^(-1/2) = z / 2``
-(:func:`fedjx.algorithms.accounting.sensitivity`).
+(:func:`fedjx.algorithms.privacy.accounting.sensitivity`).
 
 ``noise_multiplier`` is the total ``z``, the one the accountant composes
 (as ``z / 2`` under replace-one); the updates get the larger
@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 import fedjx
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
 
 
@@ -124,7 +124,7 @@ def adaptive_gaussian(noise_multiplier: float = 1.0,
     expected_clients_per_round: ``D = qN``, the fixed denominator; None
       divides by the number of participating clients.
     canaries: the canary clients of a privacy audit
-      (:mod:`fedjx.algorithms.privacy_audit`), clipped to the round's ``C``;
+      (:mod:`fedjx.algorithms.privacy.audit`), clipped to the round's ``C``;
       they do not enter the unclipped count. None: no audit.
 
   Returns:

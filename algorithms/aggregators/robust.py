@@ -14,7 +14,7 @@ algorithm takes it (``aggregator=krum(num_byzantine=2)``, or in a config
 | :func:`norm_bounding` | clip each update's norm, then the mean | one weighted mean |
 | :func:`centered_clipping` | clip each update around the last aggregate | iterated means |
 
-The first five are in :mod:`fedjx.algorithms.order_statistics` (stacked on
+The first five are in :mod:`fedjx.algorithms.aggregators.order_statistics` (stacked on
 the server; the streaming executor refuses them). The last three are
 written with the fedjx reductions: they fuse in chunked maps and run on
 Beam; :func:`norm_bounding` and one-iteration :func:`centered_clipping`
@@ -36,14 +36,14 @@ import jax
 import jax.numpy as jnp
 
 import fedjx
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import nonfinite
-from fedjx.algorithms.order_statistics import bulyan
-from fedjx.algorithms.order_statistics import coordinate_median
-from fedjx.algorithms.order_statistics import krum
-from fedjx.algorithms.order_statistics import multi_krum
-from fedjx.algorithms.order_statistics import trimmed_mean
+from fedjx.algorithms.aggregators.order_statistics import bulyan
+from fedjx.algorithms.aggregators.order_statistics import coordinate_median
+from fedjx.algorithms.aggregators.order_statistics import krum
+from fedjx.algorithms.aggregators.order_statistics import multi_krum
+from fedjx.algorithms.aggregators.order_statistics import trimmed_mean
 
 
 def _stateless(params: base.Params) -> tuple[()]:

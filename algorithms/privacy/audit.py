@@ -82,12 +82,12 @@ from scipy import optimize
 from scipy import special
 from scipy import stats
 
-from fedjx.algorithms import accounting
+from fedjx.algorithms.privacy import accounting
 from fedjx.algorithms import base
 from fedjx.algorithms import nonfinite
 
 if TYPE_CHECKING:  # The DP aggregators build on this module.
-  from fedjx.algorithms import aggregators
+  from fedjx.algorithms.aggregators import core as aggregators
 
 DESIGNS = ('insert', 'swap')
 # The design of each neighbouring relation (module docstring).
@@ -106,7 +106,7 @@ class Canaries:
 
   Attributes:
     count: ``m >= 2`` canary slots.
-    sampling: the run's :class:`fedjx.algorithms.accounting.Sampling`, by
+    sampling: the run's :class:`fedjx.algorithms.privacy.accounting.Sampling`, by
       which each slot takes part.
     seed: the seed of their directions, signs and participation.
     design: ``'insert'`` or ``'swap'``; None chooses the sampler's

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedjx
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
 
 
@@ -195,7 +195,7 @@ def tree_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
       then keeps one model per level, ``restart_every.bit_length()``; it
       needs ``restart_every``.
     canaries: the canary clients of a privacy audit
-      (:mod:`fedjx.algorithms.privacy_audit`): their clipped updates join
+      (:mod:`fedjx.algorithms.privacy.audit`): their clipped updates join
       the round's sum ``g_t``, so each enters the tree's leaf of its round.
       None: no audit.
 

@@ -54,7 +54,7 @@ SecAgg, ``k = n - 1``: ``n^2 + l n`` and ``l n^2``): ``secagg_client_ops``,
 
 Clients have weight 1 (the sum is over clients; the mean divides by the
 survivors, or by ``expected_clients_per_round``). Distributed DP
-(:mod:`fedjx.algorithms.distributed_dp`) adds integer noise to ``v_i``.
+(:mod:`fedjx.algorithms.privacy.distributed_dp`) adds integer noise to ``v_i``.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ import jax
 import jax.numpy as jnp
 
 import fedjx
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
-from fedjx.algorithms import compression
+from fedjx.algorithms.compression import compressors as compression
 
 _ROTATION, _CLIENTS, _GRAPH, _SELF, _PAIR, _NEXT = 0, 1, 2, 3, 4, 7
 KEY_BITS = 256  # public keys and secret shares

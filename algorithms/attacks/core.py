@@ -70,7 +70,7 @@ import numpy as np
 from jax.scipy import special
 
 import fedjx
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
 
 METRIC = 'malicious_clients'

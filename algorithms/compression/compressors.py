@@ -71,7 +71,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 import fedjx
-from fedjx.algorithms import aggregators
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
 
 Message = dict[str, jax.Array]
