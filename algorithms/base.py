@@ -159,6 +159,8 @@ class ServerState(NamedTuple):
     hparams: traced hyperparameters, keyed by the builder's argument names.
     round_index: number of rounds run so far (int32 scalar).
     aggregator_state: the aggregator's state (``()`` when it has none).
+    extras: the algorithm's own server state beyond these (``()`` when it
+      has none), e.g. FedDyn's ``h`` in docs/writing_an_algorithm.md.
   """
 
   params: Params
@@ -166,6 +168,7 @@ class ServerState(NamedTuple):
   hparams: dict[str, Any]
   round_index: jax.Array
   aggregator_state: Any = ()
+  extras: Any = ()
 
 
 # ------------------------------------------------------------------ checks

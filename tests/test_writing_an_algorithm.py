@@ -98,7 +98,7 @@ def _cohorts(population, rounds, steps):
                               B, steps=steps, client_ids=ids)
 
 
-def _run(algo, population):
+def _run(algo, population, h_of):
   """Three rounds, the g_k rows kept in a ClientStore: (theta, h, rows)."""
   state = algo.init({'w': jnp.asarray(THETA0[:-1], jnp.float32),
                      'b': jnp.asarray(THETA0[-1], jnp.float32)})
@@ -109,7 +109,7 @@ def _run(algo, population):
     store.write(cohort.client_ids, rows)
   rows = {i: _vector(jax.tree.map(lambda x: x[0], store.read([i])))
           for i in range(M)}
-  return _vector(state.params), _vector(state.h), rows
+  return _vector(state.params), _vector(h_of(state)), rows
 
 
 def _oracle(population, rounds, theta, alpha, m, weighting):
@@ -185,9 +185,11 @@ def _tolerance(population, rounds, steps, alpha, big):
 def test_page_feddyn_against_shipped_and_numpy(page, weighting):
   population = _population()
   mine = _run(page['my_feddyn'](page['loss_fn'], M, alpha=ALPHA,
-                                weighting=weighting), population)
+                                weighting=weighting), population,
+              lambda state: state.extras)  # The page keeps h in the kit's record.
   shipped = _run(algos.feddyn(page['loss_fn'], M, alpha=ALPHA,
-                              weighting=weighting), population)
+                              weighting=weighting), population,
+                 lambda state: state.h)
   theta, h, g, big = _oracle(population, ROUNDS, THETA0, ALPHA, M, weighting)
   tol = _tolerance(population, ROUNDS, S, ALPHA, big)
   # The bound is a worst case (the errors seen are about 1e-7), but it is
