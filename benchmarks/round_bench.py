@@ -41,7 +41,7 @@ from fedjx import algorithms
 from fedjx import datasets
 from fedjx import mapping
 from fedjx import models
-from fedjx import placements
+from fedjx import frames
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +252,7 @@ def fusion_of(spec: str) -> tuple[bool, str]:
 
 
 def _fusion_context(spec: str):
-  return contextlib.nullcontext() if fusion_of(spec)[0] else placements.without_fusion()
+  return contextlib.nullcontext() if fusion_of(spec)[0] else frames.without_fusion()
 
 
 def run(model_names: Sequence[str], cohort_sizes: Sequence[int],

@@ -43,7 +43,7 @@ _NAMES = {
     'broadcast': 'fedjx.api', 'reduce_mean': 'fedjx.api',
     'reduce_sum': 'fedjx.api', 'reduce_weighted_mean': 'fedjx.api',
     'map_fn': 'fedjx.mapping',
-    'MAP_STRATEGIES': 'fedjx.placements', 'program': 'fedjx.placements',
+    'MAP_STRATEGIES': 'fedjx.frames', 'program': 'fedjx.placements',
     'broadcast_p': 'fedjx.primitives', 'reduce_mean_p': 'fedjx.primitives',
     'reduce_sum_p': 'fedjx.primitives',
     'reduce_weighted_mean_p': 'fedjx.primitives',

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedjx import placements as placements_lib
+from fedjx import frames
 from fedjx import primitives
 from fedjx import sharding as sharding_lib
 
@@ -34,8 +34,8 @@ def broadcast(x: Any, *, placement: str | None = None, mesh: Any = None) -> Any:
   mesh axis of the same name when one is active. Its transpose is
   :func:`reduce_sum`.
   """
-  p, frame = placements_lib.lookup(placement, 'broadcast')
-  n = placements_lib.resolve_size(p, None, 'broadcast')
+  p, frame = frames.lookup(placement, 'broadcast')
+  n = frames.resolve_size(p, None, 'broadcast')
   mesh = mesh if mesh is not None else frame.mesh
 
   def one(leaf):
@@ -49,12 +49,12 @@ def broadcast(x: Any, *, placement: str | None = None, mesh: Any = None) -> Any:
 
 
 def _reduce(prim, x, placement, mesh, caller):
-  p, frame = placements_lib.lookup(placement, caller)
+  p, frame = frames.lookup(placement, caller)
   mesh = mesh if mesh is not None else frame.mesh
 
   def one(leaf):
     leaf = jnp.asarray(leaf)
-    placements_lib.resolve_size(p, _leading(leaf, 'x', caller, p.name), caller)
+    frames.resolve_size(p, _leading(leaf, 'x', caller, p.name), caller)
     leaf = sharding_lib.place_leading_axis(leaf, p.name, mesh)
     return prim.bind(leaf, placement=p.name)
 
@@ -90,7 +90,7 @@ def reduce_weighted_mean(x: Any, weights: Any, *, placement: str | None = None,
     defined as zero (with zero derivative), never NaN.
   """
   caller = 'reduce_weighted_mean'
-  p, frame = placements_lib.lookup(placement, caller)
+  p, frame = frames.lookup(placement, caller)
   mesh = mesh if mesh is not None else frame.mesh
   weights = jnp.asarray(weights)
   if weights.ndim != 1:
@@ -102,7 +102,7 @@ def reduce_weighted_mean(x: Any, weights: Any, *, placement: str | None = None,
         f'fedjx.reduce_weighted_mean: weights have {weights.shape[0]} entries, '
         f'but placement {p.name!r} has {p.size} members; pass one weight per '
         'member.')
-  n = placements_lib.resolve_size(p, weights.shape[0], caller)
+  n = frames.resolve_size(p, weights.shape[0], caller)
   weights = sharding_lib.place_leading_axis(weights, p.name, mesh)
 
   def one(leaf):

@@ -527,7 +527,7 @@ def _broadcast_sources(frame: Any, leaves: list[Any], placement: str) -> dict[in
   round over 10,000 clients of a 1.2M-parameter model would otherwise hold
   48 GB of copies of the server model. At least one leaf stays placed, so
   the members are still counted by an input. Not done under
-  :func:`fedjx.placements.force_map_strategy`, whose traced programs must show
+  :func:`fedjx.frames.force_map_strategy`, whose traced programs must show
   every client input placed.
   """
   sources = {}

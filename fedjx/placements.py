@@ -26,15 +26,9 @@ from typing import Any
 
 from fedjx import frames
 from fedjx import fusion
-from fedjx.frames import (MAP_STRATEGIES, MapOptions, Placement, current_frames,
-                          force_map_strategy, forced_map_strategy, fusion_enabled,
-                          lookup, resolve_size, without_fusion)
+from fedjx.frames import Placement, current_frames
 
-__all__ = [
-    'MAP_STRATEGIES', 'MapOptions', 'Placement', 'current_frames',
-    'force_map_strategy', 'forced_map_strategy', 'fusion_enabled', 'lookup',
-    'placement_context', 'program', 'resolve_size', 'without_fusion',
-]
+__all__ = ['placement_context', 'program']
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ import pytest
 import fedjx
 import fedjx.algorithms as algos
 import float_tolerance as ft
-from fedjx import placements
+from fedjx import frames
 from test_nonfinite import BUILDERS, C, DIM, T, B, _clean_cohort, scaled_loss
 from test_algorithms_util import linreg_params, stack_cohorts
 
@@ -63,7 +63,7 @@ def _rounds(name, strategy, chunk, fuse, scanned):
   cohorts = [_clean_cohort(seed) for seed in (0, 1)]
   keys = jax.random.split(jax.random.key(3), 2)
   state = algo.init(linreg_params(DIM))
-  with (placements.without_fusion() if not fuse else _nothing()):
+  with (frames.without_fusion() if not fuse else _nothing()):
     if scanned:
       return algo.run_rounds(state, stack_cohorts(cohorts), keys)[0]
     for cohort, key in zip(cohorts, keys):

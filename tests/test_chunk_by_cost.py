@@ -11,7 +11,7 @@ import pytest
 import fedjx
 import fedjx.algorithms as algos
 from fedjx import datasets
-from fedjx import placements
+from fedjx import frames
 import float_tolerance as ft
 from test_algorithms_util import linreg_loss, linreg_params
 
@@ -63,7 +63,7 @@ def test_chunked_round_computes_at_most_5_percent_more_than_its_real_steps(kind,
   real = int(cost.sum())
   calls = []
   loss = _counting_loss(calls)
-  with placements.without_fusion() if not fuse else _nothing():
+  with frames.without_fusion() if not fuse else _nothing():
     jax.block_until_ready(_round(loss, 'chunked', cohort, K))
   counted = len(calls)
   assert counted == fedjx.mapping.computed_steps(cost, K)
@@ -87,7 +87,7 @@ def test_chunked_round_equals_the_sequential_round(kind):
   cohort = _cohort(kind)
   want, _ = _round(linreg_loss, 'sequential', cohort)
   fused, _ = _round(linreg_loss, 'chunked', cohort, K)
-  with placements.without_fusion():
+  with frames.without_fusion():
     plain, _ = _round(linreg_loss, 'chunked', cohort, K)
   steps = int(np.asarray(cohort.mask).any(-1).sum(-1).max())
   for got in (fused, plain):

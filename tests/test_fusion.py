@@ -174,7 +174,7 @@ def test_carry_dtype():
 @pytest.mark.parametrize('name', ['fedavg', 'scaffold'])
 def test_algorithms_fused_equal_unfused(name):
   import optax  # pylint: disable=g-import-not-at-top
-  from fedjx import algorithms, datasets, placements  # pylint: disable=g-import-not-at-top
+  from fedjx import algorithms, datasets, frames  # pylint: disable=g-import-not-at-top
   n = 10
   rng = np.random.default_rng(0)
 
@@ -193,7 +193,7 @@ def test_algorithms_fused_equal_unfused(name):
               map_strategy='chunked', chunk_size=3)
   state, key = algo.init({'w': jnp.full((5, 3), 0.1)}), jax.random.key(0)
   fused = jax.jit(algo.apply)(state, cohort, key)
-  with placements.without_fusion():
+  with frames.without_fusion():
     plain = jax.jit(algo.apply)(state, cohort, key)
     plain_eqns = jax.make_jaxpr(algo.apply)(state, cohort, key).jaxpr.eqns
   fused_eqns = jax.make_jaxpr(algo.apply)(state, cohort, key).jaxpr.eqns

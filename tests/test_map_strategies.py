@@ -8,7 +8,7 @@ import pytest
 import fedjx
 import float_tolerance as ft
 from fedjx import mapping
-from fedjx import placements as placements_lib
+from fedjx import frames
 
 
 def _cnn_params(key):
@@ -107,7 +107,7 @@ def test_broadcast_inputs_reach_the_mapped_function_without_copies():
 
   trace = lambda: jax.make_jaxpr(lambda *a: prog(*a))(x, d)  # Uncached.
   assert map_input_shapes(trace()) == [(3,), (5, 3)]
-  with placements_lib.force_map_strategy('sequential'):  # Interpreters see copies.
+  with frames.force_map_strategy('sequential'):  # Interpreters see copies.
     assert map_input_shapes(trace()) == [(5, 3), (5, 3)]
   np.testing.assert_allclose(prog(x, d), x * d)
   # d/dx sum_i sum_j x_j d_ij = sum_i d_i: the broadcast's transpose, a sum.

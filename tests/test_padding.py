@@ -14,7 +14,7 @@ import pytest
 import fedjx
 import fedjx.algorithms as algos
 from fedjx import datasets
-from fedjx import placements
+from fedjx import frames
 import float_tolerance as ft
 from test_algorithms_util import linreg_data, linreg_loss, linreg_params, make_cohort
 
@@ -74,7 +74,7 @@ def test_steps_that_are_padding_for_the_whole_chunk_are_not_computed(strategy, c
                       client_evaluation=False).compile(
       map_strategy=strategy, chunk_size=chunk, donate=False)
   state = algo.init(linreg_params(3))
-  with placements.without_fusion():
+  with frames.without_fusion():
     jax.block_until_ready(algo.round(state, cohort, jax.random.key(0)))
     calls.clear()
     jax.block_until_ready(algo.round(state, cohort, jax.random.key(0)))

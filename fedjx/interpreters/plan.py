@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from fedjx import placements as placements_lib
+from fedjx import frames
 from fedjx import primitives
 from fedjx import reductions
 
@@ -411,14 +411,14 @@ class _Builder:
         raise UnplaceableOperationError(
             f'fedjx: cannot recover the per-client computation of {name!r} '
             f'(found {e.primitive.name!r} on client values); trace the program '
-            "under fedjx.placements.force_map_strategy('sequential') with no "
+            "under fedjx.frames.force_map_strategy('sequential') with no "
             'mesh.')
       for v, i in zip(e.outvars, outs):
         env[v] = i
     if not found_scan:
       raise UnplaceableOperationError(
           f'fedjx: {name!r} has no scan over clients; trace the program under '
-          "fedjx.placements.force_map_strategy('sequential') with no mesh.")
+          "fedjx.frames.force_map_strategy('sequential') with no mesh.")
     return [self.read(env, v) for v in inner.jaxpr.outvars]
 
   def lift_per_client(self, eqn, ids, form):
@@ -742,7 +742,7 @@ def trace_plan_with_clients(fn: Callable[..., Any], args: Sequence[Any],
   placed values held by the clients (e.g. a cohort)."""
   # The forced strategy is part of JAX's cache keys (a user context), so a
   # jitted ``fn`` traced here neither reuses nor replaces its ordinary traces.
-  with placements_lib.force_map_strategy('sequential'):
+  with frames.force_map_strategy('sequential'):
     closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
   flat_args, in_tree = jax.tree.flatten(tuple(args))
   arg_leaves = [len(jax.tree.leaves(arg)) for arg in args]
