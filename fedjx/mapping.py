@@ -280,33 +280,84 @@ def computed_steps(cost: Any, k: int, strategy: str = 'chunked',
   return total
 
 
-def run_by_cost(step: Callable[[Any, jax.Array, int], Any], carry: Any,
-                cost: jax.Array, n: int, k: int,
-                waste: float = CHUNK_WASTE) -> Any:
-  """Runs the chunks of :func:`chunk_widths` from the traced ``cost``.
+# Members per block of :func:`run_by_cost`: a block whose members all run
+# alone runs them in a loop with no branch per member.
+BY_COST_BLOCK = 16
 
-  ``step(carry, start, width)`` runs members ``start .. start + width - 1``
-  (``width`` static: 1 or ``k``) and returns the new carry. A ``scan`` of
-  ``n`` iterations (the most there can be) chooses in each, from the costs
-  (traced: one program for every cohort), between the done, one-member and
-  ``k``-member branches of a ``lax.switch`` on an unbatched index, so only
-  the chosen branch runs and the loop stays reverse-differentiable. Memory
-  is one chunk's.
+
+def chunk_roles(cost: jax.Array, n: int, k: int,
+                waste: float = CHUNK_WASTE) -> jax.Array:
+  """The traced twin of :func:`chunk_widths`, one role per member: ``[n]``
+  int32, 1 for a member that runs alone, 2 for the first member of a chunk
+  of ``k``, 0 for the other members of a chunk.
+
+  A ``scan`` over the members carries the first member not yet placed;
+  member ``j``, if it is that member, starts a chunk when the window ``j ..
+  j+k-1`` exists and ``k max(c) <= (1 + waste) sum(c)`` over it, else runs
+  alone (the rule of :func:`chunk_widths`, in the same float32 arithmetic).
   """
   cost = jnp.asarray(cost)
 
-  def body(state, _):
-    j, carry = state
+  def body(next_member, j):
     window = jax.lax.dynamic_slice_in_dim(cost, jnp.minimum(j, n - k), k)
     wide = jnp.logical_and(j + k <= n, _wide(window, k, waste))
-    done = j >= n
-    branch = jnp.where(done, 0, jnp.where(wide, 2, 1))
-    carry = jax.lax.switch(branch, [lambda c: c, lambda c: step(c, j, 1),
-                                    lambda c: step(c, j, k)], carry)
-    return (j + jnp.where(done, 0, jnp.where(wide, k, 1)), carry), None
+    placed = j >= next_member  # Not inside a chunk started before.
+    role = jnp.where(placed, jnp.where(wide, 2, 1), 0)
+    width = jnp.where(wide, k, 1)
+    return jnp.where(placed, j + width, next_member), role.astype(jnp.int32)
 
-  (_, carry), _ = jax.lax.scan(body, (jnp.zeros((), jnp.int32), carry), None,
-                               length=n)
+  _, roles = jax.lax.scan(body, jnp.zeros((), jnp.int32),
+                          jnp.arange(n, dtype=jnp.int32))
+  return roles
+
+
+def run_by_cost(step: Callable[[Any, jax.Array, int], Any], carry: Any,
+                cost: jax.Array, n: int, k: int,
+                waste: float = CHUNK_WASTE, block: int = BY_COST_BLOCK) -> Any:
+  """Runs the chunks of :func:`chunk_widths` from the traced ``cost``.
+
+  ``step(carry, start, width)`` runs members ``start .. start + width - 1``
+  (``width`` static: 1 or ``k``) and returns the new carry, in the order of
+  :func:`chunk_widths`. The members' roles come from the costs
+  (:func:`chunk_roles`; traced: one program for every cohort), and the
+  members are run in blocks of ``block``: a ``scan`` over the blocks takes,
+  in a ``lax.cond`` on an unbatched flag, either the block's loop with no
+  branch per member (every member of the block runs alone) or a loop that
+  chooses per member between the branches of a ``lax.switch`` (skip: inside
+  a chunk started before or past ``n``; run alone; run a chunk of ``k``).
+  Only the chosen branches run and the loops stay reverse-differentiable.
+  XLA copies a loop's carry (e.g. the sums of fused reductions) out of a
+  branch once per iteration, so a cohort whose members mostly run alone
+  (unordered, of unequal sizes) copies it about once a block rather than
+  once a member. The members run in the order of :func:`chunk_widths`, so
+  the results are those of one member or chunk at a time, bit for bit.
+  Memory is one chunk's.
+  """
+  roles = chunk_roles(cost, n, k, waste)
+  blocks = -(-n // block)
+  # Past n: skipped, so the last partial block takes the per-member loop.
+  padded = jnp.concatenate([roles, jnp.zeros((blocks * block - n,), jnp.int32)])
+  padded = padded.reshape(blocks, block)
+  alone = jnp.all(padded == 1, axis=1)
+
+  def one(carry, j):
+    return step(carry, j, 1), None
+
+  def chosen(carry, jr):
+    j, role = jr
+    return jax.lax.switch(role, [lambda c: c, lambda c: step(c, j, 1),
+                                 lambda c: step(c, j, k)], carry), None
+
+  def body(carry, xs):
+    b, all_alone, role = xs
+    members = b * block + jnp.arange(block, dtype=jnp.int32)
+    carry = jax.lax.cond(
+        all_alone, lambda c: jax.lax.scan(one, c, members)[0],
+        lambda c: jax.lax.scan(chosen, c, (members, role))[0], carry)
+    return carry, None
+
+  carry, _ = jax.lax.scan(
+      body, carry, (jnp.arange(blocks, dtype=jnp.int32), alone, padded))
   return carry
 
 

@@ -123,3 +123,47 @@ def test_an_explicit_cost_orders_the_chunks_and_changes_no_number():
                                   x * x + 1)
   with pytest.raises(ValueError, match='cost has shape'):
     jax.jit(program)(x, jnp.ones(3, jnp.int32))
+
+
+def _widths_of(roles):
+  """The chunk widths that per-member roles (chunk_roles) describe."""
+  return [{1: 1, 2: K}[int(r)] for r in np.asarray(roles) if r]
+
+
+@pytest.mark.parametrize('cost', [
+    [5] * 37,  # Chunks of 4, one member alone at the end.
+    list(np.random.default_rng(0).integers(1, 30, size=50)),  # Mostly alone.
+    [9, 9, 9, 9] * 3 + list(range(40, 0, -1)) + [2] * 9,  # Blocks of each kind.
+    [7, 1, 1, 1, 1, 1],  # One block, partial.
+])
+def test_blocks_run_the_chunks_of_chunk_widths_in_order(cost):
+  n = len(cost)
+  roles = fedjx.mapping.chunk_roles(jnp.asarray(cost), n, K)
+  assert _widths_of(roles) == fedjx.mapping.chunk_widths(cost, K)
+
+  def step(carry, start, width):
+    order, count = carry
+    order = jax.lax.dynamic_update_slice_in_dim(
+        order, jnp.full((width,), count, jnp.int32), start, 0)
+    return order, count + 1
+
+  order, count = jax.jit(lambda c: fedjx.mapping.run_by_cost(
+      step, (jnp.full((n,), -1, jnp.int32), jnp.zeros((), jnp.int32)), c, n, K,
+      block=8))(jnp.asarray(cost))
+  widths = fedjx.mapping.chunk_widths(cost, K)
+  want = np.repeat(np.arange(len(widths)), widths)
+  np.testing.assert_array_equal(order, want)  # Each member once, in order.
+  assert int(count) == len(widths)
+
+
+def test_gradient_through_blocks_of_chunks():
+  x = jnp.linspace(-1.0, 1.0, 40)
+  cost = jnp.asarray([4] * 12 + list(range(28, 0, -1)))
+
+  @fedjx.program(clients=40, map_strategy='chunked', chunk_size=4)
+  def program(x):
+    return fedjx.reduce_sum(fedjx.map_fn(lambda v: v * v * v, x, cost=cost))
+
+  np.testing.assert_allclose(jax.grad(program)(x), 3 * x * x, rtol=1e-6)
+  with frames.without_fusion():
+    np.testing.assert_allclose(jax.grad(program)(x), 3 * x * x, rtol=1e-6)
