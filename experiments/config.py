@@ -66,8 +66,13 @@ DEFAULTS: dict[str, Any] = {
     'compilation_cache': 'user',
     # Device mesh axes (MESH_AXES): e.g. 'clients=-1' shards cohorts over the
     # devices; 'clients=2,fsdp=2,tensor=2' also shards each replica's model
-    # FSDP-style on fsdp and (llama_lm only) Megatron-style on tensor.
-    'mesh': '',
+    # FSDP-style on fsdp and (llama_lm only) Megatron-style on tensor; 'auto'
+    # splits cohorts over the CPU devices of cpu_devices on a CPU backend
+    # (fedjx.experiments.processes.auto_mesh), else no mesh; '' no mesh.
+    'mesh': 'auto',
+    # CPU devices a run that starts JAX itself makes: 'auto' (one per core)
+    # or a count (processes.split_cpu).
+    'cpu_devices': 'auto',
     'coordinator_address': '',  # multi-process runs: 'host:port' of process 0
     'num_processes': None,
     'process_id': None,
@@ -212,7 +217,7 @@ DATA_PLACEMENTS = ('auto', 'device', 'host')
 RESUMABLE_CHANGES = ('rounds', 'eval_every', 'checkpoint_every', 'progress',
                      'plot', 'tensorboard', 'prefetch', 'checkpoints_to_keep',
                      'data_placement', 'compilation_cache',
-                     'mesh', 'coordinator_address',
+                     'mesh', 'cpu_devices', 'coordinator_address',
                      'num_processes', 'process_id', 'coordinator_timeout_s',
                      'execution',
                      'streaming_chunk_size', 'network')
@@ -262,6 +267,12 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
     raise ConfigError(f'config.coordinator_timeout_s={wait!r}; it must be a '
                       'positive number of seconds.')
   check_mesh(config)
+  cpu = config.cpu_devices
+  if isinstance(cpu, str) and cpu.isdigit():  # From the command line.
+    cpu = int(cpu)
+  if cpu != 'auto' and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 1):
+    raise ConfigError(f'config.cpu_devices={cpu!r}; it must be a positive int '
+                      "or 'auto' (one CPU device per core).")
   if not isinstance(config.compilation_cache, str) or not config.compilation_cache:
     raise ConfigError(f'config.compilation_cache={config.compilation_cache!r};'
                       " it must be 'user', 'workdir', 'off' or a folder's path.")
@@ -329,8 +340,9 @@ def check_mesh(config: ml_collections.ConfigDict) -> dict[str, int]:
   mesh = config.mesh
   if not isinstance(mesh, str):
     raise ConfigError(f'config.mesh={mesh!r}; it must be a str such as '
-                      "'clients=-1' or 'clients=2,fsdp=2,tensor=2' ('' for no mesh).")
-  if not mesh:
+                      "'clients=-1' or 'clients=2,fsdp=2,tensor=2' ('' for no "
+                      "mesh, 'auto' for the cohort over the CPU's cores).")
+  if not mesh or mesh == 'auto':
     return {}
   axes = mesh_axes(mesh)
   for name, size in axes.items():

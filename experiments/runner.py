@@ -81,6 +81,7 @@ def run(config: Any, workdir: str, *, hooks: Sequence[run_trainer.Hook] = (),
   config = config_lib.validate(config)
   from fedjx import distributed  # pylint: disable=g-import-not-at-top
   processes.check_coordinator_port(config)
+  split = processes.split_cpu(config)
   try:
     distributed.initialize(config.coordinator_address or None, config.num_processes,
                            config.process_id, timeout_s=config.coordinator_timeout_s)
@@ -97,6 +98,11 @@ def run(config: Any, workdir: str, *, hooks: Sequence[run_trainer.Hook] = (),
     compilation_cache.enable(config.compilation_cache, workdir)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from None
+  if config.mesh == 'auto':
+    config.mesh = processes.auto_mesh(config, split)
+    if config.mesh:
+      log(f'the cohort runs over {split} CPU devices, one per core '
+          "(config.mesh='auto'; '' keeps one device)")
   mesh = processes.make_mesh(config)
   with contextlib.ExitStack() as stack:
     if lead:

@@ -14,6 +14,8 @@ of them. This module adds what a federated experiment needs on top:
 * :func:`make_mesh`: a mesh from axis names and sizes (``{'clients': -1,
   'fsdp': 4}``: -1 takes the devices left over); how a replica's state lies
   on its ``fsdp`` and ``tensor`` axes is :func:`fedjx.sharding.replica_specs`;
+* :func:`split_cpu`: one CPU device per core, so a cohort on a ``clients``
+  axis trains one client per core at a time;
 * :func:`put_global`: global arrays on a mesh from host values;
 * :func:`launch_local`: N processes of D CPU devices each on this machine,
   talking over gloo; what the tests use.
@@ -163,6 +165,40 @@ def initialize(coordinator_address: str | None = None,
                              num_processes=num_processes, process_id=process_id,
                              initialization_timeout=max(1, int(math.ceil(timeout_s))))
   return True
+
+
+def split_cpu(devices: int | str = 'auto', divides: int | None = None) -> int:
+  """Makes JAX's CPU backend ``devices`` devices; call before JAX starts.
+
+  XLA runs each CPU device's program on one thread of a pool shared by all
+  of them. On one device, a small client's many small operations are
+  spread over the pool's threads, which mostly wait on each other; a
+  cohort split over one device per core on a ``clients`` mesh axis
+  (``jax.set_mesh(make_mesh({'clients': -1}))``) runs one client per core
+  at a time, each device its own loop (:func:`fedjx.mapping.device_blocks`).
+
+  Args:
+    devices: how many; ``'auto'``: one per core this process may run on.
+    divides: if given, the count is the largest one up to ``devices`` that
+      divides it (a cohort size), so the cohort splits evenly.
+
+  Returns:
+    The number of CPU devices made; 1 (nothing changed) when JAX's backends
+    have started already.
+  """
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  if devices == 'auto':
+    devices = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
+               else os.cpu_count() or 1)
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    raise ValueError(f"fedjx.distributed.split_cpu: devices={devices!r}; it must "
+                     "be a positive int or 'auto' (one per core).")
+  if divides is not None:
+    devices = max(k for k in range(1, devices + 1) if divides % k == 0)
+  if xla_bridge.backends_are_initialized():
+    return 1
+  jax.config.update('jax_num_cpu_devices', devices)
+  return devices
 
 
 def make_mesh(axes: Mapping[str, int] | None = None,

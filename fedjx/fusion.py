@@ -24,9 +24,16 @@ operations (``lax.scan`` over chunks, ``vmap`` inside one), so ``jit``,
 ``grad``, ``jvp`` and ``vmap`` of the program see plain JAX and differentiate
 it as they would any loop; algorithm code is unchanged.
 
+On an Auto mesh axis named after the placement whose other axes have size
+1 (:func:`fedjx.mapping.device_blocks`: each device holds whole models), the
+loop runs under ``jax.shard_map``: each of the ``d`` devices runs its block
+of ``n / d`` members as one device would (its own chunks, its own control
+flow) and carries its own ``S^(dev)``; one ``psum`` gives
+``S = sum_dev S^(dev)``.
+
 It is skipped (the program runs exactly as written) when the program is
 nested in another or declares several placements, when the placement is
-sharded over a mesh axis, when the map runs as a single chunk (``vmap``: all
+sharded over any other mesh, when the map runs as a single chunk (``vmap``: all
 outputs exist at once anyway), and while interpreters trace plans
 (:func:`fedjx.frames.force_map_strategy`), so plans for Beam and export are
 unchanged.
@@ -37,6 +44,7 @@ inputs' floating dtype, and are cast to the reduction's dtype at the end.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,6 +61,9 @@ from fedjx import frames
 from fedjx import mapping
 from fedjx import primitives
 from fedjx import reductions
+from fedjx import sharding as sharding_lib
+
+P = jax.sharding.PartitionSpec
 
 
 
@@ -70,10 +81,14 @@ class MapSpec:
     out_avals: the stacked outputs' avals (leading axis ``n``).
     by_cost: whether the last operand is each member's cost, from which the
       chunks are formed (:func:`fedjx.mapping.chunk_widths`).
+    devices: ``(mesh, d)`` when the members run as ``d`` blocks of ``n / d``,
+      one per device of the mesh axis named after the placement
+      (:func:`fedjx.mapping.device_blocks`); ``k`` and the chunks are then
+      each block's. None otherwise.
   """
 
   def __init__(self, jaxpr, num_consts, num_placed, n, k, placement, out_avals,
-               by_cost=False):
+               by_cost=False, devices=None):
     self.jaxpr = jaxpr
     self.num_consts = num_consts
     self.num_placed = num_placed
@@ -82,6 +97,7 @@ class MapSpec:
     self.placement = placement
     self.out_avals = tuple(out_avals)
     self.by_cost = by_cost
+    self.devices = devices
     self.alone = None  # The member's jaxpr outside a chunk, for chunks of 1.
     self.num_alone_consts = 0
 
@@ -155,9 +171,10 @@ class Recorder:
 
   def record(self, fn: Callable[[list, list], Any], placed: Sequence[Any],
              shared: Sequence[Any], n: int, k: int, placement: str,
-             cost: Any = None) -> Any:
+             cost: Any = None, devices: Any = None) -> Any:
     """Traces ``fn(placed_member, shared)`` once and binds the opaque map
-    (whose chunks are formed from ``cost``, each member's, when given)."""
+    (whose chunks are formed from ``cost``, each member's, when given; run
+    in one block per device when ``devices`` is ``(mesh, d)``)."""
     member = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x),
                                    weak_type=jax.typeof(x).weak_type)
               for x in placed]
@@ -165,16 +182,26 @@ class Recorder:
     # run), so mapping.any_in_chunk sees the axis it reduces over.
     axis = chunk_axis_name(placement) if k > 1 else None
     self.active = False
+    # A member run in a device's block is traced as shard_map's body sees it:
+    # the placement's mesh axis manual.
+    context = (contextlib.nullcontext() if devices is None else
+               jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())))
+    if devices is not None:  # Shared values enter the block whole.
+      shared_in = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
+                                        weak_type=jax.typeof(x).weak_type)
+                   for x in shared]
+    else:
+      shared_in = list(shared)
     try:
-      with frames.chunk_axis(axis):
+      with frames.chunk_axis(axis), context:
         closed, out_shape = jax.make_jaxpr(
             fn, return_shape=True, axis_env=[(axis, k)] if axis else ())(
-                member, list(shared))
+                member, shared_in)
       if cost is not None and axis:
         # The same member traced alone, for the chunks of one member
         # (vmapped on an axis of size 1, XLA:CPU runs its products slower).
-        with frames.chunk_axis(None):
-          alone = jax.make_jaxpr(fn)(member, list(shared))
+        with frames.chunk_axis(None), context:
+          alone = jax.make_jaxpr(fn)(member, shared_in)
     finally:
       self.active = True
     out_leaves, out_tree = jax.tree.flatten(out_shape)
@@ -182,7 +209,7 @@ class Recorder:
                                       weak_type=getattr(s, 'weak_type', False))
                  for s in out_leaves]
     spec = MapSpec(closed.jaxpr, len(closed.consts), len(placed), n, k, placement,
-                   out_avals, by_cost=cost is not None)
+                   out_avals, by_cost=cost is not None, devices=devices)
     extra = [] if cost is None else [cost]
     if cost is not None and axis:
       spec.alone = alone.jaxpr
@@ -190,6 +217,12 @@ class Recorder:
       extra = list(alone.consts) + extra
     outs = fusable_map_p.bind(*closed.consts, *placed, *shared, *extra, spec=spec)
     return jax.tree.unflatten(out_tree, outs)
+
+
+def _manual_mesh(mesh: Any, axis: str) -> Any:
+  """``mesh``'s abstract mesh with ``axis`` manual (inside ``shard_map``)."""
+  abstract = getattr(mesh, 'abstract_mesh', mesh)
+  return abstract.update_axis_types({axis: jax.sharding.AxisType.Manual})
 
 
 def call_program(f: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -266,6 +299,10 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
       if not isinstance(v, jex_core.Literal):
         uses.setdefault(v, []).append((i, pos))
   returned = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+  # A layout equation's output -> its input (the values are the same).
+  layout_of = {eqn.outvars[0]: eqn.invars[0] for eqn in jaxpr.eqns
+               if eqn.primitive.name in LAYOUT_PRIMITIVES
+               and not isinstance(eqn.invars[0], jex_core.Literal)}
   pending: dict[Any, int] = {}
   done: set[int] = set()
 
@@ -278,12 +315,13 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     outs = list(eqn.outvars)
     found, keep = [], []
     for j, o in enumerate(outs):
-      fused = _fusable_uses(jaxpr.eqns, o, uses.get(o, []), returned, spec,
-                            outs, known)
+      fused = _fusable_uses(jaxpr.eqns, o, uses, returned, spec, outs,
+                            known, layout_of)
       if fused is None:
         keep.append(j)
       else:
-        found.extend(_Reduction(jaxpr.eqns[i], j, kind, w) for i, kind, w in fused)
+        found.extend(_Reduction(jaxpr.eqns[i], j, kind, w)
+                     for i, kind, w in fused if kind is not None)
         done.update(i for i, _, _ in fused)
     resolved = [r if r.weights is None or r.weights[0] == 'out'
                 else _Reduction(r.eqn, r.index, r.kind, ('value', read(r.weights[1])))
@@ -319,23 +357,42 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
   return [read(v) for v in jaxpr.outvars]
 
 
-def _fusable_uses(eqns, o, uses, returned, spec, map_outs, known):
-  """``[(eqn index, kind, weights)]`` if output ``o`` can be fused, else None."""
-  if o in returned or not uses:
+# Equations that only lay a value out on the devices (the reductions place
+# their operands on the placement's mesh axis first): fusion looks through them.
+LAYOUT_PRIMITIVES = ('sharding_constraint', 'reshard')
+
+
+def _fusable_uses(eqns, o, uses, returned, spec, map_outs, known, layout_of):
+  """``[(eqn index, kind, weights)]`` if output ``o`` can be fused, else None.
+
+  A use by a layout equation (:data:`LAYOUT_PRIMITIVES`) is followed to its
+  output's uses and listed with kind None (skipped once the map runs).
+  """
+  if o in returned or not uses.get(o):
     return None
   fused = []
-  for i, pos in uses:
+  for i, pos in uses[o]:
     eqn = eqns[i]
+    if eqn.primitive.name in LAYOUT_PRIMITIVES and pos == 0:
+      inner = _fusable_uses(eqns, eqn.outvars[0], uses, returned, spec,
+                            map_outs, known, layout_of)
+      if inner is None:
+        return None
+      fused.append((i, None, None))
+      fused.extend(inner)
+      continue
     kind = primitives.REDUCTIONS.get(eqn.primitive)
     if kind is None or pos != 0 or eqn.params['placement'] != spec.placement:
       return None
     weights = None
     if kind == 'weighted_mean':
       w = eqn.invars[1]
+      while not isinstance(w, jex_core.Literal) and w not in map_outs and w in layout_of:
+        w = layout_of[w]
       if not isinstance(w, jex_core.Literal) and w in map_outs:
         weights = ('out', map_outs.index(w))
-      elif known(w):
-        weights = ('var', w)
+      elif known(eqn.invars[1]):
+        weights = ('var', eqn.invars[1])
       else:
         return None
     fused.append((i, kind, weights))
@@ -365,6 +422,72 @@ def run(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
   Returns the stacked outputs ``keep`` (leading axis ``n``) and the value of
   each reduction.
   """
+  if spec.devices is not None:
+    stacked, carry = _run_on_devices(spec, operands, fused, keep)
+  else:
+    stacked, carry = _run_here(spec, operands, fused, keep)
+  reduced = []
+  for r, (total, *rest) in zip(fused, carry):
+    reduced.append(reductions.finish(r.kind, total, rest[0] if rest else None,
+                                     spec.n, _reduction_dtype(spec, r)))
+  return stacked, reduced
+
+
+def _reduction_dtype(spec: MapSpec, r: _Reduction) -> Any:
+  x_dtype = spec.out_avals[r.index].dtype
+  w_dtype = None
+  if r.kind == 'weighted_mean':
+    w_dtype = (spec.out_avals[r.weights[1]].dtype if r.weights[0] == 'out'
+               else jnp.result_type(r.weights[1]))
+  return reductions.result_dtype(r.kind, x_dtype, w_dtype)
+
+
+def _run_on_devices(spec: MapSpec, operands: Sequence[Any],
+                    fused: Sequence[_Reduction], keep: Sequence[int]
+                    ) -> tuple[list[Any], list[Any]]:
+  """:func:`_run_here` on each device's block of ``n / d`` members under
+  ``jax.shard_map``, the partial sums joined by one ``psum``:
+  ``S = sum_devices sum_{i in block} w_i y_i``."""
+  mesh, d = spec.devices
+  axis = spec.placement
+  n = spec.n // d
+  local = MapSpec(spec.jaxpr, spec.num_consts, spec.num_placed, n,
+                  spec.k, axis, [jax.core.ShapedArray(
+                      (n,) + a.shape[1:], a.dtype, weak_type=a.weak_type)
+                      for a in spec.out_avals], by_cost=spec.by_cost)
+  local.alone, local.num_alone_consts = spec.alone, spec.num_alone_consts
+  c, p = spec.num_consts, spec.num_placed
+  split = [False] * len(operands)
+  split[c:c + p] = [True] * p
+  if spec.by_cost:
+    split[-1] = True
+  values = [r.weights[1] for r in fused
+            if r.weights is not None and r.weights[0] == 'value']
+  inputs = list(operands) + [jnp.asarray(v) for v in values]
+  split += [True] * len(values)
+  explicit = sharding_lib.placement_axis_type(mesh, axis) == jax.sharding.AxisType.Explicit
+  if explicit:  # shard_map takes Explicit inputs only as its specs lay them.
+    inputs = [sharding_lib.place_leading_axis(x, axis, mesh) if s
+              else sharding_lib.replicate(x, mesh) for x, s in zip(inputs, split)]
+
+  def block(*args):
+    ops, ws = list(args[:len(operands)]), iter(args[len(operands):])
+    here = [_Reduction(r.eqn, r.index, r.kind, ('value', next(ws)))
+            if r.weights is not None and r.weights[0] == 'value' else r
+            for r in fused]
+    stacked, carry = _run_here(local, ops, here, keep)
+    return stacked, jax.lax.psum(carry, axis)
+
+  specs = tuple(P(axis) if s else P() for s in split)
+  return jax.shard_map(block, mesh=mesh, in_specs=specs,
+                       out_specs=([P(axis)] * len(keep), P()),
+                       check_vma=False)(*inputs)
+
+
+def _run_here(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
+              keep: Sequence[int]) -> tuple[list[Any], list[Any]]:
+  """The loop of :func:`run` on this device: the stacked outputs ``keep``
+  and each reduction's carried sums (``(S,)`` or ``(S, W)``)."""
   c, p = spec.num_consts, spec.num_placed
   cost = operands[-1] if spec.by_cost else None
   operands = operands[:-1] if spec.by_cost else operands
@@ -391,14 +514,7 @@ def run(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
   out_avals = spec.out_avals
   w_values = [r.weights[1] if r.weights is not None and r.weights[0] == 'value'
               else None for r in fused]
-  dtypes = []
-  for r in fused:
-    x_dtype = out_avals[r.index].dtype
-    w_dtype = None
-    if r.kind == 'weighted_mean':
-      w_dtype = (out_avals[r.weights[1]].dtype if r.weights[0] == 'out'
-                 else jnp.result_type(r.weights[1]))
-    dtypes.append(reductions.result_dtype(r.kind, x_dtype, w_dtype))
+  dtypes = [_reduction_dtype(spec, r) for r in fused]
   # Chunk c covers members [start_c, start_c + k) with start_c = min(c k, n - k):
   # the inputs are sliced in place (no padded or reshaped copy of the
   # cohort's data), and in a last chunk that overlaps the one before, the
@@ -456,11 +572,7 @@ def run(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
   else:
     carry, ys = jax.lax.scan(body, carry0, xs)
     stacked = [_unchunk(y, n, k, m) for y in ys]
-  reduced = []
-  for r, dtype, (total, *rest) in zip(fused, dtypes, carry):
-    reduced.append(reductions.finish(r.kind, total, rest[0] if rest else None,
-                                     n, dtype))
-  return stacked, reduced
+  return stacked, carry
 
 
 def _accumulate(r, dtype, total, rest, x, w, on_cpu):

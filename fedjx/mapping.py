@@ -21,7 +21,11 @@ numbers, and they differ only in speed and memory:
 When a mesh with an axis named after the placement is active, each strategy
 keeps that axis sharded: the members are laid out as ``[k, n / k]`` with the
 ``k`` axis sharded over the mesh (``jax.vmap(..., spmd_axis_name=...)``), so a
-chunk runs one slice per device and no data moves between devices.
+chunk runs one slice per device and no data moves between devices. Where
+each device holds whole models (:func:`device_blocks`) and the map's outputs
+are only reduced, the fused map instead runs one block of ``n / d`` members
+per device, each with the strategy chosen for ``n / d`` members on one
+device (:mod:`fedjx.fusion`).
 
 The mapped computation is wrapped in a ``jax.jit`` named
 ``fedjx_map_<placement>``, so it stays recognisable in a traced program (the
@@ -502,6 +506,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   shared = ({} if frames.forced_map_strategy()
             else _broadcast_sources(frame, leaves, p.name))
   shared.update(tables)
+  user_cost = cost
   by_cost = (1 < k < n and sharding_lib.spmd_axis_name(p.name, mesh) is None
              and not frames.forced_map_strategy())
   if by_cost:
@@ -530,9 +535,21 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   mapped.__name__ = f'fedjx_map_{p.name}'
   placed = [leaf for i, leaf in enumerate(leaves) if i not in shared]
   recorder = frame.recorder
-  fusable = (recorder is not None and recorder.active and k < n and
-             sharding_lib.spmd_axis_name(p.name, mesh) is None and
-             not frames.forced_map_strategy())
+  spread = device_blocks(p.name, mesh, n)
+  record_k, record_cost = k, cost
+  if spread is not None:
+    # One block of n / d members per device, each run as on one device.
+    block = n // spread[1]
+    record_k = choose_chunk_size(strategy, block, _client_bytes(member_leaves) +
+                                 _gathered_bytes(args), 1, chunk_size)
+    record_cost = None
+    if 1 < record_k < block:
+      record_cost = (member_cost(member_leaves) if user_cost is None
+                     else jnp.asarray(user_cost))
+  fusable = (recorder is not None and recorder.active and
+             not frames.forced_map_strategy() and
+             (record_k < block if spread is not None else
+              k < n and sharding_lib.spmd_axis_name(p.name, mesh) is None))
   if fusable and not recorder.records_here():
     _LOG.debug('fedjx.map_fn over %r runs unfused in chunks of %d: it is '
                'traced inside control flow or a transformation (scan, cond, '
@@ -544,8 +561,32 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     keys = sorted(shared)
     return recorder.record(
         lambda one, values: call(one, dict(zip(keys, values))),
-        placed, [shared[i] for i in keys], n, k, p.name, cost=cost)
+        placed, [shared[i] for i in keys], n, record_k, p.name,
+        cost=record_cost, devices=spread)
   return jax.jit(mapped)(placed, shared, cost)
+
+
+def device_blocks(placement: str, mesh: Any, n: int) -> tuple[Any, int] | None:
+  """``(mesh, d)`` when a fused map over the placement runs one block of
+  ``n / d`` members per device.
+
+  That is when the placement is an Auto mesh axis of ``d > 1`` devices, every
+  other axis of the mesh has size 1 (each device holds whole models) and
+  ``d`` divides ``n``. The map then runs under ``jax.shard_map``
+  (:mod:`fedjx.fusion`): each device runs its block as one device would (its
+  own steps and cost-formed chunks, its own control flow, no lockstep with
+  the others) and carries its partial sums, and one ``psum`` joins them. On
+  a CPU host split into one device per core
+  (:func:`fedjx.distributed.split_cpu`), that is one training loop per core.
+  """
+  mesh = sharding_lib.active_mesh(mesh)
+  if sharding_lib.placement_axis_type(mesh, placement) != jax.sharding.AxisType.Auto:
+    return None
+  sizes = dict(mesh.shape)
+  d = int(sizes[placement])
+  if d < 2 or n % d or any(int(v) != 1 for a, v in sizes.items() if a != placement):
+    return None
+  return mesh, d
 
 
 class _Table:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -69,6 +70,18 @@ def place_leading_axis(x: jax.Array, placement: str, mesh: Any = None,
   if isinstance(mesh, jax.sharding.Mesh):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
   return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def replicate(x: jax.Array, mesh: Any = None) -> jax.Array:
+  """``x`` laid out whole on every device of an Explicit mesh (unchanged on
+  an Auto one, where the compiler places it)."""
+  mesh = active_mesh(mesh)
+  if mesh is None or not any(t == AxisType.Explicit for t in mesh.axis_types):
+    return x
+  spec = P(*([None] * jnp.ndim(x)))
+  if isinstance(mesh, jax.sharding.Mesh):
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+  return jax.sharding.reshard(x, spec)
 
 
 def place_tree(tree: Any, placement: str, mesh: Any = None, axis: int = 0) -> Any:

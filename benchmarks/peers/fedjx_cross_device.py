@@ -12,6 +12,7 @@ compute).
 
 import common  # first: starts the clock
 
+import contextlib
 import os
 
 import jax
@@ -49,6 +50,15 @@ def loss_fn(setup):
 
 def main():
   args = cd.parse_args(__doc__.split('\n')[0])
+  # Before JAX starts: one CPU device per core (as fedjx-run does under
+  # config.cpu_devices='auto' and config.mesh='auto'), the cohort split over them.
+  devices = fedjx.distributed.split_cpu(divides=len(cd.sizes(args.setup)))
+  mesh = fedjx.distributed.make_mesh({'clients': -1}) if devices > 1 else None
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    run(args, devices)
+
+
+def run(args, devices):
   data = cd.client_data(args.setup)
   arrays = {k: np.concatenate([d[k] for d in data]) for k in data[0]}
   arrays = {k: v.astype(np.int32) if v.dtype == np.int64 else v
@@ -81,18 +91,25 @@ def main():
   cost = np.asarray(jnp.sum(jnp.any(cohort.mask, -1), -1))
   member = (int(np.prod(cohort.mask.shape[1:])) * (row + 5) +
             sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(params)))
-  k = fedjx.mapping.choose_chunk_size('auto', len(ids), member, 1)
+  spread = fedjx.mapping.device_blocks('clients', None, len(ids))
+  blocks = spread is not None
+  k = fedjx.mapping.choose_chunk_size(
+      'auto', len(ids) // devices if blocks else len(ids), member, 1)
   picked = 'sequential' if k == 1 else 'vmap' if k >= len(ids) else f'chunked:{k}'
   strategy = 'sequential' if k == 1 else 'vmap' if k >= len(ids) else 'chunked'
   cd.report('fedjx', f'fedjx (jax {jax.__version__})', args.setup, clock,
             {'xla_flags': os.environ.get('XLA_FLAGS', ''),
-             'cpu_count': os.cpu_count()},
-            map_strategy=f'auto -> {picked}',
+             'cpu_count': os.cpu_count(), 'cpu_devices': devices},
+            map_strategy=f'auto -> {picked}' + (
+                '' if spread is None else f' on each of {devices} CPU devices'
+                if blocks else f' on one of {devices} CPU devices'),
             host_bytes_staged_per_round=int(staged), real_data_bytes=real,
             staged_over_real=round(staged / real, 4),
             padded_steps=int(cohort.mask.shape[1]),
-            computed_over_real_steps=round(fedjx.mapping.computed_steps(
-                cost, k, strategy) / int(cost.sum()), 4))
+            computed_over_real_steps=round(sum(
+                fedjx.mapping.computed_steps(block, k, strategy)
+                for block in np.split(cost, devices if blocks else 1)) /
+                int(cost.sum()), 4))
 
 
 if __name__ == '__main__':

@@ -8,6 +8,8 @@ largest client's step count and padded steps are skipped.
 
 import common  # first: starts the clock
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,15 @@ import jax_cnn
 
 def main():
   args = common.parse_args(__doc__.split('\n')[0])
+  # Before JAX starts: one CPU device per core (fedjx-run's default), the
+  # cohort split over them.
+  devices = fedjx.distributed.split_cpu(divides=common.COHORT)
+  mesh = fedjx.distributed.make_mesh({'clients': -1}) if devices > 1 else None
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    run(args, devices)
+
+
+def run(args, devices):
   jax_cnn.use_conv(args.conv)
   data = common.client_data(args.setup)
   x = np.concatenate([x for x, _ in data])
@@ -39,7 +50,7 @@ def main():
   for r in range(args.rounds):
     cohort = datasets.make_cohort(population, np.arange(len(data)), common.BATCH,
                                   shuffle_seed=0, round_num=r, bucket=False)
-    cohort = jax.tree.map(jnp.asarray, cohort)
+    cohort = datasets.place_cohort(cohort)
     state = algo.round(state, cohort, jax.random.key(r))[0]
     jax.block_until_ready(state.params)
     clock.tick()
@@ -48,9 +59,13 @@ def main():
   client_bytes = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
                      for a in jax.tree.leaves((cohort.batches, cohort.mask))) + sum(
                          a.nbytes for a in jax.tree.leaves(params))
-  k = fedjx.mapping.choose_chunk_size('auto', len(data), client_bytes, 1)
-  picked = ('sequential' if k == 1 else 'vmap' if k >= len(data)
-            else f'chunked:{k}')
+  spread = fedjx.mapping.device_blocks('clients', None, len(data))
+  blocks = spread is not None
+  n = len(data) // devices if blocks else len(data)
+  k = fedjx.mapping.choose_chunk_size('auto', n, client_bytes, 1)
+  picked = ('sequential' if k == 1 else 'vmap' if k >= n else f'chunked:{k}') + (
+      '' if spread is None else f' on each of {devices} CPU devices' if blocks
+      else f' on one of {devices} CPU devices')
   common.report('fedjx', f'fedjx (jax {jax.__version__})', args.setup, clock,
                 jax_cnn.threads(), conv=args.conv, map_strategy=f'auto -> {picked}',
                 bucket=False, padded_steps=int(cohort.mask.shape[1]),

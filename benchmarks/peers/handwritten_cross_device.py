@@ -4,7 +4,11 @@ as flat arrays, each round's example order per client as an int32 index
 (shuffled on the host), one ``lax.scan`` over clients, each a ``fori_loop``
 over exactly its own steps (a dynamic trip count: no padded step is ever
 entered) whose batch is gathered inside the loop, and the example-weighted
-mean of the local models. One ``jit``; JAX only.
+mean of the local models. One ``jit``; JAX only. Like fedjx's run, the CPU
+is split into one device per core (``--devices``, default all cores: the
+largest count that divides the clients) and each device runs its
+contiguous block of clients in its own loop (``jax.shard_map``), the sums
+joined by one ``psum``; ``--devices=1`` is one device.
 
   python handwritten_cross_device.py --setup=2nn-1000 --rounds=4
 """
@@ -20,9 +24,16 @@ import numpy as np
 import cross_device as cd
 import fedjx_cross_device
 
+P = jax.sharding.PartitionSpec
+
 
 def main():
-  args = cd.parse_args(__doc__.split('\n')[0])
+  args = cd.parse_args(__doc__.split('\n')[0], lambda p: p.add_argument(
+      '--devices', type=int, default=0, help='CPU devices (0: one per core)'))
+  cores = args.devices or len(os.sched_getaffinity(0))
+  clients = len(cd.sizes(args.setup))
+  devices = max(k for k in range(1, cores + 1) if clients % k == 0)
+  jax.config.update('jax_num_cpu_devices', devices)
   data = cd.client_data(args.setup)
   table = {k: jnp.asarray(np.concatenate([d[k] for d in data]).astype(
       np.int32 if data[0][k].dtype == np.int64 else data[0][k].dtype)) for k in data[0]}
@@ -35,8 +46,9 @@ def main():
   def mean_loss(w, batch, m):
     return jnp.sum(jnp.where(m, loss(w, batch), 0.0)) / jnp.maximum(jnp.sum(m), 1)
 
-  @jax.jit
-  def fedavg_round(params, index, mask, steps, weights):
+  mesh = jax.make_mesh((devices,), ('clients',))
+
+  def block(params, index, mask, steps, weights):
     def client(acc, xs):
       ix, m, s, share = xs
 
@@ -52,10 +64,19 @@ def main():
 
     mean, _ = jax.lax.scan(client, jax.tree.map(jnp.zeros_like, params),
                            (index, mask, steps, weights))
+    return jax.lax.psum(mean, 'clients')
+
+  @jax.jit
+  def fedavg_round(params, index, mask, steps, weights):
+    mean = jax.shard_map(block, mesh=mesh, in_specs=(P(),) + (P('clients'),) * 4,
+                         out_specs=P(), check_vma=False)(params, index, mask, steps, weights)
     return jax.tree.map(lambda p, m: p - cd.SERVER_LR * (p - m), params, mean)
 
-  params = [tuple(map(jnp.asarray, layer)) for layer in cd.init(args.setup)]
-  weights = jnp.asarray(sizes / sizes.sum(), jnp.float32)
+  split = jax.sharding.NamedSharding(mesh, P('clients'))
+
+  params = jax.device_put([tuple(map(jnp.asarray, layer)) for layer in cd.init(args.setup)],
+                          jax.sharding.NamedSharding(mesh, P()))
+  weights = jax.device_put((sizes / sizes.sum()).astype(np.float32), split)
   rounds = 1 if args.check else args.rounds
   clock = common.Clock()
   for r in range(rounds):
@@ -64,15 +85,16 @@ def main():
     for i, n in enumerate(sizes):
       index[i, :n] = offsets[i] + cd.order(r, i, n, shuffle=not args.check)
       mask[i, :n] = True
-    params = fedavg_round(params, jnp.asarray(index), jnp.asarray(mask),
-                          jnp.asarray(steps, jnp.int32), weights)
+    params = fedavg_round(params, jax.device_put(index, split),
+                          jax.device_put(mask, split),
+                          jax.device_put(steps.astype(np.int32), split), weights)
     jax.block_until_ready(params)
     clock.tick()
   if args.check:
     cd.save(args.check, [tuple(map(np.asarray, layer)) for layer in params])
   cd.report('handwritten_jax', f'hand-written (jax {jax.__version__})', args.setup,
             clock, {'xla_flags': os.environ.get('XLA_FLAGS', ''),
-                    'cpu_count': os.cpu_count()})
+                    'cpu_count': os.cpu_count(), 'cpu_devices': devices})
 
 
 if __name__ == '__main__':
