@@ -58,6 +58,13 @@ class DeviceDataset(WrappedDataset):
   def _client_data(self, cid: int) -> dict[str, np.ndarray]:
     return self._base.client_data(cid)
 
+  def replicated(self, mesh: jax.sharding.Mesh) -> 'DeviceDataset':
+    """The same population with its table laid out whole on every device of
+    ``mesh`` (what :func:`on_device` does under that mesh)."""
+    where = NamedSharding(mesh, P())
+    return DeviceDataset(self._base, {k: jax.device_put(v, where)
+                                      for k, v in self.table.items()}, self.offsets)
+
   @property
   def total_examples(self) -> int:
     """``N``, the examples of all clients (the table's rows)."""

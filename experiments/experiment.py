@@ -261,6 +261,14 @@ def round_algorithms(config: ml_collections.ConfigDict,
   return guarded, guarded_rounds.checking_finiteness(unguarded, whole=True)
 
 
+def on_mesh(exp: Experiment, mesh: jax.sharding.Mesh) -> Experiment:
+  """``exp`` with its population table (if on the device) replicated over
+  ``mesh``, for a mesh chosen after the experiment was built."""
+  if exp.resident is None:
+    return exp
+  return dataclasses.replace(exp, resident=exp.resident.replicated(mesh))
+
+
 def build(config: Any, placement: str | None = None) -> Experiment:
   """Builds the dataset, model, algorithm and evaluator a config names.
 

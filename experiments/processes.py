@@ -9,9 +9,11 @@ long time-out (a coordinator port in use, processes with unequal devices).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 
 from fedjx.experiments import config as config_lib
 from fedjx.experiments import registry
@@ -40,16 +42,29 @@ def split_cpu(config: ml_collections.ConfigDict) -> int:
 # quickstart's 10 clients of a tiny model: 11.5 s against 7.8 s for 300
 # rounds), which many clients per device amortize (docs/benchmarks.md).
 AUTO_MIN_CLIENTS_PER_DEVICE = 16
+# ... of models up to this size: a core per client wins for small models,
+# whose operations are too small to share between threads (the 2NN's 0.8 MB:
+# 2.2x less wall clock); larger ones (a 20 MB logistic regression, whose
+# memory-bound steps two threads share better; a 6.5 MB CNN, even) do not
+# gain from it.
+AUTO_MAX_MODEL_BYTES = 2 << 20
 
 
-def auto_mesh(config: ml_collections.ConfigDict, split: int) -> str:
+def auto_mesh(config: ml_collections.ConfigDict, split: int, params: Any) -> str:
   """What ``config.mesh='auto'`` means for this run: ``'clients=-1'`` (the
   cohort over the CPU devices :func:`split_cpu` made) on a CPU backend with
-  uniform sampling (cohorts of exactly ``cohort_size``) and at least
-  :data:`AUTO_MIN_CLIENTS_PER_DEVICE` clients per device, else ``''``."""
+  uniform sampling (cohorts of exactly ``cohort_size``), at least
+  :data:`AUTO_MIN_CLIENTS_PER_DEVICE` clients per device and a model
+  (``params``; not a LoRA run, whose frozen base is not in them) of at most
+  :data:`AUTO_MAX_MODEL_BYTES`, else ``''``."""
   sampling = dict(config.sampling or {}).get('name', 'uniform')
+  if dict(config.lora or {}).get('rank', 0):  # A frozen base model: large.
+    return ''
+  size = sum(int(np.size(x)) * np.dtype(getattr(x, 'dtype', np.float32)).itemsize
+             for x in jax.tree.leaves(params))
   if (split < 2 or jax.default_backend() != 'cpu' or sampling != 'uniform' or
-      config.cohort_size < AUTO_MIN_CLIENTS_PER_DEVICE * split):
+      config.cohort_size < AUTO_MIN_CLIENTS_PER_DEVICE * split or
+      size > AUTO_MAX_MODEL_BYTES):
     return ''
   return 'clients=-1'
 

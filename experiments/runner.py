@@ -98,25 +98,30 @@ def run(config: Any, workdir: str, *, hooks: Sequence[run_trainer.Hook] = (),
     compilation_cache.enable(config.compilation_cache, workdir)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from None
-  if config.mesh == 'auto':
-    config.mesh = processes.auto_mesh(config, split)
-    if config.mesh:
-      log(f'the cohort runs over {split} CPU devices, one per core '
-          "(config.mesh='auto'; '' keeps one device)")
-  mesh = processes.make_mesh(config)
+  # config.mesh='auto' is resolved once the model is built (in _run).
+  mesh = None if config.mesh == 'auto' else processes.make_mesh(config)
   with contextlib.ExitStack() as stack:
     if lead:
       stack.enter_context(workdir_lock.hold(workdir))
     if mesh is not None:
       stack.enter_context(jax.set_mesh(mesh))
-    return _run(config, workdir, hooks, log, lead)
+    return _run(config, workdir, hooks, log, lead, split, stack)
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str,
          hooks: Sequence[run_trainer.Hook], log: Callable[[str], None],
-         lead: bool) -> run_trainer.RunResult:
+         lead: bool, split: int, stack: contextlib.ExitStack
+         ) -> run_trainer.RunResult:
   """The body of :func:`run`, inside the mesh context if there is one."""
   exp = experiment.build(config)
+  if config.mesh == 'auto':
+    config.mesh = processes.auto_mesh(config, split, exp.init_params)
+    if config.mesh:
+      log(f'the cohort runs over {split} CPU devices, one per core '
+          "(config.mesh='auto'; '' keeps one device)")
+      mesh = processes.make_mesh(config)
+      stack.enter_context(jax.set_mesh(mesh))
+      exp = experiment.on_mesh(exp, mesh)
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                     max_to_keep=max(2, config.checkpoints_to_keep),
                                     position=data_position.of_experiment(exp))

@@ -234,7 +234,14 @@ def _config(**fields):
 ])
 def test_auto_mesh_splits_cohorts_of_many_clients_on_cpu(fields, split, want):
   from fedjx.experiments import processes
-  assert processes.auto_mesh(_config(**fields), split) == want
+  small = [np.zeros((784, 200), np.float32)]  # The 2NN's largest layer.
+  assert processes.auto_mesh(_config(**fields), split, small) == want
+
+
+def test_auto_mesh_keeps_large_models_on_one_device():
+  from fedjx.experiments import processes
+  large = [np.zeros((10_000, 500), np.float32)]  # 20 MB: memory-bound steps.
+  assert processes.auto_mesh(_config(cohort_size=64), 2, large) == ''
 
 
 def test_a_run_in_a_started_jax_keeps_its_devices():

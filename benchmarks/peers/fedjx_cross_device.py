@@ -23,6 +23,7 @@ import optax
 import fedjx
 from fedjx import algorithms
 from fedjx import datasets
+from fedjx.experiments import processes
 
 import cross_device as cd
 
@@ -50,9 +51,15 @@ def loss_fn(setup):
 
 def main():
   args = cd.parse_args(__doc__.split('\n')[0])
-  # Before JAX starts: one CPU device per core (as fedjx-run does under
-  # config.cpu_devices='auto' and config.mesh='auto'), the cohort split over them.
-  devices = fedjx.distributed.split_cpu(divides=len(cd.sizes(args.setup)))
+  # As fedjx-run does (config.cpu_devices='auto', config.mesh='auto'): before
+  # JAX starts, one CPU device per core; the cohort split over them when the
+  # model is small and there are at least 16 clients per device.
+  clients = len(cd.sizes(args.setup))
+  devices = fedjx.distributed.split_cpu(divides=clients)
+  model_bytes = sum(a.nbytes for layer in cd.init(args.setup) for a in layer)
+  if (jax.default_backend() != 'cpu' or model_bytes > processes.AUTO_MAX_MODEL_BYTES
+      or clients < processes.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
+    devices = 1
   mesh = fedjx.distributed.make_mesh({'clients': -1}) if devices > 1 else None
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     run(args, devices)

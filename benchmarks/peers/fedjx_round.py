@@ -18,15 +18,21 @@ import optax
 import fedjx
 from fedjx import algorithms
 from fedjx import datasets
+from fedjx.experiments import processes
 
 import jax_cnn
 
 
 def main():
   args = common.parse_args(__doc__.split('\n')[0])
-  # Before JAX starts: one CPU device per core (fedjx-run's default), the
-  # cohort split over them.
+  # As fedjx-run does (config.cpu_devices='auto', config.mesh='auto'): before
+  # JAX starts, one CPU device per core; the cohort split over them only for
+  # small models (this CNN's 6.5 MB stays on one device).
   devices = fedjx.distributed.split_cpu(divides=common.COHORT)
+  if (jax.default_backend() != 'cpu' or
+      4 * common.NUM_PARAMS > processes.AUTO_MAX_MODEL_BYTES or
+      common.COHORT < processes.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
+    devices = 1
   mesh = fedjx.distributed.make_mesh({'clients': -1}) if devices > 1 else None
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     run(args, devices)

@@ -5,8 +5,8 @@ as flat arrays, each round's example order per client as an int32 index
 over exactly its own steps (a dynamic trip count: no padded step is ever
 entered) whose batch is gathered inside the loop, and the example-weighted
 mean of the local models. One ``jit``; JAX only. Like fedjx's run, the CPU
-is split into one device per core (``--devices``, default all cores: the
-largest count that divides the clients) and each device runs its
+is split into one device per core for small models (``--devices``, default
+all cores: the largest count that divides the clients) and each device runs its
 contiguous block of clients in its own loop (``jax.shard_map``), the sums
 joined by one ``psum``; ``--devices=1`` is one device.
 
@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjx.experiments import processes
+
 import cross_device as cd
 import fedjx_cross_device
 
@@ -34,6 +36,12 @@ def main():
   clients = len(cd.sizes(args.setup))
   devices = max(k for k in range(1, cores + 1) if clients % k == 0)
   jax.config.update('jax_num_cpu_devices', devices)
+  # The split where fedjx's runs split (fedjx_cross_device.py): small models,
+  # at least 16 clients per device, a CPU backend.
+  model_bytes = sum(a.nbytes for layer in cd.init(args.setup) for a in layer)
+  if (jax.default_backend() != 'cpu' or model_bytes > processes.AUTO_MAX_MODEL_BYTES
+      or clients < processes.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
+    devices = 1
   data = cd.client_data(args.setup)
   table = {k: jnp.asarray(np.concatenate([d[k] for d in data]).astype(
       np.int32 if data[0][k].dtype == np.int64 else data[0][k].dtype)) for k in data[0]}
@@ -46,7 +54,7 @@ def main():
   def mean_loss(w, batch, m):
     return jnp.sum(jnp.where(m, loss(w, batch), 0.0)) / jnp.maximum(jnp.sum(m), 1)
 
-  mesh = jax.make_mesh((devices,), ('clients',))
+  mesh = jax.make_mesh((devices,), ('clients',), devices=jax.devices()[:devices])
 
   def block(params, index, mask, steps, weights):
     def client(acc, xs):
