@@ -23,13 +23,17 @@ def split_cpu(config: ml_collections.ConfigDict) -> int:
   """Makes ``config.cpu_devices`` CPU devices before JAX starts; returns how many.
 
   :func:`fedjx.distributed.split_cpu` (``'auto'``: one per core), the count
-  the largest that divides ``config.cohort_size``. Only a run on one
-  process that starts JAX itself splits the CPU; otherwise (JAX running
-  already, several processes) this returns 1 and changes nothing.
+  the largest that divides ``config.cohort_size``. Only a run with
+  ``config.mesh='auto'`` on one process that starts JAX itself, whose CPU
+  device count the user has not set (``--xla_force_host_platform_device_count``
+  in ``XLA_FLAGS``, ``jax_num_cpu_devices``), splits the CPU; otherwise this
+  returns 1 and changes nothing.
   """
   from fedjx import distributed  # pylint: disable=g-import-not-at-top
-  if (config.num_processes not in (None, 1) or config.coordinator_address or
-      os.environ.get(distributed.ENV_COORDINATOR)):
+  if (config.mesh != 'auto' or config.num_processes not in (None, 1) or
+      config.coordinator_address or os.environ.get(distributed.ENV_COORDINATOR) or
+      'xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', '') or
+      jax.config.jax_num_cpu_devices >= 0):
     return 1
   devices = config.cpu_devices
   if isinstance(devices, str) and devices.isdigit():  # From the command line.
