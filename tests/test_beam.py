@@ -82,6 +82,7 @@ def test_several_rounds_in_one_pipeline_and_in_a_row():
   _assert_close(beam_state.params, want[0].params)
 
 
+@pytest.mark.slow
 def test_federated_gradient_of_a_round():
   algo = algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1))
   cohort = _cohort(2, clients=12)

@@ -180,6 +180,7 @@ def test_diloco_on_c4_resumed_mid_epoch_is_bit_identical(mock_c4, tmp_path):
   assert _strip(resumed.history) == _strip(reference.history)
 
 
+@pytest.mark.slow
 def test_resuming_with_a_changed_corpus_is_refused(tmp_path):
   workdir = str(tmp_path / 'run')
   with tfds.testing.mock_data(num_examples=NUM_RECORDS, data_dir=str(tmp_path / 'a')):

@@ -51,6 +51,7 @@ def _equal(a, b):
                a, b)
 
 
+@pytest.mark.slow
 def test_a_churned_run_is_the_replay_of_its_schedule_and_resumes(tmp_path):
   full = runner.run(_config(CHAOS), str(tmp_path / 'full'))
   assert full.step == ROUNDS and not full.interrupted

@@ -130,6 +130,7 @@ def test_config_errors_are_found_before_data_loads(tiny, overrides, words):
     assert word in str(e.value)
 
 
+@pytest.mark.slow
 def test_user_errors_are_one_line_with_exit_status_2(tiny, tmp_path):
   procs = []
   cmd = [FEDJX_RUN] if os.path.exists(FEDJX_RUN) else [

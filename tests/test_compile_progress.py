@@ -3,6 +3,8 @@ slow-compile alarm reads as progress, not as an error."""
 
 import os
 
+import pytest
+
 from config_files import load
 
 from fedjx.experiments import compile_progress
@@ -59,6 +61,7 @@ def test_other_lines_of_the_alarm_s_file_pass_unchanged(capfd):
   assert capfd.readouterr().err.encode() == other
 
 
+@pytest.mark.slow
 def test_compile_times_prints_one_json_line_per_config():
   import json  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel

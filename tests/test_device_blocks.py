@@ -273,6 +273,7 @@ def _fedjx_run(workdir, *overrides):
     return out.stderr, [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_fedjx_run_splits_the_cpu_and_gives_the_one_device_rounds(tmp_path):
   log, split = _fedjx_run(tmp_path / 'split', '--config.cpu_devices=2')
   assert 'the cohort runs over 2 CPU devices' in log

@@ -287,6 +287,7 @@ def test_sigkill_mid_row_then_again_mid_metrics_rewrite(files, reference, tmp_pa
   _assert_finished_like(reference, str(workdir))
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write(files, reference, tmp_path, rng):
   workdir = tmp_path / 'run'
   step = rng.choice([4, 6])
@@ -322,6 +323,7 @@ def test_sigterm_saves_and_exits_like_ctrl_c(files, reference, tmp_path, rng):
   _assert_finished_like(reference, str(workdir))
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_data(
     files, reference, tmp_path, rng):
   workdir = tmp_path / 'run'
@@ -352,6 +354,7 @@ def test_a_signal_during_start_up_is_one_line(files, tmp_path, sig):
   assert signal.Signals(sig).name in _one_line(stopped.stderr)
 
 
+@pytest.mark.slow
 def test_a_second_process_on_a_live_workdir_stops_at_once(files, reference, tmp_path):
   workdir = tmp_path / 'run'
   holding, release = tmp_path / 'holding', tmp_path / 'release'

@@ -115,6 +115,7 @@ def abs_scale(trained, name):
   return max(float(np.max(S * np.abs(t[name]['a']) @ np.abs(t[name]['b']))) for t in trained)
 
 
+@pytest.mark.slow
 def test_fedit_is_fedavg_on_the_adapters():
   lm, _, ad = setup()
   fedavg = algos.fedavg(lm.loss_fn, client_optimizer=sgd(), server_optimizer=optax.sgd(1.0))
@@ -124,6 +125,7 @@ def test_fedit_is_fedavg_on_the_adapters():
     close(g, np.asarray(w, np.float64), float(np.max(np.abs(w))))
 
 
+@pytest.mark.slow
 def test_flora_merges_the_mean_product_and_resets_b():
   trained = oracle_clients()
   state = run('flora')[0]

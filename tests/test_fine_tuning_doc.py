@@ -42,6 +42,7 @@ def test_the_page_has_its_three_blocks():
   assert len(code_blocks(PAGE.read_text())) == 3
 
 
+@pytest.mark.slow
 def test_the_run_learns_and_exports(page):
   history = page['result'].history
   first = next(r for r in history if 'eval_loss' in r)

@@ -93,6 +93,7 @@ def _replay(lm, config, clients, global_ad, ranks):
   return new_ranks, out
 
 
+@pytest.mark.slow
 def test_self_pruning_rounds_match_the_replay():
   lm, config, clients, ad = _setup()
   algorithm = algos.fedlora(lm.loss_fn, lora_config=config, rule='hetlora',

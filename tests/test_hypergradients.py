@@ -40,6 +40,7 @@ def synthetic_rounds(rounds: int, clients: int, steps: int, batch: int,
   return stacked, val
 
 
+@pytest.mark.slow
 def test_fedavg_learning_rates_match_finite_differences_and_modes_agree():
   with jax.enable_x64(True):
     r, c, s, b = 3, 4, 2, 8

@@ -257,6 +257,7 @@ def test_a_remat_policy_gives_the_gradients_of_none(scan, policy):
       a, b, rtol=0, atol=ft.atol(n, 4 * np.abs(b).max() + 1e-30)), g, g0)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_parameters_and_gradients():
   c = SMALL
   c16 = c.replace(dtype='bfloat16')

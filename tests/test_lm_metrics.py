@@ -43,6 +43,7 @@ def _tiny_study(tmp_path):
   return runner.run(config, str(tmp_path / 'run'), log=lambda msg: None)
 
 
+@pytest.mark.slow
 def test_rows_report_tokens_per_s_and_mfu(tmp_path):
   result = _tiny_study(tmp_path)
   rows = [r for r in result.history if r['round'] >= 1]

@@ -297,6 +297,7 @@ def test_bad_config_fields_raise(field, value):
     LoraConfig(**{field: value})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('base_dtype', ['float32', 'int8'])
 def test_bfloat16_compute_of_a_scanned_stack_trains_under_vmap(base_dtype):
   """Adapters on a bfloat16-computing scanned model: the client map's vmapped

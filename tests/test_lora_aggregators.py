@@ -75,6 +75,7 @@ def test_only_the_adapters_are_sent(train_a):
   assert adapter_bytes < model_bytes / 10
 
 
+@pytest.mark.slow
 def test_dp_gaussian_on_adapters_matches_a_numpy_replay():
   _, lm, ad = _model()
   clip, z = 0.05, 0.7

@@ -27,6 +27,7 @@ from fedjx.models import llama
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
 
 
+@pytest.mark.slow
 def test_flora_from_a_config_runs_and_exports(tmp_path):
   config = load(os.path.join(CONFIGS, 'flowertune_lora.py'))
   config.algorithm = dict(name='fedlora', rule='flora', client_ranks=(4, 8),

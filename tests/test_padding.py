@@ -230,6 +230,7 @@ def test_scan_steps_enters_only_steps_up_to_the_last_real_one(s, real, entered,
   assert len(skips) == skipped
 
 
+@pytest.mark.slow
 def test_gradients_flow_through_the_tree_of_steps():
   """Reverse and forward mode through the tree of steps (every level is
   ``scan`` and ``cond``), against finite differences."""

@@ -176,6 +176,7 @@ def test_fedavg_like_round_matches_hand_written_loop(strategy):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_check_grads_order_two_through_fedavg_like_round():
   with jax.enable_x64():
     params, data, weights = _problem(seed=1)

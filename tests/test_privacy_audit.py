@@ -314,6 +314,7 @@ def test_with_noise_the_estimate_stays_below_the_accountant_s_epsilon(tmp_path):
   assert again == audit
 
 
+@pytest.mark.slow
 def test_without_noise_the_estimate_is_large(tmp_path):
   result = runner.run(audited_config(noise=0.0), str(tmp_path), log=print)
   row = last_row(result)
@@ -331,6 +332,7 @@ def test_without_noise_the_estimate_is_large(tmp_path):
       1000, k, k, 1e-4, 0.05 / len(pa.GUESS_FRACTIONS)), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_with_the_noise_halved_the_estimate_exceeds_the_reported_epsilon(
     tmp_path, monkeypatch):
   # An injected bug: the aggregator adds half the noise the accountant

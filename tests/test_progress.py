@@ -70,6 +70,7 @@ def test_a_log_line_goes_above_the_bar_which_is_drawn_again_below():
   assert lines == ['x']
 
 
+@pytest.mark.slow
 def test_a_resumed_sweep_s_bar_starts_at_the_rounds_done(tmp_path, bars, capsys):
   settings = [{'algorithm.server_learning_rate': v} for v in (0.02, 0.1)]
   workdir = str(tmp_path / 'sweep')

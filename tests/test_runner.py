@@ -126,6 +126,7 @@ def test_reference_run_learns_and_writes_everything(reference):
   _assert_same_params(state.params, reference.state.params)
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_gives_bit_identical_params(files, reference, tmp_path):
   workdir = str(tmp_path / 'run')
   killed = subprocess.run(
@@ -152,6 +153,7 @@ def test_kill_9_then_rerun_gives_bit_identical_params(files, reference, tmp_path
     assert got.get('eval_accuracy') == want.get('eval_accuracy')
 
 
+@pytest.mark.slow
 def test_sigint_saves_a_checkpoint_and_exits_cleanly(files, reference, tmp_path):
   workdir = str(tmp_path / 'run')
   stopped = subprocess.run(

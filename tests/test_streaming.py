@@ -84,6 +84,7 @@ def test_clients_inside_a_chunk_one_at_a_time_or_in_groups(monkeypatch, inner):
     _assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_rounds_in_a_row_trace_once_and_chunks_of_one():
   algo = SUPPORTED['scaffold']()
   traces = []

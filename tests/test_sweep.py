@@ -170,6 +170,7 @@ def test_rounds_to_target_and_best():
       'rounds_to_target'] is None
 
 
+@pytest.mark.slow
 def test_a_diverging_trial_stops_alone(tmp_path):
   config = small_config()
   config.algorithm = dict(name='fedavg', server_optimizer=config_base.optimizer(
@@ -246,6 +247,7 @@ def test_trials_are_sharded_over_devices(tmp_path):
                              rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_cli_one_line_errors(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   cmd = [sys.executable, '-m', 'fedjx.experiments.sweeps.cli',

@@ -134,6 +134,7 @@ def _one_device_step(model, params, opt_state, tokens):
   return optax.apply_updates(params, updates), loss, grads
 
 
+@pytest.mark.slow
 def test_one_inner_step_on_clients_fsdp_tensor_equals_one_device(inner):
   _, (params, opt_state, tokens), (new_params, new_state, loss), model = inner
   device = jax.devices()[0]

@@ -133,6 +133,7 @@ def _assert_split_program_matches(fn, cohorts, expected_stages):
   _assert_close(got, fn(_params(), *cohorts))
 
 
+@pytest.mark.slow
 def test_grad_of_two_rounds_split_into_four_stages():
   """Two FedAvg rounds: two forward and two backward stages."""
   objective = _objective(ALGORITHMS['fedavg'](), rounds=2)

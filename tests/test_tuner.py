@@ -42,6 +42,7 @@ def params_of(dtype=jnp.float32):
   return {'w': jnp.zeros((60, 10), dtype), 'b': jnp.zeros(10, dtype)}
 
 
+@pytest.mark.slow
 def test_hypergradient_metric_matches_finite_differences():
   with jax.enable_x64(True):
     cohort = cohorts_of(1, dtype=jnp.float64)[0]

@@ -178,6 +178,7 @@ def test_an_unwritable_or_unreadable_workdir_is_one_line(files, tmp_path, prog):
   assert os.listdir(workdir) == []
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_a_metrics_row_is_written_is_one_line(files, tmp_path):
   workdir = tmp_path / 'run'
   out = _cli(files, 'fedjx-run', workdir, fault='enospc_row:2')
