@@ -5,7 +5,12 @@ population from ``datasets.from_arrays``, put on the device with
 ``datasets.make_cohort`` (shuffled per client and round, steps bucketed to
 a power of two), ``fedavg(...).compile()`` under ``map_strategy='auto'``,
 ``client_evaluation=False`` (no extra passes over the data: what the peers
-compute).
+compute). Rounds run as ``fedjx-run`` runs them under its default
+``config.nonfinite='skip'``: built without the per-client guard
+(``skip_nonfinite=False``), with the flag of
+``guarded_rounds.checking_finiteness`` computed in the round's program
+(a lowered flag would send ``fedjx-run`` through the guarded round; here it
+stops the benchmark).
 
   python fedjx_cross_device.py --setup=2nn-1000 --rounds=4
 """
@@ -23,6 +28,7 @@ import optax
 import fedjx
 from fedjx import algorithms
 from fedjx import datasets
+from fedjx.experiments import guarded_rounds
 from fedjx.experiments import processes
 
 import cross_device as cd
@@ -76,7 +82,9 @@ def run(args, devices):
   algo = algorithms.fedavg(loss_fn(args.setup),
                            client_optimizer=optax.sgd(cd.LOCAL_LR),
                            server_optimizer=optax.sgd(cd.SERVER_LR),
-                           client_evaluation=False).compile(map_strategy='auto')
+                           client_evaluation=False,
+                           skip_nonfinite=False).compile(map_strategy='auto')
+  algo = guarded_rounds.checking_finiteness(algo, whole=True)
   state = algo.init(params)
   ids = np.arange(len(data))
   rounds = 1 if args.check else args.rounds
@@ -85,9 +93,11 @@ def run(args, devices):
     cohort = datasets.place_cohort(datasets.make_cohort(
         population, ids, cd.BATCH, round_num=r,
         shuffle_seed=None if args.check else 0))
-    state = algo.round(state, cohort, jax.random.key(r))[0]
+    state, metrics = algo.round(state, cohort, jax.random.key(r))
     jax.block_until_ready(state.params)
     clock.tick()
+    if not metrics[guarded_rounds.RESULT_FINITE]:
+      raise SystemExit(f'round {r}: the result is not finite')
   if args.check:
     cd.save(args.check, [tuple(map(np.asarray, layer)) for layer in state.params])
   # Staged per round: the cohort's host arrays (the table moved once).

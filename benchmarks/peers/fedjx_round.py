@@ -1,7 +1,9 @@
 """fedjx's FedAvg round (``fedjx.algorithms.fedavg``, ``map_strategy='auto'``,
 ``client_evaluation=False``) on the peer setup; cohorts from
 ``make_cohort(..., bucket=False)``, so each client is padded only to the
-largest client's step count and padded steps are skipped.
+largest client's step count and padded steps are skipped. Rounds run as
+``fedjx-run`` runs them under ``config.nonfinite='skip'``: unguarded, with
+the in-program finiteness flag of ``guarded_rounds.checking_finiteness``.
 
   python fedjx_round.py --setup=equal --rounds=4
 """
@@ -18,6 +20,7 @@ import optax
 import fedjx
 from fedjx import algorithms
 from fedjx import datasets
+from fedjx.experiments import guarded_rounds
 from fedjx.experiments import processes
 
 import jax_cnn
@@ -49,17 +52,20 @@ def run(args, devices):
   assert sum(p.size for p in jax.tree.leaves(params)) == common.NUM_PARAMS
   algo = algorithms.fedavg(jax_cnn.loss, client_optimizer=optax.sgd(common.LOCAL_LR),
                            server_optimizer=optax.sgd(common.SERVER_LR),
-                           client_evaluation=False).compile(
+                           client_evaluation=False, skip_nonfinite=False).compile(
       map_strategy='auto', donate=False)
+  algo = guarded_rounds.checking_finiteness(algo, whole=True)
   state = algo.init(params)
   clock = common.Clock()
   for r in range(args.rounds):
     cohort = datasets.make_cohort(population, np.arange(len(data)), common.BATCH,
                                   shuffle_seed=0, round_num=r, bucket=False)
     cohort = datasets.place_cohort(cohort)
-    state = algo.round(state, cohort, jax.random.key(r))[0]
+    state, metrics = algo.round(state, cohort, jax.random.key(r))
     jax.block_until_ready(state.params)
     clock.tick()
+    if not metrics[guarded_rounds.RESULT_FINITE]:
+      raise SystemExit(f'round {r}: the result is not finite')
   # What map_fn sizes 'auto' by: one client's placed inputs, the broadcast
   # model included.
   client_bytes = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
