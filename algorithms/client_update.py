@@ -13,13 +13,12 @@ changes nothing (``jnp.where`` on parameters and optimizer state), so a client
 padded to the cohort's ``[S, B]`` shape gives exactly the result of its
 unpadded batches. A step that is padding for every client run together with
 this one (the whole cohort under ``vmap``, a chunk under ``chunked``, the
-client alone under ``sequential``) is not computed at all: it sits in a
-``lax.cond`` on :func:`fedjx.mapping.any_in_chunk`, so padding costs a
-branch, not a step (``scripts/benchmark_padding.py``). A skipped branch
-still passes the model through (XLA:CPU copies it: about 1 ms for 1.6M
-parameters), so the steps are the leaves of a binary tree of branches
-(:func:`scan_steps`) and the padding after a client's last real step is at
-most ``log2(S) + 1`` skipped branches instead of ``S - c``.
+client alone under ``sequential``) is not computed at all
+(:func:`scan_steps`; ``scripts/benchmark_padding.py``): a client run alone
+takes its real steps in a ``while`` loop; clients run together, and any
+round that is differentiated, take the steps as the leaves of a binary tree
+of ``lax.cond`` branches whose padding costs at most ``log2(S) + 1`` skipped
+branches.
 
 The schedule of steps (:class:`LocalSchedule`) is either ``epochs`` passes
 over the cohort's ``S`` steps (McMahan et al. 2017, ``E`` local epochs), or a
@@ -31,6 +30,7 @@ Everything here is per client: it runs inside ``fedjx.map_fn``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -132,29 +132,99 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
   """``lax.scan`` of ``step(carry, x_t, active_t)`` over ``S = len(active)``
   steps, where a step no member of the chunk needs is never entered.
 
-  The steps are the leaves of a binary tree of depth ``D = ceil(log2 S)``: a
-  node of level ``d`` covers ``2^d`` consecutive steps and runs as a
-  ``lax.scan`` over its two children, each in a ``lax.cond`` on whether any
-  member of the chunk (:func:`fedjx.mapping.any_in_chunk`) has an active
-  step at or after the child's first step; a leaf ``t`` is entered only if a
-  member is active at ``t``. A member whose last active step is ``c - 1``
-  enters about ``2c`` nodes and skips at most ``D + 1`` (one per level,
-  beside its path to step ``c - 1``), so padding costs ``O(log S)`` branches
-  for any ``S`` and carry, and the step's body is compiled once. The chunk's
-  ``[S]`` flags are combined once, before the tree, so no branch holds a
-  collective.
+  One member at a time (not :func:`fedjx.mapping.members_together`), an
+  evaluated round runs the steps as a ``while`` loop over exactly the
+  member's active steps, in order: no branch per step, and padding costs
+  nothing wherever it is. A ``while`` loop with a data-dependent trip count
+  has no reverse-mode derivative, so the loop is a ``jax.custom_jvp`` whose
+  derivative rule is the JVP of the same steps as a tree of ``lax.scan`` and
+  ``lax.cond`` (:func:`_tree_steps`), which both modes differentiate to any
+  order: a round that is differentiated gets the tree's derivatives, and its
+  forward pass is the tree. Members run together (a vmapped chunk), and
+  every member under a mesh with an Explicit axis, take the tree in both
+  forms: their ``[S]`` flags are combined once, before the tree
+  (:func:`fedjx.mapping.any_in_chunk`), so no branch holds a collective.
 
   ``step`` must leave ``carry`` unchanged and return zeros when ``active_t``
   is False (as a skipped node does; it is entered so only when
   :func:`fedjx.mapping.members_together`), so the result is the plain
   ``scan``'s, step for step: the same ``carry`` and the same stacked outputs
-  ``[S, ...]``, with inactive steps anywhere. Every level is ``scan`` and
-  ``cond``, so the loop stays differentiable in both modes.
+  ``[S, ...]``, with inactive steps anywhere.
   """
   active = jnp.asarray(active)
+  needed = fedjx.mapping.any_in_chunk(active)  # [S], the same for the chunk.
+  mesh = jax.sharding.get_abstract_mesh()
+  if (fedjx.mapping.members_together() or
+      jax.sharding.AxisType.Explicit in getattr(mesh, 'axis_types', ())):
+    # Values typed by an Explicit mesh do not survive re-tracing the step on
+    # its own.
+    return _tree_steps(step, carry, xs, active, needed)
+  # The step as a jaxpr whose closed-over values (the client's data, traced
+  # values of the round) are explicit operands: the derivative rule may be
+  # traced after the trace that called this one has ended.
+  x0 = fedjx.indexed.take(xs, jnp.zeros((), jnp.int32))
+  flat, in_tree = jax.tree.flatten((carry, x0, jnp.ones((), bool)))
+  closed, out_shape = jax.make_jaxpr(
+      lambda *a: step(*jax.tree.unflatten(in_tree, a)), return_shape=True)(*flat)
+  out_tree = jax.tree.structure(out_shape)
+
+  def converted(c, x, a, consts):
+    out = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves((c, x, a)))
+    return jax.tree.unflatten(out_tree, out)
+
+  return _steps(converted, carry, xs, active, needed, list(closed.consts))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _steps(step, carry, xs, active, needed, consts):
+  """:func:`scan_steps` evaluated: a ``while`` loop over the active steps."""
+  del needed
+  s = active.shape[0]
+  order = jnp.argsort(jnp.logical_not(active), stable=True)  # Active first.
+  count = jnp.sum(active, dtype=jnp.int32)
+  take = lambda i: fedjx.indexed.take(xs, i)
+  shapes = jax.eval_shape(lambda c, x: step(c, x, jnp.ones((), bool), consts)[1],
+                          carry, take(jnp.zeros((), jnp.int32)))
+  never = count < 0  # False, placed as the client's data is.
+  ys = jax.tree.map(lambda y: jnp.broadcast_to(
+      never.reshape((1,) * (len(y.shape) + 1)), (s,) + y.shape).astype(y.dtype), shapes)
+
+  def body(j, state):
+    carry, ys = state
+    i = order[j]
+    carry, y = step(carry, take(i), jnp.ones((), bool), consts)
+    ys = jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
+        b, jnp.asarray(v, b.dtype), i, 0), ys, y)
+    return carry, ys
+
+  return jax.lax.fori_loop(0, count, body, (carry, ys))
+
+
+@_steps.defjvp
+def _steps_jvp(step, primals, tangents):
+  carry, xs, active, needed, consts = primals
+  dcarry, dxs, _, _, dconsts = tangents
+  tree = lambda c, x, k: _tree_steps(lambda c_, x_, a_: step(c_, x_, a_, k),
+                                     c, x, active, needed)
+  return jax.jvp(tree, (carry, xs, consts), (dcarry, dxs, dconsts))
+
+
+def _tree_steps(step, carry, xs, active, needed):
+  """The steps of :func:`scan_steps` as the leaves of a binary tree.
+
+  A node of level ``d`` covers ``2^d`` consecutive steps and runs as a
+  ``lax.scan`` over its two children, each in a ``lax.cond`` on whether any
+  member of the chunk (``needed``) has an active step at or after the
+  child's first step; a leaf ``t`` is entered only if a member is active at
+  ``t``. A member whose last active step is ``c - 1`` enters about ``2c``
+  nodes and skips at most ``D + 1`` (one per level, beside its path to step
+  ``c - 1``), where ``D = ceil(log2 S)``, so padding costs ``O(log S)``
+  branches for any ``S`` and carry, and the step's body is compiled once.
+  Every level is ``scan`` and ``cond``, so the steps stay differentiable in
+  both modes.
+  """
   s = active.shape[0]
   depth = max(s - 1, 0).bit_length()
-  needed = fedjx.mapping.any_in_chunk(active)  # [S], the same for the chunk.
   # One past the last needed step (0 for none); placed as the client's data.
   end = jnp.max(jnp.where(needed, jnp.arange(1, s + 1), 0))
 

@@ -192,6 +192,30 @@ def test_scan_steps_equals_a_plain_scan_step_for_step(s):
     np.testing.assert_array_equal(got, want)
 
 
+def _counting(step_fn):
+  """``step_fn`` that records each time it runs, and the list it records in."""
+  steps = []
+
+  def step(carry, x, active):
+    jax.debug.callback(lambda: steps.append(1))
+    return step_fn(carry, x, active)
+  return step, steps
+
+
+@pytest.mark.parametrize('s,real', [(16, 5), (16, 16), (16, 1), (23, 23), (16, 0)])
+def test_a_round_enters_only_the_real_steps_and_no_branch(s, real):
+  """Evaluated, the steps are a ``while`` loop over the real ones: each is
+  entered once, no other, and no ``lax.cond`` is traced at all."""
+  from fedjx.algorithms import client_update
+  step, steps = _counting(_scan_step)
+  active = jnp.arange(s) < real
+  with mock.patch.object(jax.lax, 'cond', side_effect=AssertionError('cond')):
+    out = jax.jit(functools.partial(client_update.scan_steps, step))(
+        jnp.zeros(3), jnp.ones((s, 3)), active)
+    jax.block_until_ready(out)
+  assert len(steps) == real
+
+
 @pytest.mark.parametrize('s,real,entered,skipped', [
     # S = 16 is a tree of depth 4. 5 real steps (0-4): the leaves 0-4 and,
     # above them, the nodes [0,16), [0,8), [0,4), [4,8), [4,6), [0,2), [2,4);
@@ -202,17 +226,14 @@ def test_scan_steps_equals_a_plain_scan_step_for_step(s):
     (23, 23, 23, 2),  # Depth 5 covers 32: [24,32) and the leaf 23 are past S.
     (16, 0, 0, 1),   # The root.
 ])
-def test_scan_steps_enters_only_steps_up_to_the_last_real_one(s, real, entered,
-                                                              skipped):
-  """The steps after a client's last real one are never entered, and they
-  cost at most one skipped branch per level of the tree."""
+def test_the_tree_of_a_derivative_enters_only_steps_up_to_the_last_real_one(
+    s, real, entered, skipped):
+  """The form differentiated (the tree of branches): the steps after a
+  client's last real one are never entered, and they cost at most one
+  skipped branch per level of the tree."""
   from fedjx.algorithms import client_update
-  steps, skips = [], []
-
-  def step(carry, x, active):
-    jax.debug.callback(lambda: steps.append(1))
-    return _scan_step(carry, x, active)
-
+  step, steps = _counting(_scan_step)
+  skips = []
   real_cond = jax.lax.cond
 
   def counting_cond(pred, true_fn, false_fn, *operands):
@@ -223,11 +244,41 @@ def test_scan_steps_enters_only_steps_up_to_the_last_real_one(s, real, entered,
 
   active = jnp.arange(s) < real
   with mock.patch.object(jax.lax, 'cond', counting_cond):
-    out = jax.jit(functools.partial(client_update.scan_steps, step))(
-        jnp.zeros(3), jnp.ones((s, 3)), active)
+    out = jax.jit(lambda c, x: client_update._tree_steps(step, c, x, active, active))(
+        jnp.zeros(3), jnp.ones((s, 3)))
     jax.block_until_ready(out)
   assert len(steps) == entered
   assert len(skips) == skipped
+
+
+def test_derivatives_reach_what_the_step_closes_over():
+  """The step closes over a traced weight ``v`` and integer indices (as the
+  client's step closes over its data): reverse mode through the jitted
+  steps (whose derivative rule is traced after the jit's trace) matches
+  finite differences and forward mode, and both match the plain ``scan``."""
+  from fedjx.algorithms import client_update
+  active = jnp.asarray([True, False, True, True, False])
+  idx = jnp.asarray([4, 3, 2, 1, 0], jnp.int32)
+
+  def rounds(v, x):
+    def step(carry, i, on):
+      new = carry * v[idx[i]] + jnp.sin(x[i])
+      return jnp.where(on, new, carry), jnp.where(on, new.sum(), 0.0)
+    c, ys = client_update.scan_steps(step, x[0] * 0.0, jnp.arange(5), active)
+    plain_c, plain_ys = jax.lax.scan(lambda c, a: step(c, *a), x[0] * 0.0,
+                                     (jnp.arange(5), active))
+    return jnp.sum(c ** 2) + jnp.sum(ys), jnp.sum(plain_c ** 2) + jnp.sum(plain_ys)
+
+  with jax.enable_x64():
+    v = jnp.linspace(0.5, 0.9, 5, dtype=jnp.float64)
+    x = jnp.linspace(-1.0, 1.0, 15, dtype=jnp.float64).reshape(5, 3)
+    f = jax.jit(lambda v, x: rounds(v, x)[0])
+    check_grads(f, (v, x), order=2, modes=('fwd', 'rev'))
+    got = jax.grad(f, argnums=(0, 1))(v, x)
+    want = jax.grad(lambda v, x: rounds(v, x)[1], argnums=(0, 1))(v, x)
+    for g, w in zip(got, want):
+      # The same float64 operations in the same order.
+      np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.slow

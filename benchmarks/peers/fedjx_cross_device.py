@@ -56,7 +56,9 @@ def loss_fn(setup):
 
 
 def main():
-  args = cd.parse_args(__doc__.split('\n')[0])
+  args = cd.parse_args(__doc__.split('\n')[0], lambda p: p.add_argument(
+      '--map_strategy', default='auto', choices=('auto', 'sequential', 'chunked', 'vmap'),
+      help="the round's map strategy (fedjx-run's config.map_strategy)"))
   # As fedjx-run does (config.cpu_devices='auto', config.mesh='auto'): before
   # JAX starts, one CPU device per core; the cohort split over them when the
   # model is small and there are at least 16 clients per device.
@@ -83,7 +85,7 @@ def run(args, devices):
                            client_optimizer=optax.sgd(cd.LOCAL_LR),
                            server_optimizer=optax.sgd(cd.SERVER_LR),
                            client_evaluation=False,
-                           skip_nonfinite=False).compile(map_strategy='auto')
+                           skip_nonfinite=False).compile(map_strategy=args.map_strategy)
   algo = guarded_rounds.checking_finiteness(algo, whole=True)
   state = algo.init(params)
   ids = np.arange(len(data))
@@ -111,13 +113,13 @@ def run(args, devices):
   spread = fedjx.mapping.device_blocks('clients', None, len(ids))
   blocks = spread is not None
   k = fedjx.mapping.choose_chunk_size(
-      'auto', len(ids) // devices if blocks else len(ids), member, 1)
+      args.map_strategy, len(ids) // devices if blocks else len(ids), member, 1)
   picked = 'sequential' if k == 1 else 'vmap' if k >= len(ids) else f'chunked:{k}'
   strategy = 'sequential' if k == 1 else 'vmap' if k >= len(ids) else 'chunked'
   cd.report('fedjx', f'fedjx (jax {jax.__version__})', args.setup, clock,
             {'xla_flags': os.environ.get('XLA_FLAGS', ''),
              'cpu_count': os.cpu_count(), 'cpu_devices': devices},
-            map_strategy=f'auto -> {picked}' + (
+            map_strategy=f'{args.map_strategy} -> {picked}' + (
                 '' if spread is None else f' on each of {devices} CPU devices'
                 if blocks else f' on one of {devices} CPU devices'),
             host_bytes_staged_per_round=int(staged), real_data_bytes=real,
