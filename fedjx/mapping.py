@@ -63,10 +63,17 @@ _AUTO_CHUNK_INPUT_BYTES = {'cpu': 64 << 20, 'gpu': 512 << 20, 'tpu': 512 << 20}
 _CPU_VMAP_MAX_CLIENT_BYTES = 256 << 10
 _CPU_SMALL_CHUNK_MAX_CLIENT_BYTES = 2 << 20
 _CPU_SMALL_CHUNK = 4
-# Accelerators (measured on an H200, EMNIST CNN): vmap up to ~128 clients,
-# chunks of 64 beyond (4.8 s vmap vs 0.84 s chunks of 64 at 1024 clients).
+# GPUs (measured on an H200, EMNIST CNN): vmap up to ~128 clients, chunks of
+# 64 beyond (4.8 s vmap vs 0.84 s chunks of 64 at 1024 clients).
 _ACCELERATOR_VMAP_MAX_CLIENTS = 128
 _ACCELERATOR_CHUNK = 64
+# TPUs (measured on one v5e chip, docs/benchmarks.md): as on CPUs, vmap only
+# for tiny client computations (logistic regression: 1.38 ms vmapped vs 7.85
+# ms one at a time, 128 clients); anything larger one client at a time, its
+# local steps a loop over its own steps (the 135k-parameter transformer 104 ms
+# vs 230 ms in chunks of 64; the EMNIST CNN 504 vs 970 ms; the 2NN of 1,000
+# clients 0.068 vs 0.085 s in chunks of 50).
+_TPU_VMAP_MAX_CLIENT_BYTES = 256 << 10
 
 
 def _client_bytes(leaves: list[Any]) -> int:
@@ -117,6 +124,8 @@ def choose_chunk_size(strategy: str, n: int, client_bytes: int, devices: int,
         k = _CPU_SMALL_CHUNK * devices
       else:
         k = devices
+    elif backend == 'tpu':
+      k = full if client_bytes <= _TPU_VMAP_MAX_CLIENT_BYTES else devices
     elif n <= _ACCELERATOR_VMAP_MAX_CLIENTS:
       k = full
     else:

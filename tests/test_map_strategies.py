@@ -86,6 +86,11 @@ def test_chunk_size_choice():
   assert mapping.choose_chunk_size('auto', 16, 5 << 20, 2, backend='cpu') == 2
   # Auto on an accelerator: chunks for large cohorts.
   assert mapping.choose_chunk_size('auto', 1024, 1 << 20, 1, backend='gpu') == 64
+  # Auto on a TPU: tiny clients vmapped (up to the memory budget), the rest
+  # one at a time per device.
+  assert mapping.choose_chunk_size('auto', 128, 40 << 10, 1, backend='tpu') == 128
+  assert mapping.choose_chunk_size('auto', 1024, 600 << 10, 1, backend='tpu') == 1
+  assert mapping.choose_chunk_size('auto', 1024, 5 << 20, 4, backend='tpu') == 4
   # One device: a divisor of the cohort near the chunk size avoids padding.
   assert mapping.choose_chunk_size('chunked', 10_000, 100, 1, chunk_size=64) == 50
   assert mapping.choose_chunk_size('chunked', 10_007, 100, 1, chunk_size=64) == 64
