@@ -169,7 +169,9 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
   out_tree = jax.tree.structure(out_shape)
 
   def converted(c, x, a, consts):
-    out = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves((c, x, a)))
+    # A gathered table's SGD update touches only the rows gathered.
+    out = fedjx.sparse_updates.eval_jaxpr(closed.jaxpr, consts,
+                                          *jax.tree.leaves((c, x, a)))
     return jax.tree.unflatten(out_tree, out)
 
   return _steps(converted, carry, xs, active, needed, list(closed.consts))

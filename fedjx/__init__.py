@@ -25,7 +25,8 @@ Modules: ``fedjx.interpreters`` (the MapReduce plan of a program and what
 runs it: ``plan``, ``beam`` for Apache Beam, ``export`` for exported
 computations; also reachable as ``fedjx.plan``, ``fedjx.beam`` and
 ``fedjx.export``), ``fedjx.streaming``, ``fedjx.sharding``,
-``fedjx.distributed``, ``fedjx.client_store`` (:class:`ClientStore`, per-client
+``fedjx.distributed``, ``fedjx.sparse_updates`` (a gathered table's SGD
+step on the gathered rows only), ``fedjx.client_store`` (:class:`ClientStore`, per-client
 state kept on the host, docs/client_state.md).
 """
 
@@ -55,7 +56,7 @@ _NAMES = {
 MODULES = ('api', 'beam', 'client_store', 'distributed', 'execution', 'export',
            'frames', 'fusion', 'indexed', 'interpreters', 'mapping', 'options',
            'placements', 'plan', 'primitives', 'reductions', 'sharding',
-           'streaming')
+           'sparse_updates', 'streaming')
 # Modules that need an optional dependency (the package, its extra): left out
 # of dir(fedjx) until imported, so help(fedjx) imports none of them.
 OPTIONAL = {'beam': ('apache_beam', 'beam')}

@@ -25,20 +25,26 @@ ORDER = ('fedjx', 'lax_map', 'fedjax', 'torch_loop', 'pfl-research', 'flower')
 SCRIPTS = {'fedjx': ('fedjx', 'fedjx_round.py'), 'lax_map': ('fedjx', 'lax_map_round.py'),
            'fedjax': ('fedjax', 'fedjax_round.py'), 'torch_loop': ('pfl', 'torch_loop.py'),
            'pfl-research': ('pfl', 'pfl_round.py'), 'flower': ('flower', 'flower_round.py')}
-# The cross-device suite (cross_device.py): its frameworks, each as
-# (virtualenv, script, extra arguments, whether it runs logreg-sparse, the
-# check's batching: 'data' order or FedJAX's 'wrap').
-CROSS_DEVICE = {
-    'fedjx': ('fedjx', 'fedjx_cross_device.py', (), True, 'data'),
-    'handwritten_jax': ('fedjx', 'handwritten_cross_device.py', (), True, 'data'),
-    'fedjax': ('fedjax', 'fedjax_cross_device.py', (), False, 'wrap'),
-    'torch_loop': ('pfl', 'torch_cross_device.py', ('--threads=1',), True, 'data'),
-    'torch_loop_default_threads': ('pfl', 'torch_cross_device.py', ('--threads=0',),
-                                   True, 'data'),
-    'pfl-research': ('pfl', 'pfl_cross_device.py', (), True, None),
-    'flower': ('flower', 'flower_cross_device.py', (), True, 'data'),
-}
 CROSS_DEVICE_SETUPS = ('2nn-100', '2nn-1000', 'logreg', 'logreg-sparse')
+_DENSE = ('2nn-100', '2nn-1000', '2nn-10000', 'logreg')
+_ANY = _DENSE + ('logreg-sparse',)
+# The cross-device suite (cross_device.py): its frameworks, each as
+# (virtualenv, script, extra arguments, the setups it runs, the check's
+# batching: 'data' order or FedJAX's 'wrap').
+CROSS_DEVICE = {
+    'fedjx': ('fedjx', 'fedjx_cross_device.py', (), _ANY, 'data'),
+    'handwritten_jax': ('fedjx', 'handwritten_cross_device.py', (), _ANY, 'data'),
+    'fedjax': ('fedjax', 'fedjax_cross_device.py', (), _DENSE, 'wrap'),
+    'torch_loop': ('pfl', 'torch_cross_device.py', ('--threads=1',), _ANY, 'data'),
+    'torch_loop_default_threads': ('pfl', 'torch_cross_device.py', ('--threads=0',),
+                                   _ANY, 'data'),
+    # nn.EmbeddingBag(sparse=True): SGD on the gathered rows only.
+    'torch_loop_sparse_grad': ('pfl', 'torch_cross_device.py',
+                               ('--threads=1', '--sparse_grad'), ('logreg-sparse',),
+                               'data'),
+    'pfl-research': ('pfl', 'pfl_cross_device.py', (), _ANY, None),
+    'flower': ('flower', 'flower_cross_device.py', (), _ANY, 'data'),
+}
 
 
 def _python(env: str, args) -> str:
@@ -237,7 +243,7 @@ def main_cross_device(args):
 
   if not args.table:
     wanted = [(s, n) for s in setups for n in names
-              if s != 'logreg-sparse' or CROSS_DEVICE[n][3]]
+              if s in CROSS_DEVICE[n][3]]
     for setup, name in wanted:
       emit(check_round(name, setup, args))
     for repeat in range(args.repeats):

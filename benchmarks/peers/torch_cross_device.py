@@ -3,7 +3,9 @@ load the global weights, one epoch of SGD (0.1, batch 10) over its shuffled
 examples, add its example-weighted model; the new global model is the
 weighted mean. ``--threads=1`` (one intra-op thread) or ``0`` (PyTorch's
 default). ``logreg-sparse`` uses ``nn.EmbeddingBag(mode='sum')`` on the
-token ids (the same logits as the dense model).
+token ids (the same logits as the dense model); with ``--sparse_grad``
+(``sparse=True``) its gradient is sparse and SGD updates only the gathered
+rows.
 
   python torch_cross_device.py --setup=2nn-1000 --threads=1 --rounds=3
 """
@@ -34,12 +36,13 @@ class TwoNN(nn.Module):
 
 class LogReg(nn.Module):
 
-  def __init__(self, layers, sparse):
+  def __init__(self, layers, sparse, sparse_grad=False):
     super().__init__()
     (w, _), = layers
     self.sparse = sparse
     if sparse:
-      self.embed = nn.EmbeddingBag(w.shape[0], w.shape[1], mode='sum')
+      self.embed = nn.EmbeddingBag(w.shape[0], w.shape[1], mode='sum',
+                                   sparse=sparse_grad)
       self.bias = nn.Parameter(torch.zeros(w.shape[1]))
     else:
       self.linear = nn.Linear(w.shape[0], w.shape[1])
@@ -76,8 +79,11 @@ def export(model, setup):
 
 
 def main():
-  args = cd.parse_args(__doc__.split('\n')[0], lambda p: p.add_argument(
-      '--threads', type=int, default=1, help='intra-op threads (0: default)'))
+  def flags(p):
+    p.add_argument('--threads', type=int, default=1, help='intra-op threads (0: default)')
+    p.add_argument('--sparse_grad', action='store_true',
+                   help="logreg-sparse: nn.EmbeddingBag(sparse=True)")
+  args = cd.parse_args(__doc__.split('\n')[0], flags)
   if args.threads:
     torch.set_num_threads(args.threads)
   torch.manual_seed(0)
@@ -85,7 +91,7 @@ def main():
           for d in cd.client_data(args.setup)]
   layers = cd.init(args.setup)
   model = (TwoNN(layers) if cd.kind(args.setup) == '2nn'
-           else LogReg(layers, args.setup == 'logreg-sparse'))
+           else LogReg(layers, args.setup == 'logreg-sparse', args.sparse_grad))
   load_init(model, layers, args.setup)
   assert sum(p.numel() for p in model.parameters()) == cd.num_params(args.setup)
   global_state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -112,7 +118,8 @@ def main():
   if args.check:
     model.load_state_dict(global_state)
     cd.save(args.check, export(model, args.setup))
-  name = 'torch_loop' + ('' if args.threads == 1 else '_default_threads')
+  name = ('torch_loop' + ('' if args.threads == 1 else '_default_threads') +
+          ('_sparse_grad' if args.sparse_grad else ''))
   cd.report(name, torch.__version__, args.setup, clock,
             {'torch_num_threads': torch.get_num_threads(),
              'torch_num_interop_threads': torch.get_num_interop_threads()})

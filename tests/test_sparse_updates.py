@@ -1,0 +1,166 @@
+"""Row-sparse updates (fedjx.sparse_updates): a gathered table's step touches
+only the gathered rows, and computes what the dense step computes."""
+
+import jax
+import jax.numpy as jnp
+from jax.test_util import check_grads
+import numpy as np
+import optax
+import pytest
+
+import fedjx
+import fedjx.algorithms as algos
+from fedjx import datasets
+from fedjx import sparse_updates
+
+V, C, B, T = 50, 3, 4, 6  # Table rows, outputs, batch, tokens per example.
+U64 = 2.0 ** -53
+
+
+def bag_loss(params, batch):
+  """A bag-of-tokens logistic regression: the sum of the tokens' rows."""
+  w, b = params
+  logits = jnp.sum(jnp.take(w, batch['tokens'], axis=0), axis=1) + b
+  return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, batch['y']), -1)
+
+
+def _batch(rng):
+  tokens = rng.integers(0, V, (B, T))
+  tokens[0, :3] = tokens[1, 0] = 7  # A row gathered four times.
+  return {'tokens': jnp.asarray(tokens, jnp.int32),
+          'y': jnp.asarray((rng.random((B, C)) < 0.3).astype(np.float64))}
+
+
+def _params(rng):
+  return (jnp.asarray(rng.normal(size=(V, C))), jnp.asarray(rng.normal(size=C)))
+
+
+def _step(tx):
+  def step(params, state, batch):
+    g = jax.grad(lambda p: jnp.mean(bag_loss(p, batch)))(params)
+    updates, state = tx.update(g, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def _sparse(fn, *args):
+  """``fn`` evaluated by ``sparse_updates.eval_jaxpr``, and its jaxpr."""
+  closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  run = lambda *a: jax.tree.unflatten(jax.tree.structure(shape), sparse_updates.eval_jaxpr(
+      closed.jaxpr, closed.consts, *jax.tree.leaves(a)))
+  return run
+
+
+OPTIMIZERS = {
+    'sgd': optax.sgd(0.1),
+    'sgd, schedule': optax.sgd(optax.linear_schedule(0.2, 0.05, 3)),
+    'momentum': optax.sgd(0.1, momentum=0.9),
+    'adam': optax.adam(0.01),
+    'clipped sgd': optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1)),
+}
+
+
+@pytest.mark.parametrize('name', OPTIMIZERS)
+def test_steps_equal_the_dense_evaluation(name):
+  tx = OPTIMIZERS[name]
+  rng = np.random.default_rng(0)
+  with jax.enable_x64(True):
+    params = _params(rng)
+    state = tx.init(params)
+    dense = sparse = (params, state)
+    step = _step(tx)
+    run = _sparse(step, params, state, _batch(rng))
+    for _ in range(3):
+      batch = _batch(rng)
+      dense = jax.jit(step)(*dense, batch)
+      sparse = jax.jit(run)(*sparse, batch)
+    # Per step, each entry is a sum of at most B * T + 2 terms (the table
+    # row, the gathered examples' terms, the scale) in another order, each
+    # of magnitude below 10 here; 3 steps.
+    atol = 3 * 2 * (B * T + 2) * U64 * 10
+    for a, b in zip(jax.tree.leaves(dense), jax.tree.leaves(sparse)):
+      np.testing.assert_allclose(b, a, rtol=0, atol=atol)
+
+
+def _shaped(jaxpr, shape):
+  return [e for e in _eqns(jaxpr) if any(tuple(v.aval.shape) == shape for v in e.outvars)]
+
+
+def _eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from _eqns(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _eqns(sub)
+
+
+def test_an_sgd_step_adds_into_the_table_where_it_gathered():
+  rng = np.random.default_rng(1)
+  params, tx = _params(rng), optax.sgd(0.1)
+  run = _sparse(_step(tx), params, tx.init(params), _batch(rng))
+  jaxpr = jax.make_jaxpr(run)(params, tx.init(params), _batch(rng)).jaxpr
+  table = _shaped(jaxpr, (V, C))
+  # The table's only computation: one scatter-add into the table itself.
+  assert [e.primitive for e in table] == [jax.lax.scatter_add_p]
+  assert table[0].invars[0] is jaxpr.invars[0]
+  # The dense evaluation scales and adds a whole [V, C] gradient.
+  dense = jax.make_jaxpr(_step(tx))(params, tx.init(params), _batch(rng)).jaxpr
+  assert {e.primitive.name for e in _shaped(dense, (V, C))} >= {'mul', 'add'}
+
+
+def test_derivatives_through_sparse_steps_match_finite_differences():
+  rng = np.random.default_rng(2)
+  with jax.enable_x64(True):
+    params, tx = _params(rng), optax.sgd(0.3)
+    batches = [_batch(rng) for _ in range(2)]
+    run = _sparse(_step(tx), params, tx.init(params), batches[0])
+
+    def trained(w):
+      p, s = (w, params[1]), tx.init(params)
+      for batch in batches:
+        p, s = run(p, s, batch)
+      return jnp.sum(p[0] ** 2) + jnp.sum(jnp.sin(p[1]))
+
+    check_grads(trained, (params[0],), order=2, modes=('fwd', 'rev'))
+
+
+def _population(rng, sizes):
+  n = sum(sizes)
+  tokens = rng.integers(0, V, (n, T)).astype(np.int32)
+  y = (rng.random((n, C)) < 0.3).astype(np.float64)
+  return datasets.from_arrays({'tokens': tokens, 'y': y},
+                              groups=np.repeat(np.arange(len(sizes)), sizes))
+
+
+def test_a_sequential_round_updates_the_table_in_the_loop_and_equals_vmap():
+  """One client at a time (a while loop over its steps, the sparse update)
+  and all at once (vmap: the tree of steps, dense updates) give one round."""
+  rng = np.random.default_rng(3)
+  sizes = [9, 2, 14, 5]
+  with jax.enable_x64(True):
+    cohort = jax.tree.map(jnp.asarray, datasets.make_cohort(
+        _population(rng, sizes), np.arange(len(sizes)), B, shuffle_seed=None))
+    params = _params(rng)
+    rounds = {}
+    for strategy in ('sequential', 'vmap'):
+      algo = algos.fedavg(bag_loss, client_optimizer=optax.sgd(0.5),
+                          client_evaluation=False).compile(map_strategy=strategy,
+                                                           donate=False)
+      state = algo.init(params)
+      rounds[strategy] = algo.round(state, cohort, jax.random.key(0))[0].params
+      if strategy == 'sequential':
+        jaxpr = jax.make_jaxpr(algo.round)(state, cohort, jax.random.key(0)).jaxpr
+    # Local steps: per entry a sum of at most B * T + 2 terms of magnitude
+    # below 10, over at most 4 steps, then a weighted mean of 4 clients.
+    atol = 2 * (4 * (B * T + 2) + 4) * U64 * 10
+    for a, b in zip(jax.tree.leaves(rounds['vmap']), jax.tree.leaves(rounds['sequential'])):
+      np.testing.assert_allclose(b, a, rtol=0, atol=atol)
+  # Some while loop (a client's steps) adds into the table and never
+  # scales a whole [V, C] gradient.
+  loops = [e for e in _eqns(jaxpr) if e.primitive.name == 'while']
+  inner = [_shaped(e.params['body_jaxpr'].jaxpr, (V, C)) for e in loops]
+  assert any(jax.lax.scatter_add_p in [e.primitive for e in table] and
+             'mul' not in [e.primitive.name for e in table] for table in inner)
