@@ -127,37 +127,45 @@ def test_derivatives_through_sparse_steps_match_finite_differences():
     check_grads(trained, (params[0],), order=2, modes=('fwd', 'rev'))
 
 
-def _population(rng, sizes):
+def _cohort(rng, sizes):
+  """A cohort of the given client sizes (float64 labels), in data order."""
   n = sum(sizes)
   tokens = rng.integers(0, V, (n, T)).astype(np.int32)
   y = (rng.random((n, C)) < 0.3).astype(np.float64)
-  return datasets.from_arrays({'tokens': tokens, 'y': y},
-                              groups=np.repeat(np.arange(len(sizes)), sizes))
+  population = datasets.from_arrays({'tokens': tokens, 'y': y},
+                                    groups=np.repeat(np.arange(len(sizes)), sizes))
+  return jax.tree.map(jnp.asarray, datasets.make_cohort(
+      population, np.arange(len(sizes)), B, shuffle_seed=None))
+
+
+def _fedavg(strategy):
+  return algos.fedavg(bag_loss, client_optimizer=optax.sgd(0.5),
+                      client_evaluation=False).compile(map_strategy=strategy,
+                                                       donate=False)
+
+
+def _assert_same_round(got, want, clients):
+  """Local steps: per entry a sum of at most B * T + 2 terms of magnitude
+  below 10, over at most 4 steps, then a weighted mean of the clients."""
+  atol = 2 * (4 * (B * T + 2) + clients) * U64 * 10
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_allclose(b, a, rtol=0, atol=atol)
 
 
 def test_a_sequential_round_updates_the_table_in_the_loop_and_equals_vmap():
   """One client at a time (a while loop over its steps, the sparse update)
   and all at once (vmap: the tree of steps, dense updates) give one round."""
   rng = np.random.default_rng(3)
-  sizes = [9, 2, 14, 5]
   with jax.enable_x64(True):
-    cohort = jax.tree.map(jnp.asarray, datasets.make_cohort(
-        _population(rng, sizes), np.arange(len(sizes)), B, shuffle_seed=None))
-    params = _params(rng)
+    cohort, params = _cohort(rng, [9, 2, 14, 5]), _params(rng)
     rounds = {}
     for strategy in ('sequential', 'vmap'):
-      algo = algos.fedavg(bag_loss, client_optimizer=optax.sgd(0.5),
-                          client_evaluation=False).compile(map_strategy=strategy,
-                                                           donate=False)
+      algo = _fedavg(strategy)
       state = algo.init(params)
       rounds[strategy] = algo.round(state, cohort, jax.random.key(0))[0].params
-      if strategy == 'sequential':
-        jaxpr = jax.make_jaxpr(algo.round)(state, cohort, jax.random.key(0)).jaxpr
-    # Local steps: per entry a sum of at most B * T + 2 terms of magnitude
-    # below 10, over at most 4 steps, then a weighted mean of 4 clients.
-    atol = 2 * (4 * (B * T + 2) + 4) * U64 * 10
-    for a, b in zip(jax.tree.leaves(rounds['vmap']), jax.tree.leaves(rounds['sequential'])):
-      np.testing.assert_allclose(b, a, rtol=0, atol=atol)
+    jaxpr = jax.make_jaxpr(_fedavg('sequential').round)(
+        state, cohort, jax.random.key(0)).jaxpr
+    _assert_same_round(rounds['sequential'], rounds['vmap'], 4)
   # Some while loop (a client's steps) adds into the table and never
   # scales a whole [V, C] gradient.
   loops = [e for e in _eqns(jaxpr) if e.primitive.name == 'while']
@@ -172,28 +180,17 @@ def test_a_round_split_over_cpu_devices_equals_the_round_on_one():
   inside) equal the vmapped round without a mesh."""
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   rng = np.random.default_rng(4)
-  sizes = [9, 2, 14, 5, 1, 7, 12, 3, 4, 8, 6, 1, 10, 2, 5, 11]
   with jax.enable_x64(True):
-    cohort = jax.tree.map(jnp.asarray, datasets.make_cohort(
-        _population(rng, sizes), np.arange(len(sizes)), B, shuffle_seed=None))
+    cohort = _cohort(rng, [9, 2, 14, 5, 1, 7, 12, 3, 4, 8, 6, 1, 10, 2, 5, 11])
     params = _params(rng)
-    rounds = {}
-    for strategy in ('sequential', 'vmap'):
-      algo = algos.fedavg(bag_loss, client_optimizer=optax.sgd(0.5),
-                          client_evaluation=False).compile(map_strategy=strategy,
-                                                           donate=False)
-      state = algo.init(params)
-      if strategy == 'vmap':
-        rounds[strategy] = algo.round(state, cohort, jax.random.key(0))[0].params
-        continue
-      mesh = jax.make_mesh((8,), ('clients',), axis_types=(AxisType.Auto,))
-      with jax.set_mesh(mesh):
-        placed = jax.device_put(cohort, NamedSharding(mesh, P('clients')))
-        rounds[strategy] = algo.round(state, placed, jax.random.key(0))[0].params
-    # As above, with a weighted mean of 16 clients.
-    atol = 2 * (4 * (B * T + 2) + 16) * U64 * 10
-    for a, b in zip(jax.tree.leaves(rounds['vmap']), jax.tree.leaves(rounds['sequential'])):
-      np.testing.assert_allclose(b, a, rtol=0, atol=atol)
+    vmapped = _fedavg('vmap')
+    want = vmapped.round(vmapped.init(params), cohort, jax.random.key(0))[0].params
+    algo = _fedavg('sequential')
+    mesh = jax.make_mesh((8,), ('clients',), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+      placed = jax.device_put(cohort, NamedSharding(mesh, P('clients')))
+      got = algo.round(algo.init(params), placed, jax.random.key(0))[0].params
+    _assert_same_round(got, want, 16)
 
 
 def test_a_sequential_round_differentiates_as_the_vmapped_one():
@@ -201,16 +198,11 @@ def test_a_sequential_round_differentiates_as_the_vmapped_one():
   (the derivative rule traces the same rewritten steps) equals reverse mode
   through the vmapped round, and finite differences."""
   rng = np.random.default_rng(5)
-  sizes = [6, 2, 9]
   with jax.enable_x64(True):
-    cohort = jax.tree.map(jnp.asarray, datasets.make_cohort(
-        _population(rng, sizes), np.arange(len(sizes)), B, shuffle_seed=None))
-    params = _params(rng)
+    cohort, params = _cohort(rng, [6, 2, 9]), _params(rng)
     grads = {}
     for strategy in ('sequential', 'vmap'):
-      algo = algos.fedavg(bag_loss, client_optimizer=optax.sgd(0.5),
-                          client_evaluation=False).compile(map_strategy=strategy,
-                                                           donate=False)
+      algo = _fedavg(strategy)
 
       def objective(w, algo=algo):
         new = algo.round(algo.init((w, params[1])), cohort, jax.random.key(0))[0]
