@@ -8,6 +8,7 @@ padding. On 28x28x1 inputs it has 1,206,590 parameters
 The convolutions run as patch matrix products by default
 (:func:`fedjx.models.conv.patch_conv`), which is what makes a vmapped cohort
 of per-client CNNs fast; ``conv='xla'`` uses XLA's convolution instead.
+The pooling is a reshape and a max (:func:`fedjx.models.pool.max_pool`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 
 from fedjx.models import conv as conv_lib
 from fedjx.models import losses
+from fedjx.models import pool
 
 
 def as_images(x: jax.Array) -> jax.Array:
@@ -48,7 +50,7 @@ class EmnistCNN(nn.Module):
                         name='conv1')(x))
     x = nn.relu(nn.Conv(64, (3, 3), padding='VALID', conv_general_dilated=conv,
                         name='conv2')(x))
-    x = nn.max_pool(x, (2, 2), strides=(2, 2))
+    x = pool.max_pool(x, (2, 2), strides=(2, 2))
     if self.dropout:
       x = nn.Dropout(0.25, deterministic=not train)(x)
     x = x.reshape((x.shape[0], -1))
