@@ -125,7 +125,7 @@ def report(framework: str, version: str, setup: str, clock: Clock,
   print(json.dumps(record), flush=True)
 
 
-def parse_args(description: str):
+def parse_args(description: str, extra=None):
   import argparse
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument('--setup', default='equal', choices=SETUPS)
@@ -135,4 +135,6 @@ def parse_args(description: str):
                       help="the JAX rounds' convolution: fedjx.models' patches "
                            "(its default) or lax.conv_general_dilated, which "
                            'XLA:CPU runs several times slower inside a loop')
+  if extra is not None:
+    extra(parser)
   return parser.parse_args()

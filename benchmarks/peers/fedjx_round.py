@@ -1,7 +1,11 @@
 """fedjx's FedAvg round (``fedjx.algorithms.fedavg``, ``map_strategy='auto'``,
 ``client_evaluation=False``) on the peer setup; cohorts from
 ``make_cohort(..., bucket=False)``, so each client is padded only to the
-largest client's step count and padded steps are skipped. Rounds run as
+largest client's step count and padded steps are skipped. The population
+is placed as ``fedjx-run``'s ``config.data_placement`` places it
+(``--data_placement``, default ``'auto'``: held once on the device where it
+fits ``fedjx.datasets.device_data.AUTO_MAX_BYTES``, each round's cohort an
+index into it; ``'host'`` builds each round's padded arrays on the host). Rounds run as
 ``fedjx-run`` runs them under ``config.nonfinite='skip'``: unguarded, with
 the in-program finiteness flag of ``guarded_rounds.checking_finiteness``.
 
@@ -27,7 +31,9 @@ import jax_cnn
 
 
 def main():
-  args = common.parse_args(__doc__.split('\n')[0])
+  args = common.parse_args(__doc__.split('\n')[0], lambda p: p.add_argument(
+      '--data_placement', default='auto', choices=('auto', 'device', 'host'),
+      help="where the population lives (fedjx-run's config.data_placement)"))
   # As fedjx-run does (config.cpu_devices='auto', config.mesh='auto'): before
   # JAX starts, one CPU device per core; the cohort split over them only for
   # small models (this CNN's 6.5 MB stays on one device).
@@ -48,6 +54,14 @@ def run(args, devices):
   y = np.concatenate([y for _, y in data]).astype(np.int32)
   groups = np.repeat(np.arange(len(data)), [len(y) for _, y in data])
   population = datasets.from_arrays({'x': x, 'y': y}, groups=groups)
+  limit = datasets.device_data.AUTO_MAX_BYTES.get(
+      jax.default_backend(), datasets.device_data.AUTO_MAX_BYTES['gpu'])
+  placement = args.data_placement
+  if placement == 'auto':
+    placement = ('device' if datasets.device_data.population_bytes(population) <= limit
+                 else 'host')
+  if placement == 'device':
+    population = datasets.on_device(population)
   params = jax_cnn.init(jax.random.key(0))
   assert sum(p.size for p in jax.tree.leaves(params)) == common.NUM_PARAMS
   algo = algorithms.fedavg(jax_cnn.loss, client_optimizer=optax.sgd(common.LOCAL_LR),
@@ -66,11 +80,15 @@ def run(args, devices):
     clock.tick()
     if not metrics[guarded_rounds.RESULT_FINITE]:
       raise SystemExit(f'round {r}: the result is not finite')
-  # What map_fn sizes 'auto' by: one client's placed inputs, the broadcast
-  # model included.
-  client_bytes = sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
-                     for a in jax.tree.leaves((cohort.batches, cohort.mask))) + sum(
-                         a.nbytes for a in jax.tree.leaves(params))
+  # What map_fn sizes 'auto' by: one client's inputs (its padded example
+  # slots, gathered or placed, and its mask), the broadcast model included.
+  row = x.nbytes // len(x) + y.nbytes // len(y)
+  slots = int(np.prod(cohort.mask.shape[1:]))
+  client_bytes = slots * (row + 1) + sum(a.nbytes for a in jax.tree.leaves(params))
+  # Staged per round: the cohort's host arrays (an on-device table moved once).
+  batches = (cohort.batches.index if placement == 'device' else cohort.batches)
+  staged = sum(np.asarray(a).nbytes for a in jax.tree.leaves(
+      (batches, cohort.mask, cohort.num_examples, cohort.client_ids)))
   spread = fedjx.mapping.device_blocks('clients', None, len(data))
   blocks = spread is not None
   n = len(data) // devices if blocks else len(data)
@@ -80,7 +98,10 @@ def run(args, devices):
       else f' on one of {devices} CPU devices')
   common.report('fedjx', f'fedjx (jax {jax.__version__})', args.setup, clock,
                 jax_cnn.threads(), conv=args.conv, map_strategy=f'auto -> {picked}',
-                bucket=False, padded_steps=int(cohort.mask.shape[1]),
+                bucket=False, data_placement=placement,
+                host_bytes_staged_per_round=int(staged),
+                staged_over_real=round(staged / (len(y) * row), 4),
+                padded_steps=int(cohort.mask.shape[1]),
                 real_steps=int(np.asarray(jnp.sum(jnp.any(cohort.mask, -1)))))
 
 
