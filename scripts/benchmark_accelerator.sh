@@ -7,12 +7,26 @@
 # important parts run first.
 #
 #   bash scripts/benchmark_accelerator.sh runs/accelerator
+#   bash scripts/benchmark_accelerator.sh runs/accelerator cnn lora
+#
+# The names after the folder pick parts (lm, cross, cnn, lora; all by
+# default). On a TPU each limit is doubled: a freshly started TPU machine
+# spends longer starting and compiling each part's process, so there the
+# parts run in three calls of under 10 minutes each (lm; cross; cnn lora).
 #
 # Needs jax for the accelerator, flax and optax; installs fedjx itself
 # without dependencies if it is not installed (or lays it out by links where
 # pip cannot). Stops in one line where JAX sees no accelerator.
 set -uo pipefail
 out="${1:-runs/accelerator}"
+shift $(($# > 0 ? 1 : 0))
+parts=" ${*:-lm cross cnn lora} "
+for p in $parts; do
+  case "$p" in lm|cross|cnn|lora) ;;
+    *) echo "benchmark_accelerator: part '$p' is not one of lm, cross, cnn, lora." >&2; exit 2 ;;
+  esac
+done
+wanted() { [[ "$parts" == *" $1 "* ]]; }
 mkdir -p "$out"
 importable() {  # from outside the checkout, whose fedjx/ lacks the subpackages
   (cd / && python -c 'import fedjx.experiments, fedjx.algorithms' 2>/dev/null)
@@ -42,15 +56,17 @@ if [ "$backend" != gpu ] && [ "$backend" != tpu ]; then
   exit 2
 fi
 
+scale=1
+[ "$backend" = tpu ] && scale=2
 part() {  # part SECONDS NAME COMMAND...: one part, its output in NAME.log
-  local seconds="$1" name="$2"
+  local seconds=$(($1 * scale)) name="$2"
   shift 2
   echo "== $name: $*"
   timeout "$seconds" "$@" >"$out/$name.log" 2>&1
   echo "   exit $? after ${SECONDS}s in total"
 }
 cross() {  # cross SECONDS SCRIPT SETUP: one cross-device run (benchmarks/peers)
-  local seconds="$1" script="$2" setup="$3"
+  local seconds=$(($1 * scale)) script="$2" setup="$3"
   echo "== cross-device $script $setup"
   (cd benchmarks/peers && timeout "$seconds" python "$script" --setup="$setup" \
     --rounds=4) >>"$out/cross_device.jsonl" 2>>"$out/cross_device.log"
@@ -60,40 +76,56 @@ lm=(python scripts/benchmark_lm.py --out="$out/lm.jsonl" --device=auto --dtype=b
     --seq_len=2048)
 cnn=(--steps=8 --batch=20 --repeats=3)
 
-# Time limits sum to 8.8 minutes: compiling and building the synthetic
-# cohorts takes most of each part's time.
-# 1. Language-model inner steps (AdamW, bfloat16 compute over float32
-#    parameters, sequences of 2048 tokens): tokens/s, MFU against the
-#    device's bfloat16 dense peak, and memory, for the presets that fit one
-#    chip (the larger with every block rematerialized).
-part 60 lm_small "${lm[@]}" --batch=8 --presets=35m,180m
-# 1.3B's float32 weights, gradients and AdamW moments alone take 21 GB: only
-# on a device of more than 40 GB.
 memory="$(python -c 'import jax; print((jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0))' 2>/dev/null)"
-large=550m
-[ "${memory:-0}" -gt 40000000000 ] && large=550m,1.3b
-part 110 lm_large "${lm[@]}" --batch=4 --presets="$large" --remat=full
-# 2. The cross-device regime (2NN, log-normal clients, one epoch of batch 10):
-#    fedjx (population on the device, auto) and the hand-written JAX round, at
-#    1,000 and 10,000 clients.
-cross 35 fedjx_cross_device.py 2nn-1000
-cross 25 handwritten_cross_device.py 2nn-1000
-cross 70 fedjx_cross_device.py 2nn-10000
-cross 50 handwritten_cross_device.py 2nn-10000
-# 3. CNN clients against the same FLOPs as one centralized batch, then in
-#    bfloat16 with float32 master weights: 1024 clients where the device holds
-#    the centralized batch of 163,840 images (over 40 GB), else 128.
-clients=128
-[ "${memory:-0}" -gt 40000000000 ] && clients=1024
-part 80 cnn_f32 python scripts/benchmark.py --out="$out/cnn_f32.jsonl" \
-  --models=cnn --clients="$clients" --strategies=vmap,chunked:64,auto "${cnn[@]}"
-part 40 cnn_bf16 python scripts/benchmark.py --out="$out/cnn_bf16.jsonl" \
-  --models=cnn --clients="$clients" --precision=bfloat16 --strategies=chunked:64 "${cnn[@]}"
-# 4. Federated LoRA at the TinyLlama-1.1B shape (FlowerTune's: 2 clients of
-#    10 AdamW steps, rank 32 on q and v; batch 4 of 512 tokens, bfloat16
-#    compute and base): tokens/s, compile time and peak memory.
-part 60 lora_1.1b python scripts/benchmark_lora.py --shape=tinyllama-1.1b \
-  --dtype=bfloat16 --base_dtype=bfloat16 --seq_len=512 --out="$out/lora_1.1b.jsonl"
+big=false
+[ "${memory:-0}" -gt 40000000000 ] && big=true
+
+# Time limits (before the TPU's doubling) sum to 9.2 minutes: compiling and
+# building the synthetic cohorts takes most of each part's time.
+if wanted lm; then
+  # 1. Language-model inner steps (AdamW, bfloat16 compute over float32
+  #    parameters, sequences of 2048 tokens): tokens/s, MFU against the
+  #    device's bfloat16 dense peak, and memory. Without rematerialization
+  #    at batch 8 the 180M preset asks for 54 GB of temporaries, and 1.3B's
+  #    float32 weights, gradients and AdamW moments alone take 21 GB: on a
+  #    device of 40 GB or less, 180M runs with every block rematerialized
+  #    at batch 4, and 1.3B not at all.
+  if $big; then
+    part 60 lm_small "${lm[@]}" --batch=8 --presets=35m,180m
+    part 110 lm_large "${lm[@]}" --batch=4 --presets=550m,1.3b --remat=full
+  else
+    part 45 lm_small "${lm[@]}" --batch=8 --presets=35m
+    part 125 lm_large "${lm[@]}" --batch=4 --presets=180m,550m --remat=full
+  fi
+fi
+if wanted cross; then
+  # 2. The cross-device regime (2NN, log-normal clients, one epoch of batch
+  #    10): fedjx (population on the device, auto) and the hand-written JAX
+  #    round, at 1,000 and 10,000 clients.
+  cross 35 fedjx_cross_device.py 2nn-1000
+  cross 25 handwritten_cross_device.py 2nn-1000
+  cross 70 fedjx_cross_device.py 2nn-10000
+  cross 60 handwritten_cross_device.py 2nn-10000
+fi
+if wanted cnn; then
+  # 3. CNN clients against the same FLOPs as one centralized batch, then in
+  #    bfloat16 with float32 master weights (under `auto`): 1024 clients
+  #    where the device holds the centralized batch of 163,840 images (over
+  #    40 GB), else 128.
+  clients=128
+  $big && clients=1024
+  part 80 cnn_f32 python scripts/benchmark.py --out="$out/cnn_f32.jsonl" \
+    --models=cnn --clients="$clients" --strategies=vmap,chunked:64,auto "${cnn[@]}"
+  part 40 cnn_bf16 python scripts/benchmark.py --out="$out/cnn_bf16.jsonl" \
+    --models=cnn --clients="$clients" --precision=bfloat16 --strategies=auto "${cnn[@]}"
+fi
+if wanted lora; then
+  # 4. Federated LoRA at the TinyLlama-1.1B shape (FlowerTune's: 2 clients
+  #    of 10 AdamW steps, rank 32 on q and v; batch 4 of 512 tokens,
+  #    bfloat16 compute and base): tokens/s, compile time and peak memory.
+  part 80 lora_1.1b python scripts/benchmark_lora.py --shape=tinyllama-1.1b \
+    --dtype=bfloat16 --base_dtype=bfloat16 --seq_len=512 --out="$out/lora_1.1b.jsonl"
+fi
 # Measured on one H200 on 2026-12-04 and not in the limits above: 100,000
 # clients streamed (`python scripts/benchmark.py --streaming=256 --models=cnn
 # --clients=100000 --steps=8 --batch=20`), XLA's memory plan at 10,000
