@@ -89,6 +89,14 @@ def population_bytes(dataset: FederatedDataset) -> int:
   return int(row * int(np.sum(dataset.examples_per_client())))
 
 
+def fits_on_device(dataset: FederatedDataset) -> bool:
+  """Whether ``config.data_placement='auto'`` would hold ``dataset`` on the
+  device: its :func:`population_bytes` within :data:`AUTO_MAX_BYTES` for the
+  default backend (a backend not listed takes the GPU's)."""
+  limit = AUTO_MAX_BYTES.get(jax.default_backend(), AUTO_MAX_BYTES['gpu'])
+  return population_bytes(dataset) <= limit
+
+
 def on_device(dataset: FederatedDataset, mesh: jax.sharding.Mesh | None = None,
               progress: bool = False) -> DeviceDataset:
   """``dataset``'s examples on the device once: a :class:`DeviceDataset`.
@@ -150,4 +158,4 @@ def _active(mesh: Any) -> Any:
   return mesh
 
 
-__all__ = ['AUTO_MAX_BYTES', 'DeviceDataset', 'on_device', 'population_bytes']
+__all__ = ['AUTO_MAX_BYTES', 'DeviceDataset', 'fits_on_device', 'on_device', 'population_bytes']

@@ -324,9 +324,7 @@ def data_on_device(config: ml_collections.ConfigDict, train: Any,
           'not streamed, without config.systems or an asynchronous schedule '
           "(their cohorts are built on the host); use 'auto' or 'host'.")
     return True
-  limit = datasets.device_data.AUTO_MAX_BYTES.get(
-      jax.default_backend(), datasets.device_data.AUTO_MAX_BYTES['gpu'])
-  return simple and datasets.device_data.population_bytes(train) <= limit
+  return simple and datasets.device_data.fits_on_device(train)
 
 
 def _check_sampling(config: ml_collections.ConfigDict, plan: Any, sampler: Any,

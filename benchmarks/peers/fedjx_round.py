@@ -4,10 +4,11 @@
 largest client's step count and padded steps are skipped. The population
 is placed as ``fedjx-run``'s ``config.data_placement`` places it
 (``--data_placement``, default ``'auto'``: held once on the device where it
-fits ``fedjx.datasets.device_data.AUTO_MAX_BYTES``, each round's cohort an
-index into it; ``'host'`` builds each round's padded arrays on the host). Rounds run as
-``fedjx-run`` runs them under ``config.nonfinite='skip'``: unguarded, with
-the in-program finiteness flag of ``guarded_rounds.checking_finiteness``.
+fits, ``fedjx.datasets.device_data.fits_on_device``, each round's cohort an
+index into it; ``'host'`` builds each round's padded arrays on the host).
+Rounds run as ``fedjx-run`` runs them under ``config.nonfinite='skip'``:
+unguarded, with the in-program finiteness flag of
+``guarded_rounds.checking_finiteness``.
 
   python fedjx_round.py --setup=equal --rounds=4
 """
@@ -54,12 +55,9 @@ def run(args, devices):
   y = np.concatenate([y for _, y in data]).astype(np.int32)
   groups = np.repeat(np.arange(len(data)), [len(y) for _, y in data])
   population = datasets.from_arrays({'x': x, 'y': y}, groups=groups)
-  limit = datasets.device_data.AUTO_MAX_BYTES.get(
-      jax.default_backend(), datasets.device_data.AUTO_MAX_BYTES['gpu'])
   placement = args.data_placement
   if placement == 'auto':
-    placement = ('device' if datasets.device_data.population_bytes(population) <= limit
-                 else 'host')
+    placement = 'device' if datasets.device_data.fits_on_device(population) else 'host'
   if placement == 'device':
     population = datasets.on_device(population)
   params = jax_cnn.init(jax.random.key(0))
