@@ -300,20 +300,22 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
   grad_fn = jax.grad(_masked_mean_and_sums, argnums=1, has_aux=True)
 
   def real_step(carry, batch, m, is_real):
-    params, opt_state = carry
+    # The running sums ride in the carry rather than as per-step outputs: a
+    # step then writes no [S] slot, which a loop of many tiny steps feels.
+    params, opt_state, sums = carry
     grads, (total, count) = grad_fn(loss_fn, params, batch, m)
     updates, new_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    sums = {'loss': jnp.where(is_real, total, 0.0).astype(jnp.float32),
-            'count': jnp.where(is_real, count, 0.0).astype(jnp.float32)}
+    new_sums = {'loss': sums['loss'] + jnp.where(is_real, total, 0.0).astype(jnp.float32),
+                'count': sums['count'] + jnp.where(is_real, count, 0.0).astype(jnp.float32)}
     cast = lambda new, old: new.astype(jnp.result_type(old))
     if not fedjx.mapping.members_together():
       # This branch runs only for a real step of this client: nothing to mask.
       return (jax.tree.map(cast, new_params, params),
-              jax.tree.map(cast, new_state, opt_state)), sums
+              jax.tree.map(cast, new_state, opt_state), new_sums), None
     keep = lambda new, old: cast(jnp.where(is_real, new, old), old)
     return (jax.tree.map(keep, new_params, params),
-            jax.tree.map(keep, new_state, opt_state)), sums
+            jax.tree.map(keep, new_state, opt_state), new_sums), None
 
   def step(carry, x, is_real):
     # A step that is padding for every client run with this one is never
@@ -321,20 +323,21 @@ def train(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     # state (jnp.where in real_step).
     return real_step(carry, *x, is_real)
 
-  carry = tie_to((params, opt_state), mask)
+  zeros = {'loss': jnp.zeros((), jnp.float32), 'count': jnp.zeros((), jnp.float32)}
+  carry = tie_to((params, opt_state, zeros), mask)
   if schedule.steps is None:  # Epochs: scan over the steps as they are.
     active = jnp.any(mask, axis=-1)
     epoch = lambda c, _: scan_steps(step, c, (batches, mask), active)
-    carry, per_step = jax.lax.scan(epoch, carry, None, length=schedule.epochs)
+    carry, _ = jax.lax.scan(epoch, carry, None, length=schedule.epochs)
     num_steps = schedule.epochs * jnp.sum(active, dtype=jnp.int32)
   else:  # A fixed number of steps: gather each step's batch.
     index, active = step_schedule(mask, schedule)
     take = lambda i: fedjx.indexed.take((batches, mask), i)
     indexed_step = lambda carry, i, is_real: step(carry, take(i), is_real)
-    carry, per_step = scan_steps(indexed_step, carry, index, active)
+    carry, _ = scan_steps(indexed_step, carry, index, active)
     num_steps = jnp.sum(active, dtype=jnp.int32)
-  params, opt_state = carry
-  return params, opt_state, num_steps, jax.tree.map(jnp.sum, per_step)
+  params, opt_state, sums = carry
+  return params, opt_state, num_steps, sums
 
 
 def evaluate(loss_fn: LossFn, metrics_fn: MetricsFn | None, params: Params,
