@@ -43,6 +43,7 @@ import optax
 
 import fedjx
 import fedjx.indexed
+from fedjx import constant_hoisting
 from fedjx import options
 
 Params = Any
@@ -657,8 +658,8 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
     run.__name__ = f'{name}_run_rounds'
     donated = (0,) if donate else ()
     return Algorithm(init=init_state,
-                     round=jax.jit(apply, donate_argnums=donated),
-                     run_rounds=jax.jit(run, donate_argnums=donated),
+                     round=constant_hoisting.jit(apply, donate_argnums=donated),
+                     run_rounds=constant_hoisting.jit(run, donate_argnums=donated),
                      apply=apply, compiler=compiler,
                      client_state_init=client_state_init,
                      unprivatized=unprivatized, indexed_batches=indexed_batches)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjx import constant_hoisting
 from fedjx.algorithms import kit
 from fedjx.algorithms import diloco_lib
 
@@ -114,8 +115,8 @@ def with_inner_grad_norm(algorithm: kit.Algorithm) -> kit.Algorithm:
 
     donated = (0,) if donate else ()
     return inner._replace(
-        round=jax.jit(apply, donate_argnums=donated),
-        run_rounds=jax.jit(run, donate_argnums=donated), apply=apply,
+        round=constant_hoisting.jit(apply, donate_argnums=donated),
+        run_rounds=constant_hoisting.jit(run, donate_argnums=donated), apply=apply,
         compiler=lambda s, c, d: wrap(inner.compiler(s, c, d), d))
 
   return wrap(algorithm, True)

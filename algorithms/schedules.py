@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjx import constant_hoisting
 from fedjx.algorithms import base
 
 Schedule = Callable[[jax.Array], jax.Array]
@@ -172,8 +173,8 @@ def scheduled(algorithm: base.Algorithm, hparam_schedules: Mapping[str, Any], *,
 
     donated = (0,) if donate else ()
     return inner._replace(
-        init=init, round=jax.jit(apply, donate_argnums=donated),
-        run_rounds=jax.jit(run, donate_argnums=donated), apply=apply,
+        init=init, round=constant_hoisting.jit(apply, donate_argnums=donated),
+        run_rounds=constant_hoisting.jit(run, donate_argnums=donated), apply=apply,
         compiler=lambda s, c, d: wrap(inner.compiler(s, c, d), d))
 
   return wrap(algorithm, True)

@@ -53,6 +53,7 @@ from jax.flatten_util import ravel_pytree
 
 import fedjx
 import fedjx.indexed
+from fedjx import constant_hoisting
 from fedjx.algorithms import base
 from fedjx.algorithms.fedavg_lib import fedavg as fedavg_builder
 from fedjx.algorithms import hypergradients
@@ -245,8 +246,8 @@ def hypergradient_tuner(algo: base.Algorithm, loss_fn: base.LossFn, *,
     run.__name__ = f'{name}_run_rounds'
     donated = (0,) if donate else ()
     # ``algo`` with its rounds replaced: every trait kept (base.TRAITS).
-    return algo._replace(init=init, round=jax.jit(apply, donate_argnums=donated),
-                         run_rounds=jax.jit(run, donate_argnums=donated),
+    return algo._replace(init=init, round=constant_hoisting.jit(apply, donate_argnums=donated),
+                         run_rounds=constant_hoisting.jit(run, donate_argnums=donated),
                          apply=apply,
                          compiler=None if algo.compiler is None else compiler)
 

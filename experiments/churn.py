@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjx import constant_hoisting
 from fedjx.algorithms.base import scan_rounds
 from fedjx.experiments import network as network_lib
 
@@ -327,10 +328,10 @@ def with_schedule(algorithm: Any, schedule: ChurnSchedule, tokens_per_round: flo
 
   apply.__name__ = getattr(inner, '__name__', 'round')
   return algorithm._replace(
-      apply=apply, round=jax.jit(apply, donate_argnums=(0,)),
-      run_rounds=jax.jit(lambda state, cohorts, keys: scan_rounds(apply, state, cohorts,
-                                                                  keys),
-                         donate_argnums=(0,)),
+      apply=apply, round=constant_hoisting.jit(apply, donate_argnums=(0,)),
+      run_rounds=constant_hoisting.jit(
+          lambda state, cohorts, keys: scan_rounds(apply, state, cohorts, keys),
+          donate_argnums=(0,)),
       compiler=None)
 
 

@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fedjx import constant_hoisting
 from fedjx.algorithms import nonfinite
 
 # The metrics that checking_finiteness adds and the runner takes out before
@@ -91,7 +92,7 @@ def checking_finiteness(algorithm: Any, whole: bool = False) -> Any:
             *rows)
 
   apply.__name__ = getattr(algorithm.apply, '__name__', 'round')
-  return algorithm._replace(apply=apply, round=jax.jit(apply, donate_argnums=(0,)))
+  return algorithm._replace(apply=apply, round=constant_hoisting.jit(apply, donate_argnums=(0,)))
 
 
 def runs_unguarded(guarded: Any, updates_reach_params: bool) -> bool:

@@ -91,7 +91,7 @@ def _is_zero_literal(v: Any) -> bool:
           np.asarray(v.val) == 0)
 
 
-def _places_nothing(params: dict) -> bool:
+def places_nothing(params: dict) -> bool:
   """A ``jit`` call that inlining leaves unchanged."""
   shardings = (*params.get('in_shardings', ()), *params.get('out_shardings', ()))
   layouts = (*params.get('in_layouts', ()), *params.get('out_layouts', ()))
@@ -142,7 +142,7 @@ def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     ins = [read(v) for v in eqn.invars]
     with eqn.ctx.manager:
       outs = _rewrite(eqn, ins)
-      if outs is None and eqn.primitive is p.jit_p and _places_nothing(eqn.params):
+      if outs is None and eqn.primitive is p.jit_p and places_nothing(eqn.params):
         inner = eqn.params['jaxpr']
         outs = _eval(inner.jaxpr, inner.consts, ins)
       if outs is None:

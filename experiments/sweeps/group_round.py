@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from fedjx import constant_hoisting
 from fedjx import datasets
 from fedjx.experiments import experiment as experiment_lib
 from fedjx.experiments import guarded_rounds
@@ -90,7 +91,7 @@ def make_sweep_round(algorithm: Any, policy: str = 'skip'
     keep = alive & jnp.logical_not(stop)
     return _select(keep, new, states), metrics, keep
 
-  return jax.jit(sweep_round, donate_argnums=0)
+  return constant_hoisting.jit(sweep_round, donate_argnums=(0,))
 
 
 def stacked_cohort(exps: Sequence[experiment_lib.Experiment], config: ml_collections.ConfigDict,
