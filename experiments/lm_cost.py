@@ -25,7 +25,7 @@ gradient, then AdamW (``b2 = 0.99``, weight decay 0.1, as in Charles et al.
 2025's inner optimizer), vmapped over replicas with
 ``spmd_axis_name='clients'``. Each replica's parameters and optimizer state
 are sharded on ``'fsdp'`` along their largest axis that ``F`` divides
-(:func:`fsdp_spec`), and stacked over replicas on ``'clients'``; tokens are
+(:func:`fedjx.sharding.fsdp_spec`), and stacked over replicas on ``'clients'``; tokens are
 split over both. With ``T > 1`` the layout is instead
 :func:`fedjx.sharding.llama_param_specs`: tensor parallelism (Shoeybi et al.
 2019, "Megatron-LM", arXiv 1909.08053) on ``'tensor'`` (attention heads, MLP
@@ -111,22 +111,12 @@ def device_memory(device: str) -> float:
   return DEVICE_MEMORY[device]
 
 
-def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> tuple:
-  """The ``'fsdp'`` axis on the largest axis of ``shape`` that ``fsdp`` divides (else none)."""
-  if fsdp == 1:
-    return (None,) * len(shape)
-  axes = [i for i, n in enumerate(shape) if n % fsdp == 0]
-  if not axes:
-    return (None,) * len(shape)
-  best = max(axes, key=lambda i: (shape[i], -i))
-  return tuple('fsdp' if i == best else None for i in range(len(shape)))
-
-
 def replica_specs(tree: Any, fsdp: int, tensor: int = 1) -> Any:
-  """One replica's ``PartitionSpec`` per leaf: :func:`fsdp_spec` if ``tensor == 1``,
-  else :func:`fedjx.sharding.llama_param_specs`."""
+  """One replica's ``PartitionSpec`` per leaf: :func:`fedjx.sharding.fsdp_spec`
+  (every leaf, however small) if ``tensor == 1``, else
+  :func:`fedjx.sharding.llama_param_specs`."""
   if tensor == 1:
-    return jax.tree.map(lambda s: P(*fsdp_spec(tuple(s.shape), fsdp)), tree)
+    return jax.tree.map(lambda s: sharding.fsdp_spec(s.shape, fsdp, min_size=1), tree)
   return sharding.llama_param_specs(tree, fsdp, tensor)
 
 

@@ -14,7 +14,9 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from fedjx.experiments import lm_cost
 from fedjx.experiments import plan_cli
@@ -50,10 +52,14 @@ def test_a_mesh_larger_than_the_devices_and_an_unknown_device_are_refused(capsys
     lm_cost.device_memory('b200')
 
 
-def test_fsdp_shards_the_largest_axis_it_divides():
-  assert lm_cost.fsdp_spec((24, 2048, 5888), 2) == (None, None, 'fsdp')
-  assert lm_cost.fsdp_spec((5, 128), 3) == (None, None)
-  assert lm_cost.fsdp_spec((7, 7), 1) == (None, None)
+def test_fsdp_shards_the_largest_axis_it_divides_however_small():
+  tree = {'w': jax.ShapeDtypeStruct((24, 2048, 5888), jnp.float32),
+          'b': jax.ShapeDtypeStruct((6,), jnp.float32),
+          'odd': jax.ShapeDtypeStruct((5, 128), jnp.float32)}
+  assert lm_cost.replica_specs(tree, 2) == {'w': P(None, None, 'fsdp'), 'b': P('fsdp'),
+                                            'odd': P(None, 'fsdp')}
+  assert lm_cost.replica_specs(tree, 3)['odd'] == P(None, None)
+  assert lm_cost.replica_specs(tree, 1)['w'] == P(None, None, None)
 
 
 @pytest.mark.slow
