@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 class IndexedBatches(NamedTuple):
@@ -52,8 +53,15 @@ class IndexedBatches(NamedTuple):
     """``{k: table[k][index]}``: the examples at ``index`` (any shape);
     zeros where ``index`` is outside ``[0, N)`` (a cohort's padding slots
     hold ``N``: zeros, as a host cohort pads)."""
-    return {k: jnp.take(v, index, axis=0, mode='fill', fill_value=0)
-            for k, v in self.table.items()}
+    index = jnp.asarray(index)
+    spec = _explicit_spec(index)
+    if spec is None:
+      return {k: jnp.take(v, index, axis=0, mode='fill', fill_value=0)
+              for k, v in self.table.items()}
+    # Under an Explicit mesh the rows are laid out as the index is (a
+    # cohort's clients on their axis), each example's features whole.
+    return {k: v.at[index].get(mode='fill', fill_value=0, out_sharding=P(
+        *spec, *([None] * (jnp.ndim(v) - 1)))) for k, v in self.table.items()}
 
   def dense(self) -> dict[str, jax.Array]:
     """The batches as arrays, ``[*index.shape, ...]`` per feature."""
@@ -63,6 +71,16 @@ class IndexedBatches(NamedTuple):
     """Shape and dtype of one example of each feature."""
     return {k: jax.ShapeDtypeStruct(jnp.shape(v)[1:], jnp.result_type(v))
             for k, v in self.table.items()}
+
+
+def _explicit_spec(index: jax.Array) -> tuple[Any, ...] | None:
+  """The ``PartitionSpec`` entries of ``index`` where it is typed by a mesh
+  with Explicit axes, else None."""
+  sharding = getattr(jax.typeof(index), 'sharding', None)
+  mesh = getattr(sharding, 'mesh', None)
+  if jax.sharding.AxisType.Explicit not in getattr(mesh, 'axis_types', ()):
+    return None
+  return tuple(sharding.spec) + (None,) * (jnp.ndim(index) - len(sharding.spec))
 
 
 def is_indexed(x: Any) -> bool:

@@ -174,6 +174,27 @@ def test_fedavg_on_device_equals_host_and_differentiates(strategy, evaluation):
   np.testing.assert_allclose(g_dev, g_host, rtol=RTOL, atol=RTOL * abs(float(g_host)))
 
 
+@pytest.mark.parametrize('strategy,chunk', [('sequential', None), ('chunked', 2),
+                                            ('vmap', None)])
+@pytest.mark.parametrize('axis_types', ['auto', 'explicit'])
+def test_fedavg_on_device_on_a_clients_mesh(strategy, chunk, axis_types):
+  # The cohort's index sharded over 8 devices; the table whole on each.
+  loss = lambda p, b: 0.5 * (b['x'] @ p['w'] + p['b'] - b['y']) ** 2
+  algo = algos.fedavg(loss, client_optimizer=optax.sgd(0.05)).compile(
+      map_strategy=strategy, chunk_size=chunk, donate=False)
+  host = _population()
+  ids = np.arange(len(SIZES))
+  params = {'w': jnp.zeros(DIM), 'b': jnp.zeros(())}
+  want = algo.round(algo.init(params), datasets.make_cohort(host, ids, B),
+                    jax.random.key(0))
+  mesh = fedjx.distributed.make_mesh({'clients': -1}, axis_types=axis_types)
+  with jax.set_mesh(mesh):
+    resident = datasets.on_device(host)
+    cohort = datasets.place_cohort(datasets.make_cohort(resident, ids, B))
+    got = algo.round(algo.init(params), cohort, jax.random.key(0))
+  _assert_close(got, want)
+
+
 def test_other_algorithms_gather_the_cohort_first():
   """An algorithm that does not declare indexed_batches (HypCluster reads
   the cohort's batches outside map_fn) gets them gathered on the device:
