@@ -68,8 +68,10 @@ class Algorithm(NamedTuple):
   Attributes:
     init: ``init(params) -> state``; the state is a NamedTuple with
       ``params`` (the server model) and ``hparams`` (traced hyperparameters).
-    round: ``round(state, cohort, key) -> (state, metrics)``, jit-compiled,
-      donating ``state``; ``metrics`` is a flat dict of scalars.
+    round: ``round(state, cohort, key) -> (state, metrics)``, jit-compiled
+      with the arrays it closes over as arguments
+      (:func:`fedjx.constant_hoisting.jit`), donating ``state``; ``metrics``
+      is a flat dict of scalars.
     run_rounds: ``run_rounds(state, cohorts, keys) -> (state, metrics)``: one
       round per entry of the leading axis of ``cohorts`` (every leaf stacked
       ``[R, C, ...]``) and ``keys`` (``[R]`` keys), in one compiled
