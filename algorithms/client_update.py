@@ -170,7 +170,7 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
 
   def converted(c, x, a, consts):
     # A gathered table's SGD update touches only the rows gathered.
-    out = fedjx.sparse_updates.eval_jaxpr(closed.jaxpr, consts,
+    out = fedjx.fused_updates.eval_jaxpr(closed.jaxpr, consts,
                                           *jax.tree.leaves((c, x, a)))
     return jax.tree.unflatten(out_tree, out)
 

@@ -25,9 +25,11 @@ Modules: ``fedjx.interpreters`` (the MapReduce plan of a program and what
 runs it: ``plan``, ``beam`` for Apache Beam, ``export`` for exported
 computations; also reachable as ``fedjx.plan``, ``fedjx.beam`` and
 ``fedjx.export``), ``fedjx.streaming``, ``fedjx.sharding``,
-``fedjx.distributed``, ``fedjx.sparse_updates`` (a gathered table's SGD
-step on the gathered rows only), ``fedjx.client_store`` (:class:`ClientStore`, per-client
-state kept on the host, docs/client_state.md).
+``fedjx.distributed``, ``fedjx.fused_updates`` (an SGD step added into
+its parameter: a gathered table's on the gathered rows only, a large dense
+layer's by row blocks on a CPU), ``fedjx.client_store``
+(:class:`ClientStore`, per-client state kept on the host,
+docs/client_state.md).
 """
 
 from fedjx import _lazy
@@ -56,7 +58,7 @@ _NAMES = {
 MODULES = ('api', 'beam', 'client_store', 'distributed', 'execution', 'export',
            'frames', 'fusion', 'indexed', 'interpreters', 'mapping', 'options',
            'placements', 'plan', 'primitives', 'reductions', 'sharding',
-           'sparse_updates', 'streaming')
+           'fused_updates', 'streaming')
 # Modules that need an optional dependency (the package, its extra): left out
 # of dir(fedjx) until imported, so help(fedjx) imports none of them.
 OPTIONAL = {'beam': ('apache_beam', 'beam')}

@@ -39,7 +39,7 @@ import numpy as np
 from jax.extend.core import Literal
 from jax.extend.core import primitives
 
-from fedjx import sparse_updates
+from fedjx import fused_updates
 
 
 class HoistedJit:
@@ -102,7 +102,7 @@ class HoistedJit:
 def _inlined(eqn) -> bool:
   """Whether ``eqn`` is a ``jit`` call with constants that is evaluated inline."""
   return (eqn.primitive is primitives.jit_p and bool(eqn.params['jaxpr'].consts)
-          and sparse_updates.places_nothing(eqn.params))
+          and fused_updates.places_nothing(eqn.params))
 
 
 def _nested_constants(jaxpr, found: dict[int, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Row-sparse updates (fedjx.sparse_updates): a gathered table's step touches
+"""Row-sparse updates (fedjx.fused_updates): a gathered table's step touches
 only the gathered rows, and computes what the dense step computes."""
 
 import jax
@@ -11,7 +11,7 @@ import pytest
 import fedjx
 import fedjx.algorithms as algos
 from fedjx import datasets
-from fedjx import sparse_updates
+from fedjx import fused_updates
 
 V, C, B, T = 50, 3, 4, 6  # Table rows, outputs, batch, tokens per example.
 U64 = 2.0 ** -53
@@ -44,9 +44,9 @@ def _step(tx):
 
 
 def _sparse(fn, *args):
-  """``fn`` evaluated by ``sparse_updates.eval_jaxpr``, and its jaxpr."""
+  """``fn`` evaluated by ``fused_updates.eval_jaxpr``, and its jaxpr."""
   closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-  run = lambda *a: jax.tree.unflatten(jax.tree.structure(shape), sparse_updates.eval_jaxpr(
+  run = lambda *a: jax.tree.unflatten(jax.tree.structure(shape), fused_updates.eval_jaxpr(
       closed.jaxpr, closed.consts, *jax.tree.leaves(a)))
   return run
 
@@ -214,3 +214,137 @@ def test_a_sequential_round_differentiates_as_the_vmapped_one():
     # Two passes (forward and its transpose) of the round's sums, as above.
     atol = 2 * 2 * (3 * (B * T + 2) + 3) * U64 * 10
     np.testing.assert_allclose(grads['sequential'], grads['vmap'], rtol=0, atol=atol)
+
+
+# A dense layer: its weight's gradient is a product of rank B, added by row
+# blocks (here D = 67 rows in blocks of 8 of 9, the last one short).
+D, K = 67, 5
+BLOCKS = dict(block_bytes=8 * K * 8, min_blocked_bytes=0)  # float64 rows.
+
+
+def dense_loss(params, batch):
+  w, b = params
+  logits = batch['x'] @ w + b
+  return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, batch['y']), -1)
+
+
+def _dense_batch(rng):
+  return {'x': jnp.asarray(rng.normal(size=(B, D))),
+          'y': jnp.asarray((rng.random((B, K)) < 0.3).astype(np.float64))}
+
+
+def _dense_params(rng):
+  return (jnp.asarray(rng.normal(size=(D, K))), jnp.asarray(rng.normal(size=K)))
+
+
+def _dense_step(tx):
+  def step(params, state, batch):
+    g = jax.grad(lambda p: jnp.mean(dense_loss(p, batch)))(params)
+    updates, state = tx.update(g, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def _blocked(fn, *args, **limits):
+  closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  return lambda *a: jax.tree.unflatten(jax.tree.structure(shape), fused_updates.eval_jaxpr(
+      closed.jaxpr, closed.consts, *jax.tree.leaves(a), **limits))
+
+
+@pytest.mark.parametrize('name', OPTIMIZERS)
+def test_dense_steps_by_blocks_equal_the_dense_evaluation(name):
+  tx = OPTIMIZERS[name]
+  rng = np.random.default_rng(6)
+  with jax.enable_x64(True):
+    params = _dense_params(rng)
+    dense = blocked = (params, tx.init(params))
+    step = _dense_step(tx)
+    run = _blocked(step, params, tx.init(params), _dense_batch(rng), **BLOCKS)
+    for _ in range(3):
+      batch = _dense_batch(rng)
+      dense = jax.jit(step)(*dense, batch)
+      blocked = jax.jit(run)(*blocked, batch)
+    # Each entry of a step's gradient is a dot product of B terms, then the
+    # same scale and add: per step at most B + 2 roundings of terms below
+    # 10 in magnitude (another summation order of the B terms); 3 steps.
+    atol = 3 * 2 * (B + 2) * U64 * 10
+    for a, b in zip(jax.tree.leaves(dense), jax.tree.leaves(blocked)):
+      np.testing.assert_allclose(b, a, rtol=0, atol=atol)
+
+
+def _dots(text):
+  import re
+  return re.findall(r'= f64\[([0-9,]*)\][^=]* dot\(', text)
+
+
+def test_an_sgd_step_on_cpu_never_builds_the_whole_product():
+  rng = np.random.default_rng(7)
+  tx = optax.sgd(0.1)
+  with jax.enable_x64(True):
+    params = _dense_params(rng)
+    args = (params, tx.init(params), _dense_batch(rng))
+    hlo = jax.jit(_blocked(_dense_step(tx), *args, **BLOCKS)).lower(
+        *args).compile().as_text()
+    dense = jax.jit(_dense_step(tx)).lower(*args).compile().as_text()
+  # The dense step computes the [D, K] (or [K, D]) gradient in one product;
+  # the blocked step only [K, 8] and [K, 3] ones (and the forward [B, K]).
+  assert {f'{D},{K}', f'{K},{D}'} & set(_dots(dense))
+  assert set(_dots(hlo)) <= {f'{B},{K}', f'{K},8', f'{K},3', f'8,{K}', f'3,{K}'}, _dots(hlo)
+  assert 'dynamic-update-slice' in hlo
+
+
+def test_small_products_are_left_as_written():
+  rng = np.random.default_rng(8)
+  tx = optax.sgd(0.1)
+  with jax.enable_x64(True):
+    params = _dense_params(rng)
+    args = (params, tx.init(params), _dense_batch(rng))
+    run = _blocked(_dense_step(tx), *args)  # Defaults: 4 MiB and over only.
+    jaxpr = jax.make_jaxpr(run)(*args).jaxpr
+  assert 'platform_index' not in {e.primitive.name for e in _eqns(jaxpr)}
+
+
+def test_derivatives_through_blocked_steps_match_finite_differences():
+  rng = np.random.default_rng(9)
+  with jax.enable_x64(True):
+    params, tx = _dense_params(rng), optax.sgd(0.3)
+    batches = [_dense_batch(rng) for _ in range(2)]
+    run = _blocked(_dense_step(tx), params, tx.init(params), batches[0], **BLOCKS)
+
+    def trained(w):
+      p, s = (w, params[1]), tx.init(params)
+      for batch in batches:
+        p, s = run(p, s, batch)
+      return jnp.sum(p[0] ** 2) + jnp.sum(jnp.sin(p[1]))
+
+    check_grads(trained, (params[0],), order=2, modes=('fwd', 'rev'))
+
+
+def test_a_sequential_round_of_a_large_dense_layer_equals_vmap():
+  """A 4 MiB float32 weight (the default threshold) trained one client at a
+  time (blocked updates in the while loop) and all at once (vmap, dense
+  updates): the same round."""
+  rows, cols, n = 2048, 512, [3, 1, 4]
+  rng = np.random.default_rng(10)
+  x = (rng.random((sum(n), rows)) < 0.01).astype(np.float32)
+  y = (rng.random((sum(n), cols)) < 0.1).astype(np.float32)
+  population = datasets.from_arrays({'x': x, 'y': y},
+                                    groups=np.repeat(np.arange(len(n)), n))
+  cohort = jax.tree.map(jnp.asarray, datasets.make_cohort(
+      population, np.arange(len(n)), 2, shuffle_seed=None))
+  params = (jnp.asarray(0.5 * rng.normal(size=(rows, cols)).astype(np.float32)),
+            jnp.zeros(cols, jnp.float32))
+  got = {}
+  for strategy in ('sequential', 'vmap'):
+    algo = algos.fedavg(dense_loss, client_optimizer=optax.sgd(0.5),
+                        client_evaluation=False).compile(map_strategy=strategy, donate=False)
+    got[strategy] = algo.round(algo.init(params), cohort, jax.random.key(0))[0].params
+    if strategy == 'sequential':
+      jaxpr = jax.make_jaxpr(algo.round)(algo.init(params), cohort, jax.random.key(0)).jaxpr
+  assert 'platform_index' in {e.primitive.name for e in _eqns(jaxpr)}
+  # Each entry: at most 2 steps of a dot of 2 terms, scale and add (4
+  # roundings each), then a weighted mean of 3 clients; float32, the
+  # weights below 5 in magnitude.
+  atol = (2 * 4 + 3) * 2.0 ** -24 * 5
+  for a, b in zip(jax.tree.leaves(got['vmap']), jax.tree.leaves(got['sequential'])):
+    np.testing.assert_allclose(b, a, rtol=0, atol=atol)
