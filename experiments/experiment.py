@@ -106,8 +106,8 @@ class Experiment:
     return key
 
 
-def _sample_batch(config: ml_collections.ConfigDict,
-                  data: registry.ExperimentData) -> dict[str, np.ndarray]:
+def sample_batch(config: ml_collections.ConfigDict,
+                 data: registry.ExperimentData) -> dict[str, np.ndarray]:
   """One client's first batch ``[B, ...]``: shapes and dtypes for model init."""
   cohort = datasets.make_cohort(
       data.train, datasets.CohortSampler(data.train, 1, config.seed).sample(0),
@@ -287,7 +287,7 @@ def build(config: Any, placement: str | None = None) -> Experiment:
   plan = privacy_lib.plan(config, data.train.num_clients)
   sampler = privacy_lib.make_sampler(config, data.train)
   init_key, round_key = jax.random.split(jax.random.key(config.seed))
-  batch = _sample_batch(config, data)
+  batch = sample_batch(config, data)
   model = lora_setup.adapt(config, model, data.info, batch, init_key)  # config.lora's
   params = model.init(init_key, batch)
   algorithm = build_algorithm(config, model, data.train.num_clients,

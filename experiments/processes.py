@@ -48,27 +48,62 @@ def split_cpu(config: ml_collections.ConfigDict) -> int:
 AUTO_MIN_CLIENTS_PER_DEVICE = 16
 # ... of models up to this size: a core per client wins for small models,
 # whose operations are too small to share between threads (the 2NN's 0.8 MB:
-# 2.2x less wall clock); larger ones (a 20 MB logistic regression, whose
-# memory-bound steps two threads share better; a 6.5 MB CNN, even) do not
-# gain from it.
+# 2.2x less wall clock) ...
 AUTO_MAX_MODEL_BYTES = 2 << 20
+# ... and of larger ones whose loss uses each parameter about once per
+# example (at most this many flops per example and parameter, forward: a
+# dense layer takes 2; a convolution reuses its kernel at every position, an
+# LSTM or a transformer at every token, far more). Their steps stream the
+# weights: with the SGD step added by blocks (fedjx.fused_updates), each
+# core passing over its own copy beats two threads sharing one pass (a 20 MB
+# logistic regression: docs/benchmarks.md), while a compute-bound model (a
+# 6.5 MB CNN) gains nothing from the split.
+AUTO_MAX_FLOPS_PER_PARAMETER = 4.0
 
 
-def auto_mesh(config: ml_collections.ConfigDict, split: int, params: Any) -> str:
+def flops_per_parameter(loss_fn: Any, params: Any, batch: Any) -> float | None:
+  """Forward flops of ``loss_fn`` on one example of ``batch`` (XLA's cost
+  analysis of the lowered loss), per parameter; None where the backend
+  reports no flops."""
+  one = jax.tree.map(lambda v: np.asarray(v)[:1], batch)
+  cost = jax.jit(loss_fn).lower(params, one).cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  flops = (cost or {}).get('flops')
+  count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+  return float(flops) / count if flops and count else None
+
+
+def splits_model(params: Any, loss_fn: Any = None, batch: Any = None) -> bool:
+  """Whether ``config.mesh='auto'`` may split a cohort of this model over CPU
+  devices: at most :data:`AUTO_MAX_MODEL_BYTES` of parameters, or (given the
+  loss and a batch) at most :data:`AUTO_MAX_FLOPS_PER_PARAMETER` forward
+  flops per example and parameter."""
+  size = sum(int(np.size(x)) * np.dtype(getattr(x, 'dtype', np.float32)).itemsize
+             for x in jax.tree.leaves(params))
+  if size <= AUTO_MAX_MODEL_BYTES:
+    return True
+  if loss_fn is None or batch is None:
+    return False
+  ratio = flops_per_parameter(loss_fn, params, batch)
+  return ratio is not None and ratio <= AUTO_MAX_FLOPS_PER_PARAMETER
+
+
+def auto_mesh(config: ml_collections.ConfigDict, split: int, params: Any,
+              loss_fn: Any = None, batch: Any = None) -> str:
   """What ``config.mesh='auto'`` means for this run: ``'clients=-1'`` (the
   cohort over the CPU devices :func:`split_cpu` made) on a CPU backend with
   uniform sampling (cohorts of exactly ``cohort_size``), at least
   :data:`AUTO_MIN_CLIENTS_PER_DEVICE` clients per device and a model
-  (``params``; not a LoRA run, whose frozen base is not in them) of at most
-  :data:`AUTO_MAX_MODEL_BYTES`, else ``''``."""
+  (``params``; not a LoRA run, whose frozen base is not in them) that
+  :func:`splits_model` admits (``loss_fn`` and ``batch``, the training
+  loss and a batch, measure a large model's flops), else ``''``."""
   sampling = dict(config.sampling or {}).get('name', 'uniform')
   if dict(config.lora or {}).get('rank', 0):  # A frozen base model: large.
     return ''
-  size = sum(int(np.size(x)) * np.dtype(getattr(x, 'dtype', np.float32)).itemsize
-             for x in jax.tree.leaves(params))
   if (split < 2 or jax.default_backend() != 'cpu' or sampling != 'uniform' or
       config.cohort_size < AUTO_MIN_CLIENTS_PER_DEVICE * split or
-      size > AUTO_MAX_MODEL_BYTES):
+      not splits_model(params, loss_fn, batch)):
     return ''
   return 'clients=-1'
 

@@ -115,7 +115,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str,
   """The body of :func:`run`, inside the mesh context if there is one."""
   exp = experiment.build(config)
   if config.mesh == 'auto':
-    config.mesh = processes.auto_mesh(config, split, exp.init_params)
+    config.mesh = processes.auto_mesh(config, split, exp.init_params,
+                                      exp.model.eval_loss_fn,
+                                      experiment.sample_batch(config, exp.data))
     if config.mesh:
       log(f'the cohort runs over {split} CPU devices, one per core '
           "(config.mesh='auto'; '' keeps one device)")

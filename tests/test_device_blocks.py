@@ -238,10 +238,25 @@ def test_auto_mesh_splits_cohorts_of_many_clients_on_cpu(fields, split, want):
   assert processes.auto_mesh(_config(**fields), split, small) == want
 
 
-def test_auto_mesh_keeps_large_models_on_one_device():
+def test_auto_mesh_keeps_large_models_on_one_device_unless_they_stream_their_weights():
+  from fedjx import models
   from fedjx.experiments import processes
-  large = [np.zeros((10_000, 500), np.float32)]  # 20 MB: memory-bound steps.
-  assert processes.auto_mesh(_config(cohort_size=64), 2, large) == ''
+  large = [np.zeros((10_000, 500), np.float32)]  # 20 MB.
+  config = _config(cohort_size=64)
+  assert processes.auto_mesh(config, 2, large) == ''  # No loss to measure.
+  # A dense layer: 2 D K forward flops (and K more for the bias and loss
+  # terms: under 1 %) per example for D K weights.
+  dense = lambda params, batch: jnp.sum(batch['x'] @ params[0], -1)
+  batch = {'x': np.ones((3, 10_000), np.float32)}
+  ratio = processes.flops_per_parameter(dense, large, batch)
+  assert 2.0 <= ratio <= 2.02
+  assert processes.auto_mesh(config, 2, large, dense, batch) == 'clients=-1'
+  # A CNN of 4.8 MB reuses its kernels at every position.
+  cnn = models.emnist_cnn(dropout=False)
+  images = {'x': np.zeros((2, 28, 28, 1), np.float32), 'y': np.zeros(2, np.int32)}
+  params = cnn.init(jax.random.key(0), images)
+  assert processes.flops_per_parameter(cnn.eval_loss_fn, params, images) > 4
+  assert processes.auto_mesh(config, 2, params, cnn.eval_loss_fn, images) == ''
 
 
 def test_a_run_in_a_started_jax_keeps_its_devices():

@@ -61,20 +61,21 @@ def main():
       help="the round's map strategy (fedjx-run's config.map_strategy)"))
   # As fedjx-run does (config.cpu_devices='auto', config.mesh='auto'): before
   # JAX starts, one CPU device per core; the cohort split over them when the
-  # model is small and there are at least 16 clients per device.
+  # model is small or streams its weights (processes.splits_model) and there
+  # are at least 16 clients per device.
   clients = len(cd.sizes(args.setup))
   devices = fedjx.distributed.split_cpu(divides=clients)
-  model_bytes = sum(a.nbytes for layer in cd.init(args.setup) for a in layer)
-  if (jax.default_backend() != 'cpu' or model_bytes > processes.AUTO_MAX_MODEL_BYTES
+  data = cd.client_data(args.setup)
+  if (jax.default_backend() != 'cpu' or not processes.splits_model(
+      cd.init(args.setup), loss_fn(args.setup), data[0])
       or clients < processes.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
     devices = 1
   mesh = fedjx.distributed.make_mesh({'clients': -1}) if devices > 1 else None
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    run(args, devices)
+    run(args, devices, data)
 
 
-def run(args, devices):
-  data = cd.client_data(args.setup)
+def run(args, devices, data):
   arrays = {k: np.concatenate([d[k] for d in data]) for k in data[0]}
   arrays = {k: v.astype(np.int32) if v.dtype == np.int64 else v
             for k, v in arrays.items()}

@@ -37,20 +37,21 @@ def main():
       help="where the population lives (fedjx-run's config.data_placement)"))
   # As fedjx-run does (config.cpu_devices='auto', config.mesh='auto'): before
   # JAX starts, one CPU device per core; the cohort split over them only for
-  # small models (this CNN's 6.5 MB stays on one device).
+  # small models or ones that stream their weights (processes.splits_model:
+  # this CNN's 6.5 MB reuse their kernels, and stay on one device).
   devices = fedjx.distributed.split_cpu(divides=common.COHORT)
-  if (jax.default_backend() != 'cpu' or
-      4 * common.NUM_PARAMS > processes.AUTO_MAX_MODEL_BYTES or
-      common.COHORT < processes.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
+  jax_cnn.use_conv(args.conv)
+  data = common.client_data(args.setup)
+  if (jax.default_backend() != 'cpu' or not processes.splits_model(
+      jax_cnn.init(jax.random.key(0)), jax_cnn.loss, {'x': data[0][0], 'y': data[0][1]})
+      or common.COHORT < processes.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
     devices = 1
   mesh = fedjx.distributed.make_mesh({'clients': -1}) if devices > 1 else None
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    run(args, devices)
+    run(args, devices, data)
 
 
-def run(args, devices):
-  jax_cnn.use_conv(args.conv)
-  data = common.client_data(args.setup)
+def run(args, devices, data):
   x = np.concatenate([x for x, _ in data])
   y = np.concatenate([y for _, y in data]).astype(np.int32)
   groups = np.repeat(np.arange(len(data)), [len(y) for _, y in data])

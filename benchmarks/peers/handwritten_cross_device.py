@@ -36,13 +36,14 @@ def main():
   clients = len(cd.sizes(args.setup))
   devices = max(k for k in range(1, cores + 1) if clients % k == 0)
   jax.config.update('jax_num_cpu_devices', devices)
-  # The split where fedjx's runs split (fedjx_cross_device.py): small models,
-  # at least 16 clients per device, a CPU backend.
-  model_bytes = sum(a.nbytes for layer in cd.init(args.setup) for a in layer)
-  if (jax.default_backend() != 'cpu' or model_bytes > processes.AUTO_MAX_MODEL_BYTES
+  # The split where fedjx's runs split (fedjx_cross_device.py): small models
+  # or ones that stream their weights, at least 16 clients per device, a CPU
+  # backend.
+  data = cd.client_data(args.setup)
+  if (jax.default_backend() != 'cpu' or not processes.splits_model(
+      cd.init(args.setup), fedjx_cross_device.loss_fn(args.setup), data[0])
       or clients < processes.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
     devices = 1
-  data = cd.client_data(args.setup)
   table = {k: jnp.asarray(np.concatenate([d[k] for d in data]).astype(
       np.int32 if data[0][k].dtype == np.int64 else data[0][k].dtype)) for k in data[0]}
   sizes = np.array([len(d['y']) for d in data])
