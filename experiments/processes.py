@@ -62,16 +62,16 @@ AUTO_MAX_FLOPS_PER_PARAMETER = 4.0
 
 
 def flops_per_parameter(loss_fn: Any, params: Any, batch: Any) -> float | None:
-  """Forward flops of ``loss_fn`` on one example of ``batch`` (XLA's cost
-  analysis of the lowered loss), per parameter; None where the backend
-  reports no flops."""
-  one = jax.tree.map(lambda v: np.asarray(v)[:1], batch)
-  cost = jax.jit(loss_fn).lower(params, one).cost_analysis()
+  """Forward flops of ``loss_fn`` per example of ``batch`` (``[B, ...]``
+  leaves; XLA's cost analysis of the lowered loss, over ``B``), per
+  parameter; None where the backend reports no flops."""
+  cost = jax.jit(loss_fn).lower(params, batch).cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else None
   flops = (cost or {}).get('flops')
+  examples = max(int(np.shape(jax.tree.leaves(batch)[0])[0]), 1)
   count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
-  return float(flops) / count if flops and count else None
+  return float(flops) / examples / count if flops and count else None
 
 
 def splits_model(params: Any, loss_fn: Any = None, batch: Any = None) -> bool:
