@@ -35,20 +35,19 @@ def _params(rng):
   return (jnp.asarray(rng.normal(size=(V, C))), jnp.asarray(rng.normal(size=C)))
 
 
-def _step(tx):
+def _step(tx, loss=bag_loss):
   def step(params, state, batch):
-    g = jax.grad(lambda p: jnp.mean(bag_loss(p, batch)))(params)
+    g = jax.grad(lambda p: jnp.mean(loss(p, batch)))(params)
     updates, state = tx.update(g, state, params)
     return optax.apply_updates(params, updates), state
   return step
 
 
-def _sparse(fn, *args):
-  """``fn`` evaluated by ``fused_updates.eval_jaxpr``, and its jaxpr."""
+def _fused(fn, *args, **limits):
+  """``fn`` evaluated by ``fused_updates.eval_jaxpr`` (with ``limits``)."""
   closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-  run = lambda *a: jax.tree.unflatten(jax.tree.structure(shape), fused_updates.eval_jaxpr(
-      closed.jaxpr, closed.consts, *jax.tree.leaves(a)))
-  return run
+  return lambda *a: jax.tree.unflatten(jax.tree.structure(shape), fused_updates.eval_jaxpr(
+      closed.jaxpr, closed.consts, *jax.tree.leaves(a), **limits))
 
 
 OPTIMIZERS = {
@@ -60,25 +59,59 @@ OPTIMIZERS = {
 }
 
 
+# A dense layer: its weight's gradient is a product of rank B, added by row
+# blocks (here D = 67 rows in blocks of 8 of 9, the last one short).
+D, K = 67, 5
+BLOCKS = dict(block_bytes=8 * K * 8, min_blocked_bytes=0)  # float64 rows.
+
+
+def dense_loss(params, batch):
+  w, b = params
+  logits = batch['x'] @ w + b
+  return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, batch['y']), -1)
+
+
+def _dense_batch(rng):
+  return {'x': jnp.asarray(rng.normal(size=(B, D))),
+          'y': jnp.asarray((rng.random((B, K)) < 0.3).astype(np.float64))}
+
+
+def _dense_params(rng):
+  return (jnp.asarray(rng.normal(size=(D, K))), jnp.asarray(rng.normal(size=K)))
+
+
+# The kinds of fused gradient: (loss, params, batch, eval_jaxpr's limits,
+# roundings per entry and step in the other order).
+KINDS = {
+    # A gathered table: per entry a sum of at most B * T + 2 terms (the
+    # table row, the gathered examples' terms, the scale) in another order.
+    'gathered table': (bag_loss, _params, _batch, {}, B * T + 2),
+    # A dense layer added by blocks: each entry of the gradient is a dot
+    # product of B terms (in a kernel's order), then the same scale and add.
+    'dense layer': (dense_loss, _dense_params, _dense_batch, BLOCKS, B + 2),
+}
+
+
+@pytest.mark.parametrize('kind', KINDS)
 @pytest.mark.parametrize('name', OPTIMIZERS)
-def test_steps_equal_the_dense_evaluation(name):
+def test_steps_equal_the_dense_evaluation(name, kind):
   tx = OPTIMIZERS[name]
+  loss, make_params, make_batch, limits, roundings = KINDS[kind]
   rng = np.random.default_rng(0)
   with jax.enable_x64(True):
-    params = _params(rng)
+    params = make_params(rng)
     state = tx.init(params)
-    dense = sparse = (params, state)
-    step = _step(tx)
-    run = _sparse(step, params, state, _batch(rng))
+    dense = fused = (params, state)
+    step = _step(tx, loss)
+    run = _fused(step, params, state, make_batch(rng), **limits)
     for _ in range(3):
-      batch = _batch(rng)
+      batch = make_batch(rng)
       dense = jax.jit(step)(*dense, batch)
-      sparse = jax.jit(run)(*sparse, batch)
-    # Per step, each entry is a sum of at most B * T + 2 terms (the table
-    # row, the gathered examples' terms, the scale) in another order, each
-    # of magnitude below 10 here; 3 steps.
-    atol = 3 * 2 * (B * T + 2) * U64 * 10
-    for a, b in zip(jax.tree.leaves(dense), jax.tree.leaves(sparse)):
+      fused = jax.jit(run)(*fused, batch)
+    # Per step and entry, that many roundings of terms of magnitude below
+    # 10 here; 3 steps.
+    atol = 3 * 2 * roundings * U64 * 10
+    for a, b in zip(jax.tree.leaves(dense), jax.tree.leaves(fused)):
       np.testing.assert_allclose(b, a, rtol=0, atol=atol)
 
 
@@ -100,7 +133,7 @@ def _eqns(jaxpr):
 def test_an_sgd_step_adds_into_the_table_where_it_gathered():
   rng = np.random.default_rng(1)
   params, tx = _params(rng), optax.sgd(0.1)
-  run = _sparse(_step(tx), params, tx.init(params), _batch(rng))
+  run = _fused(_step(tx), params, tx.init(params), _batch(rng))
   jaxpr = jax.make_jaxpr(run)(params, tx.init(params), _batch(rng)).jaxpr
   table = _shaped(jaxpr, (V, C))
   # The table's only computation: one scatter-add into the table itself.
@@ -111,12 +144,14 @@ def test_an_sgd_step_adds_into_the_table_where_it_gathered():
   assert {e.primitive.name for e in _shaped(dense, (V, C))} >= {'mul', 'add'}
 
 
-def test_derivatives_through_sparse_steps_match_finite_differences():
+@pytest.mark.parametrize('kind', KINDS)
+def test_derivatives_through_fused_steps_match_finite_differences(kind):
+  loss, make_params, make_batch, limits, _ = KINDS[kind]
   rng = np.random.default_rng(2)
   with jax.enable_x64(True):
-    params, tx = _params(rng), optax.sgd(0.3)
-    batches = [_batch(rng) for _ in range(2)]
-    run = _sparse(_step(tx), params, tx.init(params), batches[0])
+    params, tx = make_params(rng), optax.sgd(0.3)
+    batches = [make_batch(rng) for _ in range(2)]
+    run = _fused(_step(tx, loss), params, tx.init(params), batches[0], **limits)
 
     def trained(w):
       p, s = (w, params[1]), tx.init(params)
@@ -216,76 +251,23 @@ def test_a_sequential_round_differentiates_as_the_vmapped_one():
     np.testing.assert_allclose(grads['sequential'], grads['vmap'], rtol=0, atol=atol)
 
 
-# A dense layer: its weight's gradient is a product of rank B, added by row
-# blocks (here D = 67 rows in blocks of 8 of 9, the last one short).
-D, K = 67, 5
-BLOCKS = dict(block_bytes=8 * K * 8, min_blocked_bytes=0)  # float64 rows.
-
-
-def dense_loss(params, batch):
-  w, b = params
-  logits = batch['x'] @ w + b
-  return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, batch['y']), -1)
-
-
-def _dense_batch(rng):
-  return {'x': jnp.asarray(rng.normal(size=(B, D))),
-          'y': jnp.asarray((rng.random((B, K)) < 0.3).astype(np.float64))}
-
-
-def _dense_params(rng):
-  return (jnp.asarray(rng.normal(size=(D, K))), jnp.asarray(rng.normal(size=K)))
-
-
-def _dense_step(tx):
-  def step(params, state, batch):
-    g = jax.grad(lambda p: jnp.mean(dense_loss(p, batch)))(params)
-    updates, state = tx.update(g, state, params)
-    return optax.apply_updates(params, updates), state
-  return step
-
-
-def _blocked(fn, *args, **limits):
-  closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-  return lambda *a: jax.tree.unflatten(jax.tree.structure(shape), fused_updates.eval_jaxpr(
-      closed.jaxpr, closed.consts, *jax.tree.leaves(a), **limits))
-
-
-@pytest.mark.parametrize('name', OPTIMIZERS)
-def test_dense_steps_by_blocks_equal_the_dense_evaluation(name):
-  tx = OPTIMIZERS[name]
-  rng = np.random.default_rng(6)
-  with jax.enable_x64(True):
-    params = _dense_params(rng)
-    dense = blocked = (params, tx.init(params))
-    step = _dense_step(tx)
-    run = _blocked(step, params, tx.init(params), _dense_batch(rng), **BLOCKS)
-    for _ in range(3):
-      batch = _dense_batch(rng)
-      dense = jax.jit(step)(*dense, batch)
-      blocked = jax.jit(run)(*blocked, batch)
-    # Each entry of a step's gradient is a dot product of B terms, then the
-    # same scale and add: per step at most B + 2 roundings of terms below
-    # 10 in magnitude (another summation order of the B terms); 3 steps.
-    atol = 3 * 2 * (B + 2) * U64 * 10
-    for a, b in zip(jax.tree.leaves(dense), jax.tree.leaves(blocked)):
-      np.testing.assert_allclose(b, a, rtol=0, atol=atol)
-
-
 def _dots(text):
   import re
   return re.findall(r'= f64\[([0-9,]*)\][^=]* dot\(', text)
 
 
+def _dense_sgd_step(seed):
+  """An SGD step of the dense layer, and arguments for it (float64)."""
+  rng, tx = np.random.default_rng(seed), optax.sgd(0.1)
+  params = _dense_params(rng)
+  return _step(tx, dense_loss), (params, tx.init(params), _dense_batch(rng))
+
+
 def test_an_sgd_step_on_cpu_never_builds_the_whole_product():
-  rng = np.random.default_rng(7)
-  tx = optax.sgd(0.1)
   with jax.enable_x64(True):
-    params = _dense_params(rng)
-    args = (params, tx.init(params), _dense_batch(rng))
-    hlo = jax.jit(_blocked(_dense_step(tx), *args, **BLOCKS)).lower(
-        *args).compile().as_text()
-    dense = jax.jit(_dense_step(tx)).lower(*args).compile().as_text()
+    step, args = _dense_sgd_step(7)
+    hlo = jax.jit(_fused(step, *args, **BLOCKS)).lower(*args).compile().as_text()
+    dense = jax.jit(step).lower(*args).compile().as_text()
   # The dense step computes the [D, K] (or [K, D]) gradient in one product;
   # the blocked step only [K, 8] and [K, 3] ones (and the forward [B, K]).
   assert {f'{D},{K}', f'{K},{D}'} & set(_dots(dense))
@@ -294,30 +276,11 @@ def test_an_sgd_step_on_cpu_never_builds_the_whole_product():
 
 
 def test_small_products_are_left_as_written():
-  rng = np.random.default_rng(8)
-  tx = optax.sgd(0.1)
   with jax.enable_x64(True):
-    params = _dense_params(rng)
-    args = (params, tx.init(params), _dense_batch(rng))
-    run = _blocked(_dense_step(tx), *args)  # Defaults: 4 MiB and over only.
+    step, args = _dense_sgd_step(8)
+    run = _fused(step, *args)  # Defaults: 4 MiB and over only.
     jaxpr = jax.make_jaxpr(run)(*args).jaxpr
   assert 'platform_index' not in {e.primitive.name for e in _eqns(jaxpr)}
-
-
-def test_derivatives_through_blocked_steps_match_finite_differences():
-  rng = np.random.default_rng(9)
-  with jax.enable_x64(True):
-    params, tx = _dense_params(rng), optax.sgd(0.3)
-    batches = [_dense_batch(rng) for _ in range(2)]
-    run = _blocked(_dense_step(tx), params, tx.init(params), batches[0], **BLOCKS)
-
-    def trained(w):
-      p, s = (w, params[1]), tx.init(params)
-      for batch in batches:
-        p, s = run(p, s, batch)
-      return jnp.sum(p[0] ** 2) + jnp.sum(jnp.sin(p[1]))
-
-    check_grads(trained, (params[0],), order=2, modes=('fwd', 'rev'))
 
 
 def test_a_sequential_round_of_a_large_dense_layer_equals_vmap():
