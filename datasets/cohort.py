@@ -195,30 +195,49 @@ def _check_positive(name: str, value: Any, allow_none: bool = False) -> int | No
   return int(value)
 
 
-def example_order(n: int, batch_size: int, *, num_epochs: int | None = None,
-                  num_steps: int | None = None, max_steps: int | None = None,
-                  rng: np.random.Generator | None = None) -> np.ndarray:
-  """The example indices a client visits, in order, before batching.
+def example_orders(sizes: Sequence[int] | np.ndarray, batch_size: int, *,
+                   num_epochs: int | None = None, num_steps: int | None = None,
+                   max_steps: int | None = None,
+                   shuffle: tuple[int, int, Sequence[int] | np.ndarray] | None = None
+                   ) -> list[np.ndarray]:
+  """The example indices each client visits, in order, before batching.
 
-  The stream is ``num_epochs`` passes over ``range(n)`` (or as many passes as
-  ``num_steps`` full batches need), each pass a fresh permutation from ``rng``
-  (in order when ``rng`` is None), truncated to ``max_steps`` batches.
+  Client ``c`` (``sizes[c] = n >= 1`` examples) visits ``num_epochs`` passes
+  over ``range(n)`` (or as many passes as ``num_steps`` full batches need),
+  truncated to ``max_steps`` batches. Each pass is in order, or with
+  ``shuffle=(seed, round_num, client_ids)`` a permutation: pass ``p`` of
+  client ``client_ids[c]`` visits example ``i`` in the order of
+  ``hash(SHUFFLE, seed, round_num, client_ids[c], p, i)`` (a 64-bit hash:
+  a uniform permutation, the same whichever clients are batched with it),
+  all clients' slots hashed and sorted at once.
   """
-  if n < 1:
-    raise ValueError(f'a client with n={n} examples cannot be batched; clients '
-                     'need at least one example.')
+  sizes = np.asarray(sizes, np.int64).reshape(-1)
+  if sizes.size and sizes.min() < 1:
+    raise ValueError(f'a client with n={int(sizes.min())} examples cannot be '
+                     'batched; clients need at least one example.')
   if num_steps is not None:
-    total = num_steps * batch_size
-    passes = math.ceil(total / n)
+    total = np.full_like(sizes, num_steps * batch_size)
+    passes = -(-total // np.maximum(sizes, 1))
   else:
-    passes = 1 if num_epochs is None else num_epochs
-    total = passes * n
+    passes = np.full_like(sizes, 1 if num_epochs is None else num_epochs)
+    total = passes * sizes
   if max_steps is not None:
-    total = min(total, max_steps * batch_size)
-    passes = min(passes, math.ceil(total / n))
-  perms = [rng.permutation(n) if rng is not None else np.arange(n)
-           for _ in range(passes)]
-  return np.concatenate(perms)[:total]
+    total = np.minimum(total, max_steps * batch_size)
+    passes = np.minimum(passes, -(-total // np.maximum(sizes, 1)))
+  slots = passes * sizes  # Whole passes; each client's stream is cut to total.
+  client = np.repeat(np.arange(sizes.size), slots)
+  within = np.arange(int(slots.sum())) - np.repeat(np.cumsum(slots) - slots, slots)
+  n = np.repeat(sizes, slots)
+  example = within % n
+  if shuffle is not None:
+    seed, round_num, ids = shuffle
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    keys = _seeding.hashed(_seeding.SHUFFLE, seed, round_num, ids[client], within // n, example)
+    # Grouped by client and pass (the slots are in that order), each group
+    # in its keys' order.
+    example = example[np.lexsort((keys, within // n, client))]
+  streams = np.split(example, np.cumsum(slots)[:-1])
+  return [stream[:t] for stream, t in zip(streams, total.tolist())]
 
 
 def pad_batches(examples: Mapping[str, np.ndarray], order: np.ndarray,
@@ -251,9 +270,9 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
                 pad_to: int | None = None, order_by_steps: bool = False) -> Cohort:
   """Batches clients ``client_ids`` of ``dataset`` into a NumPy :class:`Cohort`.
 
-  Each client's examples are visited as ``example_order`` describes: shuffled
-  afresh each epoch by a generator seeded from ``(shuffle_seed, round_num,
-  client_id)`` (no shuffling when ``shuffle_seed`` is None), repeated for
+  Each client's examples are visited as :func:`example_orders` describes:
+  shuffled afresh each epoch by hashes of ``(shuffle_seed, round_num,
+  client_id, epoch, example)`` (no shuffling when ``shuffle_seed`` is None), repeated for
   ``num_epochs`` passes (default 1; only the last batch may be partial) or for
   exactly ``num_steps`` full batches, then cut to at most ``max_steps``
   batches. Clients are padded to a common step count ``S``: the largest
@@ -319,11 +338,15 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
     if n < 1:
       raise ValueError(f'client {cid} ({dataset.client_name(cid)!r}) has no '
                        'examples; every client in a cohort needs at least one.')
-    gen = (None if shuffle_seed is None else
-           _seeding.rng(_seeding.SHUFFLE, shuffle_seed, round_num, cid))
-    order = example_order(n, batch_size, num_epochs=num_epochs,
-                          num_steps=num_steps, max_steps=max_steps, rng=gen)
-    clients.append((cid, data, order, n))
+    clients.append((cid, data, None, n))
+  held = [c for c in clients if c[0] != PADDING_CLIENT]
+  held_ids = [c[0] for c in held]
+  orders = iter(example_orders(
+      [c[3] for c in held], batch_size, num_epochs=num_epochs, num_steps=num_steps,
+      max_steps=max_steps,
+      shuffle=None if shuffle_seed is None else (shuffle_seed, round_num, held_ids)))
+  clients = [c if c[0] == PADDING_CLIENT else (c[0], c[1], next(orders), c[3])
+             for c in clients]
   real = [c for c in clients if c[0] != PADDING_CLIENT]
   if not resident and len(real) < len(clients):
     # Padding clients take real clients' shapes.
@@ -371,13 +394,19 @@ def _rows(offsets: np.ndarray, rows: int,
   size = steps * batch_size
   index = np.full((len(clients), size), rows, np.int32)
   mask = np.zeros((len(clients), size), bool)
-  for c, (cid, _, order, _) in enumerate(clients):
-    if len(order) > size:
-      raise ValueError(f'{len(order)} examples do not fit in {steps} steps of '
-                       f'{batch_size}.')
-    if cid != PADDING_CLIENT:
-      index[c, :len(order)] = offsets[cid] + order
-      mask[c, :len(order)] = True
+  longest = max(len(order) for _, _, order, _ in clients)
+  if longest > size:
+    raise ValueError(f'{longest} examples do not fit in {steps} steps of '
+                     f'{batch_size}.')
+  real = [(c, cid, order) for c, (cid, _, order, _) in enumerate(clients)
+          if cid != PADDING_CLIENT]
+  if real:
+    lengths = np.array([len(order) for _, _, order in real])
+    slot = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    row = np.repeat([c for c, _, _ in real], lengths)
+    index[row, slot] = np.concatenate([order for _, _, order in real]) + np.repeat(
+        offsets[[cid for _, cid, _ in real]], lengths)
+    mask[row, slot] = True
   shape = (len(clients), steps, batch_size)
   return index.reshape(shape), mask.reshape(shape)
 

@@ -3,7 +3,7 @@
 A round's data are a pure function of the seed and the round: round ``r``'s
 clients are ``sampler.sample(r)`` (a function of ``(seed, r)``), and a
 client ``c`` with ``n_c`` examples visits, in round ``r``, the stream
-:func:`fedjx.datasets.cohort.example_order` builds from a generator seeded by
+:func:`fedjx.datasets.cohort.example_orders` builds from hashes keyed by
 ``(seed, r, c)``: ``m_c`` example slots, where
 
 * ``m_c = H B`` with ``H = local_steps`` (``num_steps``) batches of ``B``;
@@ -61,7 +61,7 @@ def examples_per_round(n: int, batch_size: int, num_epochs: int | None = None,
 
   ``H B`` with ``num_steps = H``, else ``E n`` (``E = num_epochs``, default
   1), capped at ``max_steps B``: the length of
-  :func:`fedjx.datasets.cohort.example_order`'s stream.
+  :func:`fedjx.datasets.cohort.example_orders`' stream.
   """
   total = num_steps * batch_size if num_steps is not None else (
       (1 if num_epochs is None else num_epochs) * n)

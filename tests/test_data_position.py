@@ -88,11 +88,11 @@ def test_position_is_the_numpy_replay(kind, batching):
     assert position.difference(json.loads(json.dumps(got)), r) is None
 
 
-def test_examples_per_round_is_the_length_of_example_order():
+def test_examples_per_round_is_the_length_of_example_orders():
   for n, b, e, s, m in [(7, 3, None, None, None), (7, 3, 2, None, None),
                         (7, 3, None, 5, None), (7, 3, 3, None, 2), (2, 4, None, 3, 2)]:
-    order = datasets.cohort.example_order(n, b, num_epochs=e, num_steps=s, max_steps=m,
-                                          rng=np.random.default_rng(0))
+    order, = datasets.cohort.example_orders([n], b, num_epochs=e, num_steps=s,
+                                            max_steps=m, shuffle=(0, 0, [0]))
     assert data_position.examples_per_round(n, b, e, s, m) == len(order)
 
 

@@ -136,6 +136,31 @@ def test_shuffle_is_deterministic_per_seed_round_and_client():
                                 ds.client_data(2)['x'])
 
 
+def test_each_pass_is_a_fresh_permutation_and_every_order_is_equally_likely():
+  # Passes: 3 epochs of 5 examples, each a permutation of range(5), cut to 2
+  # batches of 4 by max_steps (2 passes, the second cut after 3).
+  order, = fd.cohort.example_orders([5], 4, num_epochs=3, max_steps=2,
+                                    shuffle=(1, 2, [3]))
+  assert len(order) == 8
+  assert sorted(order[:5]) == list(range(5)) and len(set(order[5:])) == 3
+  # In order without a shuffle; num_steps repeats passes to fill its batches.
+  np.testing.assert_array_equal(fd.cohort.example_orders([3], 2, num_steps=4)[0],
+                                [0, 1, 2, 0, 1, 2, 0, 1])
+  # Over 6,000 (round, client) streams of 3 examples, each of the 6 orders
+  # should come 1,000 times: Pearson's chi-square with 5 degrees of freedom
+  # exceeds 30 with probability 1.5e-5 for uniform permutations.
+  orders = [tuple(o) for r in range(60) for o in fd.cohort.example_orders(
+      [3] * 100, 3, shuffle=(0, r, np.arange(100)))]
+  counts = np.array(list(collections.Counter(orders).values()))
+  assert len(counts) == 6
+  assert np.sum((counts - 1000) ** 2 / 1000) < 30
+
+
+def test_shuffle_hash_keys_must_be_non_negative_ints():
+  with pytest.raises(ValueError, match='non-negative ints'):
+    fd._seeding.hashed(2, 1, np.array([3, -1]))  # pylint: disable=protected-access
+
+
 def test_make_cohort_bad_input():
   ds = _dataset()
   with pytest.raises(ValueError, match='batch_size=0.*>= 1'):
