@@ -228,14 +228,14 @@ def example_orders(sizes: Sequence[int] | np.ndarray, batch_size: int, *,
   client = np.repeat(np.arange(sizes.size), slots)
   within = np.arange(int(slots.sum())) - np.repeat(np.cumsum(slots) - slots, slots)
   n = np.repeat(sizes, slots)
-  example = within % n
+  epoch, example = np.divmod(within, n)
   if shuffle is not None:
     seed, round_num, ids = shuffle
     ids = np.asarray(ids, np.int64).reshape(-1)
-    keys = _seeding.hashed(_seeding.SHUFFLE, seed, round_num, ids[client], within // n, example)
+    keys = _seeding.hashed(_seeding.SHUFFLE, seed, round_num, ids[client], epoch, example)
     # Grouped by client and pass (the slots are in that order), each group
     # in its keys' order.
-    example = example[np.lexsort((keys, within // n, client))]
+    example = example[np.lexsort((keys, epoch, client))]
   streams = np.split(example, np.cumsum(slots)[:-1])
   return [stream[:t] for stream, t in zip(streams, total.tolist())]
 
