@@ -115,9 +115,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str,
   """The body of :func:`run`, inside the mesh context if there is one."""
   exp = experiment.build(config)
   if config.mesh == 'auto':
+    # A large model's flops are measured on a sample batch; a small one needs none.
+    batch = (None if processes.splits_model(exp.init_params)
+             else experiment.sample_batch(config, exp.data))
     config.mesh = processes.auto_mesh(config, split, exp.init_params,
-                                      exp.model.eval_loss_fn,
-                                      experiment.sample_batch(config, exp.data))
+                                      exp.model.eval_loss_fn, batch)
     if config.mesh:
       log(f'the cohort runs over {split} CPU devices, one per core '
           "(config.mesh='auto'; '' keeps one device)")
