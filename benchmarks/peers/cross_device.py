@@ -105,6 +105,21 @@ def order(round_num: int, client: int, n: int, shuffle: bool = True) -> np.ndarr
   return np.random.default_rng((round_num, client)).permutation(n)
 
 
+def cohort_order(round_num: int, sizes: np.ndarray, shuffle: bool = True) -> np.ndarray:
+  """Every client's example order for round ``round_num`` in one sort:
+  ``[sum(sizes)]``, client ``i``'s block a permutation of ``range(sizes[i])``
+  (each client's examples sorted by seeded uniform keys; data order for the
+  check). The hand-written floor shuffles the whole cohort at once, as
+  fedjx's ``example_orders`` does, rather than one generator per client."""
+  sizes = np.asarray(sizes)
+  owner = np.repeat(np.arange(len(sizes)), sizes)
+  starts = np.cumsum(sizes) - sizes
+  if not shuffle:
+    return np.arange(owner.size) - starts[owner]
+  keys = np.random.default_rng(round_num).random(owner.size)
+  return np.argsort(owner + keys, kind='stable') - starts[owner]
+
+
 def dense_x(setup: str, data: dict[str, np.ndarray]) -> np.ndarray:
   """The model's input as dense features (count vectors for ``logreg-sparse``)."""
   if 'tokens' not in data:

@@ -1,7 +1,7 @@
 """A hand-written JAX FedAvg round on the cross-device setups, the floor a
 framework's round is held to: the population's examples on the device once
 as flat arrays, each round's example order per client as an int32 index
-(shuffled on the host), one ``lax.scan`` over clients, each a ``fori_loop``
+(shuffled on the host for the whole cohort in one sort), one ``lax.scan`` over clients, each a ``fori_loop``
 over exactly its own steps (a dynamic trip count: no padded step is ever
 entered) whose batch is gathered inside the loop, and the example-weighted
 mean of the local models. One ``jit``; JAX only. Like fedjx's run, the CPU
@@ -88,14 +88,16 @@ def main():
   weights = jax.device_put((sizes / sizes.sum()).astype(np.float32), split)
   rounds = 1 if args.check else args.rounds
   clock = common.Clock()
+  owner = np.repeat(np.arange(len(data)), sizes)
+  slot = np.arange(owner.size) - offsets[owner]
+  mask = np.zeros((len(data), width), bool)
+  mask[owner, slot] = True
+  mask = jax.device_put(mask, split)
   for r in range(rounds):
     index = np.zeros((len(data), width), np.int32)
-    mask = np.zeros((len(data), width), bool)
-    for i, n in enumerate(sizes):
-      index[i, :n] = offsets[i] + cd.order(r, i, n, shuffle=not args.check)
-      mask[i, :n] = True
+    index[owner, slot] = offsets[owner] + cd.cohort_order(r, sizes, shuffle=not args.check)
     params = fedavg_round(params, jax.device_put(index, split),
-                          jax.device_put(mask, split),
+                          mask,
                           jax.device_put(steps.astype(np.int32), split), weights)
     jax.block_until_ready(params)
     clock.tick()
