@@ -211,6 +211,16 @@ def example_orders(sizes: Sequence[int] | np.ndarray, batch_size: int, *,
   a uniform permutation, the same whichever clients are batched with it),
   all clients' slots hashed and sorted at once.
   """
+  examples, lengths = _flat_orders(sizes, batch_size, num_epochs=num_epochs,
+                                   num_steps=num_steps, max_steps=max_steps,
+                                   shuffle=shuffle)
+  return np.split(examples, np.cumsum(lengths)[:-1])
+
+
+def _flat_orders(sizes, batch_size, *, num_epochs, num_steps, max_steps, shuffle
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """:func:`example_orders` as one array: the clients' streams end to end,
+  and each stream's length."""
   sizes = np.asarray(sizes, np.int64).reshape(-1)
   if sizes.size and sizes.min() < 1:
     raise ValueError(f'a client with n={int(sizes.min())} examples cannot be '
@@ -227,17 +237,18 @@ def example_orders(sizes: Sequence[int] | np.ndarray, batch_size: int, *,
   slots = passes * sizes  # Whole passes; each client's stream is cut to total.
   client = np.repeat(np.arange(sizes.size), slots)
   within = np.arange(int(slots.sum())) - np.repeat(np.cumsum(slots) - slots, slots)
-  n = np.repeat(sizes, slots)
-  epoch, example = np.divmod(within, n)
+  epoch, example = np.divmod(within, np.repeat(sizes, slots))
   if shuffle is not None:
     seed, round_num, ids = shuffle
     ids = np.asarray(ids, np.int64).reshape(-1)
     keys = _seeding.hashed(_seeding.SHUFFLE, seed, round_num, ids[client], epoch, example)
-    # Grouped by client and pass (the slots are in that order), each group
-    # in its keys' order.
-    example = example[np.lexsort((keys, epoch, client))]
-  streams = np.split(example, np.cumsum(slots)[:-1])
-  return [stream[:t] for stream, t in zip(streams, total.tolist())]
+    # Grouped by client and pass (the slots are in that order, so one running
+    # pass number orders both), each group in its keys' order.
+    group = np.repeat(np.cumsum(passes) - passes, slots) + epoch
+    example = example[np.lexsort((keys, group))]
+  if (total < slots).any():
+    example = example[within < np.repeat(total, slots)]
+  return example, total
 
 
 def pad_batches(examples: Mapping[str, np.ndarray], order: np.ndarray,
@@ -323,18 +334,20 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
     ids = np.concatenate([ids, np.full(pad_to - ids.size, PADDING_CLIENT)])
   if ids.size == 0:
     raise ValueError('client_ids is empty; a cohort needs at least one client.')
-  resident = isinstance(dataset, DeviceDataset)
+  if isinstance(dataset, DeviceDataset):  # Only counts are read, no examples.
+    return _resident_cohort(
+        dataset, ids, batch_size, num_epochs=num_epochs, num_steps=num_steps,
+        max_steps=max_steps, shuffle_seed=shuffle_seed, round_num=round_num,
+        bucket=bucket, steps=steps, padded=pad_to is not None,
+        order_by_steps=order_by_steps)
   clients = []
   for cid in ids.tolist():
     if pad_to is not None and cid == PADDING_CLIENT:
       clients.append((PADDING_CLIENT, None, np.zeros(0, np.int64), 0))
       continue
     cid = dataset.check_client(cid)
-    if resident:  # The examples are on the device: only their count is read.
-      data, n = None, int(dataset.num_examples(cid))
-    else:
-      data = dataset.client_data(cid)
-      n = num_rows(data, where=f'client {cid}')
+    data = dataset.client_data(cid)
+    n = num_rows(data, where=f'client {cid}')
     if n < 1:
       raise ValueError(f'client {cid} ({dataset.client_name(cid)!r}) has no '
                        'examples; every client in a cohort needs at least one.')
@@ -348,18 +361,33 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
   clients = [c if c[0] == PADDING_CLIENT else (c[0], c[1], next(orders), c[3])
              for c in clients]
   real = [c for c in clients if c[0] != PADDING_CLIENT]
-  if not resident and len(real) < len(clients):
+  if len(real) < len(clients):
     # Padding clients take real clients' shapes.
     template = real[0][1] if real else dataset.client_data(0)
     clients = [c if c[0] != PADDING_CLIENT else (c[0], template, c[2], c[3])
                for c in clients]
-  if not resident:
-    _check_features(real or clients[:1])
+  _check_features(real or clients[:1])
   if order_by_steps:
     clients.sort(key=lambda c: -math.ceil(len(c[2]) / batch_size))
-  needed = max(1, max(math.ceil(len(order) / batch_size)
-                      for _, _, order, _ in clients))
-  if not real and num_steps is not None:  # The shape real clients would give.
+  steps = _padded_steps(max(math.ceil(len(order) / batch_size)
+                            for _, _, order, _ in clients), batch_size,
+                        num_steps=num_steps, max_steps=max_steps, bucket=bucket,
+                        steps=steps, any_real=bool(real))
+  stacked = [pad_batches(data, order, batch_size, steps)
+             for _, data, order, _ in clients]
+  batches = {k: np.stack([b[k] for b, _ in stacked]) for k in stacked[0][0]}
+  mask = np.stack([m for _, m in stacked])
+  distinct = np.array([min(n, len(order)) for _, _, order, n in clients],
+                      dtype=np.float32)
+  cids = np.array([cid for cid, _, _, _ in clients], dtype=np.int32)
+  return Cohort(batches, mask, distinct, cids)
+
+
+def _padded_steps(needed: int, batch_size: int, *, num_steps, max_steps, bucket,
+                  steps, any_real: bool) -> int:
+  """``S``, the cohort's step count, from the most steps a client needs."""
+  needed = max(1, needed)
+  if not any_real and num_steps is not None:  # The shape real clients would give.
     needed = num_steps if max_steps is None else min(num_steps, max_steps)
   if steps is None:
     steps = needed
@@ -370,45 +398,55 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
   elif steps < needed:
     raise ValueError(f'steps={steps} is fewer than the {needed} steps these '
                      'clients need.')
-  if resident:
-    index, mask = _rows(dataset.offsets, dataset.total_examples, clients,
-                        batch_size, steps)
-    batches = IndexedBatches(dataset.table, index)
-  else:
-    stacked = [pad_batches(data, order, batch_size, steps)
-               for _, data, order, _ in clients]
-    batches = {k: np.stack([b[k] for b, _ in stacked]) for k in stacked[0][0]}
-    mask = np.stack([m for _, m in stacked])
-  distinct = np.array([min(n, len(order)) for _, _, order, n in clients],
-                      dtype=np.float32)
-  cids = np.array([cid for cid, _, _, _ in clients], dtype=np.int32)
-  return Cohort(batches, mask, distinct, cids)
+  return steps
 
 
-def _rows(offsets: np.ndarray, rows: int,
-          clients: list[tuple[int, Any, np.ndarray, int]],
-          batch_size: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
-  """The ``[C, S, B]`` table rows and mask of ``clients``' orders: the row
-  of the example that :func:`pad_batches` puts at each place (``rows``, one
-  past the table, with mask False for padding: it reads as zeros)."""
+def _resident_cohort(dataset: DeviceDataset, ids: np.ndarray, batch_size: int, *,
+                     num_epochs, num_steps, max_steps, shuffle_seed, round_num,
+                     bucket, steps, padded, order_by_steps) -> Cohort:
+  """:func:`make_cohort` of a population on the device, for the whole cohort
+  at once: the clients' counts, orders and rows as arrays, no loop over
+  clients."""
+  pad = (ids == PADDING_CLIENT) if padded else np.zeros(ids.shape, bool)
+  bad = ~pad & ((ids < 0) | (ids >= dataset.num_clients))
+  if bad.any():
+    dataset.check_client(int(ids[np.argmax(bad)]))  # Raises, naming the id.
+  counts = dataset.examples_per_client()
+  n = np.where(pad, 0, counts[np.where(pad, 0, ids)])
+  empty = ~pad & (n < 1)
+  if empty.any():
+    cid = int(ids[np.argmax(empty)])
+    raise ValueError(f'client {cid} ({dataset.client_name(cid)!r}) has no '
+                     'examples; every client in a cohort needs at least one.')
+  real = np.flatnonzero(~pad)
+  examples, real_lengths = _flat_orders(
+      n[real], batch_size, num_epochs=num_epochs, num_steps=num_steps,
+      max_steps=max_steps,
+      shuffle=None if shuffle_seed is None else (shuffle_seed, round_num, ids[real]))
+  lengths = np.zeros(ids.size, np.int64)
+  lengths[real] = real_lengths
+  client_steps = -(-lengths // batch_size)
+  place = np.arange(ids.size)
+  if order_by_steps:
+    place = np.empty_like(place)
+    place[np.argsort(-client_steps, kind='stable')] = np.arange(ids.size)
+  steps = _padded_steps(int(client_steps.max()), batch_size, num_steps=num_steps,
+                        max_steps=max_steps, bucket=bucket, steps=steps,
+                        any_real=real.size > 0)
   size = steps * batch_size
-  index = np.full((len(clients), size), rows, np.int32)
-  mask = np.zeros((len(clients), size), bool)
-  longest = max(len(order) for _, _, order, _ in clients)
-  if longest > size:
-    raise ValueError(f'{longest} examples do not fit in {steps} steps of '
-                     f'{batch_size}.')
-  real = [(c, cid, order) for c, (cid, _, order, _) in enumerate(clients)
-          if cid != PADDING_CLIENT]
-  if real:
-    lengths = np.array([len(order) for _, _, order in real])
-    slot = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    row = np.repeat([c for c, _, _ in real], lengths)
-    index[row, slot] = np.concatenate([order for _, _, order in real]) + np.repeat(
-        offsets[[cid for _, cid, _ in real]], lengths)
-    mask[row, slot] = True
-  shape = (len(clients), steps, batch_size)
-  return index.reshape(shape), mask.reshape(shape)
+  index = np.full((ids.size, size), dataset.total_examples, np.int32)
+  mask = np.zeros((ids.size, size), bool)
+  row = np.repeat(place[real], real_lengths)
+  slot = np.arange(examples.size) - np.repeat(np.cumsum(real_lengths) - real_lengths,
+                                              real_lengths)
+  index[row, slot] = examples + np.repeat(dataset.offsets[ids[real]], real_lengths)
+  mask[row, slot] = True
+  order = np.argsort(place)
+  shape = (ids.size, steps, batch_size)
+  return Cohort(IndexedBatches(dataset.table, index.reshape(shape)),
+                mask.reshape(shape),
+                np.minimum(n, lengths)[order].astype(np.float32),
+                ids[order].astype(np.int32))
 
 
 def cohort_steps(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarray,

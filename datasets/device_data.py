@@ -65,6 +65,10 @@ class DeviceDataset(WrappedDataset):
     return DeviceDataset(self._base, {k: jax.device_put(v, where)
                                       for k, v in self.table.items()}, self.offsets)
 
+  def examples_per_client(self) -> np.ndarray:
+    """``int64 [num_clients]``: every client's example count, from the rows."""
+    return np.diff(np.append(self.offsets, self.total_examples)).astype(np.int64)
+
   @property
   def total_examples(self) -> int:
     """``N``, the examples of all clients (the table's rows)."""

@@ -46,6 +46,8 @@ OPTIONS = [
     dict(), dict(num_epochs=2), dict(num_steps=3), dict(max_steps=2),
     dict(bucket=False), dict(shuffle_seed=None), dict(order_by_steps=True),
     dict(pad_to=10), dict(steps=16, bucket=False),
+    dict(pad_to=10, order_by_steps=True, num_steps=5),
+    dict(steps=8, num_epochs=3, max_steps=6),
 ]
 
 
@@ -63,6 +65,18 @@ def test_indexed_cohort_is_the_host_cohort(options):
     np.testing.assert_array_equal(np.asarray(got.batches.dense()[k]), v)
   for field in ('mask', 'num_examples', 'client_ids'):
     np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+
+
+@pytest.mark.parametrize('ids, options, message', [
+    ([2, 8], {}, r'client id 8 is not in this dataset; ids are ints in \[0, 8\)'),
+    ([2, -1], {}, r'client id -1 is not in this dataset'),
+    ([2, 1], dict(steps=1), r'steps=1 is fewer than the 4 steps'),
+])
+def test_indexed_cohort_refuses_what_the_host_cohort_refuses(ids, options, message):
+  host = _population()
+  for dataset in (host, datasets.on_device(host)):
+    with pytest.raises(ValueError, match=message):
+      datasets.make_cohort(dataset, ids, 4, **options)
 
 
 def test_cohort_moves_only_its_index():
