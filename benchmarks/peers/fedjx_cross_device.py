@@ -2,8 +2,10 @@
 population from ``datasets.from_arrays``, put on the device with
 ``datasets.on_device`` (what ``fedjx-run`` does under
 ``config.data_placement='auto'``), each round's cohort from
-``datasets.make_cohort`` (shuffled per client and round, steps bucketed to
-a power of two), ``fedavg(...).compile()`` under ``map_strategy='auto'``,
+``datasets.cohort_iterator`` as ``fedjx-run`` takes it (``make_cohort`` of
+the whole population, shuffled per client and round, steps bucketed to a
+power of two, the next round's built and placed on a background thread
+while a round runs: ``config.prefetch=1``), ``fedavg(...).compile()`` under ``map_strategy='auto'``,
 ``client_evaluation=False`` (no extra passes over the data: what the peers
 compute). Rounds run as ``fedjx-run`` runs them under its default
 ``config.nonfinite='skip'``: built without the per-client guard
@@ -91,11 +93,12 @@ def run(args, devices, data):
   state = algo.init(params)
   ids = np.arange(len(data))
   rounds = 1 if args.check else args.rounds
+  # As fedjx-run feeds its rounds: the next round's cohort is built and
+  # placed on a background thread while this one runs (config.prefetch=1).
+  cohorts = datasets.cohort_iterator(population, len(ids), cd.BATCH,
+                                     num_rounds=rounds, shuffle=not args.check)
   clock = common.Clock()
-  for r in range(rounds):
-    cohort = datasets.place_cohort(datasets.make_cohort(
-        population, ids, cd.BATCH, round_num=r,
-        shuffle_seed=None if args.check else 0))
+  for r, cohort in enumerate(cohorts):
     state, metrics = algo.round(state, cohort, jax.random.key(r))
     jax.block_until_ready(state.params)
     clock.tick()
