@@ -58,9 +58,14 @@ def loss_fn(setup):
 
 
 def main():
-  args = cd.parse_args(__doc__.split('\n')[0], lambda p: p.add_argument(
-      '--map_strategy', default='auto', choices=('auto', 'sequential', 'chunked', 'vmap'),
-      help="the round's map strategy (fedjx-run's config.map_strategy)"))
+  def options(p):
+    p.add_argument('--map_strategy', default='auto',
+                   choices=('auto', 'sequential', 'chunked', 'vmap'),
+                   help="the round's map strategy (fedjx-run's config.map_strategy)")
+    p.add_argument('--prefetch', type=int, default=1,
+                   help="cohorts built ahead on a background thread (fedjx-run's "
+                        'config.prefetch; 0: each built before its round)')
+  args = cd.parse_args(__doc__.split('\n')[0], options)
   # As fedjx-run does (config.cpu_devices='auto', config.mesh='auto'): before
   # JAX starts, one CPU device per core; the cohort split over them when the
   # model is small or streams its weights (processes.splits_model) and there
@@ -96,7 +101,8 @@ def run(args, devices, data):
   # As fedjx-run feeds its rounds: the next round's cohort is built and
   # placed on a background thread while this one runs (config.prefetch=1).
   cohorts = datasets.cohort_iterator(population, len(ids), cd.BATCH,
-                                     num_rounds=rounds, shuffle=not args.check)
+                                     num_rounds=rounds, shuffle=not args.check,
+                                     prefetch=args.prefetch)
   clock = common.Clock()
   for r, cohort in enumerate(cohorts):
     state, metrics = algo.round(state, cohort, jax.random.key(r))
