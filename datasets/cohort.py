@@ -370,7 +370,7 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
   if order_by_steps:
     clients.sort(key=lambda c: -math.ceil(len(c[2]) / batch_size))
   steps = _padded_steps(max(math.ceil(len(order) / batch_size)
-                            for _, _, order, _ in clients), batch_size,
+                            for _, _, order, _ in clients),
                         num_steps=num_steps, max_steps=max_steps, bucket=bucket,
                         steps=steps, any_real=bool(real))
   stacked = [pad_batches(data, order, batch_size, steps)
@@ -383,7 +383,7 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
   return Cohort(batches, mask, distinct, cids)
 
 
-def _padded_steps(needed: int, batch_size: int, *, num_steps, max_steps, bucket,
+def _padded_steps(needed: int, *, num_steps, max_steps, bucket,
                   steps, any_real: bool) -> int:
   """``S``, the cohort's step count, from the most steps a client needs."""
   needed = max(1, needed)
@@ -430,7 +430,7 @@ def _resident_cohort(dataset: DeviceDataset, ids: np.ndarray, batch_size: int, *
   if order_by_steps:
     place = np.empty_like(place)
     place[np.argsort(-client_steps, kind='stable')] = np.arange(ids.size)
-  steps = _padded_steps(int(client_steps.max()), batch_size, num_steps=num_steps,
+  steps = _padded_steps(int(client_steps.max()), num_steps=num_steps,
                         max_steps=max_steps, bucket=bucket, steps=steps,
                         any_real=real.size > 0)
   size = steps * batch_size
