@@ -476,9 +476,14 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
   step_s = statistics.median(times)
   flops = llama_config.train_flops_per_token(config, seq_len) * batch * seq_len
   stats = device.memory_stats() or {}
+  plan = llama.step_plan(config, batch, seq_len)
   return {
       'preset': name, 'params': llama_config.num_params(config), 'batch': batch,
-      'seq_len': seq_len, 'dtype': config.dtype, 'remat': config.remat,
+      'seq_len': seq_len, 'dtype': config.dtype, 'param_dtype': config.param_dtype,
+      'remat': plan['remat'], 'attention': plan['attention'],
+      'loss_chunk': plan['loss_chunk'],
+      'estimated_bytes': llama_config.training_bytes(
+          config, batch, seq_len, plan['remat'], plan['attention'], plan['loss_chunk']),
       'platform': device.platform, 'device': device.device_kind,
       'compile_s': round(compile_s, 3), 'step_s': step_s, 'step_s_repeats': times,
       'tokens_per_s': batch * seq_len / step_s, 'model_flops_per_step': flops,
