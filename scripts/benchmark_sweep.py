@@ -8,7 +8,7 @@ checkpoints as usual; TensorBoard, plots and the non-finite checks are off
 on both sides.
 
   python scripts/benchmark_sweep.py --rounds 300 --values 16 --seeds 0,1,2 \\
-      --out docs/benchmark_sweep_cpu.jsonl
+      --out benchmarks/results/benchmark_sweep_cpu.jsonl
 
 ``--sequential_limit K`` runs only the first K sequential trials; the line
 then reports their measured mean and the ratio is marked ``"extrapolated":

@@ -1,6 +1,6 @@
 """Overlays the learning curves of several runs into one PNG.
 
-  python scripts/plot.py runs/diloco_k4 runs/diloco_k1 --out docs/diloco.png \
+  python scripts/plot.py runs/diloco_k4 runs/diloco_k1 --out runs/diloco.png \
       --metrics eval_loss,eval_accuracy
   python scripts/plot.py runs/fedavg runs/fednova --x simulated_time \
       --metrics eval_accuracy       # against the system model's clock, hours

@@ -3,7 +3,7 @@ in its own virtualenv, interleaved (fedjx, lax_map, fedjax, torch_loop,
 pfl-research, flower, then again), appending each JSON line to ``--out``,
 then prints the Markdown table (``--table`` re-prints it from ``--out``).
 
-  python benchmarks/peers/run.py --repeats=2 --out=docs/peers_cpu.jsonl
+  python benchmarks/peers/run.py --repeats=2 --out=benchmarks/results/peers_cpu.jsonl
 
 Virtualenvs come from ``setup.sh`` (``$FEDJX_PEERS_DIR``, default
 ``~/.cache/fedjx-peers``); fedjx's rounds run under ``--fedjx_python``
