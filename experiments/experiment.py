@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from fedjx import datasets
+from fedjx import execution
 from fedjx import models
 from fedjx.experiments import attack as attack_lib
 from fedjx.experiments import churn as churn_lib
@@ -292,8 +293,13 @@ def build(config: Any, placement: str | None = None) -> Experiment:
   params = model.init(init_key, batch)
   algorithm = build_algorithm(config, model, data.train.num_clients,
                               placement=placement, params=params)
+  step_memory = language_model_step_memory(model, algorithm, params)
+  if step_memory is not None:  # The model plans its remat around the algorithm's state.
+    model = models.llama.with_step_memory(model, step_memory)
+    algorithm = build_algorithm(config, model, data.train.num_clients,
+                                placement=placement, params=params)
   examples = evaluation.pool_examples(data.test, config.eval_max_examples)
-  evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size)
+  evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size, params)
               if examples is not None else None)
   evaluate = attack_lib.with_success_rate(config, model, data, evaluate)
   system_model = _system_model(config, data.train.num_clients, params)
@@ -307,6 +313,30 @@ def build(config: Any, placement: str | None = None) -> Experiment:
   return Experiment(config, data, model, algorithm, params, round_key, evaluate,
                     systems=system_model, scheduler=scheduler, sampler=sampler,
                     privacy=plan, resident=resident)
+
+
+def language_model_step_memory(model: models.Model, algorithm: Any, params: Any) -> int | None:
+  """The bytes a language model's training step may plan for, or None.
+
+  For a model whose ``remat`` or ``loss_chunk`` is ``'auto'``
+  (:func:`fedjx.models.llama.step_plan`) on an accelerator: the device's
+  memory less the algorithm's state (its shapes, by ``jax.eval_shape``), so
+  that e.g. DiLoCo's replicas' inner optimizer states, which stay on the
+  device while one replica trains, are left room. None on a CPU, for other
+  models, or when a ``step_memory`` is already set.
+  """
+  config = getattr(model.module, 'config', None)
+  if (not model.head_loss or not isinstance(config, models.LlamaConfig) or
+      config.step_memory is not None or 'auto' not in (config.remat, config.loss_chunk) or
+      jax.default_backend() == 'cpu'):
+    return None
+  memory = execution.device_memory_bytes()
+  if memory is None:
+    return None
+  state = jax.eval_shape(algorithm.init, params)
+  held = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(state))
+  return max(memory - held, 1)
 
 
 def data_on_device(config: ml_collections.ConfigDict, train: Any,

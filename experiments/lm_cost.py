@@ -423,7 +423,7 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
                        seq_len: int | None = None, steps: int = 5, repeats: int = 3,
                        remat: str | None = None, dtype: str | None = None,
                        peak_flops: float | None = None, seed: int = 0) -> dict:
-  """Times the inner step of :func:`plan_inner_step` on one device, with data.
+  """Times one replica's inner step (that of :func:`plan_inner_step`) on one device.
 
   Parameters are initialized from ``seed``, tokens drawn uniformly from
   ``1 .. V - 1``; after one warm-up step (the compile), ``repeats`` times
@@ -445,27 +445,29 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
   if peak_flops is not None and not peak_flops > 0:
     raise ValueError(f'measure_inner_step: peak_flops={peak_flops!r} must be positive FLOP/s.')
   device = jax.devices()[0]
-  mesh = jax.make_mesh((1, 1), ('clients', 'fsdp'), devices=[device],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  step, (p_shapes, o_shapes, t_shape) = inner_step_program(config, 1, 1, batch, seq_len, mesh)
-  k_init, k_tokens = jax.random.split(jax.random.key(seed))
   model = llama.llama_lm(config)
+  opt = inner_optimizer()
+
+  def inner_step(params, opt_state, tokens):  # One replica's step, as DiLoCo runs it.
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean(model.loss_fn(p, {'x': tokens})))(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  step = jax.jit(inner_step, donate_argnums=(0, 1))
+  k_init, k_tokens = jax.random.split(jax.random.key(seed))
   one = jnp.zeros((batch, seq_len), jnp.int32)
-  params = jax.tree.map(lambda x: x[None],
-                        model.module.init(k_init, one, train=False)['params'])
-  opt_state = jax.vmap(inner_optimizer().init)(params)
-  params = jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), params, p_shapes)
-  opt_state = jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), opt_state, o_shapes)
-  tokens = jax.device_put(jax.random.randint(k_tokens, t_shape.shape, 1, config.vocab_size,
-                                             jnp.int32), t_shape.sharding)
+  params = jax.jit(lambda k: model.module.init(k, one, train=False)['params'])(k_init)
+  opt_state = opt.init(params)
+  tokens = jax.random.randint(k_tokens, (batch, seq_len + 1), 1, config.vocab_size, jnp.int32)
   start = time.perf_counter()
-  compiled = step.lower(p_shapes, o_shapes, t_shape).compile()
+  compiled = step.lower(params, opt_state, tokens).compile()
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
   planned = (memory.argument_size_in_bytes + memory.output_size_in_bytes -
              memory.alias_size_in_bytes + memory.temp_size_in_bytes)
   params, opt_state, loss = compiled(params, opt_state, tokens)
-  first_loss = float(loss[0])
+  first_loss = float(loss)
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -490,5 +492,5 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
       'mfu': flops / step_s / peak_flops if peak_flops else None,
       'peak_flops': peak_flops, 'device_peak_bytes': stats.get('peak_bytes_in_use'),
       'planned_peak_bytes': int(planned), 'first_loss': first_loss,
-      'last_loss': float(loss[0]), 'steps': 1 + repeats * steps,
+      'last_loss': float(loss), 'steps': 1 + repeats * steps,
   }

@@ -79,6 +79,7 @@ Hugging Face's ``rms_norm_eps`` and ``rope_theta`` are ``norm_eps`` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -314,9 +315,12 @@ def step_plan(config: LlamaConfig, batch: int, seq_len: int, differentiated: boo
   (:func:`fedjx.models.attention.resolve`), the remat policy
   (:func:`~fedjx.models.llama_config.choose_remat`) and the output head's
   chunk (:func:`~fedjx.models.llama_config.choose_loss_chunk`), for the
-  device of ``memory_bytes`` on ``backend`` (default: JAX's first device).
+  device of ``memory_bytes`` on ``backend`` (default: ``config.step_memory``,
+  else the memory of JAX's first device; JAX's backend).
   """
-  memory = execution.device_memory_bytes() if memory_bytes is None else memory_bytes
+  memory = memory_bytes
+  if memory is None:
+    memory = config.step_memory or execution.device_memory_bytes()
   kernel = attention.resolve(config.attention, seq_len, config.dtype, backend)
   return {'attention': kernel,
           'remat': llama_config.choose_remat(config, batch, seq_len, memory, kernel),
@@ -371,6 +375,12 @@ def llama_lm(preset: str | LlamaConfig = '1m', vocab_size: int | None = None,
     config = llama_config.preset(preset, **changes)
   return losses.Model('llama_lm', LlamaLM(config), task='language_modeling', pad_id=pad_id,
                       layout='llama', head_loss=True)
+
+
+def with_step_memory(model: losses.Model, step_memory: int) -> losses.Model:
+  """``model`` (of :func:`llama_lm`) whose ``'auto'`` settings plan for ``step_memory`` bytes."""
+  config = model.module.config.replace(step_memory=int(step_memory))
+  return dataclasses.replace(model, module=LlamaLM(config))
 
 
 def param_shapes(config: LlamaConfig | str, batch: int = 1, length: int = 8) -> Any:

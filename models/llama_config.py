@@ -101,6 +101,10 @@ class LlamaConfig:
       (:func:`fedjx.models.llama.head_losses`): ``'auto'``
       (:func:`choose_loss_chunk`), ``0`` (all tokens at once) or a positive
       number dividing the batch's ``B T`` tokens.
+    step_memory: the bytes one training step may plan for when ``remat``
+      or ``loss_chunk`` is ``'auto'`` (``None``: the device's memory). The
+      runner sets it to the device's memory less what the algorithm's state
+      holds (e.g. DiLoCo's replicas' optimizer states).
   """
 
   vocab_size: int
@@ -121,6 +125,7 @@ class LlamaConfig:
   attention: str = 'auto'
   attention_block: int | None = None
   loss_chunk: str | int = 'auto'
+  step_memory: int | None = None
 
   def __post_init__(self):
     for name in ('vocab_size', 'width', 'num_layers', 'num_heads', 'num_kv_heads',
@@ -158,6 +163,11 @@ class LlamaConfig:
     if chunk != 'auto' and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
       raise ValueError(f"LlamaConfig: loss_chunk={chunk!r} must be 'auto', 0 (no chunks) "
                        'or a positive number of tokens.')
+    memory = self.step_memory
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or
+                               memory < 1):
+      raise ValueError(f'LlamaConfig: step_memory={memory!r} must be None or a positive '
+                       'number of bytes.')
     for name in ('dtype', 'param_dtype'):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f'LlamaConfig: {name}={getattr(self, name)!r} is not one of '
@@ -260,8 +270,14 @@ def state_bytes(config: LlamaConfig | str) -> int:
   return 4 * num_params(c) * _itemsize(c.param_dtype)
 
 
+NONE_OVERHEAD = 1.5
+"""Without remat XLA keeps about 1.5x the intermediates :func:`layer_activation_bytes`
+counts (its float32 copies of norms, RoPE and SwiGLU), read off XLA's memory
+plans of the inner step on a TPU v5e (35M at batch 8, 180M at batch 4)."""
+
+
 def layer_activation_bytes(config: LlamaConfig | str, remat: str, attention: str,
-                           seq_len: int) -> int:
+                           seq_len: int) -> float:
   """Bytes one layer keeps per token for the backward pass under ``remat``.
 
   With ``s`` the compute dtype's size (the RMSNorm statistics in float32):
@@ -271,10 +287,11 @@ def layer_activation_bytes(config: LlamaConfig | str, remat: str, attention: str
     the projections' outputs, ``s (3 d + H h + 2 K h + 2 f)``;
   * ``'none'``/``'everything_saveable'``: every intermediate,
     ``s (5 d + 3 H h + 3 K h + 4 f) + 8 d + 4 H``, and with ``attention='xla'``
-    the float32 scores and probabilities, ``8 H T`` more.
+    the float32 scores and probabilities, ``8 H T`` more; times
+    :data:`NONE_OVERHEAD`.
 
   ``attention`` is a resolved implementation (not ``'auto'``). These are
-  estimates for planning, checked against XLA's memory analysis on a TPU
+  estimates for planning, checked against XLA's memory plans on a TPU v5e
   (docs/language_models.md).
   """
   c = _config(config)
@@ -287,22 +304,27 @@ def layer_activation_bytes(config: LlamaConfig | str, remat: str, attention: str
   every = s * (5 * d + 3 * hq + 3 * hkv + 4 * f) + 8 * d + 4 * heads
   if attention == 'xla':
     every += 8 * heads * seq_len
-  return every
+  return NONE_OVERHEAD * every
 
 
 def training_bytes(config: LlamaConfig | str, batch: int, seq_len: int, remat: str,
-                   attention: str, loss_chunk: int) -> int:
-  """Planned bytes of one training step: :func:`state_bytes`, the ``L`` layers'
-  activations (:func:`layer_activation_bytes`), one layer's full working set
-  when layers are recomputed, and the output head's logits (``6 V`` bytes per
-  token at once: the compute-dtype logits and two float32 temporaries, or
-  ``loss_chunk`` tokens' worth when chunked)."""
+                   attention: str, loss_chunk: int) -> float:
+  """Planned bytes of one training step.
+
+  :func:`state_bytes`, the ``L`` layers' activations
+  (:func:`layer_activation_bytes`), one layer's whole working set when
+  layers are recomputed, and the output head's logits for ``loss_chunk``
+  tokens at once (all ``B T`` for ``0``): ``12 V`` bytes per token without
+  remat (the compute-dtype logits, their float32 copy, the softmax and its
+  gradient are live together), ``6 V`` with it (fewer are live at the
+  loss's peak), as XLA's memory plans on a TPU v5e show.
+  """
   c = _config(config)
   tokens = batch * seq_len
   layers = c.num_layers * tokens * layer_activation_bytes(c, remat, attention, seq_len)
   if remat != 'none':
     layers += tokens * layer_activation_bytes(c, 'none', attention, seq_len)
-  logits = 6 * c.vocab_size * (loss_chunk or tokens)
+  logits = (12 if remat == 'none' else 6) * c.vocab_size * (loss_chunk or tokens)
   return state_bytes(c) + layers + logits
 
 
