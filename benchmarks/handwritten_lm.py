@@ -150,14 +150,20 @@ def make_step(shape, attention='splash', policy='none', dtype=jnp.bfloat16):
   return jax.jit(step, donate_argnums=(0, 1)), opt
 
 
-def measure(preset: str, batch: int, seq_len: int = 2048, attention: str = 'splash',
-            policy: str = 'none', steps: int = 5, repeats: int = 3,
-            peak_flops: float | None = None, seed: int = 0) -> dict:
-  """Seconds per step (median of ``repeats`` x ``steps`` after a warm-up), tokens/s, MFU."""
-  shape = llama_config.preset(preset)
-  step, opt = make_step(shape, attention, policy)
+def measure(preset: str | llama_config.LlamaConfig, batch: int, seq_len: int = 2048,
+            attention: str = 'splash', policy: str = 'none', steps: int = 5, repeats: int = 3,
+            peak_flops: float | None = None, seed: int = 0, dtype: str = 'bfloat16',
+            name: str | None = None) -> dict:
+  """Seconds per step (median of ``repeats`` x ``steps`` after a warm-up), tokens/s, MFU.
+
+  ``preset`` is a preset's name or a shape (its ``vocab_size`` and
+  ``param_dtype`` are used; its compute settings are not).
+  """
+  shape = llama_config.preset(preset) if isinstance(preset, str) else preset
+  name = name or (preset if isinstance(preset, str) else 'custom')
+  step, opt = make_step(shape, attention, policy, jnp.dtype(dtype))
   k_init, k_tok = jax.random.split(jax.random.key(seed))
-  params = init_params(shape, k_init)
+  params = jax.tree.map(lambda x: x.astype(shape.param_dtype), init_params(shape, k_init))
   opt_state = opt.init(params)
   tokens = jax.random.randint(k_tok, (batch, seq_len + 1), 1, shape.vocab_size, jnp.int32)
   start = time.perf_counter()
@@ -176,7 +182,8 @@ def measure(preset: str, batch: int, seq_len: int = 2048, attention: str = 'spla
   step_s = statistics.median(times)
   flops = llama_config.train_flops_per_token(shape, seq_len) * batch * seq_len
   return {
-      'framework': 'handwritten', 'preset': preset, 'batch': batch, 'seq_len': seq_len,
+      'framework': 'handwritten', 'preset': name, 'batch': batch, 'seq_len': seq_len,
+      'vocab_size': shape.vocab_size, 'param_dtype': shape.param_dtype,
       'attention': attention, 'remat': policy, 'compile_s': round(compile_s, 3),
       'step_s': step_s, 'step_s_repeats': times, 'tokens_per_s': batch * seq_len / step_s,
       'mfu': flops / step_s / peak_flops if peak_flops else None,

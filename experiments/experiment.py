@@ -293,13 +293,15 @@ def build(config: Any, placement: str | None = None) -> Experiment:
   params = model.init(init_key, batch)
   algorithm = build_algorithm(config, model, data.train.num_clients,
                               placement=placement, params=params)
-  step_memory = language_model_step_memory(model, algorithm, params)
+  held = state_bytes(algorithm, params) if jax.default_backend() != 'cpu' else 0
+  step_memory = language_model_step_memory(model, held)
   if step_memory is not None:  # The model plans its remat around the algorithm's state.
     model = models.llama.with_step_memory(model, step_memory)
     algorithm = build_algorithm(config, model, data.train.num_clients,
                                 placement=placement, params=params)
   examples = evaluation.pool_examples(data.test, config.eval_max_examples)
-  evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size, params)
+  evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size, params,
+                                        held_bytes=held)
               if examples is not None else None)
   evaluate = attack_lib.with_success_rate(config, model, data, evaluate)
   system_model = _system_model(config, data.train.num_clients, params)
@@ -315,13 +317,20 @@ def build(config: Any, placement: str | None = None) -> Experiment:
                     privacy=plan, resident=resident)
 
 
-def language_model_step_memory(model: models.Model, algorithm: Any, params: Any) -> int | None:
+def state_bytes(algorithm: Any, params: Any) -> int:
+  """Bytes of the algorithm's state for ``params`` (its shapes, by ``jax.eval_shape``)."""
+  state = jax.eval_shape(algorithm.init, params)
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(state))
+
+
+def language_model_step_memory(model: models.Model, held_bytes: int) -> int | None:
   """The bytes a language model's training step may plan for, or None.
 
   For a model whose ``remat`` or ``loss_chunk`` is ``'auto'``
   (:func:`fedjx.models.llama.step_plan`) on an accelerator: the device's
-  memory less the algorithm's state (its shapes, by ``jax.eval_shape``), so
-  that e.g. DiLoCo's replicas' inner optimizer states, which stay on the
+  memory less ``held_bytes``, the algorithm's state (:func:`state_bytes`),
+  so that e.g. DiLoCo's replicas' inner optimizer states, which stay on the
   device while one replica trains, are left room. None on a CPU, for other
   models, or when a ``step_memory`` is already set.
   """
@@ -333,10 +342,7 @@ def language_model_step_memory(model: models.Model, algorithm: Any, params: Any)
   memory = execution.device_memory_bytes()
   if memory is None:
     return None
-  state = jax.eval_shape(algorithm.init, params)
-  held = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(state))
-  return max(memory - held, 1)
+  return max(memory - held_bytes, 1)
 
 
 def data_on_device(config: ml_collections.ConfigDict, train: Any,

@@ -482,6 +482,7 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
   return {
       'preset': name, 'params': llama_config.num_params(config), 'batch': batch,
       'seq_len': seq_len, 'dtype': config.dtype, 'param_dtype': config.param_dtype,
+      'vocab_size': config.vocab_size,
       'remat': plan['remat'], 'attention': plan['attention'],
       'loss_chunk': plan['loss_chunk'],
       'estimated_bytes': llama_config.training_bytes(
