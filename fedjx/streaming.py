@@ -68,12 +68,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fedjx import mapping
 from fedjx.interpreters import plan as plan_lib
 from fedjx import primitives
 from fedjx import reductions
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 class NotStreamableError(ValueError):
