@@ -389,7 +389,8 @@ def _system_model(config: ml_collections.ConfigDict, num_clients: int,
   try:
     model = datasets.systems.from_config(
         config.systems, num_clients, config.seed,
-        model_bytes=sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))
+        model_bytes=sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+                        for x in jax.tree.leaves(params)))
   except ValueError as e:
     raise registry.ConfigError(f'config.{e}') from None
   if model is None:

@@ -9,10 +9,10 @@
 #   bash scripts/benchmark_accelerator.sh runs/accelerator
 #   bash scripts/benchmark_accelerator.sh runs/accelerator cnn lora
 #
-# The names after the folder pick parts (lm, cross, cnn, lora; all by
-# default). On a TPU each limit is doubled: a freshly started TPU machine
+# The names after the folder pick parts (lm, diloco, cross, cnn, lora; all
+# by default). On a TPU each limit is doubled: a freshly started TPU machine
 # spends longer starting and compiling each part's process, so there the
-# parts run in three calls of under 10 minutes each (lm; cross; cnn lora).
+# parts run in calls of under 10 minutes each (lm diloco; cross; cnn lora).
 #
 # Needs jax for the accelerator, flax and optax; installs fedjx itself
 # without dependencies if it is not installed (or lays it out by links where
@@ -20,14 +20,16 @@
 set -uo pipefail
 out="${1:-runs/accelerator}"
 shift $(($# > 0 ? 1 : 0))
-parts=" ${*:-lm cross cnn lora} "
+parts=" ${*:-lm diloco cross cnn lora} "
 for p in $parts; do
-  case "$p" in lm|cross|cnn|lora) ;;
-    *) echo "benchmark_accelerator: part '$p' is not one of lm, cross, cnn, lora." >&2; exit 2 ;;
+  case "$p" in lm|diloco|cross|cnn|lora) ;;
+    *) echo "benchmark_accelerator: part '$p' is not one of lm, diloco, cross, cnn, lora." >&2; exit 2 ;;
   esac
 done
 wanted() { [[ "$parts" == *" $1 "* ]]; }
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+root="$PWD"
 importable() {  # from outside the checkout, whose fedjx/ lacks the subpackages
   (cd / && python -c 'import fedjx.experiments, fedjx.algorithms' 2>/dev/null)
 }
@@ -85,18 +87,38 @@ big=false
 if wanted lm; then
   # 1. Language-model inner steps (AdamW, bfloat16 compute over float32
   #    parameters, sequences of 2048 tokens): tokens/s, MFU against the
-  #    device's bfloat16 dense peak, and memory. Without rematerialization
-  #    at batch 8 the 180M preset asks for 54 GB of temporaries, and 1.3B's
-  #    float32 weights, gradients and AdamW moments alone take 21 GB: on a
-  #    device of 40 GB or less, 180M runs with every block rematerialized
-  #    at batch 4, and 1.3B not at all.
+  #    device's bfloat16 dense peak, and memory, each preset at its best
+  #    batch for the device's memory, fedjx's step (attention kernel, remat
+  #    policy and loss chunks 'auto') and, interleaved, the hand-written
+  #    step of the same shapes, kernel and policy
+  #    (benchmarks/handwritten_lm.py). 1.3B keeps its parameters and AdamW
+  #    moments in bfloat16 where float32 ones do not fit (21 GB).
   if $big; then
-    part 60 lm_small "${lm[@]}" --batch=8 --presets=35m,180m
-    part 110 lm_large "${lm[@]}" --batch=4 --presets=550m,1.3b --remat=full
+    part 60 lm_35m "${lm[@]}" --handwritten --batch=16 --presets=35m,180m
+    part 110 lm_large "${lm[@]}" --handwritten --batch=8 --presets=550m,1.3b
   else
-    part 45 lm_small "${lm[@]}" --batch=8 --presets=35m
-    part 125 lm_large "${lm[@]}" --batch=4 --presets=180m,550m --remat=full
+    part 45 lm_35m "${lm[@]}" --handwritten --batch=8 --presets=35m
+    part 90 lm_180m_550m "${lm[@]}" --handwritten --batch=4 --presets=180m,550m
+    part 45 lm_1.3b "${lm[@]}" --batch=4 --presets=1.3b --param_dtype=bfloat16
   fi
+fi
+if wanted diloco; then
+  # 2. DiLoCo through fedjx-run (configs/diloco_study.py's one-chip
+  #    presets: 35M with M = 4 and M = 8 replicas, 180M with M = 4; 30
+  #    inner steps per replica per round, the global batch of 32 sequences
+  #    of 2048 bytes split over the replicas), two rounds each; the second
+  #    round's tokens_per_s and mfu rows are compared with the inner step
+  #    of the same shape (the corpus's byte vocabulary) measured alone.
+  for spec in 4,35m 8,35m 4,180m; do
+    echo "== diloco $spec"
+    (cd / && timeout $((100 * scale)) python -m fedjx.experiments.cli \
+      --config="$root/configs/diloco_study.py:$spec,0.01" --workdir="$out/diloco_${spec/,/_}" \
+      --config.rounds=2 --config.eval_every=2 --config.progress=False) >>"$out/diloco.log" 2>&1
+    echo "   exit $? after ${SECONDS}s in total"
+  done
+  part 60 lm_diloco_35m "${lm[@]}" --presets=35m --vocab_size=256 --batch=8
+  part 30 lm_diloco_35m_b4 "${lm[@]}" --presets=35m --vocab_size=256 --batch=4
+  part 40 lm_diloco_180m "${lm[@]}" --presets=180m --vocab_size=256 --batch=8
 fi
 if wanted cross; then
   # 2. The cross-device regime (2NN, log-normal clients, one epoch of batch
