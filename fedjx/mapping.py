@@ -51,14 +51,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjx import chunk_cost
+from fedjx import distributed
 from fedjx import frames
 from fedjx import indexed
 from fedjx import options as options_lib
 from fedjx import sharding as sharding_lib
 
+# How each map runs (a debug record per traced map: its members, chunks and
+# order), and maps that fusion does not reach.
+_LOG = logging.getLogger('fedjx.fusion')
+PLAN_MESSAGE = 'fedjx.map_fn over %r: %d members, %s in chunks of %d%s'
+
 # Per-device memory budget for the inputs of one chunk of clients under the
 # ``auto`` strategy; the activations of client training are several times this.
-_LOG = logging.getLogger('fedjx.fusion')
 
 _AUTO_CHUNK_INPUT_BYTES = {'cpu': 64 << 20, 'gpu': 512 << 20, 'tpu': 512 << 20}
 # CPU (measured on 2 cores, docs/benchmarks.md): vmap wins only for tiny client
@@ -641,6 +646,10 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   mapped.__name__ = f'fedjx_map_{p.name}'
   recorder = frame.recorder
   spread = device_blocks(p.name, mesh, n)
+  if (spread is None and sharding_lib.active_mesh(mesh) is None and
+      recorder is not None and recorder.records_here() and
+      not frames.forced_map_strategy()):
+    spread = _cpu_blocks(p.name, n, call, placed, shared, broadcast, recorder)
   record_k, record_cost = k, cost
   if spread is not None:
     # One block of n / d members per device, each run as on one device.
@@ -651,6 +660,12 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     if 1 < record_k < block:
       record_cost = (member_cost(member_leaves) if user_cost is None
                      else jnp.asarray(user_cost))
+  chunked = record_cost is not None
+  _LOG.debug(PLAN_MESSAGE, p.name, n, strategy,
+             record_k, (' sorted by cost' if sort and chunked else
+                        ' formed by cost' if chunked else '') + (
+                            f', one block of {n // spread[1]} per device'
+                            if spread is not None else ''))
   fusable = (recorder is not None and recorder.active and
              not frames.forced_map_strategy() and
              (record_k < block if spread is not None else
@@ -671,26 +686,52 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   return jax.jit(mapped)(placed, shared, cost)
 
 
-def _step_cost(call: Callable[..., Any], placed: list[Any], shared: dict[int, Any],
-               broadcast: list[int], client_bytes: int,
-               recorder: Any) -> chunk_cost.StepCost:
-  """One member's :class:`fedjx.chunk_cost.StepCost`: the bytes of what is
-  broadcast to it (the model it trains; its inputs' bytes where nothing
-  is), and the flops of its computation traced alone, each loop body once."""
+def _member_jaxpr(call: Callable[..., Any], placed: list[Any],
+                  shared: dict[int, Any], recorder: Any) -> Any:
+  """One member's computation traced alone (a closed jaxpr)."""
   member = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)) for x in placed]
   active = recorder is not None and recorder.active
   if active:  # Maps inside the member are not the program's.
     recorder.active = False
   try:
     with frames.chunk_axis(None):
-      closed = jax.make_jaxpr(lambda one: call(one, shared))(member)
+      return jax.make_jaxpr(lambda one: call(one, shared))(member)
   finally:
     if active:
       recorder.active = True
-  model = sum(int(np.size(shared[i])) * jnp.result_type(shared[i]).itemsize
-              for i in broadcast)
+
+
+def _nbytes(values: Any) -> int:
+  return sum(int(np.size(x)) * jnp.result_type(x).itemsize
+             for x in jax.tree.leaves(values))
+
+
+def _step_cost(call: Callable[..., Any], placed: list[Any], shared: dict[int, Any],
+               broadcast: list[int], client_bytes: int,
+               recorder: Any) -> chunk_cost.StepCost:
+  """One member's :class:`fedjx.chunk_cost.StepCost`: the bytes of what is
+  broadcast to it (the model it trains; its inputs' bytes where nothing
+  is), and the flops of its computation traced alone, each loop body once."""
+  closed = _member_jaxpr(call, placed, shared, recorder)
+  model = _nbytes([shared[i] for i in broadcast])
   return chunk_cost.StepCost(model or client_bytes,
                              chunk_cost.loop_flops(closed.jaxpr))
+
+
+def _cpu_blocks(placement: str, n: int, call: Callable[..., Any],
+                placed: list[Any], shared: dict[int, Any], broadcast: list[int],
+                recorder: Any) -> tuple[Any, int] | None:
+  """:func:`fedjx.distributed.cpu_blocks` of a map with no mesh set: the
+  members' shared model is what is broadcast to them and what their
+  computation closes over (a frozen base model, which every device would
+  need a copy of)."""
+  model = _nbytes([shared[i] for i in broadcast])
+  if distributed.cpu_blocks(placement, n, model) is None:
+    return None
+  closed = _member_jaxpr(call, placed, shared, recorder)
+  given = {id(x) for x in jax.tree.leaves(list(shared.values()))}
+  closed_over = [c for c in closed.consts if id(c) not in given]
+  return distributed.cpu_blocks(placement, n, model + _nbytes(closed_over))
 
 
 def device_blocks(placement: str, mesh: Any, n: int) -> tuple[Any, int] | None:
