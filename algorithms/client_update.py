@@ -14,11 +14,11 @@ padded to the cohort's ``[S, B]`` shape gives exactly the result of its
 unpadded batches. A step that is padding for every client run together with
 this one (the whole cohort under ``vmap``, a chunk under ``chunked``, the
 client alone under ``sequential``) is not computed at all
-(:func:`scan_steps`; ``scripts/benchmark_padding.py``): a client run alone
-takes its real steps in a ``while`` loop; clients run together, and any
-round that is differentiated, take the steps as the leaves of a binary tree
-of ``lax.cond`` branches whose padding costs at most ``log2(S) + 1`` skipped
-branches.
+(:func:`scan_steps`; ``scripts/benchmark_padding.py``): the steps some client
+of the chunk needs run in a ``while`` loop, each client masking those that
+are padding for it; a round that is differentiated takes the steps as the
+leaves of a binary tree of ``lax.cond`` branches whose padding costs at most
+``log2(S) + 1`` skipped branches.
 
 The schedule of steps (:class:`LocalSchedule`) is either ``epochs`` passes
 over the cohort's ``S`` steps (McMahan et al. 2017, ``E`` local epochs), or a

@@ -64,7 +64,6 @@ PLAN_MESSAGE = 'fedjx.map_fn over %r: %d members, %s in chunks of %d%s'
 
 # Per-device memory budget for the inputs of one chunk of clients under the
 # ``auto`` strategy; the activations of client training are several times this.
-
 _AUTO_CHUNK_INPUT_BYTES = {'cpu': 64 << 20, 'gpu': 512 << 20, 'tpu': 512 << 20}
 # CPU (measured on 2 cores, docs/benchmarks.md): vmap wins only for tiny client
 # computations (logistic regression); mid-sized ones (a 135k-parameter
@@ -73,16 +72,18 @@ _AUTO_CHUNK_INPUT_BYTES = {'cpu': 64 << 20, 'gpu': 512 << 20, 'tpu': 512 << 20}
 _CPU_VMAP_MAX_CLIENT_BYTES = 256 << 10
 _CPU_SMALL_CHUNK_MAX_CLIENT_BYTES = 2 << 20
 _CPU_SMALL_CHUNK = 4
-# GPUs (measured on an H200, EMNIST CNN): vmap up to ~128 clients, chunks of
-# 64 beyond (4.8 s vmap vs 0.84 s chunks of 64 at 1024 clients).
+# Accelerators: ``map_fn`` runs sorted chunks as wide as the cost model of
+# fedjx.chunk_cost says, from one member's step. Where no step is known
+# (fedjx.streaming's chunks of a streamed round), the rules measured before:
+# GPUs (an H200, EMNIST CNN) vmap up to ~128 clients, chunks of 64 beyond
+# (4.8 s vmap vs 0.84 s chunks of 64 at 1024 clients) ...
 _ACCELERATOR_VMAP_MAX_CLIENTS = 128
 _ACCELERATOR_CHUNK = 64
-# TPUs (measured on one v5e chip, docs/benchmarks.md): as on CPUs, vmap only
-# for tiny client computations (logistic regression: 1.38 ms vmapped vs 7.85
-# ms one at a time, 128 clients); anything larger one client at a time, its
-# local steps a loop over its own steps (the 135k-parameter transformer 104 ms
-# vs 230 ms in chunks of 64; the EMNIST CNN 504 vs 970 ms; the 2NN of 1,000
-# clients 0.068 vs 0.085 s in chunks of 50).
+# ... TPUs (one v5e chip, docs/benchmarks.md) vmap only tiny client
+# computations (logistic regression: 1.38 ms vmapped vs 7.85 ms one at a
+# time, 128 clients) and run anything larger one client at a time (the
+# 135k-parameter transformer 104 ms vs 230 ms in chunks of 64 whose steps
+# took a tree of branches; the EMNIST CNN 504 vs 970 ms).
 _TPU_VMAP_MAX_CLIENT_BYTES = 256 << 10
 
 
