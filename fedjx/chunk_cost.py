@@ -21,13 +21,19 @@ the previous chunk's smallest), so the round costs about
 
     T(W) = L sum(c) / W + b sum(c) + (L + b W) (c_max - c_min):
 
-wider chunks amortize the latency, and pay for padding. :func:`chunk_width`
-takes the narrowest power of two whose latency is at most
-:data:`LATENCY_SHARE` of a chunk step (``L <= share (L + W b)``), and at
-most an eighth of the cohort (so that padding, which grows with ``W``, stays
-a small part); a member whose own step already hides the latency (``W``
-under :data:`MIN_CHUNK`: a convolution or attention, which run poorly
-batched over per-client weights) runs alone.
+wider chunks amortize the latency, and pay for padding; with ``S`` the
+padded steps (``c_max - c_min < S``) and ``sum(c) = n c_mean``, ``T`` is
+least at ``W* = sqrt(L n c_mean / (b S))``. The chunk's width is known
+when the round is compiled, its cohort's step counts only when it runs, so
+:func:`chunk_width` takes the narrowest power of two whose latency is at
+most :data:`LATENCY_SHARE` of a chunk step (``L <= share (L + W b)``: no
+wider, since a chunk's padding grows with ``W``), and no wider than the
+power of two above ``W*`` for a cohort whose mean step count is
+:data:`MEAN_STEPS_SHARE` of its padded steps (log-normal sizes of median
+20 and sigma 0.8, in batches of 10, padded to a power of two: about a
+tenth). A member whose own step already hides the latency (``W`` under
+:data:`MIN_CHUNK`: a convolution or attention, which run poorly batched
+over per-client weights) runs alone.
 
 Measured on one TPU v5e chip (docs/benchmarks.md; McMahan's 2NN over 1,000
 log-normal clients): one client at a time 0.031 s per round (``L + b``
@@ -58,8 +64,9 @@ TRAFFIC = 3
 LATENCY_SHARE = 0.1
 # Narrower chunks than this run their members one at a time.
 MIN_CHUNK = 4
-# Chunks are at most this fraction of the cohort.
-MAX_COHORT_SHARE = 1 / 8
+# The mean step count of a cohort, as a share of its padded steps, that the
+# chunks' padding is weighed for.
+MEAN_STEPS_SHARE = 1 / 8
 
 # (memory bandwidth in bytes/s, throughput of a client's small float32
 # products in flop/s), by device kind. The throughput is what small batched
@@ -106,17 +113,18 @@ def chunk_width(n: int, step: StepCost, backend: str, device_kind: str = '') -> 
   """The members a chunk of ``n`` runs at once on an accelerator (1: alone).
 
   The narrowest power of two ``W`` with ``L <= LATENCY_SHARE (L + W b)``,
-  at most :data:`MAX_COHORT_SHARE` of ``n`` (rounded down to a power of
-  two, at least 1); 1 where that ``W`` would be under :data:`MIN_CHUNK`.
+  and at most the power of two at or above ``sqrt(L n MEAN_STEPS_SHARE /
+  b)`` (the module's ``W*``) and ``n``; 1 where the first is under
+  :data:`MIN_CHUNK`.
   """
   latency = STEP_LATENCY_S.get(backend, STEP_LATENCY_S['gpu'])
   b = max(member_step_seconds(step, backend, device_kind), 1e-12)
   wanted = (1 / LATENCY_SHARE - 1) * latency / b
   if wanted < MIN_CHUNK:
     return 1
-  width = 1 << math.ceil(math.log2(wanted))
-  cap = 1 << max(0, int(n * MAX_COHORT_SHARE).bit_length() - 1)
-  return max(1, min(width, cap, n))
+  padding = math.sqrt(latency * n * MEAN_STEPS_SHARE / b)
+  width = min(wanted, padding)
+  return max(1, min(1 << math.ceil(math.log2(max(width, 1))), n))
 
 
 def loop_flops(jaxpr: Any) -> float:

@@ -225,10 +225,14 @@ def test_the_cost_model_widths():
   two_nn = chunk_cost.StepCost(model_bytes=199_210 * 4, flops=12e6)
   cnn = chunk_cost.StepCost(model_bytes=1_200_000 * 4, flops=1.3e9)
   kind = 'TPU v5 lite'
-  # b = 3 x 0.8 MB / 819 GB/s = 2.9 us; 9 L / b = 24.8 -> 32 (at most n / 8).
+  # b = 3 x 0.8 MB / 819 GB/s = 2.9 us; 9 L / b = 24.8 -> 32; for padding,
+  # sqrt(L n / (8 b)) = 18.6 -> 32 (1,000), 5.9 -> 8 (100).
   assert chunk_cost.chunk_width(1000, two_nn, 'tpu', kind) == 32
   assert chunk_cost.chunk_width(10_000, two_nn, 'tpu', kind) == 32
   assert chunk_cost.chunk_width(100, two_nn, 'tpu', kind) == 8
+  # A tiny member (a 610-weight logistic regression): latency bound, wide.
+  tiny = chunk_cost.StepCost(model_bytes=2440, flops=48e3)
+  assert chunk_cost.chunk_width(128, tiny, 'tpu', kind) == 128
   # A convolution's step (1.3 GFLOP at 20 TFLOP/s) hides the latency: alone.
   assert chunk_cost.chunk_width(1000, cnn, 'tpu', kind) == 1
   assert mapping.choose_chunk_size('auto', 1000, 1 << 20, 1, backend='tpu',

@@ -22,6 +22,7 @@ import common  # first: starts the clock
 import contextlib
 import logging
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -82,19 +83,21 @@ class MapPlans(logging.Handler):
     log.removeHandler(self)
     log.setLevel(self._level)
 
-  def report(self, cost, devices):
+  def report(self, cost):
     """``map_strategy`` (what the round's map ran) and its computed / real
     steps for the members' ``cost`` (each device's block when split)."""
     if not self.plans:
       return {'map_strategy': 'not traced'}
     plan = self.plans[-1]
-    blocks = 'per device' in plan['how']
-    k, n = plan['k'], len(cost) // (devices if blocks else 1)
+    block = re.search(r'one block of (\d+) per device', plan['how'])
+    blocks = block is not None
+    devices = len(cost) // int(block.group(1)) if blocks else 1
+    k, n = plan['k'], len(cost) // devices
     kind = ('sorted' if 'sorted' in plan['how'] else
             'sequential' if k == 1 else 'vmap' if k >= n else 'chunked')
     picked = f'{kind}:{k}' if kind in ('sorted', 'chunked') else kind
-    computed = sum(fedjx.mapping.computed_steps(block, k, kind)
-                   for block in np.split(np.asarray(cost), devices if blocks else 1))
+    computed = sum(fedjx.mapping.computed_steps(part, k, kind)
+                   for part in np.split(np.asarray(cost), devices))
     return {'map_strategy': f'{plan["strategy"]} -> {picked}' + (
                 f' on each of {devices} CPU devices' if blocks else ''),
             'computed_over_real_steps': round(computed / int(np.sum(cost)), 4)}
@@ -173,7 +176,7 @@ def run(args, devices, arrays, sizes):
   cd.report('fedjx', f'fedjx (jax {jax.__version__})', args.setup, clock,
             {'xla_flags': os.environ.get('XLA_FLAGS', ''),
              'cpu_count': os.cpu_count(), 'cpu_devices': devices},
-            **plans.report(cost, devices), **staging(cohort, arrays, sizes),
+            **plans.report(cost), **staging(cohort, arrays, sizes),
             device=jax.devices()[0].device_kind,
             peak_bytes_in_use=stats.get('peak_bytes_in_use'))
 

@@ -10,7 +10,8 @@ no options beyond the peers' work):
   the round as NumPy arrays.
 
 The algorithm is ``fedavg(...).compile()`` under its defaults
-(``map_strategy='auto'``, the per-client non-finite guard), with
+(``map_strategy='auto'``, the per-client non-finite guard; ``--no_guard``:
+``skip_nonfinite=False``, as ``fedjx-run`` runs its rounds), with
 ``client_evaluation=False`` (no extra passes over the data: what the peers
 compute). Nothing touches JAX before the population is built, so
 ``on_device`` may split the CPU into one device per core as the library
@@ -40,6 +41,8 @@ def main():
   def options(p):
     p.add_argument('--loop', default='on_device', choices=('on_device', 'make_cohort'),
                    help='the documented loop to run')
+    p.add_argument('--no_guard', action='store_true',
+                   help='build the round with skip_nonfinite=False')
   args = cd.parse_args(__doc__.split('\n')[0], options)
   arrays, sizes = cd.flat_arrays(args.setup)
   groups = np.repeat(np.arange(len(sizes)), sizes)
@@ -52,7 +55,8 @@ def main():
     algo = algorithms.fedavg(fedjx_cross_device.loss_fn(args.setup),
                              client_optimizer=optax.sgd(cd.LOCAL_LR),
                              server_optimizer=optax.sgd(cd.SERVER_LR),
-                             client_evaluation=False).compile()
+                             client_evaluation=False,
+                             skip_nonfinite=not args.no_guard).compile()
     state = algo.init(params)
     ids = np.arange(len(sizes))
     rounds = 1 if args.check else args.rounds
@@ -72,11 +76,11 @@ def main():
   if args.check:
     cd.save(args.check, [tuple(map(np.asarray, layer)) for layer in state.params])
   cost = np.asarray(cohort.mask).any(-1).sum(-1)
-  blocks = len(jax.devices('cpu')) if jax.default_backend() == 'cpu' else 1
-  cd.report(f'fedjx_loop_{args.loop}', f'fedjx (jax {jax.__version__})', args.setup,
-            clock, {'xla_flags': os.environ.get('XLA_FLAGS', ''),
-                    'cpu_count': os.cpu_count(), 'cpu_devices': len(jax.devices('cpu'))},
-            **plans.report(cost, blocks),
+  name = f'fedjx_loop_{args.loop}' + ('_no_guard' if args.no_guard else '')
+  cd.report(name, f'fedjx (jax {jax.__version__})', args.setup, clock,
+            {'xla_flags': os.environ.get('XLA_FLAGS', ''),
+             'cpu_count': os.cpu_count(), 'cpu_devices': len(jax.devices('cpu'))},
+            **plans.report(cost),
             **fedjx_cross_device.staging(cohort, arrays, sizes),
             warnings=sorted({str(w.message) for w in warned}))
 

@@ -36,6 +36,8 @@ CROSS_DEVICE = {
     # The loops of the documentation, with nothing of fedjx-run's.
     'fedjx_loop_on_device': ('fedjx', 'fedjx_loop_cross_device.py',
                              ('--loop=on_device',), _ANY, 'data'),
+    'fedjx_loop_on_device_no_guard': ('fedjx', 'fedjx_loop_cross_device.py',
+                                      ('--loop=on_device', '--no_guard'), _ANY, 'data'),
     'fedjx_loop_make_cohort': ('fedjx', 'fedjx_loop_cross_device.py',
                                ('--loop=make_cohort',), _ANY, 'data'),
     'handwritten_jax': ('fedjx', 'handwritten_cross_device.py', (), _ANY, 'data'),
@@ -56,8 +58,9 @@ CROSS_DEVICE = {
 
 
 # Rows of fedjx and its hand-written floors: not peers.
-OURS = ('fedjx', 'fedjx_loop_on_device', 'fedjx_loop_make_cohort', 'handwritten_jax',
-        'handwritten_jax_chunks')
+FEDJX_ROWS = ('fedjx', 'fedjx_loop_on_device', 'fedjx_loop_on_device_no_guard',
+              'fedjx_loop_make_cohort')
+OURS = FEDJX_ROWS + ('handwritten_jax', 'handwritten_jax_chunks')
 
 
 def _python(env: str, args) -> str:
@@ -192,7 +195,7 @@ def cross_device_table(records: list[dict]) -> str:
     hand_cpu = med('handwritten_jax', 'cpu_s_per_round')
     hand_wall = med('handwritten_jax', 'wall_s_per_round')
     ratio = lambda a, b: '' if a is None or not b else f'{a / b:.2f}x'
-    for name in ('fedjx', 'fedjx_loop_on_device', 'fedjx_loop_make_cohort'):
+    for name in FEDJX_ROWS:
       if med(name, 'cpu_s_per_round') is None:
         continue
       fx = [r for r in ok if r['framework'] == name][-1]
