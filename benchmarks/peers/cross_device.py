@@ -66,13 +66,11 @@ def client_data(setup: str) -> list[dict[str, np.ndarray]]:
   """Each client's examples: ``{'x': float32 [n, 784], 'y': int64 [n]}``
   (2NN), ``{'x': float32 [n, 10000] counts, 'y': float32 [n, 500]}``
   (``logreg``) or ``{'tokens': int64 [n, 30], 'y': ...}`` (``logreg-sparse``)."""
-  rng = np.random.default_rng(1)
   if setup == '2nn-100000':
-    n = sizes(setup)
-    x = rng.random((int(n.sum()), LAYERS[0]), dtype=np.float32)
-    y = rng.integers(0, LAYERS[-1], size=int(n.sum()))
-    bounds = np.cumsum(n)[:-1]
+    x, y = _drawn_at_once(setup)
+    bounds = np.cumsum(sizes(setup))[:-1]
     return [{'x': a, 'y': b} for a, b in zip(np.split(x, bounds), np.split(y, bounds))]
+  rng = np.random.default_rng(1)
   out = []
   for n in sizes(setup):
     n = int(n)
@@ -93,10 +91,21 @@ def client_data(setup: str) -> list[dict[str, np.ndarray]]:
   return out
 
 
+def _drawn_at_once(setup: str) -> tuple[np.ndarray, np.ndarray]:
+  """The 2NN inputs and labels of every client, drawn as one array each."""
+  rng = np.random.default_rng(1)
+  n = int(sizes(setup).sum())
+  return (rng.random((n, LAYERS[0]), dtype=np.float32),
+          rng.integers(0, LAYERS[-1], size=n))
+
+
 def flat_arrays(setup: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
   """Every client's examples of :func:`client_data`, client after client
   (int64 features as int32, what a JAX round takes), and each client's
   example count."""
+  if setup == '2nn-100000':  # No per-client copies: the arrays as drawn.
+    x, y = _drawn_at_once(setup)
+    return {'x': x, 'y': y.astype(np.int32)}, sizes(setup)
   data = client_data(setup)
   sizes = np.array([len(d['y']) for d in data])
   arrays = {}
