@@ -57,6 +57,7 @@ from fedjx.datasets.client_splits import client_splits
 from fedjx.datasets.cohort import Cohort
 from fedjx.datasets.cohort import CohortSampler
 from fedjx.datasets.cohort import PADDING_CLIENT
+from fedjx.datasets.cohort import PaddedCohortWarning
 from fedjx.datasets.cohort import Sampler
 from fedjx.datasets.cohort import padded_ids
 from fedjx.datasets.cohort import bucket_steps
@@ -123,6 +124,7 @@ __all__ = [
     'EpochSampler',
     'PoissonSampler',
     'PADDING_CLIENT',
+    'PaddedCohortWarning',
     'Sampler',
     'padded_ids',
     'AvailableSampler',
