@@ -58,10 +58,16 @@ class HoistedJit:
 
   def _entry(self, args: tuple[Any, ...]) -> tuple[Any, list[Any]] | None:
     """``(jitted, consts)`` for this signature; None where ``fn`` closes
-    over values of an enclosing trace (those cannot be kept)."""
+    over values of an enclosing trace (those cannot be kept).
+
+    Raises:
+      DeletedArgumentError: an argument holds an array whose buffer is
+        deleted (donated to an earlier call), checked before XLA sees it.
+    """
     leaves, tree = jax.tree.flatten(args)
-    key = (tree, tuple(jax.api_util.shaped_abstractify(x) for x in leaves),
-           jax.sharding.get_abstract_mesh())
+    key = (tree, tuple(map(_abstract, leaves)), jax.sharding.get_abstract_mesh())
+    if _DELETED in key[1]:
+      raise DeletedArgumentError(self._deleted_message(args))
     entry = self._entries.get(key)
     if entry is None:
       closed, out_shape = jax.make_jaxpr(self._fn, return_shape=True)(*args)
@@ -77,6 +83,20 @@ class HoistedJit:
       jitted = jax.jit(run, donate_argnums=tuple(i + 1 for i in self._donate))
       entry = self._entries[key] = (jitted, consts)
     return entry
+
+  def _deleted_message(self, args: tuple[Any, ...]) -> str:
+    name = getattr(self._fn, '__name__', 'the function')
+    where = [i for i, a in enumerate(args)
+             if any(_abstract(x) is _DELETED for x in jax.tree.leaves(a))]
+    which = ', '.join(map(str, where))
+    if any(i in self._donate for i in where):
+      return (f'{name}: argument {which} holds arrays that an earlier call '
+              'consumed (a compiled round donates the state it is given, so '
+              'its buffers are deleted). Continue from the state that call '
+              'returned; to run rounds from one state more than once use '
+              'algo.apply(state, ...), or algo.compile(donate=False).')
+    return (f'{name}: argument {which} holds arrays whose buffers were deleted '
+            '(donated to another call, or .delete()d); pass live arrays.')
 
   def __call__(self, *args: Any) -> Any:
     entry = self._entry(args)
@@ -97,6 +117,21 @@ class HoistedJit:
   def _cache_size(self) -> int:
     """Executables compiled by calls (not by ``lower(...).compile()``)."""
     return sum(jitted._cache_size() for jitted, _ in self._entries.values())  # pylint: disable=protected-access
+
+
+class DeletedArgumentError(ValueError):
+  """An argument's array was deleted, e.g. a state donated to an earlier round."""
+
+
+_DELETED = object()  # The signature entry of an array whose buffer is deleted.
+
+
+def _abstract(x: Any) -> Any:
+  """``x``'s abstract value for the cache key, or :data:`_DELETED`."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and (
+      x.is_deleted()):
+    return _DELETED
+  return jax.api_util.shaped_abstractify(x)
 
 
 def _inlined(eqn) -> bool:
@@ -183,4 +218,4 @@ def jit(fn: Callable[..., Any], *, donate_argnums: Sequence[int] = ()) -> Hoiste
   return HoistedJit(fn, donate_argnums)
 
 
-__all__ = ['HoistedJit', 'jit']
+__all__ = ['DeletedArgumentError', 'HoistedJit', 'jit']
