@@ -143,16 +143,41 @@ def _raised(spec: str, path: str, what: str, error: BaseException) -> UsageError
                     f'{_where_raised(error, path)}: {_one_line(error)}')
 
 
+def resolve_config(spec: str) -> str:
+  """``path[:arg]`` with ``path`` found relative to the current folder first,
+  then to the shipped ``configs/`` folder
+  (:func:`fedjx.experiments.listing.find_config`).
+
+  Raises:
+    UsageError: neither holds the file (one line, with the closest shipped
+      config's name).
+  """
+  from fedjx.experiments import listing  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import errors  # pylint: disable=g-import-not-at-top
+  path, colon, arg = spec.partition(':')
+  found = listing.find_config(path)
+  if found is not None:
+    return found + colon + arg
+  directory = listing.configs_dir()
+  if directory is None or os.path.isabs(path):
+    raise UsageError(f'--config={spec!r}: no such file {path!r}.')
+  hint = errors.suggest(os.path.basename(path), listing.config_names())
+  raise UsageError(
+      f'--config={spec!r}: no such file {path!r} here or in {directory}.{hint} '
+      'fedjx-run --list=configs lists the shipped configs.')
+
+
 def load_module(spec: str, name: str = '_fedjx_config'):
   """The module of config file ``path[:arg]``, executed (one-line errors).
+
+  ``path`` is found as :func:`resolve_config` finds it.
 
   Raises:
     UsageError: the file does not exist, or executing it raised (the line
       names the exception, the file and the line).
   """
+  spec = resolve_config(spec)
   path = spec.partition(':')[0]
-  if not os.path.exists(path):
-    raise UsageError(f'--config={spec!r}: no such file {path!r}.')
   if not os.path.isfile(path):
     raise UsageError(f'--config={spec!r}: {path!r} is not a file.')
   module_spec = importlib.util.spec_from_file_location(name, path)
@@ -242,6 +267,18 @@ def _config_spec(argv: Sequence[str]) -> str | None:
     elif arg in ('--config', '-config') and i + 1 < len(argv):
       spec = argv[i + 1]
   return spec
+
+
+def with_config_resolved(argv: Sequence[str]) -> list[str]:
+  """``argv`` with the value of ``--config`` as :func:`resolve_config` finds it."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg.startswith(('--config=', '-config=')):
+      flag, value = arg.split('=', 1)
+      out[i] = f'{flag}={resolve_config(value)}'
+    elif arg in ('--config', '-config') and i + 1 < len(out):
+      out[i + 1] = resolve_config(out[i + 1])
+  return out
 
 
 def _has_path(config: Any, parts: Sequence[str]) -> bool:
@@ -358,6 +395,7 @@ def split_overrides(argv: Sequence[str], notes: list[str] | None = None
   if spec is None:
     return list(argv), []
   overrides = _Overrides(load_config_file(spec), argv)
+  overrides.check_named()
   if not overrides.pending:
     return list(argv), []
   overrides.check_fields()
@@ -404,6 +442,23 @@ class _Overrides:
                       if len(p) == 3 and p[0] == 'algorithm' and p[2] == 'name'
                       and '=' in a}
     self.given: dict[tuple[str, ...], dict[str, Any]] = {}  # Optimizer options set.
+
+  def check_named(self) -> None:
+    """Refuses a value that ``ml_collections`` cannot parse as its field's
+    type (its parsers: absl's), naming the field, the value and the type."""
+    for parts, text in self.named.items():
+      kind = _field_type(self.config, parts)
+      parser = _PARSERS.get(kind)
+      if parser is None:
+        continue
+      try:
+        parser.parse(text)
+      except ValueError:
+        path = '.'.join(parts)
+        raise UsageError(
+            f'--config.{path}={text!r}: config.{path} takes '
+            f'{_TYPE_WORDS[kind]} (the config has {_get(self.config, parts)!r}), '
+            f'not {text!r}.') from None
 
   def check_fields(self) -> None:
     """Refuses unknown fields outside the builders, before the registries
@@ -544,6 +599,10 @@ class _Overrides:
 
 
 _BUILDERS = ('algorithm', 'dataset', 'model', 'attack')
+# The parsers ml_collections applies to fields of these types, and their words.
+_PARSERS = {int: flags.IntegerParser(), float: flags.FloatParser(),
+            bool: flags.BooleanParser()}
+_TYPE_WORDS = {int: 'an int', float: 'a number', bool: 'True or False'}
 
 
 def apply_overrides(config: Any, extras: Sequence[tuple[tuple[str, ...], Any]]) -> Any:
@@ -607,6 +666,7 @@ def parse_flags(argv: Sequence[str], extras: list[Any], prog: str = 'fedjx-run',
     _print_list(what, argv, prog)
   try:
     notes: list[str] = []
+    argv = [argv[0]] + with_config_resolved(argv[1:])
     rest, found = split_overrides(argv[1:], notes)
     extras.extend(found)
     if os.environ.get('FEDJX_PROCESS_ID', '0') == '0':  # Once per run.

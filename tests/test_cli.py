@@ -76,7 +76,7 @@ def test_help_lists_the_flags_that_matter_with_an_example():
 # each way an error reaches the user (flag parsing, override checking,
 # config validation before data loads, checks after data loads).
 USER_ERRORS = [
-    (['--config.rounds=abc'], ['--config.rounds=abc', 'int']),
+    (['--config.rounds=abc'], ["--config.rounds='abc'", 'config.rounds takes an int']),
     (['--config.algorithm.server_optimizer.b11=0.8'],
      ["no option 'b11'", "Did you mean 'b1'"]),
     (['--config.algorithm.client_optimizer.learning_rate=nan'],
@@ -407,6 +407,54 @@ def test_the_applied_optimizer_is_printed(tmp_path):
   with open(tmp_path / 'w' / 'config.json', encoding='utf-8') as f:
     assert json.load(f)['algorithm']['server_optimizer'] == {
         'name': 'adam', 'learning_rate': 0.01}
+
+
+def test_a_config_resolves_here_first_then_in_the_shipped_configs(tmp_path,
+                                                                  monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert cli.resolve_config('configs/fedavg_digits.py') == DIGITS
+  assert cli.resolve_config('fedavg_digits.py:arg') == DIGITS + ':arg'
+  (tmp_path / 'configs').mkdir()
+  own = tmp_path / 'configs' / 'fedavg_digits.py'
+  own.write_text(TINY)
+  assert cli.resolve_config('configs/fedavg_digits.py') == 'configs/fedavg_digits.py'
+  with pytest.raises(cli.UsageError) as e:
+    cli.resolve_config('fedavg_digit.py')
+  text = str(e.value)
+  assert "no such file 'fedavg_digit.py' here or in" in text
+  assert "Did you mean 'fedavg_digits.py'?" in text and '--list=configs' in text
+  with pytest.raises(cli.UsageError, match="no such file '/no/such.py'"):
+    cli.resolve_config('/no/such.py')
+
+
+def test_a_shipped_config_runs_from_any_folder(tmp_path):
+  out = subprocess.run(
+      [FEDJX_RUN, '--config', 'configs/fedavg_digits.py', '--config.rounds=abc'],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  # Found and loaded: the error is about the value, not the file.
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.strip() == (
+      "fedjx-run: --config.rounds='abc': config.rounds takes an int (the config "
+      "has 300), not 'abc'.")
+
+
+@pytest.mark.parametrize('override,words', [
+    ('rounds=3.5', ["--config.rounds='3.5'", 'takes an int', 'has 300']),
+    ('plot=maybe', ["--config.plot='maybe'", 'takes True or False']),
+    ('algorithm.client_optimizer.learning_rate=x',
+     ["learning_rate='x'", 'config.algorithm.client_optimizer.learning_rate takes '
+      'a number', 'has 0.3']),
+])
+def test_a_value_of_the_wrong_type_names_the_field_and_the_type(override, words):
+  with pytest.raises(cli.UsageError) as e:
+    cli.split_overrides(['--config', DIGITS, f'--config.{override}'])
+  for word in words:
+    assert word in str(e.value)
+  # What absl parses is accepted as before.
+  rest, _ = cli.split_overrides(['--config', DIGITS, '--config.rounds=0x10',
+                                 '--config.plot=false'])
+  assert '--config.rounds=0x10' in rest
 
 
 def test_help_and_config_errors_answer_before_jax_is_imported(tiny, tmp_path):
