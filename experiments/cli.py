@@ -104,6 +104,11 @@ exit status: 0 done; 2 a usage or config error, a workdir in use or that
 cannot be written (a file, no permission, a full disk), a non-finite run, or
 --fresh not confirmed; 130/143 stopped by Ctrl-C/SIGTERM (a checkpoint was
 saved if training had started: run the same command again to continue).
+
+other commands (each has --help): fedjx-sweep (a grid of settings x seeds in
+one program), fedjx-plan (memory, FLOPs and bytes on the wire before a run),
+fedjx-deploy (the rounds on a local Flower federation), fedjx-plot (learning
+curves of runs in one PNG).
 """
 
 

@@ -67,7 +67,8 @@ def test_help_lists_the_flags_that_matter_with_an_example():
   out = _run('--help')
   assert out.returncode == 0
   for flag in ('--config FILE', '--workdir DIR', '--config.PATH=VALUE', '--debug',
-               'example:', 'fedjx-run --config configs/fedavg_digits.py'):
+               'example:', 'fedjx-run --config configs/fedavg_digits.py',
+               'fedjx-sweep', 'fedjx-plan', 'fedjx-deploy', 'fedjx-plot'):
     assert flag in out.stdout
   assert len(out.stdout.splitlines()) < 40  # Not absl's hundreds of flags.
 
