@@ -69,6 +69,7 @@ from fedjx.experiments import workdir_lock
 # Names documented here first; they live in the modules of their parts.
 # pylint: disable=unused-import
 from fedjx.experiments.sweeps.group_round import make_sweep_round
+from fedjx.experiments.sweeps.plan import Built
 from fedjx.experiments.sweeps.plan import Group
 from fedjx.experiments.sweeps.plan import Trial
 from fedjx.experiments.sweeps.plan import check_trials
@@ -188,7 +189,9 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
   else:  # A sweep.json of a sweep that never started training is replaced.
     metrics_writers.write_atomically(
         spec_path, json.dumps(fingerprint, indent=2, sort_keys=True) + '\n')
-  groups, traced, structural = plan(config, settings, seeds, settings_per_program)
+  built = Built()  # The experiment classify builds, for the group that trains it.
+  groups, traced, structural = plan(config, settings, seeds, settings_per_program,
+                                    built)
   n_trials = len(settings) * len(seeds)
   log(f'fedjx-sweep: {n_trials} trials in {len(groups)} program(s); vectorized: '
       f'seed{"".join(", " + p for p in traced)}; separate programs: '
@@ -204,7 +207,8 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
   try:
     with loop.StopFlag().installed() as flag:
       for group, counted in zip(groups, done):
-        if _run_group(config, group, workdir, flag, log, bar, fingerprint, counted):
+        if _run_group(config, group, workdir, flag, log, bar, fingerprint, counted,
+                      built):
           stopped_by = flag.signum
           log(f'fedjx-sweep: interrupted ({signal.Signals(flag.signum).name}); '
               f'checkpoints saved in {workdir}. Run the same command again to '
