@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from fedjx.experiments import checkpointing
+from fedjx.experiments import compilation_cache
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import loop
 from fedjx.experiments import metrics_writers
@@ -179,6 +180,11 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
            settings_per_program: int | None, metric: str | None,
            log: Callable[[str], None]) -> SweepResult:
   """The body of :func:`run_sweep`, holding the workdir's lock."""
+  c = config_schema.validate(trial_config(config, settings[0], seeds[0]))
+  try:  # Compiled programs kept on disk, as for runs (config.compilation_cache).
+    compilation_cache.enable(c.compilation_cache, workdir)
+  except ValueError as e:
+    raise config_schema.ConfigError(str(e)) from None
   fingerprint = _fingerprint(config, settings, seeds, settings_per_program)
   spec_path = os.path.join(workdir, 'sweep.json')
   if os.path.exists(spec_path) and _started(workdir):
@@ -196,7 +202,6 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
   log(f'fedjx-sweep: {n_trials} trials in {len(groups)} program(s); vectorized: '
       f'seed{"".join(", " + p for p in traced)}; separate programs: '
       f'{", ".join(structural) or "none"}.')
-  c = config_schema.validate(trial_config(config, settings[0], seeds[0]))
   # The bar counts every group's rounds and starts at those its checkpoints
   # hold (a group corrects its share if it restores an older one).
   shares = [trial_config(config, g.settings[0], g.seeds[0]).rounds for g in groups]
