@@ -62,6 +62,7 @@ from fedjx.experiments import compilation_cache
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import loop
 from fedjx.experiments import metrics_writers
+from fedjx.experiments import processes
 from fedjx.experiments import registry
 from fedjx.experiments.sweeps import group_round
 from fedjx.experiments.sweeps import spec
@@ -168,6 +169,11 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
   seeds = spec.parse_seeds(list(seeds))
   target_spec = summary.parse_target(target)
   check_trials(config, settings, seeds)  # Before anything is written.
+  # One CPU device per core, as for runs (config.mesh='auto'), here to
+  # spread the trials over (trial_sharding): a count that divides the
+  # settings or the seeds.
+  processes.split_cpu(config_schema.with_defaults(config),
+                      [settings_per_program or len(settings), len(seeds)])
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   with workdir_lock.hold(workdir):

@@ -75,6 +75,7 @@ class GroupTrainer:
                     for row, exp in zip(configs, self.exps)]
     self.schedule = loop.Schedule.of(c, max(b.stop for row in self.budgets for b in row))
     self.writers = self._writers(config, resume=self.start if restored else None)
+    self._round_keys = jnp.stack([e.round_key for e in self.exps])
     self.step_fn = make_sweep_round(algorithm, c.nonfinite)
     group_round.check_memory(self.step_fn, group, (
         self.state[0], jax.device_put(group_round.stacked_cohort(self.exps, c, self.start)),
@@ -108,7 +109,9 @@ class GroupTrainer:
              for t in row] for row in self.group.trials]
 
   def _keys(self, r: int) -> jax.Array:
-    return jnp.stack([e.round_key_for(r) for e in self.exps])
+    """Each seed's round key of round ``r`` (``fold_in(round_key, r)``, as its
+    run's), ``[S]``, in one call."""
+    return _fold_in(self._round_keys, r)
 
   def _each(self, mask: np.ndarray) -> Iterator[tuple[int, int]]:
     return zip(*(a.tolist() for a in np.nonzero(mask)))
@@ -221,6 +224,9 @@ class GroupTrainer:
              mask: np.ndarray) -> None:
     for i, j in self._each(mask):
       self.writers[i][j].write(step, dict(rows[i][j], elapsed_s=round(self.elapsed(), 4)))
+
+
+_fold_in = jax.jit(jax.vmap(jax.random.fold_in, in_axes=(0, None)))
 
 
 def run_group(config: Any, group: Group, workdir: str, flag: loop.StopFlag,
