@@ -14,8 +14,11 @@ even when the file does not set it (``--config.algorithm.client_evaluation=False
 Every error a user can cause is one line on stderr and exit status 2: an
 unknown field (with "did you mean"), a bad value, a missing file, a busy
 workdir, one that is a file or cannot be read or written
-(:mod:`fedjx.experiments.workdir`, checked before JAX is imported), a full
-disk (naming the file that could not be written), a non-finite run.
+(:mod:`fedjx.experiments.workdir`), an unknown name, a cohort larger than a
+declared population, a workdir of another experiment
+(:mod:`fedjx.experiments.preflight`), all checked before JAX is imported; a
+full disk (naming the file that could not be written), a non-finite run. A
+workdir holding the finished run says so at once.
 ``--debug`` (or ``FEDJX_DEBUG=1``) shows the full traceback instead. Running
 again with the same ``--workdir`` resumes from its newest intact checkpoint;
 ``--fresh`` starts over instead, removing what the earlier run wrote there
@@ -729,7 +732,9 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
                      'configs/fedavg_digits.py (see --help).')
   apply_overrides(config, extras)
   from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
-  config_schema.with_defaults(config)  # The fields' own checks, before JAX.
+  from fedjx.experiments import preflight  # pylint: disable=g-import-not-at-top
+  # Before JAX: the fields' own checks, then the names and the population.
+  preflight.check_config(config_schema.with_defaults(config))
   workdir = _WORKDIR.value
   if workdir is None:
     name = os.path.splitext(os.path.basename(
@@ -737,6 +742,14 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
     workdir = os.path.join('runs', name)
   from fedjx.experiments import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   prepare_workdir(workdir, config, workdir_lib.RUN_OUTPUTS)  # Before JAX too.
+  # A workdir in use, of another experiment, or already finished: at once.
+  finished = preflight.check_workdir(config_schema.with_defaults(config), workdir)
+  if finished is not None:
+    print(f'fedjx-run: {os.path.abspath(workdir)} holds this run, finished '
+          f'after round {finished.step}: nothing to train (raise --config.rounds '
+          'to continue it, or start over with --fresh).', file=sys.stderr)
+    _print_summary(finished.row, os.path.abspath(workdir))
+    return 0
   quiet_orbax()
   from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
   result = runner.run(config, workdir)
@@ -745,14 +758,18 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   if jax.process_index() != 0:
     return 0
-  summary = result.history[-1] if result.history else {}
-  shown = {k: v for k, v in summary.items()
+  _print_summary(result.history[-1] if result.history else {}, result.workdir)
+  return 0
+
+
+def _print_summary(row: Mapping[str, Any], workdir: str) -> None:
+  """The last metrics row's evaluation, and where the results are."""
+  shown = {k: v for k, v in row.items()
            if k.startswith('eval_') or k in ('round', 'elapsed_s')}
   print(' '.join(f'{k}={v:.4f}' if isinstance(v, float) else f'{k}={v}'
                  for k, v in shown.items()))
   print(f'fedjx-run: done; metrics, checkpoints and learning_curve.png in '
-        f'{result.workdir}')
-  return 0
+        f'{workdir}')
 
 
 def prepare_workdir(workdir: str, config: Any, outputs: Sequence[str],

@@ -475,6 +475,37 @@ def test_help_and_config_errors_answer_before_jax_is_imported(tiny, tmp_path):
     assert 'jax' not in imported, args
 
 
+def test_a_workdir_s_checkpoint_and_the_names_answer_before_jax(tiny, tmp_path):
+  from fedjx.experiments import runner  # pylint: disable=import-outside-toplevel
+  done = str(tmp_path / 'done')
+  runner.run(cli.load_config_file(tiny), done, log=lambda m: None)
+  cases = [
+      (['--config.algorithm.name=fedavgg'], 2, "unknown algorithm 'fedavgg'. Did "
+       "you mean 'fedavg'?"),
+      (['--config.cohort_size=9'], 2, 'config.cohort_size=9 is larger than the '
+       'training population of 8 clients; it must be at most 8.'),
+      (['--workdir', done, '--config.seed=4'], 2, 'holds a checkpoint of a '
+       'different experiment (seed: 0 -> 4)'),
+      (['--workdir', done], 0, f'fedjx-run: {done} holds this run, finished after '
+       'round 2: nothing to train'),
+  ]
+  for args, status, words in cases:
+    if '--workdir' not in args:
+      args = args + ['--workdir', str(tmp_path / 'new')]
+    cmd = [sys.executable, '-X', 'importtime', FEDJX_RUN, '--config', tiny, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, JAX_PLATFORMS='cpu'))
+    imported = [l.rsplit('|', 1)[-1].strip() for l in out.stderr.splitlines()
+                if l.startswith('import time:')]
+    lines = [l for l in out.stderr.splitlines() if not l.startswith('import time:')]
+    assert out.returncode == status, out.stderr[-2000:]
+    assert 'jax' not in imported, args
+    assert len(lines) == 1 and words in lines[0], (args, lines)
+    assert not (tmp_path / 'new').exists()  # Nothing left behind.
+  assert out.stdout.splitlines()[-1] == (
+      f'fedjx-run: done; metrics, checkpoints and learning_curve.png in {done}')
+
+
 def test_fedjx_run_handles_a_signal_while_it_imports():
   proc = subprocess.Popen([FEDJX_RUN, '--config', DIGITS], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True,

@@ -67,6 +67,7 @@ from fedjx.experiments import registry
 from fedjx.experiments.sweeps import group_round
 from fedjx.experiments.sweeps import spec
 from fedjx.experiments.sweeps import summary
+from fedjx.experiments import workdir as workdir_lib
 from fedjx.experiments import workdir_lock
 # Names documented here first; they live in the modules of their parts.
 # pylint: disable=unused-import
@@ -174,11 +175,11 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
   # settings or the seeds.
   processes.split_cpu(config_schema.with_defaults(config),
                       [settings_per_program or len(settings), len(seeds)])
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  with workdir_lock.hold(workdir):
-    return _sweep(config, workdir, settings, seeds, target_spec,
-                  settings_per_program, metric, log)
+  # A refused sweep (before it trains) removes the workdir it made.
+  with workdir_lib.made(workdir, (workdir_lock.LOCK_NAME, 'sweep.json')) as workdir:
+    with workdir_lock.hold(workdir):
+      return _sweep(config, workdir, settings, seeds, target_spec,
+                    settings_per_program, metric, log)
 
 
 def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
