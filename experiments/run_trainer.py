@@ -192,6 +192,7 @@ class RunTrainer:
                            self.lead, self.log)
         if interrupted:
           loop.interrupt(self, self.saves, step)
+          self.bar.close()  # The message goes below the bar, which stays.
           self.log(f'fedjx: interrupted after round {step} '
                    f'({signal.Signals(flag.signum).name}); checkpoint saved in '
                    f'{self.workdir}. Run the same command again to continue.')

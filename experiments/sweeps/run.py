@@ -222,6 +222,7 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
         if _run_group(config, group, workdir, flag, log, bar, fingerprint, counted,
                       built):
           stopped_by = flag.signum
+          bar.close()  # The message goes below the bar, which stays.
           log(f'fedjx-sweep: interrupted ({signal.Signals(flag.signum).name}); '
               f'checkpoints saved in {workdir}. Run the same command again to '
               'continue.')
