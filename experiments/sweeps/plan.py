@@ -170,14 +170,14 @@ def classify(config: Any, axes_values: Mapping[str, Sequence[Any]],
 
 def plan(config: Any, settings: Sequence[Mapping[str, Any]],
          seeds: Sequence[int], settings_per_program: int | None = None,
-         built: Built | None = None
+         built: Built | None = None, first: int = 0
          ) -> tuple[list[Group], list[str], list[str]]:
   """Groups the trials by their structural fields.
 
   Settings that share their structural fields form one group, split into
   groups of at most ``settings_per_program`` settings when that is given
-  (each group a compiled program over ``[seeds, settings]``). The
-  experiment :func:`classify` builds goes to ``built``.
+  (each group a compiled program over ``[seeds, settings]``), numbered
+  from ``first``. The experiment :func:`classify` builds goes to ``built``.
 
   Returns ``(groups, traced_fields, structural_fields)``.
   """
@@ -207,7 +207,7 @@ def plan(config: Any, settings: Sequence[Mapping[str, Any]],
   for i, group_settings in enumerate(chunks):
     trials = [[Trial(spec.trial_name(s, seed, names), s, seed)
                for s in group_settings] for seed in seeds]
-    groups.append(Group(i, group_settings, tuple(seeds), trials))
+    groups.append(Group(first + i, group_settings, tuple(seeds), trials))
   return groups, traced, structural
 
 def check_trials(config: Any, settings: Sequence[Mapping[str, Any]],

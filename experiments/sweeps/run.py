@@ -65,6 +65,7 @@ from fedjx.experiments import metrics_writers
 from fedjx.experiments import processes
 from fedjx.experiments import registry
 from fedjx.experiments.sweeps import group_round
+from fedjx.experiments.sweeps import record
 from fedjx.experiments.sweeps import spec
 from fedjx.experiments.sweeps import summary
 from fedjx.experiments import workdir as workdir_lib
@@ -113,17 +114,6 @@ class SweepResult:
 def _started(workdir: str) -> bool:
   """Whether a sweep in ``workdir`` has trained or written any trial."""
   return any(os.path.exists(os.path.join(workdir, d)) for d in ('groups', 'trials'))
-
-
-def _fingerprint(config: Any, settings: Sequence[Mapping[str, Any]],
-                 seeds: Sequence[int], settings_per_program: int | None
-                 ) -> dict[str, Any]:
-  base = json.loads(config_schema.validate(config).to_json_best_effort(sort_keys=True))
-  for key in config_schema.RESUMABLE_CHANGES:  # As for runs: these may change on resume.
-    base.pop(key, None)
-  return {'config': base,
-          'settings': json.loads(json.dumps(list(settings), sort_keys=True)),
-          'seeds': list(seeds), 'settings_per_program': settings_per_program}
 
 
 def _check_synchronous(config: Any) -> None:
@@ -192,20 +182,21 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
     compilation_cache.enable(c.compilation_cache, workdir)
   except ValueError as e:
     raise config_schema.ConfigError(str(e)) from None
-  fingerprint = _fingerprint(config, settings, seeds, settings_per_program)
+  sweep = record.fingerprint(config, settings, seeds, settings_per_program)
   spec_path = os.path.join(workdir, 'sweep.json')
+  parts = [record.Part(sweep['settings'], sweep['seeds'])]
   if os.path.exists(spec_path) and _started(workdir):
     with open(spec_path, encoding='utf-8') as f:
-      if json.load(f) != fingerprint:
-        raise SweepError(f'{workdir} holds a different sweep (its sweep.json '
-                         'differs); use a new --workdir, or start over in it with --fresh.')
-  else:  # A sweep.json of a sweep that never started training is replaced.
-    metrics_writers.write_atomically(
-        spec_path, json.dumps(fingerprint, indent=2, sort_keys=True) + '\n')
+      saved = json.load(f)
+    # The same sweep, or one with more values or seeds; else one line.
+    parts = record.extend(saved, sweep, workdir)
+  # (A sweep.json of a sweep that never started training is replaced.)
+  metrics_writers.write_atomically(spec_path, json.dumps(
+      record.with_parts(sweep, parts), indent=2, sort_keys=True) + '\n')
   built = Built()  # The experiment classify builds, for the group that trains it.
-  groups, traced, structural = plan(config, settings, seeds, settings_per_program,
-                                    built)
-  n_trials = len(settings) * len(seeds)
+  groups, fingerprints, traced, structural = _plan_parts(
+      config, sweep, parts, built)
+  n_trials = sum(len(p.settings) * len(p.seeds) for p in parts)
   log(f'fedjx-sweep: {n_trials} trials in {len(groups)} program(s); vectorized: '
       f'seed{"".join(", " + p for p in traced)}; separate programs: '
       f'{", ".join(structural) or "none"}.')
@@ -218,7 +209,7 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
   stopped_by = None
   try:
     with loop.StopFlag().installed() as flag:
-      for group, counted in zip(groups, done):
+      for group, fingerprint, counted in zip(groups, fingerprints, done):
         if _run_group(config, group, workdir, flag, log, bar, fingerprint, counted,
                       built):
           stopped_by = flag.signum
@@ -239,6 +230,24 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
                      rows, workdir, stopped_by)
 
 
+def _plan_parts(config: Any, sweep: Mapping[str, Any], parts: Sequence[record.Part],
+                built: Built | None = None
+                ) -> tuple[list[Group], list[dict[str, Any]], list[str], list[str]]:
+  """Every part's groups (numbered on from the previous part's), the
+  fingerprint each group's checkpoints carry, and the traced and structural
+  fields of them all."""
+  groups, fingerprints, traced, structural = [], [], [], []
+  for part in parts:
+    found, t, st = plan(config, part.settings, part.seeds,
+                        sweep['settings_per_program'], built, first=len(groups))
+    groups += found
+    fingerprints += [record.part_fingerprint(sweep, part)] * len(found)
+    traced += [f for f in t if f not in traced]
+    structural += [f for f in st if f not in structural]
+  traced = [f for f in traced if f not in structural]
+  return groups, fingerprints, traced, structural
+
+
 def _rounds_done(workdir: str, group: Group, rounds: int) -> int:
   """The rounds of ``group`` its newest checkpoint holds (at most ``rounds``)."""
   steps = checkpointing.written_steps(
@@ -257,8 +266,8 @@ def load_trial_state(workdir: str, trial: str) -> tuple[Any, int]:
   with open(os.path.join(workdir, 'sweep.json'), encoding='utf-8') as f:
     saved = json.load(f)
   config = ml_collections.ConfigDict(saved['config'])
-  groups, _, _ = plan(config, saved['settings'], saved['seeds'],
-                      saved.get('settings_per_program'))
+  groups, _, _, _ = _plan_parts(config, dict(saved, settings_per_program=saved.get(
+      'settings_per_program')), record.parts(saved))
   for group in groups:
     for i, row in enumerate(group.trials):
       for j, t in enumerate(row):
