@@ -249,6 +249,7 @@ def check_workdir(config: Any, workdir: str) -> Finished | None:
     WorkdirLocked: another live process holds the workdir.
     ConfigError: its newest checkpoint is of a different experiment.
   """
+  workdir_lock.check_free(workdir)
   if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
     return None
   with workdir_lock.hold(workdir):

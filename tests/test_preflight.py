@@ -144,10 +144,21 @@ def test_another_experiment_is_the_run_s_line(finished, tmp_path):
   assert 'seed: 0 -> 3' in str(got.value)
 
 
-def test_a_workdir_in_use_is_refused(finished):
+def test_a_workdir_in_use_is_refused(finished, tmp_path):
   with workdir_lock.hold(finished):
     with pytest.raises(workdir_lock.WorkdirLocked, match='is in use by pid'):
       preflight.check_workdir(_config(), finished)
+  # One that a run holds before it has written anything, too; a free one
+  # is left as it is (no lock file made).
+  starting = tmp_path / 'starting'
+  starting.mkdir()
+  with workdir_lock.hold(str(starting)):
+    with pytest.raises(workdir_lock.WorkdirLocked, match='is in use by pid'):
+      preflight.check_workdir(_config(), str(starting))
+  free = tmp_path / 'free'
+  free.mkdir()
+  assert preflight.check_workdir(_config(), str(free)) is None
+  assert os.listdir(free) == []
 
 
 def test_a_damaged_checkpoint_is_left_to_the_run(finished, tmp_path):
