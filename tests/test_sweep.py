@@ -571,3 +571,22 @@ def test_one_more_value_trains_only_the_new_trials(tmp_path):
   again = run.run_sweep(small_config(), str(workdir), lr(0.02, 0.1, 0.5), (1, 2),
                         log=lambda m: None)
   assert [t.name for t in again.trials] == [t.name for t in grown.trials]
+
+
+@pytest.mark.parametrize('cores,sizes,made', [
+    (2, [2, 3], 2), (2, [3, 3], 1), (4, [6, 1], 3), (4, [1, 4], 4), (8, [5, 7], 7)])
+def test_a_sweep_splits_the_cpu_by_its_settings_or_seeds(monkeypatch, cores, sizes,
+                                                         made):
+  from fedjx import distributed  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import config as config_lib  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import processes  # pylint: disable=import-outside-toplevel
+  asked = []
+  monkeypatch.setattr(distributed, 'split_cpu', lambda n, divides=None: asked.append(
+      (n, divides)) or n)
+  monkeypatch.setenv('XLA_FLAGS', '')  # As a run that starts JAX itself.
+  assert jax.config.jax_num_cpu_devices < 0
+  config = config_lib.with_defaults(small_config(cpu_devices=str(cores)))
+  assert processes.split_cpu(config, sizes) == made
+  assert asked == [(made, None)]
+  config = config_lib.with_defaults(small_config(cpu_devices=str(cores), mesh=''))
+  assert processes.split_cpu(config, sizes) == 1  # mesh='' keeps one device.
