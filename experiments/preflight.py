@@ -170,7 +170,7 @@ def check_config(config: Any) -> None:
   """
   for kind in ('dataset', 'model', 'algorithm'):
     spec = config[kind]
-    name = spec.get('name') if isinstance(spec, Mapping) or hasattr(spec, 'get') else None
+    name = spec.get('name') if hasattr(spec, 'get') else None
     names = registered_names(kind)
     if names is None or not isinstance(name, str) or name in names:
       continue
