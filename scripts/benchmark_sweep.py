@@ -57,6 +57,9 @@ _CACHE = flags.DEFINE_enum('cache', 'fresh', ['fresh', 'off', 'user'],
                            'Compilation cache of each side: an empty folder of '
                            "its own ('fresh'), none, or the user's.")
 _REPEATS = flags.DEFINE_integer('repeats', 1, 'Measure both sides this many times.')
+_SWEEP_ARGS = flags.DEFINE_multi_string(
+    'sweep_args', [], "More arguments of the sweep alone, e.g. '--config.mesh=' "
+    '(no CPU split: the trials stay on one device).')
 
 
 def _emit(row: dict, out: str | None) -> None:
@@ -97,7 +100,8 @@ def main(argv) -> None:
   work = tempfile.mkdtemp(prefix='fedjx_sweep_bench_')
   base = {'config': _CONFIG.value, 'field': _FIELD.value, 'values': len(values),
           'seeds': len(seeds), 'trials': len(values) * len(seeds),
-          'rounds': _ROUNDS.value, 'cpus': os.cpu_count(), 'cache': _CACHE.value}
+          'rounds': _ROUNDS.value, 'cpus': os.cpu_count(), 'cache': _CACHE.value,
+          'sweep_args': list(_SWEEP_ARGS.value)}
   trials = [(v, s) for v in values for s in seeds]
   limit = len(trials) if _LIMIT.value is None else min(_LIMIT.value, len(trials))
 
@@ -105,7 +109,8 @@ def main(argv) -> None:
     wall = _timed([os.path.join(bindir, 'fedjx-sweep'), '--config', _CONFIG.value,
                    '--workdir', os.path.join(work, f'sweep_{repeat}'),
                    '--sweep', f'{_FIELD.value}={",".join(map(str, values))}',
-                   '--seeds', _SEEDS.value] + common + _cache_flag(work, 'sweep', repeat))
+                   '--seeds', _SEEDS.value] + common + _cache_flag(work, 'sweep', repeat)
+                  + list(_SWEEP_ARGS.value))
     _emit(dict(base, what='vectorized_sweep', repeat=repeat, wall_s=round(wall, 2)),
           _OUT.value)
     return wall
