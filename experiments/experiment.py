@@ -270,11 +270,14 @@ def on_mesh(exp: Experiment, mesh: jax.sharding.Mesh) -> Experiment:
   return dataclasses.replace(exp, resident=exp.resident.replicated(mesh))
 
 
-def build(config: Any, placement: str | None = None) -> Experiment:
+def build(config: Any, placement: str | None = None, *,
+          resident: bool = True) -> Experiment:
   """Builds the dataset, model, algorithm and evaluator a config names.
 
   ``placement`` overrides ``config.client_state.placement`` (see
-  :func:`build_algorithm`).
+  :func:`build_algorithm`). ``resident=False`` keeps the training
+  population on the host whatever ``config.data_placement`` says (a sweep
+  stacks its seeds' cohorts on the host, :mod:`fedjx.experiments.sweeps`).
   """
   config = with_defaults(config)
   data = registry.build_dataset(config.dataset, config.seed)
@@ -310,7 +313,8 @@ def build(config: Any, placement: str | None = None) -> Experiment:
     system_model = None
   _check_sampling(config, plan, sampler, system_model, scheduler)
   resident = (datasets.on_device(data.train, progress=config.progress)
-              if data_on_device(config, data.train, system_model, scheduler)
+              if resident and data_on_device(config, data.train, system_model,
+                                             scheduler)
               else None)
   return Experiment(config, data, model, algorithm, params, round_key, evaluate,
                     systems=system_model, scheduler=scheduler, sampler=sampler,

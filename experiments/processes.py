@@ -9,6 +9,7 @@ long time-out (a coordinator port in use, processes with unequal devices).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -20,15 +21,18 @@ from fedjx.experiments import config as config_lib
 from fedjx.experiments import registry
 
 
-def split_cpu(config: ml_collections.ConfigDict) -> int:
+def split_cpu(config: ml_collections.ConfigDict,
+              sizes: Sequence[int] | None = None) -> int:
   """Makes ``config.cpu_devices`` CPU devices before JAX starts; returns how many.
 
   :func:`fedjx.distributed.split_cpu` (``'auto'``: one per core), the count
-  the largest that divides ``config.cohort_size``. Only a run with
-  ``config.mesh='auto'`` on one process that starts JAX itself, whose CPU
-  device count the user has not set (``--xla_force_host_platform_device_count``
-  in ``XLA_FLAGS``, ``jax_num_cpu_devices``), splits the CPU; otherwise this
-  returns 1 and changes nothing.
+  the largest that divides ``config.cohort_size`` (or, given ``sizes``, one
+  of them: a sweep's settings or seeds, :mod:`fedjx.experiments.sweeps`).
+  Only a run with ``config.mesh='auto'`` on one process that starts JAX
+  itself, whose CPU device count the user has not set
+  (``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``,
+  ``jax_num_cpu_devices``), splits the CPU; otherwise this returns 1 and
+  changes nothing.
   """
   if (config.mesh != 'auto' or config.num_processes not in (None, 1) or
       config.coordinator_address or not distributed.may_split_cpu()):
@@ -36,7 +40,15 @@ def split_cpu(config: ml_collections.ConfigDict) -> int:
   devices = config.cpu_devices
   if isinstance(devices, str) and devices.isdigit():  # From the command line.
     devices = int(devices)
-  return distributed.split_cpu(devices, divides=config.cohort_size)
+  if sizes is None:
+    return distributed.split_cpu(devices, divides=config.cohort_size)
+  if devices == 'auto':
+    devices = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
+               else os.cpu_count() or 1)
+  if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+    devices = max(k for k in range(1, devices + 1)
+                  if any(size % k == 0 for size in sizes))
+  return distributed.split_cpu(devices)
 
 
 # config.mesh='auto' splits cohorts of at least

@@ -56,6 +56,7 @@ from fedjx.experiments import experiment
 from fedjx.experiments import lora_setup
 from fedjx.experiments import processes
 from fedjx.experiments import run_trainer
+from fedjx.experiments import workdir as workdir_lib
 from fedjx.experiments import workdir_lock
 
 __all__ = ['load_state', 'run']
@@ -91,21 +92,22 @@ def run(config: Any, workdir: str, *, hooks: Sequence[run_trainer.Hook] = (),
   if log is None:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if lead else (
         lambda msg: None)
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  config = client_states.for_processes(config, workdir, log)
-  try:
-    compilation_cache.enable(config.compilation_cache, workdir)
-  except ValueError as e:
-    raise config_lib.ConfigError(str(e)) from None
-  # config.mesh='auto' is resolved once the model is built (in _run).
-  mesh = None if config.mesh == 'auto' else processes.make_mesh(config)
-  with contextlib.ExitStack() as stack:
-    if lead:
-      stack.enter_context(workdir_lock.hold(workdir))
-    if mesh is not None:
-      stack.enter_context(jax.set_mesh(mesh))
-    return _run(config, workdir, hooks, log, lead, split, stack)
+  # A refused run (an error before it writes anything) removes the workdir
+  # it made.
+  with workdir_lib.made(workdir, clean=jax.process_count() == 1) as workdir:
+    config = client_states.for_processes(config, workdir, log)
+    try:
+      compilation_cache.enable(config.compilation_cache, workdir)
+    except ValueError as e:
+      raise config_lib.ConfigError(str(e)) from None
+    # config.mesh='auto' is resolved once the model is built (in _run).
+    mesh = None if config.mesh == 'auto' else processes.make_mesh(config)
+    with contextlib.ExitStack() as stack:
+      if lead:
+        stack.enter_context(workdir_lock.hold(workdir))
+      if mesh is not None:
+        stack.enter_context(jax.set_mesh(mesh))
+      return _run(config, workdir, hooks, log, lead, split, stack)
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str,

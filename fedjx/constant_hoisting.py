@@ -72,10 +72,17 @@ class HoistedJit:
   def _entry(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], Any] | None:
     """``(jitted, consts, mesh)`` for this signature (``mesh``: the CPU mesh
     the program's maps chose by themselves, or None); None where ``fn``
-    closes over values of an enclosing trace (those cannot be kept)."""
+    closes over values of an enclosing trace (those cannot be kept).
+
+    Raises:
+      DeletedArgumentError: an argument holds an array whose buffer is
+        deleted (donated to an earlier call), checked before XLA sees it.
+    """
     leaves, tree = jax.tree.flatten(args)
     key = (tree, tuple(_signature(x) for x in leaves),
            jax.sharding.get_abstract_mesh())
+    if any(k is _DELETED for k in key[1]):
+      raise DeletedArgumentError(self._deleted_message(args))
     entry = self._entries.get(key)
     if entry is None:
       closed, out_shape = jax.make_jaxpr(self._fn, return_shape=True)(*args)
@@ -92,6 +99,20 @@ class HoistedJit:
       mesh = None if key[2].axis_names else _own_cpu_mesh(closed.jaxpr)
       entry = self._entries[key] = (jitted, consts, mesh)
     return entry
+
+  def _deleted_message(self, args: tuple[Any, ...]) -> str:
+    name = getattr(self._fn, '__name__', 'the function')
+    where = [i for i, a in enumerate(args)
+             if any(_signature(x) is _DELETED for x in jax.tree.leaves(a))]
+    which = ', '.join(map(str, where))
+    if any(i in self._donate for i in where):
+      return (f'{name}: argument {which} holds arrays that an earlier call '
+              'consumed (a compiled round donates the state it is given, so '
+              'its buffers are deleted). Continue from the state that call '
+              'returned; to run rounds from one state more than once use '
+              'algo.apply(state, ...), or algo.compile(donate=False).')
+    return (f'{name}: argument {which} holds arrays whose buffers were deleted '
+            '(donated to another call, or .delete()d); pass live arrays.')
 
   def __call__(self, *args: Any) -> Any:
     entry = self._entry(args)
@@ -141,7 +162,10 @@ class HoistedJit:
 def _signature(x: Any) -> Any:
   """What a program traced for ``x`` depends on: its shape, dtype and weak
   type, and its sharding only where typed by an Explicit mesh axis (an
-  array laid out on an Auto mesh traces as one on a single device)."""
+  array laid out on an Auto mesh traces as one on a single device);
+  :data:`_DELETED` for an array whose buffer is deleted."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+    return _DELETED
   aval = jax.api_util.shaped_abstractify(x)
   mesh = getattr(getattr(aval, 'sharding', None), 'mesh', None)
   if jax.sharding.AxisType.Explicit in getattr(mesh, 'axis_types', ()):
@@ -163,6 +187,13 @@ def _own_cpu_mesh(jaxpr: Any) -> Any:
       if found is not None:
         return found
   return None
+
+
+class DeletedArgumentError(ValueError):
+  """An argument's array was deleted, e.g. a state donated to an earlier round."""
+
+
+_DELETED = object()  # The signature entry of an array whose buffer is deleted.
 
 
 def _inlined(eqn) -> bool:
@@ -249,4 +280,4 @@ def jit(fn: Callable[..., Any], *, donate_argnums: Sequence[int] = ()) -> Hoiste
   return HoistedJit(fn, donate_argnums)
 
 
-__all__ = ['HoistedJit', 'jit']
+__all__ = ['DeletedArgumentError', 'HoistedJit', 'jit']
