@@ -658,13 +658,7 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
                      '--config.<field>=<value> (see --help).')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
-  config = _CONFIG.value
-  if config is None:
-    raise UsageError('--config is required, e.g. --config '
-                     'configs/fedavg_digits.py (see --help).')
-  apply_overrides(config, extras)
-  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
-  config_schema.with_defaults(config)  # The fields' own checks, before JAX.
+  config = loaded_config(extras)
   workdir = _WORKDIR.value
   if workdir is None:
     name = os.path.splitext(os.path.basename(
@@ -688,6 +682,18 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
   print(f'fedjx-run: done; metrics, checkpoints and learning_curve.png in '
         f'{result.workdir}')
   return 0
+
+
+def loaded_config(extras: Sequence[Any]) -> Any:
+  """``--config``'s config with the command line's overrides, its fields checked (no JAX)."""
+  config = _CONFIG.value
+  if config is None:
+    raise UsageError('--config is required, e.g. --config '
+                     'configs/fedavg_digits.py (see --help).')
+  apply_overrides(config, extras)
+  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
+  config_schema.with_defaults(config)  # The fields' own checks, before JAX.
+  return config
 
 
 def prepare_workdir(workdir: str, config: Any, outputs: Sequence[str],
