@@ -205,20 +205,6 @@ def plan_lora(args: argparse.Namespace):
       name=name, extrapolate_layers=args.lora_extrapolate_layers)
 
 
-def network_setup(args: argparse.Namespace):
-  """``(schedule, network)`` of the flags, or None without ``--schedule``; ValueError if bad."""
-  from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
-  if args.schedule is None:
-    return None
-  if args.bandwidth_gbps is None:
-    raise ValueError('--schedule needs --bandwidth_gbps (Gbit/s of the link between replicas).')
-  schedule = network.Schedule(args.schedule, inner_steps=args.inner_steps,
-                              fragments=args.fragments, overlap_steps=args.overlap_steps,
-                              overlap_fraction=args.overlap_fraction, layers=args.layers)
-  link = network.Link.gbps(args.bandwidth_gbps, args.latency_ms / 1e3)
-  return schedule, network.Network(link, args.topology)
-
-
 def step_seconds(args: argparse.Namespace, flops_per_device: float,
                  peak_flops: float | None = None) -> float:
   """``--step_seconds``, or ``flops_per_device / (mfu peak)`` of ``--device``
@@ -236,7 +222,7 @@ def step_seconds(args: argparse.Namespace, flops_per_device: float,
 def render_network(args: argparse.Namespace, params: int, seconds: float) -> str:
   """The lines of ``--schedule``: the simulated round of a step of ``seconds``."""
   from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
-  schedule, net = network_setup(args)
+  schedule, net = network.from_flags(args)
   payload = params * args.wire_bytes
   timing = network.simulate(schedule, network.Compute.from_step_seconds(seconds), net,
                             payload, args.replicas)
@@ -311,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
   import jax  # pylint: disable=import-outside-toplevel
   from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
   from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
   from fedjx.experiments import plan_report  # pylint: disable=import-outside-toplevel
   try:
     if args.num_slices != 1 and args.tpu is None:
@@ -326,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
       plan = plan_tpu(args)
       row, out = plan.to_json(), plan_report.render_pod(plan, PROG)
     else:
-      network_setup(args)  # Bad communication flags fail before the compile.
+      network.from_flags(args)  # Bad communication flags fail before the compile.
       device = plan_report.target(args.device)
       plan = lm_cost.plan_inner_step(args.preset, replicas=args.replicas, fsdp=args.fsdp,
                                      batch=args.batch, seq_len=args.seq_len,

@@ -265,3 +265,7 @@ def render_inner(plan, device: Target, platform: str, prog: str = 'fedjx-plan') 
     rows.append(('  at peak', seconds(plan.analytic_flops / device.peak_flops),
                  f"analytic FLOPs at {device.name}'s bfloat16 peak"))
   return table(title, rows)
+
+
+__all__ = ['Target', 'gb', 'render_inner', 'render_pod', 'render_round', 'seconds', 'table',
+           'target']

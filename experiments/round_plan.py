@@ -25,7 +25,8 @@ nothing is written. It reports, per device:
   ``(6 N_matmul + 12 L H h T) T`` per example
   (:func:`fedjx.models.llama_config.train_flops_per_token`) times the
   cohort's ``C x S x B`` examples (padding included: the round computes
-  it); for other models three times XLA's count of one batch's forward
+  it), two thirds of that for LoRA (no gradient of the frozen weights); for
+  other models three times XLA's count of one batch's forward
   pass (a backward pass costs about two forward ones; Kaplan et al. 2020,
   arXiv 2001.08361) times ``C x S``.
 * **bytes on the wire**: each client downloads the server model and uploads
@@ -63,6 +64,7 @@ from fedjx.experiments import registry
 from fedjx.experiments import run_trainer
 from fedjx.experiments import runner
 from fedjx.models import llama_config
+from fedjx.models import lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,13 +172,17 @@ def _first_cohort(exp) -> Any:
 def _flops(config, exp, cohort, params) -> tuple[float, str, int | None]:
   """``(FLOPs of the round, how they were counted, T or None)``."""
   clients, steps, batch = cohort.shape
-  shape = lm_metrics.llama_shape(exp.model)
+  base = getattr(exp.model, 'base', None) if isinstance(exp.model, lora.LoraModel) else None
+  shape = lm_metrics.llama_shape(base if base is not None else exp.model)
   seq_len = (exp.data.info or {}).get('max_len')
   if shape is not None and seq_len:
     per_example = llama_config.train_flops_per_token(shape, int(seq_len)) * int(seq_len)
+    rule = '6 N_matmul + 12 L H h T'
+    if base is not None:  # No gradient of the frozen weights: forward and one backward.
+      per_example, rule = per_example * 2 / 3, '4 N_matmul + 8 L H h T (LoRA)'
     return (per_example * clients * steps * batch,
-            f'6 N_matmul + 12 L H h T per token x {clients} x {steps} x {batch} x '
-            f'{int(seq_len):,} tokens', int(seq_len))
+            f'{rule} per token x {clients} x {steps} x {batch} x {int(seq_len):,} tokens',
+            int(seq_len))
   one = experiment.sample_batch(config, exp.data)
   cost = jax.jit(exp.model.eval_loss_fn).lower(params, one).cost_analysis()
   if isinstance(cost, (list, tuple)):

@@ -37,7 +37,9 @@ and reads what the compiler knows:
   one channel is counted once per channel and shape.
 * **A step time**: the roofline of the compiled step, ``max(FLOPs / peak,
   HBM bytes / HBM bandwidth, wire bytes within a slice / ICI bandwidth,
-  wire bytes across slices / DCN bandwidth)`` per chip, times the chip's
+  wire bytes across slices / DCN bandwidth)`` per chip (the FLOPs: XLA's, or
+  the analytic count where that is larger, as for a custom kernel XLA's cost
+  analysis does not see into), times the chip's
   calibration (:func:`calibration`: a measured step time over this raw
   estimate of the same program on one chip, kept as data in
   ``tpu_calibration.json``). A round of ``H`` inner steps takes ``H`` steps
@@ -178,8 +180,9 @@ def topology(name: str, num_slices: int = 1) -> Topology:
   dims = rest.split('x')
   want = 2 if chip.name == 'v5e' else 3
   if len(dims) != want or not all(d.isdigit() and int(d) >= 1 for d in dims):
+    example = SLICES[chip.name][8 if want == 2 else 16]
     raise ValueError(f'topology={name!r}: a {chip.name} slice has {want} torus axes, '
-                     f'e.g. {chip.name}:{"x".join(SLICES[chip.name][8 if want == 2 else 16].split("x"))}.')
+                     f'e.g. {chip.name}:{example}.')
   return Topology(chip, tuple(int(d) for d in dims), num_slices)
 
 
@@ -554,8 +557,16 @@ class PodPlan:
     return self.peak_bytes <= self.chip.hbm_bytes
 
   def times(self, program: ProgramCost) -> dict[str, float]:
-    """Seconds per chip of ``program``: compute, HBM, ICI and DCN traffic."""
-    return {'compute': program.flops / self.chip.peak_flops,
+    """Seconds per chip of ``program``: compute, HBM, ICI and DCN traffic.
+
+    The inner step's compute is the larger of XLA's FLOPs and the analytic
+    count: XLA's cost analysis does not see inside a custom kernel (a
+    Pallas attention), whose FLOPs the analytic count still has.
+    """
+    flops = program.flops
+    if program is self.inner:
+      flops = max(flops, self.analytic_flops)
+    return {'compute': flops / self.chip.peak_flops,
             'hbm': program.hbm_bytes / self.chip.hbm_bytes_per_s,
             'ici': program.ici_bytes / self.chip.ici_bytes_per_s,
             'dcn': program.dcn_bytes / self.chip.dcn_bytes_per_s}
@@ -684,3 +695,9 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
       server_state_bytes=_shard_bytes((theta, momentum)),
       inner_state_bytes=_shard_bytes(opt_state), analytic_flops=analytic,
       calibration=calibration(top.chip.name, calibration_file))
+
+
+__all__ = ['ALGORITHMS', 'AXES', 'CALIBRATION_FILE', 'CHIPS', 'SLICES', 'Calibration', 'Chip',
+           'Collective', 'PodPlan', 'ProgramCost', 'Topology', 'axes_key', 'calibration',
+           'collectives', 'compile_only_devices', 'libtpu_missing', 'ops_by_axes', 'plan_pod',
+           'pod_mesh', 'topology', 'wire_bytes_by_axes']

@@ -32,3 +32,6 @@ def quiet() -> None:
     return
   for name, value in QUIET.items():
     os.environ.setdefault(name, value)
+
+
+__all__ = ['QUIET', 'on_a_tpu_host', 'quiet']
