@@ -78,7 +78,11 @@ PROG = 'fedjx-plan'
 def _parser() -> argparse.ArgumentParser:
   from fedjx.models import llama_config  # pylint: disable=import-outside-toplevel
   summary = __doc__.split('\n\n')[0].split(': ', 1)[1]
-  p = argparse.ArgumentParser(prog=PROG, description=summary[0].upper() + summary[1:])
+  p = argparse.ArgumentParser(
+      prog=PROG, description=summary[0].upper() + summary[1:] + ' These flags plan a '
+      'language model from a preset; a config plans as fedjx-run would run it: '
+      'fedjx-plan --config FILE[:ARG] [--config.PATH=VALUE ...] [--device NAME | --tpu '
+      'TOPOLOGY] [--json] (fedjx-plan --config FILE --help).')
   from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
   p.add_argument('--preset', default='1m', choices=list(llama_config.PRESETS) +
                  list(lora_plan.SHAPES),
@@ -262,17 +266,21 @@ def plan_tpu(args: argparse.Namespace):
 
 
 def _ask_for_host_devices(argv: list[str]) -> None:
-  """Sets XLA's host device count to ``replicas x fsdp x tensor`` before jax starts."""
+  """Sets XLA's host device count to ``replicas x fsdp x tensor`` before jax starts
+  (not for ``--tpu``, which compiles for the topology's devices)."""
   if 'jax' in sys.modules:
     return  # Too late; plan_inner_step says so if there are too few.
   pre = argparse.ArgumentParser(add_help=False)
   pre.add_argument('--replicas', type=int, default=1)
   pre.add_argument('--fsdp', type=int, default=1)
   pre.add_argument('--tensor', type=int, default=1)
+  pre.add_argument('--tpu', default=None)
   try:
     known, _ = pre.parse_known_args(argv)
   except SystemExit:
     return  # The full parser reports the error.
+  if known.tpu is not None:
+    return  # The TPU compiler's devices, not the host's.
   flags = os.environ.get('XLA_FLAGS', '')
   if '--xla_force_host_platform_device_count' not in flags:
     need = max(1, known.replicas * known.fsdp * known.tensor)

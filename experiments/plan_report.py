@@ -135,7 +135,8 @@ def render_round(plan, device: Target, spec: str, prog: str = 'fedjx-plan') -> s
       ('  parameters', gb(plan.param_bytes), 'the server model'),
       ('  optimizer and state', gb(plan.state_bytes),
        'the rest of the server state (optimizer moments, replicas\' states, ...)'),
-      ('  client data', gb(plan.data_bytes), "the cohort's batches (and rows) as placed"),
+      ('  client data', gb(plan.data_bytes),
+       "the cohort as placed (with the population's table where it is on the device)"),
       ('  outputs', gb(plan.new_output_bytes), 'not reusing a donated argument'),
       ('  activations', gb(plan.temp_bytes), "XLA's temporaries"),
       ('  total', gb(plan.peak_bytes),
@@ -193,7 +194,7 @@ def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
        'not reusing a donated argument'),
       ('  activations', gb(inner.temp_bytes), "the inner step's temporaries"),
       ('  server state', gb(plan.server_state_bytes),
-       'the global model and outer momentum, laid out like a replica'),
+       'the global model (and outer momentum), laid out like a replica'),
       ('  round peak', gb(plan.peak_bytes),
        f'inner step {gb(inner.peak_bytes)} + server state; outer step '
        f'{gb(outer.peak_bytes)} + inner optimizer state {gb(plan.inner_state_bytes)}'),

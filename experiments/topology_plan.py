@@ -292,6 +292,10 @@ def _wire(op: str, start: bool, arrays: list[float], n: int) -> tuple[float, flo
   return buffer, (n - 1) / n * buffer
 
 
+_MEGASCALE_OPS = {'ALL_REDUCE': 'all-reduce', 'ALL_GATHER': 'all-gather',
+                  'REDUCE_SCATTER': 'reduce-scatter', 'ALL_TO_ALL': 'all-to-all',
+                  'ONE_TO_ONE': 'collective-permute'}
+"""libtpu's transfers between slices, as the collective each is."""
 _MEGASCALE = re.compile(r'=\s*(.*?)\ssend\(.*_xla_megascale_transfer_type="(\w+)"')
 
 
@@ -319,14 +323,13 @@ def collectives(hlo: str, mesh: jax.sharding.Mesh) -> list[Collective]:
   for line in hlo.splitlines():
     dcn = _MEGASCALE.search(line)
     if dcn is not None:
-      types, op = dcn.group(1), dcn.group(2).lower().replace('_', '-')
+      types, op = dcn.group(1), _MEGASCALE_OPS.get(dcn.group(2), dcn.group(2).lower())
       rendezvous = re.search(r'_xla_host_transfer_rendezvous="([^"]+)"', line)
       key = (rendezvous.group(1) if rendezvous else line, 'dcn')
       if key not in seen:
         seen.add(key)
         arrays = _array_bytes(types)[:1]  # (buffer, u32[], token[])
-        buffer, wire = _wire(op if op in lm_cost.COLLECTIVES else 'all-reduce', False,
-                             arrays, num_slices)
+        buffer, wire = _wire(op, False, arrays, num_slices)
         out.append(Collective(op, between, True, num_slices, buffer, wire))
       continue
     match = _INSTRUCTION.search(line)
