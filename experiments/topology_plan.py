@@ -27,9 +27,9 @@ and reads what the compiler knows:
 * **The collectives on each mesh axis**, read from the compiled HLO
   (:func:`collectives`): which of ``('clients', 'fsdp', 'tensor')`` each
   collective's device groups span (:func:`fedjx.experiments.lm_cost.collective_axes`'s
-  reading of the replica groups), whether a group holds chips of more than
-  one slice (then it crosses the data-centre network), and the bytes each
-  chip sends: ``2 (n - 1) / n`` times the buffer for an all-reduce of ``n``
+  reading of the replica groups, within a slice), the ones that cross the
+  data-centre network (libtpu's sends to its runtime between slices, each
+  the collective its transfer type names), and the bytes each chip sends: ``2 (n - 1) / n`` times the buffer for an all-reduce of ``n``
   chips (a ring: reduce-scatter then all-gather), ``(n - 1) / n`` times the
   gathered buffer for an all-gather and an all-to-all, ``n - 1`` times the
   scattered shard for a reduce-scatter, the buffer for a collective permute.
