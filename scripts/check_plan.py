@@ -99,6 +99,8 @@ def one_case(preset: str, batch: int, remat: str | None, args: argparse.Namespac
 
 
 def main(argv=None) -> list[dict]:
+  from fedjx.experiments import tpu_env  # pylint: disable=import-outside-toplevel
+  tpu_env.quiet()  # Before JAX starts (nothing changes on a TPU host).
   args = parse(argv)
   if args.one is not None:
     (preset, batch, remat), = args.cases
