@@ -167,7 +167,7 @@ def _where(key: str) -> str:
 
 def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
   """The table of a :class:`fedjx.experiments.topology_plan.PodPlan`."""
-  from fedjx.experiments import topology_plan  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import hlo_collectives  # pylint: disable=import-outside-toplevel
   c, top, chip = plan.config, plan.topology, plan.chip
   algorithm = {'diloco': 'DiLoCo', 'fedavg': 'FedAvg'}[plan.algorithm]
   title = (f'{prog}: {(spec + ": ") if spec else ""}{algorithm} of llama_lm {plan.preset} '
@@ -205,7 +205,7 @@ def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
        f'(XLA / analytic {ratio:.3f})'),
       ('  HBM bytes', gb(inner.hbm_bytes), "XLA's bytes accessed"),
   ]
-  for key, ops in sorted(topology_plan.ops_by_axes(inner.collectives).items()):
+  for key, ops in sorted(hlo_collectives.ops_by_axes(inner.collectives).items()):
     rows.append((f'  {_where(key)}', gb(inner.wire.get(key, 0.0)), _ops(ops)))
   rows += [
       ('  time', seconds(plan.step_s),
@@ -215,7 +215,7 @@ def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
           f"; XLA's own estimate {seconds(inner.xla_seconds)}")),
       ('outer step, a chip', '', ''),
   ]
-  for key, ops in sorted(topology_plan.ops_by_axes(outer.collectives).items()):
+  for key, ops in sorted(hlo_collectives.ops_by_axes(outer.collectives).items()):
     rows.append((f'  {_where(key)}', gb(outer.wire.get(key, 0.0)), _ops(ops)))
   o = plan.times(outer)
   rows += [

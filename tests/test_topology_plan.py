@@ -1,4 +1,4 @@
-"""A TPU pod planned with libtpu's compiler on this CPU (fedjx.experiments.topology_plan).
+"""A TPU pod planned with libtpu's compiler on this CPU (topology_plan, hlo_collectives).
 
 The figures are checked against arithmetic done here: the ring's bytes per
 chip of each collective, the parameter bytes of a layout, ``6 N_matmul + 12
@@ -11,6 +11,7 @@ skip with that reason without it; they run in this process, which has
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,7 +19,9 @@ import jax
 import numpy as np
 import pytest
 
+from fedjx.experiments import hlo_collectives as hc
 from fedjx.experiments import lm_cost
+from fedjx.experiments import plan_report
 from fedjx.experiments import topology_plan as tp
 from fedjx.models import llama_config as lc
 
@@ -44,17 +47,17 @@ def test_topology_names_and_cloud_accelerator_types():
 
 
 def test_the_bytes_each_chip_sends_are_the_ring_s():
-  assert tp._array_bytes('(bf16[2,3]{1,0:T(8,128)}, f32[4]{0}, u32[], token[])') == [
+  assert hc._array_bytes('(bf16[2,3]{1,0:T(8,128)}, f32[4]{0}, u32[], token[])') == [
       12, 16, 4]
-  assert tp._array_bytes('pred[8]{0}') == [8]
+  assert hc._array_bytes('pred[8]{0}') == [8]
   # n = 4 chips, a 1,000-byte buffer: an all-reduce is a reduce-scatter then an
   # all-gather, each sending 3 of 4 quarters: 2 x 750.
-  assert tp._wire('all-reduce', False, [1000.0], 4) == (1000.0, 1500.0)
-  assert tp._wire('all-gather', False, [1000.0], 4) == (1000.0, 750.0)  # 3 shards of 250 in
-  assert tp._wire('reduce-scatter', False, [250.0], 4) == (250.0, 750.0)  # 3 shards out
-  assert tp._wire('all-to-all', False, [1000.0], 4) == (1000.0, 750.0)
-  assert tp._wire('collective-permute', True, [1000.0, 1000.0, 4.0, 4.0], 2) == (1000.0, 1000.0)
-  assert tp._wire('all-reduce', False, [1000.0], 1) == (1000.0, 0.0)
+  assert hc._wire('all-reduce', False, [1000.0], 4) == (1000.0, 1500.0)
+  assert hc._wire('all-gather', False, [1000.0], 4) == (1000.0, 750.0)  # 3 shards of 250 in
+  assert hc._wire('reduce-scatter', False, [250.0], 4) == (250.0, 750.0)  # 3 shards out
+  assert hc._wire('all-to-all', False, [1000.0], 4) == (1000.0, 750.0)
+  assert hc._wire('collective-permute', True, [1000.0, 1000.0, 4.0, 4.0], 2) == (1000.0, 1000.0)
+  assert hc._wire('all-reduce', False, [1000.0], 1) == (1000.0, 0.0)
 
 
 def test_collectives_name_the_axes_their_groups_span_and_count_a_channel_once():
@@ -69,12 +72,12 @@ def test_collectives_name_the_axes_their_groups_span_and_count_a_channel_once():
       'dimensions={0}',
       '  %d = f32[16]{0} add(%p, %q)',
   ])
-  found = tp.collectives(hlo, mesh)
+  found = hc.collectives(hlo, mesh)
   assert [(c.op, c.axes, c.across_slices, c.group_size) for c in found] == [
       ('all-reduce', ('fsdp',), False, 2), ('all-gather', ('fsdp', 'tensor'), False, 4)]
-  assert tp.wire_bytes_by_axes(found) == {'fsdp': 2 * 1 / 2 * 1024,
+  assert hc.wire_bytes_by_axes(found) == {'fsdp': 2 * 1 / 2 * 1024,
                                           'fsdp+tensor': 3 / 4 * 8 * 64 * 2}
-  assert tp.ops_by_axes(found) == {'fsdp': {'all-reduce': 1},
+  assert hc.ops_by_axes(found) == {'fsdp': {'all-reduce': 1},
                                    'fsdp+tensor': {'all-gather': 1}}
 
 
@@ -92,6 +95,45 @@ def test_the_calibration_is_a_measured_over_a_planned_step_per_chip(tmp_path):
     tp.calibration('v5e', str(path))
   for chip in tp.CHIPS:  # The shipped file reads.
     assert tp.calibration(chip).factor > 0
+
+
+def test_a_round_is_h_roofline_steps_and_the_outer_step_and_its_table_says_so():
+  chip = tp.CHIPS['v5e']
+  inner = tp.ProgramCost(
+      argument_bytes=3_000_000, output_bytes=1_000_100, alias_bytes=1_000_000,
+      temp_bytes=2_000_000, flops=2e12, hbm_bytes=4.095e9, xla_seconds=None,
+      wire={'fsdp': 1e8}, collectives=(hc.Collective('all-gather', ('fsdp',), False, 2,
+                                                     2e8, 1e8),),
+      compile_seconds=1.0)
+  outer = tp.ProgramCost(
+      argument_bytes=1_000_000, output_bytes=500_000, alias_bytes=500_000, temp_bytes=0,
+      flops=1e6, hbm_bytes=8.19e8, xla_seconds=None, wire={'clients': 2e8, 'dcn:clients': 3.125e7},
+      collectives=(hc.Collective('all-reduce', ('clients',), True, 2, 3.125e7, 3.125e7),),
+      compile_seconds=1.0)
+  plan = tp.PodPlan(
+      topology=tp.topology('v5e:2x4', 2), preset='35m', config=lc.preset('35m'),
+      algorithm='diloco', replicas=4, fsdp=4, tensor=1, batch=8, seq_len=2048,
+      inner_steps=10, params=lc.num_params('35m'), inner=inner, outer=outer,
+      server_state_bytes=500_000, inner_state_bytes=700_000, analytic_flops=1.97e12,
+      calibration=tp.Calibration('v5e', 1.5, 0.3, 0.2, 'p', 'measured'))
+  # Compute 2e12 / 197e12 = 10.2 ms, HBM 4.095e9 / 819e9 = 5 ms, ICI 1e8 / 200e9
+  # = 0.5 ms: compute binds; x 1.5 calibrated.
+  assert plan.step_s == pytest.approx(1.5 * 2e12 / 197e12)
+  # Outer: HBM 1 ms (x 1.5), then ICI 2e8 / 200e9 = 1 ms and DCN 3.125e7 / 3.125e9 = 10 ms.
+  assert plan.outer_s == pytest.approx(1.5e-3 + 1e-3 + 10e-3)
+  assert plan.round_s == pytest.approx(10 * plan.step_s + plan.outer_s)
+  assert plan.mfu == pytest.approx(1.97e12 * 10 / (plan.round_s * 197e12))
+  # Peak: inner 3 + 1.0001 - 1 + 2 MB + server state 0.5 MB, against the outer
+  # step's 1 MB + the inner optimizer's 0.7 MB.
+  assert plan.peak_bytes == 5_000_100 + 500_000 and plan.fits
+  text = plan_report.render_pod(plan)
+  assert 'on v5e:2x4 x 2 slices (16 v5e chips), 4 replicas x FSDP 4 x tensor 1' in text
+  assert re.search(r'    round peak +5\.50 MB', text)
+  assert re.search(r'  fits v5e +yes  16\.91 GB of HBM a chip', text)
+  assert re.search(r'    fsdp \(ICI\) +100\.00 MB  all-gather x1', text)
+  assert re.search(r'    clients \(across slices, DCN\) +31\.25 MB  all-reduce x1', text)
+  assert 'compute binds' in text and 'x 1.5, measured on one v5e (measured)' in text
+  assert f'{plan.tokens_per_round / plan.round_s:,.0f} tokens/s' in text
 
 
 def test_without_libtpu_the_plan_says_how_to_install_it(monkeypatch):
@@ -137,9 +179,9 @@ def test_diloco_s_outer_step_over_two_slices_crosses_the_dcn_once_per_chip_share
   assert (slices[:2] == 0).all() and (slices[2:] == 1).all()  # Replicas 0, 1 | 2, 3.
   config = lc.preset('35m')
   jitted, args = lm_cost.outer_step_program(config, 4, 4, mesh)
-  found = tp.collectives(jitted.lower(*args).compile().as_text(), mesh)
+  found = hc.collectives(jitted.lower(*args).compile().as_text(), mesh)
   assert {c.axes for c in found} == {('clients',)}
-  wire = tp.wire_bytes_by_axes(found)
+  wire = hc.wire_bytes_by_axes(found)
   share = 4 * lc.num_params(config) / (4 * 2)  # float32 over F = 4, halved by 2 replicas.
   assert wire['dcn:clients'] == pytest.approx(2 * (2 - 1) / 2 * share, rel=1e-3)
   # Within the slice: reduce-scatter (1 x share) and all-gather (1/2 x 2 share).
