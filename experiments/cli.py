@@ -726,15 +726,7 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
                      '--config.<field>=<value> (see --help).')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
-  config = _CONFIG.value
-  if config is None:
-    raise UsageError('--config is required, e.g. --config '
-                     'configs/fedavg_digits.py (see --help).')
-  apply_overrides(config, extras)
-  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import preflight  # pylint: disable=g-import-not-at-top
-  # Before JAX: the fields' own checks, then the names and the population.
-  preflight.check_config(config_schema.with_defaults(config))
+  config = loaded_config(extras)
   workdir = _WORKDIR.value
   if workdir is None:
     name = os.path.splitext(os.path.basename(
@@ -743,6 +735,8 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
   from fedjx.experiments import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   prepare_workdir(workdir, config, workdir_lib.RUN_OUTPUTS)  # Before JAX too.
   # A workdir in use, of another experiment, or already finished: at once.
+  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import preflight  # pylint: disable=g-import-not-at-top
   finished = preflight.check_workdir(config_schema.with_defaults(config), workdir)
   if finished is not None:
     print(f'fedjx-run: {os.path.abspath(workdir)} holds this run, finished '
@@ -770,6 +764,20 @@ def _print_summary(row: Mapping[str, Any], workdir: str) -> None:
                  for k, v in shown.items()))
   print(f'fedjx-run: done; metrics, checkpoints and learning_curve.png in '
         f'{workdir}')
+
+
+def loaded_config(extras: Sequence[Any]) -> Any:
+  """``--config``'s config with the command line's overrides, its fields checked (no JAX)."""
+  config = _CONFIG.value
+  if config is None:
+    raise UsageError('--config is required, e.g. --config '
+                     'configs/fedavg_digits.py (see --help).')
+  apply_overrides(config, extras)
+  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import preflight  # pylint: disable=g-import-not-at-top
+  # Before JAX: the fields' own checks, then the names and the population.
+  preflight.check_config(config_schema.with_defaults(config))
+  return config
 
 
 def prepare_workdir(workdir: str, config: Any, outputs: Sequence[str],

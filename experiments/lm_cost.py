@@ -146,18 +146,20 @@ def inner_optimizer() -> optax.GradientTransformation:
 
 
 def inner_step_program(config: llama_config.LlamaConfig, replicas: int, fsdp: int,
-                       batch: int, seq_len: int, mesh, tensor: int = 1):
+                       batch: int, seq_len: int, mesh, tensor: int = 1,
+                       optimizer: optax.GradientTransformation | None = None):
   """The jitted inner step over ``replicas`` on ``mesh``, and its arguments' shapes.
 
   Returns ``(step, (params, opt_state, tokens))``: ``step(params, opt_state,
   tokens) -> (params, opt_state, loss)`` donates its first two arguments;
   the shapes are ``jax.ShapeDtypeStruct`` with their shardings, stacked over
   replicas, tokens ``[replicas, batch, seq_len + 1]``. With ``tensor > 1``
-  ``mesh`` needs a ``'tensor'`` axis of that size.
+  ``mesh`` needs a ``'tensor'`` axis of that size. ``optimizer`` replaces
+  :func:`inner_optimizer` (e.g. FedAvg's plain SGD).
   """
   check_tensor('inner_step_program', config, tensor)
   model = llama.llama_lm(config)
-  opt = inner_optimizer()
+  opt = inner_optimizer() if optimizer is None else optimizer
   params = llama.param_shapes(config)
   opt_state = jax.eval_shape(opt.init, params)
 

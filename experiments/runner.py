@@ -59,7 +59,7 @@ from fedjx.experiments import run_trainer
 from fedjx.experiments import workdir as workdir_lib
 from fedjx.experiments import workdir_lock
 
-__all__ = ['load_state', 'run']
+__all__ = ['build_experiment', 'load_state', 'run']
 
 
 def run(config: Any, workdir: str, *, hooks: Sequence[run_trainer.Hook] = (),
@@ -115,6 +115,32 @@ def _run(config: ml_collections.ConfigDict, workdir: str,
          lead: bool, split: int, stack: contextlib.ExitStack
          ) -> run_trainer.RunResult:
   """The body of :func:`run`, inside the mesh context if there is one."""
+  exp = build_experiment(config, split, log, stack)
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
+                                    max_to_keep=max(2, config.checkpoints_to_keep),
+                                    position=data_position.of_experiment(exp))
+  try:
+    trainer = run_trainer.RunTrainer(config, exp, workdir, log, lead, hooks, ckpt)
+    result = trainer.train()
+    if lead and not result.interrupted:  # config.lora.export's folders.
+      for folder in lora_setup.export(config, exp.model, result.state.params, workdir):
+        log(f'wrote {folder}')
+    return result
+  finally:
+    ckpt.close()
+
+
+def build_experiment(config: ml_collections.ConfigDict, split: int,
+                     log: Callable[[str], None],
+                     stack: contextlib.ExitStack) -> experiment.Experiment:
+  """The experiment of ``config`` on the run's mesh (what :func:`run` trains).
+
+  Called inside the mesh context of ``config.mesh``, if any. With
+  ``config.mesh='auto'`` it resolves the mesh (``config.mesh`` is set to the
+  choice), enters it on ``stack`` and lays the experiment on it; ``split``
+  is the number of CPU devices :func:`fedjx.experiments.processes.split_cpu`
+  made.
+  """
   exp = experiment.build(config)
   if config.mesh == 'auto':
     # A large model's flops are measured on a sample batch; a small one needs none.
@@ -128,18 +154,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str,
       mesh = processes.make_mesh(config)
       stack.enter_context(jax.set_mesh(mesh))
       exp = experiment.on_mesh(exp, mesh)
-  ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
-                                    max_to_keep=max(2, config.checkpoints_to_keep),
-                                    position=data_position.of_experiment(exp))
-  try:
-    trainer = run_trainer.RunTrainer(config, exp, workdir, log, lead, hooks, ckpt)
-    result = trainer.train()
-    if lead and not result.interrupted:  # config.lora.export's folders.
-      for folder in lora_setup.export(config, exp.model, result.state.params, workdir):
-        log(f'wrote {folder}')
-    return result
-  finally:
-    ckpt.close()
+  return exp
 
 
 def load_state(workdir: str, step: int | None = None) -> tuple[Any, int]:
