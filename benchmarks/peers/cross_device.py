@@ -107,12 +107,12 @@ def flat_arrays(setup: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
     x, y = _drawn_at_once(setup)
     return {'x': x, 'y': y.astype(np.int32)}, sizes(setup)
   data = client_data(setup)
-  sizes = np.array([len(d['y']) for d in data])
+  counts = np.array([len(d['y']) for d in data])
   arrays = {}
   for k in list(data[0]):
     v = np.concatenate([d.pop(k) for d in data])
     arrays[k] = v.astype(np.int32) if v.dtype == np.int64 else v
-  return arrays, sizes
+  return arrays, counts
 
 
 def first_client(arrays: dict[str, np.ndarray], sizes: np.ndarray) -> dict[str, np.ndarray]:
