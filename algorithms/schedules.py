@@ -143,7 +143,7 @@ def scheduled(algorithm: base.Algorithm, hparam_schedules: Mapping[str, Any], *,
     The :class:`~fedjx.algorithms.Algorithm`: ``init`` sets the values of
     round 0, every round those of its ``round_index``; ``compile`` keeps the
     schedules. It is ``algorithm`` with its rounds replaced, so it keeps
-    every trait of ``algorithm`` (``base.TRAITS``): an algorithm whose
+    the traits of ``algorithm`` (``Algorithm.traits``): an algorithm whose
     clients keep state (``client_state_init``) is scheduled with its rows
     passed through and its ``run_rounds`` refused as it is.
   """

@@ -611,9 +611,7 @@ def validate(config: Any) -> ml_collections.ConfigDict:
     registry.check_numbers(kind, kwargs, non_negative=False)
   registry.check_paths('dataset', registry.split_name('dataset', config.dataset)[1])
   name, kwargs = registry.split_name('algorithm', config.algorithm)
-  entry = registry.algorithm_entry(name)
-  registry.check_kwargs('algorithm', name, entry, kwargs, registry.RESERVED,
-                        entry.forwarded())
+  registry.check_algorithm_kwargs(name, kwargs)
   registry.check_types('algorithm', registry.builder_options(name), kwargs)
   registry.check_numbers('algorithm', kwargs, non_negative=True)
   registry.check_hparam_bounds(kwargs)

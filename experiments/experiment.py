@@ -148,12 +148,6 @@ def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
   return with_churn(config, algorithm, num_clients, params)
 
 
-CHURN_ALGORITHMS = ('diloco',)
-"""The algorithms ``config.churn`` applies to: synchronous DiLoCo, whose
-every replica starts each round from the global model (so one that joins
-or rejoins needs nothing more, :mod:`fedjx.experiments.churn`)."""
-
-
 def churn_schedule(config: ml_collections.ConfigDict,
                    num_clients: int) -> churn_lib.ChurnSchedule | None:
   """``config.churn``'s seeded schedule of ``num_clients`` replicas over
@@ -166,10 +160,12 @@ def churn_schedule(config: ml_collections.ConfigDict,
     return None
   section = config.churn
   name = config.algorithm.name
-  if name not in CHURN_ALGORITHMS:
+  if not registry.algorithm_traits(name).replicas_restart:
+    allowed = tuple(n for n in registry.ALGORITHMS
+                    if registry.algorithm_traits(n).replicas_restart)
     raise registry.ConfigError(
         f'config.churn is set but config.algorithm.name={name!r}; allowed: one of '
-        f'{CHURN_ALGORITHMS} (replicas that join restart from the global model).')
+        f'{allowed} (replicas that join restart from the global model).')
   if config.cohort_size != num_clients:
     raise registry.ConfigError(
         f'config.churn needs every replica in every cohort: config.cohort_size='
@@ -252,8 +248,8 @@ def round_algorithms(config: ml_collections.ConfigDict,
     return exp.algorithm, None
   guarded = guarded_rounds.checking_finiteness(exp.algorithm)
   name = config.algorithm.name
-  entry = registry.algorithm_entry(name)
-  reach = entry.updates_reach_params and 'skip_nonfinite' in entry.runner_options
+  reach = (registry.algorithm_traits(name).updates_reach_params
+           and 'skip_nonfinite' in registry.runner_options(name))
   if not guarded_rounds.runs_unguarded(exp.algorithm, reach):
     return guarded, None
   unguarded = build_algorithm(config, exp.model, exp.data.train.num_clients,

@@ -537,7 +537,7 @@ def test_every_wire_bits_aggregator_is_listed():
     except ValueError:  # Options it needs (top_k's k, dp_defense's defense).
       assert name not in WIRE_SPECS
       continue
-    if agg.wire_bits:
+    if agg.traits.wire_bits:
       wire.append(name)
   assert sorted(wire) == sorted(WIRE_SPECS)
 

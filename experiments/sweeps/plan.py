@@ -68,9 +68,8 @@ PLACEMENT = 'device'
 def build_trial(config: ml_collections.ConfigDict) -> experiment_lib.Experiment:
   """``experiment.build(config)`` with per-client state on the device."""
   name = config.algorithm.name
-  entry = registry.algorithm_entry(name)
   exp = experiment_lib.build(config, placement=PLACEMENT if (
-      entry.client_state is not None) else None)
+      registry.algorithm_traits(name).client_state is not None) else None)
   if getattr(exp.algorithm, 'client_state_init', None) is not None:
     raise registry.ConfigError(
         f'fedjx-sweep: algorithm {name!r} keeps per-client state in a host '
