@@ -230,25 +230,15 @@ def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransf
 # config's options: the model's metrics and its non-finite guard.
 RUNNER_OPTIONS = ('metrics_fn', 'skip_nonfinite')
 
-# Every algorithm a config can name, by name: its builder, which declares
-# its own traits where it is defined (``builder.traits``,
-# :class:`fedjx.algorithms.traits.Traits`: the option taking the population
-# size, whether it is asynchronous, ...). In your own code add one with
+# Every algorithm a config can name, by name: each builder that
+# ``fedjx.algorithms`` exports and that declares its traits where it is
+# defined (``@kit.declare(Traits(...))``: the option taking the population
+# size, whether it is asynchronous, ...). Adding an algorithm to the package
+# is its module and its export; in your own code,
 # register_algorithm(name, builder); a builder is f(loss_fn, **options).
 ALGORITHMS: dict[str, Callable[..., Any]] = {
-    builder.__name__: builder for builder in (
-        algorithms_lib.fedavg, algorithms_lib.fedadam, algorithms_lib.fedyogi,
-        algorithms_lib.fedadagrad, algorithms_lib.fedavgm,
-        algorithms_lib.fedprox, algorithms_lib.fednova,
-        algorithms_lib.mime_lite, algorithms_lib.mime, algorithms_lib.fedexp,
-        algorithms_lib.scaffold, algorithms_lib.fedrep, algorithms_lib.fedper,
-        algorithms_lib.ditto, algorithms_lib.feddyn, algorithms_lib.apfl,
-        algorithms_lib.hyp_cluster, algorithms_lib.dp_fedavg,
-        algorithms_lib.diloco, algorithms_lib.diloco_recipe,
-        algorithms_lib.streaming_diloco, algorithms_lib.eager_diloco,
-        algorithms_lib.fedavg_hypergradient_tuner, algorithms_lib.fedbuff,
-        algorithms_lib.async_diloco, algorithms_lib.qffl, algorithms_lib.afl,
-        algorithms_lib.fedasync, algorithms_lib.fedlora)
+    name: getattr(algorithms_lib, name) for name in sorted(algorithms_lib.__all__)
+    if isinstance(getattr(getattr(algorithms_lib, name), 'traits', None), Traits)
 }
 # Algorithm options the runner sets (not config.algorithm), for every entry.
 RESERVED = ('loss_fn', 'metrics_fn', 'skip_nonfinite', 'lora_config')
