@@ -49,7 +49,11 @@ from fedjx.algorithms.compression import quantization
 OPTIONS = ('metrics_fn', 'weighting', 'client_evaluation', 'skip_nonfinite')
 """The options of :class:`~fedjx.algorithms.kit.Options` the builders of the
 DiLoCo family take in ``**options``; the inner and outer optimizers and
-``inner_steps`` are their own parameters."""
+``inner_steps`` (:data:`OWN`) are their own parameters."""
+
+OWN = ('inner_optimizer', 'outer_optimizer', 'outer_learning_rate',
+       'outer_momentum', 'inner_steps')
+"""The parameters every builder of the DiLoCo family takes itself."""
 
 TRAITS = kit.Traits(options=OPTIONS, population='num_replicas',
                     updates_reach_params=True, indexed_batches=True,
@@ -108,18 +112,21 @@ def check_options(fn: str, options: dict[str, Any], *,
                   outer_learning_rate: float | None = None,
                   outer_momentum: float | None = None,
                   inner_steps: int | None = None,
-                  taken: tuple[str, ...] = OPTIONS, **fixed: Any) -> kit.Options:
+                  taken: tuple[str, ...] = OPTIONS, own: tuple[str, ...] = (),
+                  **fixed: Any) -> kit.Options:
   """The DiLoCo family's :class:`~fedjx.algorithms.kit.Options`: the inner
   optimizer (default :func:`default_inner_optimizer`) as the clients', the
   outer one (:func:`check_outer`) as the server's, ``H = inner_steps`` as the
   local steps, named ``inner_optimizer`` and ``outer_optimizer`` in
   ``state.hparams``; ``options`` the builder's ``**options`` (``taken``),
-  ``fixed`` what it sets itself."""
+  ``own`` its parameters beyond :data:`OWN` (for errors), ``fixed`` what it
+  sets itself."""
   inner = inner_optimizer or default_inner_optimizer()
   kit.check_optimizer(fn, 'inner_optimizer', inner)
   outer = check_outer(fn, outer_optimizer, outer_learning_rate, outer_momentum)
-  return kit.Options.of(fn, options, taken, client_optimizer=inner,
-                        server_optimizer=outer, local_steps=inner_steps,
+  return kit.Options.of(fn, options, taken, own=OWN + own,
+                        client_optimizer=inner, server_optimizer=outer,
+                        local_steps=inner_steps,
                         names=('inner_optimizer', 'outer_optimizer'), **fixed)
 
 

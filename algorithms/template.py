@@ -143,11 +143,13 @@ class Options:
 
   @classmethod
   def of(cls, builder: str, given: Mapping[str, Any],
-         taken: Sequence[str] | None = None, **fixed: Any) -> 'Options':
+         taken: Sequence[str] | None = None, *, own: Sequence[str] = (),
+         **fixed: Any) -> 'Options':
     """The options a builder was ``given``, checked: one-line errors.
 
     ``taken`` are the options the builder takes (default: all of
-    :data:`OPTIONS`); a key of ``given`` not among them is refused. ``fixed``
+    :data:`OPTIONS`); a key of ``given`` not among them is refused, the
+    error listing them with ``own``, the builder's own options. ``fixed``
     are the values the builder sets itself (FedProx's client transform).
     An optimizer the builder takes and the caller leaves unset gets
     FedAvg's default (SGD 0.1 on the clients, SGD 1.0 on the server); one
@@ -157,7 +159,7 @@ class Options:
     for key in given:
       if key not in taken:
         raise ValueError(f'{builder}: option {key}={given[key]!r} is not '
-                         f'taken; {builder} takes {sorted(taken)}.')
+                         f'taken; {builder} takes {sorted({*taken, *own})}.')
     values = dict(given, **fixed)
     defaults = {'client_optimizer': lambda: base.default_sgd(0.1),
                 'server_optimizer': lambda: base.default_sgd(1.0)}

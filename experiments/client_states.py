@@ -30,6 +30,7 @@ refuses an algorithm whose rows live only in a store.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -38,6 +39,7 @@ import numpy as np
 
 from fedjx import client_store as client_store_lib
 from fedjx import streaming
+from fedjx.experiments import registry
 from fedjx.experiments.config import ConfigError
 
 
@@ -62,8 +64,6 @@ def for_processes(config: Any, workdir: str, log: Any) -> Any:
   workdir resumes under any process layout. Other algorithms are left as
   they are (:func:`make_store` refuses them in a multi-process run).
   """
-  import json  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
   if config.client_state.placement != 'store':
     return config
   option = registry.algorithm_traits(config.algorithm.name).client_state
