@@ -73,7 +73,7 @@ from fedjx.algorithms import client_update
 from fedjx.algorithms import base
 from fedjx.algorithms.aggregators import core as aggregators
 
-# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+# What a round releases beside the aggregate (``Traits.unprivatized``).
 UNPRIVATIZED = ('its clients also send their exact per-domain losses and '
                 'counts, which the noise does not cover')
 

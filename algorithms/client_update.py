@@ -14,11 +14,11 @@ padded to the cohort's ``[S, B]`` shape gives exactly the result of its
 unpadded batches. A step that is padding for every client run together with
 this one (the whole cohort under ``vmap``, a chunk under ``chunked``, the
 client alone under ``sequential``) is not computed at all
-(:func:`scan_steps`; ``scripts/benchmark_padding.py``): a client run alone
-takes its real steps in a ``while`` loop; clients run together, and any
-round that is differentiated, take the steps as the leaves of a binary tree
-of ``lax.cond`` branches whose padding costs at most ``log2(S) + 1`` skipped
-branches.
+(:func:`scan_steps`; ``scripts/benchmark_padding.py``): the steps some client
+of the chunk needs run in a ``while`` loop, each client masking those that
+are padding for it; a round that is differentiated takes the steps as the
+leaves of a binary tree of ``lax.cond`` branches whose padding costs at most
+``log2(S) + 1`` skipped branches.
 
 The schedule of steps (:class:`LocalSchedule`) is either ``epochs`` passes
 over the cohort's ``S`` steps (McMahan et al. 2017, ``E`` local epochs), or a
@@ -132,18 +132,27 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
   """``lax.scan`` of ``step(carry, x_t, active_t)`` over ``S = len(active)``
   steps, where a step no member of the chunk needs is never entered.
 
-  One member at a time (not :func:`fedjx.mapping.members_together`), an
-  evaluated round runs the steps as a ``while`` loop over exactly the
-  member's active steps, in order: no branch per step, and padding costs
-  nothing wherever it is. A ``while`` loop with a data-dependent trip count
-  has no reverse-mode derivative, so the loop is a ``jax.custom_jvp`` whose
-  derivative rule is the JVP of the same steps as a tree of ``lax.scan`` and
-  ``lax.cond`` (:func:`_tree_steps`), which both modes differentiate to any
-  order: a round that is differentiated gets the tree's derivatives, and its
-  forward pass is the tree. Members run together (a vmapped chunk), and
-  every member under a mesh with an Explicit axis, take the tree in both
-  forms: their ``[S]`` flags are combined once, before the tree
-  (:func:`fedjx.mapping.any_in_chunk`), so no branch holds a collective.
+  An evaluated round runs the steps as a ``while`` loop over exactly the
+  steps some member of the chunk needs (:func:`fedjx.mapping.any_in_chunk`
+  of the members' ``[S]`` flags, combined once, before the loop: no
+  collective inside it), in order: no branch per step, and padding costs
+  nothing wherever it is. One member at a time (not
+  :func:`fedjx.mapping.members_together`) that is exactly its own active
+  steps; members run together (a vmapped chunk) take the steps any of them
+  needs, each member's own ``active_t`` masking the steps that are padding
+  for it (``step`` keeps its carry there). A chunk of members with similar
+  step counts (ordered by cost, :mod:`fedjx.mapping`) so computes its
+  largest member's steps, as a vmapped ``fori_loop`` over each member's own
+  steps would, with one loop for the chunk.
+
+  A ``while`` loop with a data-dependent trip count has no reverse-mode
+  derivative, so the loop is a ``jax.custom_jvp`` whose derivative rule is
+  the JVP of the same steps as a tree of ``lax.scan`` and ``lax.cond``
+  (:func:`_tree_steps`), which both modes differentiate to any order: a
+  round that is differentiated gets the tree's derivatives, and its forward
+  pass is the tree. Members under a mesh with an Explicit axis take the
+  tree in both forms (values typed by an Explicit mesh do not survive
+  re-tracing the step on its own).
 
   ``step`` must leave ``carry`` unchanged and return zeros when ``active_t``
   is False (as a skipped node does; it is entered so only when
@@ -154,11 +163,9 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
   active = jnp.asarray(active)
   needed = fedjx.mapping.any_in_chunk(active)  # [S], the same for the chunk.
   mesh = jax.sharding.get_abstract_mesh()
-  if (fedjx.mapping.members_together() or
-      jax.sharding.AxisType.Explicit in getattr(mesh, 'axis_types', ())):
-    # Values typed by an Explicit mesh do not survive re-tracing the step on
-    # its own.
+  if jax.sharding.AxisType.Explicit in getattr(mesh, 'axis_types', ()):
     return _tree_steps(step, carry, xs, active, needed)
+  together = fedjx.mapping.members_together()
   # The step as a jaxpr whose closed-over values (the client's data, traced
   # values of the round) are explicit operands: the derivative rule may be
   # traced after the trace that called this one has ended.
@@ -174,16 +181,17 @@ def scan_steps(step: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]
                                           *jax.tree.leaves((c, x, a)))
     return jax.tree.unflatten(out_tree, out)
 
-  return _steps(converted, carry, xs, active, needed, list(closed.consts))
+  return _steps(converted, together, carry, xs, active, needed,
+                list(closed.consts))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _steps(step, carry, xs, active, needed, consts):
-  """:func:`scan_steps` evaluated: a ``while`` loop over the active steps."""
-  del needed
-  s = active.shape[0]
-  order = jnp.argsort(jnp.logical_not(active), stable=True)  # Active first.
-  count = jnp.sum(active, dtype=jnp.int32)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _steps(step, together, carry, xs, active, needed, consts):
+  """:func:`scan_steps` evaluated: a ``while`` loop over the needed steps
+  (``together``: members of a chunk, each masked by its own ``active``)."""
+  s = needed.shape[0]
+  order = jnp.argsort(jnp.logical_not(needed), stable=True)  # Needed first.
+  count = jnp.sum(needed, dtype=jnp.int32)
   take = lambda i: fedjx.indexed.take(xs, i)
   shapes = jax.eval_shape(lambda c, x: step(c, x, jnp.ones((), bool), consts)[1],
                           carry, take(jnp.zeros((), jnp.int32)))
@@ -194,7 +202,9 @@ def _steps(step, carry, xs, active, needed, consts):
   def body(j, state):
     carry, ys = state
     i = order[j]
-    carry, y = step(carry, take(i), jnp.ones((), bool), consts)
+    # One member alone takes only its own active steps: nothing to mask.
+    real = active[i] if together else jnp.ones((), bool)
+    carry, y = step(carry, take(i), real, consts)
     ys = jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
         b, jnp.asarray(v, b.dtype), i, 0), ys, y)
     return carry, ys
@@ -203,7 +213,8 @@ def _steps(step, carry, xs, active, needed, consts):
 
 
 @_steps.defjvp
-def _steps_jvp(step, primals, tangents):
+def _steps_jvp(step, together, primals, tangents):
+  del together
   carry, xs, active, needed, consts = primals
   dcarry, dxs, _, _, dconsts = tangents
   tree = lambda c, x, k: _tree_steps(lambda c_, x_, a_: step(c_, x_, a_, k),

@@ -45,7 +45,7 @@ from fedjx.algorithms import client_update
 from fedjx.algorithms import base
 from fedjx.algorithms.aggregators import core as aggregators
 
-# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+# What a round releases beside the aggregate (``Traits.unprivatized``).
 UNPRIVATIZED = ('each cluster\'s update is divided by the exact weight of the '
                 'clients that chose it, and which cluster each client chose is '
                 'released, neither of which the noise covers')

@@ -54,7 +54,7 @@ from fedjx.algorithms import client_update
 from fedjx.algorithms import base
 from fedjx.algorithms.aggregators import core as aggregators
 
-# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+# What a round releases beside the aggregate (``Traits.unprivatized``).
 UNPRIVATIZED = ('its step sum_k Delta_k / sum_k h_k divides by h_k, a function '
                 'of each client\'s exact loss and update norm, which the noise '
                 'on the updates does not cover')

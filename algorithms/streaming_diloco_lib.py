@@ -51,8 +51,8 @@ sent in the previous round (``(round_index - 1) mod P``, none in round 0)
 and its global value is ``params``' (no other outer step touches it in the
 meantime, as ``tau <= S``). After the last round, ``params`` holds every
 outer step, the last round's fragment included (the server applied it);
-only the replicas' merge of that fragment is pending, so
-``replica_params`` do not include it (the next round would merge it).
+only the replicas' merge of that fragment is pending, so the replicas'
+models (``state.extras``) do not include it (the next round would merge it).
 
 With ``P = 1``, ``alpha = 0``, ``tau = 0`` and float32, Streaming DiLoCo is
 DiLoCo.

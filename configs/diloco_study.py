@@ -10,6 +10,14 @@ comparison on a byte-level Llama preset (``fedjx.models.llama_config``:
 (``dataset.name='text'``, every module, sequences of the preset's ``T = 128``
 bytes, pooled and dealt IID into ``M`` shards, 10 % held out).
 
+The byte-level presets run on a CPU. ``'35m'`` and ``'180m'`` (the
+study's smallest sizes, sequences of 2,048 tokens, computed in bfloat16 over
+float32 parameters) are for one accelerator: on a 16 GB TPU v5e chip M = 4
+and M = 8 replicas of 35M and M = 4 of 180M fit, the replicas' AdamW
+states held on the chip and the replicas trained one after another
+(docs/scaling.md); there the attention kernel and each layer's
+rematerialization are chosen from the chip's memory left by those states.
+
 The argument is ``"M,preset"`` or ``"M,preset,tokens_per_param"``:
 
 * ``M >= 1``: DiLoCo. Each round every replica takes ``H = 30`` inner AdamW
@@ -74,7 +82,8 @@ FINAL_LR_FRACTION = 0.05  # cosine decay to 5 % of the peak
 WARMUP_FRACTION = 0.1     # of the inner steps
 CLIP_NORM = 1.0
 TOKENS_PER_PARAM = 20.0   # Chinchilla
-PRESETS = ('500k', '1m', '2m')
+PRESETS = ('500k', '1m', '2m', '35m', '180m')
+CHIP_PRESETS = ('35m', '180m')  # bfloat16 compute, sequences of 2,048: one accelerator
 EVAL_EXAMPLES = 1024
 
 
@@ -133,6 +142,9 @@ def get_config(arg: str = '4,500k'):
   config.dataset = dict(name='text', seq_len=seq_len, level='byte', modules=None,
                         num_shards=max(replicas, 1), test_fraction=0.1)
   config.model = dict(name='llama_lm', preset=preset)
+  if preset in CHIP_PRESETS:
+    config.model.dtype = 'bfloat16'
+    config.eval_max_examples = EVAL_EXAMPLES // 4
   config.algorithm = recipe_algorithm(rounds, INNER_STEPS, replicas)
   return config
 

@@ -6,8 +6,10 @@ with learning rate 0.01, decayed by a cosine over the rounds (FedAdam on the
 adapters, Reddi et al. 2021). Here the population is 200 clients drawn IID
 from the built-in toy instruction set (no download), rendered with the
 ChatML template, the loss on the responses only; the base is the 500k Llama
-preset at random, so it runs on a CPU as it is. Clients run one local epoch
-of SGD (learning rate 0.1) over their records in batches of 4. Give a
+preset at random, so it runs on a CPU as it is: 30-50 s a round on 2 cores,
+about half an hour for the 50 rounds; ``--config.rounds=3
+--config.eval_every=3`` finishes in a few minutes. Clients run one local
+epoch of SGD (learning rate 0.1) over their records in batches of 4. Give a
 pretrained checkpoint and real data as in ``configs/flowertune_lora.py``,
 and plan the 1.1B shape with
 

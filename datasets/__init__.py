@@ -43,7 +43,8 @@ Labels: :func:`check_labels` makes a label outside ``[0, num_classes)`` a
 one-line error when the data is read.
 
 Evaluation: :func:`split_clients`, :func:`split_examples`,
-:func:`eval_batches`, :func:`eval_cohorts`; per-client train / held-out
+:func:`eval_batches`, :func:`evaluate` (the example-weighted means of a
+per-example function over held-out examples), :func:`eval_cohorts`; per-client train / held-out
 splits for personalization: :func:`client_splits`. Partition statistics:
 :func:`summary`, :func:`format_summary`.
 """
@@ -56,6 +57,7 @@ from fedjx.datasets.splits import client_splits
 from fedjx.datasets.cohort import Cohort
 from fedjx.datasets.cohort import CohortSampler
 from fedjx.datasets.cohort import PADDING_CLIENT
+from fedjx.datasets.cohort import PaddedCohortWarning
 from fedjx.datasets.cohort import Sampler
 from fedjx.datasets.cohort import padded_ids
 from fedjx.datasets.cohort import bucket_steps
@@ -67,6 +69,7 @@ from fedjx.datasets.cohort import place_cohort
 from fedjx.datasets.digits import load_digits
 from fedjx.datasets.evaluation import eval_batches
 from fedjx.datasets.evaluation import eval_cohorts
+from fedjx.datasets.evaluation import evaluate
 from fedjx.datasets.evaluation import split_clients
 from fedjx.datasets.evaluation import split_examples
 from fedjx.datasets.federated import FederatedDataset
@@ -121,6 +124,7 @@ __all__ = [
     'EpochSampler',
     'PoissonSampler',
     'PADDING_CLIENT',
+    'PaddedCohortWarning',
     'Sampler',
     'padded_ids',
     'AvailableSampler',
@@ -140,6 +144,7 @@ __all__ = [
     'cohort_iterator',
     'eval_batches',
     'eval_cohorts',
+    'evaluate',
     'format_summary',
     'from_arrays',
     'on_device',

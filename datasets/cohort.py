@@ -34,6 +34,7 @@ Poisson sampling, padded to a bucket): every algorithm gives it weight 0.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -42,14 +43,24 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fedjx.datasets import _seeding
-from fedjx.datasets.federated import FederatedDataset, num_rows
-from fedjx.datasets.device_data import DeviceDataset
+from fedjx.datasets.federated import FederatedDataset, IndexedDataset, num_rows
+from fedjx.datasets.device_data import AUTO_MAX_BYTES, DeviceDataset
 from fedjx.indexed import IndexedBatches
 
 CLIENTS_AXIS = 'clients'
 
 # The id of a padding client in a cohort's ``client_ids``.
 PADDING_CLIENT = -1
+
+# make_cohort of an in-memory population warns when its padded host arrays
+# are at least this many bytes and this many times its examples' bytes.
+PADDED_WARNING_BYTES = 16 << 20
+PADDED_WARNING_RATIO = 2.0
+
+
+class PaddedCohortWarning(UserWarning):
+  """A cohort built on the host as padded copies of an in-memory population
+  that ``on_device`` would hold once (one line, once per place)."""
 
 
 class Cohort(NamedTuple):
@@ -380,7 +391,29 @@ def make_cohort(dataset: FederatedDataset, client_ids: Sequence[int] | np.ndarra
   distinct = np.array([min(n, len(order)) for _, _, order, n in clients],
                       dtype=np.float32)
   cids = np.array([cid for cid, _, _, _ in clients], dtype=np.int32)
+  if isinstance(dataset, IndexedDataset):
+    _warn_if_padded(dataset, batches, mask)
   return Cohort(batches, mask, distinct, cids)
+
+
+def _warn_if_padded(dataset: IndexedDataset, batches: dict[str, np.ndarray],
+                    mask: np.ndarray) -> None:
+  """Warns (:class:`PaddedCohortWarning`) where a cohort of an in-memory
+  population is :data:`PADDED_WARNING_BYTES` or more of padded copies,
+  :data:`PADDED_WARNING_RATIO` times its examples' bytes or more, and the
+  population fits where ``on_device`` would put it."""
+  padded = sum(int(v.nbytes) for v in batches.values())
+  row = padded / max(mask.size, 1)
+  if (padded < PADDED_WARNING_BYTES or
+      padded < PADDED_WARNING_RATIO * row * int(mask.sum()) or
+      row * int(np.sum(dataset.examples_per_client())) > min(AUTO_MAX_BYTES.values())):
+    return
+  warnings.warn(
+      'make_cohort copies padded batches of this in-memory population on the '
+      'host for every cohort; put it on the device once '
+      '(population = datasets.on_device(dataset)) and each cohort is an index '
+      'into it, built and moved at 5 bytes per example slot '
+      '(docs/datasets.md, "Cohorts").', PaddedCohortWarning, stacklevel=3)
 
 
 def _padded_steps(needed: int, *, num_steps, max_steps, bucket,

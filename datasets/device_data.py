@@ -13,6 +13,13 @@ and moves ``5 C S B`` bytes (int32 index, bool mask) instead of the padded
 its ``B`` rows per step on the device: the same numbers as the host cohort,
 bit for bit.
 
+On a CPU, rounds run one client per core: :func:`on_device` first splits
+the CPU into one device per core (:func:`fedjx.distributed.split_cpu`)
+where JAX has not started, and a round with no mesh set runs its cohort
+over those devices by itself (:func:`fedjx.distributed.cpu_blocks`), as
+``fedjx-run`` does; where JAX started on one CPU device, a one-line warning
+says how to split it.
+
 Memory: the table is the population's real data once (no padding), laid out
 replicated on the mesh (every device may hold any client). It suits the
 cross-device regime (many small clients, a small model), where the host
@@ -23,13 +30,17 @@ for the device stays on the host (the runner's
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fedjx.datasets.federated import FederatedDataset, WrappedDataset, num_rows
+from fedjx import distributed
+from fedjx.datasets.federated import (FederatedDataset, IndexedDataset,
+                                      WrappedDataset, num_rows)
 
 # Populations of at most this many bytes go on the device under the
 # runner's ``config.data_placement='auto'`` (per backend: a CPU's "device" is host
@@ -105,6 +116,12 @@ def on_device(dataset: FederatedDataset, mesh: jax.sharding.Mesh | None = None,
               progress: bool = False) -> DeviceDataset:
   """``dataset``'s examples on the device once: a :class:`DeviceDataset`.
 
+  Where JAX has not started (and may make its CPU devices:
+  :func:`fedjx.distributed.may_split_cpu`), the CPU is first split into one
+  device per core, over which rounds of many small clients run by
+  themselves (:func:`fedjx.distributed.cpu_blocks`); other backends are
+  unaffected.
+
   Args:
     dataset: the population; every client must have the same features,
       per-example shapes and dtypes, and at least one example.
@@ -120,6 +137,20 @@ def on_device(dataset: FederatedDataset, mesh: jax.sharding.Mesh | None = None,
   if not isinstance(dataset, FederatedDataset):
     raise ValueError(f'on_device: dataset={type(dataset).__name__!r}; it must '
                      'be a fedjx.datasets.FederatedDataset.')
+  if distributed.may_split_cpu():
+    distributed.split_cpu()
+  elif _one_of_many_cores():
+    warnings.warn(
+        'on_device: JAX started on one CPU device, so each round runs on one '
+        'core; call fedjx.distributed.split_cpu() (or datasets.on_device) '
+        'before any other JAX work for one device per core (about 2x faster '
+        'rounds of small models).', stacklevel=2)
+  if isinstance(dataset, IndexedDataset):  # In memory: one gather, no loop.
+    examples = dataset.all_examples()
+    sizes = dataset.examples_per_client()
+    num_rows(examples, where='on_device: the examples')
+    return _placed(dataset, {k: np.asarray(v) for k, v in examples.items()},
+                   sizes, mesh)
   ids = range(dataset.num_clients)
   if progress:
     import tqdm  # pylint: disable=g-import-not-at-top
@@ -144,14 +175,32 @@ def on_device(dataset: FederatedDataset, mesh: jax.sharding.Mesh | None = None,
     sizes[cid] = n
     for k, v in data.items():
       parts.setdefault(k, []).append(np.asarray(v))
+  return _placed(dataset, {k: np.concatenate(v) for k, v in parts.items()},
+                 sizes, mesh)
+
+
+def _placed(dataset: FederatedDataset, examples: dict[str, np.ndarray],
+            sizes: np.ndarray, mesh: Any) -> DeviceDataset:
+  """The :class:`DeviceDataset` of ``examples`` (every client's, in client
+  order; client ``c`` has ``sizes[c]``)."""
   offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
   if int(sizes.sum()) >= np.iinfo(np.int32).max:
     raise ValueError(f'on_device: {int(sizes.sum())} examples do not fit int32 '
                      'row indices; keep this population on the host.')
   mesh = _active(mesh)
   where = None if mesh is None else NamedSharding(mesh, P())
-  table = {k: jax.device_put(np.concatenate(v), where) for k, v in parts.items()}
+  table = {k: jax.device_put(v, where) for k, v in examples.items()}
   return DeviceDataset(dataset, table, offsets)
+
+
+def _one_of_many_cores() -> bool:
+  """Whether JAX runs on one CPU device (of one process) that the user did
+  not ask for, on a machine of several cores."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else 1
+  return (cores > 1 and jax.default_backend() == 'cpu' and
+          jax.process_count() == 1 and len(jax.devices('cpu')) == 1 and
+          jax.config.jax_num_cpu_devices < 0 and
+          'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''))
 
 
 def _active(mesh: Any) -> Any:

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from fedjx.experiments import checkpoint_manifests
 from fedjx.experiments import metrics_writers
 
 
@@ -277,24 +278,9 @@ class Checkpointer:
     self._writing: int | None = None  # The step of the save in flight.
     self._failed: CheckpointWriteError | None = None
 
-  # The files of a checkpoint Orbax does not change after writing it.
-  _HASHED = ('state', 'meta')
-
   def _files(self, step: int) -> dict[str, list[Any]]:
     """``{relative path: [size, sha256]}`` of step ``step``'s data files."""
-    root = os.path.join(self.directory, str(step))
-    out = {}
-    for item in self._HASHED:
-      for d, _, names in os.walk(os.path.join(root, item)):
-        for name in names:
-          path = os.path.join(d, name)
-          digest = hashlib.sha256()
-          with open(path, 'rb') as f:
-            for block in iter(lambda: f.read(1 << 20), b''):
-              digest.update(block)
-          out[os.path.relpath(path, root)] = [os.path.getsize(path),
-                                              digest.hexdigest()]
-    return out
+    return checkpoint_manifests.files(os.path.join(self.directory, str(step)))
 
   def _record_files(self) -> None:
     """Writes the manifest of every complete step that lacks one; drops stale ones."""
@@ -314,20 +300,9 @@ class Checkpointer:
 
   def _check_files(self, step: int) -> str | None:
     """What is wrong with step ``step``'s files per its manifest, or None."""
-    path = os.path.join(self.manifests, f'{step}.json')
-    if jax.process_count() != 1 or not os.path.exists(path):
+    if jax.process_count() != 1:
       return None
-    with open(path, encoding='utf-8') as f:
-      written = json.load(f)
-    found = self._files(step)
-    for name, (size, digest) in sorted(written.items()):
-      if name not in found:
-        return f'its file {name} is missing'
-      if found[name][0] != size:
-        return f'its file {name} has {found[name][0]} bytes, {size} were written'
-      if found[name][1] != digest:
-        return f'its file {name} differs from what was written (SHA-256)'
-    return None
+    return checkpoint_manifests.problem(self.directory, self.manifests, step)
 
   def latest_step(self) -> int | None:
     """The last completely written step, or None."""

@@ -14,8 +14,11 @@ even when the file does not set it (``--config.algorithm.client_evaluation=False
 Every error a user can cause is one line on stderr and exit status 2: an
 unknown field (with "did you mean"), a bad value, a missing file, a busy
 workdir, one that is a file or cannot be read or written
-(:mod:`fedjx.experiments.workdir`, checked before JAX is imported), a full
-disk (naming the file that could not be written), a non-finite run.
+(:mod:`fedjx.experiments.workdir`), an unknown name, a cohort larger than a
+declared population, a workdir of another experiment
+(:mod:`fedjx.experiments.preflight`), all checked before JAX is imported; a
+full disk (naming the file that could not be written), a non-finite run. A
+workdir holding the finished run says so at once.
 ``--debug`` (or ``FEDJX_DEBUG=1``) shows the full traceback instead. Running
 again with the same ``--workdir`` resumes from its newest intact checkpoint;
 ``--fresh`` starts over instead, removing what the earlier run wrote there
@@ -104,6 +107,11 @@ exit status: 0 done; 2 a usage or config error, a workdir in use or that
 cannot be written (a file, no permission, a full disk), a non-finite run, or
 --fresh not confirmed; 130/143 stopped by Ctrl-C/SIGTERM (a checkpoint was
 saved if training had started: run the same command again to continue).
+
+other commands (each has --help): fedjx-sweep (a grid of settings x seeds in
+one program), fedjx-plan (memory, FLOPs and bytes on the wire before a run),
+fedjx-deploy (the rounds on a local Flower federation), fedjx-plot (learning
+curves of runs in one PNG).
 """
 
 
@@ -143,16 +151,41 @@ def _raised(spec: str, path: str, what: str, error: BaseException) -> UsageError
                     f'{_where_raised(error, path)}: {_one_line(error)}')
 
 
+def resolve_config(spec: str) -> str:
+  """``path[:arg]`` with ``path`` found relative to the current folder first,
+  then to the shipped ``configs/`` folder
+  (:func:`fedjx.experiments.listing.find_config`).
+
+  Raises:
+    UsageError: neither holds the file (one line, with the closest shipped
+      config's name).
+  """
+  from fedjx.experiments import listing  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import errors  # pylint: disable=g-import-not-at-top
+  path, colon, arg = spec.partition(':')
+  found = listing.find_config(path)
+  if found is not None:
+    return found + colon + arg
+  directory = listing.configs_dir()
+  if directory is None or os.path.isabs(path):
+    raise UsageError(f'--config={spec!r}: no such file {path!r}.')
+  hint = errors.suggest(os.path.basename(path), listing.config_names())
+  raise UsageError(
+      f'--config={spec!r}: no such file {path!r} here or in {directory}.{hint} '
+      'fedjx-run --list=configs lists the shipped configs.')
+
+
 def load_module(spec: str, name: str = '_fedjx_config'):
   """The module of config file ``path[:arg]``, executed (one-line errors).
+
+  ``path`` is found as :func:`resolve_config` finds it.
 
   Raises:
     UsageError: the file does not exist, or executing it raised (the line
       names the exception, the file and the line).
   """
+  spec = resolve_config(spec)
   path = spec.partition(':')[0]
-  if not os.path.exists(path):
-    raise UsageError(f'--config={spec!r}: no such file {path!r}.')
   if not os.path.isfile(path):
     raise UsageError(f'--config={spec!r}: {path!r} is not a file.')
   module_spec = importlib.util.spec_from_file_location(name, path)
@@ -242,6 +275,18 @@ def _config_spec(argv: Sequence[str]) -> str | None:
     elif arg in ('--config', '-config') and i + 1 < len(argv):
       spec = argv[i + 1]
   return spec
+
+
+def with_config_resolved(argv: Sequence[str]) -> list[str]:
+  """``argv`` with the value of ``--config`` as :func:`resolve_config` finds it."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg.startswith(('--config=', '-config=')):
+      flag, value = arg.split('=', 1)
+      out[i] = f'{flag}={resolve_config(value)}'
+    elif arg in ('--config', '-config') and i + 1 < len(out):
+      out[i + 1] = resolve_config(out[i + 1])
+  return out
 
 
 def _has_path(config: Any, parts: Sequence[str]) -> bool:
@@ -358,6 +403,7 @@ def split_overrides(argv: Sequence[str], notes: list[str] | None = None
   if spec is None:
     return list(argv), []
   overrides = _Overrides(load_config_file(spec), argv)
+  overrides.check_named()
   if not overrides.pending:
     return list(argv), []
   overrides.check_fields()
@@ -404,6 +450,23 @@ class _Overrides:
                       if len(p) == 3 and p[0] == 'algorithm' and p[2] == 'name'
                       and '=' in a}
     self.given: dict[tuple[str, ...], dict[str, Any]] = {}  # Optimizer options set.
+
+  def check_named(self) -> None:
+    """Refuses a value that ``ml_collections`` cannot parse as its field's
+    type (its parsers: absl's), naming the field, the value and the type."""
+    for parts, text in self.named.items():
+      kind = _field_type(self.config, parts)
+      parser = _PARSERS.get(kind)
+      if parser is None:
+        continue
+      try:
+        parser.parse(text)
+      except ValueError:
+        path = '.'.join(parts)
+        raise UsageError(
+            f'--config.{path}={text!r}: config.{path} takes '
+            f'{_TYPE_WORDS[kind]} (the config has {_get(self.config, parts)!r}), '
+            f'not {text!r}.') from None
 
   def check_fields(self) -> None:
     """Refuses unknown fields outside the builders, before the registries
@@ -544,6 +607,10 @@ class _Overrides:
 
 
 _BUILDERS = ('algorithm', 'dataset', 'model', 'attack')
+# The parsers ml_collections applies to fields of these types, and their words.
+_PARSERS = {int: flags.IntegerParser(), float: flags.FloatParser(),
+            bool: flags.BooleanParser()}
+_TYPE_WORDS = {int: 'an int', float: 'a number', bool: 'True or False'}
 
 
 def apply_overrides(config: Any, extras: Sequence[tuple[tuple[str, ...], Any]]) -> Any:
@@ -607,6 +674,7 @@ def parse_flags(argv: Sequence[str], extras: list[Any], prog: str = 'fedjx-run',
     _print_list(what, argv, prog)
   try:
     notes: list[str] = []
+    argv = [argv[0]] + with_config_resolved(argv[1:])
     rest, found = split_overrides(argv[1:], notes)
     extras.extend(found)
     if os.environ.get('FEDJX_PROCESS_ID', '0') == '0':  # Once per run.
@@ -658,13 +726,7 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
                      '--config.<field>=<value> (see --help).')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
-  config = _CONFIG.value
-  if config is None:
-    raise UsageError('--config is required, e.g. --config '
-                     'configs/fedavg_digits.py (see --help).')
-  apply_overrides(config, extras)
-  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
-  config_schema.with_defaults(config)  # The fields' own checks, before JAX.
+  config = loaded_config(extras)
   workdir = _WORKDIR.value
   if workdir is None:
     name = os.path.splitext(os.path.basename(
@@ -672,6 +734,16 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
     workdir = os.path.join('runs', name)
   from fedjx.experiments import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   prepare_workdir(workdir, config, workdir_lib.RUN_OUTPUTS)  # Before JAX too.
+  # A workdir in use, of another experiment, or already finished: at once.
+  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import preflight  # pylint: disable=g-import-not-at-top
+  finished = preflight.check_workdir(config_schema.with_defaults(config), workdir)
+  if finished is not None:
+    print(f'fedjx-run: {os.path.abspath(workdir)} holds this run, finished '
+          f'after round {finished.step}: nothing to train (raise --config.rounds '
+          'to continue it, or start over with --fresh).', file=sys.stderr)
+    _print_summary(finished.row, os.path.abspath(workdir))
+    return 0
   quiet_orbax()
   from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
   result = runner.run(config, workdir)
@@ -680,14 +752,32 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   if jax.process_index() != 0:
     return 0
-  summary = result.history[-1] if result.history else {}
-  shown = {k: v for k, v in summary.items()
+  _print_summary(result.history[-1] if result.history else {}, result.workdir)
+  return 0
+
+
+def _print_summary(row: Mapping[str, Any], workdir: str) -> None:
+  """The last metrics row's evaluation, and where the results are."""
+  shown = {k: v for k, v in row.items()
            if k.startswith('eval_') or k in ('round', 'elapsed_s')}
   print(' '.join(f'{k}={v:.4f}' if isinstance(v, float) else f'{k}={v}'
                  for k, v in shown.items()))
   print(f'fedjx-run: done; metrics, checkpoints and learning_curve.png in '
-        f'{result.workdir}')
-  return 0
+        f'{workdir}')
+
+
+def loaded_config(extras: Sequence[Any]) -> Any:
+  """``--config``'s config with the command line's overrides, its fields checked (no JAX)."""
+  config = _CONFIG.value
+  if config is None:
+    raise UsageError('--config is required, e.g. --config '
+                     'configs/fedavg_digits.py (see --help).')
+  apply_overrides(config, extras)
+  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import preflight  # pylint: disable=g-import-not-at-top
+  # Before JAX: the fields' own checks, then the names and the population.
+  preflight.check_config(config_schema.with_defaults(config))
+  return config
 
 
 def prepare_workdir(workdir: str, config: Any, outputs: Sequence[str],

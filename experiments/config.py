@@ -680,6 +680,39 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return d
 
 
+def experiment_difference(saved: Mapping[str, Any],
+                          current: Mapping[str, Any]) -> list[str]:
+  """The dotted fields in which two :func:`fingerprint` s differ, sorted.
+
+  A field added to the runner after ``saved`` was written compares equal
+  when ``current`` leaves it at its default.
+  """
+  a, b = flatten(saved), flatten(current)
+  defaults = {k: v for k, v in flatten(DEFAULTS).items() if k not in a}
+  return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
+                and not (k in defaults and b.get(k) == defaults[k]))
+
+
+def check_same_experiment(saved: Mapping[str, Any], current: Mapping[str, Any],
+                          workdir: str) -> None:
+  """Refuses to resume in ``workdir`` a checkpoint whose :func:`fingerprint`
+  ``saved`` differs from ``current`` (one line naming the fields).
+
+  Raises:
+    ConfigError: they differ.
+  """
+  if not saved:
+    return
+  diff = experiment_difference(saved, current)
+  if diff:
+    a, b = flatten(saved), flatten(current)
+    details = ', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:8])
+    raise ConfigError(
+        f'{workdir} holds a checkpoint of a different experiment ({details}). '
+        'Use a new --workdir, or start over in it with --fresh. Fields that may '
+        f'change on resumption: {list(RESUMABLE_CHANGES)}.')
+
+
 def flatten(d: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
   """``{'a': {'b': 1}}`` -> ``{'a.b': 1}``."""
   out = {}

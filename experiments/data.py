@@ -36,6 +36,21 @@ class ExperimentData:
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def population(option: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Declares that a builder's training population has at most ``option``
+  clients (its keyword argument of that name, or its default).
+
+  The declaration is read from this file's source, before JAX is imported,
+  by :mod:`fedjx.experiments.preflight` (a cohort larger than the population
+  is one line at once), and kept on the builder as ``population``.
+  """
+  def declare(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn.population = option
+    return fn
+  return declare
+
+
+@population('num_clients')
 def digits(num_clients: int = 50, alpha: float | None = 0.5, seed: int = 0,
            test_fraction: float = 0.2,
            client_test_fraction: float | None = None) -> ExperimentData:
@@ -57,6 +72,7 @@ def digits(num_clients: int = 50, alpha: float | None = 0.5, seed: int = 0,
   return ExperimentData(train, test, {'num_classes': 10})
 
 
+@population('num_clients')
 def synthetic(alpha: float = 1.0, beta: float = 1.0, num_clients: int = 30,
               seed: int = 0, iid: bool = False, test_fraction: float = 0.2,
               **kwargs: Any) -> ExperimentData:

@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from fedjx import datasets
+from fedjx import execution
 from fedjx import models
 from fedjx.experiments import attack as attack_lib
 from fedjx.experiments import churn as churn_lib
@@ -265,11 +266,14 @@ def on_mesh(exp: Experiment, mesh: jax.sharding.Mesh) -> Experiment:
   return dataclasses.replace(exp, resident=exp.resident.replicated(mesh))
 
 
-def build(config: Any, placement: str | None = None) -> Experiment:
+def build(config: Any, placement: str | None = None, *,
+          resident: bool = True) -> Experiment:
   """Builds the dataset, model, algorithm and evaluator a config names.
 
   ``placement`` overrides ``config.client_state.placement`` (see
-  :func:`build_algorithm`).
+  :func:`build_algorithm`). ``resident=False`` keeps the training
+  population on the host whatever ``config.data_placement`` says (a sweep
+  stacks its seeds' cohorts on the host, :mod:`fedjx.experiments.sweeps`).
   """
   config = with_defaults(config)
   data = registry.build_dataset(config.dataset, config.seed)
@@ -288,8 +292,15 @@ def build(config: Any, placement: str | None = None) -> Experiment:
   params = model.init(init_key, batch)
   algorithm = build_algorithm(config, model, data.train.num_clients,
                               placement=placement, params=params)
+  held = state_bytes(algorithm, params) if jax.default_backend() != 'cpu' else 0
+  step_memory = language_model_step_memory(model, held)
+  if step_memory is not None:  # The model plans its remat around the algorithm's state.
+    model = models.llama.with_step_memory(model, step_memory)
+    algorithm = build_algorithm(config, model, data.train.num_clients,
+                                placement=placement, params=params)
   examples = evaluation.pool_examples(data.test, config.eval_max_examples)
-  evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size)
+  evaluate = (evaluation.make_evaluator(model, examples, config.eval_batch_size, params,
+                                        held_bytes=held)
               if examples is not None else None)
   evaluate = attack_lib.with_success_rate(config, model, data, evaluate)
   system_model = _system_model(config, data.train.num_clients, params)
@@ -298,11 +309,40 @@ def build(config: Any, placement: str | None = None) -> Experiment:
     system_model = None
   _check_sampling(config, plan, sampler, system_model, scheduler)
   resident = (datasets.on_device(data.train, progress=config.progress)
-              if data_on_device(config, data.train, system_model, scheduler)
+              if resident and data_on_device(config, data.train, system_model,
+                                             scheduler)
               else None)
   return Experiment(config, data, model, algorithm, params, round_key, evaluate,
                     systems=system_model, scheduler=scheduler, sampler=sampler,
                     privacy=plan, resident=resident)
+
+
+def state_bytes(algorithm: Any, params: Any) -> int:
+  """Bytes of the algorithm's state for ``params`` (its shapes, by ``jax.eval_shape``)."""
+  state = jax.eval_shape(algorithm.init, params)
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(state))
+
+
+def language_model_step_memory(model: models.Model, held_bytes: int) -> int | None:
+  """The bytes a language model's training step may plan for, or None.
+
+  For a model whose ``remat`` or ``loss_chunk`` is ``'auto'``
+  (:func:`fedjx.models.llama.step_plan`) on an accelerator: the device's
+  memory less ``held_bytes``, the algorithm's state (:func:`state_bytes`),
+  so that e.g. DiLoCo's replicas' inner optimizer states, which stay on the
+  device while one replica trains, are left room. None on a CPU, for other
+  models, or when a ``step_memory`` is already set.
+  """
+  config = getattr(model.module, 'config', None)
+  if (not model.head_loss or not isinstance(config, models.LlamaConfig) or
+      config.step_memory is not None or 'auto' not in (config.remat, config.loss_chunk) or
+      jax.default_backend() == 'cpu'):
+    return None
+  memory = execution.device_memory_bytes()
+  if memory is None:
+    return None
+  return max(memory - held_bytes, 1)
 
 
 def data_on_device(config: ml_collections.ConfigDict, train: Any,
@@ -349,7 +389,8 @@ def _system_model(config: ml_collections.ConfigDict, num_clients: int,
   try:
     model = datasets.systems.from_config(
         config.systems, num_clients, config.seed,
-        model_bytes=sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))
+        model_bytes=sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+                        for x in jax.tree.leaves(params)))
   except ValueError as e:
     raise registry.ConfigError(f'config.{e}') from None
   if model is None:

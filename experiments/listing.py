@@ -70,6 +70,35 @@ def configs_dir() -> str | None:
   return None
 
 
+def find_config(path: str) -> str | None:
+  """The config file ``path`` names: relative to the current folder first,
+  then to the shipped ``configs/`` folder (``configs/NAME.py`` and
+  ``NAME.py`` both name a shipped config from any folder); None if neither
+  holds it."""
+  if os.path.exists(path) or os.path.isabs(path):
+    return path if os.path.exists(path) else None
+  directory = configs_dir()
+  if directory is None:
+    return None
+  parts = os.path.normpath(path).split(os.sep)
+  candidates = [os.path.join(directory, *parts)]
+  if len(parts) > 1 and parts[0] == os.path.basename(directory):
+    candidates.insert(0, os.path.join(directory, *parts[1:]))
+  for candidate in candidates:
+    if os.path.exists(candidate):
+      return candidate
+  return None
+
+
+def config_names() -> list[str]:
+  """The file names of the shipped configs (``[]`` without a configs/ folder)."""
+  directory = configs_dir()
+  if directory is None:
+    return []
+  return sorted(f for f in os.listdir(directory)
+                if f.endswith('.py') and not f.startswith('_'))
+
+
 def _shown_path(path: str) -> str:
   relative = os.path.relpath(path)
   return relative if not relative.startswith(os.pardir) else path
@@ -104,12 +133,10 @@ def list_configs() -> str:
   if directory is None:
     return ('configs: no configs/ folder here or beside the package (it ships '
             'with the repository, not the wheel).\n')
-  files = sorted(f for f in os.listdir(directory)
-                 if f.endswith('.py') and not f.startswith('_'))
-  rows = [config_entry(os.path.join(directory, f)) for f in files]
+  rows = [config_entry(os.path.join(directory, f)) for f in config_names()]
   where = _shown_path(directory)
   return (f'{where}/ ({len(rows)} configs; fedjx-run --config '
-          f'{os.path.join(where, "NAME.py")}[:ARG] runs one):\n' + _table(rows))
+          'configs/NAME.py[:ARG] runs one from any folder):\n' + _table(rows))
 
 
 # --------------------------------------------------------------- registries

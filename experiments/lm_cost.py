@@ -146,18 +146,20 @@ def inner_optimizer() -> optax.GradientTransformation:
 
 
 def inner_step_program(config: llama_config.LlamaConfig, replicas: int, fsdp: int,
-                       batch: int, seq_len: int, mesh, tensor: int = 1):
+                       batch: int, seq_len: int, mesh, tensor: int = 1,
+                       optimizer: optax.GradientTransformation | None = None):
   """The jitted inner step over ``replicas`` on ``mesh``, and its arguments' shapes.
 
   Returns ``(step, (params, opt_state, tokens))``: ``step(params, opt_state,
   tokens) -> (params, opt_state, loss)`` donates its first two arguments;
   the shapes are ``jax.ShapeDtypeStruct`` with their shardings, stacked over
   replicas, tokens ``[replicas, batch, seq_len + 1]``. With ``tensor > 1``
-  ``mesh`` needs a ``'tensor'`` axis of that size.
+  ``mesh`` needs a ``'tensor'`` axis of that size. ``optimizer`` replaces
+  :func:`inner_optimizer` (e.g. FedAvg's plain SGD).
   """
   check_tensor('inner_step_program', config, tensor)
   model = llama.llama_lm(config)
-  opt = inner_optimizer()
+  opt = inner_optimizer() if optimizer is None else optimizer
   params = llama.param_shapes(config)
   opt_state = jax.eval_shape(opt.init, params)
 
@@ -423,7 +425,7 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
                        seq_len: int | None = None, steps: int = 5, repeats: int = 3,
                        remat: str | None = None, dtype: str | None = None,
                        peak_flops: float | None = None, seed: int = 0) -> dict:
-  """Times the inner step of :func:`plan_inner_step` on one device, with data.
+  """Times one replica's inner step (that of :func:`plan_inner_step`) on one device.
 
   Parameters are initialized from ``seed``, tokens drawn uniformly from
   ``1 .. V - 1``; after one warm-up step (the compile), ``repeats`` times
@@ -445,27 +447,29 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
   if peak_flops is not None and not peak_flops > 0:
     raise ValueError(f'measure_inner_step: peak_flops={peak_flops!r} must be positive FLOP/s.')
   device = jax.devices()[0]
-  mesh = jax.make_mesh((1, 1), ('clients', 'fsdp'), devices=[device],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  step, (p_shapes, o_shapes, t_shape) = inner_step_program(config, 1, 1, batch, seq_len, mesh)
-  k_init, k_tokens = jax.random.split(jax.random.key(seed))
   model = llama.llama_lm(config)
+  opt = inner_optimizer()
+
+  def inner_step(params, opt_state, tokens):  # One replica's step, as DiLoCo runs it.
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean(model.loss_fn(p, {'x': tokens})))(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  step = jax.jit(inner_step, donate_argnums=(0, 1))
+  k_init, k_tokens = jax.random.split(jax.random.key(seed))
   one = jnp.zeros((batch, seq_len), jnp.int32)
-  params = jax.tree.map(lambda x: x[None],
-                        model.module.init(k_init, one, train=False)['params'])
-  opt_state = jax.vmap(inner_optimizer().init)(params)
-  params = jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), params, p_shapes)
-  opt_state = jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), opt_state, o_shapes)
-  tokens = jax.device_put(jax.random.randint(k_tokens, t_shape.shape, 1, config.vocab_size,
-                                             jnp.int32), t_shape.sharding)
+  params = jax.jit(lambda k: model.module.init(k, one, train=False)['params'])(k_init)
+  opt_state = opt.init(params)
+  tokens = jax.random.randint(k_tokens, (batch, seq_len + 1), 1, config.vocab_size, jnp.int32)
   start = time.perf_counter()
-  compiled = step.lower(p_shapes, o_shapes, t_shape).compile()
+  compiled = step.lower(params, opt_state, tokens).compile()
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
   planned = (memory.argument_size_in_bytes + memory.output_size_in_bytes -
              memory.alias_size_in_bytes + memory.temp_size_in_bytes)
   params, opt_state, loss = compiled(params, opt_state, tokens)
-  first_loss = float(loss[0])
+  first_loss = float(loss)
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -476,14 +480,20 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
   step_s = statistics.median(times)
   flops = llama_config.train_flops_per_token(config, seq_len) * batch * seq_len
   stats = device.memory_stats() or {}
+  plan = llama.step_plan(config, batch, seq_len)
   return {
       'preset': name, 'params': llama_config.num_params(config), 'batch': batch,
-      'seq_len': seq_len, 'dtype': config.dtype, 'remat': config.remat,
+      'seq_len': seq_len, 'dtype': config.dtype, 'param_dtype': config.param_dtype,
+      'vocab_size': config.vocab_size,
+      'remat': plan['remat'], 'attention': plan['attention'],
+      'loss_chunk': plan['loss_chunk'],
+      'estimated_bytes': llama_config.training_bytes(
+          config, batch, seq_len, plan['remat'], plan['attention'], plan['loss_chunk']),
       'platform': device.platform, 'device': device.device_kind,
       'compile_s': round(compile_s, 3), 'step_s': step_s, 'step_s_repeats': times,
       'tokens_per_s': batch * seq_len / step_s, 'model_flops_per_step': flops,
       'mfu': flops / step_s / peak_flops if peak_flops else None,
       'peak_flops': peak_flops, 'device_peak_bytes': stats.get('peak_bytes_in_use'),
       'planned_peak_bytes': int(planned), 'first_loss': first_loss,
-      'last_loss': float(loss[0]), 'steps': 1 + repeats * steps,
+      'last_loss': float(loss), 'steps': 1 + repeats * steps,
   }

@@ -145,6 +145,13 @@ class LoraPlan:
     """Whether :attr:`total_bytes` fits ``device`` (``lm_cost.DEVICE_MEMORY``)."""
     return self.total_bytes <= lm_cost.device_memory(device)
 
+  def to_json(self) -> dict[str, Any]:
+    """The plan as one flat JSON object (what ``fedjx-plan --json`` prints)."""
+    out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ('config', 'lora')}
+    return {'kind': 'lora', **out, 'rank': self.lora.rank, 'targets': list(self.lora.targets),
+            'base_dtype': self.lora.base_dtype, 'total_bytes': self.total_bytes,
+            'xla_peak_bytes': self.xla_peak_bytes}
+
 
 def projection_shapes(config: llama_config.LlamaConfig) -> dict[str, tuple[int, int]]:
   """``{projection: (n_in, n_out)}`` of one decoder layer's kernels."""
@@ -334,44 +341,43 @@ def plan_lora(config: llama_config.LlamaConfig, lora: LoraConfig, *, batch: int,
       flora_download_bytes=wire['flora_download'])
 
 
-def _gb(n: float) -> str:
-  """Bytes in GB (MB below 1 GB)."""
-  return f'{n / 1e9:,.2f} GB' if n >= 1e9 else f'{n / 1e6:,.2f} MB'
+def render(plan: LoraPlan, device: Any, prog: str = 'fedjx-plan') -> str:
+  """The table ``fedjx-plan --lora_rank`` prints: bytes per device, fit on ``device``, per round.
 
-
-def render(plan: LoraPlan, device: str, prog: str = 'fedjx-plan') -> str:
-  """The table ``fedjx-plan --lora_rank`` prints: bytes per device, fit on ``device``, per round."""
-  memory = lm_cost.device_memory(device)
+  ``device`` is a :class:`fedjx.experiments.plan_report.Target`, or a key of
+  ``lm_cost.DEVICE_MEMORY``.
+  """
+  from fedjx.experiments import plan_report  # pylint: disable=import-outside-toplevel
+  if isinstance(device, str):
+    device = plan_report.target(device)
+  gb = plan_report.gb
   c, lc = plan.config, plan.lora
   plural = lambda n: '' if n == 1 else 's'
   how = (f'temporaries extrapolated linearly from L = 1 and L = 2 to L = {c.num_layers}'
          if plan.extrapolated else f'compiled at the full depth L = {c.num_layers}')
+  title = (f'{prog}: LoRA on llama_lm {plan.name} ({plan.params:,} parameters), rank '
+           f'{lc.rank}, targets {",".join(lc.targets)}, base {lc.base_dtype}, '
+           f'{plan.clients_per_device} client{plural(plan.clients_per_device)} per device, '
+           f'{plan.batch} x {plan.seq_len:,} tokens per client step, remat {plan.remat}, '
+           f'compute {c.dtype}, AdamW; compiled in {plan.compile_seconds:.1f} s')
+  fits = device.fits(plan.total_bytes)
   rows = [
-      ('frozen base', plan.base_bytes, f'{plan.params:,} parameters, {lc.base_dtype}'),
-      ('adapters', plan.adapter_bytes,
+      ('parameters', f'{plan.params:,}', f'{plan.trained_params:,} trained'),
+      ('memory per device', '', ''),
+      ('  frozen base', gb(plan.base_bytes), f'{plan.params:,} parameters, {lc.base_dtype}'),
+      ('  adapters', gb(plan.adapter_bytes),
        f'{plan.trained_params:,} trained of {plan.adapter_params:,} (rank {lc.rank} on '
        f'{",".join(lc.targets)}), float32'),
-      ('optimizer', plan.optimizer_bytes, 'AdamW moments of the trained adapters, float32'),
-      ('gradients', plan.gradient_bytes, 'of the trained adapters, float32'),
-      ('activations', plan.activation_bytes, f'XLA temporaries less the gradients; {how}'),
-      ('tokens', plan.token_bytes, 'int32'),
-      ('total', plan.total_bytes, f'XLA peak {_gb(plan.xla_peak_bytes)}'),
+      ('  optimizer', gb(plan.optimizer_bytes), 'AdamW moments of the trained adapters, float32'),
+      ('  gradients', gb(plan.gradient_bytes), 'of the trained adapters, float32'),
+      ('  activations', gb(plan.activation_bytes), f'XLA temporaries less the gradients; {how}'),
+      ('  tokens', gb(plan.token_bytes), 'int32'),
+      ('  total', gb(plan.total_bytes), f'XLA peak {gb(plan.xla_peak_bytes)}'),
+      (f'fits {device.name}', {True: 'yes', False: 'NO', None: 'unknown'}[fits], device.note),
+      (f'bytes a round, cohort {plan.cohort}', '', ''),
+      ('  upload', gb(plan.upload_bytes),
+       f'{plan.cohort} x {gb(plan.upload_bytes // plan.cohort)}'),
+      ('  download', gb(plan.download_bytes), 'FedIT, FlexLoRA: the aggregate to each client'),
+      ('  download FLoRA', gb(plan.flora_download_bytes), 'the stacked adapters to each client'),
   ]
-  lines = [
-      f'{prog}: LoRA on llama_lm {plan.name} ({plan.params:,} parameters), rank {lc.rank}, '
-      f'targets {",".join(lc.targets)}, base {lc.base_dtype}, '
-      f'{plan.clients_per_device} client{plural(plan.clients_per_device)} per device, '
-      f'{plan.batch} x {plan.seq_len:,} tokens per client step, remat {plan.remat}, '
-      f'compute {c.dtype}, AdamW',
-      f'{"bytes per device":<16} {"":>12}',
-  ]
-  lines += [f'  {label:<14} {_gb(n):>12}  {note}' for label, n, note in rows]
-  lines += [
-      f'memory: total {_gb(plan.total_bytes)} per device; fits {device} ({_gb(memory)}): '
-      f'{"yes" if plan.fits(device) else "no"}',
-      f'bytes per round, cohort {plan.cohort}: upload {_gb(plan.upload_bytes)} '
-      f'({plan.cohort} x {_gb(plan.upload_bytes // plan.cohort)}); download FedIT/FlexLoRA '
-      f'{_gb(plan.download_bytes)}; download FLoRA (stacked) {_gb(plan.flora_download_bytes)}',
-      f'compiled in {plan.compile_seconds:.1f} s',
-  ]
-  return '\n'.join(lines) + '\n'
+  return plan_report.table(title, rows)

@@ -51,7 +51,6 @@ def section(config: Any) -> dict[str, Any]:
 
 def lora_config_of(config: Any):
   """The :class:`~fedjx.models.lora_config.LoraConfig` of ``config.lora``, or None (rank 0)."""
-  from fedjx.models.lora_config import LoraConfig  # pylint: disable=g-import-not-at-top
   s = section(config)
   rank = s['rank']
   if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -65,6 +64,9 @@ def lora_config_of(config: Any):
       raise ConfigError('config.lora.pretrained and config.lora.export need '
                         'config.lora.rank > 0.')
     return None
+  # Here, not at the top: fedjx.models imports JAX, which a config without
+  # adapters does not need to be checked.
+  from fedjx.models.lora_config import LoraConfig  # pylint: disable=g-import-not-at-top
   fields = {k: s[k] for k in _MODEL_FIELDS}
   if isinstance(fields['targets'], str):
     fields['targets'] = tuple(t for t in fields['targets'].split(',') if t)

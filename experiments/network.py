@@ -89,7 +89,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 TOPOLOGIES = ('ring', 'tree', 'parameter_server', 'hierarchical')
 """The reductions :class:`Network` models."""
@@ -388,6 +388,26 @@ def simulate(schedule: Schedule, compute: Compute, network: Network, payload_byt
   layer = network.allreduce_seconds(payload_bytes / layers, replicas)
   exposed = max(layer, layers * layer - hidden * (1.0 - 1.0 / layers))
   return Timing(h, h * step, layers * layer, exposed)
+
+
+def from_flags(flags: Any) -> tuple[Schedule, Network] | None:
+  """``(schedule, network)`` of ``fedjx-plan``'s communication flags, or None without a schedule.
+
+  ``flags`` has ``schedule`` (None: nothing to simulate), ``bandwidth_gbps``,
+  ``latency_ms``, ``topology`` (the all-reduce), ``inner_steps``,
+  ``fragments``, ``overlap_steps``, ``overlap_fraction`` and ``layers``
+  (``config.network`` gives the same, :mod:`fedjx.experiments.network_clock`).
+  ValueError (one line) if they are bad.
+  """
+  if flags.schedule is None:
+    return None
+  if flags.bandwidth_gbps is None:
+    raise ValueError('--schedule needs --bandwidth_gbps (Gbit/s of the link between replicas).')
+  schedule = Schedule(flags.schedule, inner_steps=flags.inner_steps, fragments=flags.fragments,
+                      overlap_steps=flags.overlap_steps,
+                      overlap_fraction=flags.overlap_fraction, layers=flags.layers)
+  link = Link.gbps(flags.bandwidth_gbps, flags.latency_ms / 1e3)
+  return schedule, Network(link, flags.topology)
 
 
 def required_bandwidth(

@@ -3,7 +3,7 @@
 With ``config.network.bandwidth_gbps`` set, every training round's metrics
 row gains, from the communication model of :mod:`fedjx.experiments.network`
 (the one ``fedjx-plan --schedule`` prints, built by the same
-:func:`fedjx.experiments.plan_cli.network_setup`):
+:func:`fedjx.experiments.network.from_flags`):
 
 * ``simulated_round_s``: the round's compute plus the communication that
   compute does not hide;
@@ -69,7 +69,6 @@ import jax
 import numpy as np
 
 from fedjx.experiments import network
-from fedjx.experiments import plan_cli
 from fedjx.experiments import registry
 from fedjx.experiments.errors import ConfigError
 
@@ -117,7 +116,7 @@ class NetworkClock:
                                latency_ms=float(section['latency_ms']),
                                topology=section['topology'], **knobs)
     try:
-      self.schedule, self.network = plan_cli.network_setup(flags)
+      self.schedule, self.network = network.from_flags(flags)
     except ValueError as e:
       raise ConfigError(f'config.network with config.algorithm '
                         f'{config.algorithm.name!r}: {e}') from None

@@ -1,4 +1,13 @@
-"""``fedjx-plan``: the memory and FLOPs of one LM inner step, without data or accelerators.
+"""``fedjx-plan``: what a run costs before it runs, from shapes alone.
+
+``fedjx-plan --config FILE[:ARG] [--config.PATH=VALUE ...]`` plans exactly
+the run ``fedjx-run`` would run with the same arguments
+(:mod:`fedjx.experiments.plan_config_cli`); the flags below plan a language
+model's inner step, or LoRA fine-tuning, from a preset without a config.
+Every plan prints a table (``--json``: one JSON line instead), held against
+``--device`` (default: the accelerator JAX sees, else the host CPU, said to
+be assumed); ``--tpu TOPOLOGY`` plans for a TPU topology with the TPU compiler
+(:mod:`fedjx.experiments.topology_plan`).
 
 ::
 
@@ -11,7 +20,7 @@ count, bytes per device from XLA's memory analysis beside the analytic
 parameter and optimizer-state bytes, FLOPs per inner step from XLA's cost
 analysis (its scanned layer body counted once, and corrected for the trip
 count) beside ``6 N_matmul + 12 L H h T`` per token, and whether the peak
-fits the named device (:mod:`fedjx.experiments.lm_cost` has the method).
+fits the device (:mod:`fedjx.experiments.lm_cost` has the method).
 
 With ``--tensor=T`` each replica is also split Megatron-style over ``T``
 devices on a mesh axis ``tensor`` (heads, MLP width and vocabulary;
@@ -19,6 +28,14 @@ devices on a mesh axis ``tensor`` (heads, MLP width and vocabulary;
 devices::
 
   fedjx-plan --preset=1.3b --replicas=2 --fsdp=2 --tensor=2 --batch=4 --seq_len=1024
+
+With ``--tpu`` the round (``--inner_steps`` inner steps of every
+replica and the outer step of ``--algorithm``) is compiled for a TPU
+topology by libtpu, on any machine; ``replicas x fsdp x tensor`` is every
+chip of it::
+
+  fedjx-plan --preset=35m --replicas=4 --fsdp=16 --tensor=4 --batch=16 \\
+      --seq_len=2048 --dtype=bfloat16 --inner_steps=100 --tpu=v5e:16x16
 
 With ``--schedule`` it also prints the simulated step time and compute
 utilization of that schedule over a link of ``--bandwidth_gbps``
@@ -40,17 +57,18 @@ the adapters over a frozen base, on one device, and the bytes of a round::
       --lora_base_dtype=bfloat16 --cohort=100 --batch=4 --remat=full --device=h100
 
 prints the frozen base, adapters, optimizer state, gradients, activations
-(XLA's temporaries) and their total per device, whether it fits
-``--device``, and the upload and download of a round (FedIT/FlexLoRA, and
-FLoRA's stacked download). The fine-tuning shapes ``tinyllama-1.1b`` and
-``llama2-7b`` (:data:`fedjx.experiments.lora_plan.SHAPES`) are accepted by
-``--preset`` only with ``--lora_rank``; ``--replicas``, ``--fsdp`` and
-``--schedule`` are not, there.
+(XLA's temporaries) and their total per device, whether it fits the device,
+and the upload and download of a round (FedIT/FlexLoRA, and FLoRA's stacked
+download). The fine-tuning shapes ``tinyllama-1.1b`` and ``llama2-7b``
+(:data:`fedjx.experiments.lora_plan.SHAPES`) are accepted by ``--preset``
+only with ``--lora_rank``; ``--replicas``, ``--fsdp`` and ``--schedule`` are
+not, there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -60,7 +78,11 @@ PROG = 'fedjx-plan'
 def _parser() -> argparse.ArgumentParser:
   from fedjx.models import llama_config  # pylint: disable=import-outside-toplevel
   summary = __doc__.split('\n\n')[0].split(': ', 1)[1]
-  p = argparse.ArgumentParser(prog=PROG, description=summary[0].upper() + summary[1:])
+  p = argparse.ArgumentParser(
+      prog=PROG, description=summary[0].upper() + summary[1:] + ' These flags plan a '
+      'language model from a preset; a config plans as fedjx-run would run it: '
+      'fedjx-plan --config FILE[:ARG] [--config.PATH=VALUE ...] [--device NAME | --tpu '
+      'TOPOLOGY] [--json] (fedjx-plan --config FILE --help).')
   from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
   p.add_argument('--preset', default='1m', choices=list(llama_config.PRESETS) +
                  list(lora_plan.SHAPES),
@@ -77,8 +99,19 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument('--dtype', default=None, choices=list(llama_config.DTYPES),
                  help="compute dtype; parameters stay float32 [the preset's: float32]")
   from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
-  p.add_argument('--device', default='h100', choices=list(lm_cost.DEVICE_MEMORY),
-                 help='the accelerator whose memory the peak is compared with [h100]')
+  p.add_argument('--device', default=None, choices=list(lm_cost.DEVICE_MEMORY),
+                 help='the accelerator whose memory the peak is compared with [the one '
+                 'JAX sees, else the host CPU]')
+  p.add_argument('--json', action='store_true', help='one JSON line instead of the table')
+  g = p.add_argument_group('a TPU topology (fedjx.experiments.topology_plan)')
+  g.add_argument('--tpu', default=None, metavar='TOPOLOGY',
+                 help="compile the round for this TPU topology with libtpu's compiler: "
+                 'v5e:16x16, v5e-256, v5p:4x4x4, v5p-128 (pip install -e \'.[tpu]\')')
+  g.add_argument('--num_slices', type=int, default=1,
+                 help='slices of --tpu, over the data-centre network [1]')
+  g.add_argument('--algorithm', default='diloco', choices=['diloco', 'fedavg'],
+                 help='the round --tpu plans: DiLoCo (AdamW inner steps, Nesterov '
+                 'outer step) or FedAvg (SGD, the mean) [diloco]')
   from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
   g = p.add_argument_group('communication (fedjx.experiments.network)')
   g.add_argument('--schedule', default=None, choices=list(network.SCHEDULES),
@@ -164,47 +197,36 @@ def lora_setup(args: argparse.Namespace):
   return args.preset, config, lora
 
 
-def plan_lora(args: argparse.Namespace) -> str:
-  """The lines of ``--lora_rank``: :func:`fedjx.experiments.lora_plan.render` of the plan."""
+def plan_lora(args: argparse.Namespace):
+  """The plan of ``--lora_rank`` (:func:`fedjx.experiments.lora_plan.plan_lora`)."""
   from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
   name, config, lora = lora_setup(args)
-  plan = lora_plan.plan_lora(
+  return lora_plan.plan_lora(
       config, lora, batch=args.batch,
       seq_len=config.seq_len if args.seq_len is None else args.seq_len,
       remat=config.remat if args.remat is None else args.remat,
       clients_per_device=args.clients_per_device, cohort=args.cohort, dtype=args.dtype,
       name=name, extrapolate_layers=args.lora_extrapolate_layers)
-  return lora_plan.render(plan, args.device, PROG)
 
 
-def network_setup(args: argparse.Namespace):
-  """``(schedule, network)`` of the flags, or None without ``--schedule``; ValueError if bad."""
-  from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
-  if args.schedule is None:
-    return None
-  if args.bandwidth_gbps is None:
-    raise ValueError('--schedule needs --bandwidth_gbps (Gbit/s of the link between replicas).')
-  schedule = network.Schedule(args.schedule, inner_steps=args.inner_steps,
-                              fragments=args.fragments, overlap_steps=args.overlap_steps,
-                              overlap_fraction=args.overlap_fraction, layers=args.layers)
-  link = network.Link.gbps(args.bandwidth_gbps, args.latency_ms / 1e3)
-  return schedule, network.Network(link, args.topology)
-
-
-def step_seconds(args: argparse.Namespace, flops_per_device: float) -> float:
-  """``--step_seconds``, or ``flops_per_device / (mfu peak)`` of ``--device``."""
+def step_seconds(args: argparse.Namespace, flops_per_device: float,
+                 peak_flops: float | None = None) -> float:
+  """``--step_seconds``, or ``flops_per_device / (mfu peak)`` of ``--device``
+  (``peak_flops``: the device's peak where none is named)."""
   if args.step_seconds is not None:
     return args.step_seconds
   from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
-  if args.device not in lm_cost.PEAK_BF16_FLOPS:
-    raise ValueError(f'device={args.device!r} has no peak FLOP/s here; give --step_seconds.')
-  return flops_per_device / (args.mfu * lm_cost.PEAK_BF16_FLOPS[args.device])
+  peak = lm_cost.PEAK_BF16_FLOPS.get(args.device) if args.device else peak_flops
+  if not peak:
+    raise ValueError(f'device={args.device!r} has no peak FLOP/s here; give --step_seconds '
+                     'or --device.')
+  return flops_per_device / (args.mfu * peak)
 
 
 def render_network(args: argparse.Namespace, params: int, seconds: float) -> str:
   """The lines of ``--schedule``: the simulated round of a step of ``seconds``."""
   from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
-  schedule, net = network_setup(args)
+  schedule, net = network.from_flags(args)
   payload = params * args.wire_bytes
   timing = network.simulate(schedule, network.Compute.from_step_seconds(seconds), net,
                             payload, args.replicas)
@@ -230,79 +252,92 @@ def _gb(n: float) -> str:
   return f'{n / 1e9:,.2f} GB' if n >= 1e9 else f'{n / 1e6:,.2f} MB'
 
 
-def render(plan, device: str, platform: str) -> str:
-  """The lines ``fedjx-plan`` prints for an :class:`~fedjx.experiments.lm_cost.InnerStepPlan`."""
-  from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
-  from fedjx.models import llama_config  # pylint: disable=import-outside-toplevel
-  devices = plan.replicas * plan.fsdp * plan.tensor
-  analytic_params = llama_config.num_params(plan.preset)
-  plural = lambda n: '' if n == 1 else 's'
-  lines = [
-      f'{PROG}: llama_lm preset {plan.preset}, {plan.replicas} replica{plural(plan.replicas)} '
-      f'x FSDP {plan.fsdp}' + (f' x tensor {plan.tensor}' if plan.tensor > 1 else '') +
-      f' on {devices} {platform} device{plural(devices)}, '
-      f'{plan.batch} x {plan.seq_len:,} tokens per replica per inner step, '
-      f'remat {plan.remat}, compute {plan.dtype}, AdamW',
-      f'parameters: {plan.params:,} (analytic {analytic_params:,})',
-      f'bytes per device (XLA memory analysis): arguments {_gb(plan.argument_bytes)} '
-      f'(analytic float32 parameters + AdamW moments {_gb(plan.analytic_state_bytes)}), '
-      f'outputs {_gb(plan.output_bytes)}, aliased to donated arguments '
-      f'{_gb(plan.alias_bytes)}, temporaries {_gb(plan.temp_bytes)}; peak '
-      f'{_gb(plan.peak_bytes)}',
-      f'FLOPs per inner step per device: XLA {plan.xla_flops:.4g} (its scanned layer body '
-      f'counted once: {plan.xla_flops_scanned:.4g}; one layer from unscanned L=1, 2 times '
-      f'L), analytic 6 N_matmul + 12 L H h T per token {plan.analytic_flops:.4g} '
-      f'(XLA / analytic {plan.xla_flops / plan.analytic_flops:.3f}'
-      + (', recomputation included' if plan.remat != 'none' else '') + ')',
-      f'FLOPs per inner step, all {devices} device{plural(devices)}: XLA '
-      f'{plan.xla_flops * devices:.4g}, '
-      f'analytic {plan.analytic_flops * devices:.4g}',
-      f'fits {device} ({_gb(lm_cost.device_memory(device))}): '
-      f'{"yes" if plan.fits(device) else "no"} (peak {_gb(plan.peak_bytes)} per device)',
-      f'compiled in {plan.compile_seconds:.1f} s',
-  ]
-  return '\n'.join(lines) + '\n'
+def plan_tpu(args: argparse.Namespace):
+  """The plan of ``--tpu`` (:func:`fedjx.experiments.topology_plan.plan_pod`)."""
+  from fedjx.experiments import topology_plan  # pylint: disable=import-outside-toplevel
+  if args.schedule is not None or args.device is not None:
+    raise ValueError(f'--tpu={args.tpu} plans the round with the TPU compiler; leave out '
+                     '--device and --schedule.')
+  return topology_plan.plan_pod(
+      args.preset, topology_plan.topology(args.tpu, args.num_slices), replicas=args.replicas,
+      fsdp=args.fsdp, tensor=args.tensor, batch=args.batch, seq_len=args.seq_len,
+      remat=args.remat, dtype=args.dtype, inner_steps=args.inner_steps,
+      algorithm=args.algorithm)
 
 
 def _ask_for_host_devices(argv: list[str]) -> None:
-  """Sets XLA's host device count to ``replicas x fsdp x tensor`` before jax starts."""
+  """Sets XLA's host device count to ``replicas x fsdp x tensor`` before jax starts
+  (not for ``--tpu``, which compiles for the topology's devices)."""
   if 'jax' in sys.modules:
     return  # Too late; plan_inner_step says so if there are too few.
   pre = argparse.ArgumentParser(add_help=False)
   pre.add_argument('--replicas', type=int, default=1)
   pre.add_argument('--fsdp', type=int, default=1)
   pre.add_argument('--tensor', type=int, default=1)
+  pre.add_argument('--tpu', default=None)
   try:
     known, _ = pre.parse_known_args(argv)
   except SystemExit:
     return  # The full parser reports the error.
+  if known.tpu is not None:
+    return  # The TPU compiler's devices, not the host's.
   flags = os.environ.get('XLA_FLAGS', '')
   if '--xla_force_host_platform_device_count' not in flags:
     need = max(1, known.replicas * known.fsdp * known.tensor)
     os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count={need}'.strip()
 
 
+def _config_mode(argv: list[str]) -> bool:
+  """Whether the command line plans a config (``--config``, ``--config=...``)."""
+  return any(a in ('--config', '-config') or a.startswith(('--config=', '-config=', '--config.'))
+             for a in argv)
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
+  from fedjx.experiments import tpu_env  # pylint: disable=import-outside-toplevel
+  tpu_env.quiet()  # Before JAX loads libtpu, if installed.
+  if _config_mode(argv):
+    from fedjx.experiments import plan_config_cli  # pylint: disable=import-outside-toplevel
+    plan_config_cli.main(argv)  # Exits.
   _ask_for_host_devices(argv)
   args = _parser().parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
   from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import plan_report  # pylint: disable=import-outside-toplevel
   try:
+    if args.num_slices != 1 and args.tpu is None:
+      raise ValueError(f'--num_slices={args.num_slices} needs --tpu.')
     if lora_setup(args) is not None:
-      sys.stdout.write(plan_lora(args))
-      return 0
-    network_setup(args)  # Bad communication flags fail before the compile.
-    plan = lm_cost.plan_inner_step(args.preset, replicas=args.replicas, fsdp=args.fsdp,
-                                   batch=args.batch, seq_len=args.seq_len,
-                                   remat=args.remat, dtype=args.dtype, tensor=args.tensor)
-    out = render(plan, args.device, jax.devices()[0].platform)
-    if args.schedule is not None:
-      out += render_network(args, plan.params, step_seconds(args, plan.analytic_flops))
+      if args.tpu is not None:
+        raise ValueError(f'--tpu={args.tpu} plans a full round; plan --lora_rank without it.')
+      plan = plan_lora(args)
+      device = plan_report.target(args.device)
+      row = dict(plan.to_json(), device=device.name, fits=device.fits(plan.total_bytes))
+      out = lora_plan.render(plan, device, PROG)
+    elif args.tpu is not None:
+      plan = plan_tpu(args)
+      row, out = plan.to_json(), plan_report.render_pod(plan, PROG)
+    else:
+      network.from_flags(args)  # Bad communication flags fail before the compile.
+      device = plan_report.target(args.device)
+      plan = lm_cost.plan_inner_step(args.preset, replicas=args.replicas, fsdp=args.fsdp,
+                                     batch=args.batch, seq_len=args.seq_len,
+                                     remat=args.remat, dtype=args.dtype, tensor=args.tensor)
+      platform = jax.devices()[0].platform
+      row = dict(kind='inner_step', **{k: v for k, v in vars(plan).items()},
+                 peak_bytes=plan.peak_bytes, platform=platform, device=device.name,
+                 fits=device.fits(plan.peak_bytes))
+      out = plan_report.render_inner(plan, device, platform, PROG)
+      if args.schedule is not None:
+        out += render_network(args, plan.params,
+                              step_seconds(args, plan.analytic_flops, device.peak_flops))
   except ValueError as e:
     print(f'{PROG}: {e}', file=sys.stderr)
     return 2
-  sys.stdout.write(out)
+  sys.stdout.write(json.dumps(row) + '\n' if args.json else out)
   return 0
 
 

@@ -472,8 +472,15 @@ class Budget:
       write_statement(workdir, self.plan, self.stop)
       log(f'fedjx: privacy: {self.plan.summary(self.stop)}.')
 
+  def audits(self, step: int) -> bool:
+    """Whether :meth:`row` of ``step`` runs the audit (and so reads its
+    ``params``; other steps may pass None)."""
+    return (self.plan is not None and self.plan.canaries is not None
+            and step == self.stop)
+
   def row(self, step: int, finite: bool, params: Any) -> dict[str, float]:
-    """What step ``step``'s metrics row adds (``params``: the new model)."""
+    """What step ``step``'s metrics row adds (``params``: the new model,
+    read only where :meth:`audits`)."""
     p, out = self.plan, {}
     if p is None:
       return out

@@ -9,47 +9,52 @@ long time-out (a coordinator port in use, processes with unequal devices).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
 
+from fedjx import distributed
 from fedjx.experiments import config as config_lib
 from fedjx.experiments import registry
 
 
-def split_cpu(config: ml_collections.ConfigDict) -> int:
+def split_cpu(config: ml_collections.ConfigDict,
+              sizes: Sequence[int] | None = None) -> int:
   """Makes ``config.cpu_devices`` CPU devices before JAX starts; returns how many.
 
   :func:`fedjx.distributed.split_cpu` (``'auto'``: one per core), the count
-  the largest that divides ``config.cohort_size``. Only a run with
-  ``config.mesh='auto'`` on one process that starts JAX itself, whose CPU
-  device count the user has not set (``--xla_force_host_platform_device_count``
-  in ``XLA_FLAGS``, ``jax_num_cpu_devices``), splits the CPU; otherwise this
-  returns 1 and changes nothing.
+  the largest that divides ``config.cohort_size`` (or, given ``sizes``, one
+  of them: a sweep's settings or seeds, :mod:`fedjx.experiments.sweeps`).
+  Only a run with ``config.mesh='auto'`` on one process that starts JAX
+  itself, whose CPU device count the user has not set
+  (``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``,
+  ``jax_num_cpu_devices``), splits the CPU; otherwise this returns 1 and
+  changes nothing.
   """
-  from fedjx import distributed  # pylint: disable=g-import-not-at-top
   if (config.mesh != 'auto' or config.num_processes not in (None, 1) or
-      config.coordinator_address or os.environ.get(distributed.ENV_COORDINATOR) or
-      'xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', '') or
-      jax.config.jax_num_cpu_devices >= 0):
+      config.coordinator_address or not distributed.may_split_cpu()):
     return 1
   devices = config.cpu_devices
   if isinstance(devices, str) and devices.isdigit():  # From the command line.
     devices = int(devices)
-  return distributed.split_cpu(devices, divides=config.cohort_size)
+  if sizes is None:
+    return distributed.split_cpu(devices, divides=config.cohort_size)
+  if devices == 'auto':
+    devices = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
+               else os.cpu_count() or 1)
+  if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+    devices = max(k for k in range(1, devices + 1)
+                  if any(size % k == 0 for size in sizes))
+  return distributed.split_cpu(devices)
 
 
-# config.mesh='auto' splits cohorts of at least this many clients per CPU
-# device: a round on a mesh costs a few milliseconds more in the runner (the
-# quickstart's 10 clients of a tiny model: 11.5 s against 7.8 s for 300
-# rounds), which many clients per device amortize (docs/benchmarks.md).
-AUTO_MIN_CLIENTS_PER_DEVICE = 16
-# ... of models up to this size: a core per client wins for small models,
-# whose operations are too small to share between threads (the 2NN's 0.8 MB:
-# 2.2x less wall clock) ...
-AUTO_MAX_MODEL_BYTES = 2 << 20
+# config.mesh='auto' splits cohorts of at least
+# fedjx.distributed.AUTO_MIN_CLIENTS_PER_DEVICE clients per CPU device, of
+# models of at most fedjx.distributed.AUTO_MAX_MODEL_BYTES (the rule of a
+# round with no mesh set, fedjx.distributed.cpu_blocks) ...
 # ... and of larger ones whose loss uses each parameter about once per
 # example (at most this many flops per example and parameter, forward: a
 # dense layer takes 2; a convolution reuses its kernel at every position, an
@@ -76,12 +81,13 @@ def flops_per_parameter(loss_fn: Any, params: Any, batch: Any) -> float | None:
 
 def splits_model(params: Any, loss_fn: Any = None, batch: Any = None) -> bool:
   """Whether ``config.mesh='auto'`` may split a cohort of this model over CPU
-  devices: at most :data:`AUTO_MAX_MODEL_BYTES` of parameters, or (given the
-  loss and a batch) at most :data:`AUTO_MAX_FLOPS_PER_PARAMETER` forward
-  flops per example and parameter."""
+  devices: at most :data:`fedjx.distributed.AUTO_MAX_MODEL_BYTES` of
+  parameters, or (given the loss and a batch) at most
+  :data:`AUTO_MAX_FLOPS_PER_PARAMETER` forward flops per example and
+  parameter."""
   size = sum(int(np.size(x)) * np.dtype(getattr(x, 'dtype', np.float32)).itemsize
              for x in jax.tree.leaves(params))
-  if size <= AUTO_MAX_MODEL_BYTES:
+  if size <= distributed.AUTO_MAX_MODEL_BYTES:
     return True
   if loss_fn is None or batch is None:
     return False
@@ -94,15 +100,15 @@ def auto_mesh(config: ml_collections.ConfigDict, split: int, params: Any,
   """What ``config.mesh='auto'`` means for this run: ``'clients=-1'`` (the
   cohort over the CPU devices :func:`split_cpu` made) on a CPU backend with
   uniform sampling (cohorts of exactly ``cohort_size``), at least
-  :data:`AUTO_MIN_CLIENTS_PER_DEVICE` clients per device and a model
-  (``params``; not a LoRA run, whose frozen base is not in them) that
+  :data:`fedjx.distributed.AUTO_MIN_CLIENTS_PER_DEVICE` clients per device
+  and a model (``params``; not a LoRA run, whose frozen base is not in them) that
   :func:`splits_model` admits (``loss_fn`` and ``batch``, the training
   loss and a batch, measure a large model's flops), else ``''``."""
   sampling = dict(config.sampling or {}).get('name', 'uniform')
   if dict(config.lora or {}).get('rank', 0):  # A frozen base model: large.
     return ''
   if (split < 2 or jax.default_backend() != 'cpu' or sampling != 'uniform' or
-      config.cohort_size < AUTO_MIN_CLIENTS_PER_DEVICE * split or
+      config.cohort_size < distributed.AUTO_MIN_CLIENTS_PER_DEVICE * split or
       not splits_model(params, loss_fn, batch)):
     return ''
   return 'clients=-1'
@@ -122,7 +128,6 @@ def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
   """
   if not config.mesh:
     return None
-  from fedjx import distributed  # pylint: disable=g-import-not-at-top
   if config.mesh == 'auto':
     raise ValueError("make_mesh: resolve config.mesh='auto' first (auto_mesh).")
   axes = config_lib.mesh_axes(config.mesh)
@@ -134,7 +139,6 @@ def check_coordinator_port(config: ml_collections.ConfigDict) -> None:
   """Process 0 of a multi-process run serves the coordinator: refuses a port
   on this machine that another program holds, before JAX tries to bind it."""
   import socket  # pylint: disable=g-import-not-at-top
-  from fedjx import distributed  # pylint: disable=g-import-not-at-top
   address = config.coordinator_address or os.environ.get(distributed.ENV_COORDINATOR, '')
   pid = config.process_id
   if pid is None:

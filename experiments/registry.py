@@ -230,15 +230,43 @@ def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransf
 # config's options: the model's metrics and its non-finite guard.
 RUNNER_OPTIONS = ('metrics_fn', 'skip_nonfinite')
 
-# Every algorithm a config can name, by name: each builder that
-# ``fedjx.algorithms`` exports and that declares its traits where it is
-# defined (``@kit.declare(Traits(...))``: the option taking the population
-# size, whether it is asynchronous, ...). Adding an algorithm to the package
-# is its module and its export; in your own code,
+# Every algorithm a config can name: its builder, which declares its traits
+# where it is defined (``@kit.declare(Traits(...))``: the option taking the
+# population size, whether it is asynchronous, ...). Adding an algorithm to
+# the package is its module, its export from fedjx.algorithms and one line
+# here (a literal, which fedjx-run reads before importing JAX:
+# fedjx.experiments.preflight); in your own code,
 # register_algorithm(name, builder); a builder is f(loss_fn, **options).
 ALGORITHMS: dict[str, Callable[..., Any]] = {
-    name: getattr(algorithms_lib, name) for name in sorted(algorithms_lib.__all__)
-    if isinstance(getattr(getattr(algorithms_lib, name), 'traits', None), Traits)
+    'afl': algorithms_lib.afl,
+    'apfl': algorithms_lib.apfl,
+    'async_diloco': algorithms_lib.async_diloco,
+    'diloco': algorithms_lib.diloco,
+    'diloco_recipe': algorithms_lib.diloco_recipe,
+    'ditto': algorithms_lib.ditto,
+    'dp_fedavg': algorithms_lib.dp_fedavg,
+    'eager_diloco': algorithms_lib.eager_diloco,
+    'fedadagrad': algorithms_lib.fedadagrad,
+    'fedadam': algorithms_lib.fedadam,
+    'fedasync': algorithms_lib.fedasync,
+    'fedavg': algorithms_lib.fedavg,
+    'fedavg_hypergradient_tuner': algorithms_lib.fedavg_hypergradient_tuner,
+    'fedavgm': algorithms_lib.fedavgm,
+    'fedbuff': algorithms_lib.fedbuff,
+    'feddyn': algorithms_lib.feddyn,
+    'fedexp': algorithms_lib.fedexp,
+    'fedlora': algorithms_lib.fedlora,
+    'fednova': algorithms_lib.fednova,
+    'fedper': algorithms_lib.fedper,
+    'fedprox': algorithms_lib.fedprox,
+    'fedrep': algorithms_lib.fedrep,
+    'fedyogi': algorithms_lib.fedyogi,
+    'hyp_cluster': algorithms_lib.hyp_cluster,
+    'mime': algorithms_lib.mime,
+    'mime_lite': algorithms_lib.mime_lite,
+    'qffl': algorithms_lib.qffl,
+    'scaffold': algorithms_lib.scaffold,
+    'streaming_diloco': algorithms_lib.streaming_diloco,
 }
 # Algorithm options the runner sets (not config.algorithm), for every entry.
 RESERVED = ('loss_fn', 'metrics_fn', 'skip_nonfinite', 'lora_config')

@@ -38,10 +38,7 @@ from fedjx.experiments import metrics_writers
 from fedjx.experiments import network_clock
 from fedjx.experiments import privacy as privacy_lib
 from fedjx.experiments import registry
-from fedjx.experiments.config import DEFAULTS
-from fedjx.experiments.config import RESUMABLE_CHANGES
 from fedjx.experiments.config import fingerprint as _fingerprint
-from fedjx.experiments.config import flatten as _flatten
 from fedjx.experiments.experiment import Experiment
 from fedjx.experiments.experiment import round_algorithms
 from fedjx.experiments.guarded_rounds import PARAMS_FINITE
@@ -150,8 +147,8 @@ class RunTrainer:
 
   def _restore(self, ckpt: checkpointing.Checkpointer) -> dict[str, Any] | None:
     """Restores the newest intact checkpoint into ``state``; its meta, or None."""
-    check = lambda m: _check_same_experiment(m.get('config', {}),
-                                             self.fingerprint, self.workdir)
+    check = lambda m: config_schema.check_same_experiment(
+        m.get('config', {}), self.fingerprint, self.workdir)
     try:
       restored = ckpt.restore_latest_intact(self.state, check, warn=self.log)
     except checkpointing.StructureMismatch as e:
@@ -195,6 +192,7 @@ class RunTrainer:
                            self.lead, self.log)
         if interrupted:
           loop.interrupt(self, self.saves, step)
+          self.bar.close()  # The message goes below the bar, which stays.
           self.log(f'fedjx: interrupted after round {step} '
                    f'({signal.Signals(flag.signum).name}); checkpoint saved in '
                    f'{self.workdir}. Run the same command again to continue.')
@@ -433,21 +431,3 @@ def _previous_rows(workdir: str, fmt: str, upto: int) -> list[dict[str, Any]]:
   if not os.path.exists(path):
     return []
   return [r for r in metrics_writers.read_metrics(path) if r['round'] <= upto]
-
-
-def _check_same_experiment(saved: Mapping[str, Any], current: Mapping[str, Any],
-                           workdir: str) -> None:
-  if not saved:
-    return
-  a, b = _flatten(saved), _flatten(current)
-  # Fields added to the runner after the checkpoint was written compare equal
-  # when the current config leaves them at their default.
-  defaults = {k: v for k, v in _flatten(DEFAULTS).items() if k not in a}
-  diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
-                and not (k in defaults and b.get(k) == defaults[k]))
-  if diff:
-    details = ', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:8])
-    raise registry.ConfigError(
-        f'{workdir} holds a checkpoint of a different experiment ({details}). '
-        'Use a new --workdir, or start over in it with --fresh. Fields that may '
-        f'change on resumption: {list(RESUMABLE_CHANGES)}.')

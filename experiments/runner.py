@@ -56,9 +56,10 @@ from fedjx.experiments import experiment
 from fedjx.experiments import lora_setup
 from fedjx.experiments import processes
 from fedjx.experiments import run_trainer
+from fedjx.experiments import workdir as workdir_lib
 from fedjx.experiments import workdir_lock
 
-__all__ = ['load_state', 'run']
+__all__ = ['build_experiment', 'load_state', 'run']
 
 
 def run(config: Any, workdir: str, *, hooks: Sequence[run_trainer.Hook] = (),
@@ -91,21 +92,22 @@ def run(config: Any, workdir: str, *, hooks: Sequence[run_trainer.Hook] = (),
   if log is None:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if lead else (
         lambda msg: None)
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  config = client_states.for_processes(config, workdir, log)
-  try:
-    compilation_cache.enable(config.compilation_cache, workdir)
-  except ValueError as e:
-    raise config_lib.ConfigError(str(e)) from None
-  # config.mesh='auto' is resolved once the model is built (in _run).
-  mesh = None if config.mesh == 'auto' else processes.make_mesh(config)
-  with contextlib.ExitStack() as stack:
-    if lead:
-      stack.enter_context(workdir_lock.hold(workdir))
-    if mesh is not None:
-      stack.enter_context(jax.set_mesh(mesh))
-    return _run(config, workdir, hooks, log, lead, split, stack)
+  # A refused run (an error before it writes anything) removes the workdir
+  # it made.
+  with workdir_lib.made(workdir, clean=jax.process_count() == 1) as workdir:
+    config = client_states.for_processes(config, workdir, log)
+    try:
+      compilation_cache.enable(config.compilation_cache, workdir)
+    except ValueError as e:
+      raise config_lib.ConfigError(str(e)) from None
+    # config.mesh='auto' is resolved once the model is built (in _run).
+    mesh = None if config.mesh == 'auto' else processes.make_mesh(config)
+    with contextlib.ExitStack() as stack:
+      if lead:
+        stack.enter_context(workdir_lock.hold(workdir))
+      if mesh is not None:
+        stack.enter_context(jax.set_mesh(mesh))
+      return _run(config, workdir, hooks, log, lead, split, stack)
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str,
@@ -113,6 +115,32 @@ def _run(config: ml_collections.ConfigDict, workdir: str,
          lead: bool, split: int, stack: contextlib.ExitStack
          ) -> run_trainer.RunResult:
   """The body of :func:`run`, inside the mesh context if there is one."""
+  exp = build_experiment(config, split, log, stack)
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
+                                    max_to_keep=max(2, config.checkpoints_to_keep),
+                                    position=data_position.of_experiment(exp))
+  try:
+    trainer = run_trainer.RunTrainer(config, exp, workdir, log, lead, hooks, ckpt)
+    result = trainer.train()
+    if lead and not result.interrupted:  # config.lora.export's folders.
+      for folder in lora_setup.export(config, exp.model, result.state.params, workdir):
+        log(f'wrote {folder}')
+    return result
+  finally:
+    ckpt.close()
+
+
+def build_experiment(config: ml_collections.ConfigDict, split: int,
+                     log: Callable[[str], None],
+                     stack: contextlib.ExitStack) -> experiment.Experiment:
+  """The experiment of ``config`` on the run's mesh (what :func:`run` trains).
+
+  Called inside the mesh context of ``config.mesh``, if any. With
+  ``config.mesh='auto'`` it resolves the mesh (``config.mesh`` is set to the
+  choice), enters it on ``stack`` and lays the experiment on it; ``split``
+  is the number of CPU devices :func:`fedjx.experiments.processes.split_cpu`
+  made.
+  """
   exp = experiment.build(config)
   if config.mesh == 'auto':
     # A large model's flops are measured on a sample batch; a small one needs none.
@@ -126,18 +154,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str,
       mesh = processes.make_mesh(config)
       stack.enter_context(jax.set_mesh(mesh))
       exp = experiment.on_mesh(exp, mesh)
-  ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
-                                    max_to_keep=max(2, config.checkpoints_to_keep),
-                                    position=data_position.of_experiment(exp))
-  try:
-    trainer = run_trainer.RunTrainer(config, exp, workdir, log, lead, hooks, ckpt)
-    result = trainer.train()
-    if lead and not result.interrupted:  # config.lora.export's folders.
-      for folder in lora_setup.export(config, exp.model, result.state.params, workdir):
-        log(f'wrote {folder}')
-    return result
-  finally:
-    ckpt.close()
+  return exp
 
 
 def load_state(workdir: str, step: int | None = None) -> tuple[Any, int]:

@@ -18,13 +18,14 @@ skips the question, which is required where stdin is not a terminal.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
 import os
 import shutil
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TextIO
 
 from fedjx.experiments import workdir_lock
@@ -123,6 +124,63 @@ def check(workdir: str, flag: str = '--workdir') -> str:
                        f'yourself access (chmod u+rwx {workdir}) or choose '
                        f'another {flag}.')
   return path
+
+
+@contextlib.contextmanager
+def made(workdir: str, ours: Sequence[str] = (workdir_lock.LOCK_NAME,),
+         clean: bool = True) -> Iterator[str]:
+  """Makes ``workdir`` (and its missing parents) for a run or a sweep, and
+  yields its absolute path.
+
+  Where the block raises (a refused run: a config error found once the data
+  loads, a workdir of another experiment), what it added to the folder is
+  removed again if that is only ``ours`` (the lock, what the refused run
+  wrote first) and empty folders, and so are the folders made here: a
+  refused run leaves nothing behind. Anything else written, and everything
+  that was there before, stays; nothing is removed with ``clean=False`` (a
+  run of several processes, which share the folder).
+  """
+  path = os.path.abspath(workdir)
+  created = []
+  parent = path
+  while not os.path.exists(parent) and parent != os.path.dirname(parent):
+    created.append(parent)
+    parent = os.path.dirname(parent)
+  os.makedirs(path, exist_ok=True)
+  before = set(os.listdir(path))
+  try:
+    yield path
+  except BaseException:
+    if clean:
+      _remove_added(path, before, ours)
+      for folder in created:  # The workdir first, then its parents.
+        try:
+          os.rmdir(folder)
+        except OSError:
+          break  # Not empty (or gone): it and its parents stay.
+    raise
+
+
+def _remove_added(path: str, before: set[str], ours: Sequence[str]) -> None:
+  """Removes from ``path`` what is not in ``before``, if that is only
+  ``ours`` and empty folders."""
+  try:
+    added = set(os.listdir(path)) - before
+  except OSError:
+    return
+  empty = {e for e in added if os.path.isdir(os.path.join(path, e))
+           and not os.path.islink(os.path.join(path, e))
+           and not os.listdir(os.path.join(path, e))}
+  if any(e not in ours and e not in empty for e in added):
+    return  # Something else was written: keep it all.
+  for entry in added:
+    try:
+      if entry in empty:
+        os.rmdir(os.path.join(path, entry))
+      else:
+        os.remove(os.path.join(path, entry))
+    except OSError:
+      pass
 
 
 def outputs(workdir: str, names: Sequence[str]) -> list[str]:

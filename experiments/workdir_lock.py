@@ -63,3 +63,25 @@ def hold(workdir: str) -> Iterator[str]:
     yield path
   finally:
     os.close(fd)  # Closing the descriptor releases the lock.
+
+
+def check_free(workdir: str) -> None:
+  """Raises :class:`WorkdirLocked` when a live process holds ``workdir``'s
+  lock; creates nothing (a workdir without a lock file is free).
+
+  Raises:
+    WorkdirLocked: a live process holds it (the message names that process).
+  """
+  path = os.path.join(workdir, LOCK_NAME)
+  try:
+    fd = os.open(path, os.O_RDWR)
+  except OSError:
+    return  # No lock file (or none we may open): the run's own lock decides.
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    raise WorkdirLocked(
+        f'{workdir} is in use by {_holder(path)}; wait for that run to end '
+        'or choose another --workdir.') from None
+  finally:
+    os.close(fd)  # Closing the descriptor releases the lock.

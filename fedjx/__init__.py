@@ -25,7 +25,8 @@ Modules: ``fedjx.interpreters`` (the MapReduce plan of a program and what
 runs it: ``plan``, ``beam`` for Apache Beam, ``export`` for exported
 computations; also reachable as ``fedjx.plan``, ``fedjx.beam`` and
 ``fedjx.export``), ``fedjx.streaming``, ``fedjx.sharding``,
-``fedjx.distributed``, ``fedjx.fused_updates`` (an SGD step added into
+``fedjx.distributed``, ``fedjx.chunk_cost`` (how many clients an
+accelerator runs at once), ``fedjx.fused_updates`` (an SGD step added into
 its parameter: a gathered table's on the gathered rows only, a large dense
 layer's by row blocks on a CPU), ``fedjx.client_store``
 (:class:`ClientStore`, per-client state kept on the host,
@@ -55,8 +56,8 @@ _NAMES = {
 }
 # The primitive layer's own modules, for ``fedjx.mapping.any_in_chunk`` and
 # the like after ``import fedjx`` alone.
-MODULES = ('api', 'beam', 'client_store', 'distributed', 'execution', 'export',
-           'frames', 'fusion', 'indexed', 'interpreters', 'mapping', 'options',
+MODULES = ('api', 'beam', 'chunk_cost', 'client_store', 'distributed', 'execution',
+           'export', 'frames', 'fusion', 'indexed', 'interpreters', 'mapping', 'options',
            'placements', 'plan', 'primitives', 'reductions', 'sharding',
            'fused_updates', 'streaming')
 # Modules that need an optional dependency (the package, its extra): left out

@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from fedjx import _install
+
 
 def submodules(package: str, names: Sequence[str],
                attributes: Mapping[str, str] | None = None,
@@ -45,7 +47,7 @@ def submodules(package: str, names: Sequence[str],
           raise
         raise ModuleNotFoundError(
             f'{package}.{name} needs {needs}, which is not installed: '
-            f"pip install 'fedjx[{extra}]'.", name=e.name) from e
+            f'{_install.command(extra)}.', name=e.name) from e
     if name in attributes:
       value = getattr(importlib.import_module(attributes[name]), name)
       setattr(sys.modules[package], name, value)  # Later reads skip this.

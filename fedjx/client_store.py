@@ -20,8 +20,8 @@ Design:
   files under ``directory/rows`` (one file per leaf of the row, ``[slots,
   ...]`` row-major), grown by doubling. Reads and writes are NumPy fancy
   indexing on those arrays, so a round costs what its cohort's rows cost,
-  whatever the population (measured in docs/benchmarks.md, "Client state at
-  population scale", with the other backends considered).
+  whatever the population (measured in benchmarks/results/HISTORY.md,
+  "Client state at population scale", with the other backends considered).
 * Incremental checkpoints. ``save(step)`` writes only the rows written since
   the previous save: a delta file (the ids, int64, then each leaf's rows) and
   then, last and atomically (a temporary file, fsync, rename), a small JSON

@@ -24,11 +24,21 @@ The same operations on the same values, so the same numbers as
 executable neither holds nor depends on the constants' values, and the
 constants stay on the device where they are (a NumPy constant is put on the
 default device once).
+
+A program whose maps chose a mesh of CPU devices by themselves (a round
+with no mesh set on a CPU split into one device per core,
+:func:`fedjx.distributed.cpu_blocks`) gets its uncommitted arguments and
+constants laid out replicated on that mesh before each call, as its
+outputs are: every call then takes the same layout, so the program is
+compiled once (not again for the second round, whose state the first
+left on the mesh), and an argument passed again (a population's table)
+is laid out once and reused while it lives.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +46,7 @@ import jax
 import jax.api_util
 import jax.core
 import numpy as np
+from jax.extend import core as jex_core
 from jax.extend.core import Literal
 from jax.extend.core import primitives
 
@@ -53,15 +64,25 @@ class HoistedJit:
   def __init__(self, fn: Callable[..., Any], donate_argnums: Sequence[int]):
     self._fn = fn
     self._donate = tuple(donate_argnums)
-    self._entries: dict[Any, tuple[Any, list[Any]]] = {}
+    self._entries: dict[Any, tuple[Any, list[Any], Any]] = {}
+    # Arguments laid out on a program's own CPU mesh: id -> (source, laid out).
+    self._laid: dict[int, tuple[Any, Any]] = {}
     functools.update_wrapper(self, fn)
 
-  def _entry(self, args: tuple[Any, ...]) -> tuple[Any, list[Any]] | None:
-    """``(jitted, consts)`` for this signature; None where ``fn`` closes
-    over values of an enclosing trace (those cannot be kept)."""
+  def _entry(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], Any] | None:
+    """``(jitted, consts, mesh)`` for this signature (``mesh``: the CPU mesh
+    the program's maps chose by themselves, or None); None where ``fn``
+    closes over values of an enclosing trace (those cannot be kept).
+
+    Raises:
+      DeletedArgumentError: an argument holds an array whose buffer is
+        deleted (donated to an earlier call), checked before XLA sees it.
+    """
     leaves, tree = jax.tree.flatten(args)
-    key = (tree, tuple(jax.api_util.shaped_abstractify(x) for x in leaves),
+    key = (tree, tuple(_signature(x) for x in leaves),
            jax.sharding.get_abstract_mesh())
+    if any(k is _DELETED for k in key[1]):
+      raise DeletedArgumentError(self._deleted_message(args))
     entry = self._entries.get(key)
     if entry is None:
       closed, out_shape = jax.make_jaxpr(self._fn, return_shape=True)(*args)
@@ -75,15 +96,54 @@ class HoistedJit:
                               list(found), jax.tree.structure(out_shape))
       run.__name__ = getattr(self._fn, '__name__', 'hoisted')
       jitted = jax.jit(run, donate_argnums=tuple(i + 1 for i in self._donate))
-      entry = self._entries[key] = (jitted, consts)
+      mesh = None if key[2].axis_names else _own_cpu_mesh(closed.jaxpr)
+      entry = self._entries[key] = (jitted, consts, mesh)
     return entry
+
+  def _deleted_message(self, args: tuple[Any, ...]) -> str:
+    name = getattr(self._fn, '__name__', 'the function')
+    where = [i for i, a in enumerate(args)
+             if any(_signature(x) is _DELETED for x in jax.tree.leaves(a))]
+    which = ', '.join(map(str, where))
+    if any(i in self._donate for i in where):
+      return (f'{name}: argument {which} holds arrays that an earlier call '
+              'consumed (a compiled round donates the state it is given, so '
+              'its buffers are deleted). Continue from the state that call '
+              'returned; to run rounds from one state more than once use '
+              'algo.apply(state, ...), or algo.compile(donate=False).')
+    return (f'{name}: argument {which} holds arrays whose buffers were deleted '
+            '(donated to another call, or .delete()d); pass live arrays.')
 
   def __call__(self, *args: Any) -> Any:
     entry = self._entry(args)
     if entry is None:
       return jax.jit(self._fn, donate_argnums=self._donate)(*args)
-    jitted, consts = entry
+    jitted, consts, mesh = entry
+    if mesh is not None:
+      consts, args = self._lay_out((consts, args), mesh)
     return jitted(consts, *args)
+
+  def _lay_out(self, tree: Any, mesh: Any) -> Any:
+    """``tree`` with its uncommitted arrays replicated on ``mesh`` (an
+    array seen before: its copy laid out then)."""
+    where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    self._laid = {i: (src, out) for i, (src, out) in self._laid.items()
+                  if src() is not None}
+
+    def one(x):
+      if isinstance(x, np.ndarray):
+        return jax.device_put(x, where)
+      if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or
+          x.committed):
+        return x
+      seen = self._laid.get(id(x))
+      if seen is not None and seen[0]() is x and seen[1].sharding == where:
+        return seen[1]
+      out = jax.device_put(x, where)
+      self._laid[id(x)] = (weakref.ref(x), out)
+      return out
+
+    return jax.tree.map(one, tree)
 
   def lower(self, *args: Any) -> '_Lowered':
     """``fn`` lowered for ``args`` (arrays or ``jax.ShapeDtypeStruct``)."""
@@ -91,12 +151,49 @@ class HoistedJit:
     if entry is None:
       raise ValueError('HoistedJit.lower: the function closes over values of an '
                        'enclosing trace; lower it outside that trace.')
-    jitted, consts = entry
+    jitted, consts, _ = entry
     return _Lowered(jitted.lower(consts, *args), consts)
 
   def _cache_size(self) -> int:
     """Executables compiled by calls (not by ``lower(...).compile()``)."""
-    return sum(jitted._cache_size() for jitted, _ in self._entries.values())  # pylint: disable=protected-access
+    return sum(jitted._cache_size() for jitted, _, _ in self._entries.values())  # pylint: disable=protected-access
+
+
+def _signature(x: Any) -> Any:
+  """What a program traced for ``x`` depends on: its shape, dtype and weak
+  type, and its sharding only where typed by an Explicit mesh axis (an
+  array laid out on an Auto mesh traces as one on a single device);
+  :data:`_DELETED` for an array whose buffer is deleted."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+    return _DELETED
+  aval = jax.api_util.shaped_abstractify(x)
+  mesh = getattr(getattr(aval, 'sharding', None), 'mesh', None)
+  if jax.sharding.AxisType.Explicit in getattr(mesh, 'axis_types', ()):
+    return aval
+  return (aval.shape, aval.dtype, aval.weak_type)
+
+
+def _own_cpu_mesh(jaxpr: Any) -> Any:
+  """The mesh of CPU devices of the first ``shard_map`` in ``jaxpr`` (or a
+  jaxpr in it), traced with no mesh set: one that the program's maps chose
+  by themselves; None if there is none."""
+  for eqn in jaxpr.eqns:
+    mesh = eqn.params.get('mesh') if eqn.primitive.name == 'shard_map' else None
+    if (isinstance(mesh, jax.sharding.Mesh) and
+        all(d.platform == 'cpu' for d in mesh.devices.flat)):
+      return mesh
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      found = _own_cpu_mesh(getattr(sub, 'jaxpr', sub))
+      if found is not None:
+        return found
+  return None
+
+
+class DeletedArgumentError(ValueError):
+  """An argument's array was deleted, e.g. a state donated to an earlier round."""
+
+
+_DELETED = object()  # The signature entry of an array whose buffer is deleted.
 
 
 def _inlined(eqn) -> bool:
@@ -183,4 +280,4 @@ def jit(fn: Callable[..., Any], *, donate_argnums: Sequence[int] = ()) -> Hoiste
   return HoistedJit(fn, donate_argnums)
 
 
-__all__ = ['HoistedJit', 'jit']
+__all__ = ['DeletedArgumentError', 'HoistedJit', 'jit']

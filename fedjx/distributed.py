@@ -15,7 +15,8 @@ of them. This module adds what a federated experiment needs on top:
   'fsdp': 4}``: -1 takes the devices left over); how a replica's state lies
   on its ``fsdp`` and ``tensor`` axes is :func:`fedjx.sharding.replica_specs`;
 * :func:`split_cpu`: one CPU device per core, so a cohort on a ``clients``
-  axis trains one client per core at a time;
+  axis trains one client per core at a time; :func:`cpu_blocks`: where a
+  round with no mesh set runs its cohort over them by itself;
 * :func:`put_global`: global arrays on a mesh from host values;
 * :func:`launch_local`: N processes of D CPU devices each on this machine,
   talking over gloo; what the tests use.
@@ -165,6 +166,66 @@ def initialize(coordinator_address: str | None = None,
                              num_processes=num_processes, process_id=process_id,
                              initialization_timeout=max(1, int(math.ceil(timeout_s))))
   return True
+
+
+# A cohort runs over the CPU devices of split_cpu when each gets at least this
+# many clients: a round over several devices costs a few milliseconds more
+# (the digits quickstart's 10 clients of a tiny model: 11.5 s against 7.8 s
+# for 300 rounds), which many clients per device amortize
+# (docs/benchmarks.md) ...
+AUTO_MIN_CLIENTS_PER_DEVICE = 16
+# ... of models up to this size: a core per client wins for small models,
+# whose operations are too small to share between threads (the 2NN's 0.8 MB:
+# 2.2x less wall clock), and each device holds its own copy.
+AUTO_MAX_MODEL_BYTES = 2 << 20
+
+
+def may_split_cpu() -> bool:
+  """Whether this process may make its CPU devices (:func:`split_cpu`) by
+  itself: JAX has not started, the run is on one process (no coordinator
+  in the environment) and neither ``--xla_force_host_platform_device_count``
+  in ``XLA_FLAGS`` nor ``jax_num_cpu_devices`` set the count."""
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  return not (xla_bridge.backends_are_initialized() or
+              os.environ.get(ENV_COORDINATOR) or
+              'xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', '') or
+              jax.config.jax_num_cpu_devices >= 0)
+
+
+def _split_on_purpose() -> bool:
+  """Whether the CPU devices were made by ``jax_num_cpu_devices`` (by
+  :func:`split_cpu` or the user), not forced through ``XLA_FLAGS``."""
+  return jax.config.jax_num_cpu_devices > 1
+
+
+def cpu_blocks(placement: str, n: int, model_bytes: int) -> tuple[Any, int] | None:
+  """``(mesh, d)`` when a fused map of ``n`` members with no mesh set runs
+  one block of ``n / d`` members per CPU device (:func:`fedjx.mapping.
+  device_blocks`), on a mesh of ``d`` CPU devices with one axis named
+  ``placement``; None to run on one device.
+
+  That is on a CPU backend of one process whose CPU was split on purpose
+  (``jax_num_cpu_devices`` above 1: :func:`split_cpu`, which
+  ``fedjx.datasets.on_device`` and ``fedjx-run`` call before JAX starts;
+  devices forced through ``XLA_FLAGS`` are left to the meshes that name
+  them), for ``d`` the most devices that divide ``n`` with at least
+  :data:`AUTO_MIN_CLIENTS_PER_DEVICE` members each (at least 2), and
+  members that train at most :data:`AUTO_MAX_MODEL_BYTES` of values shared
+  by all (``model_bytes``: the broadcast model and what the members close
+  over). The same rule as ``fedjx-run``'s ``config.mesh='auto'`` for small
+  models, so the loop a user writes gets the round ``fedjx-run`` runs.
+  """
+  if (jax.default_backend() != 'cpu' or jax.process_count() > 1 or
+      not _split_on_purpose() or model_bytes > AUTO_MAX_MODEL_BYTES):
+    return None
+  cpus = jax.devices('cpu')
+  d = max((k for k in range(1, len(cpus) + 1)
+           if n % k == 0 and n >= AUTO_MIN_CLIENTS_PER_DEVICE * k), default=1)
+  if d < 2:
+    return None
+  mesh = jax.make_mesh((d,), (placement,), axis_types=(AxisType.Auto,),
+                       devices=cpus[:d])
+  return mesh, d
 
 
 def split_cpu(devices: int | str = 'auto', divides: int | None = None) -> int:

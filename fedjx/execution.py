@@ -1,11 +1,14 @@
 """How a round runs: one compiled program (``'jit'``) or streamed (``'streaming'``).
 
 ``'auto'`` compiles the round for the cohort's shapes and asks XLA for its
-memory plan (arguments + outputs + temporaries). If the plan exceeds
-``headroom`` (80%) of the device's memory, the round is streamed
+memory plan (arguments + outputs - donated + temporaries). If the plan exceeds
+``headroom`` (80%) of the device's memory and a chunk is smaller than the
+cohort, the round is streamed
 (:mod:`fedjx.streaming`) in chunks of ``chunk_size`` clients instead (by
 default as many clients as hold 64 MiB of data, at least 64), and the
-choice is logged once per cohort shape. The device's memory is its
+choice is logged once per cohort shape. A round that XLA refuses as larger
+than the device raises :class:`OutOfMemory`, one line naming the settings to
+change, before anything runs. The device's memory is its
 allocator's limit (``Device.memory_stats()['bytes_limit']``) on accelerators
 and the machine's physical memory on CPU.
 """
@@ -45,6 +48,40 @@ def device_memory_bytes(device: Any = None) -> int | None:
   if device.platform == 'cpu' and hasattr(os, 'sysconf'):
     return int(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
   return None
+
+
+class OutOfMemory(ValueError):
+  """A compiled program (a round, an evaluation) does not fit the device's memory."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether ``error`` is XLA's refusal of a program larger than the device's memory."""
+  text = str(error)
+  return 'RESOURCE_EXHAUSTED' in text or 'Ran out of memory' in text
+
+
+def _xla_reason(error: BaseException) -> str:
+  """The first line of XLA's message, without its status prefix."""
+  line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  return line.split('RESOURCE_EXHAUSTED: ', 1)[-1]
+
+
+def compile_to_fit(lowered: Any, what: str, settings: str) -> Any:
+  """``lowered.compile()``; XLA's out-of-memory refusal becomes :class:`OutOfMemory`,
+  one line naming ``what`` (the program) and ``settings`` (what to change)."""
+  try:
+    return lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except
+    if not is_out_of_memory(e):
+      raise
+    raise OutOfMemory(f'{what} does not fit the device\'s memory ({_xla_reason(e)}); '
+                      f'{settings}.') from None
+
+
+ROUND_SETTINGS = ("lower config.batch_size or config.cohort_size, rematerialize the model's "
+                  "layers (config.model.remat='full'), or stream the cohort "
+                  "(config.execution='streaming' with a smaller config.chunk_size)")
+"""What to change when a round does not fit (in a config's terms)."""
 
 
 def streaming_chunk(client_bytes: int, num_clients: int) -> int:
@@ -117,13 +154,17 @@ class RoundRunner:
             else jax.tree.map(_spec, cohort))
     shape = _shape_key(spec)
     if shape not in self._streams:
-      compiled = self.algorithm.round.lower(
-          jax.tree.map(_spec, state), spec, _spec(key)).compile()
+      compiled = compile_to_fit(
+          self.algorithm.round.lower(jax.tree.map(_spec, state), spec, _spec(key)),
+          'the round', ROUND_SETTINGS)
       analysis = compiled.memory_analysis()
-      planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
-                    analysis.temp_size_in_bytes)
+      planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes -
+                    analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
       limit = device_memory_bytes()
-      stream = limit is not None and planned > self._headroom * limit
+      # Streaming in chunks as large as the cohort would only run it again.
+      clients = int(jax.tree.leaves(spec)[0].shape[0])
+      stream = (limit is not None and planned > self._headroom * limit and
+                self.chunk_for(spec) < clients)
       if stream:
         self._log(f'fedjx: execution=auto: the compiled round plans '
                   f'{planned / 2**30:.2f} GiB, more than {self._headroom:.0%} of the '

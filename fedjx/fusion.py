@@ -81,6 +81,9 @@ class MapSpec:
     out_avals: the stacked outputs' avals (leading axis ``n``).
     by_cost: whether the last operand is each member's cost, from which the
       chunks are formed (:func:`fedjx.mapping.chunk_widths`).
+    sort: with ``by_cost``, whether the chunks are the members in
+      descending cost, ``k`` at a time (:func:`fedjx.mapping.run_sorted`)
+      rather than the windows of :func:`fedjx.mapping.chunk_widths`.
     devices: ``(mesh, d)`` when the members run as ``d`` blocks of ``n / d``,
       one per device of the mesh axis named after the placement
       (:func:`fedjx.mapping.device_blocks`); ``k`` and the chunks are then
@@ -88,7 +91,7 @@ class MapSpec:
   """
 
   def __init__(self, jaxpr, num_consts, num_placed, n, k, placement, out_avals,
-               by_cost=False, devices=None):
+               by_cost=False, devices=None, sort=False):
     self.jaxpr = jaxpr
     self.num_consts = num_consts
     self.num_placed = num_placed
@@ -98,6 +101,7 @@ class MapSpec:
     self.out_avals = tuple(out_avals)
     self.by_cost = by_cost
     self.devices = devices
+    self.sort = sort
     self.alone = None  # The member's jaxpr outside a chunk, for chunks of 1.
     self.num_alone_consts = 0
 
@@ -171,10 +175,11 @@ class Recorder:
 
   def record(self, fn: Callable[[list, list], Any], placed: Sequence[Any],
              shared: Sequence[Any], n: int, k: int, placement: str,
-             cost: Any = None, devices: Any = None) -> Any:
+             cost: Any = None, devices: Any = None, sort: bool = False) -> Any:
     """Traces ``fn(placed_member, shared)`` once and binds the opaque map
-    (whose chunks are formed from ``cost``, each member's, when given; run
-    in one block per device when ``devices`` is ``(mesh, d)``)."""
+    (whose chunks are formed from ``cost``, each member's, when given:
+    sorted by it with ``sort``; run in one block per device when
+    ``devices`` is ``(mesh, d)``)."""
     member = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x),
                                    weak_type=jax.typeof(x).weak_type)
               for x in placed]
@@ -197,7 +202,7 @@ class Recorder:
         closed, out_shape = jax.make_jaxpr(
             fn, return_shape=True, axis_env=[(axis, k)] if axis else ())(
                 member, shared_in)
-      if cost is not None and axis:
+      if cost is not None and axis and not sort:
         # The same member traced alone, for the chunks of one member
         # (vmapped on an axis of size 1, XLA:CPU runs its products slower).
         with frames.chunk_axis(None), context:
@@ -209,9 +214,10 @@ class Recorder:
                                       weak_type=getattr(s, 'weak_type', False))
                  for s in out_leaves]
     spec = MapSpec(closed.jaxpr, len(closed.consts), len(placed), n, k, placement,
-                   out_avals, by_cost=cost is not None, devices=devices)
+                   out_avals, by_cost=cost is not None, devices=devices,
+                   sort=sort and cost is not None)
     extra = [] if cost is None else [cost]
-    if cost is not None and axis:
+    if cost is not None and axis and not sort:
       spec.alone = alone.jaxpr
       spec.num_alone_consts = len(alone.consts)
       extra = list(alone.consts) + extra
@@ -454,7 +460,8 @@ def _run_on_devices(spec: MapSpec, operands: Sequence[Any],
   local = MapSpec(spec.jaxpr, spec.num_consts, spec.num_placed, n,
                   spec.k, axis, [jax.core.ShapedArray(
                       (n,) + a.shape[1:], a.dtype, weak_type=a.weak_type)
-                      for a in spec.out_avals], by_cost=spec.by_cost)
+                      for a in spec.out_avals], by_cost=spec.by_cost,
+                  sort=spec.sort)
   local.alone, local.num_alone_consts = spec.alone, spec.num_alone_consts
   c, p = spec.num_consts, spec.num_placed
   split = [False] * len(operands)
@@ -566,7 +573,10 @@ def _run_here(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction
     return new, [outs[j] for j in keep]
 
   carry0 = [init(r, d) for r, d in zip(fused, dtypes)]
-  if cost is not None:
+  if cost is not None and spec.sort:
+    carry, stacked = _run_sorted(spec, placed, cost, outputs, fused, dtypes,
+                                 w_values, keep, carry0, on_cpu)
+  elif cost is not None:
     carry, stacked = _run_by_cost(spec, placed, cost, outputs, fused, dtypes,
                                   w_values, keep, carry0, on_cpu)
   else:
@@ -575,15 +585,53 @@ def _run_here(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction
   return stacked, carry
 
 
-def _accumulate(r, dtype, total, rest, x, w, on_cpu):
-  """One chunk's (leading axis: its members) part of reduction ``r``."""
+def _accumulate(r, dtype, total, rest, x, w, on_cpu, counted=None):
+  """One chunk's (leading axis: its members) part of reduction ``r``, of
+  the members ``counted`` (``[k]`` bool; all when None)."""
   acc = total.dtype
   x = x.astype(dtype).astype(acc)
   if r.kind == 'weighted_mean':
     w = w.astype(dtype).astype(acc)
+    if counted is not None:
+      w = jnp.where(counted, w, jnp.zeros_like(w))
     return (total + primitives.sum_leading_axis(x, w, on_cpu=on_cpu),
             rest[0] + jnp.sum(w))
-  return (total + primitives.sum_leading_axis(x, None, on_cpu=on_cpu),)
+  mask = None
+  if counted is not None:
+    if jnp.issubdtype(acc, jnp.floating):
+      mask = counted.astype(acc)
+    else:
+      x = jnp.where(reductions.expand_weights(counted, x), x, 0)
+  return (total + primitives.sum_leading_axis(x, mask, on_cpu=on_cpu),)
+
+
+def _run_sorted(spec, placed, cost, outputs, fused, dtypes, w_values, keep,
+                carry0, on_cpu):
+  """The loop over the chunks of members sorted by ``cost``
+  (:func:`fedjx.mapping.run_sorted`), carrying the reductions (each member
+  counted once) and writing the kept outputs into ``[n, ...]`` buffers at
+  the members' places."""
+  buffers = [jnp.zeros(spec.out_avals[j].shape, spec.out_avals[j].dtype)
+             for j in keep]
+  ws_all = [None if w is None else jnp.asarray(w) for w in w_values]
+  overlap = spec.n % spec.k != 0
+
+  def step(state, members, fresh):
+    carry, buffers = state
+    outs = outputs(mapping.gather_members(list(placed), members))
+    counted = fresh if overlap else None
+    new = []
+    for r, dtype, (total, *rest), w in zip(fused, dtypes, carry, ws_all):
+      if r.kind == 'weighted_mean':
+        w = (outs[r.weights[1]] if r.weights[0] == 'out'
+             else jnp.take(w, members, axis=0, mode='clip'))
+      new.append(_accumulate(r, dtype, total, rest, outs[r.index], w, on_cpu,
+                             counted))
+    buffers = [b.at[members].set(outs[j].astype(b.dtype), unique_indices=True)
+               for b, j in zip(buffers, keep)]
+    return new, buffers
+
+  return mapping.run_sorted(step, (carry0, buffers), cost, spec.n, spec.k)
 
 
 def _run_by_cost(spec, placed, cost, outputs, fused, dtypes, w_values, keep,

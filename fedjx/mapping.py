@@ -16,7 +16,11 @@ numbers, and they differ only in speed and memory:
   chunk runs alone, and the map computes at most 1.05 times the real steps.
 * ``sequential``: one member at a time per device (``lax.map``).
 * ``auto``: picks one of the above from the backend, cohort size and the size
-  of the per-client inputs (see :func:`choose_chunk_size`).
+  of the per-client inputs (see :func:`choose_chunk_size`). On a TPU or GPU
+  it runs vmapped chunks of members ordered by their step counts
+  (:func:`run_sorted`), as wide as :mod:`fedjx.chunk_cost`'s model of a
+  local step says: many tiny steps one after another leave an accelerator
+  idle, and sorted chunks pad little.
 
 When a mesh with an axis named after the placement is active, each strategy
 keeps that axis sharded: the members are laid out as ``[k, n / k]`` with the
@@ -46,15 +50,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjx import chunk_cost
+from fedjx import distributed
 from fedjx import frames
 from fedjx import indexed
 from fedjx import options as options_lib
 from fedjx import sharding as sharding_lib
 
+# How each map runs (a debug record per traced map: its members, chunks and
+# order), and maps that fusion does not reach.
+_LOG = logging.getLogger('fedjx.fusion')
+PLAN_MESSAGE = 'fedjx.map_fn over %r: %d members, %s in chunks of %d%s'
+
 # Per-device memory budget for the inputs of one chunk of clients under the
 # ``auto`` strategy; the activations of client training are several times this.
-_LOG = logging.getLogger('fedjx.fusion')
-
 _AUTO_CHUNK_INPUT_BYTES = {'cpu': 64 << 20, 'gpu': 512 << 20, 'tpu': 512 << 20}
 # CPU (measured on 2 cores, docs/benchmarks.md): vmap wins only for tiny client
 # computations (logistic regression); mid-sized ones (a 135k-parameter
@@ -63,16 +72,18 @@ _AUTO_CHUNK_INPUT_BYTES = {'cpu': 64 << 20, 'gpu': 512 << 20, 'tpu': 512 << 20}
 _CPU_VMAP_MAX_CLIENT_BYTES = 256 << 10
 _CPU_SMALL_CHUNK_MAX_CLIENT_BYTES = 2 << 20
 _CPU_SMALL_CHUNK = 4
-# GPUs (measured on an H200, EMNIST CNN): vmap up to ~128 clients, chunks of
-# 64 beyond (4.8 s vmap vs 0.84 s chunks of 64 at 1024 clients).
+# Accelerators: ``map_fn`` runs sorted chunks as wide as the cost model of
+# fedjx.chunk_cost says, from one member's step. Where no step is known
+# (fedjx.streaming's chunks of a streamed round), the rules measured before:
+# GPUs (an H200, EMNIST CNN) vmap up to ~128 clients, chunks of 64 beyond
+# (4.8 s vmap vs 0.84 s chunks of 64 at 1024 clients) ...
 _ACCELERATOR_VMAP_MAX_CLIENTS = 128
 _ACCELERATOR_CHUNK = 64
-# TPUs (measured on one v5e chip, docs/benchmarks.md): as on CPUs, vmap only
-# for tiny client computations (logistic regression: 1.38 ms vmapped vs 7.85
-# ms one at a time, 128 clients); anything larger one client at a time, its
-# local steps a loop over its own steps (the 135k-parameter transformer 104 ms
-# vs 230 ms in chunks of 64; the EMNIST CNN 504 vs 970 ms; the 2NN of 1,000
-# clients 0.068 vs 0.085 s in chunks of 50).
+# ... TPUs (one v5e chip, docs/benchmarks.md) vmap only tiny client
+# computations (logistic regression: 1.38 ms vmapped vs 7.85 ms one at a
+# time, 128 clients) and run anything larger one client at a time (the
+# 135k-parameter transformer 104 ms vs 230 ms in chunks of 64 whose steps
+# took a tree of branches; the EMNIST CNN 504 vs 970 ms).
 _TPU_VMAP_MAX_CLIENT_BYTES = 256 << 10
 
 
@@ -87,9 +98,18 @@ def _mesh_axis_size(placement: str, mesh: Any) -> int:
   return int(mesh.shape[placement])
 
 
+def sorts_by_cost(strategy: str, backend: str | None = None) -> bool:
+  """Whether a chunked map runs its members in descending cost, ``k`` at a
+  time (:func:`run_sorted`): ``auto`` on a TPU or GPU. Elsewhere the chunks
+  are the cost-aware windows of :func:`chunk_widths`."""
+  return strategy == 'auto' and (backend or jax.default_backend()) in ('tpu', 'gpu')
+
+
 def choose_chunk_size(strategy: str, n: int, client_bytes: int, devices: int,
                       chunk_size: int | None = None,
-                      backend: str | None = None) -> int:
+                      backend: str | None = None,
+                      step: chunk_cost.StepCost | None = None,
+                      device_kind: str = '') -> int:
   """How many clients run at once (per step of the loop over chunks).
 
   Args:
@@ -99,6 +119,11 @@ def choose_chunk_size(strategy: str, n: int, client_bytes: int, devices: int,
     devices: devices on the placement's mesh axis (1 with no mesh).
     chunk_size: requested chunk size for ``'chunked'``.
     backend: ``jax.default_backend()`` unless given.
+    step: what one member's local step moves and computes; under ``'auto'``
+      on a TPU or GPU the chunk is :func:`fedjx.chunk_cost.chunk_width` of
+      it (of each device's ``n / devices`` members).
+    device_kind: the device's kind (``jax.Device.device_kind``), for its
+      speeds in the cost model.
 
   Returns:
     The chunk size ``k``: a multiple of ``devices`` (each device runs ``k /
@@ -117,7 +142,10 @@ def choose_chunk_size(strategy: str, n: int, client_bytes: int, devices: int,
     backend = backend or jax.default_backend()
     budget = _AUTO_CHUNK_INPUT_BYTES.get(backend, _AUTO_CHUNK_INPUT_BYTES['gpu'])
     by_memory = max(1, budget // max(client_bytes, 1)) * devices
-    if backend == 'cpu':
+    if step is not None:  # Sorted chunks, as wide as the cost model says.
+      k = devices * chunk_cost.chunk_width(math.ceil(n / devices), step, backend,
+                                           device_kind)
+    elif backend == 'cpu':
       if client_bytes <= _CPU_VMAP_MAX_CLIENT_BYTES:
         k = full
       elif client_bytes <= _CPU_SMALL_CHUNK_MAX_CLIENT_BYTES:
@@ -272,13 +300,26 @@ def chunk_widths(cost: Any, k: int, waste: float = CHUNK_WASTE) -> list[int]:
   return widths
 
 
+def sorted_chunks(cost: Any, k: int) -> list[np.ndarray]:
+  """The members of each chunk of :func:`run_sorted`, in the order it runs
+  them: the members in descending cost (ties in member order), ``k`` at a
+  time; where ``k`` does not divide ``n`` the last chunk is the ``k``
+  cheapest, some of whose members the chunk before ran already (their
+  results are kept once). The host twin of the program's loop."""
+  cost = np.asarray(cost)
+  n = len(cost)
+  order = np.argsort(-cost, kind='stable')
+  return [order[min(c * k, n - k):min(c * k, n - k) + k] for c in range(-(-n // k))]
+
+
 def computed_steps(cost: Any, k: int, strategy: str = 'chunked',
                    waste: float = CHUNK_WASTE) -> int:
   """Steps a map computes when each chunk runs its largest member's steps.
 
   ``sequential``: ``sum(c)``; ``vmap``: ``n max(c)``; ``chunked`` of ``k``
-  (the cost-aware chunks of :func:`chunk_widths`): ``sum over chunks of
-  width x max(c)``. Divided by ``sum(c)`` it is the round's
+  (the cost-aware chunks of :func:`chunk_widths`) and ``sorted`` (the
+  chunks of :func:`sorted_chunks`, ``auto`` on an accelerator): ``sum over
+  chunks of width x max(c)``. Divided by ``sum(c)`` it is the round's
   ``computed / real`` steps.
   """
   cost = np.asarray(cost, np.int64)
@@ -286,6 +327,8 @@ def computed_steps(cost: Any, k: int, strategy: str = 'chunked',
     return int(cost.sum())
   if strategy == 'vmap' or k >= len(cost):
     return int(len(cost) * cost.max(initial=0))
+  if strategy == 'sorted':
+    return int(sum(k * cost[chunk].max() for chunk in sorted_chunks(cost, k)))
   total, j = 0, 0
   for w in chunk_widths(cost, k, waste):
     total += w * int(cost[j:j + w].max())
@@ -374,12 +417,64 @@ def run_by_cost(step: Callable[[Any, jax.Array, int], Any], carry: Any,
   return carry
 
 
+def run_sorted(step: Callable[[Any, jax.Array, jax.Array], Any], carry: Any,
+               cost: jax.Array, n: int, k: int) -> Any:
+  """Runs the chunks of :func:`sorted_chunks` from the traced ``cost``.
+
+  ``step(carry, members, fresh)`` runs the ``k`` members ``members``
+  (``int32 [k]``) as one chunk and returns the new carry; ``fresh[j]`` is
+  False for a member of the last chunk that a chunk before ran already
+  (whose results it must not count again). The order is one ``argsort`` of
+  the costs in the program, so a cohort in any order runs in chunks of
+  members with similar costs: a chunk computes its largest member's steps,
+  and sorted, the chunks of a cohort compute at most ``sum(c) + k (max(c)
+  - min(c))`` member-steps (each chunk's largest member is at most the
+  smallest of the chunk before). A ``scan`` over the ``ceil(n / k)``
+  chunks: one chunk's memory, reverse-differentiable.
+  """
+  order = jnp.argsort(-jnp.asarray(cost), stable=True).astype(jnp.int32)
+  m = -(-n // k)
+  firsts = jnp.arange(m, dtype=jnp.int32) * k
+  starts = jnp.minimum(firsts, n - k)
+
+  def body(carry, xs):
+    start, first = xs
+    members = jax.lax.dynamic_slice_in_dim(order, start, k)
+    fresh = start + jnp.arange(k, dtype=jnp.int32) >= first
+    return step(carry, members, fresh), None
+
+  carry, _ = jax.lax.scan(body, carry, (starts, firsts))
+  return carry
+
+
+def gather_members(tree: Any, members: jax.Array) -> Any:
+  """The members ``members`` of each placed leaf of ``tree`` (a chunk)."""
+  return jax.tree.map(lambda x: jnp.take(x, members, axis=0, mode='clip'), tree)
+
+
 def run_mapped_by_cost(fn: Callable[..., Any], args: Any, cost: jax.Array,
-                       n: int, k: int, placement: str) -> Any:
+                       n: int, k: int, placement: str, sort: bool = False) -> Any:
   """:func:`run_mapped` without a mesh axis, in the chunks of
-  :func:`chunk_widths`: each chunk's outputs are written into ``[n, ...]``
-  buffers at its members' places."""
+  :func:`chunk_widths` (or of :func:`sorted_chunks`, with ``sort``): each
+  chunk's outputs are written into ``[n, ...]`` buffers at its members'
+  places."""
   chunk = frames.chunk_axis_name(placement)
+  if sort:
+    def vmapped(part):
+      with frames.chunk_axis(chunk):
+        return jax.vmap(fn, axis_name=chunk)(part)
+
+    shapes = jax.eval_shape(lambda: vmapped(gather_members(
+        args, jnp.zeros((k,), jnp.int32))))
+    buffers = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape[1:], s.dtype), shapes)
+
+    def sorted_step(buffers, members, fresh):
+      del fresh  # A member run twice writes the same values twice.
+      out = vmapped(gather_members(args, members))
+      return jax.tree.map(lambda b, y: b.at[members].set(
+          y.astype(b.dtype), unique_indices=True), buffers, out)
+
+    return run_sorted(sorted_step, buffers, cost, n, k)
 
   def run(width, start):
     part = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, width), args)
@@ -510,11 +605,25 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   options_lib.check_map_options(strategy, chunk_size, 'fedjx.map_fn: ')
   devices = _mesh_axis_size(p.name, mesh)
   member_leaves = [leaf for i, leaf in enumerate(leaves) if i not in tables]
-  k = choose_chunk_size(strategy, n, _client_bytes(member_leaves) +
-                        _gathered_bytes(args), devices, chunk_size)
   shared = ({} if frames.forced_map_strategy()
             else _broadcast_sources(frame, leaves, p.name))
+  broadcast = sorted(shared)
   shared.update(tables)
+  placed = [leaf for i, leaf in enumerate(leaves) if i not in shared]
+
+  def call(placed, shared):
+    filled = iter(placed)
+    full = treedef.unflatten([shared[i] if i in shared else next(filled)
+                              for i in range(len(leaves))])
+    return fn(*full) if isinstance(args, tuple) else fn(full)
+
+  client_bytes = _client_bytes(member_leaves) + _gathered_bytes(args)
+  sort = sorts_by_cost(strategy) and not frames.forced_map_strategy()
+  step = (_step_cost(call, placed, shared, broadcast, client_bytes, frame.recorder)
+          if sort else None)
+  kind = jax.devices()[0].device_kind if sort else ''
+  k = choose_chunk_size(strategy, n, client_bytes, devices, chunk_size,
+                        step=step, device_kind=kind)
   user_cost = cost
   by_cost = (1 < k < n and sharding_lib.spmd_axis_name(p.name, mesh) is None
              and not frames.forced_map_strategy())
@@ -526,35 +635,38 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   else:
     cost = None
 
-  def call(placed, shared):
-    filled = iter(placed)
-    full = treedef.unflatten([shared[i] if i in shared else next(filled)
-                              for i in range(len(leaves))])
-    return fn(*full) if isinstance(args, tuple) else fn(full)
-
   def mapped(placed, shared, cost):
     placed = sharding_lib.place_tree(placed, p.name, mesh)
     if cost is None:
       out = run_mapped(lambda a: call(a, shared), placed, n, k, p.name, mesh)
     else:
       out = run_mapped_by_cost(lambda a: call(a, shared), placed, cost, n, k,
-                               p.name)
+                               p.name, sort)
     return sharding_lib.place_tree(out, p.name, mesh)
 
   mapped.__name__ = f'fedjx_map_{p.name}'
-  placed = [leaf for i, leaf in enumerate(leaves) if i not in shared]
   recorder = frame.recorder
   spread = device_blocks(p.name, mesh, n)
+  if (spread is None and sharding_lib.active_mesh(mesh) is None and
+      recorder is not None and recorder.records_here() and
+      not frames.forced_map_strategy()):
+    spread = _cpu_blocks(p.name, n, call, placed, shared, broadcast, recorder)
   record_k, record_cost = k, cost
   if spread is not None:
     # One block of n / d members per device, each run as on one device.
     block = n // spread[1]
-    record_k = choose_chunk_size(strategy, block, _client_bytes(member_leaves) +
-                                 _gathered_bytes(args), 1, chunk_size)
+    record_k = choose_chunk_size(strategy, block, client_bytes, 1, chunk_size,
+                                 step=step, device_kind=kind)
     record_cost = None
     if 1 < record_k < block:
       record_cost = (member_cost(member_leaves) if user_cost is None
                      else jnp.asarray(user_cost))
+  chunked = record_cost is not None
+  _LOG.debug(PLAN_MESSAGE, p.name, n, strategy,
+             record_k, (' sorted by cost' if sort and chunked else
+                        ' formed by cost' if chunked else '') + (
+                            f', one block of {n // spread[1]} per device'
+                            if spread is not None else ''))
   fusable = (recorder is not None and recorder.active and
              not frames.forced_map_strategy() and
              (record_k < block if spread is not None else
@@ -571,8 +683,56 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     return recorder.record(
         lambda one, values: call(one, dict(zip(keys, values))),
         placed, [shared[i] for i in keys], n, record_k, p.name,
-        cost=record_cost, devices=spread)
+        cost=record_cost, devices=spread, sort=sort)
   return jax.jit(mapped)(placed, shared, cost)
+
+
+def _member_jaxpr(call: Callable[..., Any], placed: list[Any],
+                  shared: dict[int, Any], recorder: Any) -> Any:
+  """One member's computation traced alone (a closed jaxpr)."""
+  member = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)) for x in placed]
+  active = recorder is not None and recorder.active
+  if active:  # Maps inside the member are not the program's.
+    recorder.active = False
+  try:
+    with frames.chunk_axis(None):
+      return jax.make_jaxpr(lambda one: call(one, shared))(member)
+  finally:
+    if active:
+      recorder.active = True
+
+
+def _nbytes(values: Any) -> int:
+  return sum(int(np.size(x)) * jnp.result_type(x).itemsize
+             for x in jax.tree.leaves(values))
+
+
+def _step_cost(call: Callable[..., Any], placed: list[Any], shared: dict[int, Any],
+               broadcast: list[int], client_bytes: int,
+               recorder: Any) -> chunk_cost.StepCost:
+  """One member's :class:`fedjx.chunk_cost.StepCost`: the bytes of what is
+  broadcast to it (the model it trains; its inputs' bytes where nothing
+  is), and the flops of its computation traced alone, each loop body once."""
+  closed = _member_jaxpr(call, placed, shared, recorder)
+  model = _nbytes([shared[i] for i in broadcast])
+  return chunk_cost.StepCost(model or client_bytes,
+                             chunk_cost.loop_flops(closed.jaxpr))
+
+
+def _cpu_blocks(placement: str, n: int, call: Callable[..., Any],
+                placed: list[Any], shared: dict[int, Any], broadcast: list[int],
+                recorder: Any) -> tuple[Any, int] | None:
+  """:func:`fedjx.distributed.cpu_blocks` of a map with no mesh set: the
+  members' shared model is what is broadcast to them and what their
+  computation closes over (a frozen base model, which every device would
+  need a copy of)."""
+  model = _nbytes([shared[i] for i in broadcast])
+  if distributed.cpu_blocks(placement, n, model) is None:
+    return None
+  closed = _member_jaxpr(call, placed, shared, recorder)
+  given = {id(x) for x in jax.tree.leaves(list(shared.values()))}
+  closed_over = [c for c in closed.consts if id(c) not in given]
+  return distributed.cpu_blocks(placement, n, model + _nbytes(closed_over))
 
 
 def device_blocks(placement: str, mesh: Any, n: int) -> tuple[Any, int] | None:

@@ -27,6 +27,16 @@ local devices:
 Device memory is that of the server state, one chunk's work and the partial
 sums, whatever the cohort size.
 
+Under a mesh set with ``jax.set_mesh`` whose axis named after the placement
+(``clients``) spans ``d > 1`` devices, of type Auto, every other axis of size
+1 (as ``config.mesh='auto'`` makes on a CPU host split into one device per
+core), each chunk's clients are split over the devices as
+``map_fn`` splits a cohort (:func:`fedjx.mapping.device_blocks`): the chunk
+(rounded up to a multiple of ``d`` clients) arrives laid out over them, each
+device runs its ``k / d`` clients under ``jax.shard_map`` and one ``psum``
+joins their partial sums. The plan itself is traced with no mesh
+(:func:`fedjx.interpreters.plan.trace_plan_with_clients`).
+
 Sums of floats are *compensated* across chunks (Neumaier's variant of Kahan
 summation, Higham, "Accuracy and Stability of Numerical Algorithms", 2002,
 section 4.3): within a chunk they are float32 (or wider) sums of ``k`` terms;
@@ -58,6 +68,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fedjx import mapping
 from fedjx.interpreters import plan as plan_lib
@@ -289,9 +300,22 @@ def _next_pass(plan, remaining, env, bcast, client_inputs, done_maps) -> _Pass:
   return _Pass(sorted(chosen.values(), key=lambda step: order[id(step)]), reduces)
 
 
+def _devices(placement: str | None, k: int) -> tuple[Any, int]:
+  """``(mesh, d)``: the set mesh and the ``d`` devices a chunk of about ``k``
+  clients is split over (``(None, 1)``: the default device runs it)."""
+  mesh = jax.sharding.get_mesh()
+  if placement is None or mesh.empty or placement not in mesh.axis_names:
+    return None, 1
+  d = int(mesh.shape[placement])
+  spread = mapping.device_blocks(placement, mesh, d * math.ceil(k / d))
+  return (None, 1) if spread is None else spread
+
+
 def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict[int, Any]:
   """Runs one pass over the clients in chunks; returns the reductions."""
-  k = min(chunk_size, n)
+  mesh, devices = _devices(plan.placement, min(chunk_size, n))
+  k = devices * math.ceil(min(chunk_size, n) / devices)
+  block = k // devices  # The clients of a chunk each device runs.
   m = math.ceil(n / k)
   maps, reduces = one_pass.maps, one_pass.reduces
   # Server values read per client (leading axis n): sliced per chunk on device.
@@ -314,7 +338,7 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
   # row, so that their outputs never stack for the whole chunk.
   shared_maps = [s for s in maps if all(i in bcast for i in s.x_ids)]
   client_maps = [s for s in maps if s not in shared_maps]
-  inner = _inner_chunk(env, bcast, client_maps, plan, k)
+  inner = _inner_chunk(env, bcast, client_maps, plan, block)
   used_bcast = sorted({i for s in maps for i in s.x_ids if i in bcast} |
                       {i for r in reduces for i in (r.x_id, r.weight_id) if i in bcast})
 
@@ -371,18 +395,30 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
 
     zeros = [tuple(jnp.zeros_like(z[0]) for z in _zero_carry(plan, r, d))
              for r, d in zip(sums, dtypes)]
-    grid = jax.tree.map(lambda x: x.reshape((k // inner, inner) + x.shape[1:]),
+    grid = jax.tree.map(lambda x: x.reshape((block // inner, inner) + x.shape[1:]),
                         per_client)
     partial, collected = jax.lax.scan(add_inner, zeros, grid)
-    collected = [c.reshape((k,) + c.shape[2:]) for c in collected]
+    collected = [c.reshape((block,) + c.shape[2:]) for c in collected]
     return partial, collected
 
+  def on_devices(whole_vals, server_chunk, client_chunk, valid):
+    """Each device's block of the chunk; one psum joins their sums."""
+    def one_block(*args):
+      partial, collected = chunk_work(*args)
+      return jax.lax.psum(partial, plan.placement), collected
+    clients = P(plan.placement)
+    return jax.shard_map(one_block, mesh=mesh, in_specs=(P(), clients, clients, clients),
+                         out_specs=(P(), clients), check_vma=False)(
+                             whole_vals, server_chunk, client_chunk, valid)
+
   def step(carry, whole_vals, server_chunk, client_chunk, valid):
-    partial, collected = chunk_work(whole_vals, server_chunk, client_chunk, valid)
+    work = chunk_work if mesh is None else on_devices
+    partial, collected = work(whole_vals, server_chunk, client_chunk, valid)
     return [_add(c, p) for c, p in zip(carry, partial)], collected
 
-  # The chunk's work depends on the plan and the pass only: compiled once.
-  key = ('pass',) + tuple(id(x) for x in maps + reduces)
+  # The chunk's work depends on the plan, the pass and the devices only:
+  # compiled once.
+  key = ('pass', mesh) + tuple(id(x) for x in maps + reduces)
   if key not in entry:
     entry[key] = jax.jit(step, donate_argnums=0)
   step = entry[key]
@@ -392,14 +428,18 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
                     for r in collect]
   whole_vals = [env[i] for i in whole]
 
+  # The chunk arrives laid out over the devices that run it.
+  layout = None if mesh is None else NamedSharding(mesh, P(plan.placement))
+
   def load(c):
     """Host load and device transfer of chunk c (runs ahead on a thread)."""
     start, stop = c * k, min(n, (c + 1) * k)
     chunk = {}
     for source, ids in sources:
       values = jax.tree.leaves(source.load(source.client_ids[start:stop]))
-      chunk.update(zip(ids, (jax.device_put(_pad_host(np.asarray(v), k)) for v in values)))
-    valid = jax.device_put(np.arange(start, start + k) < stop)
+      chunk.update(zip(ids, (jax.device_put(_pad_host(np.asarray(v), k), layout)
+                             for v in values)))
+    valid = jax.device_put(np.arange(start, start + k) < stop, layout)
     return chunk, valid
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:

@@ -79,6 +79,7 @@ Hugging Face's ``rms_norm_eps`` and ``rope_theta`` are ``norm_eps`` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -86,6 +87,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fedjx import execution
+from fedjx.models import attention
 from fedjx.models import losses
 from fedjx.models import llama_config
 from fedjx.models.llama_config import LlamaConfig
@@ -155,7 +158,7 @@ class Attention(nn.Module):
     v = _dense(c, c.num_kv_heads * h, 'v_proj')(x).reshape(batch, length, c.num_kv_heads, h)
     q = rope(q, positions, c.rope_theta)
     k = rope(k, positions, c.rope_theta)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    out = attention.causal_attention(q, k, v, c.attention, c.attention_block)
     return _dense(c, c.width, 'o_proj')(out.reshape(batch, length, c.num_heads * h))
 
 
@@ -192,34 +195,97 @@ def remat_policy(name: str):
   """The ``jax.checkpoint`` policy of :data:`~fedjx.models.llama_config.REMAT_POLICIES` ``name``.
 
   ``'full'`` is ``None`` (save nothing but the inputs); ``'none'`` has no policy
-  (the layer is not rematerialized) and is refused here.
+  (the layer is not rematerialized) and ``'auto'`` names none until
+  :func:`~fedjx.models.llama_config.choose_remat` resolves it; both are
+  refused here.
   """
-  if name not in llama_config.REMAT_POLICIES or name == 'none':
-    allowed = [p for p in llama_config.REMAT_POLICIES if p != 'none']
+  if name not in llama_config.REMAT_POLICIES or name in ('none', 'auto'):
+    allowed = [p for p in llama_config.REMAT_POLICIES if p not in ('none', 'auto')]
     raise ValueError(f'remat_policy: {name!r} is not one of {", ".join(map(repr, allowed))}.')
   return None if name == 'full' else getattr(jax.checkpoint_policies, name)
 
 
+class _Head(nn.Module):
+  """The untied output head's ``kernel [d, V]`` (Hugging Face's ``lm_head``)."""
+
+  features: int
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, width: int) -> jax.Array:
+    return self.param('kernel', _INIT, (width, self.features), self.param_dtype)
+
+
+def head_losses(x: jax.Array, head: jax.Array, targets: jax.Array, chunk: int,
+                checkpoint: bool) -> tuple[jax.Array, jax.Array]:
+  """Per-token cross entropy and hits of the logits ``x head``, ``chunk`` tokens at a time.
+
+  For hidden states ``x [B, T, d]`` and the head ``[d, V]`` (both in the
+  compute dtype), token ``n`` of the flattened ``B T`` has logits ``z_n = x_n
+  head`` (in the compute dtype, as the logits of :class:`LlamaLM` are), and::
+
+    loss_n = logsumexp(z_n) - z_n[target_n]      (float32)
+    hit_n  = 1 if argmax z_n == target_n else 0
+
+  ``chunk`` tokens at a time (a divisor of ``B T``; ``0`` or ``B T``: all at
+  once), so only ``chunk x V`` float32 logits exist at once rather than
+  ``B T V``. With ``checkpoint`` (under differentiation) each chunk's logits
+  are recomputed in the backward pass instead of stored: ``2 chunk d V``
+  more FLOPs per chunk for ``B T V`` fewer stored logits. Returns
+  ``(loss [B, T] float32, hit [B, T] float32)``.
+  """
+  batch, length, width = x.shape
+  tokens = batch * length
+  chunk = tokens if chunk in (0, tokens) else chunk
+  if tokens % chunk:
+    raise ValueError(f'head_losses: chunk={chunk} does not divide the {tokens} tokens.')
+
+  def one(xc, yc):
+    logits = jnp.dot(xc, head).astype(jnp.float32)
+    loss = losses.softmax_cross_entropy(logits, yc)
+    return loss, losses.accuracy(logits, yc)
+
+  if chunk == tokens:
+    loss, hit = one(x, targets)
+    return loss, hit
+  body = jax.checkpoint(one) if checkpoint else one
+  xs = x.reshape(tokens // chunk, chunk, width)
+  ys = targets.reshape(tokens // chunk, chunk)
+  loss, hit = jax.lax.map(lambda a: body(*a), (xs, ys))
+  return loss.reshape(batch, length), hit.reshape(batch, length)
+
+
 class LlamaLM(nn.Module):
-  """Next-token logits ``[B, T, V]`` (in ``config.dtype``) for tokens ``[B, T]``."""
+  """Next-token logits ``[B, T, V]`` (in ``config.dtype``) for tokens ``[B, T]``.
+
+  Given ``targets [B, T]``, instead the per-token ``(loss, hit)`` of
+  :func:`head_losses` (float32 ``[B, T]`` each), the output head applied
+  ``loss_chunk`` tokens at a time (:func:`~fedjx.models.llama_config.choose_loss_chunk`).
+  ``config.remat='auto'`` is resolved here, from the batch's shape and the
+  device's memory (:func:`~fedjx.models.llama_config.choose_remat`).
+  """
 
   config: LlamaConfig
 
   @nn.compact
   def __call__(self, tokens: jax.Array, train: bool = False,
-               positions: jax.Array | None = None) -> jax.Array:
+               positions: jax.Array | None = None, targets: jax.Array | None = None,
+               differentiated: bool = False) -> Any:
     del train  # No dropout.
     c = self.config
     tokens = tokens.astype(jnp.int32)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    batch, length = tokens.shape[0], tokens.shape[-1]
     embed = nn.Embed(c.vocab_size, c.width, embedding_init=_INIT, name='embed_tokens',
                      dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
     x = embed(tokens)
+    plan = step_plan(c, batch, length, differentiated)
+    remat = plan['remat']
     layer = DecoderLayer
-    if c.remat != 'none':
+    if remat != 'none':
       # Under scan the loop keeps XLA from merging the recomputation away.
-      layer = nn.remat(layer, policy=remat_policy(c.remat), prevent_cse=not c.scan_layers)
+      layer = nn.remat(layer, policy=remat_policy(remat), prevent_cse=not c.scan_layers)
     if c.scan_layers:
       scanned = nn.scan(layer, variable_axes={'params': 0},
                         split_rngs={'params': True, 'dropout': True},
@@ -229,9 +295,37 @@ class LlamaLM(nn.Module):
       for i in range(c.num_layers):
         x, _ = layer(c, name=f'layers_{i}')(x, positions)
     x = _norm(c, 'norm')(x)
+    dtype = jnp.dtype(c.dtype)
     if c.tie_embeddings:
-      return embed.attend(x)
-    return _dense(c, c.vocab_size, 'lm_head')(x)
+      head = embed.embedding.T
+    else:
+      head = _Head(c.vocab_size, jnp.dtype(c.param_dtype), name='lm_head')(c.width)
+    head = head.astype(dtype)
+    if targets is None:
+      return jnp.dot(x.astype(dtype), head)
+    return head_losses(x.astype(dtype), head, targets, plan['loss_chunk'],
+                       checkpoint=differentiated)
+
+
+def step_plan(config: LlamaConfig, batch: int, seq_len: int, differentiated: bool = True,
+              memory_bytes: int | None = None, backend: str | None = None) -> dict:
+  """What ``config``'s ``'auto'`` settings stand for on a batch of ``batch x seq_len``.
+
+  ``{'attention', 'remat', 'loss_chunk'}``: the attention kernel
+  (:func:`fedjx.models.attention.resolve`), the remat policy
+  (:func:`~fedjx.models.llama_config.choose_remat`) and the output head's
+  chunk (:func:`~fedjx.models.llama_config.choose_loss_chunk`), for the
+  device of ``memory_bytes`` on ``backend`` (default: ``config.step_memory``,
+  else the memory of JAX's first device; JAX's backend).
+  """
+  memory = memory_bytes
+  if memory is None:
+    memory = config.step_memory or execution.device_memory_bytes()
+  kernel = attention.resolve(config.attention, seq_len, config.dtype, backend)
+  return {'attention': kernel,
+          'remat': llama_config.choose_remat(config, batch, seq_len, memory, kernel),
+          'loss_chunk': llama_config.choose_loss_chunk(config, batch, seq_len, differentiated,
+                                                       memory, kernel)}
 
 
 def stack_layers(params: Any, num_layers: int) -> Any:
@@ -280,7 +374,13 @@ def llama_lm(preset: str | LlamaConfig = '1m', vocab_size: int | None = None,
   else:
     config = llama_config.preset(preset, **changes)
   return losses.Model('llama_lm', LlamaLM(config), task='language_modeling', pad_id=pad_id,
-                      layout='llama')
+                      layout='llama', head_loss=True)
+
+
+def with_step_memory(model: losses.Model, step_memory: int) -> losses.Model:
+  """``model`` (of :func:`llama_lm`) whose ``'auto'`` settings plan for ``step_memory`` bytes."""
+  config = model.module.config.replace(step_memory=int(step_memory))
+  return dataclasses.replace(model, module=LlamaLM(config))
 
 
 def param_shapes(config: LlamaConfig | str, batch: int = 1, length: int = 8) -> Any:

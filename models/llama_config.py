@@ -41,13 +41,30 @@ from __future__ import annotations
 
 import dataclasses
 
-REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
+REMAT_POLICIES = ('auto', 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
                   'nothing_saveable', 'everything_saveable')
 """Rematerialization of each layer: ``'none'`` keeps every activation for the
 backward pass; ``'full'`` (the same as ``'nothing_saveable'``) keeps only the
-layer's input and recomputes the rest; the others are the policies of the same
-name in ``jax.checkpoint_policies`` (``'dots_saveable'`` keeps the outputs of
-matrix products and recomputes the element-wise work)."""
+layer's input and recomputes the rest; ``'auto'`` picks the cheapest of
+``'none'``, ``'dots_with_no_batch_dims_saveable'`` and ``'full'`` whose
+activations fit the device (:func:`choose_remat`); the others are the
+policies of the same name in ``jax.checkpoint_policies``
+(``'dots_saveable'`` keeps the outputs of matrix products and recomputes the
+element-wise work; ``'dots_with_no_batch_dims_saveable'`` keeps those of the
+projections, not the attention's)."""
+
+ATTENTIONS = ('auto', 'xla', 'splash', 'flash', 'cudnn')
+"""How attention is computed (:mod:`fedjx.models.attention`): ``'auto'`` is the
+backend's fused kernel (Pallas splash attention on a TPU, cuDNN on a GPU,
+XLA on a CPU)."""
+
+MEMORY_FRACTION = 0.9
+"""The share of the device's memory that ``'auto'`` remat and loss chunking
+plan to fill (the rest is left to XLA's own temporaries and fragmentation)."""
+
+EVAL_LOGITS_BYTES = 256 * 2 ** 20
+"""Without differentiation, ``loss_chunk='auto'`` chunks the output head when
+the float32 logits would exceed this (chunks cost nothing there)."""
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -77,6 +94,17 @@ class LlamaConfig:
     scan_layers: run the layers as one ``nn.scan`` (parameters stacked on a
       leading axis of length ``L``; compile time independent of depth) rather
       than a Python loop (``layers_0`` ... ``layers_{L-1}``).
+    attention: one of :data:`ATTENTIONS`.
+    attention_block: the Pallas kernels' query and key block (a multiple of
+      128 dividing the sequence length; ``None``: ``min(512, T)``).
+    loss_chunk: tokens per chunk of the output head in the loss
+      (:func:`fedjx.models.llama.head_losses`): ``'auto'``
+      (:func:`choose_loss_chunk`), ``0`` (all tokens at once) or a positive
+      number dividing the batch's ``B T`` tokens.
+    step_memory: the bytes one training step may plan for when ``remat``
+      or ``loss_chunk`` is ``'auto'`` (``None``: the device's memory). The
+      runner sets it to the device's memory less what the algorithm's state
+      holds (e.g. DiLoCo's replicas' optimizer states).
   """
 
   vocab_size: int
@@ -92,8 +120,12 @@ class LlamaConfig:
   norm_eps: float = 1e-5
   dtype: str = 'float32'
   param_dtype: str = 'float32'
-  remat: str = 'none'
+  remat: str = 'auto'
   scan_layers: bool = True
+  attention: str = 'auto'
+  attention_block: int | None = None
+  loss_chunk: str | int = 'auto'
+  step_memory: int | None = None
 
   def __post_init__(self):
     for name in ('vocab_size', 'width', 'num_layers', 'num_heads', 'num_kv_heads',
@@ -119,6 +151,23 @@ class LlamaConfig:
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f'LlamaConfig: remat={self.remat!r} is not one of '
                        f'{", ".join(map(repr, REMAT_POLICIES))}.')
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f'LlamaConfig: attention={self.attention!r} is not one of '
+                       f'{", ".join(map(repr, ATTENTIONS))}.')
+    block = self.attention_block
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or
+                              block < 128 or block % 128):
+      raise ValueError(f'LlamaConfig: attention_block={block!r} must be None or a '
+                       'positive multiple of 128.')
+    chunk = self.loss_chunk
+    if chunk != 'auto' and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+      raise ValueError(f"LlamaConfig: loss_chunk={chunk!r} must be 'auto', 0 (no chunks) "
+                       'or a positive number of tokens.')
+    memory = self.step_memory
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or
+                               memory < 1):
+      raise ValueError(f'LlamaConfig: step_memory={memory!r} must be None or a positive '
+                       'number of bytes.')
     for name in ('dtype', 'param_dtype'):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f'LlamaConfig: {name}={getattr(self, name)!r} is not one of '
@@ -209,6 +258,141 @@ def train_flops_per_token(config: LlamaConfig | str, seq_len: int | None = None)
   c = _config(config)
   t = c.seq_len if seq_len is None else seq_len
   return 6 * matmul_params(c) + 12 * c.num_layers * c.num_heads * c.head_width * t
+
+
+def _itemsize(dtype: str) -> int:
+  return {'float32': 4, 'bfloat16': 2, 'float16': 2}[dtype]
+
+
+def state_bytes(config: LlamaConfig | str) -> int:
+  """Bytes of the parameters, their gradients and AdamW's two moments: ``4 N s_param``."""
+  c = _config(config)
+  return 4 * num_params(c) * _itemsize(c.param_dtype)
+
+
+NONE_OVERHEAD = 1.5
+"""Without remat XLA keeps about 1.5x the intermediates :func:`layer_activation_bytes`
+counts (its float32 copies of norms, RoPE and SwiGLU), read off XLA's memory
+plans of the inner step on a TPU v5e (35M at batch 8, 180M at batch 4)."""
+
+
+def layer_activation_bytes(config: LlamaConfig | str, remat: str, attention: str,
+                           seq_len: int) -> float:
+  """Bytes one layer keeps per token for the backward pass under ``remat``.
+
+  With ``s`` the compute dtype's size (the RMSNorm statistics in float32):
+
+  * ``'full'``/``'nothing_saveable'``: the layer's input, ``s d``;
+  * ``'dots_saveable'``/``'dots_with_no_batch_dims_saveable'``: the input and
+    the projections' outputs, ``s (3 d + H h + 2 K h + 2 f)``;
+  * ``'none'``/``'everything_saveable'``: every intermediate,
+    ``s (5 d + 3 H h + 3 K h + 4 f) + 8 d + 4 H``, and with ``attention='xla'``
+    the float32 scores and probabilities, ``8 H T`` more; times
+    :data:`NONE_OVERHEAD`.
+
+  ``attention`` is a resolved implementation (not ``'auto'``). These are
+  estimates for planning, checked against XLA's memory plans on a TPU v5e
+  (docs/language_models.md).
+  """
+  c = _config(config)
+  s, d, f, heads = _itemsize(c.dtype), c.width, c.mlp_width, c.num_heads
+  hq, hkv = heads * c.head_width, c.num_kv_heads * c.head_width
+  if remat in ('full', 'nothing_saveable'):
+    return s * d
+  if remat in ('dots_saveable', 'dots_with_no_batch_dims_saveable'):
+    return s * (3 * d + hq + 2 * hkv + 2 * f)
+  every = s * (5 * d + 3 * hq + 3 * hkv + 4 * f) + 8 * d + 4 * heads
+  if attention == 'xla':
+    every += 8 * heads * seq_len
+  return NONE_OVERHEAD * every
+
+
+def training_bytes(config: LlamaConfig | str, batch: int, seq_len: int, remat: str,
+                   attention: str, loss_chunk: int) -> float:
+  """Planned bytes of one training step.
+
+  :func:`state_bytes`, the ``L`` layers' activations
+  (:func:`layer_activation_bytes`), one layer's whole working set when
+  layers are recomputed, and the output head's logits for ``loss_chunk``
+  tokens at once (all ``B T`` for ``0``): ``12 V`` bytes per token without
+  remat (the compute-dtype logits, their float32 copy, the softmax and its
+  gradient are live together), ``6 V`` with it (fewer are live at the
+  loss's peak), as XLA's memory plans on a TPU v5e show.
+  """
+  c = _config(config)
+  tokens = batch * seq_len
+  layers = c.num_layers * tokens * layer_activation_bytes(c, remat, attention, seq_len)
+  if remat != 'none':
+    layers += tokens * layer_activation_bytes(c, 'none', attention, seq_len)
+  logits = (12 if remat == 'none' else 6) * c.vocab_size * (loss_chunk or tokens)
+  return state_bytes(c) + layers + logits
+
+
+def _divisor_at_most(n: int, most: int) -> int:
+  """The largest divisor of ``n`` that is at most ``most`` (at least 1)."""
+  best = 1
+  i = 1
+  while i * i <= n:
+    if n % i == 0:
+      for q in (i, n // i):
+        if best < q <= most:
+          best = q
+    i += 1
+  return best
+
+
+def _chunk_tokens(vocab_size: int, tokens: int, bytes_per_logit: int) -> int:
+  """Tokens per chunk whose logits take at most ``EVAL_LOGITS_BYTES``."""
+  return _divisor_at_most(tokens, max(1, EVAL_LOGITS_BYTES // (bytes_per_logit * vocab_size)))
+
+
+AUTO_REMATS = ('none', 'dots_with_no_batch_dims_saveable', 'full')
+"""The policies ``remat='auto'`` chooses among, cheapest recomputation first."""
+
+
+def choose_remat(config: LlamaConfig, batch: int, seq_len: int, memory_bytes: int | None,
+                 attention: str) -> str:
+  """``config.remat``, or for ``'auto'`` the first of :data:`AUTO_REMATS` whose
+  :func:`training_bytes` (with the loss chunked) fit ``MEMORY_FRACTION`` of
+  ``memory_bytes`` (``'full'`` if none does; ``'none'`` when the memory is
+  unknown)."""
+  if config.remat != 'auto':
+    return config.remat
+  if not memory_bytes:
+    return 'none'
+  chunk = _chunk_tokens(config.vocab_size, batch * seq_len, 6)
+  for remat in AUTO_REMATS:
+    if training_bytes(config, batch, seq_len, remat, attention, chunk) <= \
+        MEMORY_FRACTION * memory_bytes:
+      return remat
+  return 'full'
+
+
+def choose_loss_chunk(config: LlamaConfig, batch: int, seq_len: int, differentiated: bool,
+                      memory_bytes: int | None, attention: str) -> int:
+  """Tokens per chunk of the output head (``0``: all at once).
+
+  ``config.loss_chunk`` unless ``'auto'``. For ``'auto'``: without
+  differentiation, chunks of at most ``EVAL_LOGITS_BYTES`` of float32 logits
+  when the whole would be larger (free there: nothing is stored); under
+  differentiation, no chunks when the step's :func:`training_bytes` fit
+  ``MEMORY_FRACTION`` of ``memory_bytes`` with all the logits (chunks then
+  cost the logits' recomputation), else chunks of the same size.
+  """
+  tokens = batch * seq_len
+  if config.loss_chunk != 'auto':
+    return config.loss_chunk
+  if not differentiated:
+    if 4 * tokens * config.vocab_size <= EVAL_LOGITS_BYTES:
+      return 0
+    return _chunk_tokens(config.vocab_size, tokens, 4)
+  if not memory_bytes:
+    return 0
+  remat = choose_remat(config, batch, seq_len, memory_bytes, attention)
+  if training_bytes(config, batch, seq_len, remat, attention, 0) <= \
+      MEMORY_FRACTION * memory_bytes:
+    return 0
+  return _chunk_tokens(config.vocab_size, tokens, 6)
 
 
 def preset_table() -> str:

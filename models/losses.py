@@ -112,6 +112,7 @@ class Model:
   dropout: bool = False
   pad_id: int = 0
   layout: str = 'fsdp'
+  head_loss: bool = False
 
   def init(self, key: jax.Array, batch: Batch) -> Params:
     """Initial parameters for inputs shaped like ``batch['x']`` (``[B, ...]``)."""
@@ -119,12 +120,12 @@ class Model:
     return self.module.init(key, x, train=False)['params']
 
   def apply(self, params: Params, x: jax.Array, train: bool = False,
-            rng: jax.Array | None = None) -> jax.Array:
-    """Logits for inputs ``x``."""
+            rng: jax.Array | None = None, **kwargs) -> jax.Array:
+    """Logits for inputs ``x`` (``kwargs`` go to the module)."""
     rngs = {'dropout': rng} if (train and rng is not None) else None
     params = sharding.constrain_replica(params, self.layout)
     x = sharding.constrain_batch(x)
-    return self.module.apply({'params': params}, x, train=train, rngs=rngs)
+    return self.module.apply({'params': params}, x, train=train, rngs=rngs, **kwargs)
 
   def _inputs_and_targets(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
     if self.task == 'language_modeling' and 'y' not in batch:
@@ -139,9 +140,21 @@ class Model:
                         rng=batch_rng(batch) if use_dropout else None)
     return logits, y
 
+  def _head_losses(self, params: Params, batch: Batch, train: bool):
+    """Per-token ``(loss, hit, targets)`` from the module's own output head."""
+    x, y = self._inputs_and_targets(batch)
+    use_dropout = train and self.dropout
+    loss, hit = self.apply(params, x, train=use_dropout,
+                           rng=batch_rng(batch) if use_dropout else None,
+                           targets=y, differentiated=train)
+    return loss, hit, y
+
   def _loss(self, params: Params, batch: Batch, train: bool) -> jax.Array:
-    logits, y = self._logits(params, batch, train)
-    losses = softmax_cross_entropy(logits, y)
+    if self.head_loss:
+      losses, _, y = self._head_losses(params, batch, train)
+    else:
+      logits, y = self._logits(params, batch, train)
+      losses = softmax_cross_entropy(logits, y)
     if self.task == 'language_modeling':
       return masked_sequence_mean(losses, y != self.pad_id)
     return losses
@@ -160,8 +173,11 @@ class Model:
     For language models, accuracy is the fraction of non-pad tokens whose
     next token is predicted exactly.
     """
-    logits, y = self._logits(params, batch, train=False)
-    acc = accuracy(logits, y)
+    if self.head_loss:
+      _, acc, y = self._head_losses(params, batch, train=False)
+    else:
+      logits, y = self._logits(params, batch, train=False)
+      acc = accuracy(logits, y)
     if self.task == 'language_modeling':
       acc = masked_sequence_mean(acc, y != self.pad_id)
     return {'accuracy': acc}

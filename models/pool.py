@@ -10,8 +10,8 @@ reshaped to ``[N, H_1 / k_1, k_1, ..., H_d / k_d, k_d, C]`` and reduced by
 ``max`` over the ``k_j`` axes. ``flax.linen.max_pool`` computes the same
 values with ``lax.reduce_window``, whose derivative is XLA's
 ``select_and_scatter``; on XLA:CPU that costs about 8x the reshaped max's
-derivative (docs/benchmarks.md, "Pooling as a reshape"), about a fifth of a
-small CNN's local step.
+derivative (benchmarks/results/HISTORY.md, "Pooling as a reshape"), about
+a fifth of a small CNN's local step.
 
 The derivative differs only where a window holds its maximum more than once:
 JAX's ``max`` splits the cotangent equally among the tied entries, and

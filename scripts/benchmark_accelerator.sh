@@ -8,11 +8,18 @@
 #
 #   bash scripts/benchmark_accelerator.sh runs/accelerator
 #   bash scripts/benchmark_accelerator.sh runs/accelerator cnn lora
+#   bash scripts/benchmark_accelerator.sh runs/accelerator chunks
+#   bash scripts/benchmark_accelerator.sh runs/cpu chunks --small
 #
-# The names after the folder pick parts (lm, cross, cnn, lora; all by
-# default). On a TPU each limit is doubled: a freshly started TPU machine
-# spends longer starting and compiling each part's process, so there the
-# parts run in three calls of under 10 minutes each (lm; cross; cnn lora).
+# The names after the folder pick parts (lm, diloco, cross, cnn, lora; all
+# by default; chunks only when named). On a TPU each limit is doubled: a
+# freshly started TPU machine spends longer starting and compiling each
+# part's process, so there the parts run in calls of under 10 minutes each
+# (lm diloco; cross; cnn lora). The chunks part (cross-device rounds in
+# vmapped chunks: the hand-written floor at several widths, fedjx's auto,
+# 100,000 clients) has limits of its own that sum to 9 minutes and fits one
+# call; --small runs it with small setups on any backend, the CPU too (a
+# check that every command runs).
 #
 # Needs jax for the accelerator, flax and optax; installs fedjx itself
 # without dependencies if it is not installed (or lays it out by links where
@@ -20,14 +27,21 @@
 set -uo pipefail
 out="${1:-runs/accelerator}"
 shift $(($# > 0 ? 1 : 0))
-parts=" ${*:-lm cross cnn lora} "
+small=false
+names=()
+for a in "$@"; do
+  if [ "$a" = --small ]; then small=true; else names+=("$a"); fi
+done
+parts=" ${names[*]:-lm diloco cross cnn lora} "
 for p in $parts; do
-  case "$p" in lm|cross|cnn|lora) ;;
-    *) echo "benchmark_accelerator: part '$p' is not one of lm, cross, cnn, lora." >&2; exit 2 ;;
+  case "$p" in lm|diloco|cross|cnn|lora|chunks) ;;
+    *) echo "benchmark_accelerator: part '$p' is not one of lm, diloco, cross, cnn, lora, chunks." >&2; exit 2 ;;
   esac
 done
 wanted() { [[ "$parts" == *" $1 "* ]]; }
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+root="$PWD"
 importable() {  # from outside the checkout, whose fedjx/ lacks the subpackages
   (cd / && python -c 'import fedjx.experiments, fedjx.algorithms' 2>/dev/null)
 }
@@ -51,7 +65,7 @@ importable || { echo "fedjx is not importable; see $out/install.log" >&2; exit 1
 } >"$out/environment.txt" 2>&1
 cat "$out/environment.txt"
 backend="$(python -c 'import jax; print(jax.default_backend())' 2>/dev/null)"
-if [ "$backend" != gpu ] && [ "$backend" != tpu ]; then
+if ! $small && [ "$backend" != gpu ] && [ "$backend" != tpu ]; then
   echo "benchmark_accelerator: JAX's backend is '$backend', not gpu or tpu; nothing run." >&2
   exit 2
 fi
@@ -85,18 +99,38 @@ big=false
 if wanted lm; then
   # 1. Language-model inner steps (AdamW, bfloat16 compute over float32
   #    parameters, sequences of 2048 tokens): tokens/s, MFU against the
-  #    device's bfloat16 dense peak, and memory. Without rematerialization
-  #    at batch 8 the 180M preset asks for 54 GB of temporaries, and 1.3B's
-  #    float32 weights, gradients and AdamW moments alone take 21 GB: on a
-  #    device of 40 GB or less, 180M runs with every block rematerialized
-  #    at batch 4, and 1.3B not at all.
+  #    device's bfloat16 dense peak, and memory, each preset at its best
+  #    batch for the device's memory, fedjx's step (attention kernel, remat
+  #    policy and loss chunks 'auto') and, interleaved, the hand-written
+  #    step of the same shapes, kernel and policy
+  #    (benchmarks/handwritten_lm.py). 1.3B keeps its parameters and AdamW
+  #    moments in bfloat16 where float32 ones do not fit (21 GB).
   if $big; then
-    part 60 lm_small "${lm[@]}" --batch=8 --presets=35m,180m
-    part 110 lm_large "${lm[@]}" --batch=4 --presets=550m,1.3b --remat=full
+    part 60 lm_35m "${lm[@]}" --handwritten --batch=16 --presets=35m,180m
+    part 110 lm_large "${lm[@]}" --handwritten --batch=8 --presets=550m,1.3b
   else
-    part 45 lm_small "${lm[@]}" --batch=8 --presets=35m
-    part 125 lm_large "${lm[@]}" --batch=4 --presets=180m,550m --remat=full
+    part 45 lm_35m "${lm[@]}" --handwritten --batch=8 --presets=35m
+    part 90 lm_180m_550m "${lm[@]}" --handwritten --batch=4 --presets=180m,550m
+    part 45 lm_1.3b "${lm[@]}" --batch=4 --presets=1.3b --param_dtype=bfloat16
   fi
+fi
+if wanted diloco; then
+  # 2. DiLoCo through fedjx-run (configs/diloco_study.py's one-chip
+  #    presets: 35M with M = 4 and M = 8 replicas, 180M with M = 4; 30
+  #    inner steps per replica per round, the global batch of 32 sequences
+  #    of 2048 bytes split over the replicas), two rounds each; the second
+  #    round's tokens_per_s and mfu rows are compared with the inner step
+  #    of the same shape (the corpus's byte vocabulary) measured alone.
+  for spec in 4,35m 8,35m 4,180m; do
+    echo "== diloco $spec"
+    (cd / && timeout $((100 * scale)) python -m fedjx.experiments.cli \
+      --config="$root/configs/diloco_study.py:$spec,0.01" --workdir="$out/diloco_${spec/,/_}" \
+      --config.rounds=2 --config.eval_every=2 --config.progress=False) >>"$out/diloco.log" 2>&1
+    echo "   exit $? after ${SECONDS}s in total"
+  done
+  part 60 lm_diloco_35m "${lm[@]}" --presets=35m --vocab_size=256 --batch=8
+  part 30 lm_diloco_35m_b4 "${lm[@]}" --presets=35m --vocab_size=256 --batch=4
+  part 40 lm_diloco_180m "${lm[@]}" --presets=180m --vocab_size=256 --batch=8
 fi
 if wanted cross; then
   # 2. The cross-device regime (2NN, log-normal clients, one epoch of batch
@@ -106,6 +140,41 @@ if wanted cross; then
   cross 25 handwritten_cross_device.py 2nn-1000
   cross 70 fedjx_cross_device.py 2nn-10000
   cross 60 handwritten_cross_device.py 2nn-10000
+fi
+if wanted chunks; then
+  # 5. Cross-device rounds at the accelerator's speed (2NN, log-normal
+  #    clients, one epoch of batch 10), each run in its own process with its
+  #    own limit (not doubled), one JSON line each in chunks.jsonl: the
+  #    hand-written floor in vmapped chunks of clients sorted by step count
+  #    at several widths, the sequential hand-written floor, and fedjx's
+  #    auto (sorted chunks from its cost model) at 1,000 and 10,000
+  #    clients, then fedjx's round of 100,000 clients (8.6 GB of examples on
+  #    the device). The JSON lines carry seconds per round, the time to the
+  #    first round, computed / real steps, the chunk width and the device's
+  #    peak bytes in use.
+  chunk() {  # chunk SECONDS SCRIPT SETUP [ARGS...]
+    local seconds="$1" script="$2" setup="$3"
+    shift 3
+    echo "== chunks $script $setup $*"
+    (cd benchmarks/peers && timeout "$seconds" python "$script" --setup="$setup" \
+      "$@") >>"$out/chunks.jsonl" 2>>"$out/chunks.log"
+    echo "   exit $? after ${SECONDS}s in total"
+  }
+  if $small; then
+    set1=2nn-100 set2=2nn-1000 set3=2nn-1000 widths="4 8 16 32" wide="8 16"
+  else
+    set1=2nn-1000 set2=2nn-10000 set3=2nn-100000 widths="20 40 80 200" wide="40 80"
+  fi
+  for w in $widths; do
+    chunk 35 handwritten_chunks_cross_device.py "$set1" --rounds=4 --width="$w"
+  done
+  chunk 40 fedjx_cross_device.py "$set1" --rounds=4
+  chunk 30 handwritten_cross_device.py "$set1" --rounds=4
+  for w in $wide; do
+    chunk 50 handwritten_chunks_cross_device.py "$set2" --rounds=4 --width="$w"
+  done
+  chunk 60 fedjx_cross_device.py "$set2" --rounds=4
+  chunk 150 fedjx_cross_device.py "$set3" --rounds=3
 fi
 if wanted cnn; then
   # 3. CNN clients against the same FLOPs as one centralized batch, then in

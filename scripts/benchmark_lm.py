@@ -31,6 +31,14 @@ def parse(argv=None) -> argparse.Namespace:
   p.add_argument('--repeats', type=int, default=3)
   p.add_argument('--dtype', default=None, help="compute dtype (the preset's)")
   p.add_argument('--remat', default=None, choices=[None, *llama_config.REMAT_POLICIES])
+  p.add_argument('--attention', default=None, choices=[None, *llama_config.ATTENTIONS],
+                 help="attention kernel (the preset's: 'auto')")
+  p.add_argument('--vocab_size', type=int, default=None,
+                 help="vocabulary (the preset's; e.g. 256 for a byte-level corpus)")
+  p.add_argument('--param_dtype', default=None, choices=[None, *llama_config.DTYPES],
+                 help="parameter and optimizer-state dtype (the preset's: float32)")
+  p.add_argument('--handwritten', action='store_true',
+                 help='also time benchmarks/handwritten_lm.py on the same shapes, interleaved')
   p.add_argument('--device', default=None, choices=['auto', *lm_cost.PEAK_BF16_FLOPS],
                  help='takes the peak FLOP/s for MFU from lm_cost.PEAK_BF16_FLOPS '
                       "('auto': from the first device's kind)")
@@ -58,17 +66,43 @@ def main(argv=None) -> list[dict]:
   peak = (args.peak_tflops * 1e12 if args.peak_tflops else
           lm_cost.PEAK_BF16_FLOPS[device] if device else None)
   rows = []
+  changes = {k: v for k, v in dict(attention=args.attention, vocab_size=args.vocab_size,
+                                   param_dtype=args.param_dtype).items() if v is not None}
   for name in args.presets:
-    row = lm_cost.measure_inner_step(name, batch=args.batch, seq_len=args.seq_len,
+    config = llama_config.preset(name, **changes)
+    row = lm_cost.measure_inner_step(config, batch=args.batch, seq_len=args.seq_len,
                                      steps=args.steps, repeats=args.repeats,
                                      remat=args.remat, dtype=args.dtype, peak_flops=peak)
-    line = json.dumps(row)
-    print(line, flush=True)
-    if args.out:
-      with open(args.out, 'a') as f:
-        f.write(line + '\n')
-    rows.append(row)
+    row = {'framework': 'fedjx', **row, 'preset': name}
+    if args.handwritten:
+      hand = _handwritten(config, name, args, row, peak)
+      row['handwritten_tokens_per_s'] = hand['tokens_per_s']
+      row['fedjx_over_handwritten'] = row['tokens_per_s'] / hand['tokens_per_s']
+      rows.append(_emit(hand, args.out))
+    rows.append(_emit(row, args.out))
   return rows
+
+
+def _emit(row: dict, out: str | None) -> dict:
+  line = json.dumps(row)
+  print(line, flush=True)
+  if out:
+    with open(out, 'a') as f:
+      f.write(line + '\n')
+  return row
+
+
+def _handwritten(config, name, args, row, peak) -> dict:
+  """benchmarks/handwritten_lm.py on ``row``'s shapes, attention and remat policy."""
+  import os  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                  'benchmarks'))
+  import handwritten_lm  # pylint: disable=import-outside-toplevel
+  policy = {'none': 'none', 'full': 'full', 'nothing_saveable': 'full'}.get(row['remat'], 'dots')
+  attention = row['attention'] if row['attention'] in handwritten_lm.ATTENTION else 'xla'
+  return handwritten_lm.measure(config, args.batch, row['seq_len'], attention, policy,
+                                args.steps, args.repeats, peak, dtype=row['dtype'],
+                                name=name)
 
 
 if __name__ == '__main__':

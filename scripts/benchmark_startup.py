@@ -7,7 +7,7 @@ with that folder (a second run of the same config). Each run's line is the
 runner's "the first round took X s (compilation included)", the run's
 ``elapsed_s`` after its last round and the process's wall seconds, as JSON.
 
-  python scripts/benchmark_startup.py --repeats=3 --out=docs/startup_cpu.jsonl
+  python scripts/benchmark_startup.py --repeats=3 --out=benchmarks/results/startup_cpu.jsonl
   python scripts/benchmark_startup.py --config=configs/diloco_text.py
 """
 

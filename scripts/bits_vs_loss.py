@@ -40,7 +40,7 @@ charged as a ring all-reduce of its bytes; a sparse or quantized message
 that cannot be summed on the way (an all-gather) would take ``K / 2`` times
 as long.
 
-  python scripts/bits_vs_loss.py runs/bits_vs_loss --out docs/bits_vs_loss
+  python scripts/bits_vs_loss.py runs/bits_vs_loss --out benchmarks/results/bits_vs_loss
 
 writes ``<out>.jsonl`` (one line per arm), ``<out>.png`` and prints the
 Markdown table.
@@ -270,7 +270,7 @@ def plot(lines: Sequence[Mapping[str, Any]], bandwidths: Sequence[float],
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('root', help='one workdir per arm under it (run if unfinished)')
-  parser.add_argument('--out', default='docs/bits_vs_loss')
+  parser.add_argument('--out', default='benchmarks/results/bits_vs_loss')
   parser.add_argument('--step-seconds', type=float, default=0.01,
                       help='one replica\'s inner step, for the simulated clock')
   parser.add_argument('--gbps', type=float, nargs='+', default=[0.1, 10.0],

@@ -21,7 +21,7 @@ seed of DiLoCo's best setting with the same seed of the best data-parallel
 setting: the first evaluated step at which data-parallel training reaches
 DiLoCo's final loss.
 
-  python scripts/diloco_study.py runs/repro --out docs/diloco_equal_compute
+  python scripts/diloco_study.py runs/repro --out benchmarks/results/diloco_equal_compute
 
 writes ``<out>.jsonl`` (one line per setting), ``<out>.png`` (held-out loss
 against H, and against communications) and prints the Markdown tables.

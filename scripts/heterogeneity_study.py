@@ -11,7 +11,7 @@ normal run directory, resumed if it exists), then writes
 and prints a Markdown table of hours to each target accuracy.
 
   python scripts/heterogeneity_study.py --workdir runs/heterogeneity \\
-      --seeds 0,1,2 --out docs/heterogeneity_digits
+      --seeds 0,1,2 --out benchmarks/results/heterogeneity_digits
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
   parser.add_argument('--targets', default='0.85,0.9')
   parser.add_argument('--horizon', type=float, default=8.0,
                       help='simulated hours shown in the figure')
-  parser.add_argument('--out', default='docs/heterogeneity_digits')
+  parser.add_argument('--out', default='benchmarks/results/heterogeneity_digits')
   args = parser.parse_args()
   seeds = [int(s) for s in args.seeds.split(',')]
   targets = [float(t) for t in args.targets.split(',')]

@@ -15,7 +15,7 @@ Prints one JSON line per run (rounds to reach the target: the first round
 whose 5-round moving average of the test loss is at or below it), and writes
 the tuned learning-rate trajectory to ``<workdir>/tuner_lr_trajectory.png``
 (``--workdir``, default ``runs/hypergradient_demo``) or to ``--plot``. The
-figure in the docs was made with ``--plot docs/tuner_lr_trajectory.png``;
+figure in the docs was made with ``--plot benchmarks/results/tuner_lr_trajectory.png``;
 nothing tracked is written unless asked.
 
   python scripts/hypergradient_demo.py --rounds 150 --workdir runs/hg_demo

@@ -26,7 +26,7 @@ Ditto's personal ``v_k``, APFL's mixture. Writes
 and prints a Markdown table (means over seeds of mean, p10, worst 10%).
 
   python scripts/personalization_study.py --seeds 0,1,2 --rounds 30 \\
-      --out docs/personalization
+      --out benchmarks/results/personalization
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def main() -> None:
   parser.add_argument('--datasets', default='digits,synthetic')
   parser.add_argument('--rounds', type=int, default=30)
   parser.add_argument('--fine_tune_epochs', type=int, default=5)
-  parser.add_argument('--out', default='docs/personalization')
+  parser.add_argument('--out', default='benchmarks/results/personalization')
   args = parser.parse_args()
   lines = []
   for dataset in args.datasets.split(','):

@@ -13,7 +13,7 @@ does (``fedjx-run``); an existing workdir is resumed, so a rerun only trains
 what is missing. Writes ``<out>/privacy_utility.jsonl`` (one line a run) and
 ``<out>/privacy_utility.png``, and prints the table of docs/privacy.md::
 
-  nice -n 19 python scripts/privacy_utility.py --out docs \\
+  nice -n 19 python scripts/privacy_utility.py --out benchmarks/results \\
       --workdir runs/privacy_utility
 """
 
@@ -150,7 +150,7 @@ def table(rows) -> str:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--out', default=os.path.join(REPO, 'docs'))
+  parser.add_argument('--out', default=os.path.join(REPO, 'benchmarks', 'results'))
   parser.add_argument('--workdir', default=os.path.join('runs', 'privacy_utility'))
   parser.add_argument('--epsilons', default='1,2,4,8')
   parser.add_argument('--datasets', default='digits,synthetic')

@@ -5,7 +5,7 @@
 # NAME: fedopt (grids, seeds 0-2), fedopt_tuned (the grid winners on fresh
 # seeds 3-7), fedprox, scaffold, diloco (diloco_rounds, diloco_dp,
 # diloco_h16/50/125/500, then diloco_summary: the tables and
-# docs/diloco_equal_compute.{png,jsonl}). Default: all of them. Run when
+# benchmarks/results/diloco_equal_compute.{png,jsonl}). Default: all of them. Run when
 # named: privacy, fairness (q-FFL, AFL and FedAsync against their baselines),
 # mime_fedexp_schedules (Mime, MimeLite, FedExP, schedules against FedAvg),
 # table6 (Charles et al. 2025's bandwidth table, from the communication model).
@@ -71,7 +71,7 @@ for name in $WHICH; do
         --sweep 'algorithm.outer_optimizer.learning_rate=0.3,0.7,1.0' \
         --sweep 'algorithm.outer_optimizer.momentum=0.0,0.9' ;;
   diloco_summary)  # The DiLoCo section's tables, figure and JSON lines.
-    python scripts/diloco_study.py "$OUT" --out docs/diloco_equal_compute ;;
+    python scripts/diloco_study.py "$OUT" --out benchmarks/results/diloco_equal_compute ;;
   mime_fedexp_schedules)  # Mime, MimeLite, FedExP and FedAvg with learning-rate
     # schedules against FedAvg on digits: rounds to 90% (seeds 0-2).
     M=(--seeds 0,1,2 --target eval_accuracy=0.9 --config.rounds=150
@@ -101,7 +101,7 @@ for name in $WHICH; do
     python scripts/fedexp_averaged.py --config configs/fedavg_digits.py --seeds 0,1,2 --rounds 150 ;;
   privacy)  # McMahan et al. 2018 and the DP mechanisms: accuracy against
     # epsilon at 500 clients (docs/privacy.md's figure and table).
-    python scripts/privacy_utility.py --out docs --workdir "$OUT/privacy_utility" ;;
+    python scripts/privacy_utility.py --out benchmarks/results --workdir "$OUT/privacy_utility" ;;
   fairness)  # q-FFL, AFL and FedAsync against their baselines (seeds 0-2).
     python scripts/fairness_study.py --workdir "$OUT/fairness" qffl afl fedasync
     python scripts/fairness_study.py --workdir "$OUT/fairness300" --rounds 300 qffl ;;

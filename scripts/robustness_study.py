@@ -24,7 +24,7 @@ their malicious set and data, which are inputs of the same program, so each
 compiles once.
 
   python scripts/robustness_study.py --workdir runs/robustness \\
-      --seeds 0,1,2 --out docs/robustness_digits
+      --seeds 0,1,2 --out benchmarks/results/robustness_digits
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--workdir', default='runs/robustness')
   parser.add_argument('--seeds', default='0,1,2')
-  parser.add_argument('--out', default='docs/robustness_digits')
+  parser.add_argument('--out', default='benchmarks/results/robustness_digits')
   parser.add_argument('--rounds', type=int, default=None,
                       help='override config.rounds (default: the config\'s)')
   parser.add_argument('--attacks', default=','.join(ATTACKS),

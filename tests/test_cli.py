@@ -67,7 +67,8 @@ def test_help_lists_the_flags_that_matter_with_an_example():
   out = _run('--help')
   assert out.returncode == 0
   for flag in ('--config FILE', '--workdir DIR', '--config.PATH=VALUE', '--debug',
-               'example:', 'fedjx-run --config configs/fedavg_digits.py'):
+               'example:', 'fedjx-run --config configs/fedavg_digits.py',
+               'fedjx-sweep', 'fedjx-plan', 'fedjx-deploy', 'fedjx-plot'):
     assert flag in out.stdout
   assert len(out.stdout.splitlines()) < 40  # Not absl's hundreds of flags.
 
@@ -76,7 +77,7 @@ def test_help_lists_the_flags_that_matter_with_an_example():
 # each way an error reaches the user (flag parsing, override checking,
 # config validation before data loads, checks after data loads).
 USER_ERRORS = [
-    (['--config.rounds=abc'], ['--config.rounds=abc', 'int']),
+    (['--config.rounds=abc'], ["--config.rounds='abc'", 'config.rounds takes an int']),
     (['--config.algorithm.server_optimizer.b11=0.8'],
      ["no option 'b11'", "Did you mean 'b1'"]),
     (['--config.algorithm.client_optimizer.learning_rate=nan'],
@@ -409,6 +410,54 @@ def test_the_applied_optimizer_is_printed(tmp_path):
         'name': 'adam', 'learning_rate': 0.01}
 
 
+def test_a_config_resolves_here_first_then_in_the_shipped_configs(tmp_path,
+                                                                  monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert cli.resolve_config('configs/fedavg_digits.py') == DIGITS
+  assert cli.resolve_config('fedavg_digits.py:arg') == DIGITS + ':arg'
+  (tmp_path / 'configs').mkdir()
+  own = tmp_path / 'configs' / 'fedavg_digits.py'
+  own.write_text(TINY)
+  assert cli.resolve_config('configs/fedavg_digits.py') == 'configs/fedavg_digits.py'
+  with pytest.raises(cli.UsageError) as e:
+    cli.resolve_config('fedavg_digit.py')
+  text = str(e.value)
+  assert "no such file 'fedavg_digit.py' here or in" in text
+  assert "Did you mean 'fedavg_digits.py'?" in text and '--list=configs' in text
+  with pytest.raises(cli.UsageError, match="no such file '/no/such.py'"):
+    cli.resolve_config('/no/such.py')
+
+
+def test_a_shipped_config_runs_from_any_folder(tmp_path):
+  out = subprocess.run(
+      [FEDJX_RUN, '--config', 'configs/fedavg_digits.py', '--config.rounds=abc'],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  # Found and loaded: the error is about the value, not the file.
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.strip() == (
+      "fedjx-run: --config.rounds='abc': config.rounds takes an int (the config "
+      "has 300), not 'abc'.")
+
+
+@pytest.mark.parametrize('override,words', [
+    ('rounds=3.5', ["--config.rounds='3.5'", 'takes an int', 'has 300']),
+    ('plot=maybe', ["--config.plot='maybe'", 'takes True or False']),
+    ('algorithm.client_optimizer.learning_rate=x',
+     ["learning_rate='x'", 'config.algorithm.client_optimizer.learning_rate takes '
+      'a number', 'has 0.3']),
+])
+def test_a_value_of_the_wrong_type_names_the_field_and_the_type(override, words):
+  with pytest.raises(cli.UsageError) as e:
+    cli.split_overrides(['--config', DIGITS, f'--config.{override}'])
+  for word in words:
+    assert word in str(e.value)
+  # What absl parses is accepted as before.
+  rest, _ = cli.split_overrides(['--config', DIGITS, '--config.rounds=0x10',
+                                 '--config.plot=false'])
+  assert '--config.rounds=0x10' in rest
+
+
 def test_help_and_config_errors_answer_before_jax_is_imported(tiny, tmp_path):
   raising = tmp_path / 'raising.py'
   raising.write_text('def get_config():\n  raise ValueError("bad")\n')
@@ -424,6 +473,37 @@ def test_help_and_config_errors_answer_before_jax_is_imported(tiny, tmp_path):
                 if l.startswith('import time:')]
     assert out.returncode == (0 if args == ['--help'] else 2), out.stderr[-2000:]
     assert 'jax' not in imported, args
+
+
+def test_a_workdir_s_checkpoint_and_the_names_answer_before_jax(tiny, tmp_path):
+  from fedjx.experiments import runner  # pylint: disable=import-outside-toplevel
+  done = str(tmp_path / 'done')
+  runner.run(cli.load_config_file(tiny), done, log=lambda m: None)
+  cases = [
+      (['--config.algorithm.name=fedavgg'], 2, "unknown algorithm 'fedavgg'. Did "
+       "you mean 'fedavg'?"),
+      (['--config.cohort_size=9'], 2, 'config.cohort_size=9 is larger than the '
+       'training population of 8 clients; it must be at most 8.'),
+      (['--workdir', done, '--config.seed=4'], 2, 'holds a checkpoint of a '
+       'different experiment (seed: 0 -> 4)'),
+      (['--workdir', done], 0, f'fedjx-run: {done} holds this run, finished after '
+       'round 2: nothing to train'),
+  ]
+  for args, status, words in cases:
+    if '--workdir' not in args:
+      args = args + ['--workdir', str(tmp_path / 'new')]
+    cmd = [sys.executable, '-X', 'importtime', FEDJX_RUN, '--config', tiny, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, JAX_PLATFORMS='cpu'))
+    imported = [l.rsplit('|', 1)[-1].strip() for l in out.stderr.splitlines()
+                if l.startswith('import time:')]
+    lines = [l for l in out.stderr.splitlines() if not l.startswith('import time:')]
+    assert out.returncode == status, out.stderr[-2000:]
+    assert 'jax' not in imported, args
+    assert len(lines) == 1 and words in lines[0], (args, lines)
+    assert not (tmp_path / 'new').exists()  # Nothing left behind.
+  assert out.stdout.splitlines()[-1] == (
+      f'fedjx-run: done; metrics, checkpoints and learning_curve.png in {done}')
 
 
 def test_fedjx_run_handles_a_signal_while_it_imports():

@@ -68,3 +68,32 @@ def test_a_second_run_compiles_nothing_new(tmp_path):
   subprocess.run([sys.executable, '-c', _RUN, str(off), 'off'], check=True,
                  env=env, cwd=REPO, capture_output=True)
   assert not (off / 'xla_cache').exists()
+
+
+_SWEEP = """
+import sys
+import ml_collections
+from fedjx.experiments.sweeps import run
+config = {'dataset': {'name': 'digits', 'num_clients': 8},
+          'model': {'name': 'logistic_regression'},
+          'algorithm': {'name': 'fedavg'}, 'rounds': 2, 'cohort_size': 4,
+          'eval_every': 2, 'checkpoint_every': 2, 'progress': False,
+          'plot': False, 'tensorboard': False,
+          'compilation_cache': sys.argv[2]}
+run.run_sweep(ml_collections.ConfigDict(config), sys.argv[1], [{}], [0, 1],
+              log=lambda m: None)
+"""
+
+
+@pytest.mark.slow
+def test_a_sweep_keeps_its_programs_as_a_run_does(tmp_path):
+  cache = tmp_path / 'cache'
+  env = dict(os.environ)
+  env.pop('JAX_COMPILATION_CACHE_DIR', None)
+  for name in ('first', 'second'):
+    subprocess.run([sys.executable, '-c', _SWEEP, str(tmp_path / name), str(cache)],
+                   check=True, env=env, cwd=REPO, capture_output=True)
+    if name == 'first':
+      first = _entries(cache)
+      assert any('sweep_round' in f for f in first), first
+  assert _entries(cache) == first

@@ -518,7 +518,7 @@ def test_every_map_strategy_gives_the_same_compressed_round(spec):
 
 
 # Every aggregator that counts its messages' bits in the wire format
-# (Aggregator.wire_bits), with the options it needs for three clients.
+# (Aggregator.traits.wire_bits), with the options it needs for three clients.
 WIRE_SPECS = {
     'uncompressed': {}, 'stochastic_quantization': dict(bits=2, rotation=True),
     'eden': dict(bits=2), 'drive': {}, 'qsgd': dict(coding='elias'),

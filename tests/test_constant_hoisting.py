@@ -141,3 +141,47 @@ def test_a_round_whose_loss_closes_over_a_frozen_model():
   np.testing.assert_allclose(got.params['w'], want.params['w'], rtol=tol, atol=tol)
   text = algo.round.lower(algo.init(params), cohort, key).as_text()
   assert _no_big_constant(text)
+
+
+def _small_round():
+  rng = np.random.default_rng(2)
+  data = datasets.from_arrays(
+      {'x': rng.normal(size=(24, 3)).astype(np.float32),
+       'y': rng.normal(size=(24,)).astype(np.float32)}, groups=np.arange(24) % 4)
+  cohort = datasets.make_cohort(data, [0, 1, 2, 3], batch_size=3)
+  loss = lambda p, b: (b['x'] @ p['w'] - b['y']) ** 2
+  algo = algorithms.fedavg(loss, client_optimizer=optax.sgd(0.1))
+  return algo, {'w': jnp.zeros(3)}, cohort, jax.random.key(0)
+
+
+def test_reusing_a_donated_state_is_one_line_naming_the_fix(capfd):
+  algo, params, cohort, key = _small_round()
+  state = algo.init(params)
+  new, _ = algo.round(state, cohort, key)
+  with pytest.raises(constant_hoisting.DeletedArgumentError) as e:
+    algo.round(state, cohort, key)
+  text = str(e.value)
+  assert '\n' not in text and 'algo.apply' in text and 'donate=False' in text
+  assert 'fedavg_round: argument 0' in text
+  with pytest.raises(constant_hoisting.DeletedArgumentError, match='algo.apply'):
+    algo.run_rounds(state, jax.tree.map(lambda x: x[None], cohort), key[None])
+  # The check comes before XLA sees the buffer: XLA logs nothing.
+  assert 'Buffer has been deleted' not in capfd.readouterr().err
+  # The state the round returned, algo.apply and donate=False all go on.
+  again, _ = algo.round(new, cohort, key)
+  kept = algo.compile(donate=False)
+  one, _ = kept.round(again, cohort, key)
+  two, _ = kept.round(again, cohort, key)
+  np.testing.assert_array_equal(one.params['w'], two.params['w'])
+  a, _ = algo.apply(one, cohort, key)
+  b, _ = algo.apply(one, cohort, key)
+  np.testing.assert_array_equal(a.params['w'], b.params['w'])
+
+
+def test_a_deleted_argument_that_is_not_donated():
+  hoisted = constant_hoisting.jit(lambda x, y: x + y, donate_argnums=(0,))
+  y = jnp.ones(3)
+  y.delete()
+  with pytest.raises(constant_hoisting.DeletedArgumentError,
+                     match=r'argument 1 holds arrays whose buffers were deleted'):
+    hoisted(jnp.ones(3), y)

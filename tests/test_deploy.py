@@ -196,3 +196,97 @@ def test_a_federation_stops_its_superlink_before_its_nodes(tmp_path, monkeypatch
   monkeypatch.setattr(fed, 'stop_process', stopped.append)
   fed.stop()
   assert stopped == ['superlink', 'node-0', 'node-1']
+
+
+# A stand-in for flower-superlink and flower-supernode: binds 127.0.0.1 at
+# its --port and listens (as the SuperLink's server does), or fails as
+# uvicorn does when the port is taken ([Errno 98], status 1); a node writes
+# a file saying it started.
+_STAND_IN = r'''#!{python}
+import socket, sys, time
+args = sys.argv[1:]
+if sys.argv[0].endswith('supernode'):
+  open('node-started', 'w').close()
+  time.sleep(60)
+port = int(args[args.index('--port') + 1])
+s = socket.socket()
+try:
+  s.bind(('127.0.0.1', port))
+except OSError as e:
+  print(f'ERROR [server] [Errno {{e.errno}}] error while attempting to bind on '
+        f"address ('127.0.0.1', {{port}}): address already in use", flush=True)
+  sys.exit(1)
+s.listen()
+time.sleep(60)
+'''
+
+
+@pytest.fixture
+def stand_in_flower(tmp_path, monkeypatch):
+  commands = {}
+  for name in ('flower-superlink', 'flower-supernode'):
+    path = tmp_path / name
+    path.write_text(_STAND_IN.format(python=sys.executable))
+    path.chmod(0o755)
+    commands[name] = str(path)
+  monkeypatch.setattr(local, '_command', commands.__getitem__)
+
+
+def _occupied_port():
+  """A plain listening socket on 127.0.0.1 (another program's, to the link)."""
+  import socket  # pylint: disable=g-import-not-at-top
+  listener = socket.socket()
+  listener.bind(('127.0.0.1', 0))
+  listener.listen()
+  return listener
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc'), reason='reads sockets from /proc')
+def test_a_superlink_port_taken_by_another_program_is_one_line_and_no_node_starts(
+    tmp_path, stand_in_flower, monkeypatch):
+  """The port was free when picked, then another program listened on it:
+  a connection to it would succeed, but the link is not the one listening."""
+  with _occupied_port() as listener:
+    port = listener.getsockname()[1]
+    monkeypatch.setattr(local, 'free_port', lambda: port)  # The pick lands on it.
+    fed = local.LocalFederation(2, str(tmp_path / 'home'), grace=1.0)
+    with pytest.raises(local.FederationError) as raised:
+      with fed:
+        pass
+  message = str(raised.value)
+  assert message == (
+      f'fedjx.deploy.local: another program listens on 127.0.0.1:{port}, which '
+      'was free when it was picked for the superlink; the superlink cannot bind '
+      'it. Run the command again (it picks another port).')
+  assert fed.nodes == [] and not (tmp_path / 'home' / 'node-started').exists()
+  assert fed.superlink.poll() is not None  # Stopped on the way out.
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc'), reason='reads sockets from /proc')
+def test_a_superlink_that_exits_is_one_line_with_the_reason_from_its_log(
+    tmp_path, stand_in_flower):
+  fed = local.LocalFederation(1, str(tmp_path / 'home'), grace=1.0)
+  with _occupied_port() as listener:
+    port = listener.getsockname()[1]
+    # Its bind fails (the port is taken) before this look at who listens.
+    fed.superlink = fed._start(  # pylint: disable=protected-access
+        [local._command('flower-superlink'), '--port', str(port)],  # pylint: disable=protected-access
+        'superlink', str(tmp_path / 'home' / 'link'))
+    fed.superlink.wait(timeout=60)
+    with pytest.raises(local.FederationError) as raised:
+      fed._wait_listening(port, fed.superlink, 'superlink', 60)  # pylint: disable=protected-access
+  fed.stop()
+  log = os.path.join(str(tmp_path / 'home'), 'superlink.log')
+  assert str(raised.value) == (
+      'fedjx.deploy.local: superlink exited with status 1 ([Errno 98] error '
+      f"while attempting to bind on address ('127.0.0.1', {port}): address "
+      f'already in use); see {log}.')
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc'), reason='reads sockets from /proc')
+def test_the_nodes_start_once_the_superlink_itself_listens(tmp_path, stand_in_flower):
+  with local.LocalFederation(2, str(tmp_path / 'home'), grace=1.0) as fed:
+    held = local.listening_sockets(fed.port)
+    assert held and held <= local._sockets_of(fed.superlink.pid)  # pylint: disable=protected-access
+    assert len(fed.nodes) == 2
+  assert local.listening_sockets(fed.port) == set()  # Stopped, the port is free.

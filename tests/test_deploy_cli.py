@@ -3,6 +3,8 @@ line on stderr naming the argument, its value and what is allowed, exit
 status 2 (as ``fedjx-run``). No Flower process is started here."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +21,12 @@ def no_federation(monkeypatch):
   def refuse(self, *args, **kwargs):
     raise AssertionError('a process was started for a bad command')
   monkeypatch.setattr(local.LocalFederation, 'start', refuse)
+  # Flower is looked for before the config is read: these commands are
+  # checked as where Flower is installed (no Flower code runs for them).
+  real = cli.importlib.util.find_spec
+  monkeypatch.setattr(cli.importlib.util, 'find_spec',
+                      lambda name, *a: (real('json') if name == 'flwr'
+                                        else real(name, *a)))
 
 
 @pytest.mark.parametrize('args, names', [
@@ -64,13 +72,21 @@ def test_config_overrides_in_fedjx_run_s_spelling_join_the_others():
   assert args.overrides == 'rounds=2 model.hidden=(16,)'
 
 
-def test_a_good_command_without_flower_names_the_install(no_federation, tmp_path,
-                                                         capsys, monkeypatch):
-  """The command is checked whole first; a missing Flower comes last."""
-  real = cli.importlib.util.find_spec
-  monkeypatch.setattr(cli.importlib.util, 'find_spec',
-                      lambda name, *a: None if name == 'flwr' else real(name, *a))
-  argv = ['--config', CONFIG, '--workdir', str(tmp_path / 'w'), '--overrides', THREE]
-  assert cli.main(argv) == 2
-  err = capsys.readouterr().err
-  assert err == "fedjx-deploy: Flower is not installed: pip install 'fedjx[flower]'.\n"
+def test_without_flower_the_command_names_the_install_before_importing_jax(tmp_path):
+  """A missing Flower is said before the config is read (which imports JAX,
+  seconds), with the command that installs it from this checkout (fedjx is
+  on no package index) and the packages that Flower's caps downgrade."""
+  code = ('import sys\n'
+          "sys.modules['flwr'] = None  # not installed: find_spec says None\n"
+          'from fedjx.deploy import cli\n'
+          f'status = cli.main(["--config", {CONFIG!r}, "--workdir", '
+          f'{str(tmp_path / "w")!r}, "--overrides", {THREE!r}])\n'
+          "print(status, 'jax' in sys.modules)\n")
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                       timeout=120, cwd=REPO, check=False)
+  assert out.stdout == '2 False\n', out.stderr
+  assert out.stderr == (
+      "fedjx-deploy: Flower is not installed: pip install -e '.[flower]' (Flower "
+      'caps packaging<26, rich<15 and cryptography<51, so pip downgrades newer '
+      'ones; fedjx and its tests run with either).\n')
+  assert not (tmp_path / 'w').exists()  # A refused command leaves nothing.

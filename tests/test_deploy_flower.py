@@ -82,6 +82,28 @@ def _close(got, want):
                              rtol=3 * 10 * 3 * 2**-23, atol=2e-6)
 
 
+@pytest.mark.skipif(not os.path.isdir('/proc'), reason='reads sockets from /proc')
+def test_a_superlink_port_taken_by_another_program_is_said_at_once(tmp_path, monkeypatch):
+  """Another program listens on the port picked for the SuperLink (taken
+  between the pick and the bind): a connection to it succeeds, but the
+  federation sees that its SuperLink is not the one listening, says so in
+  one line and starts no node (before, the nodes were started against the
+  other program and the run failed 41 s later)."""
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as listener:
+    listener.bind(('127.0.0.1', 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    monkeypatch.setattr(local, 'free_port', lambda: port)
+    fed = local.LocalFederation(NODES, str(tmp_path / 'flower'), grace=2.0)
+    with pytest.raises(local.FederationError, match=(
+        f'another program listens on 127.0.0.1:{port}, which was free when it '
+        'was picked for the superlink')):
+      with fed:
+        pass
+  assert fed.nodes == [] and fed.superlink.poll() is not None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('config_file', ['fedavg_digits.py', 'fedadam_digits.py'])
 def test_deployed_rounds_equal_the_simulated_rounds(federation, tmp_path, config_file):

@@ -46,7 +46,7 @@ def test_every_config_file_is_listed_with_its_argument_and_docstring():
   lines = out.stdout.splitlines()
   files = sorted(f for f in os.listdir(CONFIGS) if f.endswith('.py'))
   assert lines[0] == (f'configs/ ({len(files)} configs; fedjx-run --config '
-                      'configs/NAME.py[:ARG] runs one):')
+                      'configs/NAME.py[:ARG] runs one from any folder):')
   rows = {l.split()[0]: l.split(None, 1)[1] for l in lines[1:]}
   # The reference: each file executed, its get_config's signature and
   # docstring read by Python itself.

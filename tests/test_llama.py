@@ -311,7 +311,7 @@ def test_bad_shapes_and_names_are_refused_with_the_allowed_values():
     llama.llama_lm('1B')
   with pytest.raises(ValueError, match=r'num_heads=6 is not a multiple of num_kv_heads=4'):
     SMALL.replace(num_heads=6, num_kv_heads=4)
-  with pytest.raises(ValueError, match=r"remat='dots' is not one of 'none', 'full'"):
+  with pytest.raises(ValueError, match=r"remat='dots' is not one of 'auto', 'none', 'full'"):
     llama.llama_lm('1m', remat='dots')
   with pytest.raises(ValueError, match=r"dtype='bf16' is not one of 'float32', 'bfloat16'"):
     llama.llama_lm('1m', dtype='bf16')

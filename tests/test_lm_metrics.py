@@ -111,7 +111,7 @@ def test_study_config_rounds_batch_and_arms():
 
 @pytest.mark.parametrize('arg, match', [
     ('3,500k', 'divisor of the global batch 32'), ('-1,500k', 'M=-1'),
-    ('4,35m', "preset='35m'"), ('4', 'must be "M,preset"'), ('4,1m,0', 'tokens_per_param'),
+    ('4,550m', "preset='550m'"), ('4', 'must be "M,preset"'), ('4,1m,0', 'tokens_per_param'),
 ])
 def test_study_config_refuses_bad_arguments(arg, match):
   study = cli.load_module(STUDY)

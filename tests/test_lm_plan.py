@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from fedjx.experiments import lm_cost
 from fedjx.experiments import plan_cli
+from fedjx.experiments import plan_report
 from fedjx.models import llama_config as lc
 
 
@@ -27,10 +28,10 @@ from fedjx.models import llama_config as lc
 def test_the_plan_of_four_replicas_of_fsdp_two_matches_the_analytic_counts():
   assert len(jax.devices()) >= 8
   plan = lm_cost.plan_inner_step('1m', replicas=4, fsdp=2, batch=4, seq_len=64)
-  out = plan_cli.render(plan, 'tpu-v5e', 'cpu')  # What fedjx-plan prints.
+  out = plan_report.render_inner(plan, plan_report.target('tpu-v5e'), 'cpu')  # fedjx-plan's
   n = lc.num_params('1m')
-  assert f'parameters: {n:,} (analytic {n:,})' in out
-  assert 'on 8 cpu devices' in out and 'fits tpu-v5e (17.18 GB): yes' in out
+  assert re.search(rf'  parameters +{n:,}  analytic {n:,}\n', out)
+  assert 'on 8 cpu devices' in out and re.search(r'  fits tpu-v5e +yes  17\.18 GB; named', out)
   state = 3 * n * 4 / 2  # float32 parameters, AdamW's mu and nu, over F = 2.
   assert plan.analytic_state_bytes == state
   tokens = 4 * 65 * 4 / 2  # One replica's int32 tokens over its 2 devices.
@@ -72,8 +73,8 @@ def test_the_1_3b_preset_plans_for_four_replicas_of_fsdp_two_on_eight_host_devic
        '--device=h100'], capture_output=True, text=True, timeout=1200, env=env)
   assert out.returncode == 0, out.stderr[-3000:]
   n = lc.num_params('1.3b')
-  assert f'parameters: {n:,} (analytic {n:,})' in out.stdout
-  args = float(re.search(r'arguments ([\d,.]+) GB', out.stdout).group(1).replace(',', ''))
+  assert re.search(rf'  parameters +{n:,}  analytic {n:,}\n', out.stdout)
+  args = float(re.search(r'parameters, AdamW +([\d,.]+) GB', out.stdout).group(1).replace(',', ''))
   assert abs(args * 1e9 / (3 * n * 4 / 2) - 1) < 0.10
   ratio = float(re.search(r'XLA / analytic ([\d.]+)', out.stdout).group(1))
   # Without remat, XLA's count is the model FLOPs plus the element-wise work.

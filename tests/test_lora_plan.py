@@ -18,6 +18,7 @@ import pytest
 
 from fedjx.experiments import lora_plan
 from fedjx.experiments import plan_cli
+from fedjx.experiments import plan_report
 from fedjx.models import llama
 from fedjx.models import llama_config as lc
 from fedjx.models import lora
@@ -128,11 +129,12 @@ def test_fedjx_plan_prints_the_lora_table_for_1_1b_and_7b(capsys, preset, dtype,
   for label in ('frozen base', 'adapters', 'optimizer', 'activations', 'total'):
     assert re.search(rf'  {label} +[\d,.]+ (GB|MB)', out), label
   config = lora_plan.SHAPES[preset]
-  assert re.search(r'memory: total [\d,.]+ GB per device; fits h100 \(80\.00 GB\): yes', out)
+  assert re.search(r'  fits h100 +yes  80\.00 GB; named', out)
   expected = lora_plan.base_bytes(config, LoraConfig(rank=8, base_dtype=dtype))
   assert abs(_gb(out, 'frozen base') / expected - 1) < 0.005  # Printed to 2 decimals of GB.
   adapters = 4 * lora_plan.adapter_count(config, LoraConfig(rank=8))
-  assert f'upload {plan_cli._gb(100 * adapters)} (100 x {plan_cli._gb(adapters)})' in out
+  assert re.search(rf'    upload +{plan_report.gb(100 * adapters)}  100 x '
+                   rf'{plan_report.gb(adapters)}\n', out)
 
 
 @pytest.mark.parametrize('flags,message', [

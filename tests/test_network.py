@@ -456,7 +456,7 @@ def test_plan_streaming_line_and_no_schedule():
   assert '(exposed 0.425 s), 1.425 s per inner step' in plan_cli.render_network(
       args, 500_000_000, 1.0)
   _, args = _plan_args()
-  assert plan_cli.network_setup(args) is None
+  assert network.from_flags(args) is None
 
 
 @pytest.mark.parametrize('flags,match', [

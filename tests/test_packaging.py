@@ -93,9 +93,12 @@ def test_help_works_and_imports_no_optional_dependency():
       '  fedjx.beam\n'
       'except ModuleNotFoundError as e:\n'
       '  print(e)\n')
+  # fedjx is on no package index: from this checkout, the extra installs
+  # with pip install -e (the path '.' where the command runs in it).
+  here = "'.[beam]'" if pathlib.Path.cwd().resolve() == REPO else f"'{REPO}[beam]'"
   assert _run(code).splitlines() == [
       'True True',
-      "fedjx.beam needs apache_beam, which is not installed: pip install 'fedjx[beam]'."]
+      f'fedjx.beam needs apache_beam, which is not installed: pip install -e {here}.']
   # Installed (the test extra installs Apache Beam), they stay unimported.
   out = _run('import io, contextlib, sys, fedjx, fedjx.interpreters\n'
              'with contextlib.redirect_stdout(io.StringIO()):\n'
@@ -106,6 +109,21 @@ def test_help_works_and_imports_no_optional_dependency():
   assert out.splitlines() == ['[]', 'True True']
 
 
+def test_the_install_command_of_an_extra_is_the_checkout_s_or_its_requirements(
+    monkeypatch, tmp_path):
+  from fedjx import _install  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(REPO)
+  assert _install.command('flower') == "pip install -e '.[flower]'"
+  monkeypatch.chdir(tmp_path)
+  assert _install.command('flower') == f"pip install -e '{REPO}[flower]'"
+  # Installed from a wheel (no checkout around it): the extra's own
+  # requirements, as setup.cfg declares them.
+  monkeypatch.setattr(_install, '_checkout', lambda: None)
+  assert _install.requirements('flower') == ['flwr>=1.42']
+  assert _install.command('flower') == "pip install 'flwr>=1.42'"
+  assert _install.command('beam') == "pip install 'apache-beam>=2.60'"
+
+
 def test_hypergradient_demo_writes_into_its_workdir_unless_told():
   spec = importlib.util.spec_from_file_location(
       'hypergradient_demo', REPO / 'scripts' / 'hypergradient_demo.py')
@@ -113,7 +131,7 @@ def test_hypergradient_demo_writes_into_its_workdir_unless_told():
   spec.loader.exec_module(demo)
   args = demo.parse_args([])
   assert pathlib.Path(args.plot) == pathlib.Path('runs/hypergradient_demo/tuner_lr_trajectory.png')
-  assert not pathlib.Path(args.plot).resolve().is_relative_to(REPO / 'docs')
+  assert not pathlib.Path(args.plot).resolve().is_relative_to(REPO / 'benchmarks' / 'results')
   args = demo.parse_args(['--workdir', '/tmp/x'])
   assert args.plot == '/tmp/x/tuner_lr_trajectory.png'
   assert demo.parse_args(['--plot', 'a.png']).plot == 'a.png'

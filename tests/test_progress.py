@@ -98,3 +98,47 @@ def test_a_resumed_run_s_bar_starts_at_its_checkpoint(tmp_path, bars, capsys):
   assert (bar.initial_n, bar.n, bar.total) == (2, 4, 4)
   err = capsys.readouterr().err
   assert _starts_a_line(err, 'fedjx: compiled the round')
+
+
+def _interrupt_after(step):
+  """A hook that sends this process SIGINT after round ``step``."""
+  import os  # pylint: disable=import-outside-toplevel
+  import signal  # pylint: disable=import-outside-toplevel
+
+  def hook(s, *args):
+    del args
+    if s == step:
+      os.kill(os.getpid(), signal.SIGINT)
+  return hook
+
+
+def test_after_ctrl_c_the_message_is_below_the_bar(tmp_path, bars, capsys):
+  result = runner.run(small_config(4), str(tmp_path / 'run'),
+                      hooks=[_interrupt_after(1)])
+  assert result.interrupted and result.step == 1
+  err = capsys.readouterr().err
+  message = 'fedjx: interrupted after round 1 (SIGINT)'
+  assert _starts_a_line(err, message)
+  assert '1/4' in err.split(message)[0]  # The bar stays, above it...
+  assert '%|' not in err.split(message)[1]  # ...and is not drawn again below.
+
+
+def test_after_ctrl_c_a_sweep_s_message_is_below_its_bar(tmp_path, bars, capsys,
+                                                         monkeypatch):
+  from fedjx.experiments.sweeps import trainer  # pylint: disable=import-outside-toplevel
+  after = trainer.GroupTrainer.after
+  kill = _interrupt_after(1)
+
+  def interrupting(self, step, rows):
+    after(self, step, rows)
+    kill(step)
+  monkeypatch.setattr(trainer.GroupTrainer, 'after', interrupting)
+  result = run.run_sweep(small_config(4), str(tmp_path / 'sweep'),
+                         [{'algorithm.server_learning_rate': 0.1}], (0,))
+  assert result.interrupted
+  err = capsys.readouterr().err
+  message = 'fedjx-sweep: interrupted (SIGINT)'
+  assert _starts_a_line(err, message)
+  assert '%|' not in err.split(message)[1]
+  # A sweep's population stays on the host: no bar of its own per seed.
+  assert 'population to device' not in err

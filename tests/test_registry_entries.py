@@ -131,11 +131,14 @@ def test_algorithms_run_unguarded_first_are_synchronous_and_guardable():
 # ---------------------------------------- traits live where builders are
 
 def test_the_traits_of_the_shipped_builders():
-  # Every builder fedjx.algorithms exports with declared traits, registered
-  # under its name.
   assert len(registry.ALGORITHMS) == 29
   for name, builder in registry.ALGORITHMS.items():
     assert getattr(registry.algorithms_lib, name) is builder
+  # Every builder fedjx.algorithms exports with declared traits is one.
+  lib = registry.algorithms_lib
+  declared = {n for n in lib.__all__
+              if isinstance(getattr(getattr(lib, n), 'traits', None), Traits)}
+  assert declared == set(registry.ALGORITHMS)
   assert _having('asynchronous') == tuple(sorted(
       ('fedbuff', 'async_diloco', 'fedasync')))
   assert _having('updates_reach_params') == tuple(sorted((

@@ -276,9 +276,9 @@ def test_mesh_shards_cohorts_over_devices_with_the_same_numbers(files, tmp_path)
     processes.make_mesh(config_lib.with_defaults(config))
 
 
-def test_readme_algorithm_example_runs_through_the_registry(files, tmp_path):
+def test_docs_algorithm_example_runs_through_the_registry(files, tmp_path):
   import re  # pylint: disable=import-outside-toplevel
-  with open(os.path.join(REPO, 'README.md'), encoding='utf-8') as f:
+  with open(os.path.join(REPO, 'docs', 'algorithms.md'), encoding='utf-8') as f:
     blocks = re.findall(r'```python\n(.*?)```', f.read(), re.S)
   code = [b for b in blocks if 'def fedavg_decay' in b][0]
   namespace = {}

@@ -9,6 +9,7 @@ import pytest
 import fedjx
 from fedjx import algorithms
 from fedjx import datasets
+from fedjx import distributed
 from fedjx import streaming
 
 CLIENTS = 23  # Not a multiple of the chunk sizes below: the last chunk is padded.
@@ -83,6 +84,45 @@ def test_clients_inside_a_chunk_one_at_a_time_or_in_groups(monkeypatch, inner):
                         chunk_size=6)
     _assert_close(got, want)
 
+
+
+def _round_under_mesh(name, axis_types):
+  """The streamed round under a mesh of every host device, and the
+  unstreamed round (compiled, no mesh) it must equal."""
+  algo = SUPPORTED[name]()
+  state, key = algo.init(_params()), jax.random.key(3)
+  cohort = _cohort(4)
+  want = jax.jit(algo.apply)(state, cohort, key)
+  with jax.set_mesh(distributed.make_mesh({'clients': -1}, axis_types)):
+    # 5 clients a chunk, rounded up to 8 (one per device) on an Auto mesh;
+    # 23 clients: the last chunk is padded.
+    got = streaming.run(algo.apply, state, streaming.Clients.from_arrays(cohort), key,
+                        chunk_size=5)
+  return got, want
+
+
+def test_a_streamed_round_under_the_auto_mesh_equals_the_unstreamed_round():
+  # config.mesh='auto' sets a mesh with a 'clients' axis over every device:
+  # the plan is traced with no mesh (map_fn would lay the clients over the
+  # devices, and the per-client computation could not be recovered), and
+  # each chunk's clients are split over the devices.
+  devices = len(jax.devices())
+  assert devices > 1  # tests/conftest.py: 8 host devices.
+  with jax.set_mesh(distributed.make_mesh({'clients': -1})):
+    mesh, d = streaming._devices('clients', 5)
+    assert (d, mesh.shape['clients']) == (devices, devices)
+  with jax.set_mesh(distributed.make_mesh({'clients': -1}, 'explicit')):
+    assert streaming._devices('clients', 5) == (None, 1)  # One device runs a chunk.
+  got, want = _round_under_mesh('fedprox', 'auto')
+  _assert_close(got, want)
+
+
+@pytest.mark.parametrize('axis_types', ['auto', 'explicit'])
+@pytest.mark.parametrize('name', sorted(SUPPORTED))
+@pytest.mark.slow
+def test_every_streamable_round_under_a_mesh_equals_the_unstreamed_round(name, axis_types):
+  got, want = _round_under_mesh(name, axis_types)
+  _assert_close(got, want)
 
 @pytest.mark.slow
 def test_rounds_in_a_row_trace_once_and_chunks_of_one():

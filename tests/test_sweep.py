@@ -494,3 +494,99 @@ def test_a_private_trial_reports_its_run_s_epsilon_and_stops_at_its_budget(tmp_p
       [r['eval_accuracy'] for r in rows[loud.name] if 'eval_accuracy' in r],
       [r['eval_accuracy'] for r in single.history if 'eval_accuracy' in r and r['round']],
       rtol=RTOL)
+
+
+def _record(config, values, seeds, per_program=None):
+  from fedjx.experiments.sweeps import record  # pylint: disable=import-outside-toplevel
+  settings = [{'algorithm.server_learning_rate': v} for v in values]
+  return record.fingerprint(config, settings, seeds, per_program)
+
+
+def test_a_sweep_extends_by_values_or_seeds_and_says_what_else_differs():
+  from fedjx.experiments.sweeps import record  # pylint: disable=import-outside-toplevel
+  config = small_config()
+  old = _record(config, (0.02, 0.1), (0,))
+  saved = record.with_parts(old, record.extend(old, old, 'w'))
+  assert record.parts(saved) == [record.Part(old['settings'], [0])]
+  lr = lambda *vs: [{'algorithm.server_learning_rate': v} for v in vs]
+  # One more value: the new setting with every seed.
+  parts = record.extend(saved, _record(config, (0.02, 0.1, 0.5), (0,)), 'w')
+  assert parts == [record.Part(lr(0.02, 0.1), [0]), record.Part(lr(0.5), [0])]
+  # One more value and one more seed: also the old settings with the new seed.
+  grown = _record(config, (0.5, 0.1, 0.02), (0, 3))
+  parts = record.extend(saved, grown, 'w')
+  assert parts == [record.Part(lr(0.02, 0.1), [0]), record.Part(lr(0.5), [0, 3]),
+                   record.Part(lr(0.02, 0.1), [3])]
+  # Recorded and extended again: the same parts, then the next one.
+  again = record.with_parts(grown, parts)
+  assert again['settings'] == lr(0.02, 0.1, 0.5) and again['seeds'] == [0, 3]
+  assert record.extend(again, grown, 'w') == parts
+  # The first part's groups keep the fingerprint they were started with.
+  assert record.part_fingerprint(again, parts[0]) == old
+  # Anything else is one line naming what differs.
+  cases = [
+      (_record(config, (0.02,), (0,)), 'the setting server_learning_rate=0.1 is left out'),
+      (_record(config, (0.02, 0.1), (1,)), 'seed 0 is left out'),
+      (_record(small_config(batch_size=8), (0.02, 0.1), (0,)),
+       'config.batch_size: 16 -> 8'),
+      (_record(config, (0.02, 0.1), (0,), 1), '--settings_per_program None -> 1'),
+      (record.fingerprint(config, [{'seed_x': 1}], (0,), None),
+       "swept fields ['algorithm.server_learning_rate'] -> ['seed_x']"),
+  ]
+  # A random search extends with more samples: its draws are a prefix.
+  axes = [spec.parse_axis('algorithm.server_learning_rate=loguniform(1e-3,1)')]
+  assert spec.settings(axes, 5, 7)[:3] == spec.settings(axes, 3, 7)
+  for new, words in cases:
+    with pytest.raises(spec.SweepError) as e:
+      record.extend(saved, new, '/w')
+    text = str(e.value)
+    assert text.startswith('/w holds a different sweep (') and words in text, text
+    assert 'may only add values or seeds' in text and '\n' not in text
+
+
+@pytest.mark.slow
+def test_one_more_value_trains_only_the_new_trials(tmp_path):
+  lr = lambda *vs: [{'algorithm.server_learning_rate': v} for v in vs]
+  workdir = tmp_path / 'grid'
+  first = run.run_sweep(small_config(), str(workdir), lr(0.02, 0.1), (1,),
+                        log=lambda m: None)
+  before = {t.name: (workdir / 'trials' / t.name / 'metrics.jsonl').read_text()
+            for t in first.trials}
+  lines = []
+  grown = run.run_sweep(small_config(), str(workdir), lr(0.02, 0.1, 0.5), (1, 2),
+                        log=lines.append)
+  assert lines[0].startswith('fedjx-sweep: 6 trials in 3 program(s)')
+  assert len(grown.trials) == 6 and len(grown.summary) == 6
+  for name, text in before.items():  # Kept as they were: not trained again.
+    assert (workdir / 'trials' / name / 'metrics.jsonl').read_text() == text
+  # A new trial is the trial a sweep of it alone trains.
+  alone = run.run_sweep(small_config(), str(tmp_path / 'alone'), lr(0.5), (2,),
+                        log=lambda m: None)
+  name = alone.trials[0].name
+  assert_trees_close(trial_params(workdir, alone.trials[0]),
+                     trial_params(tmp_path / 'alone', alone.trials[0]))
+  rows = metrics_writers.read_metrics(str(workdir / 'trials' / name))
+  assert [r['round'] for r in rows] == [0, 1, 2, 3]
+  # Run again as it is now: resumed, nothing trained.
+  again = run.run_sweep(small_config(), str(workdir), lr(0.02, 0.1, 0.5), (1, 2),
+                        log=lambda m: None)
+  assert [t.name for t in again.trials] == [t.name for t in grown.trials]
+
+
+@pytest.mark.parametrize('cores,sizes,made', [
+    (2, [2, 3], 2), (2, [3, 3], 1), (4, [6, 1], 3), (4, [1, 4], 4), (8, [5, 7], 7)])
+def test_a_sweep_splits_the_cpu_by_its_settings_or_seeds(monkeypatch, cores, sizes,
+                                                         made):
+  from fedjx import distributed  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import config as config_lib  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import processes  # pylint: disable=import-outside-toplevel
+  asked = []
+  monkeypatch.setattr(distributed, 'split_cpu', lambda n, divides=None: asked.append(
+      (n, divides)) or n)
+  monkeypatch.setenv('XLA_FLAGS', '')  # As a run that starts JAX itself.
+  assert jax.config.jax_num_cpu_devices < 0
+  config = config_lib.with_defaults(small_config(cpu_devices=str(cores)))
+  assert processes.split_cpu(config, sizes) == made
+  assert asked == [(made, None)]
+  config = config_lib.with_defaults(small_config(cpu_devices=str(cores), mesh=''))
+  assert processes.split_cpu(config, sizes) == 1  # mesh='' keeps one device.

@@ -253,4 +253,4 @@ def test_fedjx_plan_with_tensor_prints_the_split_bytes(capsys):
                         '--batch=2', '--seq_len=16']) == 0
   out = capsys.readouterr().out
   assert '2 replicas x FSDP 2 x tensor 2 on 8 cpu devices' in out
-  assert 'analytic float32 parameters + AdamW moments 1.50 MB' in out
+  assert 'analytic float32 parameters and moments 1.50 MB' in out

@@ -6,12 +6,14 @@ population each round: one local epoch of SGD (learning rate 0.1, batch 10)
 over each client's examples, server SGD 1.0 (the example-weighted mean of
 the local models). Setups:
 
-* ``2nn-100`` and ``2nn-1000`` (and ``2nn-10000``, the accelerator's
-  scale): McMahan et al.'s 2NN (784-200-200-10, ReLU,
+* ``2nn-100`` and ``2nn-1000`` (and ``2nn-10000`` and ``2nn-100000``, the
+  accelerator's scale): McMahan et al.'s 2NN (784-200-200-10, ReLU,
   softmax cross-entropy; 199,210 parameters) over 100 or 1,000 clients of
   log-normal sizes (median 20, sigma 0.8, at least 1; seed 0: 2,850 and
   26,038 examples, 334 and 3,054 steps of 10); MNIST-shaped inputs uniform
-  in [0, 1), labels uniform in 0..9.
+  in [0, 1), labels uniform in 0..9. ``2nn-100000`` (2.6M examples, 8.2 GB
+  of inputs) draws its inputs for all clients at once, each client a view of
+  them, so that its host memory is the data once.
 * ``logreg`` and ``logreg-sparse``: StackOverflow-like tag prediction, a
   logistic regression from 10,000 bag-of-words features to 500 tags (sigmoid
   cross-entropy summed over tags; 5,000,500 parameters), 50 clients of
@@ -38,7 +40,8 @@ import numpy as np
 
 import common  # the clock and CPU time of a process tree
 
-SETUPS = ('2nn-100', '2nn-1000', '2nn-10000', 'logreg', 'logreg-sparse')
+SETUPS = ('2nn-100', '2nn-1000', '2nn-10000', '2nn-100000', 'logreg',
+          'logreg-sparse')
 BATCH, LOCAL_LR, SERVER_LR = 10, 0.1, 1.0
 FEATURES, TAGS, TOKENS, TAGS_PER_EXAMPLE = 10_000, 500, 30, 3
 LAYERS = (784, 200, 200, 10)
@@ -53,7 +56,7 @@ def kind(setup: str) -> str:
 def sizes(setup: str) -> np.ndarray:
   """Each client's example count."""
   clients, median = {'2nn-100': (100, 20), '2nn-1000': (1000, 20),
-                     '2nn-10000': (10000, 20),
+                     '2nn-10000': (10000, 20), '2nn-100000': (100_000, 20),
                      'logreg': (50, 30), 'logreg-sparse': (50, 30)}[setup]
   rng = np.random.default_rng(0)
   return np.maximum(1, np.round(median * np.exp(0.8 * rng.normal(size=clients)))).astype(int)
@@ -63,6 +66,10 @@ def client_data(setup: str) -> list[dict[str, np.ndarray]]:
   """Each client's examples: ``{'x': float32 [n, 784], 'y': int64 [n]}``
   (2NN), ``{'x': float32 [n, 10000] counts, 'y': float32 [n, 500]}``
   (``logreg``) or ``{'tokens': int64 [n, 30], 'y': ...}`` (``logreg-sparse``)."""
+  if setup == '2nn-100000':
+    x, y = _drawn_at_once(setup)
+    bounds = np.cumsum(sizes(setup))[:-1]
+    return [{'x': a, 'y': b} for a, b in zip(np.split(x, bounds), np.split(y, bounds))]
   rng = np.random.default_rng(1)
   out = []
   for n in sizes(setup):
@@ -82,6 +89,34 @@ def client_data(setup: str) -> list[dict[str, np.ndarray]]:
       np.add.at(x, (np.repeat(np.arange(n), TOKENS), tokens.reshape(-1)), 1.0)
       out.append({'x': x, 'y': tags})
   return out
+
+
+def _drawn_at_once(setup: str) -> tuple[np.ndarray, np.ndarray]:
+  """The 2NN inputs and labels of every client, drawn as one array each."""
+  rng = np.random.default_rng(1)
+  n = int(sizes(setup).sum())
+  return (rng.random((n, LAYERS[0]), dtype=np.float32),
+          rng.integers(0, LAYERS[-1], size=n))
+
+
+def flat_arrays(setup: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+  """Every client's examples of :func:`client_data`, client after client
+  (int64 features as int32, what a JAX round takes), and each client's
+  example count."""
+  if setup == '2nn-100000':  # No per-client copies: the arrays as drawn.
+    x, y = _drawn_at_once(setup)
+    return {'x': x, 'y': y.astype(np.int32)}, sizes(setup)
+  data = client_data(setup)
+  counts = np.array([len(d['y']) for d in data])
+  arrays = {}
+  for k in list(data[0]):
+    v = np.concatenate([d.pop(k) for d in data])
+    arrays[k] = v.astype(np.int32) if v.dtype == np.int64 else v
+  return arrays, counts
+
+
+def first_client(arrays: dict[str, np.ndarray], sizes: np.ndarray) -> dict[str, np.ndarray]:
+  return {k: v[:sizes[0]] for k, v in arrays.items()}
 
 
 def init(setup: str) -> list[tuple[np.ndarray, np.ndarray]]:

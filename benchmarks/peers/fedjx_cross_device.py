@@ -20,7 +20,9 @@ stops the benchmark).
 import common  # first: starts the clock
 
 import contextlib
+import logging
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +59,65 @@ def loss_fn(setup):
   return loss
 
 
+class MapPlans(logging.Handler):
+  """Collects how each traced map ran (``fedjx.mapping.PLAN_MESSAGE``)."""
+
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.plans = []
+
+  def emit(self, record):
+    if record.msg == fedjx.mapping.PLAN_MESSAGE:
+      _, n, strategy, k, how = record.args
+      self.plans.append({'members': n, 'strategy': strategy, 'k': k, 'how': how})
+
+  def __enter__(self):
+    log = logging.getLogger('fedjx.fusion')
+    self._level = log.level
+    log.setLevel(logging.DEBUG)
+    log.addHandler(self)
+    return self
+
+  def __exit__(self, *exc):
+    log = logging.getLogger('fedjx.fusion')
+    log.removeHandler(self)
+    log.setLevel(self._level)
+
+  def report(self, cost):
+    """``map_strategy`` (what the round's map ran) and its computed / real
+    steps for the members' ``cost`` (each device's block when split)."""
+    if not self.plans:
+      return {'map_strategy': 'not traced'}
+    plan = self.plans[-1]
+    block = re.search(r'one block of (\d+) per device', plan['how'])
+    blocks = block is not None
+    devices = len(cost) // int(block.group(1)) if blocks else 1
+    k, n = plan['k'], len(cost) // devices
+    kind = ('sorted' if 'sorted' in plan['how'] else
+            'sequential' if k == 1 else 'vmap' if k >= n else 'chunked')
+    picked = f'{kind}:{k}' if kind in ('sorted', 'chunked') else kind
+    computed = sum(fedjx.mapping.computed_steps(part, k, kind)
+                   for part in np.split(np.asarray(cost), devices))
+    return {'map_strategy': f'{plan["strategy"]} -> {picked}' + (
+                f' on each of {devices} CPU devices' if blocks else ''),
+            'computed_over_real_steps': round(computed / int(np.sum(cost)), 4)}
+
+
+def staging(cohort, arrays, sizes) -> dict:
+  """Host bytes staged per round (the cohort's arrays; the table moved
+  once) against the cohort's real data."""
+  batches = cohort.batches
+  leaves = ([batches.index] if fedjx.indexed.is_indexed(batches)
+            else jax.tree.leaves(batches))
+  staged = sum(np.asarray(a).nbytes for a in (
+      *leaves, cohort.mask, cohort.num_examples, cohort.client_ids))
+  row = sum(v.nbytes // len(v) for v in arrays.values())
+  real = int(np.sum(sizes)) * row
+  return {'host_bytes_staged_per_round': int(staged), 'real_data_bytes': real,
+          'staged_over_real': round(staged / real, 4),
+          'padded_steps': int(cohort.mask.shape[1])}
+
+
 def main():
   def options(p):
     p.add_argument('--map_strategy', default='auto',
@@ -72,21 +133,18 @@ def main():
   # are at least 16 clients per device.
   clients = len(cd.sizes(args.setup))
   devices = fedjx.distributed.split_cpu(divides=clients)
-  data = cd.client_data(args.setup)
+  arrays, sizes = cd.flat_arrays(args.setup)
   if (jax.default_backend() != 'cpu' or not processes.splits_model(
-      cd.init(args.setup), loss_fn(args.setup), data[0])
-      or clients < processes.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
+      cd.init(args.setup), loss_fn(args.setup), cd.first_client(arrays, sizes))
+      or clients < fedjx.distributed.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
     devices = 1
   mesh = fedjx.distributed.make_mesh({'clients': -1}) if devices > 1 else None
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    run(args, devices, data)
+    run(args, devices, arrays, sizes)
 
 
-def run(args, devices, data):
-  arrays = {k: np.concatenate([d[k] for d in data]) for k in data[0]}
-  arrays = {k: v.astype(np.int32) if v.dtype == np.int64 else v
-            for k, v in arrays.items()}
-  groups = np.repeat(np.arange(len(data)), [len(d['y']) for d in data])
+def run(args, devices, arrays, sizes):
+  groups = np.repeat(np.arange(len(sizes)), sizes)
   population = datasets.on_device(datasets.from_arrays(arrays, groups=groups))
   params = [tuple(map(jnp.asarray, layer)) for layer in cd.init(args.setup)]
   algo = algorithms.fedavg(loss_fn(args.setup),
@@ -96,7 +154,7 @@ def run(args, devices, data):
                            skip_nonfinite=False).compile(map_strategy=args.map_strategy)
   algo = guarded_rounds.checking_finiteness(algo, whole=True)
   state = algo.init(params)
-  ids = np.arange(len(data))
+  ids = np.arange(len(sizes))
   rounds = 1 if args.check else args.rounds
   # As fedjx-run feeds its rounds: the next round's cohort is built and
   # placed on a background thread while this one runs (config.prefetch=1).
@@ -104,41 +162,23 @@ def run(args, devices, data):
                                      num_rounds=rounds, shuffle=not args.check,
                                      prefetch=args.prefetch)
   clock = common.Clock()
-  for r, cohort in enumerate(cohorts):
-    state, metrics = algo.round(state, cohort, jax.random.key(r))
-    jax.block_until_ready(state.params)
-    clock.tick()
-    if not metrics[guarded_rounds.RESULT_FINITE]:
-      raise SystemExit(f'round {r}: the result is not finite')
+  with MapPlans() as plans:
+    for r, cohort in enumerate(cohorts):
+      state, metrics = algo.round(state, cohort, jax.random.key(r))
+      jax.block_until_ready(state.params)
+      clock.tick()
+      if not metrics[guarded_rounds.RESULT_FINITE]:
+        raise SystemExit(f'round {r}: the result is not finite')
   if args.check:
     cd.save(args.check, [tuple(map(np.asarray, layer)) for layer in state.params])
-  # Staged per round: the cohort's host arrays (the table moved once).
-  staged = sum(np.asarray(a).nbytes for a in (
-      cohort.batches.index, cohort.mask, cohort.num_examples, cohort.client_ids))
-  row = sum(v.nbytes // len(v) for v in arrays.values())
-  real = int(sum(len(d['y']) for d in data)) * row
   cost = np.asarray(jnp.sum(jnp.any(cohort.mask, -1), -1))
-  member = (int(np.prod(cohort.mask.shape[1:])) * (row + 5) +
-            sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(params)))
-  spread = fedjx.mapping.device_blocks('clients', None, len(ids))
-  blocks = spread is not None
-  k = fedjx.mapping.choose_chunk_size(
-      args.map_strategy, len(ids) // devices if blocks else len(ids), member, 1)
-  picked = 'sequential' if k == 1 else 'vmap' if k >= len(ids) else f'chunked:{k}'
-  strategy = 'sequential' if k == 1 else 'vmap' if k >= len(ids) else 'chunked'
+  stats = jax.devices()[0].memory_stats() or {}
   cd.report('fedjx', f'fedjx (jax {jax.__version__})', args.setup, clock,
             {'xla_flags': os.environ.get('XLA_FLAGS', ''),
              'cpu_count': os.cpu_count(), 'cpu_devices': devices},
-            map_strategy=f'{args.map_strategy} -> {picked}' + (
-                '' if spread is None else f' on each of {devices} CPU devices'
-                if blocks else f' on one of {devices} CPU devices'),
-            host_bytes_staged_per_round=int(staged), real_data_bytes=real,
-            staged_over_real=round(staged / real, 4),
-            padded_steps=int(cohort.mask.shape[1]),
-            computed_over_real_steps=round(sum(
-                fedjx.mapping.computed_steps(block, k, strategy)
-                for block in np.split(cost, devices if blocks else 1)) /
-                int(cost.sum()), 4))
+            **plans.report(cost), **staging(cohort, arrays, sizes),
+            device=jax.devices()[0].device_kind,
+            peak_bytes_in_use=stats.get('peak_bytes_in_use'))
 
 
 if __name__ == '__main__':

@@ -44,7 +44,7 @@ def main():
   data = common.client_data(args.setup)
   if (jax.default_backend() != 'cpu' or not processes.splits_model(
       jax_cnn.init(jax.random.key(0)), jax_cnn.loss, {'x': data[0][0], 'y': data[0][1]})
-      or common.COHORT < processes.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
+      or common.COHORT < fedjx.distributed.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
     devices = 1
   mesh = fedjx.distributed.make_mesh({'clients': -1}) if devices > 1 else None
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():

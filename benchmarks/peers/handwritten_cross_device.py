@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import fedjx
 from fedjx.experiments import processes
 
 import cross_device as cd
@@ -42,7 +43,7 @@ def main():
   data = cd.client_data(args.setup)
   if (jax.default_backend() != 'cpu' or not processes.splits_model(
       cd.init(args.setup), fedjx_cross_device.loss_fn(args.setup), data[0])
-      or clients < processes.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
+      or clients < fedjx.distributed.AUTO_MIN_CLIENTS_PER_DEVICE * devices):
     devices = 1
   table = {k: jnp.asarray(np.concatenate([d[k] for d in data]).astype(
       np.int32 if data[0][k].dtype == np.int64 else data[0][k].dtype)) for k in data[0]}

@@ -3,7 +3,7 @@ in its own virtualenv, interleaved (fedjx, lax_map, fedjax, torch_loop,
 pfl-research, flower, then again), appending each JSON line to ``--out``,
 then prints the Markdown table (``--table`` re-prints it from ``--out``).
 
-  python benchmarks/peers/run.py --repeats=2 --out=docs/peers_cpu.jsonl
+  python benchmarks/peers/run.py --repeats=2 --out=benchmarks/results/peers_cpu.jsonl
 
 Virtualenvs come from ``setup.sh`` (``$FEDJX_PEERS_DIR``, default
 ``~/.cache/fedjx-peers``); fedjx's rounds run under ``--fedjx_python``
@@ -33,7 +33,17 @@ _ANY = _DENSE + ('logreg-sparse',)
 # batching: 'data' order or FedJAX's 'wrap').
 CROSS_DEVICE = {
     'fedjx': ('fedjx', 'fedjx_cross_device.py', (), _ANY, 'data'),
+    # The loops of the documentation, with nothing of fedjx-run's.
+    'fedjx_loop_on_device': ('fedjx', 'fedjx_loop_cross_device.py',
+                             ('--loop=on_device',), _ANY, 'data'),
+    'fedjx_loop_on_device_no_guard': ('fedjx', 'fedjx_loop_cross_device.py',
+                                      ('--loop=on_device', '--no_guard'), _ANY, 'data'),
+    'fedjx_loop_make_cohort': ('fedjx', 'fedjx_loop_cross_device.py',
+                               ('--loop=make_cohort',), _ANY, 'data'),
     'handwritten_jax': ('fedjx', 'handwritten_cross_device.py', (), _ANY, 'data'),
+    # The accelerator's floor (vmapped chunks of clients sorted by steps).
+    'handwritten_jax_chunks': ('fedjx', 'handwritten_chunks_cross_device.py', (),
+                               _ANY, 'data'),
     'fedjax': ('fedjax', 'fedjax_cross_device.py', (), _DENSE, 'wrap'),
     'torch_loop': ('pfl', 'torch_cross_device.py', ('--threads=1',), _ANY, 'data'),
     'torch_loop_default_threads': ('pfl', 'torch_cross_device.py', ('--threads=0',),
@@ -45,6 +55,12 @@ CROSS_DEVICE = {
     'pfl-research': ('pfl', 'pfl_cross_device.py', (), _ANY, None),
     'flower': ('flower', 'flower_cross_device.py', (), _ANY, 'data'),
 }
+
+
+# Rows of fedjx and its hand-written floors: not peers.
+FEDJX_ROWS = ('fedjx', 'fedjx_loop_on_device', 'fedjx_loop_on_device_no_guard',
+              'fedjx_loop_make_cohort')
+OURS = FEDJX_ROWS + ('handwritten_jax', 'handwritten_jax_chunks')
 
 
 def _python(env: str, args) -> str:
@@ -146,9 +162,10 @@ def cross_device_table(records: list[dict]) -> str:
   rows = ['| setup | framework | version | CPU s / round | wall s / round | '
           'time to first round (s) | round equal to NumPy | runs x timed rounds |',
           '|---|---|---|---|---|---|---|---|']
-  summary = ['| setup | fedjx CPU / fastest peer | fedjx wall / fastest peer | '
-             'fedjx / hand-written (CPU) | host bytes staged / real data | '
-             'computed / real steps |', '|---|---|---|---|---|---|']
+  summary = ['| setup | fedjx row | CPU / fastest peer | wall / fastest peer | '
+             '/ hand-written (CPU) | / hand-written (wall) | '
+             'host bytes staged / real data | computed / real steps |',
+             '|---|---|---|---|---|---|---|---|']
   checks = {(r['setup'], r['framework']): r for r in records if 'check' in r}
   for setup in CROSS_DEVICE_SETUPS:
     ok = [r for r in records if r.get('setup') == setup and 'check' not in r
@@ -171,20 +188,23 @@ def cross_device_table(records: list[dict]) -> str:
                   f'{med(name, "cpu_s_per_round"):.3f} | {med(name, "wall_s_per_round"):.3f} | '
                   f'{med(name, "time_to_first_round_s"):.1f} | {eq} | '
                   f'{len(mine)} x {last["rounds"]} |')
-    peers = [n for n in CROSS_DEVICE if n not in ('fedjx', 'handwritten_jax')
+    peers = [n for n in CROSS_DEVICE if n not in OURS
              and med(n, 'cpu_s_per_round') is not None]
-    if med('fedjx', 'cpu_s_per_round') is None or not peers:
-      continue
-    best_cpu = min(med(n, 'cpu_s_per_round') for n in peers)
-    best_wall = min(med(n, 'wall_s_per_round') for n in peers)
-    fx = [r for r in ok if r['framework'] == 'fedjx'][-1]
-    hand = med('handwritten_jax', 'cpu_s_per_round')
-    cpu = med('fedjx', 'cpu_s_per_round')
-    vs_hand = '' if hand is None else f'{cpu / hand:.2f}x'
-    summary.append(
-        f'| {setup} | {cpu / best_cpu:.2f}x | '
-        f'{med("fedjx", "wall_s_per_round") / best_wall:.2f}x | {vs_hand} | '
-        f'{fx["staged_over_real"]:.3f} | {fx["computed_over_real_steps"]:.2f} |')
+    best_cpu = min((med(n, 'cpu_s_per_round') for n in peers), default=None)
+    best_wall = min((med(n, 'wall_s_per_round') for n in peers), default=None)
+    hand_cpu = med('handwritten_jax', 'cpu_s_per_round')
+    hand_wall = med('handwritten_jax', 'wall_s_per_round')
+    ratio = lambda a, b: '' if a is None or not b else f'{a / b:.2f}x'
+    for name in FEDJX_ROWS:
+      if med(name, 'cpu_s_per_round') is None:
+        continue
+      fx = [r for r in ok if r['framework'] == name][-1]
+      cpu, wall = med(name, 'cpu_s_per_round'), med(name, 'wall_s_per_round')
+      summary.append(
+          f'| {setup} | {name} | {ratio(cpu, best_cpu)} | {ratio(wall, best_wall)} | '
+          f'{ratio(cpu, hand_cpu)} | {ratio(wall, hand_wall)} | '
+          f'{fx.get("staged_over_real", 0):.3f} | '
+          f'{fx.get("computed_over_real_steps", 0):.2f} |')
   return '\n'.join(rows) + '\n\n' + '\n'.join(summary)
 
 

@@ -13,7 +13,8 @@ FIELD=loguniform(LOW,HIGH)`` / ``uniform(...)`` / ``choice(...)`` with
 'num_samples': None, 'target': 'eval_accuracy=0.9'}``; flags given on the
 command line take precedence. ``--config.<field>=<value>`` overrides the base
 config as for ``fedjx-run``. Running again with the same ``--workdir``
-resumes. Errors are one line with exit status 2 (``--debug`` or
+resumes; with more values of the swept fields or more seeds it extends the
+sweep, training only the new trials (:mod:`fedjx.experiments.sweeps.record`). Errors are one line with exit status 2 (``--debug`` or
 ``FEDJX_DEBUG=1`` shows the traceback); SIGINT/SIGTERM save checkpoints and
 exit with status 130/143. The shared command-line machinery is
 :mod:`fedjx.experiments.cli`'s: ``--config``, ``--workdir``, ``--debug`` and
@@ -66,7 +67,8 @@ usage: fedjx-sweep --config FILE[:ARG] [--workdir DIR] [--sweep FIELD=VALUES ...
   --seeds 0,1,2 | 0-4               every setting runs with every seed
   --target eval_accuracy=0.9        rounds-to-target in the summary
   --workdir DIR                     default runs/<config name>_sweep; the
-                                    same DIR again resumes
+                                    same DIR again resumes, or with more
+                                    values or seeds extends, the sweep
   --fresh [--yes]                   start over: removes what a sweep wrote
                                     in DIR (named, asked on a terminal)
 

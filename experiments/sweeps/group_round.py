@@ -30,7 +30,17 @@ SweepError = spec.SweepError
 
 
 def _stack(trees: Sequence[Any]) -> Any:
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+  """The trees stacked on a new leading axis, leaf by leaf: on the host and
+  put on the device once (no program compiled per leaf shape), except where
+  a leaf is weakly typed (``jnp.stack`` keeps that)."""
+  def one(*xs):
+    if _is_key(xs[0]):
+      return jax.random.wrap_key_data(one(*map(jax.random.key_data, xs)),
+                                      impl=jax.random.key_impl(xs[0]))
+    if getattr(xs[0], 'weak_type', False):
+      return jnp.stack(xs)
+    return jax.device_put(np.stack([np.asarray(x) for x in xs]))
+  return jax.tree.map(one, *trees)
 
 
 def _is_key(x: Any) -> bool:
@@ -171,14 +181,16 @@ def check_memory(step_fn: Any, group: plan.Group, args: tuple[Any, ...]) -> None
         f'rerun in a new workdir with --settings_per_program={k} (or fewer seeds).')
 
 
-def group_states(config: Any, group: plan.Group
+def group_states(config: Any, group: plan.Group, built: plan.Built | None = None
                  ) -> tuple[list[experiment_lib.Experiment], Any, Any,
                             list[list[ml_collections.ConfigDict]]]:
-  """Each seed's experiment, the group's algorithm, the ``[S, H]`` initial
-  states and the trials' configs ``[seed][setting]``."""
+  """Each seed's experiment (taken from ``built`` where it was built ahead),
+  the group's algorithm, the ``[S, H]`` initial states and the trials'
+  configs ``[seed][setting]``."""
   seeds, settings = group.seeds, group.settings
   configs = [[plan.trial_config(config, h, s) for h in settings] for s in seeds]
-  exps = [plan.build_trial(configs[i][0]) for i in range(len(seeds))]
+  take = plan.build_trial if built is None else built.take
+  exps = [take(configs[i][0]) for i in range(len(seeds))]
   states = []
   for i, exp in enumerate(exps):
     row = [exp.algorithm.init(exp.init_params)]

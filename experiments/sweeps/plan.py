@@ -66,10 +66,12 @@ PLACEMENT = 'device'
 
 
 def build_trial(config: ml_collections.ConfigDict) -> experiment_lib.Experiment:
-  """``experiment.build(config)`` with per-client state on the device."""
+  """``experiment.build(config)`` with per-client state on the device and the
+  training population on the host (the sweep stacks its seeds' cohorts)."""
   name = config.algorithm.name
   exp = experiment_lib.build(config, placement=PLACEMENT if (
-      registry.algorithm_traits(name).client_state is not None) else None)
+      registry.algorithm_traits(name).client_state is not None) else None,
+      resident=False)
   if getattr(exp.algorithm, 'client_state_init', None) is not None:
     raise registry.ConfigError(
         f'fedjx-sweep: algorithm {name!r} keeps per-client state in a host '
@@ -79,21 +81,44 @@ def build_trial(config: ml_collections.ConfigDict) -> experiment_lib.Experiment:
   return exp
 
 
+class Built:
+  """Experiments built ahead, each handed out once by its trial config.
+
+  :func:`classify` builds the first trial's experiment to trace its round;
+  the group that trains that trial takes it (:meth:`take`) instead of
+  building it again. Nothing is kept once taken.
+  """
+
+  def __init__(self):
+    self._built: dict[str, experiment_lib.Experiment] = {}
+
+  @staticmethod
+  def _key(config: ml_collections.ConfigDict) -> str:
+    return config.to_json_best_effort(sort_keys=True)
+
+  def build(self, config: ml_collections.ConfigDict) -> experiment_lib.Experiment:
+    """``build_trial(config)``, kept for :meth:`take`."""
+    key = self._key(config)
+    if key not in self._built:
+      self._built[key] = build_trial(config)
+    return self._built[key]
+
+  def take(self, config: ml_collections.ConfigDict) -> experiment_lib.Experiment:
+    """The experiment built for ``config`` (and forgotten here), else a new one."""
+    exp = self._built.pop(self._key(config), None)
+    return build_trial(config) if exp is None else exp
+
+
 def trial_algorithm(config: ml_collections.ConfigDict, exp: experiment_lib.Experiment) -> Any:
   """The algorithm of ``config`` built for ``exp``'s model and data, as ``experiment.build`` does."""
   return experiment_lib.build_algorithm(config, exp.model, exp.data.train.num_clients,
                                         placement=PLACEMENT)
 
 
-def _lowered_round(algorithm: Any, exp: experiment_lib.Experiment) -> str:
-  state = algorithm.init(exp.init_params)
-  cohorts = exp.cohorts(0, 1)
-  try:
-    cohort = next(cohorts)
-  finally:
-    cohorts.close()
-  key = exp.round_key_for(0)
-  return jax.jit(algorithm.apply).lower(state, cohort, key).as_text()
+def _lowered_round(algorithm: Any, args: tuple[Any, ...]) -> str:
+  """The round of ``algorithm`` on ``args`` lowered to StableHLO (what XLA
+  compiles: operations, shapes and constants, dead code left out)."""
+  return jax.jit(algorithm.apply).lower(*args).as_text()
 
 
 def _same_state_layout(a: Any, b: Any) -> bool:
@@ -105,40 +130,54 @@ def _same_state_layout(a: Any, b: Any) -> bool:
 
 
 def classify(config: Any, axes_values: Mapping[str, Sequence[Any]],
-             seed: int = 0) -> tuple[list[str], list[str]]:
+             seed: int = 0, built: Built | None = None
+             ) -> tuple[list[str], list[str]]:
   """Splits swept fields into traced (vectorizable) and structural ones.
 
   A field under ``algorithm.`` is traced when the rounds built with its first
-  and last value lower to the same StableHLO and their initial states have
-  the same layout: the value then lives only in the state, and one program
-  serves every value. Any other field is structural.
+  and last value lower to the same StableHLO and their initial states have the
+  same layout: the value then lives only in the state, and one program
+  serves every value. Any other field is structural. The round of the
+  first values is lowered once for every field; the experiment it needs is
+  built through ``built`` (where the group that trains it takes it).
   """
   traced, structural = [], []
   base: dict[str, Any] = {p: v[0] for p, v in axes_values.items()}
-  exp = None
+  exp = args = program = None
   for path, values in axes_values.items():
     if len(values) < 2 or not path.startswith('algorithm.'):
       (traced if len(values) < 2 else structural).append(path)
       continue
     if exp is None:
-      exp = build_trial(trial_config(config, base, seed))
-    algos = [trial_algorithm(trial_config(config, {**base, path: v}, seed), exp)
-             for v in (values[0], values[-1])]
-    states = [a.init(exp.init_params) for a in algos]
-    same = _same_state_layout(*states) and (
-        _lowered_round(algos[0], exp) == _lowered_round(algos[1], exp))
+      base_config = trial_config(config, base, seed)
+      exp = (built or Built()).build(base_config)
+      base_algo = trial_algorithm(base_config, exp)
+      cohorts = exp.cohorts(0, 1)
+      try:
+        cohort = next(cohorts)
+      finally:
+        cohorts.close()
+      args = (base_algo.init(exp.init_params), cohort, exp.round_key_for(0))
+      program = _lowered_round(base_algo, args)
+    other = trial_algorithm(trial_config(config, {**base, path: values[-1]}, seed),
+                            exp)
+    state = other.init(exp.init_params)
+    same = _same_state_layout(args[0], state) and (
+        program == _lowered_round(other, (state,) + args[1:]))
     (traced if same else structural).append(path)
   return traced, structural
 
 
 def plan(config: Any, settings: Sequence[Mapping[str, Any]],
-         seeds: Sequence[int], settings_per_program: int | None = None
+         seeds: Sequence[int], settings_per_program: int | None = None,
+         built: Built | None = None, first: int = 0
          ) -> tuple[list[Group], list[str], list[str]]:
   """Groups the trials by their structural fields.
 
   Settings that share their structural fields form one group, split into
   groups of at most ``settings_per_program`` settings when that is given
-  (each group a compiled program over ``[seeds, settings]``).
+  (each group a compiled program over ``[seeds, settings]``), numbered
+  from ``first``. The experiment :func:`classify` builds goes to ``built``.
 
   Returns ``(groups, traced_fields, structural_fields)``.
   """
@@ -154,7 +193,7 @@ def plan(config: Any, settings: Sequence[Mapping[str, Any]],
   for s in settings:
     for seed in seeds:
       trial_config(config, s, seed)  # Every trial's config is valid.
-  traced, structural = classify(config, values, seeds[0])
+  traced, structural = classify(config, values, seeds[0], built)
   names = spec.short_names(paths)
   keyed: dict[str, list[dict[str, Any]]] = {}
   for s in settings:
@@ -168,7 +207,7 @@ def plan(config: Any, settings: Sequence[Mapping[str, Any]],
   for i, group_settings in enumerate(chunks):
     trials = [[Trial(spec.trial_name(s, seed, names), s, seed)
                for s in group_settings] for seed in seeds]
-    groups.append(Group(i, group_settings, tuple(seeds), trials))
+    groups.append(Group(first + i, group_settings, tuple(seeds), trials))
   return groups, traced, structural
 
 def check_trials(config: Any, settings: Sequence[Mapping[str, Any]],

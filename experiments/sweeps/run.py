@@ -58,17 +58,22 @@ import jax.numpy as jnp
 import ml_collections
 
 from fedjx.experiments import checkpointing
+from fedjx.experiments import compilation_cache
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import loop
 from fedjx.experiments import metrics_writers
+from fedjx.experiments import processes
 from fedjx.experiments import registry
 from fedjx.experiments.sweeps import group_round
+from fedjx.experiments.sweeps import record
 from fedjx.experiments.sweeps import spec
 from fedjx.experiments.sweeps import summary
+from fedjx.experiments import workdir as workdir_lib
 from fedjx.experiments import workdir_lock
 # Names documented here first; they live in the modules of their parts.
 # pylint: disable=unused-import
 from fedjx.experiments.sweeps.group_round import make_sweep_round
+from fedjx.experiments.sweeps.plan import Built
 from fedjx.experiments.sweeps.plan import Group
 from fedjx.experiments.sweeps.plan import Trial
 from fedjx.experiments.sweeps.plan import check_trials
@@ -109,17 +114,6 @@ class SweepResult:
 def _started(workdir: str) -> bool:
   """Whether a sweep in ``workdir`` has trained or written any trial."""
   return any(os.path.exists(os.path.join(workdir, d)) for d in ('groups', 'trials'))
-
-
-def _fingerprint(config: Any, settings: Sequence[Mapping[str, Any]],
-                 seeds: Sequence[int], settings_per_program: int | None
-                 ) -> dict[str, Any]:
-  base = json.loads(config_schema.validate(config).to_json_best_effort(sort_keys=True))
-  for key in config_schema.RESUMABLE_CHANGES:  # As for runs: these may change on resume.
-    base.pop(key, None)
-  return {'config': base,
-          'settings': json.loads(json.dumps(list(settings), sort_keys=True)),
-          'seeds': list(seeds), 'settings_per_program': settings_per_program}
 
 
 def _check_synchronous(config: Any) -> None:
@@ -166,11 +160,16 @@ def run_sweep(config: Any, workdir: str, settings: Sequence[Mapping[str, Any]],
   seeds = spec.parse_seeds(list(seeds))
   target_spec = summary.parse_target(target)
   check_trials(config, settings, seeds)  # Before anything is written.
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  with workdir_lock.hold(workdir):
-    return _sweep(config, workdir, settings, seeds, target_spec,
-                  settings_per_program, metric, log)
+  # One CPU device per core, as for runs (config.mesh='auto'), here to
+  # spread the trials over (trial_sharding): a count that divides the
+  # settings or the seeds.
+  processes.split_cpu(config_schema.with_defaults(config),
+                      [settings_per_program or len(settings), len(seeds)])
+  # A refused sweep (before it trains) removes the workdir it made.
+  with workdir_lib.made(workdir, (workdir_lock.LOCK_NAME, 'sweep.json')) as workdir:
+    with workdir_lock.hold(workdir):
+      return _sweep(config, workdir, settings, seeds, target_spec,
+                    settings_per_program, metric, log)
 
 
 def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
@@ -178,22 +177,29 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
            settings_per_program: int | None, metric: str | None,
            log: Callable[[str], None]) -> SweepResult:
   """The body of :func:`run_sweep`, holding the workdir's lock."""
-  fingerprint = _fingerprint(config, settings, seeds, settings_per_program)
+  c = config_schema.validate(trial_config(config, settings[0], seeds[0]))
+  try:  # Compiled programs kept on disk, as for runs (config.compilation_cache).
+    compilation_cache.enable(c.compilation_cache, workdir)
+  except ValueError as e:
+    raise config_schema.ConfigError(str(e)) from None
+  sweep = record.fingerprint(config, settings, seeds, settings_per_program)
   spec_path = os.path.join(workdir, 'sweep.json')
+  parts = [record.Part(sweep['settings'], sweep['seeds'])]
   if os.path.exists(spec_path) and _started(workdir):
     with open(spec_path, encoding='utf-8') as f:
-      if json.load(f) != fingerprint:
-        raise SweepError(f'{workdir} holds a different sweep (its sweep.json '
-                         'differs); use a new --workdir, or start over in it with --fresh.')
-  else:  # A sweep.json of a sweep that never started training is replaced.
-    metrics_writers.write_atomically(
-        spec_path, json.dumps(fingerprint, indent=2, sort_keys=True) + '\n')
-  groups, traced, structural = plan(config, settings, seeds, settings_per_program)
-  n_trials = len(settings) * len(seeds)
+      saved = json.load(f)
+    # The same sweep, or one with more values or seeds; else one line.
+    parts = record.extend(saved, sweep, workdir)
+  # (A sweep.json of a sweep that never started training is replaced.)
+  metrics_writers.write_atomically(spec_path, json.dumps(
+      record.with_parts(sweep, parts), indent=2, sort_keys=True) + '\n')
+  built = Built()  # The experiment classify builds, for the group that trains it.
+  groups, fingerprints, traced, structural = _plan_parts(
+      config, sweep, parts, built)
+  n_trials = sum(len(p.settings) * len(p.seeds) for p in parts)
   log(f'fedjx-sweep: {n_trials} trials in {len(groups)} program(s); vectorized: '
       f'seed{"".join(", " + p for p in traced)}; separate programs: '
       f'{", ".join(structural) or "none"}.')
-  c = config_schema.validate(trial_config(config, settings[0], seeds[0]))
   # The bar counts every group's rounds and starts at those its checkpoints
   # hold (a group corrects its share if it restores an older one).
   shares = [trial_config(config, g.settings[0], g.seeds[0]).rounds for g in groups]
@@ -203,9 +209,11 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
   stopped_by = None
   try:
     with loop.StopFlag().installed() as flag:
-      for group, counted in zip(groups, done):
-        if _run_group(config, group, workdir, flag, log, bar, fingerprint, counted):
+      for group, fingerprint, counted in zip(groups, fingerprints, done):
+        if _run_group(config, group, workdir, flag, log, bar, fingerprint, counted,
+                      built):
           stopped_by = flag.signum
+          bar.close()  # The message goes below the bar, which stays.
           log(f'fedjx-sweep: interrupted ({signal.Signals(flag.signum).name}); '
               f'checkpoints saved in {workdir}. Run the same command again to '
               'continue.')
@@ -220,6 +228,24 @@ def _sweep(config: Any, workdir: str, settings: list[dict[str, Any]],
         plot=c.plot, metric=metric)
   return SweepResult(trials, traced, structural, len(groups), stopped_by is not None,
                      rows, workdir, stopped_by)
+
+
+def _plan_parts(config: Any, sweep: Mapping[str, Any], parts: Sequence[record.Part],
+                built: Built | None = None
+                ) -> tuple[list[Group], list[dict[str, Any]], list[str], list[str]]:
+  """Every part's groups (numbered on from the previous part's), the
+  fingerprint each group's checkpoints carry, and the traced and structural
+  fields of them all."""
+  groups, fingerprints, traced, structural = [], [], [], []
+  for part in parts:
+    found, t, st = plan(config, part.settings, part.seeds,
+                        sweep['settings_per_program'], built, first=len(groups))
+    groups += found
+    fingerprints += [record.part_fingerprint(sweep, part)] * len(found)
+    traced += [f for f in t if f not in traced]
+    structural += [f for f in st if f not in structural]
+  traced = [f for f in traced if f not in structural]
+  return groups, fingerprints, traced, structural
 
 
 def _rounds_done(workdir: str, group: Group, rounds: int) -> int:
@@ -240,8 +266,8 @@ def load_trial_state(workdir: str, trial: str) -> tuple[Any, int]:
   with open(os.path.join(workdir, 'sweep.json'), encoding='utf-8') as f:
     saved = json.load(f)
   config = ml_collections.ConfigDict(saved['config'])
-  groups, _, _ = plan(config, saved['settings'], saved['seeds'],
-                      saved.get('settings_per_program'))
+  groups, _, _, _ = _plan_parts(config, dict(saved, settings_per_program=saved.get(
+      'settings_per_program')), record.parts(saved))
   for group in groups:
     for i, row in enumerate(group.trials):
       for j, t in enumerate(row):

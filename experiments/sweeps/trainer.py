@@ -28,6 +28,7 @@ from fedjx.experiments import privacy as privacy_lib
 from fedjx.experiments.sweeps import group_round
 from fedjx.experiments.sweeps import spec
 from fedjx.experiments.sweeps.group_round import make_sweep_round
+from fedjx.experiments.sweeps.plan import Built
 from fedjx.experiments.sweeps.plan import Group
 from fedjx.experiments.sweeps.plan import Trial
 from fedjx.experiments.sweeps.plan import trial_config
@@ -45,13 +46,15 @@ class GroupTrainer:
 
   def __init__(self, config: Any, group: Group, workdir: str,
                log: Callable[[str], None], bar: Any, fingerprint: dict[str, Any],
-               ckpt: checkpointing.Checkpointer, group_dir: str, counted: int = 0):
+               ckpt: checkpointing.Checkpointer, group_dir: str, counted: int = 0,
+               built: Built | None = None):
     self.group, self.workdir, self.log, self.bar = group, workdir, log, bar
     self.fingerprint = fingerprint
-    self.exps, algorithm, states, configs = group_round.group_states(config, group)
+    self.exps, algorithm, states, configs = group_round.group_states(
+        config, group, built)
     self.c = c = configs[0][0]
     self.shape = (len(group.seeds), len(group.settings))
-    alive = jnp.ones(self.shape, bool)
+    alive = jax.device_put(np.ones(self.shape, bool))
     self._sharding = group_round.trial_sharding(self.shape)
     self.start, restored = 0, self._restore(ckpt, (states, alive), group_dir)
     if restored is not None:
@@ -72,12 +75,14 @@ class GroupTrainer:
                     for row, exp in zip(configs, self.exps)]
     self.schedule = loop.Schedule.of(c, max(b.stop for row in self.budgets for b in row))
     self.writers = self._writers(config, resume=self.start if restored else None)
+    self._round_keys = jnp.stack([e.round_key for e in self.exps])
     self.step_fn = make_sweep_round(algorithm, c.nonfinite)
     group_round.check_memory(self.step_fn, group, (
         self.state[0], jax.device_put(group_round.stacked_cohort(self.exps, c, self.start)),
         self._keys(self.start), self.state[1]))
     self._t0 = time.perf_counter()
     self._evaluable = self.alive
+    self._host_params: Any = None  # The trials' parameters on the host, if read.
 
   def _restore(self, ckpt: checkpointing.Checkpointer, like: Any,
                group_dir: str) -> Any:
@@ -104,7 +109,9 @@ class GroupTrainer:
              for t in row] for row in self.group.trials]
 
   def _keys(self, r: int) -> jax.Array:
-    return jnp.stack([e.round_key_for(r) for e in self.exps])
+    """Each seed's round key of round ``r`` (``fold_in(round_key, r)``, as its
+    run's), ``[S]``, in one call."""
+    return _fold_in(self._round_keys, r)
 
   def _each(self, mask: np.ndarray) -> Iterator[tuple[int, int]]:
     return zip(*(a.tolist() for a in np.nonzero(mask)))
@@ -123,11 +130,11 @@ class GroupTrainer:
     step, interrupted = self.start, False
     if self.start < self.schedule.stop:
       step, interrupted = loop.train(self, self.saves, self.schedule, self.start, flag)
-    params = self.state[0].params
     for i, j in self._each(np.ones(self.shape, bool)):
-      self.budgets[i][j].finish(min(step, self.budgets[i][j].stop), interrupted,
-                                jax.tree.map(lambda x: x[i, j], params),
-                                self._trial_dir(self.group.trials[i][j]), True, quiet)
+      budget = self.budgets[i][j]
+      if budget.plan is not None:
+        budget.finish(min(step, budget.stop), interrupted, self._params(i, j),
+                      self._trial_dir(self.group.trials[i][j]), True, quiet)
     if interrupted:
       loop.interrupt(self, self.saves, step)
     elif step < self.c.rounds:  # Privacy budgets ended every trial early.
@@ -150,6 +157,7 @@ class GroupTrainer:
     states, alive = self.state
     states, metrics, alive = self.step_fn(states, cohort, self._keys(r), alive)
     self.state = (states, alive)
+    self._host_params = None
     return metrics
 
   def collect(self, r: int, cohort: Any, metrics: Any) -> list[list[dict[str, float]]]:
@@ -178,16 +186,24 @@ class GroupTrainer:
       return
     for i, j in self._each(self._evaluable):
       if self.schedule.evaluates(step) or step == self.budgets[i][j].stop:
-        params = jax.tree.map(lambda x: x[i, j], self.state[0].params)
-        rows[i][j].update(self.exps[i].evaluate(params))
+        rows[i][j].update(self.exps[i].evaluate(self._params(i, j)))
 
   def record(self, step: int, rows: list[list[dict[str, float]]]) -> None:
-    params = self.state[0].params
     for i, j in self._each(self._written):
-      finite = bool(self._evaluable[i, j])
-      rows[i][j].update(self.budgets[i][j].row(
-          step, finite, jax.tree.map(lambda x: x[i, j], params)))
+      budget = self.budgets[i][j]
+      if budget.plan is not None:  # Without one, a budget adds nothing.
+        rows[i][j].update(budget.row(
+            step, bool(self._evaluable[i, j]),
+            self._params(i, j) if budget.audits(step) else None))
     self._write(step, rows, self._written)
+
+  def _params(self, i: int, j: int) -> Any:
+    """Trial ``(i, j)``'s server parameters as NumPy arrays: the stacked
+    parameters are copied to the host once per round that reads them (an
+    evaluation gathers them to the host anyway), then sliced there."""
+    if self._host_params is None:
+      self._host_params = jax.device_get(self.state[0].params)
+    return jax.tree.map(lambda x: x[i, j], self._host_params)
 
   def meta(self, step: int) -> dict[str, Any]:
     return {'step': step, 'elapsed_s': self.elapsed(), 'sweep': self.fingerprint}
@@ -210,13 +226,18 @@ class GroupTrainer:
       self.writers[i][j].write(step, dict(rows[i][j], elapsed_s=round(self.elapsed(), 4)))
 
 
+_fold_in = jax.jit(jax.vmap(jax.random.fold_in, in_axes=(0, None)))
+
+
 def run_group(config: Any, group: Group, workdir: str, flag: loop.StopFlag,
               log: Callable[[str], None], bar: Any, fingerprint: dict[str, Any],
-              counted: int = 0) -> bool:
+              counted: int = 0, built: Built | None = None) -> bool:
   """Trains one group to ``config.rounds``; returns True when interrupted.
 
   ``bar`` counts rounds; it has counted ``counted`` of this group's already
-  (the rounds its newest checkpoint holds).
+  (the rounds its newest checkpoint holds). The group's experiments built
+  ahead (:class:`~fedjx.experiments.sweeps.plan.Built`) are taken from
+  ``built``.
   """
   group_dir = os.path.join(workdir, 'groups', group.name)
   c = trial_config(config, group.settings[0], group.seeds[0])
@@ -225,7 +246,7 @@ def run_group(config: Any, group: Group, workdir: str, flag: loop.StopFlag,
   trainer = None
   try:
     trainer = GroupTrainer(config, group, workdir, log, bar, fingerprint, ckpt,
-                           group_dir, counted)
+                           group_dir, counted, built)
     return trainer.train(flag)
   finally:
     if trainer is not None:

@@ -12,7 +12,8 @@ pieces on a deployment engine; fedjx builds no transport of its own.
 * :mod:`fedjx.deploy.rounds`: an experiment config's rounds as server and
   node halves, independent of any engine;
 * :mod:`fedjx.deploy.flower`: a Flower ServerApp and ClientApp over them
-  (needs the ``flower`` extra: ``pip install 'fedjx[flower]'``).
+  (needs the ``flower`` extra: ``pip install -e '.[flower]'`` from a
+  checkout, i.e. ``flwr>=1.42``).
 * :mod:`fedjx.deploy.cli`: ``fedjx-deploy``, a config's rounds on a local
   Flower federation (checked before any process starts; stopped with a
   checkpoint of the last complete round).

@@ -20,7 +20,8 @@ evaluation at the end.
 SIGTERM or Ctrl-C asks the ServerApp to stop (``workdir/deploy.stop``): it
 drops the round in flight and saves a checkpoint of the last complete one;
 then the SuperLink is stopped, then the nodes. Running the same command
-again resumes from that checkpoint. Exit status: 0 done; 1 the federation's
+again resumes from that checkpoint. Exit status: 0 done; 1 the federation
+did not start (one line: e.g. its port was taken by another program) or its
 run ended before its last round (see the run's log); 2 a usage or config
 error; 130/143 stopped by Ctrl-C/SIGTERM.
 """
@@ -38,6 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from fedjx import _install
 from fedjx.deploy import flower_app
 from fedjx.deploy import local
 
@@ -47,6 +49,11 @@ PROG = 'fedjx-deploy'
 USAGE_STATUS = 2
 FAILED_STATUS = 1
 STOP_FILE = 'deploy.stop'  # fedjx.deploy.flower.STOP_FILE (no Flower import here).
+# Flower's upper bounds on packages that other extras install newer
+# (flwr 1.42.0's metadata): installing it downgrades them.
+FLOWER_MISSING = ('Flower is not installed: {install} (Flower caps packaging<26, '
+                  'rich<15 and cryptography<51, so pip downgrades newer ones; '
+                  'fedjx and its tests run with either).')
 # Seconds the ServerApp has to save its checkpoint after a stop request.
 STOP_GRACE_S = 60.0
 _CONFIG_OVERRIDE = re.compile(r'^--config\.([A-Za-z0-9_.]+)=(.*)$')
@@ -133,6 +140,13 @@ def validate(args: argparse.Namespace) -> Any:
     workdir_lib.check(args.workdir)
   except workdir_lib.WorkdirError as e:
     raise UsageError(_one_line(e)) from None
+  # Before the config, which imports JAX (seconds): a missing Flower is
+  # told at once.
+  if importlib.util.find_spec('flwr') is None:
+    raise UsageError(FLOWER_MISSING.format(install=_install.command('flower')))
+  if args.simulation and importlib.util.find_spec('ray') is None:
+    raise UsageError("--simulation needs Flower's simulation engine, which runs "
+                     "on Ray: pip install 'flwr[simulation]'.")
   from fedjx.deploy import rounds  # pylint: disable=g-import-not-at-top
   try:
     config = rounds.load_config(args.config, args.overrides)
@@ -151,18 +165,14 @@ def validate(args: argparse.Namespace) -> Any:
         f'--nodes={args.nodes}, but config.dataset has {server.num_clients} '
         f'training clients; one node holds one client: give --nodes '
         f'{server.num_clients} or --overrides "dataset.num_clients={args.nodes}".')
-  # Last: a command that is wrong anyway says so before asking for installs.
-  if importlib.util.find_spec('flwr') is None:
-    raise UsageError("Flower is not installed: pip install 'fedjx[flower]'.")
-  if args.simulation and importlib.util.find_spec('ray') is None:
-    raise UsageError("--simulation needs Flower's simulation engine, which runs "
-                     "on Ray: pip install 'flwr[simulation]'.")
   return config
 
 
 def _one_line(e: BaseException) -> str:
   text = ' '.join(str(e).split()) or type(e).__name__
-  return text.removeprefix('fedjx.deploy: ').removeprefix('fedjx.deploy.flower: ')
+  for prefix in ('fedjx.deploy: ', 'fedjx.deploy.flower: ', 'fedjx.deploy.local: '):
+    text = text.removeprefix(prefix)
+  return text
 
 
 def _absolute_config(spec: str) -> str:
@@ -334,6 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except UsageError as e:
     print(f'{PROG}: {e}', file=sys.stderr)
     return USAGE_STATUS
+  except local.FederationError as e:  # Before any node started.
+    print(f'{PROG}: {_one_line(e)}', file=sys.stderr)
+    return FAILED_STATUS
   except _Stop as stop:
     print(f'{PROG}: stopped by {stop} during start-up.', file=sys.stderr)
     return 128 + stop.signum

@@ -30,7 +30,8 @@ name = "fedjx-flower"
 version = "{version}"
 description = "fedjx rounds on Flower: server_prepare and server_update on the server, client_work on the nodes"
 license = "Apache-2.0"
-# The server and every node need fedjx installed (pip install 'fedjx[flower]').
+# The server and every node need fedjx installed with its flower extra
+# (pip install -e '.[flower]' from a checkout).
 dependencies = []
 
 [tool.flwr.app]

@@ -4,7 +4,11 @@
 processes on 127.0.0.1 (ports found by binding port 0), node ``i`` with
 ``--node-config "partition-id=i num-partitions=N"``, and submits a Flower
 App to them with ``flwr run`` (the SuperLink connection is written to a
-private ``FLWR_HOME``). Each process runs in a session of its own, so
+private ``FLWR_HOME``). The nodes start once the SuperLink itself listens
+on its port: a port that another program took between the pick and the
+SuperLink's bind is a :class:`FederationError` of one line, as is a
+SuperLink that exits (the reason from its log), at once, before any node
+starts. Each process runs in a session of its own, so
 stopping it (SIGTERM, then SIGKILL after ``grace`` seconds) also stops the
 ServerApp and ClientApp processes it started; :meth:`LocalFederation.stop`
 runs on leaving the ``with`` block, on an error as well as on Ctrl-C.
@@ -15,6 +19,7 @@ This module imports neither JAX nor Flower: it runs Flower's commands.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -25,9 +30,16 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ['CONNECTION', 'LocalFederation', 'descendants', 'free_port']
+from fedjx import _install
+
+__all__ = ['CONNECTION', 'FederationError', 'LocalFederation', 'descendants',
+           'free_port', 'listening_sockets']
 
 CONNECTION = 'fedjx-local'
+
+
+class FederationError(RuntimeError):
+  """The local federation could not start (one line: what, and the log to read)."""
 
 
 def free_port() -> int:
@@ -44,7 +56,7 @@ def _command(name: str) -> str:
   if found is None:
     raise FileNotFoundError(
         f'fedjx.deploy.local: {name!r} is not installed; install the flower '
-        "extra: pip install 'fedjx[flower]'.")
+        f"extra: {_install.command('flower')}.")
   return found
 
 
@@ -79,6 +91,72 @@ def descendants(pid: int) -> list[tuple[int, int, int]]:
       found.append(child)
       todo.append(child[0])
   return found
+
+
+_LISTEN = '0A'  # The state of a listening socket in /proc/net/tcp.
+# The addresses (as /proc/net/tcp and tcp6 write them) whose listeners hold
+# 127.0.0.1's port: 127.0.0.1 itself, every IPv4 address, every address of
+# a dual-stack IPv6 socket, and 127.0.0.1 mapped into IPv6.
+_LOOPBACK_HOLDERS = {'0100007F', '00000000', '0' * 32, '0000000000000000FFFF00000100007F'}
+
+
+def listening_sockets(port: int) -> set[int] | None:
+  """The inodes of the TCP sockets listening on 127.0.0.1:``port`` (or on
+  every address), from ``/proc/net/tcp`` and ``tcp6``; None where those
+  cannot be read."""
+  found, read = set(), False
+  for table in ('/proc/net/tcp', '/proc/net/tcp6'):
+    try:
+      with open(table, encoding='ascii') as f:
+        rows = f.read().splitlines()[1:]
+    except OSError:
+      continue
+    read = True
+    for row in rows:
+      # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+      fields = row.split()
+      if len(fields) <= 9 or fields[3] != _LISTEN:
+        continue
+      address, _, at = fields[1].rpartition(':')
+      if int(at, 16) == port and address.upper() in _LOOPBACK_HOLDERS:
+        found.add(int(fields[9]))
+  return found if read else None
+
+
+def _sockets_of(pid: int) -> set[int]:
+  """The inodes of the sockets process ``pid`` holds open."""
+  held = set()
+  try:
+    fds = os.listdir(f'/proc/{pid}/fd')
+  except OSError:
+    return held
+  for fd in fds:
+    try:
+      target = os.readlink(f'/proc/{pid}/fd/{fd}')
+    except OSError:
+      continue
+    if target.startswith('socket:['):
+      held.add(int(target[len('socket:['):-1]))
+  return held
+
+
+_ANSI = re.compile(r'\x1b\[[0-9;]*m')
+
+
+def _reason(log: str) -> str | None:
+  """The last error a process wrote to ``log`` (an OS error first), one line."""
+  try:
+    with open(log, encoding='utf-8', errors='replace') as f:
+      lines = [_ANSI.sub('', line).strip() for line in f]
+  except OSError:
+    return None
+  for pattern in (r'\[Errno \d+\]', r'\bERROR\b|Error\b'):
+    found = [line for line in lines if re.search(pattern, line)]
+    if found:  # Without its time stamp and level: from the error itself.
+      line = found[-1]
+      start = re.search(r'\[Errno \d+\]|\w*Error\b', line)
+      return line[start.start():] if start else line
+  return None
 
 
 def _toml_value(value: Any) -> str:
@@ -118,6 +196,12 @@ class LocalFederation:
     self.grace = grace
     self.simulation = simulation
     self.env = dict(os.environ)
+    # Flower's processes start its other commands by name (the SuperLink its
+    # SuperExec, a node its ClientApps): from this Python's environment too,
+    # where it is not on PATH (a virtual environment that is not activated).
+    here = os.path.dirname(sys.executable)
+    self.env['PATH'] = os.pathsep.join(
+        [here] + [p for p in self.env.get('PATH', '').split(os.pathsep) if p and p != here])
     # Several JAX processes share one accelerator: none takes most of its memory.
     self.env.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
     self.env.update(env or {})
@@ -138,18 +222,40 @@ class LocalFederation:
 
   def _wait_listening(self, port: int, process: subprocess.Popen, name: str,
                       timeout: float) -> None:
+    """Returns once ``process`` (or a process it started) listens on ``port``.
+
+    Raises :class:`FederationError` at once when the process exits (with the
+    error its log ends on) or when another program listens on the port
+    (taken between the pick and the bind: the SuperLink's own bind fails).
+    Where ``/proc`` cannot tell who listens, a connection to the port is
+    taken as the process listening.
+    """
     deadline = time.monotonic() + timeout
+    where = f'127.0.0.1:{port}'
     while time.monotonic() < deadline:
       if process.poll() is not None:
-        raise RuntimeError(f'fedjx.deploy.local: {name} exited with status '
-                           f'{process.returncode}; see {self.log_path(name)}.')
-      with socket.socket() as s:
-        s.settimeout(0.5)
-        if s.connect_ex(('127.0.0.1', port)) == 0:
+        reason = _reason(self.log_path(name))
+        raise FederationError(
+            f'fedjx.deploy.local: {name} exited with status {process.returncode}'
+            + (f' ({reason})' if reason else '') + f'; see {self.log_path(name)}.')
+      held = listening_sockets(port)
+      if held is None:  # No /proc: whoever answers is taken to be it.
+        with socket.socket() as s:
+          s.settimeout(0.5)
+          if s.connect_ex(('127.0.0.1', port)) == 0:
+            return
+      elif held:
+        ours = _sockets_of(process.pid).union(
+            *(_sockets_of(pid) for pid, _, _ in descendants(process.pid)))
+        if held & ours:
           return
-      time.sleep(0.2)
-    raise TimeoutError(f'fedjx.deploy.local: {name} did not listen on 127.0.0.1:'
-                       f'{port} within {timeout:g} s; see {self.log_path(name)}.')
+        raise FederationError(
+            f'fedjx.deploy.local: another program listens on {where}, which was '
+            f'free when it was picked for the {name}; the {name} cannot bind it. '
+            'Run the command again (it picks another port).')
+      time.sleep(0.1)
+    raise FederationError(f'fedjx.deploy.local: {name} did not listen on {where} '
+                          f'within {timeout:g} s; see {self.log_path(name)}.')
 
   def log_path(self, name: str) -> str:
     return os.path.join(self.home, f'{name}.log')

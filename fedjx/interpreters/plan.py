@@ -195,6 +195,8 @@ class Plan:
     live_after: for each step index, the values that later steps or the
       outputs read.
     num_clients: the size of the placement.
+    placement: its name (e.g. ``'clients'``), from the program's maps,
+      broadcasts and reductions; None when it has none of them.
   """
   steps: tuple[Step, ...]
   in_ids: tuple[int, ...]
@@ -209,6 +211,7 @@ class Plan:
   client_args: tuple[int, ...] = ()
   broadcast_sources: dict[int, int] = dataclasses.field(default_factory=dict)
   live_after: tuple[frozenset[int], ...] = ()
+  placement: str | None = None
 
   @property
   def client_in_ids(self) -> tuple[int, ...]:
@@ -250,6 +253,7 @@ class _Builder:
     self.steps: list[Step] = []
     self.server_block: list[Any] = []
     self.num_clients: int | None = None
+    self.placement: str | None = None
     self.broadcast_source: dict[int, int] = {}
     self.collected: dict[int, int] = {}
 
@@ -267,7 +271,9 @@ class _Builder:
       return i
     return env[var]
 
-  def set_clients(self, n, what):
+  def set_clients(self, n, what, placement=None):
+    if placement is not None and self.placement is None:
+      self.placement = placement
     if self.num_clients is None:
       self.num_clients = n
     elif n != self.num_clients:
@@ -317,14 +323,15 @@ class _Builder:
           raise UnplaceableOperationError(
               'fedjx: broadcast of a placed value (nested placements) cannot be '
               'interpreted; interpreters support one placement.')
-        self.set_clients(eqn.params['n'], 'broadcast')
+        self.set_clients(eqn.params['n'], 'broadcast', eqn.params['placement'])
         out = self.new_id(eqn.outvars[0].aval, BROADCAST)
         self.broadcast_source[out] = ids[0]
         self.flush()
         self.steps.append(BroadcastStep(ids[0], out))
         outs = [out]
       elif prim in REDUCTIONS:
-        self.set_clients(eqn.invars[0].aval.shape[0], prim.name)
+        self.set_clients(eqn.invars[0].aval.shape[0], prim.name,
+                         eqn.params['placement'])
         if all(k != CLIENT for k in kinds):
           outs = self.server_eqn(eqn, [self.materialize(i) for i in ids])
         else:
@@ -465,7 +472,7 @@ class _Builder:
         raise UnplaceableOperationError(
             'fedjx: a function given to map_fn closes over a client value; pass '
             "placed values through map_fn's arguments instead.")
-    self.set_clients(scan.params['length'], name)
+    self.set_clients(scan.params['length'], name, name[len(MAP_NAME_PREFIX):])
     const_ids = [self.materialize(i) for i in const_ids]
     self.flush()
     out_ids = [self.new_id(v.aval, CLIENT) for v in scan.outvars]
@@ -736,15 +743,41 @@ def trace_plan(fn: Callable[..., Any], *args: Any) -> Plan:
   return trace_plan_with_clients(fn, args, client_args=())
 
 
+# The empty mesh: a plan is traced with none, whatever mesh is set.
+_NO_MESH = jax.sharding.Mesh(np.empty((), dtype=object), ())
+
+
+def _unplaced_spec(x: Any) -> jax.ShapeDtypeStruct:
+  """``x``'s shape and dtype (weak or not), without the mesh its type names."""
+  aval = jax.typeof(x)
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
 def trace_plan_with_clients(fn: Callable[..., Any], args: Sequence[Any],
                             client_args: Sequence[int]) -> Plan:
   """Like :func:`trace_plan`; ``args[i]`` for ``i`` in ``client_args`` are
-  placed values held by the clients (e.g. a cohort)."""
-  # The forced strategy is part of JAX's cache keys (a user context), so a
+  placed values held by the clients (e.g. a cohort).
+
+  The program is traced from the shapes and dtypes of ``args`` (not their
+  shardings), with ``map_fn``'s ``'sequential'`` strategy and no mesh,
+  whatever mesh is set (``jax.set_mesh``): a plan is the program's MapReduce
+  structure, not a layout on devices. On a mesh, ``map_fn`` would
+  lay the clients over the devices (vmapped rows of clients, sharding
+  constraints on them), and the per-client computation could not be read
+  from the scan's body; each interpreter places the plan's steps on its own
+  devices (:mod:`fedjx.streaming` splits a chunk's clients over the mesh).
+  """
+  # The forced strategy and the mesh are part of JAX's cache keys, so a
   # jitted ``fn`` traced here neither reuses nor replaces its ordinary traces.
-  with frames.force_map_strategy('sequential'):
-    closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
-  flat_args, in_tree = jax.tree.flatten(tuple(args))
+  # The plan's own traces (per-client forms of operations) see no mesh either.
+  with frames.force_map_strategy('sequential'), jax.set_mesh(_NO_MESH):
+    return _trace_plan(fn, tuple(args), client_args)
+
+
+def _trace_plan(fn, args, client_args) -> Plan:
+  specs = jax.tree.map(_unplaced_spec, args)
+  closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*specs)
+  _, in_tree = jax.tree.flatten(args)
   arg_leaves = [len(jax.tree.leaves(arg)) for arg in args]
   client_leaf = []
   for position, count in enumerate(arg_leaves):
@@ -769,7 +802,7 @@ def trace_plan_with_clients(fn: Callable[..., Any], args: Sequence[Any],
               builder.consts, builder.num_clients, arg_ids=tuple(arg_ids),
               client_args=tuple(sorted(set(client_args))),
               broadcast_sources=dict(builder.broadcast_source),
-              live_after=tuple(live_after))
+              live_after=tuple(live_after), placement=builder.placement)
 
 
 def is_key(dtype) -> bool:
