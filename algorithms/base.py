@@ -81,8 +81,9 @@ class Algorithm(NamedTuple):
       ``round``; compose it with ``jax.grad`` (e.g. with respect to
       ``state.hparams``), ``jax.vmap`` or :func:`scan_rounds`. It does not
       donate: ``apply(state, ...)`` twice from one state compares variants.
-    compiler: ``compiler(map_strategy, chunk_size, donate) -> Algorithm``,
-      used by :meth:`compile` (None for algorithms assembled by hand).
+    compiler: ``compiler(map_options, donate) -> Algorithm``, with
+      ``map_options`` a checked :class:`fedjx.options.MapOptions`; used by
+      :meth:`compile` (None for algorithms assembled by hand).
     client_state_init: None for an algorithm whose clients keep no state
       outside the server state. Otherwise ``client_state_init(params) ->
       pytree``: the state of one client that has never participated (the
@@ -107,17 +108,22 @@ class Algorithm(NamedTuple):
   client_state_init: Callable[[Params], PyTree] | None = None
   traits: Traits = traits_lib.NONE
 
-  def compile(self, map_strategy: str = 'auto', chunk_size: int | None = None,
+  def compile(self, map_strategy: 'str | options.MapOptions' = 'auto',
+              chunk_size: int | None = None,
               donate: bool = True) -> 'Algorithm':
     """The algorithm with its rounds run under these execution options.
 
     How clients run is not part of an algorithm: every builder makes the
     same round, and ``compile`` chooses how ``fedjx.program`` maps it over
-    clients. The options are validated here, once.
+    clients. The options are checked here, once, and carried from here as
+    one :class:`fedjx.options.MapOptions`.
 
     Args:
       map_strategy: one of ``fedjx.MAP_STRATEGIES`` (``'auto'``, ``'vmap'``,
-        ``'chunked'``, ``'sequential'``), see ``fedjx.program``.
+        ``'chunked'``, ``'sequential'``), see ``fedjx.program``; or a
+        :class:`fedjx.options.MapOptions` already checked (e.g. a config's,
+        ``fedjx.options.RoundOptions.of(config).map``; then ``chunk_size``
+        is None).
       chunk_size: clients per chunk for ``map_strategy='chunked'`` (a
         positive int or None).
       donate: whether ``round`` and ``run_rounds`` donate the state's
@@ -129,12 +135,16 @@ class Algorithm(NamedTuple):
       use the options; ``init`` is unchanged.
     """
     fn = 'Algorithm.compile'
-    options.check_map_options(map_strategy, chunk_size, f'{fn}: ')
+    map_options = options.MapOptions.of(map_strategy, chunk_size, f'{fn}: ')
     options.check_donate(donate, f'{fn}: ')
     if self.compiler is None:
       raise ValueError(f'{fn}: this Algorithm has compiler=None (it was not '
                        'made by make_algorithm), so it cannot be recompiled.')
-    return self.compiler(map_strategy, chunk_size, donate)
+    return self.compiler(map_options, donate)
+
+
+# The map options of an algorithm not compiled yet: 'auto', no chunk size.
+_DEFAULT_MAP = options.MapOptions()
 
 
 class ServerState(NamedTuple):
@@ -549,7 +559,7 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
   """Wraps an algorithm's ``init`` and round (a fedjx program body).
 
   ``round_fn`` is written with the fedjx primitives and called inside
-  ``fedjx.program(clients=C, map_strategy=..., chunk_size=...)``, with ``C``
+  ``fedjx.program(clients=C, map_strategy=map_options)``, with ``C``
   the cohort size read from ``cohort.mask``. The execution options are those
   of :meth:`Algorithm.compile` (default ``'auto'``, no chunks, donating).
   ``loss_fn`` and ``metrics_fn`` are the model's, checked against the
@@ -577,7 +587,7 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
     check_hparams(name, state.hparams)
     return _fresh_copy(state)
 
-  def compiler(strategy: str, chunks: int | None, donate: bool) -> Algorithm:
+  def compiler(map_options: options.MapOptions, donate: bool) -> Algorithm:
     def apply(state: Any, cohort: Cohort, key: jax.Array) -> tuple[Any, Metrics]:
       c = check_cohort(name, cohort)
       if not traits.indexed_batches and fedjx.indexed.is_indexed(
@@ -586,8 +596,7 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
       check_model(name, loss_fn, metrics_fn, state.params, cohort)
       if client_state_init is not None:
         check_client_states(name, cohort, c)
-      program = fedjx.program(clients=c, map_strategy=strategy,
-                              chunk_size=chunks)
+      program = fedjx.program(clients=c, map_strategy=map_options)
       return program(round_fn)(state, cohort, key)
 
     def run(state, cohorts, keys):
@@ -609,4 +618,4 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
                      apply=apply, compiler=compiler,
                      client_state_init=client_state_init, traits=traits)
 
-  return compiler('auto', None, True)
+  return compiler(_DEFAULT_MAP, True)

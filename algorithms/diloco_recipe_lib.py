@@ -118,7 +118,7 @@ def with_inner_grad_norm(algorithm: kit.Algorithm) -> kit.Algorithm:
     return inner._replace(
         round=constant_hoisting.jit(apply, donate_argnums=donated),
         run_rounds=constant_hoisting.jit(run, donate_argnums=donated), apply=apply,
-        compiler=lambda s, c, d: wrap(inner.compiler(s, c, d), d))
+        compiler=lambda m, d: wrap(inner.compiler(m, d), d))
 
   return wrap(algorithm, True)
 

@@ -175,7 +175,7 @@ def scheduled(algorithm: base.Algorithm, hparam_schedules: Mapping[str, Any], *,
     return inner._replace(
         init=init, round=constant_hoisting.jit(apply, donate_argnums=donated),
         run_rounds=constant_hoisting.jit(run, donate_argnums=donated), apply=apply,
-        compiler=lambda s, c, d: wrap(inner.compiler(s, c, d), d))
+        compiler=lambda m, d: wrap(inner.compiler(m, d), d))
 
   return wrap(algorithm, True)
 

@@ -240,8 +240,8 @@ def hypergradient_tuner(algo: base.Algorithm, loss_fn: base.LossFn, *,
     def run(state, cohorts, keys):
       return base.scan_rounds(apply, state, cohorts, keys)
 
-    def compiler(map_strategy, chunk_size, donate):
-      return assemble(algo.compile(map_strategy, chunk_size), donate)
+    def compiler(map_options, donate):
+      return assemble(algo.compiler(map_options, True), donate)
 
     apply.__name__ = f'{name}_round'
     run.__name__ = f'{name}_run_rounds'

@@ -32,6 +32,7 @@ from fedjx.experiments import lora_setup
 from fedjx.experiments import privacy as privacy_lib
 from fedjx.experiments import registry
 from fedjx.experiments.config import with_defaults
+from fedjx.options import RoundOptions
 
 
 @dataclasses.dataclass
@@ -138,8 +139,7 @@ def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
   spec = privacy_lib.algorithm_spec(config, num_clients)
   algorithm = registry.build_algorithm(
       attack_lib.algorithm_spec(config, spec, num_clients), model,
-      map_strategy=config.map_strategy,
-      chunk_size=config.chunk_size, num_clients=num_clients,
+      map_options=RoundOptions.of(config).map, num_clients=num_clients,
       skip_nonfinite=guarded, placement=placement)
   if placement == 'device' and getattr(algorithm, 'client_state_init', None) is not None:
     raise registry.ConfigError(

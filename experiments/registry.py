@@ -34,6 +34,7 @@ from fedjx.experiments import data as data_lib
 from fedjx.experiments import errors
 from fedjx.experiments import parts
 from fedjx.experiments import signatures
+from fedjx.options import MapOptions
 
 
 ConfigError = errors.ConfigError
@@ -318,8 +319,11 @@ def runner_options(name: str) -> tuple[str, ...]:
   return tuple(k for k in RUNNER_OPTIONS if var or k in names)
 
 
-def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto',
-                    chunk_size: int | None = None,
+_DEFAULT_MAP = MapOptions()  # what an algorithm not compiled again runs with
+
+
+def build_algorithm(spec: Any, model: models.Model, *,
+                    map_options: MapOptions = _DEFAULT_MAP,
                     num_clients: int | None = None,
                     skip_nonfinite: bool | None = None,
                     placement: str | None = None) -> Any:
@@ -333,8 +337,9 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
   non-finite guard; left to the builder's default when None) if it takes
   them, and, for an algorithm with per-client state, the population size
   ``num_clients`` as its ``population`` option unless the config sets it. How clients run is not the builder's business:
-  a ``map_strategy`` or ``chunk_size`` other than the defaults is applied
-  once, with ``algorithm.compile(map_strategy=..., chunk_size=...)``.
+  ``map_options`` (the config's, checked where it entered,
+  ``fedjx.options.RoundOptions.of(config).map``), when not the defaults,
+  is applied once, with ``algorithm.compile(map_options)``.
   ``placement`` (``config.client_state.placement``, None: the builder's
   default) sets its declared ``client_state`` option: ``'store'``, or
   ``'dense'`` for ``'device'``.
@@ -366,12 +371,12 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
       traits.client_state not in kwargs):
     kwargs[traits.client_state] = 'dense' if placement == 'device' else 'store'
   algorithm = builder(model.loss_fn, **kwargs)
-  if (map_strategy, chunk_size) != ('auto', None):
+  if map_options != _DEFAULT_MAP:
     if not hasattr(algorithm, 'compile'):
       raise ConfigError(f'algorithm {name!r} returns {type(algorithm).__name__}, '
                         'which has no compile(); it runs with the default '
                         "map_strategy='auto' and chunk_size=None only.")
-    algorithm = algorithm.compile(map_strategy=map_strategy, chunk_size=chunk_size)
+    algorithm = algorithm.compile(map_options)
   return algorithm
 
 
