@@ -35,6 +35,7 @@ from fedjx.algorithms import attacks
 from fedjx.algorithms import compression
 from fedjx.algorithms import privacy
 from fedjx.algorithms import transforms
+from fedjx.algorithms import traits
 from fedjx.algorithms import client_update
 from fedjx.algorithms import hypergradients
 from fedjx.algorithms import kit
@@ -44,55 +45,43 @@ from fedjx.algorithms.base import Algorithm
 from fedjx.algorithms.base import ServerState
 from fedjx.algorithms.base import WEIGHTINGS
 from fedjx.algorithms.base import default_sgd
-from fedjx.algorithms.async_diloco_lib import AsyncDiLoCoState
+from fedjx.algorithms.traits import Traits
 from fedjx.algorithms.async_diloco_lib import DelayedNesterovState
 from fedjx.algorithms.async_diloco_lib import async_diloco
 from fedjx.algorithms.async_diloco_lib import delayed_nesterov
-from fedjx.algorithms.diloco_lib import DiLoCoState
 from fedjx.algorithms.diloco_lib import diloco
 from fedjx.algorithms.diloco_recipe_lib import diloco_recipe
 from fedjx.algorithms.dp_fedavg_lib import dp_fedavg
-from fedjx.algorithms.eager_diloco_lib import EagerDiLoCoState
 from fedjx.algorithms.eager_diloco_lib import eager_diloco
 from fedjx.algorithms.fedavg_lib import fedadagrad
 from fedjx.algorithms.fedavg_lib import fedadam
 from fedjx.algorithms.fedavg_lib import fedavg
 from fedjx.algorithms.fedavg_lib import fedavgm
 from fedjx.algorithms.fedavg_lib import fedyogi
-from fedjx.algorithms.fedlora_lib import FedLoraState
 from fedjx.algorithms.fedlora_lib import fedlora
 from fedjx.algorithms.fedbuff_lib import AsyncCohort
-from fedjx.algorithms.fedbuff_lib import FedBuffState
 from fedjx.algorithms.fedbuff_lib import fedbuff
 from fedjx.algorithms.fednova_lib import fednova
-from fedjx.algorithms.fedexp_lib import FedExPState
 from fedjx.algorithms.fedexp_lib import fedexp
 from fedjx.algorithms.schedules import scheduled
-from fedjx.algorithms.mime_lib import MimeState
 from fedjx.algorithms.mime_lib import mime
 from fedjx.algorithms.mime_lib import mime_lite
 from fedjx.algorithms.ditto_lib import ditto
 from fedjx.algorithms.ditto_lib import personalize_fn as ditto_personalize_fn
-from fedjx.algorithms.feddyn_lib import FedDynState
 from fedjx.algorithms.feddyn_lib import feddyn
 from fedjx.algorithms.fedrep_lib import fedper
 from fedjx.algorithms.fedrep_lib import fedrep
 from fedjx.algorithms.fedrep_lib import personalize_fn as fedrep_personalize_fn
 from fedjx.algorithms.apfl_lib import apfl
 from fedjx.algorithms.apfl_lib import personalize_fn as apfl_personalize_fn
-from fedjx.algorithms.hyp_cluster_lib import HypClusterState
 from fedjx.algorithms.hyp_cluster_lib import hyp_cluster
 from fedjx.algorithms.hyp_cluster_lib import kmeans_init
 from fedjx.algorithms.hyp_cluster_lib import personalize_fn as hyp_cluster_personalize_fn
-from fedjx.algorithms.afl_lib import AFLState
 from fedjx.algorithms.afl_lib import afl
-from fedjx.algorithms.fedasync_lib import FedAsyncState
 from fedjx.algorithms.fedasync_lib import fedasync
 from fedjx.algorithms.qffl_lib import qffl
 from fedjx.algorithms.fedprox_lib import fedprox
-from fedjx.algorithms.scaffold_lib import ScaffoldState
 from fedjx.algorithms.scaffold_lib import scaffold
-from fedjx.algorithms.streaming_diloco_lib import StreamingDiLoCoState
 from fedjx.algorithms.streaming_diloco_lib import streaming_diloco
 from fedjx.algorithms.yogi_lib import adaptive_adagrad
 from fedjx.algorithms.yogi_lib import adaptive_adam
@@ -110,6 +99,8 @@ from fedjx.algorithms.tuner import hypergradient_tuner
 __all__ = [
     # The parts of an algorithm, one subpackage per kind.
     'aggregators', 'attacks', 'compression', 'privacy', 'transforms',
+    # What an algorithm or a part declares about itself.
+    'traits', 'Traits',
     # The modules of the algorithms (each builder's is ``<name>_lib``).
     'afl_lib', 'apfl_lib', 'async_diloco_lib', 'diloco_lib', 'ditto_lib',
     'diloco_recipe_lib', 'dp_fedavg_lib', 'eager_diloco_lib', 'fedasync_lib', 'fedavg_lib',
@@ -121,14 +112,8 @@ __all__ = [
     'default_sgd',
     'Algorithm',
     'AsyncCohort',
-    'AsyncDiLoCoState',
     'DelayedNesterovState',
-    'FedBuffState',
-    'DiLoCoState',
-    'EagerDiLoCoState',
-    'ScaffoldState',
     'ServerState',
-    'StreamingDiLoCoState',
     'WEIGHTINGS',
     'adaptive_adagrad',
     'adaptive_adam',
@@ -144,31 +129,24 @@ __all__ = [
     'fedavg',
     'fedavgm',
     'fedbuff',
-    'FedLoraState',
     'fedlora',
     'fednova',
-    'FedExPState',
     'fedexp',
     'scheduled',
     'schedules',
-    'MimeState',
     'mime',
     'mime_lite',
     'ditto',
     'ditto_personalize_fn',
-    'FedDynState',
     'feddyn',
     'fedper',
     'fedrep',
     'fedrep_personalize_fn',
     'apfl',
     'apfl_personalize_fn',
-    'HypClusterState',
     'hyp_cluster',
     'hyp_cluster_personalize_fn',
     'kmeans_init',
-    'AFLState',
-    'FedAsyncState',
     'afl',
     'fedasync',
     'qffl',

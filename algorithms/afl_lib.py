@@ -50,11 +50,16 @@ learning rate means what it means in FedAvg (the two differ by the factor
 ``|b| / n_k`` in the step size). A differentially private aggregator is
 refused: the domain losses and counts each client sends are not privatised,
 and its unit weights would replace ``beta_k``.
+
+The round is written by hand, not the round template's
+(:mod:`fedjx.algorithms.template`): its client weights ``beta_k`` read each
+client's domain counts before the client map, and its server state moves
+``lambda`` from the clients' per-domain losses beside the aggregate.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,47 +68,17 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import client_update
+from fedjx.algorithms import base
+from fedjx.algorithms.aggregators import core as aggregators
 
-# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+# What a round releases beside the aggregate (``Traits.unprivatized``).
 UNPRIVATIZED = ('its clients also send their exact per-domain losses and '
                 'counts, which the noise does not cover')
 
 DOMAIN_ALGORITHMS = ('eg', 'pgd', 'none')
 
-OPTIONS: dict[str, Any] = {
-    **kit.without('weighting', 'client_transform'),
-    'num_domains': None,
-    'init_domain_weights': None,
-    'domain_learning_rate': 0.1,
-    'domain_algorithm': 'eg',
-    'domain_window_size': 1,
-    'init_domain_window': None,
-    'domain_key': 'domain',
-}
-
-
-class AFLState(NamedTuple):
-  """AFL's state.
-
-  Attributes:
-    params: the server model ``w``.
-    opt_state: the server optimizer's state.
-    domain_weights: ``lambda``, float32 ``[D]`` on the simplex.
-    domain_window: float32 ``[W, D]``, the domain example counts of the
-      last ``W`` rounds (the oldest first).
-    hparams: ``client_optimizer``, ``server_optimizer`` and
-      ``domain_learning_rate``.
-    round_index: rounds run so far.
-    aggregator_state: the aggregator's state (``()`` for the mean).
-  """
-
-  params: kit.Params
-  opt_state: optax.OptState
-  domain_weights: jax.Array
-  domain_window: jax.Array
-  hparams: dict[str, Any]
-  round_index: jax.Array
-  aggregator_state: Any = ()
 
 
 # ------------------------------------------------------------- the pieces
@@ -157,7 +132,7 @@ def domain_sums(loss_fn: kit.LossFn, params: kit.Params, batches: Any,
     count = jax.ops.segment_sum(m.astype(jnp.float32), d, num_domains)
     return (sums[0] + loss_sum, sums[1] + count), None
 
-  zeros = kit.tie_to((jnp.zeros(num_domains, jnp.float32),) * 2, mask)
+  zeros = client_update.tie_to((jnp.zeros(num_domains, jnp.float32),) * 2, mask)
   sums, _ = jax.lax.scan(step, zeros, (batches, mask, domains))
   return sums
 
@@ -173,7 +148,7 @@ def _safe_div(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _check_domains(fn: str, o: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-  """``(lambda_0, window_0 [W, D])`` from the domain options, checked."""
+  """``(lambda_0, window_0 [W, D])`` from the domain options ``o``, checked."""
   num, init = o['num_domains'], o['init_domain_weights']
   if num is None and init is None:
     raise ValueError(f'{fn}: give num_domains (uniform initial weights) or '
@@ -223,8 +198,8 @@ def _check_domain_feature(fn: str, cohort: Any, key: str) -> None:
                      f'{jnp.result_type(d)} {jnp.shape(d)}.')
 
 
-def _check_aggregator(fn: str, aggregator: Any) -> kit.Aggregator:
-  agg = kit.check_aggregator(fn, aggregator)
+def _check_aggregator(fn: str, aggregator: Any) -> aggregators.Aggregator:
+  agg = aggregators.check(fn, aggregator)
   kit.check_private_uploads(fn, agg, UNPRIVATIZED)
   if agg.weights is not None:
     raise ValueError(
@@ -235,8 +210,19 @@ def _check_aggregator(fn: str, aggregator: Any) -> kit.Aggregator:
 
 # ------------------------------------------------------------- the builder
 
-@kit.with_options(OPTIONS)
-def afl(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
+TRAITS = kit.Traits(options=kit.options_but('weighting', 'client_transform'),
+                    unprivatized=UNPRIVATIZED)
+"""What AFL declares: FedAvg's options but the weighting (its weights are
+``beta_k``) and the client transform; what its round releases beside the
+aggregate (:class:`~fedjx.algorithms.traits.Traits`)."""
+
+
+@kit.declare(TRAITS)
+def afl(loss_fn: kit.LossFn, *, num_domains: int | None = None,
+        init_domain_weights: Any = None, domain_learning_rate: float = 0.1,
+        domain_algorithm: str = 'eg', domain_window_size: int = 1,
+        init_domain_window: Any = None, domain_key: str = 'domain',
+        **options: Any) -> kit.Algorithm:
   """Agnostic federated averaging (Mohri et al. 2019; Ro et al. 2021).
 
   Args:
@@ -252,41 +238,45 @@ def afl(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
     init_domain_window: the counts the window starts with (default ones).
     domain_key: the batch feature holding each example's domain id
       [``'domain'``].
-    aggregator: None (the weighted mean) or one without its own weights
-      (e.g. ``quantized_mean``); DP aggregators are refused.
-    client_optimizer, server_optimizer, local_epochs, local_steps,
-    metrics_fn, client_evaluation, skip_nonfinite, client_metrics: as
-      :func:`~fedjx.algorithms.fedavg` (there is no ``weighting``: the
-      weights are ``beta_k``).
+    **options: :func:`~fedjx.algorithms.fedavg`'s but ``weighting`` (the
+      weights are ``beta_k``) and ``client_transform``; ``aggregator`` None
+      (the weighted mean) or one without its own weights (e.g.
+      ``quantized_mean``); DP aggregators are refused.
 
   Returns:
-    The :class:`~fedjx.algorithms.Algorithm`; its state is an
-    :class:`AFLState`. Metrics add ``domain_loss_<d>`` (``L_d`` at the
+    The :class:`~fedjx.algorithms.Algorithm`; its state is a
+    :class:`~fedjx.algorithms.ServerState` whose ``extras`` are
+    ``{'domain_weights': lambda, float32 [D] on the simplex,
+    'domain_window': float32 [W, D], the domain example counts of the last
+    W rounds (the oldest first)}``. Metrics add ``domain_loss_<d>`` (``L_d`` at the
     round's starting model), ``domain_weight_<d>`` (``lambda`` used) and
     ``worst_domain_loss`` (the largest ``L_d`` of the domains seen).
   """
   name = 'afl'
-  o = kit.take_options(name, options, OPTIONS)
-  lam0, window0 = _check_domains(name, o)
+  lam0, window0 = _check_domains(name, dict(
+      num_domains=num_domains, init_domain_weights=init_domain_weights,
+      domain_learning_rate=domain_learning_rate,
+      domain_algorithm=domain_algorithm, domain_window_size=domain_window_size,
+      init_domain_window=init_domain_window, domain_key=domain_key))
   num_domains = lam0.size
-  aggregator = _check_aggregator(name, o['aggregator'])
-  client_optimizer, server_optimizer, _, schedule = kit.check_parts(
-      name, dict(o, weighting='num_examples', client_transform=None))
-  metrics_fn, key = o['metrics_fn'], o['domain_key']
-  domain_algorithm = o['domain_algorithm']
+  aggregator = _check_aggregator(name, options.get('aggregator'))
+  o = kit.Options.of(name, options, TRAITS.options)
+  client_optimizer, server_optimizer = o.client_optimizer, o.server_optimizer
+  schedule, metrics_fn, key = o.schedule, o.metrics_fn, domain_key
 
   def init(params):
-    hparams = kit.combine_hparams(
+    hparams = base.combine_hparams(
         name,
-        algorithm={'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
-                   'server_optimizer': kit.optimizer_hparams(server_optimizer, params),
-                   'domain_learning_rate': jnp.float32(o['domain_learning_rate'])},
-        aggregator=kit.aggregator_hparams(aggregator))
-    return AFLState(params=params, opt_state=server_optimizer.init(params),
-                    domain_weights=jnp.asarray(lam0, jnp.float32),
-                    domain_window=jnp.asarray(window0, jnp.float32),
-                    hparams=hparams, round_index=jnp.zeros((), jnp.int32),
-                    aggregator_state=aggregator.init(params))
+        algorithm={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
+                   'server_optimizer': base.optimizer_hparams(server_optimizer, params),
+                   'domain_learning_rate': jnp.float32(domain_learning_rate)},
+        aggregator=aggregators.init_hparams(aggregator))
+    return kit.ServerState(
+        params=params, opt_state=server_optimizer.init(params),
+        hparams=hparams, round_index=jnp.zeros((), jnp.int32),
+        aggregator_state=aggregator.init(params),
+        extras={'domain_weights': jnp.asarray(lam0, jnp.float32),
+                'domain_window': jnp.asarray(window0, jnp.float32)})
 
   def client_fn(w, alpha, hparams, batches, mask):
     domains = batches[key]
@@ -303,11 +293,11 @@ def afl(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
 
     opt_state = kit.with_hparams(client_optimizer.init(w),
                                  hparams['client_optimizer'])
-    y, opt_state, num_steps, during = kit.train(
+    y, opt_state, num_steps, during = client_update.train(
         scaled_loss, client_optimizer, w, opt_state, batches, mask, schedule)
     if schedule.evaluate:
-      before = kit.evaluate(loss_fn, metrics_fn, w, batches, mask)
-      after = kit.evaluate(loss_fn, metrics_fn, y, batches, mask)
+      before = client_update.evaluate(loss_fn, metrics_fn, w, batches, mask)
+      after = client_update.evaluate(loss_fn, metrics_fn, y, batches, mask)
       stats = {'count': before.pop('count')}
       after.pop('count')
       stats.update({f'{k}_before': v for k, v in before.items()})
@@ -315,57 +305,59 @@ def afl(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
     else:  # The domain pass is the loss before training, at no extra cost.
       stats = {'loss_before': jnp.sum(loss_sum), 'count': n}
     out = kit.ClientUpdate(y, opt_state, num_steps, stats)
-    delta = kit.tree_sub(w, y)
+    delta = base.tree_sub(w, y)
     extra = {'domain_loss': loss_sum, 'domain_count': count}
-    if o['client_metrics']:
-      extra.update(kit.client_metrics(delta, out), client_beta=beta)
-    return kit.ClientOutput(delta, stats, extra=extra, checked=y)
+    if o.client_metrics:
+      extra.update(base.client_metrics(delta, out), client_beta=beta)
+    return nonfinite.ClientOutput(delta, stats, extra=extra, checked=y)
 
   def round_fn(state, cohort, rng):
     _check_domain_feature(name, cohort, key)
-    alpha = _safe_div(state.domain_weights, jnp.mean(state.domain_window, axis=0))
+    lam, window = state.extras['domain_weights'], state.extras['domain_window']
+    alpha = _safe_div(lam, jnp.mean(window, axis=0))
     counts = fedjx.map_fn(lambda m, d: domain_counts(m, d, num_domains),
                           (cohort.mask, cohort.batches[key]))
     beta = fedjx.map_fn(lambda a, n: jnp.sum(a * n),
                         (fedjx.broadcast(alpha), counts))
     client_hparams = {'client_optimizer': state.hparams['client_optimizer']}
-    clients = kit.map_guarded(
+    clients = nonfinite.map_clients(
         client_fn, (fedjx.broadcast(state.params), fedjx.broadcast(alpha),
                     fedjx.broadcast(client_hparams), cohort.batches, cohort.mask),
-        beta, cohort.num_examples, o['skip_nonfinite'],
+        beta, cohort.num_examples, o.skip_nonfinite,
         encode=aggregator.encode,
-        encode_hparams=kit.encode_hparams(aggregator, state.hparams,
+        encode_hparams=aggregators.encode_hparams(aggregator, state.hparams,
                                           state.aggregator_state),
-        check_encoded=aggregator.checks_update)
+        check_encoded=aggregator.traits.checks_update)
     extra = dict(clients.extra)
     sums = fedjx.reduce_sum({'loss': extra.pop('domain_loss'),
                              'count': extra.pop('domain_count')})
-    pseudo_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, rng)
     domain_loss = _safe_div(sums['loss'], sums['count'])
     domain_weights = update_domain_weights(
-        state.domain_weights, domain_loss, state.hparams['domain_learning_rate'],
+        lam, domain_loss, state.hparams['domain_learning_rate'],
         domain_algorithm)
-    window = jnp.concatenate([state.domain_window[1:], sums['count'][None]], 0)
+    window = jnp.concatenate([window[1:], sums['count'][None]], 0)
     seen = sums['count'] > 0
     per_domain = {}
     for d in range(num_domains):
       per_domain[f'domain_loss_{d}'] = domain_loss[d]
-      per_domain[f'domain_weight_{d}'] = state.domain_weights[d]
-    metrics = kit.round_metrics(
+      per_domain[f'domain_weight_{d}'] = lam[d]
+    metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad),
         worst_domain_loss=jnp.max(jnp.where(seen, domain_loss, 0.0)),
         **per_domain, **agg_metrics)
     metrics.update(extra)
     return state._replace(params=params, opt_state=opt_state,
-                          domain_weights=domain_weights, domain_window=window,
+                          extras={'domain_weights': domain_weights,
+                                  'domain_window': window},
                           round_index=state.round_index + 1,
                           aggregator_state=agg_state), metrics
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                            unprivatized=UNPRIVATIZED)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                            metrics_fn=metrics_fn, traits=TRAITS)
 
 
-__all__ = ['AFLState', 'afl', 'domain_sums', 'project_simplex',
+__all__ = ['afl', 'domain_sums', 'project_simplex',
            'update_domain_weights']

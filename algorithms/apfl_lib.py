@@ -52,15 +52,13 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms import client_update
 
 PERSONAL_GRADIENTS = ('chain', 'mixed')
 
-OPTIONS: dict[str, Any] = {
-    **kit.without('client_transform'),
-    'init_alpha': 0.5,
-    'alpha_learning_rate': 0.1,
-    'personal_gradient': 'chain',
-}
+TRAITS = kit.Traits(options=kit.options_but('client_transform'))
+"""What APFL declares: FedAvg's options but the client transform
+(:class:`~fedjx.algorithms.traits.Traits`)."""
 
 
 def mix(alpha: jax.Array, personal: kit.Params,
@@ -108,16 +106,15 @@ def personalize_fn() -> Callable[[Any, Any, Any], kit.Params]:
   return personalize
 
 
-def _check(fn: str, o: dict[str, Any]) -> None:
-  kit.check_number(fn, 'init_alpha', o['init_alpha'], high=1.0)
-  kit.check_number(fn, 'alpha_learning_rate', o['alpha_learning_rate'])
-  kit.check_choice(fn, 'personal_gradient', o['personal_gradient'],
-                   PERSONAL_GRADIENTS)
-
-
-@kit.with_options(OPTIONS)
-def apfl(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
+@kit.declare(TRAITS)
+def apfl(loss_fn: kit.LossFn, *, init_alpha: float = 0.5,
+         alpha_learning_rate: float = 0.1, personal_gradient: str = 'chain',
+         **options: Any) -> kit.Algorithm:
   """APFL (Deng et al. 2020), Algorithm 1 with adaptive ``alpha``.
+
+  The template's round (:func:`fedjx.algorithms.kit.algorithm`) with APFL's
+  client: the coupled local steps of ``w_i``, ``v_i`` and ``alpha_i``, the
+  last two in its row.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
@@ -127,13 +124,10 @@ def apfl(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
       [0.1].
     personal_gradient: ``'chain'`` (``v`` steps on ``alpha grad f(vbar)``,
       the paper's) or ``'mixed'`` (on ``grad f(vbar)``, FedJAX's).
-    client_optimizer: the local optimizer of ``w_i`` and of ``v_i`` (each
-      its own state) [SGD 0.1].
-    server_optimizer, aggregator, weighting, local_epochs, local_steps,
-    metrics_fn, client_evaluation, skip_nonfinite, client_metrics: as
-      :func:`~fedjx.algorithms.fedavg` (no ``client_transform``). A client
-      whose trained model or new row is NaN or Inf is skipped and keeps its
-      row.
+    **options: :func:`~fedjx.algorithms.fedavg`'s but ``client_transform``:
+      ``client_optimizer`` is the local optimizer of ``w_i`` and of ``v_i``
+      (each its own state) [SGD 0.1]. A client whose trained model or new
+      row is NaN or Inf is skipped and keeps its row.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`, with ``client_state_init``
@@ -146,29 +140,18 @@ def apfl(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
     clients that trained.
   """
   name = 'apfl'
-  o = kit.take_options(name, options, OPTIONS)
-  _check(name, o)
-  client_optimizer, server_optimizer, aggregator, schedule = kit.check_parts(
-      name, dict(o, client_transform=None))
-  metrics_fn, chain = o['metrics_fn'], o['personal_gradient'] == 'chain'
-  init_alpha = o['init_alpha']
-
-  def init(params):
-    hparams = kit.combine_hparams(
-        name,
-        algorithm={'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
-                   'server_optimizer': kit.optimizer_hparams(server_optimizer, params),
-                   'alpha_learning_rate': jnp.float32(o['alpha_learning_rate'])},
-        aggregator=kit.aggregator_hparams(aggregator))
-    return kit.ServerState(
-        params=params, opt_state=server_optimizer.init(params), hparams=hparams,
-        round_index=jnp.zeros((), jnp.int32),
-        aggregator_state=aggregator.init(params))
+  kit.check_number(name, 'init_alpha', init_alpha, high=1.0)
+  kit.check_number(name, 'alpha_learning_rate', alpha_learning_rate)
+  kit.check_choice(name, 'personal_gradient', personal_gradient,
+                   PERSONAL_GRADIENTS)
+  o = kit.Options.of(name, options, TRAITS.options)
+  client_optimizer, schedule = o.client_optimizer, o.schedule
+  metrics_fn, chain = o.metrics_fn, personal_gradient == 'chain'
 
   def local_steps(x, v, alpha, eta_a, hparams, batches, mask):
     """The coupled local steps of ``w_i``, ``v_i`` and ``alpha_i``."""
-    value_grad = jax.value_and_grad(kit.masked_mean_loss, argnums=1)
-    grad = jax.grad(kit.masked_mean_loss, argnums=1)
+    value_grad = jax.value_and_grad(client_update.masked_mean_loss, argnums=1)
+    grad = jax.grad(client_update.masked_mean_loss, argnums=1)
     sw = kit.with_hparams(client_optimizer.init(x), hparams)
     sv = kit.with_hparams(client_optimizer.init(v), hparams)
 
@@ -194,29 +177,31 @@ def apfl(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
       batch, m = jax.tree.map(lambda z: z[i], (batches, mask))
       return real_step(carry, batch, m, is_real), None
 
-    index, active = kit.step_schedule(mask, schedule)
+    index, active = client_update.step_schedule(mask, schedule)
     zero = jnp.zeros((), jnp.float32)
-    carry = kit.tie_to(
+    carry = client_update.tie_to(
         (x, v, jnp.asarray(alpha, jnp.float32), sw, sv, zero, zero), mask)
-    carry, _ = kit.scan_steps(step, carry, index, active)
+    carry, _ = client_update.scan_steps(step, carry, index, active)
     w, v, a, sw, _, total, count = carry
     return w, v, a, sw, jnp.sum(active, dtype=jnp.int32), total, count
 
-  def client_fn(x, eta_a, hparams, row, batches, mask):
+  def client(c):
+    x, row, batches, mask = c.x, c.state, c.batches, c.mask
     fresh = row['rounds'] == 0
     v0 = jax.tree.map(lambda w, v: jnp.where(fresh, w, v), x, row['params'])
     a0 = row['alpha']
     y, v, a, opt_state, num_steps, total, count = local_steps(
-        x, v0, a0, eta_a, hparams, batches, mask)
+        x, v0, a0, c.hparams['alpha_learning_rate'],
+        c.hparams['client_optimizer'], batches, mask)
     if schedule.evaluate:
-      before = kit.evaluate(loss_fn, metrics_fn, x, batches, mask)
-      after = kit.evaluate(loss_fn, metrics_fn, y, batches, mask)
+      before = client_update.evaluate(loss_fn, metrics_fn, x, batches, mask)
+      after = client_update.evaluate(loss_fn, metrics_fn, y, batches, mask)
       stats = {'count': before.pop('count')}
       after.pop('count')
       stats.update({f'{k}_before': s for k, s in before.items()})
       stats.update({f'{k}_after': s for k, s in after.items()})
       for when, model in (('before', mix(a0, v0, x)), ('after', mix(a, v, y))):
-        stats[f'personal_loss_{when}'] = kit.evaluate(
+        stats[f'personal_loss_{when}'] = client_update.evaluate(
             loss_fn, None, model, batches, mask)['loss']
     else:
       stats = {'loss_during': total, 'count': count}
@@ -224,44 +209,26 @@ def apfl(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
     new_row = {'params': v, 'alpha': a, 'rounds': row['rounds'] + 1}
     new_row = jax.tree.map(lambda n, old: jnp.where(has_data, n, old),
                            new_row, row)
-    delta = kit.tree_sub(x, y)
     extra = {'alpha_sum': jnp.where(has_data, a, 0.0),
-             'alpha_count': has_data.astype(jnp.float32)}
-    if o['client_metrics']:
-      out = kit.ClientUpdate(y, opt_state, num_steps, stats)
-      extra.update(kit.client_metrics(delta, out), client_alpha=a)
-    return kit.ClientOutput(delta, stats, extra=extra, state=new_row,
-                            previous_state=row, checked=(y, new_row))
+             'alpha_count': has_data.astype(jnp.float32), 'client_alpha': a}
+    return kit.Upload(optax.tree.sub(x, y),
+                      kit.ClientUpdate(y, opt_state, num_steps, stats),
+                      extra=extra, state=new_row, checked=(y, new_row))
 
-  def round_fn(state, cohort, key):
-    rows = cohort.client_states
-    clients = kit.map_clients(
-        aggregator, state.hparams, client_fn,
-        (fedjx.broadcast(state.params),
-         fedjx.broadcast(state.hparams['alpha_learning_rate']),
-         fedjx.broadcast(state.hparams['client_optimizer']), rows,
-         cohort.batches, cohort.mask),
-        cohort.num_examples, o['weighting'], o['skip_nonfinite'],
-        aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
-    extra = dict(clients.extra)
-    sums = fedjx.reduce_sum({'alpha_sum': extra.pop('alpha_sum'),
-                             'alpha_count': extra.pop('alpha_count')})
-    pseudo_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
-        aggregator, server_optimizer, state, state.hparams['server_optimizer'],
-        clients, key)
-    alpha_mean = sums['alpha_sum'] / jnp.maximum(sums['alpha_count'], 1.0)
-    metrics = kit.round_metrics(
-        clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad),
-        alpha_mean=alpha_mean, **agg_metrics)
-    metrics.update(extra)  # Per-client [C] metrics, if asked.
-    new_state = state._replace(params=params, opt_state=opt_state,
-                               round_index=state.round_index + 1,
-                               aggregator_state=agg_state)
-    return new_state, metrics, clients.state
+  def server(s):  # The mean new alpha_i of the clients that trained.
+    extra = s.clients.extra
+    sums = fedjx.reduce_sum({'alpha_sum': extra['alpha_sum'],
+                             'alpha_count': extra['alpha_count']})
+    metrics = {'alpha_mean': sums['alpha_sum'] / jnp.maximum(
+        sums['alpha_count'], 1.0)}
+    if o.client_metrics:  # Per-client [C].
+      metrics['client_alpha'] = extra['client_alpha']
+    return kit.Step(s.aggregate, metrics=metrics)
 
-  return kit.make_algorithm(
-      name, init, round_fn, loss_fn=loss_fn, options=o,
-      client_state_init=lambda params: initial_row(params, init_alpha))
+  return kit.algorithm(
+      name, loss_fn, o, client=client, server=server,
+      hparams={'alpha_learning_rate': alpha_learning_rate}, traits=TRAITS,
+      client_state=kit.ClientState(lambda params: initial_row(params, init_alpha)))
 
 
 __all__ = ['PERSONAL_GRADIENTS', 'alpha_gradient', 'apfl', 'initial_row',

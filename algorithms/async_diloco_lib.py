@@ -62,6 +62,11 @@ through the cohort's step masks.
 
 With all replicas finishing together (``K = M``, every ``tau_k = 0``) and
 ``N = 1``, a round is DiLoCo's exactly.
+
+The round is written by hand, not the round template's
+(:mod:`fedjx.algorithms.template`): it is asynchronous, its round takes an
+:class:`~fedjx.algorithms.fedbuff_lib.AsyncCohort` whose replicas trained
+from stale versions of the model kept in a ring.
 """
 
 from __future__ import annotations
@@ -74,6 +79,10 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import client_update
+from fedjx.algorithms import base
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms.compression import quantization
 from fedjx.algorithms.diloco_lib import OPTIONS as DILOCO_OPTIONS
 from fedjx.algorithms.diloco_lib import check_aggregator
@@ -91,30 +100,6 @@ from fedjx.algorithms.fedbuff_lib import ring_init
 from fedjx.algorithms.fedbuff_lib import ring_push
 from fedjx.algorithms.fedbuff_lib import ring_read
 from fedjx.algorithms.fedbuff_lib import staleness_scale
-
-
-class AsyncDiLoCoState(NamedTuple):
-  """Asynchronous DiLoCo's state.
-
-  Attributes:
-    params: the global model ``theta_t``.
-    opt_state: the outer optimizer's state.
-    versions: the ring of the last ``max_staleness + 1`` versions, leaves
-      ``[V, ...]`` (``theta_v`` in slot ``v mod V``).
-    inner_opt_states: each replica's inner optimizer state, leaves
-      ``[R, ...]`` (``()`` when ``reset_inner_state``).
-    hparams: ``inner_optimizer`` and ``outer_optimizer`` hyperparameters.
-    round_index: outer steps taken, ``t``.
-    aggregator_state: the aggregator's state (``()`` when it has none).
-  """
-
-  params: kit.Params
-  opt_state: optax.OptState
-  versions: kit.PyTree
-  inner_opt_states: Any
-  hparams: dict[str, Any]
-  round_index: jax.Array
-  aggregator_state: Any = ()
 
 
 class DelayedNesterovState(NamedTuple):
@@ -194,24 +179,27 @@ def delayed_nesterov(learning_rate: float = 0.7, momentum: float = 0.9,
       momentum_activation=momentum_activation, period=period)
 
 
-OPTIONS: dict[str, Any] = {
-    **DILOCO_OPTIONS,
-    'buffer_size': None,
-    'max_staleness': 16,
-    'staleness_weighting': 'polynomial',
-    'staleness_exponent': 0.5,
-    'delay_period': 1,
-    'momentum_activation': 0.0,
-    'concurrency': None,
-    'client_durations': None,
-}
+TRAITS = kit.Traits(options=DILOCO_OPTIONS, population='num_replicas',
+                    asynchronous=True)
+"""What asynchronous DiLoCo declares: DiLoCo's options, replicas by id,
+rounds from a simulated schedule (:class:`~fedjx.algorithms.traits.Traits`)."""
 
 
-@kit.with_options(OPTIONS)
+@kit.declare(TRAITS)
 def async_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
+                 inner_optimizer: optax.GradientTransformation | None = None,
+                 outer_optimizer: optax.GradientTransformation | None = None,
+                 outer_learning_rate: float | None = None,
+                 outer_momentum: float | None = None,
+                 inner_steps: int | None = None,
                  reset_inner_state: bool = False,
                  quantization_format: str = 'float32',
-                 aggregator: kit.Aggregator | None = None,
+                 aggregator: Any = None,
+                 buffer_size: int | None = None, max_staleness: int = 16,
+                 staleness_weighting: str = 'polynomial',
+                 staleness_exponent: float = 0.5, delay_period: int = 1,
+                 momentum_activation: float = 0.0,
+                 concurrency: int | None = None, client_durations: Any = None,
                  **options: Any) -> kit.Algorithm:
   """Asynchronous DiLoCo with ``num_replicas`` replicas.
 
@@ -230,52 +218,62 @@ def async_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
     concurrency, client_durations: the runner's schedule, as FedBuff's
       (default ``M = K``).
     inner_optimizer, inner_steps, reset_inner_state, quantization_format,
-    aggregator, metrics_fn, weighting, client_evaluation, skip_nonfinite:
-      as :func:`~fedjx.algorithms.diloco`.
+    aggregator: as :func:`~fedjx.algorithms.diloco`.
+    **options: ``metrics_fn``, ``weighting``, ``client_evaluation``,
+      ``skip_nonfinite``, as :func:`~fedjx.algorithms.diloco`.
 
   Returns:
-    The :class:`~fedjx.algorithms.Algorithm`; its state is an
-    :class:`AsyncDiLoCoState` and its round takes an
+    The :class:`~fedjx.algorithms.Algorithm`; its state is a
+    :class:`~fedjx.algorithms.ServerState` whose ``extras`` are the ring of
+    the last ``max_staleness + 1`` versions, leaves ``[V, ...]``
+    (``theta_v`` in slot ``v mod V``), and ``client_states`` each replica's
+    inner optimizer state, leaves ``[R, ...]`` (``()`` when
+    ``reset_inner_state``); its round takes an
     :class:`~fedjx.algorithms.AsyncCohort`.
   """
   name = 'async_diloco'
+  del client_durations  # The runner's schedule reads it, not the round.
   kit.check_positive_int(name, 'num_replicas', num_replicas)
-  o = kit.take_options(name, options, OPTIONS)
-  period, scale = o['delay_period'], o['momentum_activation']
+  period, scale = delay_period, momentum_activation
   kit.check_positive_int(name, 'delay_period', period)
   kit.check_number(name, 'momentum_activation', scale, high=1.0 / period)
-  diloco_options = {k: o[k] for k in DILOCO_OPTIONS}
-  if o['outer_optimizer'] is None:
-    lr, mu = o['outer_learning_rate'], o['outer_momentum']
+  if outer_optimizer is None:
+    lr, mu = outer_learning_rate, outer_momentum
     lr, mu = 0.7 if lr is None else lr, 0.9 if mu is None else mu
     kit.check_number(name, 'outer_learning_rate', lr)
     kit.check_number(name, 'outer_momentum', mu, high=1.0)
-    diloco_options.update(outer_optimizer=delayed_nesterov(
-                              lr, mu, period, momentum_activation=scale),
-                          outer_learning_rate=None, outer_momentum=None)
+    outer_optimizer = delayed_nesterov(lr, mu, period, momentum_activation=scale)
+    outer_learning_rate = outer_momentum = None
   elif (period, scale) != (1, 0.0):
     raise ValueError(f'{name}: delay_period={period!r} and momentum_activation='
                      f'{scale!r} set the delayed Nesterov outer optimizer; '
                      'they cannot apply to outer_optimizer.')
-  inner_optimizer, outer_optimizer, schedule, _ = check_options(name, diloco_options)
+  o = check_options(
+      name, options, inner_optimizer=inner_optimizer,
+      outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
+      outer_momentum=outer_momentum, inner_steps=inner_steps)
+  inner_optimizer, outer_optimizer = o.client_optimizer, o.server_optimizer
+  schedule, metrics_fn = o.schedule, o.metrics_fn
   kit.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
   quantization.check_format(name, 'quantization_format', quantization_format)
   aggregator = check_aggregator(name, aggregator, quantization_format)
   buffer_size, max_staleness, weighting, exponent = check_async_options(
-      name, o, 'replicas')
-  metrics_fn = o['metrics_fn']
+      name, dict(buffer_size=buffer_size, concurrency=concurrency,
+                 max_staleness=max_staleness,
+                 staleness_weighting=staleness_weighting,
+                 staleness_exponent=staleness_exponent), 'replicas')
 
   def init(params):
     inner = () if reset_inner_state else stack_states(
         inner_optimizer.init(params), num_replicas)
-    return AsyncDiLoCoState(
+    return kit.ServerState(
         params=params, opt_state=outer_optimizer.init(params),
-        versions=ring_init(params, max_staleness + 1), inner_opt_states=inner,
-        hparams=kit.combine_hparams(
+        extras=ring_init(params, max_staleness + 1), client_states=inner,
+        hparams=base.combine_hparams(
             'async_diloco',
-            algorithm={'inner_optimizer': kit.optimizer_hparams(inner_optimizer, params),
-                       'outer_optimizer': kit.optimizer_hparams(outer_optimizer, params)},
-            aggregator=kit.aggregator_hparams(aggregator)),
+            algorithm={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
+                       'outer_optimizer': base.optimizer_hparams(outer_optimizer, params)},
+            aggregator=aggregators.init_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(params))
 
@@ -285,12 +283,12 @@ def async_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
     if reset_inner_state:
       inner_state = inner_optimizer.init(theta)
     inner_state = kit.with_hparams(inner_state, hparams)
-    out = kit.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
+    out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
                            inner_state, batches, mask, schedule)
     s = staleness_scale(tau, max_staleness, weighting, exponent)
     delta = jax.tree.map(lambda a, b: (a - b) * s.astype(a.dtype), theta,
                          out.params)
-    return kit.ClientOutput(delta, out.stats, state=out.opt_state,
+    return nonfinite.ClientOutput(delta, out.stats, state=out.opt_state,
                             previous_state=inner_state, checked=out.params)
 
   def round_fn(state, cohort, key):
@@ -298,24 +296,25 @@ def async_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
     tau = jnp.asarray(cohort.staleness, jnp.int32)
     num_examples = cohort.num_examples * kept(tau, max_staleness)
-    clients = kit.map_clients(
+    clients = aggregators.map_clients(
         aggregator, state.hparams, replica_fn,
-        (fedjx.broadcast(state.versions), fedjx.broadcast(state.round_index),
+        (fedjx.broadcast(state.extras), fedjx.broadcast(state.round_index),
          fedjx.broadcast(state.hparams['inner_optimizer']), tau,
          replica_states(state, ids, reset_inner_state), cohort.batches,
          cohort.mask),
-        num_examples, o['weighting'], o['skip_nonfinite'],
+        num_examples, o.weighting, o.skip_nonfinite,
         aggregator_state=state.aggregator_state)
     updated, metrics = outer_step(aggregator, outer_optimizer, state, clients,
                                   key, ids, num_examples, reset_inner_state,
                                   **async_metrics(cohort, max_staleness))
     t = state.round_index + 1
     return state._replace(
-        versions=ring_push(state.versions, updated['params'], t),
+        extras=ring_push(state.extras, updated['params'], t),
         round_index=t, **updated), metrics
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                            metrics_fn=metrics_fn, traits=TRAITS)
 
 
-__all__ = ['AsyncDiLoCoState', 'DelayedNesterovState', 'async_diloco',
+__all__ = ['DelayedNesterovState', 'async_diloco',
            'delayed_nesterov']

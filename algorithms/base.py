@@ -32,7 +32,6 @@ using it, so ``state.hparams`` is the one place to read or change them.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -45,6 +44,8 @@ import fedjx
 import fedjx.indexed
 from fedjx import constant_hoisting
 from fedjx import options
+from fedjx.algorithms import traits as traits_lib
+from fedjx.algorithms.traits import Traits
 
 Params = Any
 """A model's parameters: any pytree of arrays."""
@@ -80,8 +81,9 @@ class Algorithm(NamedTuple):
       ``round``; compose it with ``jax.grad`` (e.g. with respect to
       ``state.hparams``), ``jax.vmap`` or :func:`scan_rounds`. It does not
       donate: ``apply(state, ...)`` twice from one state compares variants.
-    compiler: ``compiler(map_strategy, chunk_size, donate) -> Algorithm``,
-      used by :meth:`compile` (None for algorithms assembled by hand).
+    compiler: ``compiler(map_options, donate) -> Algorithm``, with
+      ``map_options`` a checked :class:`fedjx.options.MapOptions`; used by
+      :meth:`compile` (None for algorithms assembled by hand).
     client_state_init: None for an algorithm whose clients keep no state
       outside the server state. Otherwise ``client_state_init(params) ->
       pytree``: the state of one client that has never participated (the
@@ -90,21 +92,12 @@ class Algorithm(NamedTuple):
       ``(state, metrics, client_states)``, the rows' new values (a padding
       client's row is returned unchanged); ``run_rounds`` is refused, since
       a client drawn in two rounds of one scan would miss its own update.
-    unprivatized: None when all a round releases of the clients' data is
-      the aggregate of the messages its aggregator encodes (so a DP
-      aggregator's clipping and noise cover the round). Otherwise what
-      else it releases, and why the noise does not cover it, in a phrase
-      (FedExP: its server step size reads the exact updates' squared
-      norms); every DP aggregator (``Aggregator.privacy`` set: central,
-      distributed or local) is then refused in one line
-      (:func:`check_private_uploads`).
-    indexed_batches: whether the round reads a cohort whose ``batches``
-      are a :class:`fedjx.IndexedBatches` (a population on the device) as
-      it is: its clients' code reads steps with ``fedjx.indexed.take``
-      inside ``map_fn``, so each step gathers its own rows. False: the
-      round first gathers the whole cohort's ``[C, S, B, ...]`` arrays on
-      the device (the same numbers, one device-side copy per round, no
-      host copy).
+    traits: what the algorithm declares about itself
+      (:class:`fedjx.algorithms.traits.Traits`: what a round releases
+      beside its aggregate, whether it reads an indexed cohort as it is,
+      ...); every wrapper of an algorithm keeps it, and ``client_state_init``,
+      as they are (it builds its algorithm as ``wrapped._replace(init=...,
+      round=..., ...)``).
   """
 
   init: Callable[[Params], Any]
@@ -113,20 +106,24 @@ class Algorithm(NamedTuple):
   apply: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]]
   compiler: Callable[..., 'Algorithm'] | None = None
   client_state_init: Callable[[Params], PyTree] | None = None
-  unprivatized: str | None = None
-  indexed_batches: bool = False
+  traits: Traits = traits_lib.NONE
 
-  def compile(self, map_strategy: str = 'auto', chunk_size: int | None = None,
+  def compile(self, map_strategy: 'str | options.MapOptions' = 'auto',
+              chunk_size: int | None = None,
               donate: bool = True) -> 'Algorithm':
     """The algorithm with its rounds run under these execution options.
 
     How clients run is not part of an algorithm: every builder makes the
     same round, and ``compile`` chooses how ``fedjx.program`` maps it over
-    clients. The options are validated here, once.
+    clients. The options are checked here, once, and carried from here as
+    one :class:`fedjx.options.MapOptions`.
 
     Args:
       map_strategy: one of ``fedjx.MAP_STRATEGIES`` (``'auto'``, ``'vmap'``,
-        ``'chunked'``, ``'sequential'``), see ``fedjx.program``.
+        ``'chunked'``, ``'sequential'``), see ``fedjx.program``; or a
+        :class:`fedjx.options.MapOptions` already checked (e.g. a config's,
+        ``fedjx.options.RoundOptions.of(config).map``; then ``chunk_size``
+        is None).
       chunk_size: clients per chunk for ``map_strategy='chunked'`` (a
         positive int or None).
       donate: whether ``round`` and ``run_rounds`` donate the state's
@@ -138,32 +135,35 @@ class Algorithm(NamedTuple):
       use the options; ``init`` is unchanged.
     """
     fn = 'Algorithm.compile'
-    options.check_map_options(map_strategy, chunk_size, f'{fn}: ')
+    map_options = options.MapOptions.of(map_strategy, chunk_size, f'{fn}: ')
     options.check_donate(donate, f'{fn}: ')
     if self.compiler is None:
       raise ValueError(f'{fn}: this Algorithm has compiler=None (it was not '
                        'made by make_algorithm), so it cannot be recompiled.')
-    return self.compiler(map_strategy, chunk_size, donate)
+    return self.compiler(map_options, donate)
 
 
-# The fields of an Algorithm that declare what it is, not how its rounds run:
-# every wrapper of an algorithm (``scheduled``, the hypergradient tuner, the
-# runner's finiteness check) keeps them all, by construction: it builds its
-# algorithm as ``wrapped._replace(init=..., round=..., ...)``.
-TRAITS = ('client_state_init', 'unprivatized', 'indexed_batches')
+# The map options of an algorithm not compiled yet: 'auto', no chunk size.
+_DEFAULT_MAP = options.MapOptions()
 
 
 class ServerState(NamedTuple):
-  """Server state of FedAvg-like algorithms.
+  """The server state: one record for every algorithm.
 
   Attributes:
     params: the server model.
-    opt_state: the server optimizer's state.
-    hparams: traced hyperparameters, keyed by the builder's argument names.
+    opt_state: the server optimizer's state (``()`` without one).
+    hparams: traced hyperparameters, by name: the optimizers' (under their
+      option names), the algorithm's own, the client transform's and the
+      aggregator's.
     round_index: number of rounds run so far (int32 scalar).
     aggregator_state: the aggregator's state (``()`` when it has none).
     extras: the algorithm's own server state beyond these (``()`` when it
-      has none), e.g. FedDyn's ``h`` in docs/writing_an_algorithm.md.
+      has none), e.g. FedDyn's ``h``, SCAFFOLD's control variate ``c``;
+      each algorithm's docstring says what it holds.
+    client_states: the clients' own state when the server keeps it (leaves
+      ``[N, ...]``, indexed by client id: SCAFFOLD's dense ``c_i``, DiLoCo's
+      inner optimizer states); ``()`` otherwise.
   """
 
   params: Params
@@ -172,6 +172,7 @@ class ServerState(NamedTuple):
   round_index: jax.Array
   aggregator_state: Any = ()
   extras: Any = ()
+  client_states: Any = ()
 
 
 # ------------------------------------------------------------------ checks
@@ -223,16 +224,16 @@ def check_private_uploads(fn: str, aggregator: Any,
                           unprivatized: str | None) -> None:
   """Refuses a DP aggregator for a round that releases more than it noises.
 
-  A DP aggregator (``aggregator.privacy`` set) clips each client's message
-  to a bound ``C`` and noises their aggregate (McMahan et al. 2018; Agarwal
-  et al. 2021 in a secure sum; each client itself for local DP), so its
-  epsilon is that of the release of the aggregate alone. An algorithm whose
-  round also releases something else computed from the clients' data
-  declares what (``unprivatized``, its :attr:`Algorithm.unprivatized`) and
-  takes no DP aggregator: the one rule every DP aggregator's check follows,
-  in one line naming the algorithm, the aggregator and why.
+  A DP aggregator (``aggregator.traits.privacy`` set) clips each client's
+  message to a bound ``C`` and noises their aggregate (McMahan et al. 2018;
+  Agarwal et al. 2021 in a secure sum; each client itself for local DP), so
+  its epsilon is that of the release of the aggregate alone. An algorithm
+  whose round also releases something else computed from the clients' data
+  declares what (``unprivatized``, its ``Traits.unprivatized``) and takes
+  no DP aggregator: the one rule every DP aggregator's check follows, in
+  one line naming the algorithm, the aggregator and why.
   """
-  privacy = getattr(aggregator, 'privacy', None)
+  privacy = traits_lib.of(aggregator).privacy
   if privacy is not None and unprivatized is not None:
     raise ValueError(
         f'{fn}: aggregator {privacy} is refused: {unprivatized}; use a '
@@ -520,48 +521,6 @@ def pooled_metrics(stats: Mapping[str, jax.Array], *, clients: jax.Array,
   return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
 
-# ------------------------------------------------------------------ options
-
-# Options every builder takes (see docs/algorithms.md); how clients run is
-# not among them (``Algorithm.compile`` sets it).
-COMMON_OPTIONS: dict[str, Any] = {
-    'metrics_fn': None,
-    'weighting': 'num_examples',
-    'client_evaluation': True,
-    'skip_nonfinite': True,
-}
-"""The options every builder takes, with their defaults."""
-
-
-def with_options(options: Mapping[str, Any]) -> Callable[[Callable], Callable]:
-  """Declares the keyword options a builder's ``**options`` takes.
-
-  The builder's signature (``inspect.signature``, what config validation
-  and ``help`` read) becomes its own parameters followed by ``options`` as
-  keyword-only parameters with these defaults, so builders that share
-  options state them once.
-  """
-  def decorate(fn):
-    own = [p for p in inspect.signature(fn).parameters.values()
-           if p.kind != p.VAR_KEYWORD]
-    taken = {p.name for p in own}
-    more = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
-            for k, v in options.items() if k not in taken]
-    fn.__signature__ = inspect.signature(fn).replace(parameters=own + more)
-    return fn
-  return decorate
-
-
-def take_options(fn: str, given: Mapping[str, Any],
-                 options: Mapping[str, Any]) -> dict[str, Any]:
-  """``options`` updated with ``given``; a key not in ``options`` is a one-line error."""
-  for key in given:
-    if key not in options:
-      raise ValueError(f'{fn}: option {key}={given[key]!r} is not taken; '
-                       f'{fn} takes {sorted(options)}.')
-  return {**options, **given}
-
-
 # ---------------------------------------------------------------- assembling
 
 def scan_rounds(apply: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]],
@@ -595,32 +554,27 @@ def _fresh_copy(tree: PyTree) -> PyTree:
 def make_algorithm(name: str, init: Callable[[Params], Any],
                    round_fn: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]],
                    *, loss_fn: LossFn, metrics_fn: MetricsFn | None = None,
-                   options: Mapping[str, Any] | None = None,
                    client_state_init: Callable[[Params], PyTree] | None = None,
-                   unprivatized: str | None = None,
-                   indexed_batches: bool = False) -> Algorithm:
+                   traits: Traits = traits_lib.NONE) -> Algorithm:
   """Wraps an algorithm's ``init`` and round (a fedjx program body).
 
   ``round_fn`` is written with the fedjx primitives and called inside
-  ``fedjx.program(clients=C, map_strategy=..., chunk_size=...)``, with ``C``
+  ``fedjx.program(clients=C, map_strategy=map_options)``, with ``C``
   the cohort size read from ``cohort.mask``. The execution options are those
   of :meth:`Algorithm.compile` (default ``'auto'``, no chunks, donating).
-  ``options`` (a builder's :data:`COMMON_OPTIONS`), if given, supplies
-  ``metrics_fn``.
+  ``loss_fn`` and ``metrics_fn`` are the model's, checked against the
+  cohort before the first round.
 
   With ``client_state_init`` (see :class:`Algorithm`), ``round_fn`` reads
   ``cohort.client_states`` and returns ``(state, metrics, client_states)``.
-  ``unprivatized`` is the algorithm's declared trait (see :class:`Algorithm`;
-  its builder refuses DP aggregators with :func:`check_private_uploads`).
-  ``indexed_batches`` declares that ``round_fn`` reads an indexed cohort as
-  it is (see :class:`Algorithm`); otherwise such a cohort's batches are
-  gathered whole on the device before ``round_fn`` runs.
+  ``traits`` is the algorithm's declared record
+  (:class:`fedjx.algorithms.traits.Traits`); with ``indexed_batches`` set
+  ``round_fn`` reads an indexed cohort as it is, otherwise such a cohort's
+  batches are gathered whole on the device before ``round_fn`` runs.
   """
   if client_state_init is not None and not callable(client_state_init):
     raise ValueError(f'{name}: client_state_init={client_state_init!r} must '
                      'be callable (params -> one client\'s initial state) or None.')
-  if options is not None:
-    metrics_fn = options['metrics_fn']
   if not callable(loss_fn):
     raise ValueError(f'{name}: loss_fn={loss_fn!r} must be callable.')
   if metrics_fn is not None and not callable(metrics_fn):
@@ -633,17 +587,16 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
     check_hparams(name, state.hparams)
     return _fresh_copy(state)
 
-  def compiler(strategy: str, chunks: int | None, donate: bool) -> Algorithm:
+  def compiler(map_options: options.MapOptions, donate: bool) -> Algorithm:
     def apply(state: Any, cohort: Cohort, key: jax.Array) -> tuple[Any, Metrics]:
       c = check_cohort(name, cohort)
-      if not indexed_batches and fedjx.indexed.is_indexed(
+      if not traits.indexed_batches and fedjx.indexed.is_indexed(
           getattr(cohort, 'batches', None)):
         cohort = cohort._replace(batches=cohort.batches.dense())
       check_model(name, loss_fn, metrics_fn, state.params, cohort)
       if client_state_init is not None:
         check_client_states(name, cohort, c)
-      program = fedjx.program(clients=c, map_strategy=strategy,
-                              chunk_size=chunks)
+      program = fedjx.program(clients=c, map_strategy=map_options)
       return program(round_fn)(state, cohort, key)
 
     def run(state, cohorts, keys):
@@ -663,7 +616,6 @@ def make_algorithm(name: str, init: Callable[[Params], Any],
                      round=constant_hoisting.jit(apply, donate_argnums=donated),
                      run_rounds=constant_hoisting.jit(run, donate_argnums=donated),
                      apply=apply, compiler=compiler,
-                     client_state_init=client_state_init,
-                     unprivatized=unprivatized, indexed_batches=indexed_batches)
+                     client_state_init=client_state_init, traits=traits)
 
-  return compiler('auto', None, True)
+  return compiler(_DEFAULT_MAP, True)

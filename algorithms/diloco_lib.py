@@ -21,42 +21,47 @@ outer SGD of learning rate 1 and no momentum, and a fresh inner state every
 round, DiLoCo is FedAvg.
 
 Replica ``k`` is the client with ``cohort.client_ids == k``; its inner
-optimizer state is stored in the server state (leaves ``[K, ...]``).
+optimizer state is stored in the server state (``state.client_states``,
+leaves ``[K, ...]``).
+
+The round is the template's (:func:`fedjx.algorithms.kit.algorithm`), with
+the inner optimizer as the clients' (``state.hparams['inner_optimizer']``),
+the outer one as the server's (``['outer_optimizer']``), ``H`` as the local
+steps and each replica's inner state as its row: DiLoCo has no hook of its
+own.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import fedjx
-from fedjx.algorithms.aggregators import core as aggregators
+from fedjx.algorithms import base
 from fedjx.algorithms import kit
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms.compression import quantization
 
+OPTIONS = ('metrics_fn', 'weighting', 'client_evaluation', 'skip_nonfinite')
+"""The options of :class:`~fedjx.algorithms.kit.Options` the builders of the
+DiLoCo family take in ``**options``; the inner and outer optimizers and
+``inner_steps`` (:data:`OWN`) are their own parameters."""
 
-class DiLoCoState(NamedTuple):
-  """DiLoCo's state.
+OWN = ('inner_optimizer', 'outer_optimizer', 'outer_learning_rate',
+       'outer_momentum', 'inner_steps')
+"""The parameters every builder of the DiLoCo family takes itself."""
 
-  Attributes:
-    params: the global model ``theta``.
-    opt_state: the outer optimizer's state.
-    inner_opt_states: each replica's inner optimizer state, leaves
-      ``[K, ...]`` (``()`` when ``reset_inner_state``).
-    hparams: ``inner_optimizer`` and ``outer_optimizer`` hyperparameters.
-    round_index: outer steps taken.
-    aggregator_state: the aggregator's state (``()`` when it has none).
-  """
-
-  params: kit.Params
-  opt_state: optax.OptState
-  inner_opt_states: Any
-  hparams: dict[str, Any]
-  round_index: jax.Array
-  aggregator_state: Any = ()
+TRAITS = kit.Traits(options=OPTIONS, population='num_replicas',
+                    updates_reach_params=True, indexed_batches=True,
+                    aggregates_whole_model=True, replicas_restart=True)
+"""What DiLoCo declares: replicas by id, every outer gradient reaches the
+model in its round, the whole model aggregated once a round, every replica
+starting each round from the global model
+(:class:`~fedjx.algorithms.traits.Traits`)."""
 
 
 def default_inner_optimizer() -> optax.GradientTransformation:
@@ -99,76 +104,82 @@ def check_aggregator(fn: str, aggregator, quantization_format: str):
                      '(aggregators.quantized_mean(fmt) is the latter).')
   if aggregator is None:
     return aggregators.quantized_mean(quantization_format)
-  return kit.check_aggregator(fn, aggregator)
+  return aggregators.check(fn, aggregator)
 
 
-# The options DiLoCo and Streaming DiLoCo share, with their defaults.
-OPTIONS: dict[str, Any] = {
-    'inner_optimizer': None,
-    'outer_optimizer': None,
-    'outer_learning_rate': None,
-    'outer_momentum': None,
-    'inner_steps': None,
-    **kit.COMMON_OPTIONS,
-}
-
-
-def check_options(fn: str, options: dict[str, Any]):
-  """``(inner_optimizer, outer_optimizer, schedule, options)`` from the options."""
-  o = kit.take_options(fn, options, OPTIONS)
-  inner_optimizer = o['inner_optimizer'] or default_inner_optimizer()
-  kit.check_optimizer(fn, 'inner_optimizer', inner_optimizer)
-  outer_optimizer = check_outer(fn, o['outer_optimizer'],
-                                o['outer_learning_rate'], o['outer_momentum'])
-  kit.check_choice(fn, 'weighting', o['weighting'], kit.WEIGHTINGS)
-  kit.check_skip_nonfinite(fn, o['skip_nonfinite'])
-  schedule = kit.check_schedule(fn, 1, o['inner_steps'],
-                                o['client_evaluation'])
-  return inner_optimizer, outer_optimizer, schedule, o
+def check_options(fn: str, options: dict[str, Any], *,
+                  inner_optimizer: Any = None, outer_optimizer: Any = None,
+                  outer_learning_rate: float | None = None,
+                  outer_momentum: float | None = None,
+                  inner_steps: int | None = None,
+                  taken: tuple[str, ...] = OPTIONS, own: tuple[str, ...] = (),
+                  **fixed: Any) -> kit.Options:
+  """The DiLoCo family's :class:`~fedjx.algorithms.kit.Options`: the inner
+  optimizer (default :func:`default_inner_optimizer`) as the clients', the
+  outer one (:func:`check_outer`) as the server's, ``H = inner_steps`` as the
+  local steps, named ``inner_optimizer`` and ``outer_optimizer`` in
+  ``state.hparams``; ``options`` the builder's ``**options`` (``taken``),
+  ``own`` its parameters beyond :data:`OWN` (for errors), ``fixed`` what it
+  sets itself."""
+  inner = inner_optimizer or default_inner_optimizer()
+  kit.check_optimizer(fn, 'inner_optimizer', inner)
+  outer = check_outer(fn, outer_optimizer, outer_learning_rate, outer_momentum)
+  return kit.Options.of(fn, options, taken, own=OWN + own,
+                        client_optimizer=inner, server_optimizer=outer,
+                        local_steps=inner_steps,
+                        names=('inner_optimizer', 'outer_optimizer'), **fixed)
 
 
 def replica_states(state: Any, ids: jax.Array, reset_inner_state: bool) -> Any:
-  """The replicas' inner optimizer states for the client map: each
-  replica's own (``state.inner_opt_states[ids]``), or a placeholder when
+  """The replicas' inner optimizer states for a client map written by hand:
+  each replica's own (``state.client_states[ids]``), or a placeholder when
   every replica starts afresh."""
   if reset_inner_state:
     return fedjx.broadcast(jnp.zeros(()))
-  return kit.gather_clients(state.inner_opt_states, ids)
+  return base.gather_clients(state.client_states, ids)
 
 
-def outer_step(aggregator: kit.Aggregator, outer_optimizer: Any,
-               state: Any, clients: kit.Clients, key: jax.Array,
+def outer_step(aggregator: Any, outer_optimizer: Any,
+               state: Any, clients: nonfinite.Clients, key: jax.Array,
                ids: jax.Array, num_examples: jax.Array, reset_inner_state: bool,
-               **extra_metrics: jax.Array) -> tuple[dict[str, Any], kit.Metrics]:
-  """The server's half of a DiLoCo round.
+               **extra_metrics: jax.Array) -> tuple[dict[str, Any], base.Metrics]:
+  """The server's half of a DiLoCo round written by hand (asynchronous
+  DiLoCo's): the template's, with the round's extra metrics.
 
   Combines the replicas' outer gradients, takes the outer step
   ``theta <- OuterOpt(theta, Delta)``, writes each replica's inner optimizer
   state back (replicas with data only). Returns the state's new fields
-  (``params``, ``opt_state``, ``inner_opt_states``, ``aggregator_state``)
+  (``params``, ``opt_state``, ``client_states``, ``aggregator_state``)
   and the round's metrics, with ``communicated_bytes``.
   """
-  outer_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
-      aggregator, outer_optimizer, state, state.hparams['outer_optimizer'],
-      clients, key)
-  inner_states = state.inner_opt_states
+  outer_grad, agg_state, agg_metrics = aggregators.aggregate(
+      aggregator, state.aggregator_state, state.hparams, clients, key)
+  params, opt_state = base.server_update(
+      outer_optimizer, state.opt_state, state.hparams['outer_optimizer'],
+      state.params, outer_grad)
+  inner_states = state.client_states
   if not reset_inner_state:
-    inner_states = kit.scatter_clients(inner_states, ids, clients.state,
-                                       num_examples > 0)
-  metrics = kit.round_metrics(
+    inner_states = base.scatter_clients(inner_states, ids, clients.state,
+                                        num_examples > 0)
+  metrics = nonfinite.round_metrics(
       clients, pseudo_grad_norm=optax.tree.norm(outer_grad), **agg_metrics,
       **extra_metrics)
-  metrics['communicated_bytes'] = kit.upload_bytes(
+  metrics['communicated_bytes'] = aggregators.upload_bytes(
       aggregator, state.params, metrics['clients'], agg_metrics)
-  return dict(params=params, opt_state=opt_state, inner_opt_states=inner_states,
+  return dict(params=params, opt_state=opt_state, client_states=inner_states,
               aggregator_state=agg_state), metrics
 
 
-@kit.with_options(OPTIONS)
+@kit.declare(TRAITS)
 def diloco(loss_fn: kit.LossFn, num_replicas: int, *,
+           inner_optimizer: optax.GradientTransformation | None = None,
+           outer_optimizer: optax.GradientTransformation | None = None,
+           outer_learning_rate: float | None = None,
+           outer_momentum: float | None = None,
+           inner_steps: int | None = None,
            reset_inner_state: bool = False,
            quantization_format: str = 'float32',
-           aggregator: kit.Aggregator | None = None,
+           aggregator: Any = None,
            client_metrics: bool = False,
            **options: Any) -> kit.Algorithm:
   """DiLoCo with ``num_replicas`` replicas.
@@ -195,61 +206,32 @@ def diloco(loss_fn: kit.LossFn, num_replicas: int, *,
       (:func:`fedjx.algorithms.base.client_metrics` of the outer gradient
       ``Delta_k``, before the aggregator's encoding); False adds nothing to
       the round.
-    metrics_fn, weighting, client_evaluation, skip_nonfinite: as for
-      :func:`fedavg` (in ``**options``, with the inner and
-      outer optimizers' options above); a skipped replica keeps its inner
-      optimizer state from before the round.
+    **options: ``metrics_fn``, ``weighting``, ``client_evaluation``,
+      ``skip_nonfinite``, as for :func:`~fedjx.algorithms.fedavg`; a skipped
+      replica keeps its inner optimizer state from before the round.
+
+  Returns:
+    The :class:`~fedjx.algorithms.Algorithm`; its state is a
+    :class:`~fedjx.algorithms.ServerState` whose ``client_states`` are the
+    replicas' inner optimizer states (``()`` with ``reset_inner_state``).
   """
   name = 'diloco'
   kit.check_positive_int(name, 'num_replicas', num_replicas)
-  inner_optimizer, outer_optimizer, schedule, o = check_options(name, options)
-  metrics_fn = o['metrics_fn']
   kit.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
   quantization.check_format(name, 'quantization_format', quantization_format)
-  aggregator = check_aggregator(name, aggregator, quantization_format)
-  kit.check_choice(name, 'client_metrics', client_metrics, (False, True))
+  o = check_options(
+      name, options, inner_optimizer=inner_optimizer,
+      outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
+      outer_momentum=outer_momentum, inner_steps=inner_steps,
+      aggregator=check_aggregator(name, aggregator, quantization_format),
+      client_metrics=client_metrics)
+  rows = None if reset_inner_state else kit.ClientState(
+      o.client_optimizer.init, num_replicas)
 
-  def init(params):
-    inner = () if reset_inner_state else stack_states(
-        inner_optimizer.init(params), num_replicas)
-    return DiLoCoState(
-        params=params, opt_state=outer_optimizer.init(params),
-        inner_opt_states=inner,
-        hparams=kit.combine_hparams(
-            'diloco',
-            algorithm={'inner_optimizer': kit.optimizer_hparams(inner_optimizer, params),
-                       'outer_optimizer': kit.optimizer_hparams(outer_optimizer, params)},
-            aggregator=kit.aggregator_hparams(aggregator)),
-        round_index=jnp.zeros((), jnp.int32),
-        aggregator_state=aggregator.init(params))
+  def replica(c):  # H inner steps from theta, from its own inner state.
+    trained = c.train(opt_state=None if reset_inner_state else c.state)
+    return kit.Upload(optax.tree.sub(c.x, trained.params), trained,
+                      state=() if reset_inner_state else trained.opt_state)
 
-  def replica_fn(theta, hparams, inner_state, batches, mask):
-    if reset_inner_state:
-      inner_state = inner_optimizer.init(theta)
-    inner_state = kit.with_hparams(inner_state, hparams)
-    out = kit.local_update(loss_fn, metrics_fn, inner_optimizer, theta,
-                           inner_state, batches, mask, schedule)
-    delta = kit.tree_sub(theta, out.params)
-    extra = kit.client_metrics(delta, out) if client_metrics else ()
-    return kit.ClientOutput(delta, out.stats, extra=extra, state=out.opt_state,
-                            previous_state=inner_state, checked=out.params)
-
-  def round_fn(state, cohort, key):
-    ids = jnp.asarray(cohort.client_ids, jnp.int32)
-    clients = kit.map_clients(
-        aggregator, state.hparams, replica_fn,
-        (fedjx.broadcast(state.params),
-         fedjx.broadcast(state.hparams['inner_optimizer']),
-         replica_states(state, ids, reset_inner_state), cohort.batches,
-         cohort.mask),
-        cohort.num_examples, o['weighting'], o['skip_nonfinite'],
-        aggregator_state=state.aggregator_state, client_ids=ids)
-    updated, metrics = outer_step(aggregator, outer_optimizer, state, clients,
-                                  key, ids, cohort.num_examples,
-                                  reset_inner_state)
-    metrics.update(clients.extra)  # Per-replica [C] metrics, if asked.
-    return state._replace(round_index=state.round_index + 1,
-                          **updated), metrics
-
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                            indexed_batches=True)
+  return kit.algorithm(name, loss_fn, o, client=replica, client_state=rows,
+                       traits=TRAITS)

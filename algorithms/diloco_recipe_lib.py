@@ -34,6 +34,7 @@ import optax
 
 from fedjx import constant_hoisting
 from fedjx.algorithms import kit
+from fedjx.algorithms import base
 from fedjx.algorithms import diloco_lib
 
 INNER_GRAD_NORM = 'inner_grad_norm'
@@ -107,28 +108,29 @@ def with_inner_grad_norm(algorithm: kit.Algorithm) -> kit.Algorithm:
   def wrap(inner: kit.Algorithm, donate: bool) -> kit.Algorithm:
     def apply(state, cohort, key):
       new, metrics, *rows = inner.apply(state, cohort, key)
-      norm = round_inner_grad_norm(state.inner_opt_states, new.inner_opt_states)
+      norm = round_inner_grad_norm(state.client_states, new.client_states)
       return (new, {**metrics, INNER_GRAD_NORM: norm}, *rows)
 
     def run(state, cohorts, keys):
-      return kit.scan_rounds(apply, state, cohorts, keys)
+      return base.scan_rounds(apply, state, cohorts, keys)
 
     donated = (0,) if donate else ()
     return inner._replace(
         round=constant_hoisting.jit(apply, donate_argnums=donated),
         run_rounds=constant_hoisting.jit(run, donate_argnums=donated), apply=apply,
-        compiler=lambda s, c, d: wrap(inner.compiler(s, c, d), d))
+        compiler=lambda m, d: wrap(inner.compiler(m, d), d))
 
   return wrap(algorithm, True)
 
 
-# DiLoCo's options but those the recipe sets itself.
-OPTIONS = {k: v for k, v in diloco_lib.OPTIONS.items()
-           if k not in ('inner_optimizer', 'outer_optimizer', 'outer_learning_rate',
-                        'outer_momentum', 'inner_steps')}
+TRAITS = kit.Traits(options=diloco_lib.OPTIONS, population='num_replicas',
+                    updates_reach_params=True, indexed_batches=True)
+"""What the recipe declares: DiLoCo's options, replicas by id, every outer
+gradient reaching the model in its round
+(:class:`~fedjx.algorithms.traits.Traits`)."""
 
 
-@kit.with_options(OPTIONS)
+@kit.declare(TRAITS)
 def diloco_recipe(loss_fn: kit.LossFn, num_replicas: int, *,
                   peak_learning_rate: float = 3e-3, warmup_steps: int = 100,
                   total_steps: int = 1000, final_lr_fraction: float = 0.05,
@@ -148,8 +150,8 @@ def diloco_recipe(loss_fn: kit.LossFn, num_replicas: int, *,
       0 turns clipping off.
     outer_learning_rate, outer_momentum: the outer Nesterov SGD's.
     inner_steps: ``H`` (None: the cohort's steps).
-    **options: :func:`fedjx.algorithms.diloco_lib.diloco`'s other options
-      (``metrics_fn``, ``skip_nonfinite``, ``weighting``, ...).
+    **options: :func:`fedjx.algorithms.diloco_lib.diloco`'s ``metrics_fn``,
+      ``weighting``, ``client_evaluation``, ``skip_nonfinite``.
   """
   inner = inner_optimizer(peak_learning_rate, warmup_steps, total_steps,
                           final_lr_fraction, b1, b2, weight_decay,

@@ -24,6 +24,9 @@ Only ``Delta_k`` leaves the client, so an aggregator (a DP one included)
 sees exactly FedAvg's messages; ``v_k`` is never sent. Reported train
 losses are the global update's (as FedAvg's). Evaluating the personal
 models: :func:`personalize_fn`.
+
+The round is the template's (:func:`fedjx.algorithms.kit.algorithm`): the
+client hook adds the personal steps to FedAvg's client, ``v_k`` in its row.
 """
 
 from __future__ import annotations
@@ -35,25 +38,23 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms import client_update
+from fedjx.algorithms.transforms import core as transforms
 
-# fedavg's options but the client transform (the personal objective is
-# Ditto's own), and the personal model's.
-OPTIONS: dict[str, Any] = {
-    **kit.without('client_transform'),
-    'personal_optimizer': None,
-    'personal_epochs': 1,
-    'personal_steps': None,
-}
+TRAITS = kit.Traits(options=kit.options_but('client_transform'))
+"""What Ditto declares: FedAvg's options but the client transform (the
+personal objective is Ditto's own) (:class:`~fedjx.algorithms.traits.Traits`)."""
 
 
 def _copy(tree):  # A new client's v_k: a copy of the initial model.
   return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
-@kit.with_options(OPTIONS)
+@kit.declare(TRAITS)
 def ditto(loss_fn: kit.LossFn, *, lam: float = 0.1,
+          personal_optimizer: optax.GradientTransformation | None = None,
+          personal_epochs: int = 1, personal_steps: int | None = None,
           **options: Any) -> kit.Algorithm:
   """Ditto with regularization ``lambda = lam`` (``state.hparams['lam']``).
 
@@ -66,10 +67,8 @@ def ditto(loss_fn: kit.LossFn, *, lam: float = 0.1,
     personal_epochs: passes of the personal steps over the client's data
       (``s``), or
     personal_steps: exactly this many personal steps.
-    client_optimizer, server_optimizer, local_epochs, local_steps,
-    aggregator, metrics_fn, weighting, client_evaluation, skip_nonfinite,
-    client_metrics: the global update's, as :func:`~fedjx.algorithms.fedavg`;
-      a skipped client keeps its personal model.
+    **options: the global update's, :func:`~fedjx.algorithms.fedavg`'s but
+      ``client_transform``; a skipped client keeps its personal model.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm` (its state a
@@ -77,70 +76,29 @@ def ditto(loss_fn: kit.LossFn, *, lam: float = 0.1,
     rows are the personal models ``v_k`` (the params' structure).
   """
   name = 'ditto'
-  o = kit.take_options(name, options, OPTIONS)
+  o = kit.Options.of(name, options, TRAITS.options)
   kit.check_number(name, 'lam', lam)
-  client_optimizer, server_optimizer, aggregator, schedule = kit.check_parts(
-      name, dict(o, client_transform=None))
-  personal_optimizer = o['personal_optimizer'] or kit.default_sgd(0.1)
+  personal_optimizer = personal_optimizer or kit.default_sgd(0.1)
   kit.check_optimizer(name, 'personal_optimizer', personal_optimizer)
   try:
-    personal = kit.check_schedule(name, o['personal_epochs'],
-                                  o['personal_steps'], False)
+    personal = client_update.check_schedule(name, personal_epochs, personal_steps, False)
   except ValueError as e:  # Named as the options are.
     raise ValueError(str(e).replace('local_', 'personal_')) from None
-  client_metrics = o['client_metrics']
-  train = kit.client_training(loss_fn, o['metrics_fn'], client_optimizer, None,
-                              schedule)
 
-  def init(params):
-    return kit.ServerState(
-        params=params, opt_state=server_optimizer.init(params),
-        hparams=kit.combine_hparams(
-            name,
-            algorithm={
-                'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
-                'server_optimizer': kit.optimizer_hparams(server_optimizer, params),
-                'personal_optimizer': kit.optimizer_hparams(personal_optimizer, params),
-                'lam': jnp.asarray(lam, jnp.float32)},
-            aggregator=kit.aggregator_hparams(aggregator)),
-        round_index=jnp.zeros((), jnp.int32),
-        aggregator_state=aggregator.init(params))
-
-  def client_fn(w, v, lam_, hparams, personal_hparams, batches, mask):
-    out = train(w, hparams, batches, mask)       # The global update w_k.
-    delta = kit.tree_sub(w, out.params)
+  def client(c):
+    trained = c.train()                             # The global update w_k.
     # v_k: steps on F_k(v) + lambda/2 ||v - w||^2, the anchor w as received.
-    optimizer = optax.chain(kit.proximal(lam_), personal_optimizer)
-    state = (kit.ProximalState(anchor=w),
-             kit.with_hparams(personal_optimizer.init(v), personal_hparams))
-    v_new, _, _, _ = kit.train(loss_fn, optimizer, v, state,
-                               batches, mask, personal)
-    extra = kit.client_metrics(delta, out) if client_metrics else ()
-    return kit.ClientOutput(delta, out.stats, extra=extra, state=v_new,
-                            previous_state=v, checked=(out.params, v_new))
+    v_new = c.train(transforms.proximal(c.hparams['lam']),
+                    optimizer=personal_optimizer,
+                    traced=c.hparams['personal_optimizer'], params=c.state,
+                    schedule=personal).params
+    return kit.Upload(optax.tree.sub(c.x, trained.params), trained,
+                      state=v_new, checked=(trained.params, v_new))
 
-  def round_fn(state, cohort, key):
-    h = state.hparams
-    clients = kit.map_clients(
-        aggregator, h, client_fn,
-        (fedjx.broadcast(state.params), cohort.client_states,
-         fedjx.broadcast(h['lam']),
-         fedjx.broadcast({'client_optimizer': h['client_optimizer']}),
-         fedjx.broadcast(h['personal_optimizer']), cohort.batches, cohort.mask),
-        cohort.num_examples, o['weighting'], o['skip_nonfinite'],
-        aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
-    pseudo_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
-        aggregator, server_optimizer, state, h['server_optimizer'], clients, key)
-    metrics = kit.round_metrics(
-        clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics)
-    metrics.update(clients.extra)  # Per-client [C] metrics, if asked.
-    state = state._replace(params=params, opt_state=opt_state,
-                           round_index=state.round_index + 1,
-                           aggregator_state=agg_state)
-    return state, metrics, clients.state
-
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                            client_state_init=_copy)
+  return kit.algorithm(
+      name, loss_fn, o, client=client,
+      hparams={'personal_optimizer': personal_optimizer, 'lam': lam},
+      client_state=kit.ClientState(_copy), traits=TRAITS)
 
 
 def personalize_fn() -> Callable[[Any, Any, Mapping[str, Any]], kit.Params]:

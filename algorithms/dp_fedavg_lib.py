@@ -36,14 +36,17 @@ from typing import Any
 
 from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import kit
-from fedjx.algorithms.fedavg_lib import build as fedavg_build
+from fedjx.algorithms import fedavg_lib
 
-# fedavg's options but those DP-FedAvg sets: its aggregator (which weights
-# every client 1) and no client transform.
-OPTIONS = kit.without('aggregator', 'client_transform', 'weighting')
+TRAITS = fedavg_lib.TRAITS._replace(
+    options=kit.options_but('aggregator', 'client_transform', 'weighting'),
+    aggregator=aggregators.gaussian)
+"""FedAvg's traits; every option but those DP-FedAvg sets (its aggregator,
+which weights every client 1, and no client transform); and the aggregator
+it builds from its own options, :func:`~fedjx.algorithms.aggregators.gaussian`."""
 
 
-@kit.with_options(OPTIONS)
+@kit.declare(TRAITS)
 def dp_fedavg(loss_fn: kit.LossFn, *, clip_norm: float = 1.0,
               noise_multiplier: float = 1.0,
               expected_clients_per_round: float | None = None,
@@ -71,6 +74,6 @@ def dp_fedavg(loss_fn: kit.LossFn, *, clip_norm: float = 1.0,
   name = 'dp_fedavg'
   aggregator = aggregators.gaussian(clip_norm, noise_multiplier,
                                     expected_clients_per_round, canaries)
-  return fedavg_build(name, loss_fn, dict(
-      kit.take_options(name, options, OPTIONS), aggregator=aggregator,
-      client_transform=None, weighting='uniform'))
+  return kit.algorithm(name, loss_fn, kit.Options.of(
+      name, options, TRAITS.options, aggregator=aggregator,
+      client_transform=None, weighting='uniform'), traits=TRAITS)

@@ -73,11 +73,16 @@ exposed ``max(0, t(S) - H T)``).
 
 The paper also applies the overlap to Streaming DiLoCo (its Table 3) and
 overlaps two outer steps (its Table 2); neither is implemented here.
+
+The round is written by hand, not the round template's
+(:mod:`fedjx.algorithms.template`): each replica keeps and steps its own
+outer model on an average that arrives a round late, where the template's
+server steps one model on this round's aggregate.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +91,9 @@ import optax
 import fedjx
 from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import kit
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import client_update
+from fedjx.algorithms import base
 from fedjx.algorithms.compression import quantization
 from fedjx.algorithms.diloco_lib import OPTIONS as DILOCO_OPTIONS
 from fedjx.algorithms.diloco_lib import check_options
@@ -93,32 +101,6 @@ from fedjx.algorithms.diloco_lib import stack_states
 
 OUTER_UPDATES = ('eager', 'delayed')
 """The outer gradients a replica may step on while the average is in flight."""
-
-
-class EagerDiLoCoState(NamedTuple):
-  """Eager (or delayed) DiLoCo's state.
-
-  Attributes:
-    params: the mean of the replicas' outer models (the model evaluated).
-    replica_params: each replica's outer model ``theta_m``, leaves ``[M, ...]``.
-    opt_state: each replica's outer optimizer state, leaves ``[M, ...]``.
-    inner_opt_states: each replica's inner optimizer state, leaves ``[M, ...]``.
-    in_flight: ``Delta^(t)``, the average sent in the last round, which the
-      replicas step on in the next (zero before the first round).
-    own_share: ``c_m^(t)``, each replica's term of ``in_flight``, leaves
-      ``[M, ...]`` (zero before the first round).
-    hparams: ``inner_optimizer`` and ``outer_optimizer`` hyperparameters.
-    round_index: outer steps taken.
-  """
-
-  params: kit.Params
-  replica_params: kit.Params
-  opt_state: optax.OptState
-  inner_opt_states: Any
-  in_flight: kit.Params
-  own_share: kit.Params
-  hparams: dict[str, Any]
-  round_index: jax.Array
 
 
 def check_outer_update(fn: str, outer_update: Any) -> None:
@@ -130,8 +112,19 @@ def check_outer_update(fn: str, outer_update: Any) -> None:
         "replica's own term made fresh, 'delayed' on the delayed average.")
 
 
-@kit.with_options(DILOCO_OPTIONS)
+TRAITS = kit.Traits(options=DILOCO_OPTIONS, population='num_replicas',
+                    indexed_batches=True)
+"""What eager DiLoCo declares: DiLoCo's options, replicas by id
+(:class:`~fedjx.algorithms.traits.Traits`)."""
+
+
+@kit.declare(TRAITS)
 def eager_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
+                 inner_optimizer: optax.GradientTransformation | None = None,
+                 outer_optimizer: optax.GradientTransformation | None = None,
+                 outer_learning_rate: float | None = None,
+                 outer_momentum: float | None = None,
+                 inner_steps: int | None = None,
                  outer_update: str = 'eager',
                  quantization_format: str = 'float32',
                  **options: Any) -> kit.Algorithm:
@@ -149,42 +142,58 @@ def eager_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
     inner_optimizer, outer_optimizer, outer_learning_rate, outer_momentum,
     inner_steps: as for :func:`diloco` (each replica's outer optimizer is a
       copy of ``outer_optimizer``, with the shared hyperparameters).
-    metrics_fn, weighting, client_evaluation, skip_nonfinite: as for
-      :func:`fedavg`; a skipped replica is one not sampled: it sends nothing
-      (weight 0) and keeps its outer model, outer and inner optimizer states
-      and share from before the round.
+    **options: ``metrics_fn``, ``weighting``, ``client_evaluation``,
+      ``skip_nonfinite``, as for :func:`fedavg`; a skipped replica is one not
+      sampled: it sends nothing (weight 0) and keeps its outer model, outer
+      and inner optimizer states and share from before the round.
+
+  Returns:
+    The :class:`~fedjx.algorithms.Algorithm`; its state is a
+    :class:`~fedjx.algorithms.ServerState` whose ``params`` are the mean of
+    the replicas' outer models (the model evaluated), ``opt_state`` each
+    replica's outer optimizer state (leaves ``[M, ...]``),
+    ``client_states`` each replica's inner optimizer state, and ``extras``
+    ``{'replica_params': each replica's outer model theta_m, leaves [M,
+    ...]; 'in_flight': Delta^(t), the average sent in the last round, which
+    the replicas step on in the next (zero before the first round);
+    'own_share': c_m^(t), each replica's term of in_flight, leaves [M, ...]
+    (zero before the first round)}``.
   """
   name = 'eager_diloco'
   kit.check_positive_int(name, 'num_replicas', num_replicas)
   check_outer_update(name, outer_update)
   quantization.check_format(name, 'quantization_format', quantization_format)
-  inner_optimizer, outer_optimizer, schedule, o = check_options(name, options)
+  o = check_options(
+      name, options, inner_optimizer=inner_optimizer,
+      outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
+      outer_momentum=outer_momentum, inner_steps=inner_steps)
+  inner_optimizer, outer_optimizer = o.client_optimizer, o.server_optimizer
+  schedule, metrics_fn = o.schedule, o.metrics_fn
   aggregator = aggregators.quantized_mean(quantization_format)
-  metrics_fn = o['metrics_fn']
   eager = outer_update == 'eager'
 
   def init(params):
     zeros = jax.tree.map(jnp.zeros_like, params)
-    return EagerDiLoCoState(
+    return kit.ServerState(
         params=params,
-        replica_params=stack_states(params, num_replicas),
         opt_state=stack_states(outer_optimizer.init(params), num_replicas),
-        inner_opt_states=stack_states(inner_optimizer.init(params), num_replicas),
-        in_flight=zeros,
-        own_share=stack_states(zeros, num_replicas),
-        hparams=kit.combine_hparams(
+        hparams=base.combine_hparams(
             name,
-            algorithm={'inner_optimizer': kit.optimizer_hparams(inner_optimizer, params),
-                       'outer_optimizer': kit.optimizer_hparams(outer_optimizer, params)}),
-        round_index=jnp.zeros((), jnp.int32))
+            algorithm={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
+                       'outer_optimizer': base.optimizer_hparams(outer_optimizer, params)}),
+        round_index=jnp.zeros((), jnp.int32),
+        extras={'replica_params': stack_states(params, num_replicas),
+                'in_flight': zeros,
+                'own_share': stack_states(zeros, num_replicas)},
+        client_states=stack_states(inner_optimizer.init(params), num_replicas))
 
   def replica_fn(theta_m, hparams, inner_state, batches, mask):
     """The inner phase: ``Delta_m = theta_m - InnerOpt^H(theta_m)``."""
     inner_state = kit.with_hparams(inner_state, hparams)
-    out = kit.local_update(loss_fn, metrics_fn, inner_optimizer,
+    out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer,
                                      theta_m, inner_state, batches, mask,
                                      schedule)
-    return kit.ClientOutput(kit.tree_sub(theta_m, out.params), out.stats,
+    return nonfinite.ClientOutput(base.tree_sub(theta_m, out.params), out.stats,
                                   state=out.opt_state, previous_state=inner_state,
                                   checked=out.params)
 
@@ -199,7 +208,7 @@ def eager_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
       g = jax.tree.map(lambda d, o, n: (d - o) + n, stale, old_share, new_share)
     else:
       g = stale
-    new_theta, new_opt = kit.server_update(outer_optimizer, opt_m, hparams,
+    new_theta, new_opt = base.server_update(outer_optimizer, opt_m, hparams,
                                             theta_m, g)
     if not eager:  # Round 1 of 'delayed': nothing has arrived, no step.
       keep = lambda new, old: jax.tree.map(
@@ -210,15 +219,16 @@ def eager_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
   def round_fn(state, cohort, key):
     del key  # The mean aggregator draws nothing.
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
-    gather = lambda t: kit.gather_clients(t, ids)
-    theta = gather(state.replica_params)
-    clients = kit.map_clients(
+    gather = lambda t: base.gather_clients(t, ids)
+    extras = state.extras
+    theta = gather(extras['replica_params'])
+    clients = aggregators.map_clients(
         aggregator, state.hparams, replica_fn,
         (theta, fedjx.broadcast(state.hparams['inner_optimizer']),
-         gather(state.inner_opt_states), cohort.batches, cohort.mask),
-        cohort.num_examples, o['weighting'], o['skip_nonfinite'])
+         gather(state.client_states), cohort.batches, cohort.mask),
+        cohort.num_examples, o.weighting, o.skip_nonfinite)
     # The all-reduce launched now: Delta^(t) = sum_m c_m^(t).
-    total = kit.participants(clients)
+    total = nonfinite.participants(clients)
     share = fedjx.map_fn(share_fn, (clients.update, clients.weights,
                                     fedjx.broadcast(total)))
     average = fedjx.reduce_sum(share)
@@ -227,25 +237,24 @@ def eager_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
         outer_fn,
         (theta, gather(state.opt_state),
          fedjx.broadcast(state.hparams['outer_optimizer']),
-         fedjx.broadcast(state.in_flight), gather(state.own_share), share,
+         fedjx.broadcast(extras['in_flight']), gather(extras['own_share']), share,
          fedjx.broadcast(state.round_index == 0)))
     # A replica skipped as non-finite (n_i zeroed) is one not sampled: it
     # keeps its outer model and state, inner state and share.
     real = clients.num_examples > 0
-    scatter = lambda store, new: kit.scatter_clients(store, ids, new, real)
-    replica_params = scatter(state.replica_params, new_theta)
-    metrics = kit.round_metrics(
+    scatter = lambda store, new: base.scatter_clients(store, ids, new, real)
+    replica_params = scatter(extras['replica_params'], new_theta)
+    metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(average))
-    metrics['communicated_bytes'] = kit.upload_bytes(
+    metrics['communicated_bytes'] = aggregators.upload_bytes(
         aggregator, state.params, metrics['clients'], {})
     return state._replace(
         params=jax.tree.map(lambda r: jnp.mean(r, axis=0), replica_params),
-        replica_params=replica_params,
         opt_state=scatter(state.opt_state, new_opt),
-        inner_opt_states=scatter(state.inner_opt_states, clients.state),
-        in_flight=average,
-        own_share=scatter(state.own_share, share),
+        extras={'replica_params': replica_params, 'in_flight': average,
+                'own_share': scatter(extras['own_share'], share)},
+        client_states=scatter(state.client_states, clients.state),
         round_index=state.round_index + 1), metrics
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                             indexed_batches=True)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                            metrics_fn=metrics_fn, traits=TRAITS)

@@ -33,11 +33,16 @@ The mixing is written as a step on the client's message
 which the client computes from ``x_t`` and its model (the same ``x_{t+1}``);
 an aggregator acts on ``Delta`` (the mean of one update is the update; a DP
 aggregator clips and noises it: ``x_t`` is the server's own state).
+
+The round is written by hand, not the round template's
+(:mod:`fedjx.algorithms.template`): it is asynchronous (an
+:class:`~fedjx.algorithms.fedbuff_lib.AsyncCohort` of one arrival, trained
+from a stale version) and mixes the arrival in without a server optimizer.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +50,11 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms import template
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import base
+from fedjx.algorithms.aggregators import core as aggregators
+from fedjx.algorithms.transforms import core as transforms
 from fedjx.algorithms.fedbuff_lib import STALENESS_FUNCTIONS
 from fedjx.algorithms.fedbuff_lib import async_metrics
 from fedjx.algorithms.fedbuff_lib import check_async_cohort
@@ -56,41 +66,20 @@ from fedjx.algorithms.fedbuff_lib import ring_push
 from fedjx.algorithms.fedbuff_lib import ring_read
 from fedjx.algorithms.fedbuff_lib import staleness_scale
 
-OPTIONS: dict[str, Any] = {
-    **kit.without('server_optimizer', 'client_transform'),
-    'alpha': 0.6,
-    'rho': 0.0,
-    'max_staleness': 16,
-    'staleness_weighting': 'polynomial',
-    'staleness_exponent': 0.5,
-    'staleness_hinge': 4.0,
-    'concurrency': None,
-    'client_durations': None,
-}
+TRAITS = kit.Traits(options=kit.options_but('server_optimizer', 'client_transform'),
+                    asynchronous=True, updates_reach_params=True)
+"""What FedAsync declares: FedAvg's options but the server optimizer (its
+mixing is its own) and the client transform (``rho``'s); rounds from a
+simulated schedule, each arrival mixed in at once
+(:class:`~fedjx.algorithms.traits.Traits`)."""
 
 
-class FedAsyncState(NamedTuple):
-  """FedAsync's state.
-
-  Attributes:
-    params: the server model ``x_t``.
-    versions: the ring of the last ``V`` versions (FedBuff's).
-    hparams: ``client_optimizer``, ``alpha``, the staleness function's
-      ``staleness_exponent`` and ``staleness_hinge``, ``mu`` (the proximal
-      ``rho``) when ``rho > 0``, and the aggregator's.
-    round_index: updates applied (or dropped), ``t``.
-    aggregator_state: the aggregator's state (``()`` when it has none).
-  """
-
-  params: kit.Params
-  versions: kit.PyTree
-  hparams: dict[str, Any]
-  round_index: jax.Array
-  aggregator_state: Any = ()
-
-
-@kit.with_options(OPTIONS)
-def fedasync(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
+@kit.declare(TRAITS)
+def fedasync(loss_fn: kit.LossFn, *, alpha: float = 0.6, rho: float = 0.0,
+             max_staleness: int = 16, staleness_weighting: str = 'polynomial',
+             staleness_exponent: float = 0.5, staleness_hinge: float = 4.0,
+             concurrency: int | None = None, client_durations: Any = None,
+             **options: Any) -> kit.Algorithm:
   """FedAsync (Xie et al. 2019): each arriving model mixed in at once.
 
   Args:
@@ -109,56 +98,58 @@ def fedasync(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
     staleness_hinge: ``b``, the staleness up to which the hinge is flat [4].
     concurrency, client_durations: the simulated schedule's (as
       :func:`~fedjx.algorithms.fedbuff`); read by the runner.
-    client_optimizer, local_epochs, local_steps, aggregator, weighting,
-    client_metrics, metrics_fn, client_evaluation, skip_nonfinite: as
-      :func:`~fedjx.algorithms.fedavg`.
+    **options: :func:`~fedjx.algorithms.fedavg`'s but ``server_optimizer``
+      and ``client_transform``.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
-    :class:`FedAsyncState` and its round takes an :class:`AsyncCohort` of
-    one client.
+    :class:`~fedjx.algorithms.ServerState` whose ``extras`` are the ring of
+    the last ``V`` versions (FedBuff's), its ``hparams`` ``client_optimizer``,
+    ``alpha``, the staleness function's ``staleness_exponent`` and
+    ``staleness_hinge``, ``mu`` (the proximal ``rho``) when ``rho > 0``,
+    and the aggregator's; its round takes an :class:`AsyncCohort` of one
+    client.
   """
   name = 'fedasync'
-  o = kit.take_options(name, options, OPTIONS)
-  kit.check_number(name, 'alpha', o['alpha'], strict=True, high=1.0)
-  kit.check_number(name, 'rho', o['rho'])
-  kit.check_positive_int(name, 'concurrency', o['concurrency'], allow_none=True)
-  weighting, exponent = o['staleness_weighting'], o['staleness_exponent']
-  max_staleness = o['max_staleness']
+  del client_durations  # The runner's schedule reads it, not the round.
+  kit.check_number(name, 'alpha', alpha, strict=True, high=1.0)
+  kit.check_number(name, 'rho', rho)
+  kit.check_positive_int(name, 'concurrency', concurrency, allow_none=True)
+  weighting, exponent = staleness_weighting, staleness_exponent
   check_staleness_options(name, max_staleness, weighting, exponent,
                           allowed=STALENESS_FUNCTIONS)
-  kit.check_number(name, 'staleness_hinge', o['staleness_hinge'])
-  transform = (optax.inject_hyperparams(kit.proximal)(mu=o['rho'])
-               if o['rho'] > 0 else None)
-  client_optimizer, _, aggregator, schedule = kit.check_parts(
-      name, dict(o, server_optimizer=None, client_transform=transform))
-  train = kit.client_training(loss_fn, o['metrics_fn'], client_optimizer,
-                              transform, schedule)
+  kit.check_number(name, 'staleness_hinge', staleness_hinge)
+  transform = (optax.inject_hyperparams(transforms.proximal)(mu=rho)
+               if rho > 0 else None)
+  o = kit.Options.of(name, options, TRAITS.options, client_transform=transform)
+  client_optimizer, aggregator, schedule = (o.client_optimizer, o.aggregator,
+                                            o.schedule)
 
   def init(params):
-    hparams = kit.combine_hparams(
+    hparams = base.combine_hparams(
         name,
-        algorithm={'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
-                   'alpha': jnp.float32(o['alpha']),
+        algorithm={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
+                   'alpha': jnp.float32(alpha),
                    'staleness_exponent': jnp.float32(exponent),
-                   'staleness_hinge': jnp.float32(o['staleness_hinge'])},
+                   'staleness_hinge': jnp.float32(staleness_hinge)},
         client_transform=({} if transform is None else
-                          kit.optimizer_hparams(transform, params)),
-        aggregator=kit.aggregator_hparams(aggregator))
-    return FedAsyncState(
-        params=params, versions=ring_init(params, max_staleness + 1),
-        hparams=hparams, round_index=jnp.zeros((), jnp.int32),
-        aggregator_state=aggregator.init(params))
+                          base.optimizer_hparams(transform, params)),
+        aggregator=aggregators.init_hparams(aggregator))
+    return kit.ServerState(
+        params=params, opt_state=(), hparams=hparams,
+        round_index=jnp.zeros((), jnp.int32),
+        aggregator_state=aggregator.init(params),
+        extras=ring_init(params, max_staleness + 1))
 
   def client_fn(x_now, versions, round_index, hparams, a, b, tau, batches, mask):
     x = ring_read(versions, round_index, tau)  # x_tau
     mask = jnp.logical_and(mask, in_ring(tau, max_staleness))
-    out = train(x, hparams, batches, mask)
+    out = template.trainer(loss_fn, o, x, hparams, batches, mask)()
     s = staleness_scale(tau, max_staleness, weighting, a, b)
     delta = jax.tree.map(lambda u, y: (u - y) * s.astype(u.dtype), x_now,
                          out.params)  # s(tau) (x_t - y)
-    extra = kit.client_metrics(delta, out) if o['client_metrics'] else ()
-    return kit.ClientOutput(delta, out.stats, extra=extra,
+    extra = base.client_metrics(delta, out) if o.client_metrics else ()
+    return nonfinite.ClientOutput(delta, out.stats, extra=extra,
                             checked=out.params)
 
   def round_fn(state, cohort, key):
@@ -170,36 +161,37 @@ def fedasync(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
     hp = state.hparams
     tau = jnp.asarray(cohort.staleness, jnp.int32)
     num_examples = cohort.num_examples * kept(tau, max_staleness)
-    clients = kit.map_clients(
+    clients = aggregators.map_clients(
         aggregator, hp, client_fn,
-        (fedjx.broadcast(state.params), fedjx.broadcast(state.versions),
+        (fedjx.broadcast(state.params), fedjx.broadcast(state.extras),
          fedjx.broadcast(state.round_index),
-         fedjx.broadcast(kit.client_hparams_of(state, transform)),
+         fedjx.broadcast(hp),
          fedjx.broadcast(hp['staleness_exponent']),
          fedjx.broadcast(hp['staleness_hinge']),
          tau, cohort.batches, cohort.mask),
-        num_examples, o['weighting'], o['skip_nonfinite'],
+        num_examples, o.weighting, o.skip_nonfinite,
         aggregator_state=state.aggregator_state)
-    delta, agg_state, agg_metrics = kit.aggregate(
+    delta, agg_state, agg_metrics = aggregators.aggregate(
         aggregator, state.aggregator_state, hp, clients, key)
-    alpha = hp['alpha']
-    params = jax.tree.map(lambda x, d: x - alpha.astype(x.dtype) * d,
+    a_t = hp['alpha']
+    params = jax.tree.map(lambda x, d: x - a_t.astype(x.dtype) * d,
                           state.params, delta)  # (1 - alpha_t) x_t + alpha_t y
     scale = fedjx.reduce_sum(fedjx.map_fn(
         lambda t, a, b: staleness_scale(t, max_staleness, weighting, a, b),
         (tau, fedjx.broadcast(hp['staleness_exponent']),
          fedjx.broadcast(hp['staleness_hinge']))))
-    metrics = kit.round_metrics(
+    metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(delta),
-        mixing_weight=alpha * scale, **agg_metrics,
+        mixing_weight=a_t * scale, **agg_metrics,
         **async_metrics(cohort, max_staleness))
     metrics.update(clients.extra)
     t = state.round_index + 1
     return state._replace(params=params,
-                          versions=ring_push(state.versions, params, t),
+                          extras=ring_push(state.extras, params, t),
                           round_index=t, aggregator_state=agg_state), metrics
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                            metrics_fn=o.metrics_fn, traits=TRAITS)
 
 
-__all__ = ['FedAsyncState', 'fedasync']
+__all__ = ['fedasync']

@@ -38,6 +38,11 @@ So a chunk of clients holds one model each, as in FedAvg, and the server
 ``V`` versions; gathering the versions outside the map would instead hold
 ``K`` models at once whatever the map strategy. (A MapReduce plan of the
 round sends the ring to each client.)
+
+The round is written by hand, not the round template's
+(:mod:`fedjx.algorithms.template`): it is asynchronous, its round takes an
+:class:`AsyncCohort` whose clients trained from stale versions of the model
+that the server keeps in a ring.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms import template
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import base
+from fedjx.algorithms.aggregators import core as aggregators
 
 STALENESS_WEIGHTINGS = ('polynomial', 'constant')
 # Xie et al. 2019's three staleness functions (FedAsync takes them all).
@@ -92,28 +101,6 @@ class AsyncCohort(NamedTuple):
   @property
   def shape(self) -> tuple[int, int, int]:
     return tuple(int(d) for d in self.mask.shape)  # type: ignore[return-value]
-
-
-class FedBuffState(NamedTuple):
-  """FedBuff's state.
-
-  Attributes:
-    params: the server model ``x_t``.
-    opt_state: the server optimizer's state.
-    versions: the ring of the last ``V`` versions, leaves ``[V, ...]``
-      (``x_v`` in slot ``v mod V``).
-    hparams: ``client_optimizer``, ``server_optimizer`` (and the client
-      transform's and aggregator's) hyperparameters.
-    round_index: server steps taken, ``t``.
-    aggregator_state: the aggregator's state (``()`` when it has none).
-  """
-
-  params: kit.Params
-  opt_state: optax.OptState
-  versions: kit.PyTree
-  hparams: dict[str, Any]
-  round_index: jax.Array
-  aggregator_state: Any = ()
 
 
 # ------------------------------------------------------------- the pieces
@@ -238,19 +225,18 @@ def async_metrics(cohort: AsyncCohort, max_staleness: int) -> dict[str, jax.Arra
 
 # ------------------------------------------------------------- the builder
 
-OPTIONS: dict[str, Any] = {
-    **kit.OPTIONS,
-    'buffer_size': None,
-    'max_staleness': 16,
-    'staleness_weighting': 'polynomial',
-    'staleness_exponent': 0.5,
-    'concurrency': None,
-    'client_durations': None,
-}
+TRAITS = kit.Traits(options=kit.options_but(), asynchronous=True,
+                    updates_reach_params=True)
+"""What FedBuff declares: every option of FedAvg; rounds from a simulated
+schedule, its buffer the round's cohort
+(:class:`~fedjx.algorithms.traits.Traits`)."""
 
 
-@kit.with_options(OPTIONS)
-def fedbuff(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
+@kit.declare(TRAITS)
+def fedbuff(loss_fn: kit.LossFn, *, buffer_size: int | None = None,
+            max_staleness: int = 16, staleness_weighting: str = 'polynomial',
+            staleness_exponent: float = 0.5, concurrency: int | None = None,
+            client_durations: Any = None, **options: Any) -> kit.Algorithm:
   """FedBuff: FedAvg's client work and aggregator on buffered, stale updates.
 
   Args:
@@ -266,70 +252,70 @@ def fedbuff(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
     client_durations: the duration model's spec (default
       ``{'name': 'lognormal'}``, :mod:`fedjx.datasets.async_schedule`): read
       by the runner's schedule, not by the round.
-    client_optimizer, server_optimizer, local_epochs, local_steps,
-    client_transform, aggregator, client_metrics, metrics_fn, weighting,
-    client_evaluation, skip_nonfinite: as :func:`fedavg`.
+    **options: :func:`~fedjx.algorithms.fedavg`'s.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
-    :class:`FedBuffState` and its round takes an :class:`AsyncCohort`.
+    :class:`~fedjx.algorithms.ServerState` whose ``extras`` are the ring of
+    the last ``V`` versions, leaves ``[V, ...]`` (``x_v`` in slot ``v mod
+    V``); its round takes an :class:`AsyncCohort`.
   """
   name = 'fedbuff'
-  o = kit.take_options(name, options, OPTIONS)
-  client_transform, metrics_fn = o['client_transform'], o['metrics_fn']
-  client_optimizer, server_optimizer, aggregator, schedule = (
-      kit.check_parts(name, o))
+  del client_durations  # The runner's schedule reads it, not the round.
+  o = kit.Options.of(name, options, TRAITS.options)
+  client_transform, metrics_fn = o.client_transform, o.metrics_fn
+  client_optimizer, server_optimizer = o.client_optimizer, o.server_optimizer
+  aggregator, schedule = o.aggregator, o.schedule
   buffer_size, max_staleness, weighting, exponent = check_async_options(
-      name, o, 'clients')
-  train = kit.client_training(loss_fn, metrics_fn, client_optimizer,
-                              client_transform, schedule)
+      name, dict(buffer_size=buffer_size, concurrency=concurrency,
+                 max_staleness=max_staleness,
+                 staleness_weighting=staleness_weighting,
+                 staleness_exponent=staleness_exponent), 'clients')
 
   def init(params):
-    return FedBuffState(
+    return kit.ServerState(
         params=params, opt_state=server_optimizer.init(params),
-        versions=ring_init(params, max_staleness + 1),
-        hparams=kit.initial_hparams(client_optimizer, server_optimizer,
-                                    client_transform, aggregator, params,
-                                    'fedbuff'),
+        hparams=template.hparams_of(name, o, {}, params),
         round_index=jnp.zeros((), jnp.int32),
-        aggregator_state=aggregator.init(params))
+        aggregator_state=aggregator.init(params),
+        extras=ring_init(params, max_staleness + 1))
 
   def client_fn(versions, round_index, hparams, tau, batches, mask):
     x = ring_read(versions, round_index, tau)
     mask = jnp.logical_and(mask, in_ring(tau, max_staleness))  # Dropped: no steps.
-    out = train(x, hparams, batches, mask)
+    out = template.trainer(loss_fn, o, x, hparams, batches, mask)()
     s = staleness_scale(tau, max_staleness, weighting, exponent)
     delta = jax.tree.map(lambda a, b: (a - b) * s.astype(a.dtype), x, out.params)
-    extra = kit.client_metrics(delta, out) if o['client_metrics'] else ()
-    return kit.ClientOutput(delta, out.stats, extra=extra,
+    extra = base.client_metrics(delta, out) if o.client_metrics else ()
+    return nonfinite.ClientOutput(delta, out.stats, extra=extra,
                             checked=out.params)
 
   def round_fn(state, cohort, key):
     check_async_cohort(name, cohort, buffer_size)
-    client_hparams = kit.client_hparams_of(state, client_transform)
     tau = jnp.asarray(cohort.staleness, jnp.int32)
     num_examples = cohort.num_examples * kept(tau, max_staleness)
-    clients = kit.map_clients(
+    clients = aggregators.map_clients(
         aggregator, state.hparams, client_fn,
-        (fedjx.broadcast(state.versions), fedjx.broadcast(state.round_index),
-         fedjx.broadcast(client_hparams), tau, cohort.batches, cohort.mask),
-        num_examples, o['weighting'], o['skip_nonfinite'],
+        (fedjx.broadcast(state.extras), fedjx.broadcast(state.round_index),
+         fedjx.broadcast(state.hparams), tau, cohort.batches, cohort.mask),
+        num_examples, o.weighting, o.skip_nonfinite,
         aggregator_state=state.aggregator_state)
-    pseudo_grad, params, opt_state, agg_state, agg_metrics = kit.server_step(
+    pseudo_grad, params, opt_state, agg_state, agg_metrics = aggregators.step(
         aggregator, server_optimizer, state, state.hparams['server_optimizer'],
         clients, key)
-    metrics = kit.round_metrics(
+    metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), **agg_metrics,
         **async_metrics(cohort, max_staleness))
-    metrics['communicated_bytes'] = kit.upload_bytes(
+    metrics['communicated_bytes'] = aggregators.upload_bytes(
         aggregator, state.params, metrics['clients'], agg_metrics)
     metrics.update(clients.extra)
     t = state.round_index + 1
     return state._replace(params=params, opt_state=opt_state,
-                          versions=ring_push(state.versions, params, t),
+                          extras=ring_push(state.extras, params, t),
                           round_index=t, aggregator_state=agg_state), metrics
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                            metrics_fn=metrics_fn, traits=TRAITS)
 
 
-__all__ = ['AsyncCohort', 'FedBuffState', 'fedbuff', 'staleness_weight']
+__all__ = ['AsyncCohort', 'fedbuff', 'staleness_weight']

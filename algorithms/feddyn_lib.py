@@ -33,7 +33,7 @@ aggregator does not cover. FedDyn is not personalized: evaluation uses
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,141 +41,81 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms.transforms import core as transforms
 
-# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+# What a round releases beside the aggregate (``Traits.unprivatized``).
 UNPRIVATIZED = ('its h and each client\'s g_k are built from the exact updates, '
                 'a release beside the aggregate that the noise does not cover')
 
-
-class FedDynState(NamedTuple):
-  """FedDyn's server state.
-
-  Attributes:
-    params: the server model ``theta``.
-    opt_state: the server optimizer's state.
-    h: the server's ``h``, the params' structure.
-    hparams: ``alpha`` and the optimizers' (and the aggregator's).
-    round_index: rounds run so far.
-    aggregator_state: the aggregator's state (``()`` when it has none).
-  """
-
-  params: kit.Params
-  opt_state: optax.OptState
-  h: kit.Params
-  hparams: dict[str, Any]
-  round_index: jax.Array
-  aggregator_state: Any = ()
+TRAITS = kit.Traits(options=kit.options_but('client_transform'),
+                    population='num_clients', unprivatized=UNPRIVATIZED)
+"""What FedDyn declares: FedAvg's options but the client transform (its
+regularizer); the population size ``m`` (``num_clients``); what its round
+releases beside the aggregate (:class:`~fedjx.algorithms.traits.Traits`)."""
 
 
 def linear_term(gradient: kit.Params) -> optax.GradientTransformation:
   """The gradient of ``- <g_k, theta>``: ``g -> g - g_k`` (no state)."""
-  def init(params):
-    del params
-    return optax.EmptyState()
-
-  def update(updates, state, params=None):
-    del params
-    return jax.tree.map(jnp.subtract, updates, gradient), state
-
-  return optax.GradientTransformation(init, update)
+  return optax.stateless(lambda updates, params: jax.tree.map(
+      jnp.subtract, updates, gradient))
 
 
-# fedavg's options but the client transform (FedDyn's regularizer).
-OPTIONS = kit.without('client_transform')
+def _zeros(params: kit.Params) -> kit.Params:
+  return jax.tree.map(jnp.zeros_like, params)
 
 
-@kit.with_options(OPTIONS)
+@kit.declare(TRAITS)
 def feddyn(loss_fn: kit.LossFn, num_clients: int, *, alpha: float = 0.01,
            **options: Any) -> kit.Algorithm:
   """FedDyn over a population of ``num_clients`` clients (``m``).
+
+  The template's round (:func:`fedjx.algorithms.kit.algorithm`) with
+  FedDyn's client (the linear and quadratic terms, ``g_k`` in its row) and
+  server (``h`` in ``state.extras``, the pseudo-gradient ``mean_k Delta_k +
+  h / alpha``).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
     num_clients: the population size ``m`` that ``h`` divides by.
     alpha: the regularization ``alpha > 0`` (``state.hparams['alpha']``,
       traced; the paper tunes it in {0.1, 0.01, 0.001}).
-    client_optimizer: the local solver (default SGD 0.1), on the gradient
-      with FedDyn's linear and quadratic terms.
-    server_optimizer: on ``mean_k Delta_k + h / alpha`` (default SGD 1.0:
-      the paper's step).
-    aggregator: the mean of the ``Delta_k`` (non-private aggregators only).
-    metrics_fn, local_epochs, local_steps, weighting, client_evaluation,
-    skip_nonfinite, client_metrics: as :func:`~fedjx.algorithms.fedavg`; a
-      skipped client's ``g_k`` is unchanged and its update is out of ``h``.
+    **options: :func:`~fedjx.algorithms.fedavg`'s but ``client_transform``:
+      ``client_optimizer`` is the local solver (default SGD 0.1), on the
+      gradient with FedDyn's linear and quadratic terms;
+      ``server_optimizer`` steps on ``mean_k Delta_k + h / alpha`` (default
+      SGD 1.0: the paper's step); ``aggregator`` takes the mean of the
+      ``Delta_k`` (non-private aggregators only); a skipped client's ``g_k``
+      is unchanged and its update is out of ``h``.
 
   Returns:
-    The :class:`~fedjx.algorithms.Algorithm` (state :class:`FedDynState`),
-    with ``client_state_init``: rows are the clients' ``g_k``.
+    The :class:`~fedjx.algorithms.Algorithm`; its state is a
+    :class:`~fedjx.algorithms.ServerState` whose ``extras`` is ``h``, with
+    ``client_state_init``: rows are the clients' ``g_k``.
   """
   name = 'feddyn'
-  o = kit.take_options(name, options, OPTIONS)
   kit.check_positive_int(name, 'num_clients', num_clients)
   kit.check_number(name, 'alpha', alpha, strict=True)  # h / alpha.
-  client_optimizer, server_optimizer, aggregator, schedule = kit.check_parts(
-      name, dict(o, client_transform=None))
-  kit.check_private_uploads(name, aggregator, UNPRIVATIZED)
-  metrics_fn, client_metrics = o['metrics_fn'], o['client_metrics']
+  o = kit.Options.of(name, options, TRAITS.options)
+  kit.check_private_uploads(name, o.aggregator, UNPRIVATIZED)
   m = num_clients
 
-  def init(params):
-    return FedDynState(
-        params=params, opt_state=server_optimizer.init(params),
-        h=jax.tree.map(jnp.zeros_like, params),
-        hparams=kit.combine_hparams(
-            name,
-            algorithm={'alpha': jnp.asarray(alpha, jnp.float32),
-                       'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
-                       'server_optimizer': kit.optimizer_hparams(server_optimizer, params)},
-            aggregator=kit.aggregator_hparams(aggregator)),
-        round_index=jnp.zeros((), jnp.int32),
-        aggregator_state=aggregator.init(params))
+  def client(c):  # c.x = theta^{t-1}, c.state = g_k
+    a = c.hparams['alpha']
+    trained = c.train(linear_term(c.state), transforms.proximal(a))
+    delta = optax.tree.sub(c.x, trained.params)        # theta^{t-1} - theta_k
+    g_new = jax.tree.map(lambda g, d: g + a * d, c.state, delta)
+    return kit.Upload(delta, trained, extra=delta, state=g_new)
 
-  def client_state_init(params):  # g_k = 0 before the first round.
-    return jax.tree.map(jnp.zeros_like, params)
+  def server(s):  # h <- h - (a/m) sum_k (theta_k - theta); then the step.
+    a = s.state.hparams['alpha']
+    h = jax.tree.map(lambda h, d: h + a * d / m, s.state.extras,
+                     fedjx.reduce_sum(s.clients.extra))
+    return kit.Step(jax.tree.map(lambda d, h: d + h / a, s.aggregate, h),
+                    extras=h, metrics={'h_norm': optax.tree.norm(h)})
 
-  def client_fn(x, g_k, alpha_, hparams, batches, mask):
-    optimizer = optax.chain(linear_term(g_k), kit.proximal(alpha_),
-                            client_optimizer)
-    state = (optax.EmptyState(), kit.ProximalState(anchor=x),
-             kit.with_hparams(client_optimizer.init(x), hparams))
-    out = kit.local_update(loss_fn, metrics_fn, optimizer, x, state,
-                           batches, mask, schedule)
-    delta = kit.tree_sub(x, out.params)                 # theta^{t-1} - theta_k
-    g_new = jax.tree.map(lambda g, d: g + alpha_ * d, g_k, delta)
-    extra = (delta, kit.client_metrics(delta, out)) if client_metrics else delta
-    return kit.ClientOutput(delta, out.stats, extra=extra, state=g_new,
-                            previous_state=g_k, checked=out.params)
-
-  def round_fn(state, cohort, key):
-    a = state.hparams['alpha']
-    clients = kit.map_clients(
-        aggregator, state.hparams, client_fn,
-        (fedjx.broadcast(state.params), cohort.client_states,
-         fedjx.broadcast(a), fedjx.broadcast(state.hparams['client_optimizer']),
-         cohort.batches, cohort.mask),
-        cohort.num_examples, o['weighting'], o['skip_nonfinite'],
-        aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
-    deltas, per_client = clients.extra if client_metrics else (clients.extra, {})
-    mean_delta, agg_state, agg_metrics = kit.aggregate(
-        aggregator, state.aggregator_state, state.hparams, clients, key)
-    h = jax.tree.map(lambda h, s: h + a * s / m, state.h,  # -(a/m) sum (theta_k - theta)
-                     fedjx.reduce_sum(deltas))
-    pseudo_grad = jax.tree.map(lambda d, h: d + h / a, mean_delta, h)
-    params, opt_state = kit.server_update(
-        server_optimizer, state.opt_state, state.hparams['server_optimizer'],
-        state.params, pseudo_grad)
-    metrics = kit.round_metrics(
-        clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad),
-        h_norm=optax.tree.norm(h), **agg_metrics)
-    metrics.update(per_client)  # Per-client [C] metrics, if asked.
-    state = state._replace(params=params, opt_state=opt_state, h=h,
-                           round_index=state.round_index + 1,
-                           aggregator_state=agg_state)
-    return state, metrics, clients.state
-
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                            client_state_init=client_state_init,
-                            unprivatized=UNPRIVATIZED)
+  return kit.algorithm(name, loss_fn, o, client=client, server=server,
+                       hparams={'alpha': alpha}, extras=_zeros,
+                       client_state=kit.ClientState(_zeros), traits=TRAITS)
 
 
-__all__ = ['FedDynState', 'feddyn', 'linear_term']
+__all__ = ['feddyn', 'linear_term']

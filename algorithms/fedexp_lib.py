@@ -26,6 +26,11 @@ The paper evaluates the mean of the last two iterates, ``(x_t + x_{t-1}) /
 :func:`averaged_params` returns it from the state, which keeps ``x_{t-1}``.
 The runner evaluates ``state.params``, the last iterate.
 
+The round is the template's (:func:`fedjx.algorithms.kit.algorithm`): the
+client hook adds ``||Delta_i||^2`` to FedAvg's update, the server hook
+takes the extrapolated step itself (no server optimizer) and keeps
+``x_{t-1}`` in ``state.extras``.
+
 Aggregators: the mean update may be combined by any non-private
 aggregator (quantized, robust); the numerator reads each client's exact
 ``||Delta_i||^2``. A DP aggregator is refused: ``eta_g`` is a second
@@ -35,7 +40,7 @@ private form, DP-FedEXP, adds noise to the numerator too).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,36 +49,21 @@ import optax
 import fedjx
 from fedjx.algorithms import kit
 
-# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+# What a round releases beside the aggregate (``Traits.unprivatized``).
 UNPRIVATIZED = ('its server step size eta_g reads sum_i ||Delta_i||^2, the '
                 'squared norms of the exact updates, which the noise does not '
                 'cover (DP-FedEXP noises that sum too)')
 
-
-class FedExPState(NamedTuple):
-  """FedExP's server state.
-
-  Attributes:
-    params: the server model ``x_t``.
-    previous_params: ``x_{t-1}`` (``x_0`` before the first round), for
-      :func:`averaged_params`.
-    hparams: ``client_optimizer`` and ``epsilon`` (and the client
-      transform's and aggregator's) hyperparameters.
-    round_index: rounds run so far.
-    aggregator_state: the aggregator's state (``()`` when it has none).
-  """
-
-  params: kit.Params
-  previous_params: kit.Params
-  hparams: dict[str, Any]
-  round_index: jax.Array
-  aggregator_state: Any = ()
+TRAITS = kit.Traits(options=kit.options_but('server_optimizer', 'client_metrics'),
+                    updates_reach_params=True, unprivatized=UNPRIVATIZED)
+"""What FedExP declares: FedAvg's options but the server optimizer (its step
+is its own) and per-client metrics; what its round releases beside the
+aggregate (:class:`~fedjx.algorithms.traits.Traits`)."""
 
 
-def averaged_params(state: FedExPState) -> kit.Params:
+def averaged_params(state: kit.ServerState) -> kit.Params:
   """``(x_t + x_{t-1}) / 2``, the model the paper evaluates."""
-  return jax.tree.map(lambda a, b: (a + b) / 2, state.params,
-                      state.previous_params)
+  return jax.tree.map(lambda a, b: (a + b) / 2, state.params, state.extras)
 
 
 def step_size(mean_squared_norm: jax.Array, mean_update: kit.PyTree,
@@ -83,84 +73,50 @@ def step_size(mean_squared_norm: jax.Array, mean_update: kit.PyTree,
   return jnp.maximum(1.0, mean_squared_norm / (2.0 * (sq + epsilon)))
 
 
-OPTIONS: dict[str, Any] = {**kit.without('server_optimizer', 'client_metrics'),
-                           'epsilon': 1e-3}
-
-
-@kit.with_options(OPTIONS)
-def fedexp(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
+@kit.declare(TRAITS)
+def fedexp(loss_fn: kit.LossFn, *, epsilon: float = 1e-3,
+           **options: Any) -> kit.Algorithm:
   """FedExP (module docstring).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
     epsilon: ``eps`` of the step size, ``> 0`` [1e-3] (traced).
-    client_optimizer, local_epochs, local_steps, client_transform,
-    metrics_fn, weighting, client_evaluation, skip_nonfinite: as
-      :func:`~fedjx.algorithms.fedavg` (``weighting='uniform'`` is the
-      paper's ``1/M``).
-    aggregator: how the ``Delta_i`` are averaged; not a DP mechanism.
+    **options: :func:`~fedjx.algorithms.fedavg`'s but ``server_optimizer``
+      and ``client_metrics`` (``weighting='uniform'`` is the paper's
+      ``1/M``); ``aggregator`` averages the ``Delta_i``, not a DP mechanism.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
-    :class:`FedExPState`. Metrics add ``server_step_size`` (``eta_g``) and
-    ``mean_update_sq_norm`` (``sum_i p_i ||Delta_i||^2``).
+    :class:`~fedjx.algorithms.ServerState` whose ``extras`` is ``x_{t-1}``
+    (``x_0`` before the first round; :func:`averaged_params`). Metrics add
+    ``server_step_size`` (``eta_g``) and ``mean_update_sq_norm`` (``sum_i p_i
+    ||Delta_i||^2``).
   """
   name = 'fedexp'
-  o = kit.take_options(name, options, OPTIONS)
-  eps = o['epsilon']
-  kit.check_number(name, 'epsilon', eps, strict=True)
-  client_optimizer, _, aggregator, schedule = kit.check_parts(
-      name, dict(o, server_optimizer=None, client_metrics=False))
-  kit.check_private_uploads(name, aggregator, UNPRIVATIZED)
-  transform = o['client_transform']
-  weighting, guard = o['weighting'], o['skip_nonfinite']
-  train = kit.client_training(loss_fn, o['metrics_fn'], client_optimizer,
-                              transform, schedule)
+  kit.check_number(name, 'epsilon', epsilon, strict=True)
+  o = kit.Options.of(name, options, TRAITS.options)
+  kit.check_private_uploads(name, o.aggregator, UNPRIVATIZED)
 
-  def init(params):
-    transform_hparams = ({} if transform is None else
-                         kit.optimizer_hparams(transform, params))
-    return FedExPState(
-        params=params, previous_params=params,
-        hparams=kit.combine_hparams(
-            name,
-            algorithm={'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
-                       'epsilon': jnp.asarray(eps, jnp.float32)},
-            client_transform=transform_hparams,
-            aggregator=kit.aggregator_hparams(aggregator)),
-        round_index=jnp.zeros((), jnp.int32),
-        aggregator_state=aggregator.init(params))
-
-  def client_fn(x, hparams, batches, mask):
-    out = train(x, hparams, batches, mask)
-    delta = kit.tree_sub(x, out.params)
+  def client(c):  # FedAvg's client, and ||Delta_i||^2.
+    trained = c.train()
+    delta = optax.tree.sub(c.x, trained.params)
     sq = jnp.square(optax.tree.norm(delta)).astype(jnp.float32)
-    return kit.ClientOutput(delta, out.stats, extra=sq, checked=out.params)
+    return kit.Upload(delta, trained, extra=sq)
 
-  def round_fn(state, cohort, key):
-    x = state.params
-    clients = kit.map_clients(
-        aggregator, state.hparams, client_fn,
-        (fedjx.broadcast(x), fedjx.broadcast(kit.client_hparams_of(state, transform)),
-         cohort.batches, cohort.mask),
-        cohort.num_examples, weighting, guard,
-        aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
-    delta, agg_state, agg_metrics = kit.aggregate(
-        aggregator, state.aggregator_state, state.hparams, clients, key)
-    total = fedjx.reduce_sum(clients.weights)
-    mean_sq = fedjx.reduce_sum(clients.weights * clients.extra) / jnp.maximum(
+  def server(s):  # x <- x - eta_g Delta
+    x, delta, w = s.state.params, s.aggregate, s.clients.weights
+    total = fedjx.reduce_sum(w)
+    mean_sq = fedjx.reduce_sum(w * s.clients.extra) / jnp.maximum(
         total, jnp.finfo(jnp.float32).tiny)
-    eta = step_size(mean_sq, delta, state.hparams['epsilon'])
+    eta = step_size(mean_sq, delta, s.state.hparams['epsilon'])
     params = jax.tree.map(lambda p, d: p - eta.astype(d.dtype) * d, x, delta)
-    metrics = kit.round_metrics(
-        clients, pseudo_grad_norm=optax.tree.norm(delta), server_step_size=eta,
-        mean_update_sq_norm=mean_sq, **agg_metrics)
-    return state._replace(params=params, previous_params=x,
-                          round_index=state.round_index + 1,
-                          aggregator_state=agg_state), metrics
+    return kit.Step(delta, extras=x, params=params,
+                    metrics={'server_step_size': eta,
+                             'mean_update_sq_norm': mean_sq})
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                            unprivatized=UNPRIVATIZED)
+  return kit.algorithm(name, loss_fn, o, client=client, server=server,
+                       hparams={'epsilon': epsilon},
+                       extras=lambda params: params, traits=TRAITS)
 
 
-__all__ = ['FedExPState', 'averaged_params', 'fedexp', 'step_size']
+__all__ = ['averaged_params', 'fedexp', 'step_size']

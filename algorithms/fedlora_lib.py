@@ -30,13 +30,18 @@ Heterogeneous ranks (``client_ranks``): client ``i`` of the population has
 rank ``client_ranks[i mod len(client_ranks)]`` (FLoRA and HetLoRA's
 setting; FlexLoRA's "client resources"). The new global adapters replace the
 old ones (no server optimizer: the rules define the new model, not a step).
+
+The round is written by hand, not the round template's
+(:mod:`fedjx.algorithms.template`): each rule combines the clients'
+adapter pairs itself (a product, a stack, a truncation by rank), where the
+template's server steps along an aggregator's combination of the updates.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,30 +49,20 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import client_update
+from fedjx.algorithms import base
 from fedjx.algorithms.aggregators import lora as lora_aggregation
 from fedjx.models import adapters as trees
 from fedjx.models.lora_config import LoraConfig
 
 
-class FedLoraState(NamedTuple):
-  """The server state of :func:`fedlora`.
-
-  Attributes:
-    params: the global adapters (the :class:`~fedjx.models.lora.LoraModel`'s
-      trainable tree) and, under FLoRA, the merged deltas ``M`` (leaves
-      ``kernel_lora_merged`` beside the kernels, zero at first).
-    hparams: the client optimizer's traced hyperparameters.
-    round_index: rounds run so far.
-  """
-
-  params: kit.Params
-  hparams: dict[str, Any]
-  round_index: jax.Array
-
-
-# fedavg's options but those the rules replace (the server optimizer, the
-# aggregator, the weighting: each rule has its own).
-OPTIONS = kit.without('server_optimizer', 'aggregator', 'weighting', 'client_transform')
+TRAITS = kit.Traits(options=kit.options_but(
+    'server_optimizer', 'aggregator', 'weighting', 'client_transform'))
+"""What federated LoRA declares: FedAvg's options but those its rules
+replace (the server optimizer, the aggregator, the weighting: each rule
+has its own) and the client transform
+(:class:`~fedjx.algorithms.traits.Traits`)."""
 
 
 def _ranks(fn: str, client_ranks: Any, r_max: int) -> tuple[int, ...]:
@@ -85,7 +80,7 @@ RULES = {'flexlora': lora_aggregation.flexlora, 'flora': lora_aggregation.flora,
          'hetlora': lora_aggregation.hetlora, 'fedit': lora_aggregation.fedit}
 
 
-@kit.with_options(OPTIONS)
+@kit.declare(TRAITS)
 def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
             rule: str | lora_aggregation.LoraAggregation = 'flexlora',
             client_ranks: Sequence[int] | None = None, aggregator: Any = None,
@@ -112,12 +107,17 @@ def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
       received; it sends its adapters cut to the new rank. None: ranks stay.
     prune_strength: ``lambda >= 0``, the weight of the tail score added to
       the local loss while pruning is on (``loss + lambda T(a, b)``).
-    client_optimizer: the local optimizer of the adapters (default SGD 0.1).
-    metrics_fn, local_epochs, local_steps, client_evaluation,
-    skip_nonfinite, client_metrics: as :func:`~fedjx.algorithms.fedavg`.
+    **options: :func:`~fedjx.algorithms.fedavg`'s but ``server_optimizer``,
+      ``aggregator``, ``weighting`` and ``client_transform``:
+      ``client_optimizer`` is the local optimizer of the adapters (default
+      SGD 0.1).
 
   Returns:
-    The :class:`~fedjx.algorithms.Algorithm` (state :class:`FedLoraState`).
+    The :class:`~fedjx.algorithms.Algorithm`; its state is a
+    :class:`~fedjx.algorithms.ServerState` whose ``params`` are the global
+    adapters (the :class:`~fedjx.models.lora.LoraModel`'s trainable tree)
+    and, under FLoRA, the merged deltas ``M`` (leaves ``kernel_lora_merged``
+    beside the kernels, zero at first); no server optimizer state.
   """
   name = 'fedlora'
   if not isinstance(lora_config, LoraConfig):
@@ -138,20 +138,15 @@ def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
     raise ValueError(f'{name}: aggregator={aggregator!r}: the {rule.name} rule combines '
                      'adapters itself; DP, compression and secure sums apply to FedIT and '
                      'FFA-LoRA (fedavg on the LoraModel).')
-  o = kit.take_options(name, options, OPTIONS)
-  client_optimizer = o['client_optimizer'] or kit.default_sgd(0.1)
-  kit.check_optimizer(name, 'client_optimizer', client_optimizer)
-  kit.check_skip_nonfinite(name, o['skip_nonfinite'])
-  kit.check_choice(name, 'client_metrics', o['client_metrics'], (False, True))
-  schedule = kit.check_schedule(name, o['local_epochs'], o['local_steps'],
-                                o['client_evaluation'])
+  o = kit.Options.of(name, options, TRAITS.options)
+  client_optimizer, schedule = o.client_optimizer, o.schedule
   r_max, scale = lora_config.rank, lora_config.scale
   ranks = jnp.asarray(_ranks(name, client_ranks, r_max), jnp.int32)
   merges = rule.name == 'flora'
   if merges and lora_config.base_dtype == 'int8':
     raise ValueError(f'{name}: the {rule.name} rule merges into the base, which is int8 '
                      '(lora.base_dtype); use float32 or bfloat16.')
-  metrics_fn = o['metrics_fn']
+  metrics_fn = o.metrics_fn
   if self_prune is not None:
     if isinstance(self_prune, bool) or not isinstance(self_prune, (int, float)) or not (
         0 < self_prune < 1):
@@ -167,9 +162,9 @@ def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
       params = trees.join(adapters, trees.merged_tree(
           {n: jnp.zeros(p['a'].shape[:-1] + p['b'].shape[-1:], p['a'].dtype)
            for n, p in trees.adapter_pairs(adapters).items()}))
-    return FedLoraState(
-        params=params,
-        hparams={'client_optimizer': kit.optimizer_hparams(client_optimizer, adapters)},
+    return kit.ServerState(
+        params=params, opt_state=(),
+        hparams={'client_optimizer': base.optimizer_hparams(client_optimizer, adapters)},
         round_index=jnp.zeros((), jnp.int32))
 
   def client_fn(num_clients, adapters, merged, hparams, index, client_id, n_k, stored,
@@ -191,7 +186,7 @@ def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
     local_metrics = None if metrics_fn is None else (
         lambda p, batch: metrics_fn(trees.join(p, merged), batch))
     opt_state = kit.with_hparams(client_optimizer.init(start), hparams)
-    out = kit.local_update(local_loss, local_metrics, client_optimizer, start,
+    out = client_update.local_update(local_loss, local_metrics, client_optimizer, start,
                            opt_state, batches, mask, schedule)
     trained = trees.adapter_pairs(out.params)
     new_rank = rank
@@ -203,11 +198,11 @@ def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
     w = rule.client_weight(trained, n_k, scale)
     summed, averaged = rule.client_message(trained, global_pairs, index, num_clients, scale)
     weighted = jax.tree.map(lambda v: w * v, averaged)
-    delta = kit.tree_sub(start, out.params)
+    delta = base.tree_sub(start, out.params)
     extra = (summed, weighted, w, new_rank.astype(jnp.float32))
-    if o['client_metrics']:
-      extra = extra + (kit.client_metrics(delta, out),)
-    return kit.ClientOutput(delta, out.stats, extra=extra, checked=out.params,
+    if o.client_metrics:
+      extra = extra + (base.client_metrics(delta, out),)
+    return nonfinite.ClientOutput(delta, out.stats, extra=extra, checked=out.params,
                             state=new_rank if pruning else (),
                             previous_state=stored if pruning else ())
 
@@ -215,14 +210,14 @@ def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
     num_clients = int(cohort.mask.shape[0])
     adapters, merged = trees.split_merged(state.params)
     stored = cohort.client_states if pruning else jnp.zeros((num_clients,), jnp.int32)
-    clients = kit.map_guarded(
+    clients = nonfinite.map_clients(
         functools.partial(client_fn, num_clients),
         (fedjx.broadcast(adapters), fedjx.broadcast(merged),
          fedjx.broadcast(state.hparams['client_optimizer']),
          jnp.arange(num_clients, dtype=jnp.int32), cohort.client_ids,
          cohort.num_examples, stored, cohort.batches, cohort.mask),
         jnp.ones_like(cohort.num_examples, jnp.float32), cohort.num_examples,
-        o['skip_nonfinite'])
+        o.skip_nonfinite)
     summed, weighted, w, client_rank = clients.extra[:4]
     summed, weighted, total = fedjx.reduce_sum((summed, weighted, w))
     averaged = jax.tree.map(lambda v: v / jnp.maximum(total, 1e-30), weighted)
@@ -236,11 +231,11 @@ def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
     has_data = (cohort.num_examples > 0).astype(jnp.float32)
     mean_rank = fedjx.reduce_sum(client_rank * has_data) / jnp.maximum(
         fedjx.reduce_sum(has_data), 1.0)
-    metrics = kit.round_metrics(
+    metrics = nonfinite.round_metrics(
         clients, adapter_norm=optax.tree.norm(trees.from_pairs(result.adapters)),
         adapter_bytes_per_client=jnp.float32(trees.adapter_bytes(adapters)),
         mean_client_rank=mean_rank)
-    if o['client_metrics']:
+    if o.client_metrics:
       metrics.update(clients.extra[4])
     state = state._replace(params=new, round_index=state.round_index + 1)
     if pruning:
@@ -248,8 +243,9 @@ def fedlora(loss_fn: kit.LossFn, *, lora_config: LoraConfig | None = None,
     return state, metrics
 
   return kit.make_algorithm(
-      name, init, round_fn, loss_fn=loss_fn, options=o,
-      client_state_init=(lambda params: jnp.zeros((), jnp.int32)) if pruning else None)
+      name, init, round_fn, loss_fn=loss_fn, metrics_fn=metrics_fn,
+      client_state_init=(lambda params: jnp.zeros((), jnp.int32)) if pruning else None,
+      traits=TRAITS)
 
 
-__all__ = ['FedLoraState', 'fedlora']
+__all__ = ['fedlora']

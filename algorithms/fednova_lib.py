@@ -35,6 +35,11 @@ Only vanilla local SGD's normalization (``||a_i||_1 = tau_i``) is
 implemented: with local momentum or a proximal term the paper's ``a_i``
 differs, so FedNova here takes no ``client_transform``; a client optimizer
 with momentum is normalized by its steps all the same.
+
+The round is written by hand, not the round template's
+(:mod:`fedjx.algorithms.template`): its client weights ``w'_i`` are a
+function of every client's step count, computed before the client map,
+where the template weights clients by the aggregator or ``weighting``.
 """
 
 from __future__ import annotations
@@ -47,13 +52,12 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import client_update
+from fedjx.algorithms import base
+from fedjx.algorithms.aggregators import core as aggregators
 
-# fedavg's options but those FedNova's normalization does not cover.
-OPTIONS: dict[str, Any] = kit.without('client_transform', 'aggregator',
-                                      'client_metrics')
-
-
-def local_steps(mask: jax.Array, schedule: kit.LocalSchedule) -> jax.Array:
+def local_steps(mask: jax.Array, schedule: client_update.LocalSchedule) -> jax.Array:
   """``tau_i``, the real local steps one client takes (float32; its ``[S, B]``
   mask), as :func:`fedjx.algorithms.client_update.train` counts them."""
   real = jnp.any(mask, axis=-1)
@@ -68,7 +72,14 @@ def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
   return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
 
 
-@kit.with_options(OPTIONS)
+TRAITS = kit.Traits(
+    options=kit.options_but('client_transform', 'aggregator', 'client_metrics'),
+    updates_reach_params=True, indexed_batches=True)
+"""What FedNova declares: FedAvg's options but those its normalization does
+not cover (:class:`~fedjx.algorithms.traits.Traits`)."""
+
+
+@kit.declare(TRAITS)
 def fednova(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
   """FedNova (Wang et al. 2020) with local SGD and any server optimizer.
 
@@ -77,8 +88,8 @@ def fednova(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
     client_optimizer: local optimizer (default: SGD, learning rate 0.1).
     server_optimizer: applied to ``g = tau_eff sum_i p_i d_i`` (default: SGD,
       learning rate 1.0: the paper's update).
-    metrics_fn, local_epochs, local_steps, weighting, client_evaluation,
-    skip_nonfinite: as :func:`fedjx.algorithms.fedavg` (``p_i`` are the
+    **options: :func:`fedjx.algorithms.fedavg`'s but ``client_transform``,
+      ``aggregator`` and ``client_metrics`` (``p_i`` are the
       ``weighting``'s weights, normalized).
 
   Returns:
@@ -88,30 +99,23 @@ def fednova(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
     ``tau_eff``.
   """
   name = 'fednova'
-  o = kit.take_options(name, options, OPTIONS)
-  client_optimizer = o['client_optimizer'] or kit.default_sgd(0.1)
-  server_optimizer = o['server_optimizer'] or kit.default_sgd(1.0)
-  kit.check_optimizer(name, 'client_optimizer', client_optimizer)
-  kit.check_optimizer(name, 'server_optimizer', server_optimizer)
-  weighting, skip_nonfinite = o['weighting'], o['skip_nonfinite']
-  kit.check_choice(name, 'weighting', weighting, kit.WEIGHTINGS)
-  kit.check_skip_nonfinite(name, skip_nonfinite)
-  schedule = kit.check_schedule(name, o['local_epochs'],
-                                o['local_steps'], o['client_evaluation'])
-  metrics_fn = o['metrics_fn']
+  o = kit.Options.of(name, options, TRAITS.options)
+  client_optimizer, server_optimizer = o.client_optimizer, o.server_optimizer
+  weighting, skip_nonfinite = o.weighting, o.skip_nonfinite
+  schedule, metrics_fn = o.schedule, o.metrics_fn
 
   def init(params):
     return kit.ServerState(
         params=params, opt_state=server_optimizer.init(params),
-        hparams={'client_optimizer': kit.optimizer_hparams(client_optimizer, params),
-                 'server_optimizer': kit.optimizer_hparams(server_optimizer, params)},
+        hparams={'client_optimizer': base.optimizer_hparams(client_optimizer, params),
+                 'server_optimizer': base.optimizer_hparams(server_optimizer, params)},
         round_index=jnp.zeros((), jnp.int32))
 
   def client_fn(x, hparams, batches, mask):
     opt_state = kit.with_hparams(client_optimizer.init(x), hparams)
-    out = kit.local_update(loss_fn, metrics_fn, client_optimizer, x,
+    out = client_update.local_update(loss_fn, metrics_fn, client_optimizer, x,
                            opt_state, batches, mask, schedule)
-    return kit.ClientOutput(kit.tree_sub(x, out.params), out.stats,
+    return nonfinite.ClientOutput(base.tree_sub(x, out.params), out.stats,
                             checked=out.params)
 
   def normalized_weights(p, tau, tau_eff):
@@ -119,11 +123,11 @@ def fednova(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
 
   def round_fn(state, cohort, key):
     del key
-    p = kit.aggregation_weights(cohort.num_examples, weighting)
+    p = base.aggregation_weights(cohort.num_examples, weighting)
     tau = fedjx.map_fn(lambda m: local_steps(m, schedule), cohort.mask)
     tau_all = _ratio(fedjx.reduce_sum(p * tau), fedjx.reduce_sum(p))
     w = fedjx.map_fn(normalized_weights, (p, tau, fedjx.broadcast(tau_all)))
-    clients = kit.map_guarded(
+    clients = nonfinite.map_clients(
         client_fn, (fedjx.broadcast(state.params),
                     fedjx.broadcast(state.hparams['client_optimizer']),
                     cohort.batches, cohort.mask),
@@ -135,19 +139,19 @@ def fednova(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
     scale = (_ratio(fedjx.reduce_sum(clients.weights), p_sum)
              * _ratio(tau_eff, tau_all))
     pseudo_grad = jax.tree.map(lambda g: g * scale.astype(g.dtype),
-                               kit.weighted_mean(clients))
-    params, opt_state = kit.server_update(
+                               nonfinite.weighted_mean(clients))
+    params, opt_state = base.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         state.params, pseudo_grad)
-    metrics = kit.round_metrics(
+    metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad), tau_eff=tau_eff)
-    metrics['communicated_bytes'] = kit.upload_bytes(  # The full updates.
-        kit.mean(), state.params, metrics['clients'], {})
+    metrics['communicated_bytes'] = aggregators.upload_bytes(  # The full updates.
+        aggregators.mean(), state.params, metrics['clients'], {})
     return state._replace(params=params, opt_state=opt_state,
                           round_index=state.round_index + 1), metrics
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                            indexed_batches=True)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                            metrics_fn=metrics_fn, traits=TRAITS)
 
 
 __all__ = ['fednova', 'local_steps']

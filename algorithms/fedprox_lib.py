@@ -23,13 +23,14 @@ from typing import Any
 import optax
 
 from fedjx.algorithms import kit
-from fedjx.algorithms.fedavg_lib import build as fedavg_build
+from fedjx.algorithms import fedavg_lib
+from fedjx.algorithms.transforms import core as transforms
 
-# fedavg's options but the client transform, which FedProx sets.
-OPTIONS = kit.without('client_transform')
+TRAITS = fedavg_lib.TRAITS._replace(options=kit.options_but('client_transform'))
+"""FedAvg's traits; every option but the client transform, which FedProx sets."""
 
 
-@kit.with_options(OPTIONS)
+@kit.declare(TRAITS)
 def fedprox(loss_fn: kit.LossFn, *, mu: float = 0.01,
             **options: Any) -> kit.Algorithm:
   """FedProx with proximal coefficient ``mu`` (``state.hparams['mu']``).
@@ -45,6 +46,6 @@ def fedprox(loss_fn: kit.LossFn, *, mu: float = 0.01,
   """
   name = 'fedprox'
   kit.check_number(name, 'mu', mu)
-  proximal = optax.inject_hyperparams(kit.proximal)(mu=mu)
-  return fedavg_build(name, loss_fn, dict(
-      kit.take_options(name, options, OPTIONS), client_transform=proximal))
+  proximal = optax.inject_hyperparams(transforms.proximal)(mu=mu)
+  return kit.algorithm(name, loss_fn, kit.Options.of(
+      name, options, TRAITS.options, client_transform=proximal), traits=TRAITS)

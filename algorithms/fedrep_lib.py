@@ -44,6 +44,11 @@ Which parameters are the head, ``head``, labels the parameter tree the way
 A client's row (its ``client_states`` entry) is a dict of its head's
 arrays keyed by their paths in the params (``jax.tree_util.keystr``).
 Evaluating the personalized models: :func:`personalize_fn`.
+
+The round is written by hand, not the round template's
+(:mod:`fedjx.algorithms.template`): the server's model and optimizer are
+the body's alone, where the template's server steps the model the clients
+train.
 """
 
 from __future__ import annotations
@@ -57,14 +62,20 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms import template
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import client_update
+from fedjx.algorithms import base
+from fedjx.algorithms.aggregators import core as aggregators
 
 HeadLabels = Any  # A labels pytree, a callable params -> labels, or names.
 
 LABELS = ('head', 'body')
 
-# fedavg's options but the client transform (the clients' steps are on the
-# head or the body alone, not on the model a transform is anchored to).
-OPTIONS = kit.without('client_transform')
+TRAITS = kit.Traits(options=kit.options_but('client_transform'))
+"""What FedRep and FedPer declare: FedAvg's options but the client transform
+(the clients' steps are on the head or the body alone, not on the model a
+transform is anchored to) (:class:`~fedjx.algorithms.traits.Traits`)."""
 
 
 # ---------------------------------------------------------------- the split
@@ -165,17 +176,17 @@ def _stats(before, after):
 
 def _build(name: str, loss_fn: kit.LossFn, head: HeadLabels,
            options: Mapping[str, Any],
-           head_schedule: kit.LocalSchedule | None) -> kit.Algorithm:
-  o = options
+           head_schedule: client_update.LocalSchedule | None) -> kit.Algorithm:
+  o = kit.Options.of(name, options, TRAITS.options)
   check_head(name, head)
-  client_optimizer, server_optimizer, aggregator, schedule = kit.check_parts(
-      name, dict(o, client_transform=None))
-  metrics_fn, client_metrics = o['metrics_fn'], o['client_metrics']
+  client_optimizer, server_optimizer = o.client_optimizer, o.server_optimizer
+  aggregator, schedule = o.aggregator, o.schedule
+  metrics_fn, client_metrics = o.metrics_fn, o.client_metrics
   quiet = schedule._replace(evaluate=False)
 
   def steps(loss, params, hparams, batches, mask, sched):
     state = kit.with_hparams(client_optimizer.init(params), hparams)
-    return kit.train(loss, client_optimizer, params, state,
+    return client_update.train(loss, client_optimizer, params, state,
                      batches, mask, sched)
 
   def client_fn(x, h_i, hparams, batches, mask):
@@ -183,7 +194,7 @@ def _build(name: str, loss_fn: kit.LossFn, head: HeadLabels,
     phi = split.body(x)
     start = split.merge(phi, h_i)
     if schedule.evaluate:
-      before = kit.evaluate(loss_fn, metrics_fn, start, batches, mask)
+      before = client_update.evaluate(loss_fn, metrics_fn, start, batches, mask)
     if head_schedule is None:  # FedPer: joint steps on (phi_i, h_i).
       trained, _, k, sums = steps(loss_fn, start, hparams, batches, mask, quiet)
       phi_i, h_new = split.body(trained), split.head(trained)
@@ -194,14 +205,14 @@ def _build(name: str, loss_fn: kit.LossFn, head: HeadLabels,
                                 phi, hparams, batches, mask, quiet)
       trained = split.merge(phi_i, h_new)
     if schedule.evaluate:
-      stats = _stats(before, kit.evaluate(loss_fn, metrics_fn,
+      stats = _stats(before, client_update.evaluate(loss_fn, metrics_fn,
                                           trained, batches, mask))
     else:
       stats = {'loss_during': sums['loss'], 'count': sums['count']}
-    delta = kit.tree_sub(phi, phi_i)
+    delta = base.tree_sub(phi, phi_i)
     out = kit.ClientUpdate(trained, (), k, stats)
-    extra = kit.client_metrics(delta, out) if client_metrics else ()
-    return kit.ClientOutput(delta, stats, extra=extra, state=h_new,
+    extra = base.client_metrics(delta, out) if client_metrics else ()
+    return nonfinite.ClientOutput(delta, stats, extra=extra, state=h_new,
                             previous_state=h_i, checked=(phi_i, h_new))
 
   def init(params):
@@ -209,8 +220,7 @@ def _build(name: str, loss_fn: kit.LossFn, head: HeadLabels,
     body = split.body(params)
     return kit.ServerState(
         params=params, opt_state=server_optimizer.init(body),
-        hparams=kit.initial_hparams(client_optimizer, server_optimizer, None,
-                                    aggregator, params, name),
+        hparams=template.hparams_of(name, o, {}, params),
         round_index=jnp.zeros((), jnp.int32),
         aggregator_state=aggregator.init(body))
 
@@ -219,19 +229,19 @@ def _build(name: str, loss_fn: kit.LossFn, head: HeadLabels,
 
   def round_fn(state, cohort, key):
     split = Split(name, head, state.params)
-    clients = kit.map_clients(
+    clients = aggregators.map_clients(
         aggregator, state.hparams, client_fn,
         (fedjx.broadcast(state.params), cohort.client_states,
          fedjx.broadcast(state.hparams['client_optimizer']),
          cohort.batches, cohort.mask),
-        cohort.num_examples, o['weighting'], o['skip_nonfinite'],
+        cohort.num_examples, o.weighting, o.skip_nonfinite,
         aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
-    delta, agg_state, agg_metrics = kit.aggregate(
+    delta, agg_state, agg_metrics = aggregators.aggregate(
         aggregator, state.aggregator_state, state.hparams, clients, key)
-    body, opt_state = kit.server_update(
+    body, opt_state = base.server_update(
         server_optimizer, state.opt_state, state.hparams['server_optimizer'],
         split.body(state.params), delta)
-    metrics = kit.round_metrics(
+    metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(delta), **agg_metrics)
     metrics.update(clients.extra)  # Per-client [C] metrics, if asked.
     state = state._replace(params=split.merge(body, split.head(state.params)),
@@ -239,11 +249,12 @@ def _build(name: str, loss_fn: kit.LossFn, head: HeadLabels,
                            aggregator_state=agg_state)
     return state, metrics, clients.state
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                            client_state_init=client_state_init)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                            metrics_fn=metrics_fn,
+                            client_state_init=client_state_init, traits=TRAITS)
 
 
-@kit.with_options(OPTIONS)
+@kit.declare(TRAITS)
 def fedrep(loss_fn: kit.LossFn, head: HeadLabels = 'logits', *,
            head_epochs: int = 1,
            head_steps: int | None = None, **options: Any) -> kit.Algorithm:
@@ -257,17 +268,16 @@ def fedrep(loss_fn: kit.LossFn, head: HeadLabels = 'logits', *,
     head_epochs: passes of the head phase over the client's steps
       (``tau_h``; Collins et al. use several), or
     head_steps: exactly this many head steps.
-    client_optimizer: both phases' optimizer (default SGD 0.1, injected;
-      ``state.hparams['client_optimizer']``), a fresh state for each phase,
-      applied to the head's or the body's arrays (dicts keyed by path).
-    local_epochs, local_steps: the body phase (``tau_phi``).
-    server_optimizer: on the mean body update (default SGD 1.0: averaging).
-    aggregator: combines the body updates ``Delta_i`` (a DP aggregator
-      privatizes them; the heads stay with the clients).
-    metrics_fn, weighting, client_evaluation, skip_nonfinite,
-    client_metrics: as :func:`~fedjx.algorithms.fedavg`; the losses before
-      and after are at ``(phi, h_i)`` as received and at ``(phi_i, h_i+)``;
-      a skipped client keeps its head.
+    **options: :func:`~fedjx.algorithms.fedavg`'s but ``client_transform``:
+      ``client_optimizer`` is both phases' optimizer (default SGD 0.1,
+      injected; ``state.hparams['client_optimizer']``), a fresh state for
+      each phase, applied to the head's or the body's arrays (dicts keyed by
+      path); ``local_epochs``, ``local_steps`` the body phase
+      (``tau_phi``); ``server_optimizer`` on the mean body update (default
+      SGD 1.0: averaging); ``aggregator`` combines the body updates
+      ``Delta_i`` (a DP aggregator privatizes them; the heads stay with the
+      clients); the losses before and after are at ``(phi, h_i)`` as
+      received and at ``(phi_i, h_i+)``; a skipped client keeps its head.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm` (its state a
@@ -275,16 +285,15 @@ def fedrep(loss_fn: kit.LossFn, head: HeadLabels = 'logits', *,
     body's), with ``client_state_init``: rows are the clients' heads.
   """
   name = 'fedrep'
-  o = kit.take_options(name, options, OPTIONS)
   try:
-    head_schedule = kit.check_schedule(
+    head_schedule = client_update.check_schedule(
         name, head_epochs, head_steps, False)
   except ValueError as e:  # Named as the arguments are.
     raise ValueError(str(e).replace('local_', 'head_')) from None
-  return _build(name, loss_fn, head, o, head_schedule)
+  return _build(name, loss_fn, head, options, head_schedule)
 
 
-@kit.with_options(OPTIONS)
+@kit.declare(TRAITS)
 def fedper(loss_fn: kit.LossFn, head: HeadLabels = 'logits',
            **options: Any) -> kit.Algorithm:
   """FedPer: joint local steps on body and personal head; the body averaged.
@@ -293,8 +302,7 @@ def fedper(loss_fn: kit.LossFn, head: HeadLabels = 'logits',
   ``local_steps`` are the joint steps.
   """
   name = 'fedper'
-  return _build(name, loss_fn, head, kit.take_options(name, options, OPTIONS),
-                None)
+  return _build(name, loss_fn, head, options, None)
 
 
 # ---------------------------------------------------------- personalization
@@ -323,8 +331,8 @@ def personalize_fn(loss_fn: kit.LossFn, head: HeadLabels = 'logits', *,
     phi = split.body(server_state.params)
     h = client_state
     if head_steps:
-      sched = kit.LocalSchedule(steps=head_steps, evaluate=False)
-      h, _, _, _ = kit.train(
+      sched = client_update.LocalSchedule(steps=head_steps, evaluate=False)
+      h, _, _, _ = client_update.train(
           lambda h, b: loss_fn(split.merge(phi, h), b), optimizer, h,
           optimizer.init(h), train['batches'], train['mask'], sched)
     return split.merge(phi, h)

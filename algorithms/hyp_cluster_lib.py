@@ -23,12 +23,16 @@ recomputed every round from the client's data (ties go to the lowest
 a cohort from one model, take a first client's model as a center, then
 repeatedly the model of the client whose best loss over the centers so far
 is the largest (the same client may be taken twice, as in FedJAX).
+
+The round is written by hand, not the round template's
+(:mod:`fedjx.algorithms.template`): the server keeps ``K`` models and steps
+each along its own clients' updates, where the template's server steps one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,38 +40,15 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import client_update
+from fedjx.algorithms import base
+from fedjx.algorithms.aggregators import core as aggregators
 
-# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+# What a round releases beside the aggregate (``Traits.unprivatized``).
 UNPRIVATIZED = ('each cluster\'s update is divided by the exact weight of the '
                 'clients that chose it, and which cluster each client chose is '
                 'released, neither of which the noise covers')
-
-OPTIONS: dict[str, Any] = {**kit.without('client_transform'), 'init_noise': 0.01,
-                           'init_seed': 0}
-
-
-class HypClusterState(NamedTuple):
-  """HypCluster's server state.
-
-  Attributes:
-    params: the model of the cluster with the largest total weight in the
-      last round (cluster 0 before the first), what a central evaluation of
-      one model reads.
-    cluster_params: the ``K`` cluster models, every leaf ``[K, ...]``.
-    opt_state: the server optimizer's state of each cluster, leaves
-      ``[K, ...]``.
-    hparams: ``client_optimizer`` and ``server_optimizer``.
-    round_index: rounds run so far.
-    aggregator_state: ``()`` (the weighted mean).
-  """
-
-  params: kit.Params
-  cluster_params: kit.Params
-  opt_state: optax.OptState
-  hparams: dict[str, Any]
-  round_index: jax.Array
-  aggregator_state: Any = ()
-
 
 def stack(models: Any) -> kit.Params:
   """``K`` models (a list or tuple of pytrees) as one pytree of ``[K, ...]`` leaves."""
@@ -86,7 +67,7 @@ def cluster_losses(loss_fn: kit.LossFn, cluster_params: kit.Params,
   Over the client's real examples (mask True); 0 for a client with none.
   """
   def one(params):
-    sums = kit.evaluate(loss_fn, None, params, batches, mask)
+    sums = client_update.evaluate(loss_fn, None, params, batches, mask)
     return sums['loss'] / jnp.maximum(sums['count'], 1.0)
   return jax.vmap(one)(cluster_params)
 
@@ -107,7 +88,7 @@ def personalize_fn(loss_fn: kit.LossFn) -> Callable[[Any, Any, Any], kit.Params]
   """
   def personalize(server_state, client_state, train):
     del client_state
-    hs = server_state.cluster_params
+    hs = server_state.extras
     k = select(loss_fn, hs, train['batches'], jnp.asarray(train['mask']))
     return cluster(hs, k)
   return personalize
@@ -133,10 +114,10 @@ def kmeans_init(loss_fn: kit.LossFn, params: kit.Params, cohort: Any,
   """
   fn = 'hyp_cluster.kmeans_init'
   kit.check_positive_int(fn, 'num_clusters', num_clusters)
-  c = kit.check_cohort(fn, cohort)
+  c = base.check_cohort(fn, cohort)
   optimizer = client_optimizer or kit.default_sgd(0.1)
   kit.check_optimizer(fn, 'client_optimizer', optimizer)
-  schedule = kit.check_schedule(fn, local_epochs, local_steps, False)
+  schedule = client_update.check_schedule(fn, local_epochs, local_steps, False)
   has_data = jnp.asarray(cohort.num_examples) > 0
   if not bool(jnp.any(has_data)):
     raise ValueError(f'{fn}: cohort has no client with data '
@@ -152,7 +133,7 @@ def kmeans_init(loss_fn: kit.LossFn, params: kit.Params, cohort: Any,
                      f'with data in the cohort of {c}.')
 
   def train(batches, mask):
-    y, _, _, _ = kit.train(loss_fn, optimizer, params,
+    y, _, _, _ = client_update.train(loss_fn, optimizer, params,
                            optimizer.init(params), batches, mask,
                            schedule)
     return y
@@ -171,8 +152,8 @@ def kmeans_init(loss_fn: kit.LossFn, params: kit.Params, cohort: Any,
 
 
 def _check_aggregator(fn: str, aggregator: Any) -> None:
-  if isinstance(aggregator, (Mapping, kit.Aggregator)):
-    kit.check_private_uploads(fn, kit.check_aggregator(fn, aggregator),
+  if isinstance(aggregator, (Mapping, aggregators.Aggregator)):
+    kit.check_private_uploads(fn, aggregators.check(fn, aggregator),
                               UNPRIVATIZED)
   if aggregator is not None and not (isinstance(aggregator, str) and aggregator == 'mean') \
       and not (isinstance(aggregator, dict) and aggregator.get('name') == 'mean'):
@@ -182,8 +163,15 @@ def _check_aggregator(fn: str, aggregator: Any) -> None:
         'a robust aggregator does not bound: use the weighted mean (None).')
 
 
-@kit.with_options(OPTIONS)
-def hyp_cluster(loss_fn: kit.LossFn, num_clusters: int = 2,
+TRAITS = kit.Traits(options=kit.options_but('client_transform'),
+                    unprivatized=UNPRIVATIZED)
+"""What HypCluster declares: FedAvg's options but the client transform
+(:class:`~fedjx.algorithms.traits.Traits`)."""
+
+
+@kit.declare(TRAITS)
+def hyp_cluster(loss_fn: kit.LossFn, num_clusters: int = 2, *,
+                init_noise: float = 0.01, init_seed: int = 0,
                 **options: Any) -> kit.Algorithm:
   """HypCluster (Mansour et al. 2020) with ``num_clusters`` cluster models.
 
@@ -198,28 +186,28 @@ def hyp_cluster(loss_fn: kit.LossFn, num_clusters: int = 2,
     init_noise: that standard deviation, absolute [0.01]; 0 starts every
       cluster at the one model.
     init_seed: the noise's seed [0].
-    client_optimizer, server_optimizer, weighting, local_epochs,
-    local_steps, metrics_fn, client_evaluation, skip_nonfinite,
-    client_metrics: as :func:`~fedjx.algorithms.fedavg` (no
-    ``client_transform``); the server optimizer keeps a state per cluster.
-    aggregator: only the weighted mean (None).
+    **options: :func:`~fedjx.algorithms.fedavg`'s but ``client_transform``;
+      the server optimizer keeps a state per cluster (``state.opt_state``,
+      leaves ``[K, ...]``); ``aggregator`` only the weighted mean (None).
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
-    :class:`HypClusterState`. Metrics add ``cluster_clients_<k>`` (clients
+    :class:`~fedjx.algorithms.ServerState` whose ``params`` are the model
+    of the cluster with the largest total weight in the last round (cluster
+    0 before the first), what a central evaluation of one model reads, and
+    whose ``extras`` are the ``K`` cluster models, every leaf ``[K, ...]``. Metrics add ``cluster_clients_<k>`` (clients
     that chose cluster ``k``) and, with ``client_metrics``, ``client_cluster``.
   """
   name = 'hyp_cluster'
-  o = kit.take_options(name, options, OPTIONS)
   kit.check_positive_int(name, 'num_clusters', num_clusters)
-  kit.check_number(name, 'init_noise', o['init_noise'])
-  if isinstance(o['init_seed'], bool) or not isinstance(o['init_seed'], int):
-    raise ValueError(f'{name}: init_seed={o["init_seed"]!r} must be an int.')
-  _check_aggregator(name, o['aggregator'])
-  client_optimizer, server_optimizer, _, schedule = kit.check_parts(
-      name, dict(o, client_transform=None, aggregator=None))
-  metrics_fn, k_num = o['metrics_fn'], num_clusters
-  train = lambda x, hp, b, m: kit.local_update(
+  kit.check_number(name, 'init_noise', init_noise)
+  if isinstance(init_seed, bool) or not isinstance(init_seed, int):
+    raise ValueError(f'{name}: init_seed={init_seed!r} must be an int.')
+  _check_aggregator(name, options.get('aggregator'))
+  o = kit.Options.of(name, options, TRAITS.options)
+  client_optimizer, server_optimizer = o.client_optimizer, o.server_optimizer
+  schedule, metrics_fn, k_num = o.schedule, o.metrics_fn, num_clusters
+  train = lambda x, hp, b, m: client_update.local_update(
       loss_fn, metrics_fn, client_optimizer, x,
       kit.with_hparams(client_optimizer.init(x), hp), b, m, schedule)
 
@@ -230,53 +218,52 @@ def hyp_cluster(loss_fn: kit.LossFn, num_clusters: int = 2,
                          f'num_clusters={k_num}.')
       stacked = stack(models)
     else:
-      seed = jax.random.key(o['init_seed'])
+      seed = jax.random.key(init_seed)
       leaves, treedef = jax.tree.flatten(models)
       def spread(i, x):  # Leaf i, cluster k: fold_in(fold_in(seed, i), k).
         x = jnp.asarray(x)
         if not jnp.issubdtype(x.dtype, jnp.inexact):
           return jnp.broadcast_to(x, (k_num,) + x.shape)
         noise = [jnp.zeros_like(x)] + [
-            o['init_noise'] * jax.random.normal(
+            init_noise * jax.random.normal(
                 jax.random.fold_in(jax.random.fold_in(seed, i), k), x.shape, x.dtype)
             for k in range(1, k_num)]
         return x + jnp.stack(noise)
       stacked = jax.tree.unflatten(
           treedef, [spread(i, x) for i, x in enumerate(leaves)])
     one = cluster(stacked, 0)
-    return HypClusterState(
-        params=one, cluster_params=stacked,
-        opt_state=jax.vmap(server_optimizer.init)(stacked),
-        hparams=kit.combine_hparams(name, algorithm={
-            'client_optimizer': kit.optimizer_hparams(client_optimizer, one),
-            'server_optimizer': kit.optimizer_hparams(server_optimizer, one)}),
-        round_index=jnp.zeros((), jnp.int32))
+    return kit.ServerState(
+        params=one, opt_state=jax.vmap(server_optimizer.init)(stacked),
+        hparams=base.combine_hparams(name, algorithm={
+            'client_optimizer': base.optimizer_hparams(client_optimizer, one),
+            'server_optimizer': base.optimizer_hparams(server_optimizer, one)}),
+        round_index=jnp.zeros((), jnp.int32), extras=stacked)
 
   def client_fn(hs, hparams, batches, mask):
     k = select(loss_fn, hs, batches, mask)
     x = cluster(hs, k)
     out = train(x, hparams, batches, mask)
     onehot = jax.nn.one_hot(k, k_num, dtype=jnp.float32)
-    delta = kit.tree_sub(x, out.params)
+    delta = base.tree_sub(x, out.params)
     rows = jax.tree.map(
         lambda d: onehot.reshape((k_num,) + (1,) * d.ndim).astype(d.dtype) * d,
         delta)
     has_data = jnp.any(mask).astype(jnp.float32)
     extra = {'cluster_clients': onehot * has_data}
-    if o['client_metrics']:
-      extra.update(kit.client_metrics(delta, out), client_cluster=k)
-    return kit.ClientOutput({'delta': rows, 'weight': onehot}, out.stats,
+    if o.client_metrics:
+      extra.update(base.client_metrics(delta, out), client_cluster=k)
+    return nonfinite.ClientOutput({'delta': rows, 'weight': onehot}, out.stats,
                             extra=extra, checked=out.params)
 
   def round_fn(state, cohort, key):
     del key
-    clients = kit.map_guarded(
-        client_fn, (fedjx.broadcast(state.cluster_params),
+    clients = nonfinite.map_clients(
+        client_fn, (fedjx.broadcast(state.extras),
                     fedjx.broadcast(state.hparams['client_optimizer']),
                     cohort.batches, cohort.mask),
-        kit.aggregation_weights(cohort.num_examples, o['weighting']),
-        cohort.num_examples, o['skip_nonfinite'])
-    mean = kit.weighted_mean(clients)  # Both divided by sum_i w_i.
+        base.aggregation_weights(cohort.num_examples, o.weighting),
+        cohort.num_examples, o.skip_nonfinite)
+    mean = nonfinite.weighted_mean(clients)  # Both divided by sum_i w_i.
     weight = mean['weight']                  # [K]: sum_{k_i = k} w_i / sum_i w_i
     chosen = weight > 0
     safe = jnp.where(chosen, weight, 1.0)
@@ -285,11 +272,11 @@ def hyp_cluster(loss_fn: kit.LossFn, num_clusters: int = 2,
         mean['delta'])
     hp = state.hparams['server_optimizer']
     new_params, new_opt = jax.vmap(
-        lambda s, p, g: kit.server_update(server_optimizer, s, hp, p, g))(
-            state.opt_state, state.cluster_params, deltas)
+        lambda s, p, g: base.server_update(server_optimizer, s, hp, p, g))(
+            state.opt_state, state.extras, deltas)
     keep = lambda new, old: jnp.where(
         chosen.reshape((k_num,) + (1,) * (jnp.ndim(old) - 1)), new, old)
-    cluster_params = jax.tree.map(keep, new_params, state.cluster_params)
+    cluster_params = jax.tree.map(keep, new_params, state.extras)
     opt_state = jax.tree.map(keep, new_opt, state.opt_state)
     top = jnp.argmax(weight)
     params = jax.tree.map(lambda new, old: jnp.where(jnp.any(chosen), new, old),
@@ -300,16 +287,16 @@ def hyp_cluster(loss_fn: kit.LossFn, num_clusters: int = 2,
     pseudo_grad_norm = optax.tree.norm(
         jax.tree.map(lambda d: d * weight.reshape(
             (k_num,) + (1,) * (d.ndim - 1)).astype(d.dtype), deltas))
-    metrics = kit.round_metrics(clients, pseudo_grad_norm=pseudo_grad_norm,
+    metrics = nonfinite.round_metrics(clients, pseudo_grad_norm=pseudo_grad_norm,
                                 **per_cluster)
     metrics.update(extra)  # Per-client [C] metrics, if asked.
-    return state._replace(params=params, cluster_params=cluster_params,
+    return state._replace(params=params, extras=cluster_params,
                           opt_state=opt_state,
                           round_index=state.round_index + 1), metrics
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                            unprivatized=UNPRIVATIZED)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                            metrics_fn=metrics_fn, traits=TRAITS)
 
 
-__all__ = ['HypClusterState', 'cluster', 'cluster_losses', 'hyp_cluster',
+__all__ = ['cluster', 'cluster_losses', 'hyp_cluster',
            'kmeans_init', 'personalize_fn', 'select', 'stack']

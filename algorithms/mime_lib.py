@@ -40,11 +40,16 @@ round on the joint vector, which the accounting covers. Mime releases the
 gradients before the updates (``c`` is needed to train), two releases a
 round of which an aggregator sees one: it takes non-private aggregators
 only (for its ``Delta_i``; ``c`` is the exact mean) and refuses DP ones.
+
+The round is the template's (:func:`fedjx.algorithms.kit.algorithm`): the
+server prepares ``s`` (``state.extras``, with its traced hyperparameters)
+and Mime's ``c``; the client hook trains with ``B`` frozen; the server hook
+moves ``s``.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,27 +57,9 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
-
-
-class MimeState(NamedTuple):
-  """Mime's and MimeLite's server state.
-
-  Attributes:
-    params: the server model ``x``.
-    base_state: the base optimizer's state ``s`` (the clients apply it frozen).
-    opt_state: the server optimizer's state.
-    hparams: ``base_optimizer`` and ``server_optimizer`` hyperparameters (and
-      the aggregator's).
-    round_index: rounds run so far.
-    aggregator_state: the aggregator's state (``()`` when it has none).
-  """
-
-  params: kit.Params
-  base_state: optax.OptState
-  opt_state: optax.OptState
-  hparams: dict[str, Any]
-  round_index: jax.Array
-  aggregator_state: Any = ()
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import client_update
+from fedjx.algorithms import base
 
 
 def frozen(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -106,8 +93,8 @@ def full_gradient(loss_fn: kit.LossFn, params: kit.Params,
     del is_real
     return add(acc, *x), None
 
-  zeros = kit.tie_to(jax.tree.map(jnp.zeros_like, params), mask)
-  sums, _ = kit.scan_steps(step, zeros, (batches, mask),
+  zeros = client_update.tie_to(jax.tree.map(jnp.zeros_like, params), mask)
+  sums, _ = client_update.scan_steps(step, zeros, (batches, mask),
                            jnp.any(mask, axis=-1))
   n = jnp.maximum(jnp.sum(mask), 1)
   return jax.tree.map(lambda s: s / n.astype(s.dtype), sums)
@@ -134,131 +121,104 @@ def svrg_loss(loss_fn: kit.LossFn, anchor: kit.Params,
   return loss
 
 
-OPTIONS: dict[str, Any] = {
-    'base_optimizer': None,
-    'server_optimizer': None,
-    'local_epochs': 1,
-    'local_steps': None,
-    'aggregator': None,
-    **kit.COMMON_OPTIONS,
-}
-
-
-# What a Mime round releases beside the aggregate (``Algorithm.unprivatized``);
+# What a Mime round releases beside the aggregate (``Traits.unprivatized``);
 # MimeLite's one message per client is all it releases (None).
 UNPRIVATIZED = ('it releases the cohort\'s exact full-batch gradients c at the '
                 'server model before the updates, a second release the noise '
                 'does not cover (mime_lite sends one message per client, which '
                 'a DP aggregator privatizes)')
 
+MIME_LITE = kit.Traits(options=kit.options_but(
+    'client_optimizer', 'client_transform', 'client_metrics'))
+"""What MimeLite declares: FedAvg's options but the client optimizer (the
+base optimizer, frozen, is the clients'), the client transform and
+per-client metrics (:class:`~fedjx.algorithms.traits.Traits`)."""
+MIME = MIME_LITE._replace(unprivatized=UNPRIVATIZED)
+"""What Mime declares: MimeLite's, and its control variate is a second
+release."""
 
-def _build(name: str, loss_fn: kit.LossFn, options: dict[str, Any],
-           control_variate: bool) -> kit.Algorithm:
-  o = kit.take_options(name, options, OPTIONS)
-  base_optimizer = o['base_optimizer'] or kit.default_sgd(0.01, momentum=0.9)
-  server_optimizer = o['server_optimizer'] or kit.default_sgd(1.0)
-  kit.check_optimizer(name, 'base_optimizer', base_optimizer)
-  kit.check_optimizer(name, 'server_optimizer', server_optimizer)
-  kit.check_choice(name, 'weighting', o['weighting'], kit.WEIGHTINGS)
-  aggregator = kit.check_aggregator(name, o['aggregator'])
-  unprivatized = UNPRIVATIZED if control_variate else None
-  kit.check_private_uploads(name, aggregator, unprivatized)
-  kit.check_skip_nonfinite(name, o['skip_nonfinite'])
-  schedule = kit.check_schedule(name, o['local_epochs'],
-                                o['local_steps'], o['client_evaluation'])
-  metrics_fn, weighting, guard = o['metrics_fn'], o['weighting'], o['skip_nonfinite']
+
+def _build(name: str, loss_fn: kit.LossFn, base_optimizer: Any,
+           options: dict[str, Any], control_variate: bool) -> kit.Algorithm:
+  traits = MIME if control_variate else MIME_LITE
+  o = kit.Options.of(
+      name, options, traits.options,
+      client_optimizer=base_optimizer or kit.default_sgd(0.01, momentum=0.9),
+      names=('base_optimizer', 'server_optimizer'))
+  kit.check_private_uploads(name, o.aggregator, traits.unprivatized)
+  base_optimizer = o.client_optimizer
   local = frozen(base_optimizer)
 
-  def init(params):
-    # MimeLite's message is (Delta_i, grad f_i(x)); Mime's Delta_i.
-    message = params if control_variate else (params, params)
-    return MimeState(
-        params=params, base_state=base_optimizer.init(params),
-        opt_state=server_optimizer.init(params),
-        hparams=kit.combine_hparams(
-            name,
-            algorithm={'base_optimizer': kit.optimizer_hparams(base_optimizer, params),
-                       'server_optimizer': kit.optimizer_hparams(server_optimizer, params)},
-            aggregator=kit.aggregator_hparams(aggregator)),
-        round_index=jnp.zeros((), jnp.int32),
-        aggregator_state=aggregator.init(message))
-
   def gradient_fn(x, batches, mask):
-    return kit.ClientOutput(full_gradient(loss_fn, x, batches, mask), {})
+    return nonfinite.ClientOutput(full_gradient(loss_fn, x, batches, mask), {})
 
-  def client_fn(x, s, c, batches, mask):
-    loss = svrg_loss(loss_fn, x, c) if control_variate else loss_fn
-    out = kit.local_update(loss, metrics_fn, local, x, s, batches,
-                           mask, schedule)
-    delta = kit.tree_sub(x, out.params)
+  def prepare(state, cohort):  # s, and Mime's c: the cohort's gradient at x.
+    s = kit.with_hparams(state.extras, state.hparams['base_optimizer'])
+    if not control_variate:
+      return s, ()
+    grads = nonfinite.map_clients(
+        gradient_fn, (fedjx.broadcast(state.params), cohort.batches, cohort.mask),
+        base.aggregation_weights(cohort.num_examples, o.weighting),
+        cohort.num_examples, o.skip_nonfinite)
+    return s, nonfinite.weighted_mean(grads)
+
+  def client(c):
+    s, cv = c.sent
+    loss = svrg_loss(loss_fn, c.x, cv) if control_variate else None
+    trained = c.train(optimizer=local, opt_state=s, loss_fn=loss)
+    delta = optax.tree.sub(c.x, trained.params)
     if control_variate:
-      return kit.ClientOutput(delta, out.stats, checked=out.params)
-    grad = full_gradient(loss_fn, x, batches, mask)
-    return kit.ClientOutput((delta, grad), out.stats,
-                            checked=(out.params, grad))
+      return kit.Upload(delta, trained)
+    grad = full_gradient(loss_fn, c.x, c.batches, c.mask)
+    return kit.Upload((delta, grad), trained, checked=(trained.params, grad))
 
-  def round_fn(state, cohort, key):
-    x = state.params
-    s = kit.with_hparams(state.base_state, state.hparams['base_optimizer'])
-    if control_variate:  # c: the cohort's full-batch gradient at x.
-      grads = kit.map_guarded(
-          gradient_fn, (fedjx.broadcast(x), cohort.batches, cohort.mask),
-          kit.aggregation_weights(cohort.num_examples, weighting),
-          cohort.num_examples, guard)
-      c = kit.weighted_mean(grads)
-    else:
-      c = ()
-    clients = kit.map_clients(
-        aggregator, state.hparams, client_fn,
-        (fedjx.broadcast(x), fedjx.broadcast(s), fedjx.broadcast(c),
-         cohort.batches, cohort.mask),
-        cohort.num_examples, weighting, guard,
-        aggregator_state=state.aggregator_state, client_ids=cohort.client_ids)
-    combined, agg_state, agg_metrics = kit.aggregate(
-        aggregator, state.aggregator_state, state.hparams, clients, key)
-    pseudo_grad, grad = (combined, c) if control_variate else combined
-    params, opt_state = kit.server_update(
-        server_optimizer, state.opt_state, state.hparams['server_optimizer'],
-        x, pseudo_grad)
-    _, base_state = base_optimizer.update(grad, s, x)     # s <- V(grad f(x), s)
-    metrics = kit.round_metrics(
-        clients, pseudo_grad_norm=optax.tree.norm(pseudo_grad),
-        server_gradient_norm=optax.tree.norm(grad), **agg_metrics)
-    return state._replace(params=params, base_state=base_state,
-                          opt_state=opt_state, round_index=state.round_index + 1,
-                          aggregator_state=agg_state), metrics
+  def server(srv):
+    s, cv = srv.sent
+    pseudo_grad, grad = ((srv.aggregate, cv) if control_variate
+                         else srv.aggregate)
+    _, base_state = base_optimizer.update(grad, s, srv.state.params)  # V
+    return kit.Step(pseudo_grad, extras=base_state,
+                    metrics={'server_gradient_norm': optax.tree.norm(grad)})
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                            unprivatized=unprivatized)
+  return kit.algorithm(
+      name, loss_fn, o, client=client, server=server, prepare=prepare,
+      extras=base_optimizer.init, traits=traits,
+      upload=None if control_variate else (lambda params: (params, params)))
 
 
-@kit.with_options(OPTIONS)
-def mime_lite(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
+@kit.declare(MIME_LITE)
+def mime_lite(loss_fn: kit.LossFn, *,
+              base_optimizer: optax.GradientTransformation | None = None,
+              **options: Any) -> kit.Algorithm:
   """MimeLite: clients step with the base optimizer's frozen server state.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
     base_optimizer: ``B``, any optax optimizer, learning rate included
       (default: SGD, learning rate 0.01, momentum 0.9, injected); its state
-      ``s`` is updated on the server with the cohort's full-batch gradient
-      at ``x`` and applied, frozen, at every client step.
-    server_optimizer: on the mean ``Delta_i`` (default SGD 1.0: ``x`` becomes
-      the mean ``y_i``; SGD ``eta_g`` is FedJAX's ``server_learning_rate``).
-    aggregator: combines the messages ``(Delta_i, grad f_i(x))`` (a DP
-      aggregator clips and noises them together).
-    local_epochs, local_steps, metrics_fn, weighting, client_evaluation,
-    skip_nonfinite: as :func:`~fedjx.algorithms.fedavg`.
+      ``s`` (``state.extras``) is updated on the server with the cohort's
+      full-batch gradient at ``x`` and applied, frozen, at every client step.
+    **options: :func:`~fedjx.algorithms.fedavg`'s but ``client_optimizer``,
+      ``client_transform`` and ``client_metrics``: ``server_optimizer`` on
+      the mean ``Delta_i`` (default SGD 1.0: ``x`` becomes the mean ``y_i``;
+      SGD ``eta_g`` is FedJAX's ``server_learning_rate``); ``aggregator``
+      combines the messages ``(Delta_i, grad f_i(x))`` (a DP aggregator
+      clips and noises them together).
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
-    :class:`MimeState`. Metrics add ``server_gradient_norm``
-    (``||sum_i w_i grad f_i(x) / sum_i w_i||``).
+    :class:`~fedjx.algorithms.ServerState` whose ``extras`` is ``s``.
+    Metrics add ``server_gradient_norm`` (``||sum_i w_i grad f_i(x) / sum_i
+    w_i||``).
   """
-  return _build('mime_lite', loss_fn, options, control_variate=False)
+  return _build('mime_lite', loss_fn, base_optimizer, options,
+                control_variate=False)
 
 
-@kit.with_options(OPTIONS)
-def mime(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
+@kit.declare(MIME)
+def mime(loss_fn: kit.LossFn, *,
+         base_optimizer: optax.GradientTransformation | None = None,
+         **options: Any) -> kit.Algorithm:
   """Mime: MimeLite plus the SVRG control variate at the server model.
 
   A round maps over the cohort twice: once for ``c``, the full-batch
@@ -266,8 +226,7 @@ def mime(loss_fn: kit.LossFn, **options: Any) -> kit.Algorithm:
   c``. Arguments as :func:`mime_lite`, but ``aggregator`` combines the
   ``Delta_i`` only and may not be a DP mechanism (module docstring).
   """
-  return _build('mime', loss_fn, options, control_variate=True)
+  return _build('mime', loss_fn, base_optimizer, options, control_variate=True)
 
 
-__all__ = ['MimeState', 'frozen', 'full_gradient', 'mime', 'mime_lite',
-           'svrg_loss']
+__all__ = ['frozen', 'full_gradient', 'mime', 'mime_lite', 'svrg_loss']

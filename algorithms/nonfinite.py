@@ -27,7 +27,7 @@ its derivatives are still MapReduce plans (:mod:`fedjx.plan`, Beam,
 ``fedjx.export``). The cost is one read of each client's trained model. The
 DP aggregators compute each update's norm ``||Delta_i||`` anyway (to clip
 it), and it is NaN or Inf whenever ``Delta_i`` is: they set
-``Aggregator.checks_update``, and the guard checks the norm instead of
+``Traits.checks_update``, and the guard checks the norm instead of
 reading the model again (an update whose squared norm overflows float32,
 entries beyond about 1e19, then counts as non-finite too). With
 ``skip_nonfinite=False`` nothing is added: the round is the unguarded program.

@@ -31,6 +31,11 @@ weight ``v_k`` (a skipped non-finite client sends zeros), and the server
 divides. A differentially private aggregator is refused: ``h_k`` depends on
 the client's loss and update norm, so the step is a ratio of two sums that
 a Gaussian mechanism on the updates alone would not privatise.
+
+The round is written by hand, not the round template's
+(:mod:`fedjx.algorithms.template`): its server step divides two weighted
+sums over the cohort, ``sum_k v_k Delta_k / sum_k v_k h_k``, where the
+template steps along an aggregator's combination of the updates.
 """
 
 from __future__ import annotations
@@ -43,20 +48,19 @@ import optax
 
 import fedjx
 from fedjx.algorithms import kit
+from fedjx.algorithms import template
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import client_update
+from fedjx.algorithms import base
+from fedjx.algorithms.aggregators import core as aggregators
 
-# What a round releases beside the aggregate (``Algorithm.unprivatized``).
+# What a round releases beside the aggregate (``Traits.unprivatized``).
 UNPRIVATIZED = ('its step sum_k Delta_k / sum_k h_k divides by h_k, a function '
                 'of each client\'s exact loss and update norm, which the noise '
                 'on the updates does not cover')
 
 # Flower's offset of the loss (flwr QFedAvg): F_k^{q-1} finite at F_k = 0.
 LOSS_OFFSET = 1e-10
-
-OPTIONS: dict[str, Any] = {
-    **kit.without('server_optimizer', 'client_transform'),
-    'lipschitz': None,
-}
-
 
 def qffl_terms(server: kit.Params, trained: kit.Params, loss: jax.Array,
                q: jax.Array, lipschitz: jax.Array) -> tuple[kit.PyTree, jax.Array]:
@@ -77,8 +81,8 @@ def _plain_mean(fn: str, aggregator: Any) -> bool:
   """Whether ``aggregator`` is None or the plain weighted mean."""
   if aggregator is None:
     return True
-  agg = kit.check_aggregator(fn, aggregator)
-  plain = kit.mean()
+  agg = aggregators.check(fn, aggregator)
+  plain = aggregators.mean()
   return agg.combine is plain.combine and agg.encode is None and agg.weights is None
 
 
@@ -90,8 +94,16 @@ def _lipschitz(fn: str, lipschitz: Any, client_hparams: dict[str, Any]) -> None:
         'or build the client optimizer with optax.inject_hyperparams.')
 
 
-@kit.with_options(OPTIONS)
-def qffl(loss_fn: kit.LossFn, *, q: float = 1.0, **options: Any) -> kit.Algorithm:
+TRAITS = kit.Traits(options=kit.options_but('server_optimizer', 'client_transform'),
+                    updates_reach_params=True, unprivatized=UNPRIVATIZED)
+"""What q-FFL declares: FedAvg's options but the server optimizer (its step
+is its own) and the client transform
+(:class:`~fedjx.algorithms.traits.Traits`)."""
+
+
+@kit.declare(TRAITS)
+def qffl(loss_fn: kit.LossFn, *, q: float = 1.0, lipschitz: float | None = None,
+         **options: Any) -> kit.Algorithm:
   """q-FedAvg (Li et al. 2020): FedAvg's clients, the q-FFL server step.
 
   Args:
@@ -100,40 +112,36 @@ def qffl(loss_fn: kit.LossFn, *, q: float = 1.0, **options: Any) -> kit.Algorith
     lipschitz: ``L`` (``state.hparams['lipschitz']``); None (the default)
       is the paper's ``L = 1 / eta``, read each round from the client
       optimizer's injected ``learning_rate``.
-    aggregator: None or :func:`~fedjx.algorithms.aggregators.mean` only
-      (see the module docstring for why DP aggregators are refused).
-    client_optimizer, local_epochs, local_steps, weighting, metrics_fn,
-    client_evaluation, skip_nonfinite, client_metrics: as
-      :func:`~fedjx.algorithms.fedavg` (``F_k`` is computed before training
-      whether or not ``client_evaluation`` is on).
+    **options: :func:`~fedjx.algorithms.fedavg`'s but ``server_optimizer``
+      and ``client_transform``; ``aggregator`` None or
+      :func:`~fedjx.algorithms.aggregators.mean` only (see the module
+      docstring for why DP aggregators are refused); ``F_k`` is computed
+      before training whether or not ``client_evaluation`` is on.
 
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
     :class:`~fedjx.algorithms.ServerState` (no server optimizer state).
   """
   name = 'qffl'
-  o = kit.take_options(name, options, OPTIONS)
   kit.check_number(name, 'q', q)
-  if o['lipschitz'] is not None:
-    kit.check_number(name, 'lipschitz', o['lipschitz'], strict=True)
-  if o['aggregator'] is not None:
-    kit.check_private_uploads(name, kit.check_aggregator(name, o['aggregator']),
+  if lipschitz is not None:
+    kit.check_number(name, 'lipschitz', lipschitz, strict=True)
+  given = options.get('aggregator')
+  if given is not None:
+    kit.check_private_uploads(name, aggregators.check(name, given),
                               UNPRIVATIZED)
-  if not _plain_mean(name, o['aggregator']):
+  if not _plain_mean(name, given):
     raise ValueError(
-        f'{name}: aggregator={o["aggregator"]!r} is not taken: the q-FFL step '
+        f'{name}: aggregator={given!r} is not taken: the q-FFL step '
         'sum_k Delta_k / sum_k h_k divides by terms of each client\'s loss and '
         'update norm, which a compressing or robust aggregator of the updates '
         'alone would not cover; use aggregator=None.')
-  parts = kit.check_parts(name, dict(o, server_optimizer=None,
-                                     client_transform=None, aggregator=None))
-  client_optimizer, schedule = parts.client_optimizer, parts.schedule
-  metrics_fn, lipschitz = o['metrics_fn'], o['lipschitz']
-  train = kit.client_training(loss_fn, metrics_fn, client_optimizer, None,
-                              schedule)
+  o = kit.Options.of(name, options, TRAITS.options)
+  client_optimizer, schedule = o.client_optimizer, o.schedule
+  metrics_fn = o.metrics_fn
 
   def init(params):
-    client_hparams = kit.optimizer_hparams(client_optimizer, params)
+    client_hparams = base.optimizer_hparams(client_optimizer, params)
     _lipschitz(name, lipschitz, client_hparams)
     hparams = {'client_optimizer': client_hparams, 'q': jnp.float32(q)}
     if lipschitz is not None:
@@ -148,30 +156,30 @@ def qffl(loss_fn: kit.LossFn, *, q: float = 1.0, **options: Any) -> kit.Algorith
                              jnp.float32)
 
   def client_fn(w, hparams, q, big_l, batches, mask):
-    out = train(w, hparams, batches, mask)
+    out = template.trainer(loss_fn, o, w, hparams, batches, mask)()
     if schedule.evaluate:
       loss_sum, count = out.stats['loss_before'], out.stats['count']
     else:
-      before = kit.evaluate(loss_fn, None, w, batches, mask)
+      before = client_update.evaluate(loss_fn, None, w, batches, mask)
       loss_sum, count = before['loss'], before['count']
     loss = loss_sum / jnp.maximum(count, 1.0)  # F_k(w^t)
     delta, h = qffl_terms(w, out.params, loss, q, big_l)
-    extra = ({**kit.client_metrics(kit.tree_sub(w, out.params), out),
-              'client_h': h} if o['client_metrics'] else ())
-    return kit.ClientOutput((delta, h), out.stats, extra=extra)
+    extra = ({**base.client_metrics(base.tree_sub(w, out.params), out),
+              'client_h': h} if o.client_metrics else ())
+    return nonfinite.ClientOutput((delta, h), out.stats, extra=extra)
 
   def round_fn(state, cohort, key):
     del key
     hp = state.hparams
     big_l = lipschitz_of(hp)
-    weights = kit.aggregation_weights(cohort.num_examples, o['weighting'])
-    clients = kit.map_guarded(
+    weights = base.aggregation_weights(cohort.num_examples, o.weighting)
+    clients = nonfinite.map_clients(
         client_fn,
         (fedjx.broadcast(state.params),
          fedjx.broadcast({'client_optimizer': hp['client_optimizer']}),
          fedjx.broadcast(hp['q']), fedjx.broadcast(big_l),
          cohort.batches, cohort.mask),
-        weights, cohort.num_examples, o['skip_nonfinite'])
+        weights, cohort.num_examples, o.skip_nonfinite)
     weighted = (clients.weighted_update if clients.weighted_update is not None
                 else fedjx.map_fn(lambda v, u: jax.tree.map(lambda x: v * x, u),
                                   (clients.weights, clients.update)))
@@ -180,14 +188,14 @@ def qffl(loss_fn: kit.LossFn, *, q: float = 1.0, **options: Any) -> kit.Algorith
     step = jax.tree.map(lambda d: jnp.where(sum_h > 0, d / safe.astype(d.dtype),
                                             jnp.zeros_like(d)), sum_delta)
     params = jax.tree.map(jnp.subtract, state.params, step)
-    metrics = kit.round_metrics(
+    metrics = nonfinite.round_metrics(
         clients, pseudo_grad_norm=optax.tree.norm(step), h_sum=sum_h,
         lipschitz=big_l)
     metrics.update(clients.extra)
     return state._replace(params=params, round_index=state.round_index + 1), metrics
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                            unprivatized=UNPRIVATIZED)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                            metrics_fn=metrics_fn, traits=TRAITS)
 
 
 __all__ = ['qffl', 'qffl_terms']

@@ -143,7 +143,7 @@ def scheduled(algorithm: base.Algorithm, hparam_schedules: Mapping[str, Any], *,
     The :class:`~fedjx.algorithms.Algorithm`: ``init`` sets the values of
     round 0, every round those of its ``round_index``; ``compile`` keeps the
     schedules. It is ``algorithm`` with its rounds replaced, so it keeps
-    every trait of ``algorithm`` (``base.TRAITS``): an algorithm whose
+    the traits of ``algorithm`` (``Algorithm.traits``): an algorithm whose
     clients keep state (``client_state_init``) is scheduled with its rows
     passed through and its ``run_rounds`` refused as it is.
   """
@@ -175,7 +175,7 @@ def scheduled(algorithm: base.Algorithm, hparam_schedules: Mapping[str, Any], *,
     return inner._replace(
         init=init, round=constant_hoisting.jit(apply, donate_argnums=donated),
         run_rounds=constant_hoisting.jit(run, donate_argnums=donated), apply=apply,
-        compiler=lambda s, c, d: wrap(inner.compiler(s, c, d), d))
+        compiler=lambda m, d: wrap(inner.compiler(m, d), d))
 
   return wrap(algorithm, True)
 

@@ -51,16 +51,21 @@ sent in the previous round (``(round_index - 1) mod P``, none in round 0)
 and its global value is ``params``' (no other outer step touches it in the
 meantime, as ``tau <= S``). After the last round, ``params`` holds every
 outer step, the last round's fragment included (the server applied it);
-only the replicas' merge of that fragment is pending, so
-``replica_params`` do not include it (the next round would merge it).
+only the replicas' merge of that fragment is pending, so the replicas'
+models (``state.extras``) do not include it (the next round would merge it).
 
 With ``P = 1``, ``alpha = 0``, ``tau = 0`` and float32, Streaming DiLoCo is
 DiLoCo.
+
+The round is written by hand, not the round template's
+(:mod:`fedjx.algorithms.template`): each round synchronises one fragment of
+the model, from replicas that keep their own models between rounds, where
+the template's server steps the whole model that every client starts from.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,36 +74,16 @@ import optax
 import fedjx
 import fedjx.indexed
 from fedjx.algorithms import kit
+from fedjx.algorithms import nonfinite
+from fedjx.algorithms import client_update
+from fedjx.algorithms import base
+from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms.diloco_lib import OPTIONS as DILOCO_OPTIONS
 from fedjx.algorithms.diloco_lib import check_aggregator
 from fedjx.algorithms.diloco_lib import check_options
 from fedjx.algorithms.compression import quantization
 
 FRAGMENT_PATTERNS = ('strided', 'sequential')
-
-
-class StreamingDiLoCoState(NamedTuple):
-  """Streaming DiLoCo's state.
-
-  Attributes:
-    params: the global model ``theta`` (fragment ``p`` as last synchronised).
-    replica_params: each replica's own model ``theta_k``, leaves ``[K, ...]``.
-    opt_state: a tuple of ``P`` outer optimizer states, state ``p`` over the
-      tuple of fragment ``p``'s leaves.
-    inner_opt_states: each replica's inner optimizer state, leaves ``[K, ...]``.
-    hparams: ``inner_optimizer``, ``outer_optimizer``, ``mixing_factor``.
-    round_index: rounds run; this round synchronises fragment
-      ``round_index mod P``.
-    aggregator_state: the aggregator's state (``()`` when it has none).
-  """
-
-  params: kit.Params
-  replica_params: kit.Params
-  opt_state: tuple[optax.OptState, ...]
-  inner_opt_states: Any
-  hparams: dict[str, Any]
-  round_index: jax.Array
-  aggregator_state: Any = ()
 
 
 def fragment_leaves(params: kit.Params, num_fragments: int,
@@ -154,7 +139,7 @@ def _take_steps(batches: Any, mask: jax.Array, steps: Any) -> tuple[Any, jax.Arr
           jnp.asarray(mask)[steps])
 
 
-def _split_steps(batches: Any, mask: jax.Array, schedule: kit.LocalSchedule,
+def _split_steps(batches: Any, mask: jax.Array, schedule: client_update.LocalSchedule,
                  tau: int) -> tuple[tuple[Any, jax.Array], tuple[Any, jax.Array], int]:
   """The round's inner steps as two runs of plain steps: ``[0, tau)`` and
   ``[tau, S)`` (the batches each step of ``schedule`` reads), and ``S``."""
@@ -162,16 +147,27 @@ def _split_steps(batches: Any, mask: jax.Array, schedule: kit.LocalSchedule,
     s = int(jnp.shape(mask)[0])
     return (_take_steps(batches, mask, slice(0, tau)),
             _take_steps(batches, mask, slice(tau, s)), s)
-  index, _ = kit.step_schedule(mask, schedule)
+  index, _ = client_update.step_schedule(mask, schedule)
   return (_take_steps(batches, mask, index[:tau]),
           _take_steps(batches, mask, index[tau:]), schedule.steps)
 
 
-@kit.with_options(DILOCO_OPTIONS)
+TRAITS = kit.Traits(options=DILOCO_OPTIONS, population='num_replicas',
+                    indexed_batches=True)
+"""What Streaming DiLoCo declares: DiLoCo's options, replicas by id
+(:class:`~fedjx.algorithms.traits.Traits`)."""
+
+
+@kit.declare(TRAITS)
 def streaming_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
+                     inner_optimizer: optax.GradientTransformation | None = None,
+                     outer_optimizer: optax.GradientTransformation | None = None,
+                     outer_learning_rate: float | None = None,
+                     outer_momentum: float | None = None,
+                     inner_steps: int | None = None,
                      num_fragments: int = 2, fragment_pattern: str = 'strided',
                      quantization_format: str | None = None,
-                     aggregator: kit.Aggregator | None = None,
+                     aggregator: aggregators.Aggregator | None = None,
                      mixing_factor: float = 0.0, overlap_steps: int = 0,
                      **options: Any) -> kit.Algorithm:
   """Streaming DiLoCo with ``num_replicas`` replicas and ``P`` fragments.
@@ -195,14 +191,26 @@ def streaming_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
       global fragment into the replicas at the end of its round; ``tau > 0``
       merges it ``tau`` inner steps into the next round, into the replicas'
       fragment as trained by then (see the module docstring; after the last
-      round ``params`` include the last outer step, ``replica_params`` not
+      round ``params`` include the last outer step, the replicas' models not
       yet its merge).
     inner_optimizer, outer_optimizer, outer_learning_rate, outer_momentum,
     inner_steps: as for :func:`diloco`.
-    metrics_fn, weighting, client_evaluation, skip_nonfinite: as for :func:`fedavg`; the check is on the replica's
-      whole trained model ``theta_k``, and a skipped replica keeps its model
-      and inner state from before the round and is not merged (with
-      ``overlap_steps``, it misses the merge of the fragment in flight too).
+    **options: ``metrics_fn``, ``weighting``, ``client_evaluation``,
+      ``skip_nonfinite``, as for :func:`fedavg`; the check is on the
+      replica's whole trained model ``theta_k``, and a skipped replica keeps
+      its model and inner state from before the round and is not merged
+      (with ``overlap_steps``, it misses the merge of the fragment in flight
+      too).
+
+  Returns:
+    The :class:`~fedjx.algorithms.Algorithm`; its state is a
+    :class:`~fedjx.algorithms.ServerState` whose ``params`` are the global
+    model ``theta`` (fragment ``p`` as last synchronised), ``opt_state`` a
+    tuple of ``P`` outer optimizer states (state ``p`` over the tuple of
+    fragment ``p``'s leaves), ``extras`` each replica's own model
+    ``theta_k`` (leaves ``[K, ...]``) and ``client_states`` each replica's
+    inner optimizer state; ``round_index mod P`` is the fragment the next
+    round synchronises.
   """
   name = 'streaming_diloco'
   kit.check_positive_int(name, 'num_replicas', num_replicas)
@@ -215,41 +223,44 @@ def streaming_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
   aggregator = check_aggregator(name, aggregator,
                                 quantization_format or 'float32')
   kit.check_number(name, 'mixing_factor', mixing_factor, high=1.0)
-  inner_optimizer, outer_optimizer, schedule, o = check_options(
-      name, options)
+  o = check_options(
+      name, options, inner_optimizer=inner_optimizer,
+      outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
+      outer_momentum=outer_momentum, inner_steps=inner_steps)
+  inner_optimizer, outer_optimizer = o.client_optimizer, o.server_optimizer
+  schedule, metrics_fn = o.schedule, o.metrics_fn
   check_overlap_steps(overlap_steps, schedule.steps)
   tau = overlap_steps
-  metrics_fn = o['metrics_fn']
   stack = lambda t: jax.tree.map(
       lambda x: jnp.broadcast_to(x, (num_replicas,) + jnp.shape(x)), t)
 
   def init(params):
     leaves = jax.tree.leaves(params)
     frags = fragment_leaves(params, num_fragments, fragment_pattern)
-    return StreamingDiLoCoState(
-        params=params, replica_params=stack(params),
+    return kit.ServerState(
+        params=params,
         opt_state=tuple(outer_optimizer.init(tuple(leaves[i] for i in f))
                         for f in frags),
-        inner_opt_states=stack(inner_optimizer.init(params)),
-        hparams=kit.combine_hparams(
+        hparams=base.combine_hparams(
             'streaming_diloco',
-            algorithm={'inner_optimizer': kit.optimizer_hparams(inner_optimizer, params),
-                       'outer_optimizer': kit.optimizer_hparams(
+            algorithm={'inner_optimizer': base.optimizer_hparams(inner_optimizer, params),
+                       'outer_optimizer': base.optimizer_hparams(
                            outer_optimizer, tuple(leaves[i] for i in frags[0])),
                        'mixing_factor': jnp.asarray(mixing_factor, jnp.float32)},
-            aggregator=kit.aggregator_hparams(aggregator)),
+            aggregator=aggregators.init_hparams(aggregator)),
         round_index=jnp.zeros((), jnp.int32),
-        aggregator_state=aggregator.init(params))
+        aggregator_state=aggregator.init(params), extras=stack(params),
+        client_states=stack(inner_optimizer.init(params)))
 
   def replica_fn(theta_k, hparams, inner_state, batches, mask, *in_flight):
     inner_state = kit.with_hparams(inner_state, hparams)
     if tau == 0:
-      out = kit.local_update(loss_fn, metrics_fn, inner_optimizer,
+      out = client_update.local_update(loss_fn, metrics_fn, inner_optimizer,
                              theta_k, inner_state, batches, mask,
                              schedule)
     else:
       out = overlapped_update(theta_k, inner_state, batches, mask, *in_flight)
-    return kit.ClientOutput(out.params, out.stats,
+    return nonfinite.ClientOutput(out.params, out.stats,
                             state=(out.params, out.opt_state),
                             previous_state=(theta_k, inner_state))
 
@@ -258,24 +269,24 @@ def streaming_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
     """``tau`` inner steps, the merge of the fragment in flight (the leaves
     where ``merging``), the round's other ``S - tau`` steps."""
     first, rest, s = _split_steps(batches, mask, schedule, tau)
-    plain = kit.LocalSchedule(epochs=1, steps=None)
-    before = (kit.evaluate(loss_fn, metrics_fn, theta_k, batches, mask)
+    plain = client_update.LocalSchedule(epochs=1, steps=None)
+    before = (client_update.evaluate(loss_fn, metrics_fn, theta_k, batches, mask)
               if schedule.evaluate else None)
-    y, state, n, sums = kit.train(
+    y, state, n, sums = client_update.train(
         loss_fn, inner_optimizer, theta_k, inner_state, *first, plain)
     leaves, treedef = jax.tree.flatten(y)
     leaves = [jnp.where(m, (alpha * r + (1 - alpha) * g).astype(r.dtype), r)
               for r, g, m in zip(leaves, jax.tree.leaves(theta), merging)]
     y = jax.tree.unflatten(treedef, leaves)
     if s > tau:
-      y, state, n_rest, sums_rest = kit.train(
+      y, state, n_rest, sums_rest = client_update.train(
           loss_fn, inner_optimizer, y, state, *rest, plain)
       n = n + n_rest
       sums = jax.tree.map(jnp.add, sums, sums_rest)
     if before is None:
       stats = {'loss_during': sums['loss'], 'count': sums['count']}
-    else:  # As kit.local_update reports them.
-      after = kit.evaluate(loss_fn, metrics_fn, y, batches, mask)
+    else:  # As client_update.local_update reports them.
+      after = client_update.evaluate(loss_fn, metrics_fn, y, batches, mask)
       stats = {'count': before.pop('count')}
       after.pop('count')
       stats.update({f'{k}_before': v for k, v in before.items()})
@@ -287,12 +298,12 @@ def streaming_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
     leaves, replica_leaves, opt_states, agg_state = operands
     theta = tuple(leaves[i] for i in frag)
     theta_k = tuple(replica_leaves[i] for i in frag)
-    fragment_clients = kit.encode_map(  # messages Q(theta^p - theta_k^p)
-        aggregator, hparams, clients, kit.tree_sub,
+    fragment_clients = aggregators.encode_map(  # messages Q(theta^p - theta_k^p)
+        aggregator, hparams, clients, base.tree_sub,
         (fedjx.broadcast(theta), theta_k), aggregator_state=agg_state)
-    outer_grad, agg_state, agg_metrics = kit.aggregate(
+    outer_grad, agg_state, agg_metrics = aggregators.aggregate(
         aggregator, agg_state, hparams, fragment_clients, key)
-    theta, opt_state = kit.server_update(
+    theta, opt_state = base.server_update(
         outer_optimizer, opt_states[p], hparams['outer_optimizer'], theta, outer_grad)
     merge = lambda r, g, a: jax.tree.map(lambda r, g: a * r + (1 - a) * g, r, g)
     if tau > 0:  # In flight: merged tau inner steps into the next round.
@@ -309,7 +320,7 @@ def streaming_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
     for j, i in enumerate(frag):
       leaves[i], replica_leaves[i] = theta[j], merged[j]
     opt_states = opt_states[:p] + (opt_state,) + opt_states[p + 1:]
-    sent = kit.upload_bytes(aggregator, theta, num_clients, agg_metrics)
+    sent = aggregators.upload_bytes(aggregator, theta, num_clients, agg_metrics)
     return (tuple(leaves), tuple(replica_leaves), opt_states, agg_state,
             optax.tree.norm(outer_grad), sent, agg_metrics)
 
@@ -330,16 +341,15 @@ def streaming_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
 
   def round_fn(state, cohort, key):
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
-    gather = lambda t: kit.gather_clients(t, ids)
-    clients = kit.map_guarded(
+    gather = lambda t: base.gather_clients(t, ids)
+    clients = nonfinite.map_clients(
         replica_fn,
-        (gather(state.replica_params),
+        (gather(state.extras),
          fedjx.broadcast(state.hparams['inner_optimizer']),
-         gather(state.inner_opt_states), cohort.batches, cohort.mask)
+         gather(state.client_states), cohort.batches, cohort.mask)
         + in_flight(state, cohort),
-        kit.client_weights(aggregator, cohort.num_examples,
-                           o['weighting']),
-        cohort.num_examples, o['skip_nonfinite'])
+        aggregators.client_weights(aggregator, cohort.num_examples, o.weighting),
+        cohort.num_examples, o.skip_nonfinite)
     theta_k, inner = clients.state
     # Synchronise fragment p = round mod P (one branch per fragment).
     leaves, treedef = jax.tree.flatten(state.params)
@@ -357,18 +367,18 @@ def streaming_diloco(loss_fn: kit.LossFn, num_replicas: int, *,
      agg_metrics) = jax.lax.switch(
          p, branches, (tuple(leaves), tuple(jax.tree.leaves(theta_k)),
                        state.opt_state, state.aggregator_state))
-    scatter = lambda store, new: kit.scatter_clients(
+    scatter = lambda store, new: base.scatter_clients(
         store, ids, new, cohort.num_examples > 0)
-    metrics = kit.round_metrics(clients, pseudo_grad_norm=norm,
+    metrics = nonfinite.round_metrics(clients, pseudo_grad_norm=norm,
                                 communicated_bytes=sent, synced_fragment=p,
                                 **agg_metrics)
     return state._replace(
         params=jax.tree.unflatten(treedef, leaves),
-        replica_params=scatter(state.replica_params,
-                               jax.tree.unflatten(treedef, replica_leaves)),
+        extras=scatter(state.extras,
+                       jax.tree.unflatten(treedef, replica_leaves)),
         opt_state=opt_states,
-        inner_opt_states=scatter(state.inner_opt_states, inner),
+        client_states=scatter(state.client_states, inner),
         round_index=state.round_index + 1, aggregator_state=agg_state), metrics
 
-  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn, options=o,
-                            indexed_batches=True)
+  return kit.make_algorithm(name, init, round_fn, loss_fn=loss_fn,
+                            metrics_fn=metrics_fn, traits=TRAITS)

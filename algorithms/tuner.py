@@ -55,6 +55,7 @@ import fedjx
 import fedjx.indexed
 from fedjx import constant_hoisting
 from fedjx.algorithms import base
+from fedjx.algorithms import traits as traits_lib
 from fedjx.algorithms.fedavg_lib import fedavg as fedavg_builder
 from fedjx.algorithms import hypergradients
 
@@ -175,7 +176,7 @@ def hypergradient_tuner(algo: base.Algorithm, loss_fn: base.LossFn, *,
     ``hparams/<path>`` (the value after this round's step), ``hypergrad/<path>``
     (``dL/d log eta``) and ``tuner_objective`` (``L_t``). It is ``algo``
     with its rounds replaced, so it keeps every trait of ``algo``
-    (``base.TRAITS``); an ``algo`` whose clients keep state outside the
+    (``Algorithm.traits``); an ``algo`` whose clients keep state outside the
     server state (``client_state_init``) is refused.
   """
   name = 'hypergradient_tuner'
@@ -239,13 +240,13 @@ def hypergradient_tuner(algo: base.Algorithm, loss_fn: base.LossFn, *,
     def run(state, cohorts, keys):
       return base.scan_rounds(apply, state, cohorts, keys)
 
-    def compiler(map_strategy, chunk_size, donate):
-      return assemble(algo.compile(map_strategy, chunk_size), donate)
+    def compiler(map_options, donate):
+      return assemble(algo.compiler(map_options, True), donate)
 
     apply.__name__ = f'{name}_round'
     run.__name__ = f'{name}_run_rounds'
     donated = (0,) if donate else ()
-    # ``algo`` with its rounds replaced: every trait kept (base.TRAITS).
+    # ``algo`` with its rounds replaced: its traits kept.
     return algo._replace(init=init, round=constant_hoisting.jit(apply, donate_argnums=donated),
                          run_rounds=constant_hoisting.jit(run, donate_argnums=donated),
                          apply=apply,
@@ -296,6 +297,7 @@ def hypergradient_tuner(algo: base.Algorithm, loss_fn: base.LossFn, *,
   return assemble(algo, True)
 
 
+@traits_lib.declare(traits_lib.Traits())
 def fedavg_hypergradient_tuner(
     loss_fn: base.LossFn, *,
     client_optimizer: optax.GradientTransformation | None = None,

@@ -134,7 +134,7 @@ def one(model_name: str, placement: str, population: int, cohort: int,
       'rss_anon_mb': round(_status_mb('RssAnon'), 1),
       'rss_file_mb': round(_status_mb('RssFile'), 1),
       'dense_state_mb': round(sum(np.asarray(a).nbytes for a in jax.tree.leaves(
-          getattr(state, 'client_controls', ()))) / 2 ** 20, 1),
+          getattr(state, 'client_states', ()))) / 2 ** 20, 1),
   })
   if store is not None:
     record.update({'clients_held': len(store),

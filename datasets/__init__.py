@@ -52,8 +52,8 @@ splits for personalization: :func:`client_splits`. Partition statistics:
 from fedjx.datasets.async_schedule import AsyncScheduler
 from fedjx.datasets.async_schedule import async_cohort_iterator
 from fedjx.datasets.async_schedule import lognormal_durations
-from fedjx.datasets.client_splits import ClientSplits
-from fedjx.datasets.client_splits import client_splits
+from fedjx.datasets.splits import ClientSplits
+from fedjx.datasets.splits import client_splits
 from fedjx.datasets.cohort import Cohort
 from fedjx.datasets.cohort import CohortSampler
 from fedjx.datasets.cohort import PADDING_CLIENT
@@ -98,10 +98,10 @@ from fedjx.datasets.prefetch import cohort_iterator
 from fedjx.datasets.sampling import EpochSampler
 from fedjx.datasets.sampling import PoissonSampler
 from fedjx.datasets.sampling import poisson_bucket
-from fedjx.datasets.summary import format_summary
-from fedjx.datasets.summary import summary
-from fedjx.datasets.synthetic import SyntheticDataset
-from fedjx.datasets.synthetic import synthetic
+from fedjx.datasets.statistics import format_summary
+from fedjx.datasets.statistics import summary
+from fedjx.datasets.synthetic_data import SyntheticDataset
+from fedjx.datasets.synthetic_data import synthetic
 from fedjx.datasets import poisoning
 from fedjx.datasets import systems
 from fedjx.datasets.systems import AvailableSampler

@@ -39,7 +39,12 @@ from typing import Any
 
 import numpy as np
 
+from fedjx import datasets
+from fedjx.algorithms import attacks
 from fedjx.experiments import errors
+from fedjx.experiments import evaluation
+from fedjx.experiments import parts
+from fedjx.experiments import registry
 
 ConfigError = errors.ConfigError
 SUCCESS_METRIC = 'eval_attack_success_rate'
@@ -62,7 +67,6 @@ def malicious(config: Any, num_clients: int) -> np.ndarray | None:
   attack = _attack(config)
   if not attack.get('name'):
     return None
-  from fedjx.algorithms import attacks  # pylint: disable=g-import-not-at-top
   seed = attack.get('seed')
   return attacks.malicious_clients(num_clients, float(attack['fraction']),
                                    int(config.seed if seed is None else seed))
@@ -74,7 +78,6 @@ def built(config: Any) -> Any:
   attack = _attack(config)
   if not attack.get('name'):
     return None
-  from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
   return parts.build_attack(attack)
 
 
@@ -84,7 +87,6 @@ def _poisoning(config: Any) -> Any:
   attack = built(config)
   if attack is None:
     return None
-  from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
   return attack if isinstance(attack, parts.Poisoning) else None
 
 
@@ -104,7 +106,6 @@ def poison_data(config: Any, data: Any) -> Any:
   poison = _poisoning(config)
   if poison is None:
     return data
-  from fedjx import datasets  # pylint: disable=g-import-not-at-top
   name = poison.name
   num_classes = _num_classes(data, name)
   ids = malicious(config, data.train.num_clients)
@@ -133,9 +134,7 @@ def model_attack(config: Any) -> Any:
   (:func:`~fedjx.algorithms.attacks.identity`, or a backdoor's ``boost``)."""
   attack = built(config)
   if attack is None:
-    from fedjx.algorithms import attacks  # pylint: disable=g-import-not-at-top
     return attacks.identity()
-  from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
   return attack.attack if isinstance(attack, parts.Poisoning) else attack
 
 
@@ -144,15 +143,12 @@ def algorithm_spec(config: Any, spec: Any, num_clients: int) -> Any:
   attacked aggregator, or ``spec`` itself without an attack."""
   if not is_attacked(config):
     return spec
-  from fedjx.algorithms import attacks  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
   name, kwargs = registry.split_name('algorithm', spec)
   if 'aggregator' not in registry.builder_options(name):
     raise ConfigError(f'config.attack.name={_attack(config)["name"]!r}: '
                       f'algorithm {name!r} takes no aggregator, which the attack '
                       'wraps; use one that does (e.g. fedavg, fedadam, '
                       'scaffold, diloco).')
-  from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
   inner = kwargs.get('aggregator')
   try:
     aggregator = attacks.attacked(
@@ -178,7 +174,6 @@ def with_success_rate(config: Any, model: Any, data: Any,
   poison = _poisoning(config)
   if poison is None:
     return evaluate
-  from fedjx.experiments import evaluation  # pylint: disable=g-import-not-at-top
   name = poison.name
   examples = evaluation.pool_examples(data.test, config.eval_max_examples)
   held_out = poison.held_out(examples, _num_classes(data, name))

@@ -30,6 +30,7 @@ refuses an algorithm whose rows live only in a store.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -38,7 +39,7 @@ import numpy as np
 
 from fedjx import client_store as client_store_lib
 from fedjx import streaming
-from fedjx.experiments import signatures
+from fedjx.experiments import registry
 from fedjx.experiments.config import ConfigError
 
 
@@ -63,14 +64,10 @@ def for_processes(config: Any, workdir: str, log: Any) -> Any:
   workdir resumes under any process layout. Other algorithms are left as
   they are (:func:`make_store` refuses them in a multi-process run).
   """
-  import json  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
   if config.client_state.placement != 'store':
     return config
-  entry = registry.algorithm_entry(config.algorithm.name)
-  option = entry.client_state
-  if option is None or option in config.algorithm or option not in (
-      signatures.accepted_kwargs(entry.builder)[0]):
+  option = registry.algorithm_traits(config.algorithm.name).client_state
+  if option is None or option in config.algorithm:
     return config
   if jax.process_count() > 1:
     why = (f'a run of {jax.process_count()} processes has no host store '

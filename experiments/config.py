@@ -198,8 +198,9 @@ CHURN_DEFAULTS = dict(DEFAULTS['churn'])
 # the host in chunks; 'auto' streams when XLA's memory plan of the compiled
 # round would not fit the device. config.map_strategy, config.chunk_size
 # (clients per chunk of map_fn), config.execution and
-# config.streaming_chunk_size (clients per streamed chunk) are checked by
-# fedjx.options, as every other place that takes them checks them.
+# config.streaming_chunk_size (clients per streamed chunk) are checked once,
+# by fedjx.options.RoundOptions.of in with_defaults; the runner carries
+# RoundOptions.of(config).map to Algorithm.compile as it is.
 EXECUTIONS = options.EXECUTIONS
 # config.data_placement: where the training population's examples live.
 # 'device' holds them once on the device (fedjx.datasets.on_device), so a
@@ -261,7 +262,9 @@ def with_defaults(config: Any) -> ml_collections.ConfigDict:
   try:
     options.RoundOptions.of(config)
   except ValueError as e:
-    raise ConfigError(str(e)) from None
+    hint = (suggest(config.map_strategy, options.MAP_STRATEGIES)
+            if config.map_strategy not in options.MAP_STRATEGIES else '')
+    raise ConfigError(f'{e}{hint}') from None
   wait = config.coordinator_timeout_s
   if not (_number(wait) and math.isfinite(wait) and wait > 0):
     raise ConfigError(f'config.coordinator_timeout_s={wait!r}; it must be a '
@@ -603,7 +606,6 @@ def validate(config: Any) -> ml_collections.ConfigDict:
   """
   from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
   config = with_defaults(config)
-  _check_map_strategy(config)
   for kind, table in (('dataset', registry.DATASETS), ('model', registry.MODELS)):
     name, kwargs = registry.split_name(kind, config[kind])
     registry.check_kwargs(kind, name, registry.lookup(kind, table, name), kwargs)
@@ -611,9 +613,7 @@ def validate(config: Any) -> ml_collections.ConfigDict:
     registry.check_numbers(kind, kwargs, non_negative=False)
   registry.check_paths('dataset', registry.split_name('dataset', config.dataset)[1])
   name, kwargs = registry.split_name('algorithm', config.algorithm)
-  entry = registry.algorithm_entry(name)
-  registry.check_kwargs('algorithm', name, entry, kwargs, registry.RESERVED,
-                        entry.forwarded())
+  registry.check_algorithm_kwargs(name, kwargs)
   registry.check_types('algorithm', registry.builder_options(name), kwargs)
   registry.check_numbers('algorithm', kwargs, non_negative=True)
   registry.check_hparam_bounds(kwargs)
@@ -626,17 +626,6 @@ def validate(config: Any) -> ml_collections.ConfigDict:
     if key.endswith('optimizer') and isinstance(value, Mapping):
       registry.check_optimizer(value, where=f'algorithm.{key}')
   return config
-
-
-def _check_map_strategy(config: ml_collections.ConfigDict) -> None:
-  """``config.map_strategy`` and ``config.chunk_size`` as ``Algorithm.compile``
-  takes them (:func:`fedjx.options.check_map_options`), with a suggestion."""
-  try:
-    options.check_map_options(config.map_strategy, config.chunk_size, 'config.')
-  except ValueError as e:
-    hint = (suggest(config.map_strategy, options.MAP_STRATEGIES)
-            if config.map_strategy not in options.MAP_STRATEGIES else '')
-    raise ConfigError(f'{e}{hint}') from None
 
 
 def check_asynchronous(config: ml_collections.ConfigDict, name: str,

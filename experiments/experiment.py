@@ -32,6 +32,7 @@ from fedjx.experiments import lora_setup
 from fedjx.experiments import privacy as privacy_lib
 from fedjx.experiments import registry
 from fedjx.experiments.config import with_defaults
+from fedjx.options import RoundOptions
 
 
 @dataclasses.dataclass
@@ -138,8 +139,7 @@ def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
   spec = privacy_lib.algorithm_spec(config, num_clients)
   algorithm = registry.build_algorithm(
       attack_lib.algorithm_spec(config, spec, num_clients), model,
-      map_strategy=config.map_strategy,
-      chunk_size=config.chunk_size, num_clients=num_clients,
+      map_options=RoundOptions.of(config).map, num_clients=num_clients,
       skip_nonfinite=guarded, placement=placement)
   if placement == 'device' and getattr(algorithm, 'client_state_init', None) is not None:
     raise registry.ConfigError(
@@ -147,12 +147,6 @@ def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
         f'{config.algorithm.name!r} offers no dense in-state array of its '
         "per-client state; use placement='store' (the default).")
   return with_churn(config, algorithm, num_clients, params)
-
-
-CHURN_ALGORITHMS = ('diloco',)
-"""The algorithms ``config.churn`` applies to: synchronous DiLoCo, whose
-every replica starts each round from the global model (so one that joins
-or rejoins needs nothing more, :mod:`fedjx.experiments.churn`)."""
 
 
 def churn_schedule(config: ml_collections.ConfigDict,
@@ -167,10 +161,12 @@ def churn_schedule(config: ml_collections.ConfigDict,
     return None
   section = config.churn
   name = config.algorithm.name
-  if name not in CHURN_ALGORITHMS:
+  if not registry.algorithm_traits(name).replicas_restart:
+    allowed = tuple(n for n in registry.ALGORITHMS
+                    if registry.algorithm_traits(n).replicas_restart)
     raise registry.ConfigError(
         f'config.churn is set but config.algorithm.name={name!r}; allowed: one of '
-        f'{CHURN_ALGORITHMS} (replicas that join restart from the global model).')
+        f'{allowed} (replicas that join restart from the global model).')
   if config.cohort_size != num_clients:
     raise registry.ConfigError(
         f'config.churn needs every replica in every cohort: config.cohort_size='
@@ -253,8 +249,8 @@ def round_algorithms(config: ml_collections.ConfigDict,
     return exp.algorithm, None
   guarded = guarded_rounds.checking_finiteness(exp.algorithm)
   name = config.algorithm.name
-  entry = registry.algorithm_entry(name)
-  reach = entry.updates_reach_params and 'skip_nonfinite' in entry.runner_options
+  reach = (registry.algorithm_traits(name).updates_reach_params
+           and 'skip_nonfinite' in registry.runner_options(name))
   if not guarded_rounds.runs_unguarded(exp.algorithm, reach):
     return guarded, None
   unguarded = build_algorithm(config, exp.model, exp.data.train.num_clients,

@@ -147,16 +147,17 @@ def _registry() -> Any:
 
 
 def _algorithm_summary(registry: Any, name: str) -> str:
-  entry = registry.algorithm_entry(name)
-  text = summary(entry.builder.__doc__)
+  builder = registry.algorithm_builder(name)
+  declared = registry.algorithm_traits(name)
+  text = summary(builder.__doc__)
   if 'module docstring' in text:  # The builder's docstring points to its module's.
-    module = sys.modules.get(getattr(entry.builder, '__module__', ''))
+    module = sys.modules.get(getattr(builder, '__module__', ''))
     text = summary(getattr(module, '__doc__', None)) or text
   traits = []
-  if entry.asynchronous:
+  if declared.asynchronous:
     traits.append('asynchronous')
-  if entry.population is not None:
-    traits.append(f'per-client state over {entry.population}')
+  if declared.population is not None:
+    traits.append(f'per-client state over {declared.population}')
   return text + (f' [{"; ".join(traits)}]' if traits else '')
 
 
@@ -212,14 +213,11 @@ def _option_rows(params: Mapping[str, inspect.Parameter],
 def describe_algorithm(name: str) -> str:
   """Algorithm ``name``'s options with their defaults, as a config sets them."""
   registry = _registry()
-  entry = registry.algorithm_entry(name)
   options = registry.builder_options(name)
-  own = {p for p in inspect.signature(entry.builder).parameters}
-  forwarded = registry.forwarded_name(name)
-  notes = {o: f'passed on to {forwarded}' for o in options
-           if o not in own and forwarded}
-  if entry.population is not None:
-    notes[entry.population] = 'the runner sets the population size unless given'
+  notes = {}
+  population = registry.algorithm_traits(name).population
+  if population is not None:
+    notes[population] = 'the runner sets the population size unless given'
   set_by_runner = ', '.join(r for r in registry.RESERVED)
   return (f'algorithm {name}: {_algorithm_summary(registry, name)}\n'
           f'options (--config.algorithm.OPTION=VALUE; the runner sets '

@@ -39,6 +39,7 @@ import optax
 import fedjx
 from fedjx import datasets
 from fedjx.algorithms import client_update
+from fedjx.options import MapOptions
 
 Personalize = Callable[[Any, Any, Mapping[str, Any]], Any]
 
@@ -137,9 +138,9 @@ _BLOCKS: dict[tuple, Callable[..., Any]] = {}
 
 
 def _block(personalize: Personalize, model: Any, c: int, stateful: bool,
-           map_strategy: str, chunk_size: int | None) -> Callable[..., Any]:
+           map_options: MapOptions) -> Callable[..., Any]:
   """The compiled program of one block of ``c`` clients (kept for reuse)."""
-  key = (id(personalize), id(model), c, stateful, map_strategy, chunk_size)
+  key = (id(personalize), id(model), c, stateful, map_options)
   if key in _BLOCKS and _BLOCKS[key][0] is personalize and _BLOCKS[key][1] is model:
     return _BLOCKS[key][2]
 
@@ -154,7 +155,7 @@ def _block(personalize: Personalize, model: Any, c: int, stateful: bool,
 
   @jax.jit
   def block(state, w, rows, tb, tm, eb, em):
-    @fedjx.program(clients=c, map_strategy=map_strategy, chunk_size=chunk_size)
+    @fedjx.program(clients=c, map_strategy=map_options)
     def run(state, w, rows, tb, tm, eb, em):
       args = (fedjx.broadcast(state), fedjx.broadcast(w), rows, tb, tm, eb, em)
       return fedjx.map_fn(client, args)
@@ -175,7 +176,7 @@ def personalization_eval(personalize: Personalize, server_state: Any,
                          global_params: Any = None,
                          cohort_size: int = 16,
                          max_steps: int | None = None,
-                         map_strategy: str = 'auto',
+                         map_strategy: str | MapOptions = 'auto',
                          chunk_size: int | None = None) -> PersonalizationResult:
   """Evaluates ``personalize``'s models of ``client_ids`` (see the module doc).
 
@@ -192,8 +193,10 @@ def personalization_eval(personalize: Personalize, server_state: Any,
     global_params: the global model (default ``server_state.params``).
     cohort_size: clients per compiled block (the last is padded).
     max_steps: at most this many batches of a client's training split.
-    map_strategy, chunk_size: how ``map_fn`` runs a block's clients.
+    map_strategy, chunk_size: how ``map_fn`` runs a block's clients (or
+      ``map_strategy`` a checked :class:`fedjx.options.MapOptions`).
   """
+  map_options = MapOptions.of(map_strategy, chunk_size, 'personalization_eval: ')
   if isinstance(cohort_size, bool) or not isinstance(cohort_size, int) or cohort_size < 1:
     raise ValueError(f'personalization_eval: cohort_size={cohort_size!r}; it must '
                      'be an int >= 1.')
@@ -210,8 +213,7 @@ def personalization_eval(personalize: Personalize, server_state: Any,
   if global_params is None:
     global_params = server_state.params
   c = min(cohort_size, int(ids.size))
-  block = _block(personalize, model, c, client_states is not None, map_strategy,
-                 chunk_size)
+  block = _block(personalize, model, c, client_states is not None, map_options)
   sums: list[tuple[dict, dict]] = []
   for start in range(0, ids.size, c):
     chunk = ids[start:start + c]

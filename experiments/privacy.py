@@ -7,11 +7,12 @@ its ``privacy`` field how the run is accounted (``docs/privacy.md``)::
   config.privacy = dict(delta=None, accountant='rdp', target_epsilon=8.0,
                         audit=dict(canaries=1000))   # audit: None by default
 
-:func:`plan` reads the DP mechanism from ``config.algorithm`` (``dp_fedavg``,
-or an ``aggregator`` named ``gaussian``, ``adaptive_gaussian`` or
-``tree_gaussian``), checks that ``fedjx.algorithms.privacy.accounting`` can account
-for it under the configured sampling (one-line :class:`ConfigError`
-otherwise) and gives a :class:`Plan`: the epsilon after each round, the last
+:func:`plan` reads the DP mechanism of ``config.algorithm`` from what its
+parts declare (:class:`fedjx.algorithms.traits.Privacy`: the algorithm's
+own DP aggregator, as DP-FedAvg declares one, or its ``aggregator``),
+checks that ``fedjx.algorithms.privacy.accounting`` can account for it
+under the configured sampling (one-line :class:`ConfigError` otherwise) and
+gives a :class:`Plan`: the epsilon after each round, the last
 round within ``target_epsilon`` and the privacy statement the runner writes
 to ``workdir/privacy.json``. :func:`make_sampler` builds the sampler the
 accounting assumes. With ``privacy.audit`` the DP aggregator gets canary
@@ -22,7 +23,6 @@ clients (:func:`algorithm_spec`; :mod:`fedjx.algorithms.privacy.audit`) and
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import warnings
@@ -31,48 +31,16 @@ from typing import Any
 
 import numpy as np
 
+from fedjx.algorithms import traits as traits_lib
+from fedjx.algorithms.privacy import accounting
+from fedjx.algorithms.privacy import audit as privacy_audit
+from fedjx.experiments import parts
+from fedjx.experiments import registry
+from fedjx.experiments import signatures
 from fedjx.experiments.config import ConfigError
 
-# Aggregators that add DP noise, and the accounting mechanism of each.
-DP_AGGREGATORS = {'gaussian': 'gaussian', 'adaptive_gaussian': 'gaussian',
-                  'tree_gaussian': 'tree'}
-# DP aggregators that account for themselves (docs/communication.md), and where
-# their epsilon is reported.
-SELF_ACCOUNTED = {
-    'distributed_skellam': "the round's ddp_epsilon metric",
-    'local_gaussian': 'per client: distributed_dp.local_gaussian_epsilon'}
-# Self-accounted aggregators whose accountant is given the run's sampling
-# (option ``sampling``: the accounting.Sampling of config.sampling over the
-# population, from sampling_of, as central DP's plan gets it).
-RUN_SAMPLED = ('distributed_skellam',)
 # Relative slack allowed between a fixed denominator and q N.
 DENOMINATOR_RTOL = 1e-6
-
-
-@dataclasses.dataclass(frozen=True)
-class Mechanism:
-  """The DP mechanism a config's algorithm uses."""
-
-  aggregator: str                  # 'gaussian', 'adaptive_gaussian', ...
-  mechanism: str                   # accounting.MECHANISMS
-  noise_multiplier: float
-  expected_clients_per_round: float | None
-  restart_every: int | None
-
-
-def _default(fn: Any, name: str, fallback: Any) -> Any:
-  try:
-    p = inspect.signature(fn).parameters.get(name)
-  except (TypeError, ValueError):
-    return fallback
-  return fallback if p is None or p.default is inspect.Parameter.empty else p.default
-
-
-def _accounting():
-  # Imported when used: fedjx.algorithms is heavy, and the config schema
-  # (fedjx.experiments.config) must stay light.
-  from fedjx.algorithms.privacy import accounting  # pylint: disable=g-import-not-at-top
-  return accounting
 
 
 def _as_dict(value: Any) -> Any:
@@ -80,25 +48,55 @@ def _as_dict(value: Any) -> Any:
       dict(value) if isinstance(value, Mapping) else value)
 
 
-def mechanism_of(algorithm: Mapping[str, Any]) -> Mechanism | None:
-  """The DP mechanism of ``config.algorithm``, or None when it adds no DP noise."""
-  from fedjx.algorithms import dp_fedavg_lib  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
-  algorithm = _as_dict(algorithm)
-  if algorithm.get('name') == 'dp_fedavg':
-    fn, spec, name = dp_fedavg_lib.dp_fedavg, algorithm, 'gaussian'
-  else:
-    spec = _as_dict(algorithm.get('aggregator'))
-    if not isinstance(spec, Mapping) or spec.get('name') not in DP_AGGREGATORS:
-      return None
-    name = spec['name']
-    fn = parts.AGGREGATORS.get(name)
-  z = spec.get('noise_multiplier', _default(fn, 'noise_multiplier', 1.0))
-  d = spec.get('expected_clients_per_round',
-               _default(fn, 'expected_clients_per_round', None))
-  return Mechanism(name, DP_AGGREGATORS[name], float(z),
-                   None if d is None else float(d),
-                   spec.get('restart_every', _default(fn, 'restart_every', None)))
+def dp_part(algorithm: Mapping[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+  """``(builder, options)`` of the DP aggregator of ``config.algorithm``, or None.
+
+  The algorithm's own, built from its options (its declared
+  ``Traits.aggregator``, DP-FedAvg's ``gaussian``), else its
+  ``aggregator``'s, when that builder declares a
+  :class:`fedjx.algorithms.traits.Privacy`.
+  """
+  algorithm = {k: _as_dict(v) for k, v in _as_dict(algorithm).items()}
+  name = algorithm.get('name')
+  own = (registry.algorithm_traits(name).aggregator
+         if name in registry.ALGORITHMS else None)
+  if own is not None:
+    taken = signatures.accepted_kwargs(own)[0]
+    return own, {k: v for k, v in algorithm.items() if k in taken}
+  spec = algorithm.get('aggregator')
+  if not isinstance(spec, Mapping) or spec.get('name') not in parts.AGGREGATORS:
+    return None
+  builder = parts.AGGREGATORS[spec['name']]
+  if traits_lib.of(builder).privacy is None:
+    return None
+  return builder, {k: v for k, v in spec.items() if k != 'name'}
+
+
+def privacy_of(algorithm: Mapping[str, Any]) -> Any:
+  """The :class:`fedjx.algorithms.traits.Privacy` of ``config.algorithm``'s DP
+  aggregator, as its builder declares it, or None when it adds no DP noise."""
+  part = dp_part(algorithm)
+  return None if part is None else traits_lib.of(part[0]).privacy
+
+
+def mechanism_of(algorithm: Mapping[str, Any]) -> Any:
+  """The :class:`fedjx.algorithms.traits.Privacy` of ``config.algorithm``'s DP
+  aggregator, with its noise multiplier and denominator, when the runner's
+  accountant accounts for it (its ``mechanism`` is set); else None.
+
+  The aggregator is built from the config's options (without canaries or a
+  sampling, which do not change what it declares) and its own record read.
+  """
+  part = dp_part(algorithm)
+  if part is None or part[0].traits.privacy.mechanism is None:
+    return None
+  builder, options = part
+  options = {k: v for k, v in options.items() if k != 'canaries'}
+  try:
+    aggregator = builder(**options)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f'config.algorithm: {e}') from None
+  return aggregator.traits.privacy
 
 
 def sampling_of(config: Any, population: int) -> accounting.Sampling:
@@ -108,8 +106,8 @@ def sampling_of(config: Any, population: int) -> accounting.Sampling:
   if name == 'poisson':
     rate = spec.get('rate')
     rate = config.cohort_size / population if rate is None else float(rate)
-    return _accounting().Sampling.poisson(population, rate)
-  return _accounting().Sampling(name, population, int(config.cohort_size))
+    return accounting.Sampling.poisson(population, rate)
+  return accounting.Sampling(name, population, int(config.cohort_size))
 
 
 def make_sampler(config: Any, dataset: Any):
@@ -135,7 +133,8 @@ class Plan:
   """How a DP run is accounted: its mechanism, sampling, delta and epsilons.
 
   Attributes:
-    mechanism: the algorithm's :class:`Mechanism`.
+    mechanism: the :class:`fedjx.algorithms.traits.Privacy` of the
+      algorithm's DP aggregator (its noise multiplier and denominator set).
     sampling: the cohorts' :class:`accounting.Sampling`.
     delta: the delta at which epsilon is reported.
     accountant: ``'rdp'`` or ``'pld'``.
@@ -143,7 +142,7 @@ class Plan:
     rounds: the rounds the config asks for.
   """
 
-  mechanism: Mechanism
+  mechanism: Any
   sampling: accounting.Sampling
   delta: float
   accountant: str
@@ -158,18 +157,23 @@ class Plan:
     return dict(sampling=self.sampling, mechanism=self.mechanism.mechanism,
                 restart_every=self.mechanism.restart_every)
 
+  @property
+  def noise_multiplier(self) -> float:
+    """The mechanism's ``z``."""
+    return float(self.mechanism.noise_multiplier)
+
   def epsilon(self, rounds: int) -> float:
     """Epsilon at :attr:`delta` after ``rounds`` rounds (cumulative)."""
     if rounds == 0:
       return 0.0
     if self.accountant == 'rdp':
       if self._curve is None:  # Every round's epsilon, computed once.
-        self._curve = _accounting().epsilons(
-            self.mechanism.noise_multiplier, self.rounds, self.delta,
+        self._curve = accounting.epsilons(
+            self.noise_multiplier, self.rounds, self.delta,
             **self._kwargs())
       if rounds <= len(self._curve):
         return float(self._curve[rounds - 1])
-    return _accounting().epsilon(self.mechanism.noise_multiplier, rounds,
+    return accounting.epsilon(self.noise_multiplier, rounds,
                               self.delta, accountant=self.accountant,
                               **self._kwargs())
 
@@ -189,23 +193,24 @@ class Plan:
   def statement(self, rounds: int) -> dict[str, Any]:
     """The privacy statement after ``rounds`` rounds (``workdir/privacy.json``)."""
     m = self.mechanism
-    out = _accounting().statement(
-        mechanism=m.mechanism, aggregator=m.aggregator,
-        noise_multiplier=m.noise_multiplier, sampling=self.sampling,
+    out = accounting.statement(
+        mechanism=m.mechanism, aggregator=m.name,
+        noise_multiplier=self.noise_multiplier, sampling=self.sampling,
         rounds=rounds, delta=self.delta, accountant=self.accountant,
         restart_every=m.restart_every, epsilon_value=self.epsilon(rounds))
     out['target_epsilon'] = self.target_epsilon
-    out['expected_clients_per_round'] = m.expected_clients_per_round
+    d = m.expected_clients_per_round
+    out['expected_clients_per_round'] = None if d is None else float(d)
     return out
 
   def summary(self, rounds: int) -> str:
     """One line: the guarantee after ``rounds`` rounds."""
     eps = self.epsilon(rounds)
-    relation = _accounting().sensitivity(self.mechanism.aggregator,
+    relation = accounting.sensitivity(self.mechanism.name,
                                          self.sampling).relation
     return (f'({eps:.4g}, {self.delta:.3g})-DP for each user after {rounds} '
-            f'rounds: {self.mechanism.aggregator} with noise multiplier '
-            f'{self.mechanism.noise_multiplier:g}, '
+            f'rounds: {self.mechanism.name} with noise multiplier '
+            f'{self.noise_multiplier:g}, '
             f'{self.sampling.describe()}, {relation.replace("_", " ")} '
             f'neighbours, {self.accountant} accountant')
 
@@ -287,8 +292,8 @@ def plan(config: Any, population: int) -> Plan | None:
   privacy = _as_dict(config.privacy)
   if mech is None:
     canaries_of(config, population)  # An audit needs DP noise: refused.
-    own = SELF_ACCOUNTED.get(_as_dict(_as_dict(config.algorithm).get(
-        'aggregator') or {}).get('name'))
+    declared = privacy_of(config.algorithm)
+    own = None if declared is None else declared.reported
     if own is not None and privacy.get('target_epsilon') is not None:
       raise ConfigError(
           f'config.privacy.target_epsilon={privacy["target_epsilon"]!r}: the '
@@ -298,18 +303,18 @@ def plan(config: Any, population: int) -> Plan | None:
       raise ConfigError(
           f'config.privacy.target_epsilon={privacy["target_epsilon"]!r} but '
           f'algorithm {config.algorithm.name!r} adds no DP noise; use '
-          "dp_fedavg or an aggregator in "
-          f'{sorted(DP_AGGREGATORS)}.')
+          f'{_accounted_parts()}.')
     return None
   sampling = sampling_of(config, population)
   accountant = privacy.get('accountant', 'rdp')
   try:
-    _accounting().check_supported(mech.mechanism, sampling, accountant,
+    accounting.check_supported(mech.mechanism, sampling, accountant,
                                config.rounds, mech.restart_every,
                                fn='config')
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  check_denominator(mech.aggregator, mech.expected_clients_per_round, sampling)
+  d = mech.expected_clients_per_round
+  check_denominator(mech.name, None if d is None else float(d), sampling)
   canaries = canaries_of(config, population)
   delta = privacy.get('delta')
   delta = default_delta(population) if delta is None else float(delta)
@@ -323,10 +328,13 @@ def plan(config: Any, population: int) -> Plan | None:
                   _as_dict(privacy['audit'])))
 
 
-# Algorithms whose aggregator combines the whole model's update once a round
-# (what the canary audit measures); Streaming DiLoCo aggregates fragments.
-AUDITABLE = ('fedavg', 'fedadam', 'fedyogi', 'fedadagrad', 'fedavgm',
-             'fedprox', 'dp_fedavg', 'diloco')
+def _accounted_parts() -> str:
+  """The algorithms and aggregators whose DP the runner accounts, in words."""
+  own = [n for n in registry.ALGORITHMS
+         if registry.algorithm_traits(n).aggregator is not None]
+  central = sorted(n for n, b in parts.AGGREGATORS.items()
+                   if getattr(traits_lib.of(b).privacy, 'mechanism', None))
+  return f'{" or ".join(own)} or an aggregator in {central}'
 
 
 def canaries_of(config: Any, population: int) -> Any:
@@ -344,14 +352,14 @@ def canaries_of(config: Any, population: int) -> Any:
   if mechanism_of(config.algorithm) is None:
     raise ConfigError(
         f'config.privacy.audit is set but algorithm {name!r} adds no DP noise: '
-        'the audit checks a DP run; use dp_fedavg or an aggregator in '
-        f'{sorted(DP_AGGREGATORS)}.')
-  if name not in AUDITABLE:
+        f'the audit checks a DP run; use {_accounted_parts()}.')
+  if not registry.algorithm_traits(name).aggregates_whole_model:
+    auditable = tuple(n for n in registry.ALGORITHMS
+                      if registry.algorithm_traits(n).aggregates_whole_model)
     raise ConfigError(
         f'config.privacy.audit is set but algorithm {name!r} does not '
         'aggregate the whole model once a round, which the canaries need; use '
-        f'one of {AUDITABLE}.')
-  from fedjx.algorithms.privacy import audit as privacy_audit  # pylint: disable=g-import-not-at-top
+        f'one of {auditable}.')
   seed = config.seed if audit.get('seed') is None else audit['seed']
   try:
     return privacy_audit.Canaries(int(audit['canaries']),
@@ -363,33 +371,34 @@ def canaries_of(config: Any, population: int) -> Any:
 def algorithm_spec(config: Any, population: int) -> Any:
   """``config.algorithm``, with what the run gives its DP aggregator.
 
-  The canaries of ``config.privacy.audit`` if set (``canaries=`` of
-  ``dp_fedavg`` or of ``algorithm.aggregator``), and, for an aggregator of
-  :data:`RUN_SAMPLED`, the run's sampling (:func:`run_sampled`).
+  As the aggregator's builder declares (:class:`fedjx.algorithms.traits.Privacy`):
+  the canaries of ``config.privacy.audit`` if set (``canaries``), and the
+  run's sampling to one that takes it (``run_sampling``,
+  :func:`run_sampled`); to the algorithm's own options when it builds its
+  DP aggregator itself (``Traits.aggregator``), else to its ``aggregator``.
   """
   canaries = canaries_of(config, population)
-  aggregator = _as_dict(_as_dict(config.algorithm).get('aggregator'))
-  sampled = (isinstance(aggregator, Mapping)
-             and aggregator.get('name') in RUN_SAMPLED)
+  declared = privacy_of(config.algorithm)
+  sampled = declared is not None and declared.run_sampling
   if canaries is None and not sampled:
     return config.algorithm
   spec = _as_dict(config.algorithm)
   spec = {k: _as_dict(v) for k, v in spec.items()}
+  own = registry.algorithm_traits(spec['name']).aggregator is not None
+  part = dict(spec) if own else dict(spec['aggregator'])
   if sampled:
-    spec['aggregator'] = run_sampled(config, population, spec['aggregator'])
-  if canaries is None:
-    return spec
-  if spec['name'] == 'dp_fedavg':
-    spec['canaries'] = canaries
-  else:
-    spec['aggregator'] = dict(spec['aggregator'], canaries=canaries)
+    part = run_sampled(config, population, part)
+  if canaries is not None:
+    part['canaries'] = canaries
+  if own:
+    return part
+  spec['aggregator'] = part
   return spec
 
 
 def run_audit(p: Plan, rounds: int, initial_params: Any,
               final_params: Any) -> dict[str, Any]:
   """The audit of a finished run (``privacy.json``'s ``audit``)."""
-  from fedjx.algorithms.privacy import audit as privacy_audit  # pylint: disable=g-import-not-at-top
   options = p.audit_options or {}
   cos = privacy_audit.cosines(p.canaries, initial_params, final_params)
   dimension = sum(int(np.size(x)) for x in jax_leaves(initial_params))

@@ -26,12 +26,15 @@ from typing import Any
 import optax
 
 from fedjx import algorithms as algorithms_lib
+from fedjx.algorithms import traits as traits_lib
+from fedjx.algorithms.traits import Traits
 from fedjx import datasets
 from fedjx import models
 from fedjx.experiments import data as data_lib
 from fedjx.experiments import errors
 from fedjx.experiments import parts
 from fedjx.experiments import signatures
+from fedjx.options import MapOptions
 
 
 ConfigError = errors.ConfigError
@@ -47,17 +50,12 @@ def lookup(kind: str, registry: Mapping[str, Any], name: Any) -> Any:
 
 
 def check_kwargs(kind: str, name: str, fn: Callable[..., Any],
-                 kwargs: Mapping[str, Any], reserved: tuple[str, ...] = (),
-                 forwards_to: Callable[..., Any] | None = None) -> None:
+                 kwargs: Mapping[str, Any], reserved: tuple[str, ...] = ()) -> None:
   """Raises a ConfigError if ``fn`` does not take every key of ``kwargs``.
 
-  A builder with ``**kwargs`` accepts anything, unless ``forwards_to`` names
-  the function those go to: then the valid keys are both functions'.
+  A builder with ``**kwargs`` accepts anything.
   """
   names, var = signatures.accepted_kwargs(fn)
-  if var and forwards_to is not None:
-    more, var = signatures.accepted_kwargs(forwards_to)
-    names = names + [n for n in more if n not in names]
   valid = [n for n in names if n not in reserved]
   for key in kwargs:
     if key in reserved:
@@ -229,206 +227,103 @@ def build_optimizer(spec: Any, where: str = 'optimizer') -> optax.GradientTransf
 
 # ------------------------------------------------------------------ algorithms
 
-# What the runner gives every algorithm builder besides the config's options:
-# the model's metrics and its non-finite guard (every builder made with
-# fedjx.algorithms.base.with_options takes both).
+# What the runner gives every algorithm builder that takes them, besides the
+# config's options: the model's metrics and its non-finite guard.
 RUNNER_OPTIONS = ('metrics_fn', 'skip_nonfinite')
 
-
-@dataclasses.dataclass(frozen=True)
-class AlgorithmEntry:
-  """A registered algorithm: its builder and what it declares about itself.
-
-  Everything the runner, the config checks and the sweep need to know about
-  an algorithm is a field here, so adding an algorithm is one entry (in the
-  package, one line of :data:`ALGORITHMS`; from your own code,
-  :func:`register_algorithm`). Calling the entry calls the builder, and
-  ``inspect.signature`` shows the builder's, so an entry stands wherever a
-  builder does.
-
-  Attributes:
-    builder: ``builder(loss_fn, **options) -> Algorithm``.
-    population: the option that takes the population size (SCAFFOLD's
-      ``num_clients``, DiLoCo's ``num_replicas``): the runner sets it to
-      the training population's size unless the config does. None: the
-      algorithm keeps no per-client state.
-    runner_options: which of :data:`RUNNER_OPTIONS` the builder takes.
-    asynchronous: the runner feeds its rounds ``AsyncCohort``s from its
-      simulated schedule (``fedjx.datasets.async_schedule``); ``fedjx-sweep``
-      refuses it.
-    updates_reach_params: every client output reaches the server model in
-      the round that computes it (nothing waits in the state): with
-      ``config.nonfinite`` ``'skip'`` or ``'stop'`` the runner runs its rounds
-      unguarded first and redoes a round guarded only when its result is not
-      finite (:mod:`fedjx.experiments.guarded_rounds`). False (the default,
-      always safe): every round runs guarded.
-    forwards_to: the builder passes its ``**kwargs`` on to another builder
-      (the FedOpt conveniences to ``fedavg``): that builder, or the name of
-      its entry. The options a config may give are both builders'.
-    client_state: the builder's option choosing where its per-client state
-      lives (SCAFFOLD's ``client_state``): the runner passes ``'store'``
-      (rows outside the server state, in the run's ``ClientStore``) or
-      ``'dense'`` (an ``[N, ...]`` array in it) per
-      ``config.client_state.placement``. None: the algorithm offers no dense
-      placement (``placement='device'`` is refused).
-  """
-
-  builder: Callable[..., Any]
-  population: str | None = None
-  runner_options: tuple[str, ...] = RUNNER_OPTIONS
-  asynchronous: bool = False
-  updates_reach_params: bool = False
-  forwards_to: str | Callable[..., Any] | None = None
-  client_state: str | None = None
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return self.builder(*args, **kwargs)
-
-  @property
-  def __signature__(self) -> inspect.Signature:
-    return inspect.signature(self.builder)
-
-  def forwarded(self) -> Callable[..., Any] | None:
-    """The builder this entry's builder passes its ``**kwargs`` to, if any."""
-    if isinstance(self.forwards_to, str):
-      return algorithm_entry(self.forwards_to).builder
-    if isinstance(self.forwards_to, AlgorithmEntry):
-      return self.forwards_to.builder
-    return self.forwards_to
-
-
-def per_client(builder: Callable[..., Any], population: str,
-               **traits: Any) -> AlgorithmEntry:
-  """``builder``, whose option ``population`` takes the population size
-  (``traits``: the other :class:`AlgorithmEntry` fields)."""
-  return AlgorithmEntry(builder, population=population, **traits)
-
-
-def algorithm_entry(name: str) -> AlgorithmEntry:
-  """The :class:`AlgorithmEntry` of ``name`` (a plain builder put in
-  :data:`ALGORITHMS` by hand: the entry's defaults, every runner option)."""
-  value = lookup('algorithm', ALGORITHMS, name)
-  return value if isinstance(value, AlgorithmEntry) else AlgorithmEntry(value)
-
-
-_FEDAVG_FAMILY = dict(updates_reach_params=True)
-_FEDOPT = dict(updates_reach_params=True, forwards_to='fedavg')
-
-# Every algorithm a config can name: one entry each, saying everything about
-# it (:class:`AlgorithmEntry`). In your own code, add one with
-# register_algorithm(name, builder, ...); a builder is f(loss_fn, **options)
-# and takes metrics_fn and skip_nonfinite.
-ALGORITHMS: dict[str, AlgorithmEntry | Callable[..., Any]] = {
-    'fedavg': AlgorithmEntry(algorithms_lib.fedavg, **_FEDAVG_FAMILY),
-    'fedadam': AlgorithmEntry(algorithms_lib.fedadam, **_FEDOPT),
-    'fedyogi': AlgorithmEntry(algorithms_lib.fedyogi, **_FEDOPT),
-    'fedadagrad': AlgorithmEntry(algorithms_lib.fedadagrad, **_FEDOPT),
-    'fedavgm': AlgorithmEntry(algorithms_lib.fedavgm, **_FEDOPT),
-    'fedprox': AlgorithmEntry(algorithms_lib.fedprox, **_FEDAVG_FAMILY),
-    'fednova': AlgorithmEntry(algorithms_lib.fednova, **_FEDAVG_FAMILY),
-    # The base optimizer's state moves with the clients' gradients, which a
-    # check of the new model does not see: guarded.
-    'mime_lite': AlgorithmEntry(algorithms_lib.mime_lite),
-    'mime': AlgorithmEntry(algorithms_lib.mime),
-    'fedexp': AlgorithmEntry(algorithms_lib.fedexp, **_FEDAVG_FAMILY),
-    'scaffold': per_client(algorithms_lib.scaffold, 'num_clients',
-                           updates_reach_params=True,
-                           client_state='client_state'),
-    # Each client's row (a head, a personal model, FedDyn's gradient state)
-    # moves beside the model, which a check of the new model does not see:
-    # guarded.
-    'fedrep': AlgorithmEntry(algorithms_lib.fedrep),
-    'fedper': AlgorithmEntry(algorithms_lib.fedper),
-    'ditto': AlgorithmEntry(algorithms_lib.ditto),
-    'feddyn': per_client(algorithms_lib.feddyn, 'num_clients'),
-    'apfl': AlgorithmEntry(algorithms_lib.apfl),
-    # Its K cluster models are state beside the one model state.params
-    # holds: guarded.
-    'hyp_cluster': AlgorithmEntry(algorithms_lib.hyp_cluster),
-    'dp_fedavg': AlgorithmEntry(algorithms_lib.dp_fedavg, updates_reach_params=True),
-    'diloco': per_client(algorithms_lib.diloco, 'num_replicas',
-                         updates_reach_params=True),
-    # The scaling-law study's inner recipe (clipped AdamW, warmup-cosine).
-    'diloco_recipe': per_client(algorithms_lib.diloco_recipe, 'num_replicas',
-                                updates_reach_params=True, forwards_to='diloco'),
-    # Its replicas keep parameters a round does not synchronize: guarded.
-    'streaming_diloco': per_client(algorithms_lib.streaming_diloco, 'num_replicas'),
-    # Its replicas keep their own outer models (eager updates): guarded.
-    'eager_diloco': per_client(algorithms_lib.eager_diloco, 'num_replicas'),
-    'fedavg_hypergradient_tuner': AlgorithmEntry(
-        algorithms_lib.fedavg_hypergradient_tuner),
-    # Its buffer is the round's cohort: every update reaches the model.
-    'fedbuff': AlgorithmEntry(algorithms_lib.fedbuff, asynchronous=True,
-                              updates_reach_params=True),
-    # Its replicas keep training across rounds: guarded.
-    'async_diloco': per_client(algorithms_lib.async_diloco, 'num_replicas',
-                               asynchronous=True),
-    # Its step is a ratio of the cohort's sums: every update reaches the model.
-    'qffl': AlgorithmEntry(algorithms_lib.qffl, updates_reach_params=True),
-    # Its domain weights and counts are state beside the model: guarded.
-    'afl': AlgorithmEntry(algorithms_lib.afl),
-    # One arrival per round, mixed in at once.
-    'fedasync': AlgorithmEntry(algorithms_lib.fedasync, asynchronous=True,
-                               updates_reach_params=True),
-    # HetLoRA's pruned ranks are client state beside the adapters: guarded.
-    'fedlora': AlgorithmEntry(algorithms_lib.fedlora),
+# Every algorithm a config can name: its builder, which declares its traits
+# where it is defined (``@kit.declare(Traits(...))``: the option taking the
+# population size, whether it is asynchronous, ...). Adding an algorithm to
+# the package is its module, its export from fedjx.algorithms and one line
+# here (a literal, which fedjx-run reads before importing JAX:
+# fedjx.experiments.preflight); in your own code,
+# register_algorithm(name, builder); a builder is f(loss_fn, **options).
+ALGORITHMS: dict[str, Callable[..., Any]] = {
+    'afl': algorithms_lib.afl,
+    'apfl': algorithms_lib.apfl,
+    'async_diloco': algorithms_lib.async_diloco,
+    'diloco': algorithms_lib.diloco,
+    'diloco_recipe': algorithms_lib.diloco_recipe,
+    'ditto': algorithms_lib.ditto,
+    'dp_fedavg': algorithms_lib.dp_fedavg,
+    'eager_diloco': algorithms_lib.eager_diloco,
+    'fedadagrad': algorithms_lib.fedadagrad,
+    'fedadam': algorithms_lib.fedadam,
+    'fedasync': algorithms_lib.fedasync,
+    'fedavg': algorithms_lib.fedavg,
+    'fedavg_hypergradient_tuner': algorithms_lib.fedavg_hypergradient_tuner,
+    'fedavgm': algorithms_lib.fedavgm,
+    'fedbuff': algorithms_lib.fedbuff,
+    'feddyn': algorithms_lib.feddyn,
+    'fedexp': algorithms_lib.fedexp,
+    'fedlora': algorithms_lib.fedlora,
+    'fednova': algorithms_lib.fednova,
+    'fedper': algorithms_lib.fedper,
+    'fedprox': algorithms_lib.fedprox,
+    'fedrep': algorithms_lib.fedrep,
+    'fedyogi': algorithms_lib.fedyogi,
+    'hyp_cluster': algorithms_lib.hyp_cluster,
+    'mime': algorithms_lib.mime,
+    'mime_lite': algorithms_lib.mime_lite,
+    'qffl': algorithms_lib.qffl,
+    'scaffold': algorithms_lib.scaffold,
+    'streaming_diloco': algorithms_lib.streaming_diloco,
 }
 # Algorithm options the runner sets (not config.algorithm), for every entry.
 RESERVED = ('loss_fn', 'metrics_fn', 'skip_nonfinite', 'lora_config')
 
 
-def forwarded_name(name: str) -> str | Callable[..., Any] | None:
-  """The registered name of the builder that algorithm ``name`` passes its
-  ``**kwargs`` to (the builder itself when no entry has it); None if it
-  forwards nothing or is not registered."""
-  if name not in ALGORITHMS:
-    return None
-  entry = algorithm_entry(name)
-  if entry.forwards_to is None or isinstance(entry.forwards_to, str):
-    return entry.forwards_to
-  target = entry.forwarded()
-  for other in ALGORITHMS:
-    if algorithm_entry(other).builder is target:
-      return other
-  return target
+def algorithm_builder(name: str) -> Callable[..., Any]:
+  """The builder of algorithm ``name``, or a ConfigError listing the names."""
+  return lookup('algorithm', ALGORITHMS, name)
+
+
+def algorithm_traits(name: str) -> Traits:
+  """What algorithm ``name``'s builder declares (:class:`Traits`; the
+  defaults for a builder that declares none)."""
+  return traits_lib.of(algorithm_builder(name))
 
 
 def is_asynchronous(name: str) -> bool:
-  """Whether algorithm ``name`` runs on a simulated schedule (its entry's
+  """Whether algorithm ``name`` runs on a simulated schedule (its declared
   ``asynchronous``); False for a name not registered."""
-  return name in ALGORITHMS and algorithm_entry(name).asynchronous
-
-
-def forwarded_builder(name: str) -> Callable[..., Any] | None:
-  """The builder that algorithm ``name`` passes its ``**kwargs`` to, if any."""
-  if name not in ALGORITHMS:
-    return None
-  return algorithm_entry(name).forwarded()
+  return name in ALGORITHMS and algorithm_traits(name).asynchronous
 
 
 def builder_options(name: str, kind: str = 'algorithm') -> dict[str, inspect.Parameter]:
   """The options of builder ``name`` of ``kind`` a config may set, by name.
 
-  The builder's keyword parameters, and for an algorithm that forwards
-  ``**kwargs`` (the FedOpt conveniences) those of the builder it forwards to;
-  the runner's :data:`RESERVED` options are left out.
+  The builder's keyword parameters, and for an algorithm those its
+  ``**options`` takes (its declared ``Traits.options``); the runner's
+  :data:`RESERVED` options are left out.
   """
   if kind != 'algorithm':
     table = {'dataset': DATASETS, 'model': MODELS}[kind]
     return signatures.keyword_parameters(lookup(kind, table, name))
-  fns = [lookup('algorithm', ALGORITHMS, name), forwarded_builder(name)]
-  options: dict[str, inspect.Parameter] = {}
-  for fn in fns:
-    if fn is None:
-      continue
-    for key, p in signatures.keyword_parameters(fn).items():
-      if key not in RESERVED and key not in options:
-        options[key] = p
+  builder = algorithm_builder(name)
+  options = {key: p for key, p in signatures.keyword_parameters(builder).items()
+             if key not in RESERVED}
+  for key, p in signatures.declared_options(builder).items():
+    if key not in RESERVED and key not in options:
+      options[key] = p
   return options
 
 
-def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto',
-                    chunk_size: int | None = None,
+def runner_options(name: str) -> tuple[str, ...]:
+  """Which of :data:`RUNNER_OPTIONS` the builder of ``name`` takes (all of
+  them when it takes any ``**kwargs`` and declares no options)."""
+  builder = algorithm_builder(name)
+  names, var = signatures.accepted_kwargs(builder)
+  names = list(names) + list(signatures.declared_options(builder))
+  var = var and not traits_lib.of(builder).options
+  return tuple(k for k in RUNNER_OPTIONS if var or k in names)
+
+
+_DEFAULT_MAP = MapOptions()  # what an algorithm not compiled again runs with
+
+
+def build_algorithm(spec: Any, model: models.Model, *,
+                    map_options: MapOptions = _DEFAULT_MAP,
                     num_clients: int | None = None,
                     skip_nonfinite: bool | None = None,
                     placement: str | None = None) -> Any:
@@ -437,67 +332,52 @@ def build_algorithm(spec: Any, model: models.Model, *, map_strategy: str = 'auto
   Options whose name ends in ``optimizer`` are optimizer specs (see
   :func:`build_optimizer`), ``aggregator`` an aggregator spec
   (:func:`fedjx.experiments.parts.build_aggregator`); the others are passed
-  through. The entry
-  (:class:`AlgorithmEntry`) says what else the builder receives: the model's
-  ``metrics_fn`` and ``skip_nonfinite`` (the runner's non-finite guard; left
-  to the builder's default when None), and, for an algorithm with per-client
-  state, the population size ``num_clients`` as its ``population`` option
-  unless the config sets it. How clients run is not the builder's business:
-  a ``map_strategy`` or ``chunk_size`` other than the defaults is applied
-  once, with ``algorithm.compile(map_strategy=..., chunk_size=...)``.
+  through. What the builder declares (its :class:`Traits`) says what else it
+  receives: the model's ``metrics_fn`` and ``skip_nonfinite`` (the runner's
+  non-finite guard; left to the builder's default when None) if it takes
+  them, and, for an algorithm with per-client state, the population size
+  ``num_clients`` as its ``population`` option unless the config sets it. How clients run is not the builder's business:
+  ``map_options`` (the config's, checked where it entered,
+  ``fedjx.options.RoundOptions.of(config).map``), when not the defaults,
+  is applied once, with ``algorithm.compile(map_options)``.
   ``placement`` (``config.client_state.placement``, None: the builder's
-  default) sets the entry's ``client_state`` option: ``'store'`` or
+  default) sets its declared ``client_state`` option: ``'store'``, or
   ``'dense'`` for ``'device'``.
   """
   name, kwargs = split_name('algorithm', spec)
-  entry = algorithm_entry(name)
-  check_kwargs('algorithm', name, entry, kwargs, RESERVED, entry.forwarded())
+  builder = algorithm_builder(name)
+  traits = traits_lib.of(builder)
+  check_algorithm_kwargs(name, kwargs)
   for key, value in list(kwargs.items()):
     if key.endswith('optimizer') and isinstance(value, Mapping):
       kwargs[key] = build_optimizer(value, where=f'algorithm.{key}')
     elif key == 'aggregator' and isinstance(value, Mapping):
       kwargs[key] = parts.build_aggregator(value, where=f'algorithm.{key}')
   supplied = {'metrics_fn': model.metrics_fn, 'skip_nonfinite': skip_nonfinite}
-  names, var = signatures.accepted_kwargs(entry.builder)
+  names, _ = signatures.accepted_kwargs(builder)
   if 'lora_config' in names:  # Federated LoRA reads the adapters' rank and scale.
     from fedjx.models import lora  # pylint: disable=g-import-not-at-top
     if not isinstance(model, lora.LoraModel):
       raise ConfigError(f'algorithm {name!r} trains LoRA adapters; set config.lora.rank '
                         '(docs/fine_tuning.md).')
     kwargs['lora_config'] = model.config
-  for key in entry.runner_options:
-    if not var and key not in names:
-      taken = tuple(k for k in entry.runner_options if k in names)
-      raise ConfigError(
-          f'algorithm {name!r}: its builder does not take {key!r}, which its '
-          'registry entry says the runner passes; declare what it takes with '
-          f'AlgorithmEntry(builder, runner_options={taken!r}).')
+  for key in runner_options(name):
     if supplied[key] is not None:
       kwargs[key] = supplied[key]
-  if (entry.population is not None and entry.population not in kwargs
+  if (traits.population is not None and traits.population not in kwargs
       and num_clients is not None):
-    kwargs[entry.population] = num_clients
-  if placement is not None:
-    _place_client_state(name, entry, kwargs, placement)
-  algorithm = entry(model.loss_fn, **kwargs)
-  if (map_strategy, chunk_size) != ('auto', None):
+    kwargs[traits.population] = num_clients
+  if placement is not None and traits.client_state is not None and (
+      traits.client_state not in kwargs):
+    kwargs[traits.client_state] = 'dense' if placement == 'device' else 'store'
+  algorithm = builder(model.loss_fn, **kwargs)
+  if map_options != _DEFAULT_MAP:
     if not hasattr(algorithm, 'compile'):
       raise ConfigError(f'algorithm {name!r} returns {type(algorithm).__name__}, '
                         'which has no compile(); it runs with the default '
                         "map_strategy='auto' and chunk_size=None only.")
-    algorithm = algorithm.compile(map_strategy=map_strategy, chunk_size=chunk_size)
+    algorithm = algorithm.compile(map_options)
   return algorithm
-
-
-def _place_client_state(name: str, entry: AlgorithmEntry,
-                        kwargs: dict[str, Any], placement: str) -> None:
-  """Sets the entry's ``client_state`` option for ``placement``."""
-  del name
-  option = entry.client_state
-  if option is None or option in kwargs:
-    return  # No choice to make (build_algorithm's caller refuses 'device').
-  if option in signatures.accepted_kwargs(entry.builder)[0]:
-    kwargs[option] = 'dense' if placement == 'device' else 'store'
 
 
 # ------------------------------------------------------------------ datasets
@@ -513,50 +393,43 @@ def register_dataset(name: str, builder: Callable[..., ExperimentData]) -> None:
   DATASETS[name] = builder
 
 
-def register_algorithm(name: str, builder: Callable[..., Any] | AlgorithmEntry, *,
-                       population: str | None = None,
-                       runner_options: tuple[str, ...] | None = None,
-                       asynchronous: bool = False,
-                       updates_reach_params: bool = False,
-                       forwards_to: str | Callable[..., Any] | None = None) -> None:
-  """Adds (or replaces) the algorithm ``name``: one :class:`AlgorithmEntry`.
+def register_algorithm(name: str, builder: Callable[..., Any]) -> None:
+  """Adds (or replaces) the algorithm ``name``: ``builder(loss_fn, **options)``.
 
-  Args:
-    name: the name configs use.
-    builder: the builder ``builder(loss_fn, **kwargs)``, or a whole
-      :class:`AlgorithmEntry` (then no other argument may be given).
-    population: the builder's option that takes the population size, for an
-      algorithm with per-client state (see :class:`AlgorithmEntry`).
-    runner_options: which of :data:`RUNNER_OPTIONS` the builder takes; None
-      reads them from its signature here, once (all of them if it takes
-      ``**kwargs``), and the entry keeps them.
-    asynchronous, updates_reach_params, forwards_to: the entry's traits (see
-      :class:`AlgorithmEntry`).
+  What the runner needs to know about it is what the builder declares
+  (``@fedjx.algorithms.traits.declare(Traits(...))``; none: the defaults):
+  the option taking the population size, whether it is asynchronous, the
+  options its ``**options`` takes, ... (:class:`Traits`).
   """
-  if isinstance(builder, AlgorithmEntry):
-    if (population, runner_options, asynchronous, updates_reach_params,
-        forwards_to) != (None, None, False, False, None):
-      raise ConfigError(f'register_algorithm({name!r}): an AlgorithmEntry says '
-                        'everything about its algorithm; give its fields in it, '
-                        'not as arguments.')
-    entry = builder
-  else:
-    if runner_options is None:
-      names, var = signatures.accepted_kwargs(builder)
-      runner_options = tuple(k for k in RUNNER_OPTIONS if var or k in names)
-    entry = AlgorithmEntry(builder, population, tuple(runner_options),
-                           asynchronous=bool(asynchronous),
-                           updates_reach_params=bool(updates_reach_params),
-                           forwards_to=forwards_to)
-  for key in entry.runner_options:
-    if key not in RUNNER_OPTIONS:
-      raise ConfigError(f'register_algorithm({name!r}): runner_options has '
-                        f'{key!r}; valid runner options: {list(RUNNER_OPTIONS)}.')
-  if isinstance(entry.forwards_to, str) and entry.forwards_to not in ALGORITHMS:
-    raise ConfigError(
-        f'register_algorithm({name!r}): forwards_to={entry.forwards_to!r} is not '
-        f'a registered algorithm.{_suggest(entry.forwards_to, ALGORITHMS)}')
-  ALGORITHMS[name] = entry
+  if not callable(builder):
+    raise ConfigError(f'register_algorithm({name!r}): builder={builder!r} is '
+                      'not callable (a builder(loss_fn, **options)).')
+  if not isinstance(getattr(builder, 'traits', traits_lib.NONE), Traits):
+    raise ConfigError(f'register_algorithm({name!r}): builder.traits='
+                      f'{builder.traits!r} is not a fedjx.algorithms.traits.Traits.')
+  ALGORITHMS[name] = builder
+
+
+def check_algorithm_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
+  """Raises a ConfigError unless algorithm ``name`` takes every key of
+  ``kwargs``: its builder's keyword parameters and declared options, less
+  the runner's :data:`RESERVED` ones."""
+  builder = algorithm_builder(name)
+  declared = signatures.declared_options(builder)
+  names, var = signatures.accepted_kwargs(builder)
+  valid = [n for n in list(names) + list(declared) if n not in RESERVED]
+  for key in kwargs:
+    if key in RESERVED:
+      raise ConfigError(
+          f'algorithm {name!r} has no option {key!r}: the runner sets it. Valid '
+          f'options of algorithm {name!r}: {sorted(valid)}.')
+  if var and not declared:
+    return
+  for key in kwargs:
+    if key not in valid:
+      raise ConfigError(
+          f'algorithm {name!r} has no option {key!r}.{_suggest(key, valid)} '
+          f'Valid options of algorithm {name!r}: {sorted(valid)}.')
 
 
 def build_dataset(spec: Any, seed: int) -> ExperimentData:

@@ -199,7 +199,7 @@ def _upload_bytes(config: Any, params: Any, clients: int, num_clients: int) -> f
                                    num_clients)
   named = registry.split_name('algorithm', spec)[1].get('aggregator')
   aggregator = aggregators.mean() if named is None else parts.build_aggregator(named)
-  if aggregator.wire_bits:
+  if aggregator.traits.wire_bits:
     return None
   return clients * float(aggregator.message_bytes(params))
 

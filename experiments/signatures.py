@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ['accepted_kwargs', 'keyword_parameters', 'option_types',
-           'parse_type']
+__all__ = ['accepted_kwargs', 'declared_options', 'keyword_parameters',
+           'option_types', 'parse_type']
 
 _KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD,
             inspect.Parameter.KEYWORD_ONLY)
@@ -41,6 +42,18 @@ def accepted_kwargs(fn: Callable[..., Any]) -> tuple[list[str], bool]:
   params = inspect.signature(fn).parameters.values()
   names = [p.name for p in params if p.kind in _KEYWORD]
   return names, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def declared_options(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+  """The options ``fn``'s ``**options`` takes, as its traits declare them
+  (``fn.traits.options``, :class:`fedjx.algorithms.traits.Traits`), by name,
+  with their defaults and types (``{}`` for a builder that declares none)."""
+  names = getattr(getattr(fn, 'traits', None), 'options', ())
+  if not names:
+    return {}
+  # A builder that declares options is loaded, and with it the template
+  # that defines them (this module imports neither).
+  return sys.modules['fedjx.algorithms.template'].option_parameters(names)
 
 
 def _annotation_types(annotation: Any) -> tuple[type, ...] | None:

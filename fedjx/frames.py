@@ -22,8 +22,7 @@ from typing import Any
 
 import jax
 
-from fedjx import options as options_lib
-from fedjx.options import MAP_STRATEGIES
+from fedjx.options import MAP_STRATEGIES, MapOptions
 
 
 @dataclasses.dataclass
@@ -42,14 +41,6 @@ class Placement:
 
 
 @dataclasses.dataclass(frozen=True)
-class MapOptions:
-  """How ``map_fn`` executes inside a program (see :mod:`fedjx.mapping`)."""
-
-  strategy: str = 'auto'
-  chunk_size: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
 class Frame:
   """One program call's placements and options.
 
@@ -61,7 +52,7 @@ class Frame:
   """
 
   placements: tuple[Placement, ...]
-  map_options: MapOptions
+  map_options: MapOptions  # checked where the program was declared
   mesh: Any
   recorder: Any = None
   broadcasts: dict[int, tuple[Any, Any, str]] = dataclasses.field(
@@ -82,12 +73,6 @@ def check_size(name: str, size: Any) -> int | None:
   return size
 
 
-def check_map_options(strategy: str, chunk_size: int | None,
-                      where: str = 'fedjx.program: ') -> MapOptions:
-  """A program's map options, checked by :func:`fedjx.options.check_map_options`."""
-  return MapOptions(*options_lib.check_map_options(strategy, chunk_size, where))
-
-
 # A JAX user context, not a ContextVar: its value is part of the key of JAX's
 # tracing, lowering and compilation caches, so a function jitted by the user
 # and traced under a forced strategy gets its own cache entry, and neither
@@ -104,7 +89,7 @@ def force_map_strategy(strategy: str) -> Iterator[None]:
   strategy is part of what JAX keys its caches on, so jitted functions traced
   in the block are cached apart from (and do not evict) their ordinary traces.
   """
-  check_map_options(strategy, None)
+  MapOptions(strategy, None, 'fedjx.frames.force_map_strategy: ')
   with _FORCED_STRATEGY(strategy):
     yield
 

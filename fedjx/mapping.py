@@ -600,9 +600,14 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     frames.resolve_size(p, jnp.shape(leaf)[0], 'map_fn')
   n = p.size
   mesh = mesh if mesh is not None else frame.mesh
-  strategy = frames.forced_map_strategy() or strategy or frame.map_options.strategy
-  chunk_size = chunk_size or frame.map_options.chunk_size
-  options_lib.check_map_options(strategy, chunk_size, 'fedjx.map_fn: ')
+  options = frame.map_options  # checked where the program was declared
+  if strategy is not None or chunk_size is not None:
+    # This call's own options enter here.
+    options = options_lib.MapOptions(strategy or options.strategy,
+                                     chunk_size or options.chunk_size,
+                                     'fedjx.map_fn: ')
+  strategy = frames.forced_map_strategy() or options.strategy
+  chunk_size = options.chunk_size
   devices = _mesh_axis_size(p.name, mesh)
   member_leaves = [leaf for i, leaf in enumerate(leaves) if i not in tables]
   shared = ({} if frames.forced_map_strategy()

@@ -11,12 +11,14 @@ Every option of how a round runs (not what it computes) is here:
 * ``streaming_chunk_size``: clients per streamed chunk;
 * ``donate``: whether a compiled round consumes the state passed in.
 
-:class:`RoundOptions` holds them as one frozen value, checked when it is
-made. ``fedjx.program``, ``map_fn``, ``Algorithm.compile``,
-``fedjx.execution.round_runner`` and the experiment config check the
-options they take with the same functions (:func:`check_map_options`,
-:func:`check_execution`), each naming its own argument in the error. This
-module imports nothing, so the command line checks a config without JAX.
+:class:`MapOptions` holds the first two as one frozen value, checked when
+it is made, and :class:`RoundOptions` holds them all. An option is checked
+once, where it enters (the config, ``Algorithm.compile``, ``fedjx.program``,
+an explicit ``map_fn`` argument), each naming its own argument in the
+error; from there the checked :class:`MapOptions` is carried (by the
+compiled algorithm, its program and the program's frame) and read, not
+checked again. This module imports nothing, so the command line checks a
+config without JAX.
 """
 
 from __future__ import annotations
@@ -45,6 +47,39 @@ def check_map_options(strategy: Any, chunk_size: Any, where: str = 'fedjx.progra
   return strategy, chunk_size
 
 
+@dataclasses.dataclass(frozen=True)
+class MapOptions:
+  """How ``map_fn`` runs clients, checked when made (see :mod:`fedjx.mapping`).
+
+  Attributes:
+    strategy: one of :data:`MAP_STRATEGIES`.
+    chunk_size: at most this many clients per chunk (``'chunked'``), or None
+      for the strategy to choose.
+
+  ``where`` (not a field) prefixes the error: the argument's name where the
+  options entered, e.g. ``'config.'`` or ``'Algorithm.compile: '``.
+  """
+
+  strategy: str = 'auto'
+  chunk_size: int | None = None
+  where: dataclasses.InitVar[str] = 'MapOptions: '
+
+  def __post_init__(self, where: str) -> None:
+    check_map_options(self.strategy, self.chunk_size, where)
+
+  @classmethod
+  def of(cls, strategy: 'str | MapOptions', chunk_size: int | None = None,
+         where: str = 'MapOptions: ') -> 'MapOptions':
+    """``strategy`` itself when it is already a ``MapOptions`` (checked when
+    it was made; then ``chunk_size`` must be None), else the checked options."""
+    if isinstance(strategy, MapOptions):
+      if chunk_size is not None:
+        raise ValueError(f'{where}chunk_size={chunk_size!r} with map options '
+                         f'{strategy}; give the chunk size in the MapOptions.')
+      return strategy
+    return cls(strategy, chunk_size, where)
+
+
 def check_execution(execution: Any, streaming_chunk_size: Any = None,
                     where: str = 'fedjx.execution: ') -> tuple[str, int | None]:
   """``(execution, streaming_chunk_size)``, or a one-line ``ValueError``."""
@@ -66,26 +101,41 @@ def check_donate(donate: Any, where: str = 'Algorithm.compile: ') -> bool:
 class RoundOptions:
   """How rounds execute (see the module docstring), checked when made.
 
-  ``RoundOptions.of(config)`` reads them from an experiment config.
+  Attributes:
+    map: how ``map_fn`` runs clients (:class:`MapOptions`, checked when it
+      was made).
+    execution, streaming_chunk_size, donate: as in the module docstring.
+
+  ``RoundOptions.of(config)`` reads them from an experiment config, each
+  error naming the config field; ``map_strategy`` and ``chunk_size`` read
+  ``map``'s.
   """
 
-  map_strategy: str = 'auto'
-  chunk_size: int | None = None
+  map: MapOptions = MapOptions()
   execution: str = 'auto'
   streaming_chunk_size: int | None = None
   donate: bool = True
 
   def __post_init__(self):
-    check_map_options(self.map_strategy, self.chunk_size, 'RoundOptions: ')
+    if not isinstance(self.map, MapOptions):
+      raise ValueError(f'RoundOptions: map={self.map!r}; it must be a '
+                       'fedjx.options.MapOptions.')
     check_execution(self.execution, self.streaming_chunk_size, 'RoundOptions: ')
     check_donate(self.donate, 'RoundOptions: ')
+
+  @property
+  def map_strategy(self) -> str:
+    return self.map.strategy
+
+  @property
+  def chunk_size(self) -> int | None:
+    return self.map.chunk_size
 
   @classmethod
   def of(cls, config: Any, where: str = 'config.') -> 'RoundOptions':
     """The options of an experiment config (``config.map_strategy``, ...),
     each error naming the config field."""
     get = lambda name, default=None: getattr(config, name, default)
-    check_map_options(get('map_strategy', 'auto'), get('chunk_size'), where)
+    map_options = MapOptions(get('map_strategy', 'auto'), get('chunk_size'), where)
     check_execution(get('execution', 'auto'), get('streaming_chunk_size'), where)
-    return cls(get('map_strategy', 'auto'), get('chunk_size'),
-               get('execution', 'auto'), get('streaming_chunk_size'))
+    return cls(map_options, get('execution', 'auto'), get('streaming_chunk_size'))

@@ -27,16 +27,20 @@ from typing import Any
 from fedjx import frames
 from fedjx import fusion
 from fedjx.frames import Placement, current_frames
+from fedjx.options import MapOptions
 
 __all__ = ['placement_context', 'program']
 
 
 @contextlib.contextmanager
 def placement_context(placements: Mapping[str, int | None],
-                      map_strategy: str = 'auto',
-                      chunk_size: int | None = None,
+                      map_options: MapOptions = MapOptions(),
                       mesh: Any = None, fuse: bool = False) -> Iterator[None]:
-  """Enters a placement context (what :func:`program` does around a call)."""
+  """Enters a placement context (what :func:`program` does around a call).
+
+  ``map_options`` is a checked :class:`fedjx.options.MapOptions`, carried
+  into the frame as it is.
+  """
   if not placements:
     raise ValueError('fedjx.program: declare at least one placement, e.g. '
                      "program(clients=8) or program(placements={'clients': 8}).")
@@ -52,9 +56,7 @@ def placement_context(placements: Mapping[str, int | None],
           'enclosing program; nested programs must use new placement names.')
     frame_placements.append(Placement(name, frames.check_size(name, size)))
   recorder = fusion.Recorder() if fuse else None
-  frame = frames.Frame(tuple(frame_placements),
-                       frames.check_map_options(map_strategy, chunk_size), mesh,
-                       recorder)
+  frame = frames.Frame(tuple(frame_placements), map_options, mesh, recorder)
   with frames.pushed(frame):
     yield
 
@@ -63,7 +65,7 @@ def program(fn: Callable[..., Any] | None = None,
             *,
             clients: int | None = None,
             placements: Mapping[str, int | None] | None = None,
-            map_strategy: str = 'auto',
+            map_strategy: str | MapOptions = 'auto',
             chunk_size: int | None = None,
             mesh: Any = None,
             fuse: bool = True,
@@ -81,7 +83,9 @@ def program(fn: Callable[..., Any] | None = None,
     placements: placement names to cardinalities, outermost first. A
       cardinality of ``None`` is inferred from the first placed input.
     map_strategy: how ``map_fn`` runs clients: ``'auto'``, ``'vmap'``,
-      ``'chunked'`` or ``'sequential'`` (see :func:`fedjx.map_fn`).
+      ``'chunked'`` or ``'sequential'`` (see :func:`fedjx.map_fn`), or a
+      :class:`fedjx.options.MapOptions` already checked (as
+      ``Algorithm.compile`` passes it; then ``chunk_size`` is None).
     chunk_size: clients per chunk for the ``'chunked'`` strategy.
     mesh: a ``jax.sharding.Mesh`` to place values on, for all calls in the
       program; by default the mesh set with ``jax.set_mesh``, if any.
@@ -103,14 +107,14 @@ def program(fn: Callable[..., Any] | None = None,
   if placements is None:
     placements = {'clients': clients}
   placements = dict(placements)
-  frames.check_map_options(map_strategy, chunk_size)
+  map_options = MapOptions.of(map_strategy, chunk_size, 'fedjx.program: ')
   for name, size in placements.items():
     frames.check_size(name, size)
 
   def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(f)
     def wrapped(*args, **kwargs):
-      with placement_context(placements, map_strategy, chunk_size, mesh, fuse):
+      with placement_context(placements, map_options, mesh, fuse):
         return fusion.call_program(f, args, kwargs)
     return wrapped
 

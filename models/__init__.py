@@ -30,11 +30,11 @@ from fedjx.models.losses import accuracy
 from fedjx.models.losses import batch_rng
 from fedjx.models.losses import masked_sequence_mean
 from fedjx.models.losses import softmax_cross_entropy
-from fedjx.models.mlp import MLP
-from fedjx.models.mlp import mlp
+from fedjx.models.perceptron import MLP
+from fedjx.models.perceptron import mlp
 from fedjx.models.precision import mixed_precision
-from fedjx.models.resnet import ResNet
-from fedjx.models.resnet import resnet
+from fedjx.models.residual import ResNet
+from fedjx.models.residual import resnet
 from fedjx.models.rnn import LSTMLanguageModel
 from fedjx.models.rnn import lstm_lm
 from fedjx.models.transformer import TransformerLM

@@ -52,8 +52,9 @@ def load_config(arg: str):
 
 def noise_field(config) -> str:
   """Where the config keeps its noise multiplier."""
-  if config.algorithm.name == 'dp_fedavg':
-    return 'algorithm.noise_multiplier'
+  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  if registry.algorithm_traits(config.algorithm.name).aggregator is not None:
+    return 'algorithm.noise_multiplier'  # Its own DP aggregator's option.
   return 'algorithm.aggregator.noise_multiplier'
 
 

@@ -53,15 +53,15 @@ def test_fedjax_agnostic_federated_averaging_numbers():
                    domain_window_size=2, init_domain_window=[1., 2., 3., 4.],
                    client_metrics=True)
   state = algo.init({'w': jnp.array(4.)})
-  np.testing.assert_allclose(state.domain_weights, [0.1, 0.2, 0.3, 0.4])
-  np.testing.assert_array_equal(state.domain_window, [[1., 2., 3., 4.]] * 2)
+  np.testing.assert_allclose(state.extras['domain_weights'], [0.1, 0.2, 0.3, 0.4])
+  np.testing.assert_array_equal(state.extras['domain_window'], [[1., 2., 3., 4.]] * 2)
   cohort = make_cohort(FEDJAX_CLIENTS, batch_size=6)
   state, metrics = algo.round(state, cohort, KEY)
   np.testing.assert_allclose(state.params['w'], 3.5555556, rtol=RTOL)
-  np.testing.assert_allclose(state.domain_weights,
+  np.testing.assert_allclose(state.extras['domain_weights'],
                              [0.08702461, 0.18604803, 0.2663479, 0.46057943],
                              rtol=RTOL)
-  np.testing.assert_array_equal(state.domain_window,
+  np.testing.assert_array_equal(state.extras['domain_window'],
                                 [[1., 2., 3., 4.], [3., 3., 2., 1.]])
   # FedJAX's delta_l2_norm of each client.
   np.testing.assert_allclose(metrics['client_update_norm'], [2.8333335, 7.666667],
@@ -178,8 +178,8 @@ def test_two_rounds_match_numpy(algorithm, eta):
     # lambda: the losses' relative error times the step eta L it enters
     # (exponent or addend), then a normalisation or projection (3 terms).
     tol = ft.rtol(CHAIN * (r + 1) + 3) * (1.0 + eta * max(domain_loss))
-    np.testing.assert_allclose(state.domain_weights, lam, rtol=tol, atol=tol)
-    np.testing.assert_array_equal(state.domain_window, window)
+    np.testing.assert_allclose(state.extras['domain_weights'], lam, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(state.extras['domain_window'], window)
     assert float(metrics['worst_domain_loss']) == pytest.approx(
         max(domain_loss), rel=ft.rtol(CHAIN * (r + 1)))
 
@@ -204,7 +204,7 @@ def _two_rounds(strategy, chunk):
   state = algo.init(linreg_params())
   for r in range(2):
     state, _ = algo.round(state, make_cohort(_data(r), batch_size=B), KEY)
-  return state.params, state.domain_weights
+  return state.params, state.extras['domain_weights']
 
 
 @pytest.mark.slow

@@ -20,5 +20,5 @@ def test_scaffold_on_an_explicit_clients_mesh():
     placed = jax.device_put(cohort, NamedSharding(mesh, P('clients')))
     state, metrics = algo.round(algo.init(params), placed, KEY)
   assert_trees_close(state.params, expected.params)
-  assert_trees_close(state.client_controls, expected.client_controls)
+  assert_trees_close(state.client_states, expected.client_states)
   assert float(metrics['clients']) == 8

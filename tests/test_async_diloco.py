@@ -43,8 +43,8 @@ def test_equal_speeds_are_diloco_exactly(strategy):
     b, mb = async_.round(b, AsyncCohort(cohort, jnp.zeros(3, jnp.int32)),
                          jax.random.key(r))
     jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
-    jax.tree.map(np.testing.assert_array_equal, a.inner_opt_states,
-                 b.inner_opt_states)
+    jax.tree.map(np.testing.assert_array_equal, a.client_states,
+                 b.client_states)
     for k in ma:
       np.testing.assert_array_equal(ma[k], mb[k], err_msg=k)
 
@@ -195,8 +195,8 @@ def test_stale_outer_step_against_a_loop():
                                             states.inner_state[0].trace)
   state = state._replace(
       params=version[2], round_index=jnp.asarray(2, jnp.int32),
-      versions=jax.tree.map(lambda a, b: jnp.stack([a, b]), version[2], version[1]),
-      inner_opt_states=inner_states)
+      extras=jax.tree.map(lambda a, b: jnp.stack([a, b]), version[2], version[1]),
+      client_states=inner_states)
   tau = jnp.asarray([0, 2, 1], jnp.int32)
   new, metrics = algo.round(state, AsyncCohort(cohort, tau), KEY)
 
@@ -216,11 +216,11 @@ def test_stale_outer_step_against_a_loop():
     total = d if total is None else jax.tree.map(jnp.add, total, d)
     weight += SIZES[k]
     # The replica's inner state after its steps is stored.
-    assert_trees_close(trace_of(new.inner_opt_states, k), trace)
+    assert_trees_close(trace_of(new.client_states, k), trace)
   expected = jax.tree.map(lambda x, g: x - lr * g / weight, version[2], total)
   assert_trees_close(new.params, expected)
   # The dropped replica kept its inner state.
-  assert_trees_close(trace_of(new.inner_opt_states, 1), traces[1])
+  assert_trees_close(trace_of(new.client_states, 1), traces[1])
   assert float(metrics['stale_dropped']) == 1.0
   assert float(metrics['clients']) == 2.0
 

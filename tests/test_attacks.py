@@ -573,8 +573,8 @@ def _poison(attack, m, honest_mean):
 ])
 def test_a_spec_with_options_builds_the_library_s_attack(spec, call):
   got, want = attack_lib.model_attack(tiny_config(**spec)), call()
-  assert (got.name, got.hparams, got.omniscient) == (
-      want.name, want.hparams, want.omniscient)
+  assert (got.name, got.hparams, got.traits) == (
+      want.name, want.hparams, want.traits)
   m, mean = jnp.asarray([1.0, -2.0, 3.0]), jnp.asarray([0.5, 0.5, -1.0])
   np.testing.assert_array_equal(_poison(got, m, mean), _poison(want, m, mean))
 

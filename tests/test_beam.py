@@ -151,6 +151,6 @@ def test_scaffold_per_client_state_is_collected_and_written_per_client():
                for s in plan.steps)
     got = fedjx_beam.run(algo.apply, state, fedjx_beam.ClientData.from_arrays(cohort), key)
     _assert_close(got, want)
-    written = np.asarray(want[0].client_controls['w'])[np.asarray(cohort.client_ids)]
+    written = np.asarray(want[0].client_states['w'])[np.asarray(cohort.client_ids)]
     assert np.abs(written).max() > 0
     state = jax.tree.map(jnp.asarray, got[0])

@@ -155,10 +155,10 @@ def test_absent_and_failed_replicas_keep_their_inner_state():
   assert schedule.round(1).left == {1} and schedule.round(2).joined == {1, 3}
   state = algo.init(linreg_params())
   state, _ = algo.round(state, churn.round_cohort(cohort, schedule.round(0), M), KEY)
-  before = jax.tree.map(np.array, state.inner_opt_states)
+  before = jax.tree.map(np.array, state.client_states)
   state, metrics = algo.round(state, churn.round_cohort(cohort, schedule.round(1), M), KEY)
   assert float(metrics['clients']) == 2
-  after = jax.tree.map(np.array, state.inner_opt_states)
+  after = jax.tree.map(np.array, state.client_states)
   for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
     np.testing.assert_array_equal(x[[1, 3]], y[[1, 3]])
     assert not np.array_equal(x[[0, 2]], y[[0, 2]])

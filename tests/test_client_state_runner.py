@@ -1,7 +1,7 @@
 """The runner with per-client state in a ClientStore (config.client_state).
 
 SCAFFOLD under ``placement='store'`` keeps its ``c_i`` in the run's store;
-under ``'device'`` in the dense ``state.client_controls``. The dense run is
+under ``'device'`` in the dense ``state.client_states``. The dense run is
 the independent reference for the store's rows: after every round its
 ``client_controls[i]`` is the ``c_i`` the store must hold. Faults (SIGTERM,
 SIGKILL during a checkpoint write, a damaged newest checkpoint, a resumed
@@ -95,7 +95,7 @@ def test_store_rows_are_the_dense_client_controls(reference, dense):
   in the state (the same rounds, programs that differ only in where c_i
   live: equal to float32 rounding of the same sums)."""
   rows, held = _rows(reference.workdir, ROUNDS, _zeros(reference))
-  controls = dense.state.client_controls
+  controls = dense.state.client_states
   touched = [i for i in range(NUM_CLIENTS) if any(
       np.any(np.asarray(x)[i] != 0) for x in jax.tree.leaves(controls))]
   assert held == len(touched) > 0  # Only clients that trained hold an entry.
@@ -105,7 +105,7 @@ def test_store_rows_are_the_dense_client_controls(reference, dense):
                        jax.tree.leaves(dense.state.params)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
                                atol=1e-6)
-  assert not jax.tree.leaves(reference.state.client_controls)  # In the store.
+  assert not jax.tree.leaves(reference.state.client_states)  # In the store.
 
 
 @pytest.mark.slow

@@ -518,7 +518,7 @@ def test_every_map_strategy_gives_the_same_compressed_round(spec):
 
 
 # Every aggregator that counts its messages' bits in the wire format
-# (Aggregator.wire_bits), with the options it needs for three clients.
+# (Aggregator.traits.wire_bits), with the options it needs for three clients.
 WIRE_SPECS = {
     'uncompressed': {}, 'stochastic_quantization': dict(bits=2, rotation=True),
     'eden': dict(bits=2), 'drive': {}, 'qsgd': dict(coding='elias'),
@@ -537,7 +537,7 @@ def test_every_wire_bits_aggregator_is_listed():
     except ValueError:  # Options it needs (top_k's k, dp_defense's defense).
       assert name not in WIRE_SPECS
       continue
-    if agg.wire_bits:
+    if agg.traits.wire_bits:
       wire.append(name)
   assert sorted(wire) == sorted(WIRE_SPECS)
 

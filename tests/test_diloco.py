@@ -122,7 +122,7 @@ def test_streaming_diloco_staggered_fragments_with_int4():
     assert float(metrics['communicated_bytes']) == [10, 12][r % 2]
     for n in ('b', 'w'):
       assert_trees_close(state.params[n], x[n])
-      assert_trees_close(state.replica_params[n],
+      assert_trees_close(state.extras[n],
                          np.stack([rep[n] for rep in replicas]))
 
 

@@ -284,8 +284,8 @@ def test_scaffold_over_two_processes_matches_one_process(tmp_path):
   step_one, state_one = _state(tmp_path / 'one')
   step_two, state_two = _state(two)
   assert step_one == step_two == 4
-  assert not jax.tree.leaves(state_one.client_controls)  # In the host store.
-  assert jax.tree.leaves(state_two.client_controls)      # Dense, [16, ...].
+  assert not jax.tree.leaves(state_one.client_states)  # In the host store.
+  assert jax.tree.leaves(state_two.client_states)      # Dense, [16, ...].
   # The runs differ in the order of float32 sums only (cross-device
   # reductions over 8 devices of 2 processes vs 1; c_i gathered from a dense
   # array vs read from the store, both exact copies). The longest chain per
@@ -297,8 +297,8 @@ def test_scaffold_over_two_processes_matches_one_process(tmp_path):
   # is a parameter-scale difference), doubling it to first order: n = 2000,
   # relative to each leaf's scale.
   tol = ft.rtol(2000)
-  for a, b in zip(jax.tree.leaves((state_one.params, state_one.control)),
-                  jax.tree.leaves((state_two.params, state_two.control))):
+  for a, b in zip(jax.tree.leaves((state_one.params, state_one.extras)),
+                  jax.tree.leaves((state_two.params, state_two.extras))):
     a, b = np.asarray(a), distributed.to_host(b)
     np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.max(np.abs(b))))
   # The workdir resumes on one process too, keeping its placement.

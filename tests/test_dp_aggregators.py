@@ -134,7 +134,7 @@ DP_SPECS = {
     'local_gaussian': dict(name='local_gaussian'),
 }
 # Algorithms whose round releases more than the aggregate of the messages a
-# DP aggregator noises (their trait Algorithm.unprivatized), and why.
+# DP aggregator noises (their trait Traits.unprivatized), and why.
 UNPRIVATIZED = {
     'fedexp': (lambda agg: algos.fedexp(linreg_loss, aggregator=agg),
                'sum_i ||Delta_i||^2'),
@@ -163,9 +163,12 @@ def test_dp_aggregators_declare_their_privacy():
       assert name not in DP_SPECS
       continue
     if name in DP_SPECS:
-      assert agg.privacy is not None and agg.privacy.startswith(name), name
+      assert agg.traits.privacy is not None, name
+      assert str(agg.traits.privacy).startswith(name), name
+      # Declared by its builder, where it is defined.
+      assert parts.AGGREGATORS[name].traits.privacy.name == name
     else:
-      assert agg.privacy is None, name
+      assert agg.traits.privacy is None, name
 
 
 @pytest.mark.parametrize('aggregator', sorted(DP_SPECS))
@@ -183,11 +186,11 @@ def test_algorithms_that_release_more_refuse_every_dp_aggregator(algorithm,
   assert text.startswith(f'{algorithm}: aggregator {aggregator} (')
   assert ' DP) is refused: ' in text and why in text
   # The same algorithm with a non-private aggregator declares its trait.
-  assert build(None).unprivatized is not None
+  assert build(None).traits.unprivatized is not None
 
 
 def test_algorithms_whose_message_is_all_they_release_take_dp_aggregators():
   for spec in map(parts.build_aggregator, DP_SPECS.values()):
     for algo in (algos.mime_lite(linreg_loss, aggregator=spec),
                  algos.fedavg(linreg_loss, aggregator=spec)):
-      assert algo.unprivatized is None
+      assert algo.traits.unprivatized is None

@@ -105,13 +105,13 @@ def test_matches_numpy_oracle(sizes, outer_update, weighting):
   state, metrics = _run(data, outer_update=outer_update, weighting=weighting)
   weights = sizes if weighting == 'num_examples' else [1.0] * len(sizes)
   thetas, average = _oracle(data, outer_update, weights)
-  assert_trees_close(state.replica_params, thetas)
+  assert_trees_close(state.extras['replica_params'], thetas)
   assert_trees_close(state.params, jax.tree.map(lambda t: t.mean(0), thetas))
-  assert_trees_close(state.in_flight, average)
+  assert_trees_close(state.extras['in_flight'], average)
   assert int(state.round_index) == ROUNDS
   assert float(metrics['clients']) == len(sizes)
   if outer_update == 'delayed':  # One model for all.
-    for leaf in jax.tree.leaves(state.replica_params):
+    for leaf in jax.tree.leaves(state.extras['replica_params']):
       np.testing.assert_array_equal(np.asarray(leaf)[1:], np.asarray(leaf)[:-1])
 
 
@@ -132,7 +132,7 @@ def test_one_eager_replica_is_diloco(weighting):
   trace_b = b.opt_state.inner_state[0].trace
   if weighting == 'uniform':  # Bit for bit: the mean of one is the message itself.
     for x, y in ((a.params, b.params), (trace_a, trace_b),
-                 (jax.tree.map(lambda t: t[0], a.replica_params), b.params)):
+                 (jax.tree.map(lambda t: t[0], a.extras['replica_params']), b.params)):
       for n in ('w', 'b'):
         np.testing.assert_array_equal(np.asarray(x[n]), np.asarray(y[n]))
     assert float(ma['pseudo_grad_norm']) == float(mb['pseudo_grad_norm'])
@@ -147,12 +147,12 @@ def test_one_eager_replica_is_diloco(weighting):
 def test_delayed_takes_no_outer_step_in_the_first_round():
   data = _data([8, 4, 4])
   state, _ = _run(data, rounds=1, outer_update='delayed')
-  for leaf, want in zip(jax.tree.leaves(state.replica_params),
+  for leaf, want in zip(jax.tree.leaves(state.extras['replica_params']),
                         jax.tree.leaves(linreg_params())):
     np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(want, leaf.shape))
   counts = jax.tree.leaves(state.opt_state.inner_state[0].trace)
   assert all(not np.any(np.asarray(c)) for c in counts)
-  assert np.any(np.asarray(state.in_flight['w']))  # Sent, not yet applied.
+  assert np.any(np.asarray(state.extras['in_flight']['w']))  # Sent, not yet applied.
 
 
 def test_eager_replicas_differ_only_by_their_latest_share():
@@ -160,8 +160,8 @@ def test_eager_replicas_differ_only_by_their_latest_share():
   # theta^(0) - sum_{t<T} Delta^(t) - c_m^(T); replicas differ by c_k - c_m.
   data = _data([8, 4, 4])
   state, _ = _run(data, outer_optimizer=optax.sgd(1.0))
-  leaves = jax.tree.leaves(state.replica_params)
-  shares = jax.tree.leaves(state.own_share)
+  leaves = jax.tree.leaves(state.extras['replica_params'])
+  shares = jax.tree.leaves(state.extras['own_share'])
   for theta, share in zip(leaves, shares):
     theta, share = np.asarray(theta, np.float64), np.asarray(share, np.float64)
     np.testing.assert_allclose(theta - theta[0], share[0] - share,
@@ -193,9 +193,9 @@ def test_quantized_eager_removes_exactly_the_stale_message():
   before = jax.tree.map(np.asarray, state)
   state, _ = algo.round(state, cohort, KEY)
   for n in ('w', 'b'):  # theta_m <- theta_m - g_m (outer SGD, learning rate 1).
-    g = before.in_flight[n] - before.own_share[n] + np.asarray(state.own_share[n])
-    np.testing.assert_allclose(np.asarray(state.replica_params[n]),
-                               before.replica_params[n] - g, rtol=1e-6, atol=1e-7)
+    g = before.extras['in_flight'][n] - before.extras['own_share'][n] + np.asarray(state.extras['own_share'][n])
+    np.testing.assert_allclose(np.asarray(state.extras['replica_params'][n]),
+                               before.extras['replica_params'][n] - g, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize('kw,words', [

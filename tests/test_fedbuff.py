@@ -106,7 +106,7 @@ def test_stale_step_against_numpy(weighting):
                  'b': np.float32(rng.normal())} for v in (2, 3, 4)}
   ring = jax.tree.map(lambda *xs: jnp.stack(xs), version[3], version[4], version[2])
   state = algo.init(linreg_params())._replace(
-      params=jax.tree.map(jnp.asarray, version[4]), versions=ring,
+      params=jax.tree.map(jnp.asarray, version[4]), extras=ring,
       round_index=jnp.asarray(4, jnp.int32))
   new, metrics = algo.round(state, AsyncCohort(cohort, jnp.asarray(tau)), KEY)
 
@@ -132,9 +132,9 @@ def test_stale_step_against_numpy(weighting):
   # The new version 5 replaced version 2 (slot 5 mod 3 = 2).
   assert int(new.round_index) == 5
   jax.tree.map(np.testing.assert_array_equal,
-               jax.tree.map(lambda r: r[2], new.versions), new.params)
+               jax.tree.map(lambda r: r[2], new.extras), new.params)
   jax.tree.map(np.testing.assert_array_equal,
-               jax.tree.map(lambda r: r[0], new.versions), version[3])
+               jax.tree.map(lambda r: r[0], new.extras), version[3])
 
 
 def test_ring_holds_the_last_versions():
@@ -146,7 +146,7 @@ def test_ring_holds_the_last_versions():
     history.append(state.params)
   for v in (3, 4, 5):
     jax.tree.map(np.testing.assert_array_equal,
-                 jax.tree.map(lambda x: x[v % 3], state.versions), history[v])
+                 jax.tree.map(lambda x: x[v % 3], state.extras), history[v])
 
 
 def test_all_dropped_changes_nothing():

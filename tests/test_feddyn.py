@@ -79,7 +79,7 @@ def test_two_rounds_against_numpy(strategy, chunk, weighting):
     theta, h, grads = _oracle(theta, h, grads, population, ids, weighting, nan)
     # theta^t subtracts h / alpha: its float32 error is the chain's over alpha.
     assert_trees_close(theta_of(state.params), theta, n=CHAIN / ALPHA)
-    assert_trees_close(theta_of(state.h), h, n=CHAIN)
+    assert_trees_close(theta_of(state.extras), h, n=CHAIN)
     for j, i in enumerate(ids):
       row = jax.tree.map(lambda x: x[j], rows)
       if i < 0 or i in nan:  # Padding and skipped clients: rows unchanged.
@@ -88,7 +88,7 @@ def test_two_rounds_against_numpy(strategy, chunk, weighting):
         assert_trees_close(theta_of(row), grads[i], n=CHAIN)
     assert float(metrics['nonfinite_clients']) == len(nan)
   # h stays (1/m) sum_k g_k over the whole population (zero rows included).
-  assert_trees_close(theta_of(state.h), sum(grads.values()) / M, n=CHAIN)
+  assert_trees_close(theta_of(state.extras), sum(grads.values()) / M, n=CHAIN)
 
 
 @pytest.mark.parametrize('kwargs, match', [

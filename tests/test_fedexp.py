@@ -80,7 +80,7 @@ def test_two_rounds_against_numpy(weighting, strategy, chunk):
     np.testing.assert_allclose(metrics['server_step_size'], eta,
                                rtol=2 * ft.rtol(CHAIN))
     assert_trees_close(_theta(state.params), theta, n=2 * CHAIN)
-    np.testing.assert_array_equal(_theta(state.previous_params), previous)
+    np.testing.assert_array_equal(_theta(state.extras), previous)
   assert max(etas) > 1.0  # The heterogeneous clients extrapolate.
 
 

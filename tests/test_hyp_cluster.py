@@ -68,7 +68,7 @@ def test_fedjax_hyp_cluster_numbers_under_every_map_strategy(strategy, chunk):
   state, metrics = algo.round(state, make_cohort(FEDJAX_CLIENTS, batch_size=1),
                               KEY)
   np.testing.assert_array_equal(metrics['client_cluster'], [0, 0, 1, 1])
-  np.testing.assert_allclose(state.cluster_params,
+  np.testing.assert_allclose(state.extras,
                              [1. - 0.25 * 0.1 / 3, -1. + 0.25 * 0.2 / 4], rtol=RTOL)
   # Cluster 1 carries 4 of the 7 examples: the one-model view is its model.
   np.testing.assert_allclose(state.params, -1. + 0.25 * 0.2 / 4, rtol=RTOL)
@@ -80,7 +80,7 @@ def test_fedjax_no_op_on_empty_data():
   algo = fedjax_algorithm()
   empty = make_cohort(scalars([]), batch_size=1)
   state, metrics = algo.round(algo.init([jnp.array(1.), jnp.array(-1.)]), empty, KEY)
-  np.testing.assert_array_equal(state.cluster_params, [1., -1.])
+  np.testing.assert_array_equal(state.extras, [1., -1.])
   assert float(metrics['clients']) == 0.0
 
 
@@ -92,7 +92,7 @@ def test_fedjax_an_unchosen_cluster_is_kept():
   cohort = make_cohort(FEDJAX_CLIENTS + scalars([-0.1]), batch_size=1)
   for _ in range(2):
     state, _ = algo.round(state, cohort, KEY)
-  np.testing.assert_allclose(state.cluster_params[2], 3.14, rtol=RTOL)
+  np.testing.assert_allclose(state.extras[2], 3.14, rtol=RTOL)
   np.testing.assert_array_equal(state.opt_state[0].trace[2], 0.0)
   assert float(state.opt_state[0].trace[0]) != 0.0
 
@@ -150,7 +150,7 @@ def test_fedjax_evaluator_numbers_through_personalize_fn():
       split = {'batches': jax.tree.map(lambda a: a[i], cohort.batches),
                'mask': cohort.mask[i]}
       p = float(personalize(state, None, split))
-      assert p == float(state.cluster_params[k])
+      assert p == float(state.extras[k])
       # FedJAX's model: logits [-p x, p x], accuracy of the argmax.
       x, y = test[i]
       assert np.mean((p * x > 0).astype(int) == y) == pytest.approx(acc)
@@ -207,7 +207,7 @@ def test_two_rounds_match_numpy_with_a_padding_client():
     np.testing.assert_array_equal(metrics['client_cluster'][:6], k_of)
     assert sorted(set(k_of)) == [0, 1]  # Both clusters trained.
     for k in range(2):
-      assert_trees_close(jax.tree.map(lambda a: a[k], state.cluster_params),
+      assert_trees_close(jax.tree.map(lambda a: a[k], state.extras),
                          want[k], n=CHAIN * (r + 1))
     assert float(metrics['clients']) == 6.0
 
@@ -232,12 +232,12 @@ def test_one_model_init_spreads_clusters_by_seeded_noise():
   params = {'w': jnp.arange(3, dtype=jnp.float32), 'b': jnp.float32(0.5)}
   state = algos.hyp_cluster(linreg_loss, 3, init_noise=0.1, init_seed=4).init(params)
   leaves = jax.tree.leaves(params)
-  for i, (x, got) in enumerate(zip(leaves, jax.tree.leaves(state.cluster_params))):
+  for i, (x, got) in enumerate(zip(leaves, jax.tree.leaves(state.extras))):
     np.testing.assert_array_equal(got[0], x)
     for k in (1, 2):
       key = jax.random.fold_in(jax.random.fold_in(jax.random.key(4), i), k)
       want = np.asarray(x) + 0.1 * np.asarray(jax.random.normal(key, jnp.shape(x)))
       np.testing.assert_allclose(got[k], want, rtol=ft.rtol(2), atol=ft.atol(2, 1.0))
   same = algos.hyp_cluster(linreg_loss, 3, init_noise=0.0).init(params)
-  for got in jax.tree.leaves(same.cluster_params):
+  for got in jax.tree.leaves(same.extras):
     np.testing.assert_array_equal(got[1], got[0])

@@ -2,8 +2,9 @@
 
 ``fedjx.algorithms.kit``'s docstring states what an algorithm module
 (``algorithms/*_lib.py``) may import from ``fedjx.algorithms``: the kit (for
-every name it has), another algorithm's module (``*_lib``), or a part of
-another kind from a module of :data:`kit.PART_MODULES`, never an object the
+every name it has), another algorithm's module (``*_lib``), a part of
+another kind from a module of :data:`kit.PART_MODULES`, or the machinery of
+a round written by hand from :data:`kit.ROUND_MODULES`, never an object the
 kit exports. The walker here reads each module's source with ``ast``: top-level and
 function-local imports, relative imports, ``importlib.import_module`` and
 ``__import__``, attributes of the modules it bound and dotted
@@ -138,13 +139,15 @@ def violations(source: str, itself: str = '') -> list[str]:
         found.append(where + f'kit.{ref.name} is not in kit.__all__')
       continue
     allowed = ((ref.module.endswith('_lib') and ref.module != itself)
-               or ref.module.split('.')[0] in kit.PART_MODULES)
+               or ref.module.split('.')[0] in kit.PART_MODULES
+               or ref.module in kit.ROUND_MODULES)
     if not allowed:
       what = {'': PACKAGE, '?': 'a computed module name'}.get(
           ref.module, f'{PACKAGE}.{ref.module}')
       found.append(where + f'imports {what}' + (
           f' ({ref.name})' if ref.name else '') + '; an algorithm module '
-          'imports the kit, another *_lib or one of kit.PART_MODULES')
+          'imports the kit, another *_lib, one of kit.PART_MODULES or '
+          'kit.ROUND_MODULES')
     elif ref.name is not None:
       obj = getattr(importlib.import_module(f'{PACKAGE}.{ref.module}'),
                     ref.name, None)
@@ -170,45 +173,47 @@ def test_every_algorithm_module_is_written_from_the_kit():
 
 GOOD = {
     'the kit': 'from fedjx.algorithms import kit\nkit.make_algorithm\n',
-    'another algorithm': 'from fedjx.algorithms.fedavg_lib import build\n',
+    'another algorithm': 'from fedjx.algorithms.fedavg_lib import TRAITS\n',
     'a part of another kind': (
         'from fedjx.algorithms import aggregators, kit\n'
-        'aggregators.gaussian(1.0, 1.0)\nkit.mean()\n'),
+        'aggregators.gaussian(1.0, 1.0)\naggregators.mean()\n'),
+    'the machinery of a round by hand': (
+        'from fedjx.algorithms import nonfinite\nnonfinite.map_clients\n'),
     'primitives': 'import fedjx\nimport jax\nfedjx.broadcast\n',
 }
 
 BAD = {
-    'a module of the kit': ('from fedjx.algorithms import base\n', 'base'),
-    'a name from one': ('from fedjx.algorithms.nonfinite import ClientOutput\n',
-                        'nonfinite'),
+    'a module outside the rule': ('from fedjx.algorithms import schedules\n',
+                                  'schedules'),
+    'a name from one': ('from fedjx.algorithms.tuner import TunerState\n',
+                        'tuner'),
     'a function-local import': (
-        'def f():\n  from fedjx.algorithms import client_update\n',
-        'client_update'),
+        'def f():\n  from fedjx.algorithms import hypergradients\n',
+        'hypergradients'),
     'a relative import': ('from . import aggregators, schedules\n', 'schedules'),
-    'a relative name': ('from .base import server_update\n', 'base'),
+    'a relative name': ('from .schedules import at_round\n', 'schedules'),
     'import_module': ('import importlib\n'
-                      'importlib.import_module("fedjx.algorithms.base")\n',
-                      'base'),
+                      'importlib.import_module("fedjx.algorithms.tuner")\n',
+                      'tuner'),
     'a computed import': ('import importlib\nimportlib.import_module(name)\n',
                           'computed'),
-    'a dotted chain': ('import fedjx\nfedjx.algorithms.base.server_update\n',
-                       'base'),
+    'a dotted chain': ('import fedjx\nfedjx.algorithms.schedules.at_round\n',
+                       'schedules'),
     'import as': ('import fedjx.algorithms.schedules as s\n', 'schedules'),
     'the package': ('from fedjx.algorithms import feddyn\n', 'feddyn'),
-    'a kit object from a part module': (
-        'from fedjx.algorithms.aggregators import core\ncore.map_clients\n',
-        'aggregators.core.map_clients is exported by the kit'),
-    'a kit name from a part module': (
-        'from fedjx.algorithms.aggregators.core import Aggregator\n',
-        'aggregators.core.Aggregator'),
-    'a kit name from a part subpackage': (
-        'from fedjx.algorithms import aggregators\naggregators.Aggregator\n',
-        'aggregators.Aggregator is exported by the kit'),
+    'a kit object from a round module': (
+        'from fedjx.algorithms import base\nbase.make_algorithm\n',
+        'base.make_algorithm is exported by the kit'),
+    'a kit name from the template': (
+        'from fedjx.algorithms.template import Options\n', 'template.Options'),
+    'a kit name from a module': (
+        'from fedjx.algorithms import template\ntemplate.algorithm\n',
+        'template.algorithm is exported by the kit'),
     'a part of another kind than allowed': (
         'from fedjx.algorithms.attacks import core\n', 'attacks.core'),
     'a name the kit lacks': ('from fedjx.algorithms import kit\nkit.nothing\n',
                              'kit.nothing is not in kit.__all__'),
-    'itself': ('from fedjx.algorithms.fedavg_lib import build\n', 'fedavg_lib'),
+    'itself': ('from fedjx.algorithms.fedavg_lib import TRAITS\n', 'fedavg_lib'),
 }
 
 
@@ -278,5 +283,7 @@ def test_every_kit_name_exists_and_is_documented(name):
 def test_kit_public_list_is_sorted_out():
   assert len(set(kit.__all__)) == len(kit.__all__)
   assert set(kit.PART_MODULES) <= MODULES
-  assert 'kit' not in kit.PART_MODULES
-  assert not any(m.endswith('_lib') for m in kit.PART_MODULES)
+  assert set(kit.ROUND_MODULES) <= MODULES
+  assert 'kit' not in kit.PART_MODULES + kit.ROUND_MODULES
+  assert not any(m.endswith('_lib') for m in kit.PART_MODULES + kit.ROUND_MODULES)
+  assert len(kit.__all__) <= 26  # About 25 names, one per thing.

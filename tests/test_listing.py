@@ -74,17 +74,21 @@ def test_the_algorithms_listed_are_the_registry_s_in_its_order():
 def test_one_algorithm_s_options_are_its_builder_s_parameters():
   text = listing.render('fedprox')
   rows = {l.split()[0]: l.split()[1] for l in text.splitlines()[3:]}
-  params = inspect.signature(algorithms.fedprox).parameters
-  expected = {n: repr(p.default) for n, p in params.items()
-              if n not in registry.RESERVED}  # loss_fn and the runner's own.
+  # Its own parameters and the options its traits declare (FedAvg's but the
+  # client transform it sets), less the runner's.
+  expected = {n: repr(p.default)
+              for n, p in registry.builder_options('fedprox').items()}
   assert rows == expected
-  assert rows['mu'] == repr(params['mu'].default)
+  own = inspect.signature(algorithms.fedprox).parameters
+  assert rows['mu'] == repr(own['mu'].default)
+  assert rows['local_epochs'] == '1' and 'client_transform' not in rows
+  assert not set(rows) & set(registry.RESERVED)
   scaffold = listing.render('scaffold')
   assert re.search(r'\n  num_clients +\(required\) +int \(the runner sets the '
                    r'population size unless given\)\n', scaffold)
-  fedadam = listing.render('fedadam')  # Its **kwargs go to fedavg.
-  assert re.search(r'\n  server_optimizer +None +optax optimizer .*\(passed on '
-                   r'to fedavg\)\n', fedadam)
+  fedadam = listing.render('fedadam')  # FedAvg's options but the one it sets.
+  assert re.search(r'\n  client_optimizer +None +optax optimizer', fedadam)
+  assert not re.search(r'\n  server_optimizer ', fedadam)
   digits = listing.render('digits')
   assert digits.splitlines()[0].startswith('dataset digits: ')
   assert re.search(r'\n  num_clients +50 +int\n', digits)

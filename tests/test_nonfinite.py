@@ -279,7 +279,7 @@ def test_dp_encodings_are_nonfinite_exactly_when_the_update_is(name):
   from fedjx.algorithms.aggregators import core as aggregators  # pylint: disable=import-outside-toplevel
   agg = parts.AGGREGATORS[name](noise_multiplier=0.3, **(
       {'clipped_count_stddev': 0.5} if name == 'adaptive_gaussian' else {}))
-  assert agg.checks_update
+  assert agg.traits.checks_update
   hparams = dict(aggregators.init_hparams(agg),
                  **(agg.broadcast(agg.init(None)) if agg.broadcast else {}))
   w = jnp.float32(1.0)

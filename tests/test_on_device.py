@@ -137,7 +137,7 @@ def _pair(seed=0):
 
 def _two_rounds(name, cohorts, strategy, chunk):
   algo = ALL[name]().compile(map_strategy=strategy, chunk_size=chunk, donate=False)
-  assert algo.indexed_batches  # These read indexed cohorts as they are.
+  assert algo.traits.indexed_batches  # These read indexed cohorts as they are.
   state = algo.init(linreg_params(DIM))
   for r, cohort in enumerate(cohorts):
     state, metrics = algo.round(state, cohort, jax.random.key(r))
@@ -215,7 +215,7 @@ def test_other_algorithms_gather_the_cohort_first():
   the host cohort's round."""
   loss = lambda p, b: 0.5 * (b['x'] @ p['w'] - b['y']) ** 2
   algo = algos.hyp_cluster(loss, num_clusters=2).compile(donate=False)
-  assert not algo.indexed_batches
+  assert not algo.traits.indexed_batches
   host, resident = _pair(0)
   params = [{'w': jnp.zeros(DIM)}, {'w': jnp.ones(DIM)}]
   want = algo.round(algo.init(params), host, jax.random.key(0))

@@ -1,4 +1,4 @@
-"""Execution options are given once and checked by one set of functions."""
+"""Execution options are checked once, where they enter, and carried as one value."""
 
 import ml_collections
 import pytest
@@ -6,6 +6,7 @@ import pytest
 import fedjx
 import fedjx.algorithms as algos
 from fedjx import execution
+from fedjx import frames
 from fedjx import options
 from fedjx.experiments import config as config_schema
 from test_algorithms_util import linreg_loss
@@ -13,18 +14,55 @@ from test_algorithms_util import linreg_loss
 
 def test_round_options_are_checked_when_made():
   assert options.RoundOptions() == options.RoundOptions(
-      'auto', None, 'auto', None, True)
-  for kwargs, message in [
-      (dict(map_strategy='pmap'), "RoundOptions: map_strategy='pmap' is not one of"),
-      (dict(chunk_size=0), 'RoundOptions: chunk_size=0; it must be a positive int'),
-      (dict(chunk_size=True), 'RoundOptions: chunk_size=True'),
-      (dict(execution='fast'), "RoundOptions: execution='fast' is not one of"),
-      (dict(streaming_chunk_size=-2), 'RoundOptions: streaming_chunk_size=-2'),
-      (dict(donate='yes'), "RoundOptions: donate='yes'; it must be True or False"),
+      options.MapOptions('auto', None), 'auto', None, True)
+  assert options.RoundOptions().map_strategy == 'auto'
+  assert options.RoundOptions().chunk_size is None
+  for make, message in [
+      (lambda: options.MapOptions('pmap', where='RoundOptions: '),
+       "RoundOptions: map_strategy='pmap' is not one of"),
+      (lambda: options.MapOptions(chunk_size=0),
+       'MapOptions: chunk_size=0; it must be a positive int'),
+      (lambda: options.MapOptions(chunk_size=True), 'MapOptions: chunk_size=True'),
+      (lambda: options.RoundOptions(map='vmap'), "RoundOptions: map='vmap'"),
+      (lambda: options.RoundOptions(execution='fast'),
+       "RoundOptions: execution='fast' is not one of"),
+      (lambda: options.RoundOptions(streaming_chunk_size=-2),
+       'RoundOptions: streaming_chunk_size=-2'),
+      (lambda: options.RoundOptions(donate='yes'),
+       "RoundOptions: donate='yes'; it must be True or False"),
   ]:
     with pytest.raises(ValueError) as info:
-      options.RoundOptions(**kwargs)
+      make()
     assert str(info.value).startswith(message) and '\n' not in str(info.value)
+
+
+def test_map_options_are_carried_as_they_are(monkeypatch):
+  """Checked where they enter (the config, compile, program), the options
+  reach the program's frame as the one value, checked nowhere on the way."""
+  program = fedjx.program  # Its modules imported (their defaults checked) first.
+  checks = []
+  check = options.check_map_options
+  monkeypatch.setattr(options, 'check_map_options',
+                      lambda *a: checks.append(a[-1]) or check(*a))
+  config = ml_collections.ConfigDict({'map_strategy': 'chunked', 'chunk_size': 2,
+                                      'execution': 'auto'})
+  carried = options.RoundOptions.of(config).map
+  assert checks == ['config.']
+  assert carried == options.MapOptions('chunked', 2)
+  del checks[:]
+  algo = algos.fedavg(linreg_loss).compile(carried)
+  assert options.MapOptions.of(carried) is carried and checks == []
+  seen = []
+
+  @program(clients=2, map_strategy=carried)
+  def frame_options():
+    seen.append(frames.current_frames()[-1].map_options)
+
+  frame_options()
+  assert seen == [carried] and checks == []
+  with pytest.raises(ValueError, match='give the chunk size in the MapOptions'):
+    algos.fedavg(linreg_loss).compile(carried, chunk_size=4)
+  assert algo.compiler is not None
 
 
 def test_every_place_that_takes_a_map_strategy_says_the_same_thing():

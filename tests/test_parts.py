@@ -10,7 +10,7 @@ from fedjx.experiments.config import ConfigError
 
 def test_a_spec_builds_the_named_aggregator():
   agg = parts.build_aggregator({'name': 'gaussian', 'clip_norm': 0.5})
-  assert agg.privacy == 'gaussian (central DP)'
+  assert str(agg.traits.privacy) == 'gaussian (central DP)'
   assert agg.hparams['clip_norm'] == 0.5
   mine = aggregators.mean()
   assert parts.build_aggregator(mine) is mine
@@ -19,9 +19,10 @@ def test_a_spec_builds_the_named_aggregator():
 def test_a_nested_defense_is_a_spec_too():
   agg = parts.build_aggregator({'name': 'dp_defense',
                                 'defense': {'name': 'krum', 'num_byzantine': 1}})
-  assert agg.privacy is not None and agg.needs_all_updates is not None
+  assert agg.traits.privacy is not None
+  assert agg.traits.needs_all_updates is not None
   assert parts.build_aggregator(
-      {'name': 'dp_defense', 'defense': robust_aggregators.krum()}).privacy
+      {'name': 'dp_defense', 'defense': robust_aggregators.krum()}).traits.privacy
 
 
 @pytest.mark.parametrize('spec, message', [

@@ -93,7 +93,9 @@ def test_plan_reads_the_mechanism_and_the_sampling():
       'config.privacy.delta=0.001 is at least 1/N = 1/1000: a mechanism that '
       "publishes one random client's data in full meets it; use delta < 1/N, "
       'e.g. None (N^-1.1 = 0.000501).']
-  assert p.mechanism == privacy.Mechanism('gaussian', 'gaussian', 1.0, 4.0, None)
+  assert (p.mechanism.name, p.mechanism.mechanism, p.mechanism.noise_multiplier,
+          p.mechanism.expected_clients_per_round, p.mechanism.restart_every) == (
+              'gaussian', 'gaussian', 1.0, 4.0, None)
   assert p.sampling == accounting.Sampling.poisson(1000, 4 / 1000)
   assert p.delta == 1e-3 and p.accountant == 'rdp' and p.target_epsilon is None
   with warnings.catch_warnings():

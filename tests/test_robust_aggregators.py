@@ -410,7 +410,7 @@ def test_too_few_participants_is_reported():
 def test_config_names_select_the_defense(name):
   agg = parts.build_aggregator({'name': name})
   assert isinstance(agg, aggregators.Aggregator)
-  assert (agg.needs_all_updates is not None) == (name in (
+  assert (agg.traits.needs_all_updates is not None) == (name in (
       'median', 'trimmed_mean', 'krum', 'multi_krum', 'bulyan'))
   with pytest.raises(ValueError, match=(
       rf'config.algorithm.aggregator.no_such_option=1 is not an option of '
@@ -419,8 +419,8 @@ def test_config_names_select_the_defense(name):
 
 
 def test_existing_aggregators_do_not_need_all_updates():
-  assert aggregators.mean().needs_all_updates is None
-  assert aggregators.gaussian().needs_all_updates is None
+  assert aggregators.mean().traits.needs_all_updates is None
+  assert aggregators.gaussian().traits.needs_all_updates is None
 
 
 # ------------------------------------------- streaming, plans and Beam

@@ -60,10 +60,10 @@ def test_control_variates_follow_option_ii():
     x = x + ETA_G * np.average(dys, axis=0, weights=sizes)
     c = c + np.sum(dcs, axis=0) / N
     assert_trees_close(state.params['y'], x)  # Against float64: 2 gamma_CHAIN.
-    assert_trees_close(state.control['y'], c)
-    assert_trees_close(state.client_controls['y'], ci)
+    assert_trees_close(state.extras['y'], c)
+    assert_trees_close(state.client_states['y'], ci)
   # c stays the mean of the population's c_i.
-  assert_trees_close(state.control['y'], ci.mean(0))
+  assert_trees_close(state.extras['y'], ci.mean(0))
   assert float(metrics['clients']) == 3
 
 
@@ -73,7 +73,7 @@ def test_padding_client_keeps_its_control_variate():
   algo = algos.scaffold(quadratic_loss, 4)
   state = algo.init({'y': np.zeros(DIM, np.float32)})
   state, _ = algo.round(state, make_cohort(data, 2, client_ids=[2, 3]), KEY)
-  controls = np.asarray(state.client_controls['y'])
+  controls = np.asarray(state.client_states['y'])
   assert np.all(controls[[0, 1, 3]] == 0)
   assert np.any(controls[2] != 0)
 
@@ -93,11 +93,11 @@ def test_scaffold_arguments():
 def test_dp_aggregators_are_refused(aggregator):
   # Delta c_i is summed exactly beside the noised Delta y_i: no DP holds.
   with pytest.raises(ValueError, match=(
-      rf'scaffold: aggregator {re.escape(aggregator.privacy)} is refused: each '
+      rf'scaffold: aggregator {re.escape(str(aggregator.traits.privacy))} is refused: each '
       r"client's control variate change")) as e:
     algos.scaffold(quadratic_loss, 3, aggregator=aggregator)
   assert '\n' not in str(e.value)
-  assert algos.scaffold(quadratic_loss, 3).unprivatized is not None
+  assert algos.scaffold(quadratic_loss, 3).traits.unprivatized is not None
   # A non-private secure sum is still taken.
   algos.scaffold(quadratic_loss, 3, aggregator=algos.aggregators.secure_sum())
 
@@ -115,7 +115,7 @@ def test_client_learning_rate_is_the_optimizer_s_or_a_mismatch_is_refused():
   s1, _ = derived.round(derived.init(params), cohort, KEY)
   s2, _ = paper.round(paper.init(params), cohort, KEY)
   assert float(s1.hparams['client_learning_rate']) == np.float32(0.05)
-  assert_trees_close(s1.client_controls['y'], s2.client_controls['y'])
+  assert_trees_close(s1.client_states['y'], s2.client_states['y'])
   assert_trees_close(s1.params['y'], s2.params['y'])
 
 
@@ -143,7 +143,7 @@ def test_store_placement_equals_dense_over_rounds(strategy, chunk):
   np.testing.assert_array_equal(initial['y'], np.zeros(DIM, np.float32))
   rows = ClientStore(initial, N)
   s_dense, s_store = dense.init(params), store.init(params)
-  assert s_store.client_controls == ()
+  assert s_store.client_states == ()
   for ids in cohorts:
     cohort = _store_cohort(population, ids, batch=2)
     s_dense, m_dense = dense.round(s_dense, cohort, KEY)
@@ -154,8 +154,8 @@ def test_store_placement_equals_dense_over_rounds(strategy, chunk):
     np.testing.assert_array_equal(np.asarray(new['y'])[pad], read['y'][pad])
     rows.write(np.asarray(ids), new)
     assert_trees_close(s_store.params, s_dense.params)
-    assert_trees_close(s_store.control, s_dense.control)
-    assert_trees_close(rows.read(np.arange(N)), s_dense.client_controls)
+    assert_trees_close(s_store.extras, s_dense.extras)
+    assert_trees_close(rows.read(np.arange(N)), s_dense.client_states)
     assert float(m_store['clients']) == float(m_dense['clients']) == 3
   assert len(rows) == N  # Every client of the population has participated.
 

@@ -92,10 +92,10 @@ def test_overlap_matches_numpy_oracle(tau, alpha, inner_steps):
   state, metrics = _run(make_cohort(data, batch_size=B), mixing_factor=alpha,
                         overlap_steps=tau, inner_steps=inner_steps)
   x, reps = _oracle(data, tau, alpha, inner_steps)
-  # params hold every outer step, the last one's too; replica_params lack the
+  # params hold every outer step, the last one's too; the replicas' models lack the
   # merge of the last fragment sent (it would come tau steps into round 6).
   assert_trees_close(state.params, x)
-  assert_trees_close(state.replica_params, reps)
+  assert_trees_close(state.extras, reps)
   assert int(metrics['synced_fragment']) == (ROUNDS - 1) % 2
   assert np.isfinite(float(metrics['train_loss_after']))
 
@@ -114,8 +114,8 @@ def test_no_overlap_is_bit_equal_to_the_default():
     b, mb = zero.round(b, cohort, KEY)
     for n in ('w', 'b'):
       np.testing.assert_array_equal(np.asarray(a.params[n]), np.asarray(b.params[n]))
-      np.testing.assert_array_equal(np.asarray(a.replica_params[n]),
-                                    np.asarray(b.replica_params[n]))
+      np.testing.assert_array_equal(np.asarray(a.extras[n]),
+                                    np.asarray(b.extras[n]))
     np.testing.assert_array_equal(np.asarray(ma['train_loss_after']),
                                   np.asarray(mb['train_loss_after']))
 
@@ -153,7 +153,7 @@ def test_overlap_scanned_guarded_and_sequential_is_the_round():
                            stack_cohorts([cohort] * ROUNDS),
                            jax.random.split(KEY, ROUNDS))
   assert_trees_close(got.params, want.params)
-  assert_trees_close(got.replica_params, want.replica_params)
+  assert_trees_close(got.extras, want.extras)
 
 
 @pytest.mark.parametrize('tau', [-1, 4, 1.5, True, '2'])

@@ -1,11 +1,11 @@
 """Wrappers keep every trait of what they wrap.
 
-An algorithm's traits (``fedjx.algorithms.base.TRAITS``: its per-client
-state, what its round releases beside the aggregate) and an aggregator's
-(``fedjx.algorithms.aggregators.core.TRAITS``: weights, bytes, checks, privacy)
-say what it is; every wrapper builds its result from the wrapped value
-(``_replace``), so each trait field is the wrapped one's, and a scheduled
-algorithm with per-client state still runs as one.
+An algorithm's traits (its :class:`fedjx.algorithms.traits.Traits` record,
+and its per-client state ``client_state_init``) and an aggregator's (its
+``traits`` record, ``weights`` and ``message_bytes``) say what it is; every
+wrapper builds its result from the wrapped value (``_replace``), so each is
+the wrapped one's, and a scheduled algorithm with per-client state still
+runs as one.
 """
 
 import jax
@@ -48,9 +48,14 @@ def assert_same_traits(wrapped, inner, traits):
     assert getattr(wrapped, trait) is getattr(inner, trait), trait
 
 
-def test_the_trait_tables_name_fields():
-  assert set(base.TRAITS) <= set(base.Algorithm._fields)
-  assert set(aggregators.TRAITS) <= set(aggregators.Aggregator._fields)
+# What declares an algorithm and an aggregator, beside their steps.
+ALGORITHM_TRAITS = ('client_state_init', 'traits')
+AGGREGATOR_TRAITS = ('weights', 'message_bytes', 'traits')
+
+
+def test_the_trait_fields_are_fields():
+  assert set(ALGORITHM_TRAITS) <= set(base.Algorithm._fields)
+  assert set(AGGREGATOR_TRAITS) <= set(aggregators.Aggregator._fields)
 
 
 @pytest.mark.parametrize('algorithm', sorted(ALGORITHMS))
@@ -63,7 +68,7 @@ def test_algorithm_wrappers_keep_every_trait(wrapper, algorithm):
     assert '\n' not in str(e.value)
     assert 'algo.client_state_init is set' in str(e.value)
     return
-  assert_same_traits(WRAPPERS[wrapper](inner), inner, base.TRAITS)
+  assert_same_traits(WRAPPERS[wrapper](inner), inner, ALGORITHM_TRAITS)
 
 
 def test_a_scheduled_algorithm_with_client_state_runs_as_one():
@@ -110,12 +115,14 @@ AGGREGATOR_WRAPPERS = {
 def test_aggregator_wrappers_keep_every_trait(wrapper, aggregator):
   inner = parts.build_aggregator(AGGREGATOR_SPECS[aggregator])
   assert_same_traits(AGGREGATOR_WRAPPERS[wrapper](inner), inner,
-                     aggregators.TRAITS)
+                     AGGREGATOR_TRAITS)
 
 
 def test_dp_defense_keeps_the_defenses_traits_and_declares_its_own():
   inner = parts.build_aggregator(AGGREGATOR_SPECS['krum'])
   wrapped = parts.build_aggregator(dict(name='dp_defense', defense=inner))
-  assert_same_traits(wrapped, inner, [
-      t for t in aggregators.TRAITS if t not in ('checks_update', 'privacy')])
-  assert wrapped.checks_update and wrapped.privacy == 'dp_defense (central DP)'
+  assert_same_traits(wrapped, inner, ('weights', 'message_bytes'))
+  assert wrapped.traits == inner.traits._replace(
+      checks_update=True, privacy=wrapped.traits.privacy)
+  assert wrapped.traits.needs_all_updates == inner.traits.needs_all_updates
+  assert str(wrapped.traits.privacy) == 'dp_defense (central DP)'

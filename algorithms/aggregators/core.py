@@ -49,6 +49,9 @@ import jax.numpy as jnp
 import fedjx
 from fedjx.algorithms import base
 from fedjx.algorithms import nonfinite
+from fedjx.algorithms import traits as traits_lib
+from fedjx.algorithms.traits import Privacy
+from fedjx.algorithms.traits import Traits
 from fedjx.algorithms.compression import quantization
 
 Encode = Callable[[Mapping[str, jax.Array], base.PyTree, jax.Array],
@@ -76,37 +79,30 @@ class Aggregator(NamedTuple):
     broadcast: ``broadcast(state) -> {name: value}``, the values of the
       aggregator's state the clients' ``encode`` reads (added to its
       ``hparams``; e.g. adaptive clipping's current clip norm), or None.
-    checks_update: True when ``encode``'s per-client values are NaN or Inf
-      whenever the update is (e.g. they hold its norm): the non-finite guard
-      then checks them instead of reading the client's model a second time
-      (:mod:`fedjx.algorithms.nonfinite`).
-    needs_all_updates: None for rules written with the fedjx reductions;
-      for rules that read every client's message at once (order statistics,
-      pairwise distances: :mod:`fedjx.algorithms.aggregators.robust`), why,
-      in a phrase. Their ``combine`` stacks the messages on the server
-      (:func:`fedjx.plan.gather_to_server`, the memory of every update), so
-      Beam runs them and a streamed round refuses them with that phrase.
     client_inputs: ``client_inputs(state, client_ids, cohort_size) ->
       {name: placed value}``, per-client values ``encode`` reads in its
       ``hparams`` (e.g. a compressor's per-client key, an error-feedback
       residual gathered by ``client_ids``, which are None when the
       algorithm does not pass them), or None.
-    wire_bits: True when each client's ``encode`` counts the bits of the
-      message it produced in the wire format (``encoded['upload_bits']``:
-      the arrays' sizes times their widths, a variable-length code's
-      length, a protocol's other messages) and ``combine`` reports their
-      mean over the clients with data as the metric ``upload_bits``
-      (compressors, secure sums). That count is then the one definition of
-      what a client sends: the bytes a round reports derive from it
-      (:func:`upload_bytes`).
-    privacy: None for an aggregator that adds no DP noise; for a DP
-      mechanism, which one, e.g. ``'gaussian (central DP)'``,
-      ``'distributed_skellam (distributed DP)'``. Its clipping and noise
-      cover the message each client uploads, so its guarantee holds for a
-      round only when that message is all the round releases of the
-      clients' data: an algorithm whose round releases more declares it
-      (``Algorithm.unprivatized``) and refuses every aggregator with
-      ``privacy`` set (:func:`fedjx.algorithms.base.check_private_uploads`).
+    traits: what the aggregator declares about itself
+      (:class:`fedjx.algorithms.traits.Traits`): whether its per-client
+      values check the update (``checks_update``: the non-finite guard then
+      reads them instead of the client's model, :mod:`fedjx.algorithms.nonfinite`),
+      whether it reads every client's message at once and why
+      (``needs_all_updates``: its ``combine`` stacks the messages on the
+      server, :func:`fedjx.plan.gather_to_server`, so Beam runs it and a
+      streamed round refuses it with that phrase), whether its clients
+      count their messages' bits on the wire (``wire_bits``: then
+      ``encoded['upload_bits']`` per client, and ``combine`` reports their
+      mean over the clients with data as ``upload_bits``, from which the
+      round's bytes derive, :func:`upload_bytes`), and its DP mechanism
+      (``privacy``, a :class:`~fedjx.algorithms.traits.Privacy`: its
+      clipping and noise cover the message each client uploads, so an
+      algorithm whose round releases more refuses it,
+      :func:`fedjx.algorithms.base.check_private_uploads`). A wrapper of an
+      aggregator (an attack, a privacy audit's canaries) keeps it, with
+      ``weights`` and ``message_bytes``, built as ``wrapped._replace(init=...,
+      combine=..., ...)``.
   """
 
   init: Callable[[base.Params], Any]
@@ -117,19 +113,8 @@ class Aggregator(NamedTuple):
   message_bytes: Callable[[base.Params], int] = (
       lambda params: quantization.num_bytes(params, 'float32'))
   broadcast: Callable[[Any], Mapping[str, jax.Array]] | None = None
-  checks_update: bool = False
-  needs_all_updates: str | None = None
   client_inputs: Callable[[Any, Any, int], Mapping[str, Any]] | None = None
-  wire_bits: bool = False
-  privacy: str | None = None
-
-
-# The fields of an Aggregator that declare what it is (its weights, its
-# bytes on the wire, its checks, its privacy), not its steps: a wrapper of an
-# aggregator (an attack, a privacy audit's canaries) keeps them all, built as
-# ``wrapped._replace(init=..., combine=..., ...)``.
-TRAITS = ('weights', 'message_bytes', 'checks_update', 'needs_all_updates',
-          'wire_bits', 'privacy')
+  traits: Traits = traits_lib.NONE
 
 
 def _stateless(params: base.Params) -> tuple[()]:
@@ -286,6 +271,12 @@ def audited(aggregator: Aggregator, canaries: Any,
       expected_clients_per_round=expected_clients_per_round)
 
 
+GAUSSIAN = Privacy('gaussian', 'central DP', mechanism='gaussian',
+                    canaries=True)
+""":func:`gaussian`'s mechanism, as its builder declares it."""
+
+
+@traits_lib.declare(Traits(checks_update=True, privacy=GAUSSIAN))
 def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
              expected_clients_per_round: float | None = None,
              canaries: Any = None) -> Aggregator:
@@ -339,11 +330,14 @@ def gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
         'noise_std': z * clip}
     return aggregate, state, metrics
 
+  privacy = GAUSSIAN._replace(
+      noise_multiplier=noise_multiplier,
+      expected_clients_per_round=expected_clients_per_round)
   return audited(Aggregator(init=_stateless, combine=combine, encode=encode,
                             hparams={'clip_norm': clip_norm,
                                      'noise_multiplier': noise_multiplier},
-                            weights=weights, checks_update=True,
-                            privacy='gaussian (central DP)'),
+                            weights=weights,
+                            traits=gaussian.traits._replace(privacy=privacy)),
                  canaries, lambda state, hparams: hparams['clip_norm'],
                  expected_clients_per_round)
 
@@ -423,7 +417,7 @@ def map_clients(aggregator: Aggregator, hparams: Mapping[str, Any],
       client_fn, args, client_weights(aggregator, num_examples, weighting),
       num_examples, skip_nonfinite, encode=aggregator.encode,
       encode_hparams=encode_hparams(aggregator, hparams, aggregator_state),
-      check_encoded=aggregator.checks_update,
+      check_encoded=aggregator.traits.checks_update,
       encode_inputs=client_inputs(aggregator, aggregator_state, client_ids,
                                   num_examples))
   return clients._replace(client_ids=client_ids)
@@ -478,7 +472,7 @@ def upload_bytes(aggregator: Aggregator, params: base.Params,
   clients with data), else ``clients * message_bytes(params)``.
   """
   clients = jnp.asarray(clients, jnp.float32)
-  if aggregator.wire_bits:
+  if aggregator.traits.wire_bits:
     return clients * metrics['upload_bits'] / 8.0
   return clients * jnp.float32(aggregator.message_bytes(params))
 

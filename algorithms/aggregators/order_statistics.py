@@ -13,7 +13,7 @@ Defenses against Byzantine clients (clients that send arbitrary updates):
 Each needs all ``m`` updates at the same time (a sort over the cohort per
 coordinate, or the ``m x m`` distances), so its ``combine`` stacks the
 clients' messages on the server with :func:`fedjx.plan.gather_to_server`
-(``Aggregator.needs_all_updates`` says why): it costs the memory of the
+(``Traits.needs_all_updates`` says why): it costs the memory of the
 stacked updates (``C`` times the model; a copy XLA elides where the updates
 are already stacked, as under ``vmap``), Beam runs it (a ``collect``), and
 the streaming executor refuses it in one line.
@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from fedjx import plan as plan_lib
 from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
+from fedjx.algorithms.traits import Traits
 
 VIOLATED = 'robust_bound_violated'
 
@@ -176,7 +177,8 @@ def _uniform(num_examples: jax.Array) -> jax.Array:
 
 def _aggregator(combine, why: str) -> aggregators.Aggregator:
   return aggregators.Aggregator(init=_stateless, combine=combine,
-                                weights=_uniform, needs_all_updates=why)
+                                weights=_uniform,
+                                traits=Traits(needs_all_updates=why))
 
 
 # ---------------------------------------------------------------- the rules

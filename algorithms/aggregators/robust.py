@@ -39,6 +39,9 @@ import fedjx
 from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import nonfinite
+from fedjx.algorithms import traits as traits_lib
+from fedjx.algorithms.traits import Privacy
+from fedjx.algorithms.traits import Traits
 from fedjx.algorithms.aggregators.order_statistics import bulyan
 from fedjx.algorithms.aggregators.order_statistics import coordinate_median
 from fedjx.algorithms.aggregators.order_statistics import krum
@@ -150,7 +153,7 @@ def norm_bounding(max_norm: float = 1.0) -> aggregators.Aggregator:
 
   return aggregators.Aggregator(init=_stateless, combine=combine, encode=encode,
                                 hparams={'max_norm': max_norm},
-                                checks_update=True)
+                                traits=Traits(checks_update=True))
 
 
 # ------------------------------------------------------ centered clipping
@@ -217,7 +220,7 @@ def centered_clipping(radius: float = 1.0, iterations: int = 1) -> aggregators.A
       init=init, combine=combine, encode=encode,
       hparams={'clipping_radius': radius}, broadcast=broadcast,
       weights=lambda n: base.aggregation_weights(n, 'uniform'),
-      checks_update=True)
+      traits=Traits(checks_update=True))
 
 
 # ----------------------------------------------------------- DP composition
@@ -244,6 +247,12 @@ def _state_kept(aggregator: aggregators.Aggregator) -> str | None:
   return ', '.join(kept) or None
 
 
+DP_DEFENSE = Privacy('dp_defense', 'central DP')
+""":func:`dp_defense`'s mechanism: one the runner's accountant does not
+account for (no ``mechanism``; a run with it reports no epsilon)."""
+
+
+@traits_lib.declare(Traits(checks_update=True, privacy=DP_DEFENSE))
 def dp_defense(defense: Any, clip_norm: float = 1.0,
                noise_multiplier: float = 1.0) -> aggregators.Aggregator:
   """A defense on clipped updates, its output clipped and noised (user-level DP).
@@ -328,7 +337,9 @@ def dp_defense(defense: Any, clip_norm: float = 1.0,
       encode=encode, combine=combine,
       hparams={**inner.hparams, 'clip_norm': clip_norm,
                'noise_multiplier': noise_multiplier},
-      checks_update=True, privacy='dp_defense (central DP)')
+      traits=inner.traits._replace(
+          checks_update=True,
+          privacy=DP_DEFENSE._replace(noise_multiplier=noise_multiplier)))
 
 
 median = coordinate_median  # The config name (``dict(name='median')``).

@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import fedjx
 from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
+from fedjx.algorithms.traits import Traits
 from fedjx.algorithms.compression import compressors as compression
 
 _ROTATION, _CLIENTS, _GRAPH, _SELF, _PAIR, _NEXT = 0, 1, 2, 3, 4, 7
@@ -333,8 +334,8 @@ def modular_sum(fn: str, *, bits: int, clip_norm: float, threshold: int,
 
   return aggregators.Aggregator(
       init=init, combine=combine, encode=encode, weights=weights,
-      broadcast=broadcast, client_inputs=client_inputs, checks_update=True,
-      wire_bits=True)
+      broadcast=broadcast, client_inputs=client_inputs,
+      traits=Traits(checks_update=True, wire_bits=True))
 
 
 def secure_sum(bits: int = 32, clip_norm: float = 1.0, threshold: int = 2,

@@ -72,6 +72,7 @@ from jax.scipy import special
 import fedjx
 from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
+from fedjx.algorithms.traits import Traits
 
 METRIC = 'malicious_clients'
 # The stream of the malicious set's draw, and of the attack's noise (folded
@@ -115,17 +116,18 @@ class Attack(NamedTuple):
       its PRNG key for the round.
     hparams: the attack's initial traced hyperparameters, by name
       (top-level keys of ``state.hparams``).
-    omniscient: whether ``poison`` reads ``honest.mean`` and ``honest.std``
-      (they are computed only then).
     metrics: ``metrics(hparams, honest) -> {name: scalar}``, extra round
       metrics, or None.
+    traits: what the attack declares (:class:`fedjx.algorithms.traits.Traits`):
+      ``omniscient``, whether ``poison`` reads ``honest.mean`` and
+      ``honest.std`` (they are computed only then).
   """
 
   name: str
   poison: Poison
   hparams: Mapping[str, float] = {}
-  omniscient: bool = False
   metrics: Callable[[Mapping[str, jax.Array], Honest], base.Metrics] | None = None
+  traits: Traits = Traits()
 
 
 class AttackState(NamedTuple):
@@ -295,8 +297,8 @@ def alie(z: float | None = None) -> Attack:
                         honest.mean, honest.std)
 
   return Attack('alie', poison, hparams={} if z is None else {'attack_z': z},
-                omniscient=True,
-                metrics=lambda hp, honest: {'attack_z': z_of(hp, honest)})
+                metrics=lambda hp, honest: {'attack_z': z_of(hp, honest)},
+                traits=Traits(omniscient=True))
 
 
 def ipm(epsilon: float = 0.1) -> Attack:
@@ -313,7 +315,8 @@ def ipm(epsilon: float = 0.1) -> Attack:
   base.check_number('ipm', 'epsilon', epsilon)
   return Attack('ipm', lambda hp, honest, m, key: _scaled(honest.mean,
                                                           -hp['attack_epsilon']),
-                hparams={'attack_epsilon': epsilon}, omniscient=True)
+                hparams={'attack_epsilon': epsilon},
+                traits=Traits(omniscient=True))
 
 
 # ---------------------------------------------------------------- the wrapper
@@ -419,7 +422,7 @@ def attacked(aggregator: aggregators.Aggregator, attack: Attack,
     else:
       inner_encoded, updates = clients.encoded
     mean = std = None
-    if attack.omniscient:
+    if attack.traits.omniscient:
       mean, std = _honest_statistics(updates, active - bad, participants - f)
     honest = Honest(mean, std, participants, f)
     encode_hp = dict(inner_hp)

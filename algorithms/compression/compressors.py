@@ -73,6 +73,7 @@ from jax.flatten_util import ravel_pytree
 import fedjx
 from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
+from fedjx.algorithms.traits import Traits
 
 Message = dict[str, jax.Array]
 
@@ -203,7 +204,7 @@ class Compressor(NamedTuple):
 
   ``bits`` is a float32 scalar, the bits the message costs on the wire
   (:func:`representation_bits` of it, unless the wire code is variable-length).
-  ``unbiased`` declares ``E[x_hat] = x`` over the key. Error feedback
+  ``traits.unbiased`` declares ``E[x_hat] = x`` over the key. Error feedback
   (Stich, Cordonnier, Jaggi 2018; Karimireddy et al. 2019) is analysed for
   a contraction, ``E||x_hat - x||^2 <= (1 - delta) ||x||^2``; an unbiased
   compressor need not be one (rescaled random-k has ``E||x_hat - x||^2 =
@@ -214,7 +215,7 @@ class Compressor(NamedTuple):
 
   encode: Callable[[jax.Array, jax.Array], tuple[Message, jax.Array]]
   decode: Callable[[jax.Array, Message, int], jax.Array]
-  unbiased: bool = False
+  traits: Traits = Traits()
 
 
 def _counted(message: Message) -> tuple[Message, jax.Array]:
@@ -247,7 +248,7 @@ def uniform_levels(bits: int) -> Compressor:
     level = unpack_bits(m['levels'], bits, n).astype(jnp.float32)
     return lo + level * ((hi - lo) / (k - 1))
 
-  return Compressor(encode, decode, unbiased=True)
+  return Compressor(encode, decode, Traits(unbiased=True))
 
 
 @functools.cache
@@ -302,7 +303,7 @@ def eden_codes(bits: int) -> Compressor:
     return unrotate(jax.random.fold_in(key, _ROTATION), y, n)
 
   # Unbiased for uniformly random rotations (their Theorem 2.1).
-  return Compressor(encode, decode, unbiased=True)
+  return Compressor(encode, decode, Traits(unbiased=True))
 
 
 def qsgd_levels(levels: int, coding: str) -> Compressor:
@@ -348,7 +349,7 @@ def qsgd_levels(levels: int, coding: str) -> Compressor:
     sign = 1.0 - 2.0 * unpack_bits(m['signs'], 1, n).astype(jnp.float32)
     return m['norm'][0] * sign * level / levels
 
-  return Compressor(encode, decode, unbiased=True)
+  return Compressor(encode, decode, Traits(unbiased=True))
 
 
 def ternary() -> Compressor:
@@ -370,7 +371,7 @@ def ternary() -> Compressor:
     value = jnp.where(code == 1, 1.0, jnp.where(code == 2, -1.0, 0.0))
     return m['scale'][0] * value
 
-  return Compressor(encode, decode, unbiased=True)
+  return Compressor(encode, decode, Traits(unbiased=True))
 
 
 def signs() -> Compressor:
@@ -413,13 +414,14 @@ def sparse(k: int, choose: str, rescale: bool) -> Compressor:
              else indices(key, n))
     return jnp.zeros((n,), jnp.float32).at[index].set(m['values'])
 
-  return Compressor(encode, decode, unbiased=choose == 'random' and rescale)
+  return Compressor(encode, decode,
+                    Traits(unbiased=choose == 'random' and rescale))
 
 
 def identity() -> Compressor:
   """``x`` as float32 (the uncompressed baseline)."""
   return Compressor(lambda key, x: _counted({'values': x.astype(jnp.float32)}),
-                    lambda key, m, n: m['values'], unbiased=True)
+                    lambda key, m, n: m['values'], Traits(unbiased=True))
 
 
 # ------------------------------------------------------------- aggregator
@@ -494,7 +496,7 @@ def compressed_mean(compressor: Compressor, *, fn: str,
       vectors and rotates the mean back once (Suresh et al. 2017).
     seed: the first round's shared seed.
     error_feedback: keep per-client residuals (needs ``num_clients``);
-      refused for an unbiased compressor (``Compressor.unbiased``).
+      refused for an unbiased compressor (``Compressor.traits.unbiased``).
     num_clients: the population size ``N``.
     vote_step: combine as signSGD's majority vote,
       ``Delta = step_size sign(sum_i 1[w_i > 0] sign_i)``.
@@ -502,7 +504,7 @@ def compressed_mean(compressor: Compressor, *, fn: str,
   """
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise ValueError(f'{fn}: seed={seed!r} must be an int.')
-  if error_feedback and compressor.unbiased:
+  if error_feedback and compressor.traits.unbiased:
     raise ValueError(
         f'{fn}: error_feedback=True is refused for an unbiased compressor: '
         'error feedback needs a contraction (E||C(x) - x||^2 < ||x||^2), '
@@ -588,7 +590,7 @@ def compressed_mean(compressor: Compressor, *, fn: str,
   return aggregators.Aggregator(
       init=init, combine=combine, encode=encode, hparams=dict(hparams or {}),
       broadcast=broadcast, client_inputs=client_inputs,
-      message_bytes=message_bytes, wire_bits=True)
+      message_bytes=message_bytes, traits=Traits(wire_bits=True))
 
 
 # ---------------------------------------------------------------- builders
@@ -700,7 +702,7 @@ def _sparse(fn: str, choose: str, fraction: float | None, k: int | None,
   comp = Compressor(
       lambda key, x: sparse(count(x.shape[0]), choose, rescale).encode(key, x),
       lambda key, m, n: sparse(count(n), choose, rescale).decode(key, m, n),
-      unbiased=unbiased)
+      Traits(unbiased=unbiased))
   return compressed_mean(comp, fn=fn, error_feedback=error_feedback,
                          num_clients=num_clients, seed=seed)
 
@@ -733,7 +735,7 @@ def random_k(fraction: float | None = None, k: int | None = None,
   Without ``rescale`` the values are sent as they are: biased, a
   contraction (``E||C(x) - x||^2 = (1 - k / d) ||x||^2``), with error
   feedback by default as :func:`top_k`. ``rescale=True`` multiplies them by
-  ``d / k``: unbiased (``Compressor.unbiased``), ``E||C(x) - x||^2 = (d / k
+  ``d / k``: unbiased (``Compressor.traits.unbiased``), ``E||C(x) - x||^2 = (d / k
   - 1) ||x||^2`` (Stich, Cordonnier, Jaggi 2018, Section 2), so the default
   is no error feedback, and ``error_feedback=True`` is refused (the
   residual would grow by ``d / k - 1`` a round)."""

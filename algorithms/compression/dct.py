@@ -145,7 +145,7 @@ def dct_top_k(chunk_size: int, k: int) -> compression.Compressor:
         jnp.arange(c)[:, None], index].set(m['values'].reshape(c, k))
     return chunked_idct(y, n)
 
-  return compression.Compressor(encode, decode, unbiased=False)
+  return compression.Compressor(encode, decode)
 
 
 def tiled_dct(x: jax.Array, chunk: int) -> jax.Array:
@@ -209,7 +209,7 @@ def tiled_dct_top_k(shapes: Sequence[Sequence[int]], chunk: int, k: int
       parts.append(tiled_idct(y.reshape((leaf.tiles,) + leaf.tile), leaf.shape).reshape(-1))
     return jnp.concatenate(parts) if parts else jnp.zeros((n,), jnp.float32)
 
-  return compression.Compressor(encode, decode, unbiased=False)
+  return compression.Compressor(encode, decode)
 
 
 def _check_length(n: int, d: int) -> None:

@@ -24,7 +24,7 @@ buckets") quantization of the open implementations of DiLoCo-style
 training (hivemind's; the compressor released with SparseLoCo: a range in
 standard deviations, a table of bucket means); ``r = 6`` is a choice (the
 value a released 2-bit use of it takes), not a number in either paper's
-text. It is deterministic and biased (``Compressor.unbiased`` is False),
+text. It is deterministic and biased (its ``traits.unbiased`` is False),
 so error feedback is allowed.
 
 **SparseLoCo** (:func:`sparseloco`; Sarfi, Thérien, Lidin, Belilovsky,
@@ -195,7 +195,7 @@ def statistical_levels(bits: int = 2, range_sigmas: float = 6.0
     del key
     return _dequantized(m, bits, n)
 
-  return compression.Compressor(encode, decode, unbiased=False)
+  return compression.Compressor(encode, decode)
 
 
 def index_bits(chunk_size: int) -> int:
@@ -239,7 +239,7 @@ def chunked_top_k(k: int, chunk_size: int, bits: int = 2,
         rows, index].set(_dequantized(m, bits, count))
     return dense.reshape(-1)[:n]
 
-  return compression.Compressor(encode, decode, unbiased=False)
+  return compression.Compressor(encode, decode)
 
 
 # ------------------------------------------------------------------ tiles
@@ -403,7 +403,7 @@ def tiled_top_k(shapes: Sequence[Sequence[int]], k: int, chunk: int,
       parts.append(from_tiles(dense, leaf.shape).reshape(-1))
     return jnp.concatenate(parts) if parts else jnp.zeros((n,), jnp.float32)
 
-  return compression.Compressor(encode, decode, unbiased=False)
+  return compression.Compressor(encode, decode)
 
 
 def tiled_top_k_bits(shapes: Sequence[Sequence[int]], k: int, chunk: int,

@@ -53,6 +53,9 @@ import jax.numpy as jnp
 import fedjx
 from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
+from fedjx.algorithms import traits as traits_lib
+from fedjx.algorithms.traits import Privacy
+from fedjx.algorithms.traits import Traits
 
 
 class AdaptiveClipState(NamedTuple):
@@ -97,6 +100,12 @@ def _traced_update_noise_multiplier(z: jax.Array, sigma_b: jax.Array) -> jax.Arr
   return jnp.where(positive, jax.lax.rsqrt(inner), 0.0)
 
 
+ADAPTIVE_GAUSSIAN = Privacy('adaptive_gaussian', 'central DP',
+                             mechanism='gaussian', canaries=True)
+""":func:`adaptive_gaussian`'s mechanism, as its builder declares it."""
+
+
+@traits_lib.declare(Traits(checks_update=True, privacy=ADAPTIVE_GAUSSIAN))
 def adaptive_gaussian(noise_multiplier: float = 1.0,
                       initial_clip_norm: float = 0.1,
                       target_quantile: float = 0.5,
@@ -201,8 +210,10 @@ def adaptive_gaussian(noise_multiplier: float = 1.0,
                'target_quantile': target_quantile,
                'clip_learning_rate': clip_learning_rate,
                'clipped_count_stddev': clipped_count_stddev},
-      weights=weights, broadcast=broadcast, checks_update=True,
-      privacy='adaptive_gaussian (central DP)'),
+      weights=weights, broadcast=broadcast,
+      traits=adaptive_gaussian.traits._replace(privacy=ADAPTIVE_GAUSSIAN._replace(
+          noise_multiplier=noise_multiplier,
+          expected_clients_per_round=expected_clients_per_round))),
       canaries, lambda state, hparams: state.clip_norm,
       expected_clients_per_round)
 

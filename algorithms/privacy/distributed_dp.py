@@ -80,6 +80,9 @@ import fedjx
 from fedjx.algorithms.privacy import accounting
 from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
+from fedjx.algorithms import traits as traits_lib
+from fedjx.algorithms.traits import Privacy
+from fedjx.algorithms.traits import Traits
 from fedjx.algorithms.compression import compressors as compression
 from fedjx.algorithms.aggregators import secure as secure_aggregation
 
@@ -324,6 +327,21 @@ def default_scale(bits: int, clip_norm: float, noise_multiplier: float,
   return 2 ** bits / (2 * k_stddevs * clip_norm * spread)
 
 
+DISTRIBUTED_SKELLAM = Privacy(
+    'distributed_skellam', 'distributed DP',
+    reported="the round's ddp_epsilon metric", run_sampling=True)
+""":func:`distributed_skellam`'s mechanism: it accounts for itself, for
+the run's sampling, which the runner gives it."""
+
+LOCAL_GAUSSIAN = Privacy(
+    'local_gaussian', 'local DP',
+    reported='per client: distributed_dp.local_gaussian_epsilon')
+""":func:`local_gaussian`'s mechanism: each client's epsilon depends on its
+participations (:func:`local_gaussian_epsilon`)."""
+
+
+@traits_lib.declare(Traits(checks_update=True, wire_bits=True,
+                           privacy=DISTRIBUTED_SKELLAM))
 def distributed_skellam(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
                         bits: int = 16, clients_per_round: int = 10,
                         threshold: int = 2, neighbors: int | None = None,
@@ -423,9 +441,12 @@ def distributed_skellam(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
       init=init, combine=combine,
       broadcast=lambda state: inner.broadcast(state.secure),
       client_inputs=lambda state, ids, c: inner.client_inputs(state.secure, ids, c),
-      privacy='distributed_skellam (distributed DP)')
+      traits=inner.traits._replace(privacy=DISTRIBUTED_SKELLAM._replace(
+          noise_multiplier=noise_multiplier,
+          expected_clients_per_round=expected_clients_per_round)))
 
 
+@traits_lib.declare(Traits(checks_update=True, privacy=LOCAL_GAUSSIAN))
 def local_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
                    seed: int = 0) -> aggregators.Aggregator:
   """Local DP: each client sends ``clip_C(Delta_i) + N(0, (z C)^2 I)``.
@@ -470,8 +491,9 @@ def local_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   return aggregators.Aggregator(
       init=init, combine=combine, encode=encode, weights=weights,
       hparams={'clip_norm': clip_norm, 'noise_multiplier': noise_multiplier},
-      client_inputs=client_inputs, checks_update=True,
-      privacy='local_gaussian (local DP)')
+      client_inputs=client_inputs,
+      traits=local_gaussian.traits._replace(
+          privacy=LOCAL_GAUSSIAN._replace(noise_multiplier=noise_multiplier)))
 
 
 __all__ = ['DistributedDPState', 'compositions', 'default_scale',

@@ -59,6 +59,9 @@ import numpy as np
 import fedjx
 from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
+from fedjx.algorithms import traits as traits_lib
+from fedjx.algorithms.traits import Privacy
+from fedjx.algorithms.traits import Traits
 
 
 class TreeState(NamedTuple):
@@ -163,6 +166,12 @@ def efficient_tree_noise(tree_key: jax.Array, step: jax.Array,
   return noise, nodes
 
 
+TREE_GAUSSIAN = Privacy('tree_gaussian', 'central DP', mechanism='tree',
+                        canaries=True)
+""":func:`tree_gaussian`'s mechanism, as its builder declares it."""
+
+
+@traits_lib.declare(Traits(checks_update=True, privacy=TREE_GAUSSIAN))
 def tree_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
                   restart_every: int | None = None,
                   expected_clients_per_round: float | None = None,
@@ -270,8 +279,11 @@ def tree_gaussian(clip_norm: float = 1.0, noise_multiplier: float = 1.0,
   return aggregators.audited(aggregators.Aggregator(
       init=init, combine=combine, encode=encode,
       hparams={'clip_norm': clip_norm, 'noise_multiplier': noise_multiplier},
-      weights=weights, checks_update=True,
-      privacy='tree_gaussian (central DP)'),
+      weights=weights,
+      traits=tree_gaussian.traits._replace(privacy=TREE_GAUSSIAN._replace(
+          noise_multiplier=noise_multiplier,
+          expected_clients_per_round=expected_clients_per_round,
+          restart_every=restart_every))),
       canaries, lambda state, hparams: hparams['clip_norm'],
       expected_clients_per_round)
 

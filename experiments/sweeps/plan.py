@@ -69,9 +69,9 @@ def build_trial(config: ml_collections.ConfigDict) -> experiment_lib.Experiment:
   """``experiment.build(config)`` with per-client state on the device and the
   training population on the host (the sweep stacks its seeds' cohorts)."""
   name = config.algorithm.name
-  entry = registry.algorithm_entry(name)
   exp = experiment_lib.build(config, placement=PLACEMENT if (
-      entry.client_state is not None) else None, resident=False)
+      registry.algorithm_traits(name).client_state is not None) else None,
+      resident=False)
   if getattr(exp.algorithm, 'client_state_init', None) is not None:
     raise registry.ConfigError(
         f'fedjx-sweep: algorithm {name!r} keeps per-client state in a host '
