@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from importlib import metadata
 from typing import Any
 
 __all__ = ['RUN_CONFIG_DEFAULTS', 'write_app']
@@ -47,7 +48,6 @@ clientapp = "fedjx.experiments.deploy.apps:client_app"
 
 
 def _version() -> str:
-  from importlib import metadata  # pylint: disable=g-import-not-at-top
   try:
     return metadata.version('fedjx')
   except metadata.PackageNotFoundError:
