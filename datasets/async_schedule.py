@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from fedjx.algorithms.fedbuff_lib import AsyncCohort
 from fedjx.datasets import _seeding
 from fedjx.datasets.cohort import place_cohort
 from fedjx.datasets.federated import FederatedDataset
@@ -235,7 +236,6 @@ def async_cohort_iterator(dataset: FederatedDataset, scheduler: AsyncScheduler,
   ``scheduler.step(r).time``). Arguments as
   :func:`fedjx.datasets.cohort_iterator`; one process only.
   """
-  from fedjx.algorithms.fedbuff_lib import AsyncCohort  # pylint: disable=g-import-not-at-top
   mesh = calling_thread_mesh(mesh)
   if scheduler.num_clients != dataset.num_clients:
     raise ValueError(f'scheduler.num_clients={scheduler.num_clients} differs '

@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import tqdm
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fedjx import distributed
@@ -153,7 +154,6 @@ def on_device(dataset: FederatedDataset, mesh: jax.sharding.Mesh | None = None,
                    sizes, mesh)
   ids = range(dataset.num_clients)
   if progress:
-    import tqdm  # pylint: disable=g-import-not-at-top
     ids = tqdm.tqdm(ids, desc='population to device', unit='client',
                     leave=False)
   parts: dict[str, list[np.ndarray]] = {}

@@ -11,6 +11,7 @@ on a laptop CPU.
 from __future__ import annotations
 
 import numpy as np
+from sklearn import datasets as sk_datasets
 
 from fedjx.datasets import _seeding
 from fedjx.datasets.federated import FederatedDataset, from_arrays
@@ -40,7 +41,6 @@ def load_digits(num_clients: int = 50, alpha: float | None = 0.5, seed: int = 0,
     The training :class:`FederatedDataset` and the test split as a dict of
     arrays (empty arrays when ``test_fraction`` is 0).
   """
-  from sklearn import datasets as sk_datasets  # pylint: disable=g-import-not-at-top
   if not 0.0 <= test_fraction < 1.0:
     raise ValueError(f'test_fraction={test_fraction!r}; it must be in [0, 1).')
   raw = sk_datasets.load_digits()

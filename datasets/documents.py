@@ -140,7 +140,7 @@ class SentencePieceTokenizer(Tokenizer):
   def __init__(self, model_file: str | os.PathLike):
     model_file = _check_file('sentencepiece tokenizer', 'model_file', model_file)
     try:
-      import sentencepiece  # pylint: disable=g-import-not-at-top
+      import sentencepiece  # deferred: optional dependency sentencepiece
     except ImportError:
       raise _missing('sentencepiece', 'the sentencepiece tokenizer') from None
     self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
@@ -175,7 +175,7 @@ class HuggingFaceTokenizer(Tokenizer):
                pad_token: str | None = None, add_special_tokens: bool = True):
     file = _check_file('huggingface tokenizer', 'file', file)
     try:
-      import tokenizers  # pylint: disable=g-import-not-at-top
+      import tokenizers  # deferred: optional dependency tokenizers
     except ImportError:
       raise _missing('tokenizers', 'the huggingface tokenizer') from None
     self._tok = tokenizers.Tokenizer.from_file(file)
@@ -354,7 +354,7 @@ def read_parquet(path: str | os.PathLike, text_field: str = 'text',
   """
   path = _check_input_file(path, 'parquet')
   try:
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    import pyarrow.parquet as pq  # deferred: optional dependency pyarrow
   except ImportError:
     raise _missing('pyarrow', "format='parquet'") from None
   columns = pq.read_schema(path).names

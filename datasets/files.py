@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import h5py
+import msgpack
 import numpy as np
 
 from fedjx.datasets.federated import Examples, FederatedDataset, num_rows
@@ -45,7 +47,6 @@ class TffHdf5Dataset(FederatedDataset):
   """Clients of a TensorFlow Federated HDF5 file, read lazily with h5py."""
 
   def __init__(self, path: str | os.PathLike):
-    import h5py  # pylint: disable=g-import-not-at-top
     self.path = _check_exists(path, 'read_tff_hdf5')
     try:
       self._file = h5py.File(self.path, 'r')
@@ -73,7 +74,6 @@ class TffHdf5Dataset(FederatedDataset):
 
   def _group(self, cid: int) -> Any:
     """Client ``cid``'s group, its features checked to be datasets (hold the lock)."""
-    import h5py  # pylint: disable=g-import-not-at-top
     name = self._names[cid]
     group = self._clients[name]
     where = f'read_tff_hdf5: client {name!r} in {self.path!r}'
@@ -115,7 +115,6 @@ class TffHdf5Dataset(FederatedDataset):
 
 
 def _hdf5_kind(obj: Any) -> str:
-  import h5py  # pylint: disable=g-import-not-at-top
   if isinstance(obj, h5py.Dataset):
     return f'dataset of shape {obj.shape}'
   return 'group' if isinstance(obj, h5py.Group) else type(obj).__name__
@@ -137,7 +136,6 @@ def read_tff_hdf5(path: str | os.PathLike) -> TffHdf5Dataset:
 def write_tff_hdf5(path: str | os.PathLike, clients: Mapping[str, Mapping[str, Any]]
                    ) -> None:
   """Writes ``{client_id: {feature: array}}`` in TensorFlow Federated's layout."""
-  import h5py  # pylint: disable=g-import-not-at-top
   with h5py.File(os.fspath(path), 'w') as f:
     for client_id, examples in clients.items():
       group = f.create_group(f'examples/{client_id}')
@@ -152,7 +150,6 @@ def write_tff_hdf5(path: str | os.PathLike, clients: Mapping[str, Mapping[str, A
 
 
 def _unpack_ext(code: int, data: bytes) -> Any:
-  import msgpack  # pylint: disable=g-import-not-at-top
   if code == _EXT_NDARRAY:
     shape, dtype, buffer = msgpack.unpackb(data, raw=True)
     dtype = dtype.decode() if isinstance(dtype, bytes) else dtype
@@ -168,7 +165,6 @@ def _unpack_ext(code: int, data: bytes) -> Any:
 
 
 def _pack_ext(value: Any) -> Any:
-  import msgpack  # pylint: disable=g-import-not-at-top
   value = np.asarray(value)
   if value.dtype.kind in 'OS':
     flat = [bytes(v) for v in value.reshape(-1)]
@@ -220,7 +216,6 @@ class FedjaxSqliteDataset(FederatedDataset):
     return self._sizes.copy()
 
   def _client_data(self, cid: int) -> Examples:
-    import msgpack  # pylint: disable=g-import-not-at-top
     name = self.client_name(cid)
     with self._lock:
       row = self._conn.execute('SELECT data FROM federated_data WHERE client_id = ?',
@@ -257,7 +252,6 @@ def read_fedjax_sqlite(path: str | os.PathLike) -> FedjaxSqliteDataset:
 def write_fedjax_sqlite(path: str | os.PathLike,
                         clients: Mapping[str | bytes, Mapping[str, Any]]) -> None:
   """Writes ``{client_id: {feature: array}}`` in FedJAX's SQLite format."""
-  import msgpack  # pylint: disable=g-import-not-at-top
   conn = sqlite3.connect(os.fspath(path))
   try:
     conn.execute('CREATE TABLE federated_data (client_id BLOB NOT NULL PRIMARY KEY, '

@@ -255,7 +255,7 @@ def read_parquet(path: str | os.PathLike, fields: RecordFields | Mapping[str, st
   fields = _as_fields(fields, 'read_parquet')
   schema = _check_schema(schema, 'read_parquet')
   try:
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    import pyarrow.parquet as pq  # deferred: optional dependency pyarrow
   except ImportError:
     raise ImportError("read_parquet needs the 'pyarrow' package: pip install "
                       'pyarrow') from None

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from fedjx import streaming
 from fedjx.datasets.cohort import make_cohort
 
 
@@ -86,7 +87,7 @@ def beam_client_data(dataset: Any, client_ids: Sequence[int], batch_size: int,
     ``client_ids[i]``.
   """
   client_ids = _check('beam_client_data', client_ids, num_steps)
-  from fedjx.interpreters import beam  # pylint: disable=g-import-not-at-top  # Optional extra.
+  from fedjx.interpreters import beam  # deferred: optional dependency apache_beam
   load = _OneClient(CohortLoader(dataset, batch_size, num_steps, shuffle_seed,
                                  round_num))
   return beam.ClientData(client_ids, load, _spec(load(client_ids[0])))
@@ -105,7 +106,6 @@ def streaming_clients(dataset: Any, client_ids: Sequence[int], batch_size: int,
     ``client_ids[i]``.
   """
   client_ids = _check('streaming_clients', client_ids, num_steps)
-  from fedjx import streaming  # pylint: disable=g-import-not-at-top
   load = CohortLoader(dataset, batch_size, num_steps, shuffle_seed, round_num)
   first = jax.tree.map(lambda a: np.asarray(a)[0], load(client_ids[:1]))
   return streaming.Clients(client_ids, load, _spec(first))

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import tensorflow_datasets as tfds
 
 from fedjx.datasets import documents as documents_lib
 from fedjx.datasets.federated import Examples, IndexedDataset
@@ -147,7 +148,6 @@ def from_tfds(name: str, split: str = 'train', *, group_key: str | None = None,
     An :class:`IndexedDataset` whose ``client_data`` reads examples as NumPy
     (features as TFDS decodes them, e.g. ``'image'`` uint8, ``'label'`` int64).
   """
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   if (group_key is None) == (partition is None):
     raise ValueError('from_tfds: give exactly one of group_key (a feature name) or '
                      f'partition (a function of a column); got group_key={group_key!r}'
@@ -223,7 +223,6 @@ def tfds_documents(name: str = C4, split: str = 'train', *, text_field: str = 't
   Returns:
     A :class:`fedjx.datasets.documents.DocumentSource` of ``K`` clients.
   """
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   num_shards = _check_shards('tfds_documents', num_shards)
   source = _open(tfds, name, split, data_dir, download, builder_kwargs,
                  caller='tfds_documents', instead='')

@@ -44,6 +44,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import ml_collections
 from absl import app
 from absl import flags
 from absl import logging
@@ -217,7 +218,6 @@ def load_config_file(spec: str):
       (with the line), defines no ``get_config``, or its ``get_config``
       returns something other than an ``ml_collections.ConfigDict``.
   """
-  import ml_collections  # pylint: disable=g-import-not-at-top
   path, _, arg = spec.partition(':')
   module = load_module(spec)
   if not callable(getattr(module, 'get_config', None)):
@@ -619,7 +619,6 @@ def apply_overrides(config: Any, extras: Sequence[tuple[tuple[str, ...], Any]]) 
   A dict value replaces the entry at its path (a renamed optimizer's spec);
   these are set first, then optimizer names, then the other values.
   """
-  import ml_collections  # pylint: disable=g-import-not-at-top
   order = lambda e: (not isinstance(e[1], Mapping), e[0][-1] != 'name', len(e[0]))
   with config.unlocked():
     for parts, value in sorted(extras, key=order):

@@ -42,6 +42,9 @@ reads back from the compiled program.
 from __future__ import annotations
 
 import dataclasses
+import re
+import statistics
+import time
 from typing import Any
 
 import jax
@@ -237,7 +240,6 @@ def _iota_groups(dims: str, reshape: str, perm: str | None) -> np.ndarray:
 
 def _listed(text: str) -> list[list[int]]:
   """``{{0,1},{2,3}}`` -> ``[[0, 1], [2, 3]]``."""
-  import re  # pylint: disable=import-outside-toplevel
   return [[int(n) for n in g.split(',')] for g in re.findall(r'\{([\d,]+)\}', text)]
 
 
@@ -245,7 +247,6 @@ def _mesh_groups(axes: str, devices: str | None, spanned: str) -> list[list[int]
   """``mesh['a'=2,'b'=4], device_ids=(...) {'b'}``: a group for each position
   on the axes not listed. The mesh holds the device ids in row-major order, or
   as ``device_ids`` gives them (a list, or the iota form ``[dims]T(perm)``)."""
-  import re  # pylint: disable=import-outside-toplevel
   items = re.findall(r"'([^']+)'=(\d+)", axes)
   names = [n for n, _ in items]
   listed = re.findall(r"'([^']+)'", spanned)
@@ -275,7 +276,6 @@ def _groups(line: str, num_devices: int) -> list[list[int]]:
   mesh form ``mesh['axis_0'=2,...], device_ids=(...) {'axis_1',...}`` (the
   ``device_ids`` optional) and ``{}`` (all devices).
   """
-  import re  # pylint: disable=import-outside-toplevel
   pairs = re.search(r'source_target_pairs=\{((?:\{[\d,]*\},?)*)\}', line)
   if pairs:
     return _listed(pairs.group(1))
@@ -371,7 +371,6 @@ def plan_inner_step(preset: str | llama_config.LlamaConfig, replicas: int = 1,
   Needs ``replicas * fsdp * tensor`` devices (host devices through
   ``--xla_force_host_platform_device_count`` on a CPU).
   """
-  import time  # pylint: disable=import-outside-toplevel
   name, config, seq_len = _resolve(preset, seq_len, remat, dtype)
   for arg, value in (('replicas', replicas), ('fsdp', fsdp), ('batch', batch),
                      ('seq_len', seq_len), ('tensor', tensor)):
@@ -437,8 +436,6 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
   Appendix B); the device's peak bytes in use where it reports them, and
   XLA's planned peak; the losses of the first and last steps.
   """
-  import statistics  # pylint: disable=import-outside-toplevel
-  import time  # pylint: disable=import-outside-toplevel
   name, config, seq_len = _resolve(preset, seq_len, remat, dtype)
   for arg, value in (('batch', batch), ('seq_len', seq_len), ('steps', steps),
                      ('repeats', repeats)):

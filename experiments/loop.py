@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -70,7 +71,6 @@ class StopFlag:
 
   @contextlib.contextmanager
   def installed(self) -> Iterator[StopFlag]:
-    import threading  # pylint: disable=g-import-not-at-top
     if threading.current_thread() is not threading.main_thread():
       yield self  # Signals reach only the main thread.
       return

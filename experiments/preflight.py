@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -105,7 +106,6 @@ def declared_population(name: str, options: Mapping[str, Any]) -> int | None:
       return None
     if option in options:
       return _count(options[option])
-    import inspect  # pylint: disable=g-import-not-at-top
     default = inspect.signature(builder).parameters.get(option)
     return None if default is None else _count(default.default)
   return source_population(name, options)

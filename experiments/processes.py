@@ -9,6 +9,7 @@ long time-out (a coordinator port in use, processes with unequal devices).
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -138,7 +139,6 @@ def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
 def check_coordinator_port(config: ml_collections.ConfigDict) -> None:
   """Process 0 of a multi-process run serves the coordinator: refuses a port
   on this machine that another program holds, before JAX tries to bind it."""
-  import socket  # pylint: disable=g-import-not-at-top
   address = config.coordinator_address or os.environ.get(distributed.ENV_COORDINATOR, '')
   pid = config.process_id
   if pid is None:

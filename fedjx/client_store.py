@@ -48,6 +48,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+from jax import tree_util
 
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30  # 1 GiB of rows in host memory.
 FORMAT = 1  # The checkpoint format's version, in every manifest.
@@ -63,7 +64,6 @@ def _tree_util():
   # JAX's pytree registry flattens rows the way rounds produce them (dicts,
   # NamedTuples, Flax structs); imported on first use so importing this
   # module stays light.
-  from jax import tree_util  # pylint: disable=g-import-not-at-top
   return tree_util
 
 

@@ -29,11 +29,13 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax._src import xla_bridge
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 ENV_COORDINATOR = 'FEDJX_COORDINATOR'
@@ -70,7 +72,6 @@ def wait_for_coordinator(coordinator_address: str,
   ``initialization_timeout`` and abort, so this raises
   :class:`CoordinatorError` at once instead.
   """
-  import time  # pylint: disable=g-import-not-at-top
   answer_s = min(answer_s, timeout_s)
   host, _, port = coordinator_address.rpartition(':')
   host = host.strip('[]')
@@ -185,7 +186,6 @@ def may_split_cpu() -> bool:
   itself: JAX has not started, the run is on one process (no coordinator
   in the environment) and neither ``--xla_force_host_platform_device_count``
   in ``XLA_FLAGS`` nor ``jax_num_cpu_devices`` set the count."""
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
   return not (xla_bridge.backends_are_initialized() or
               os.environ.get(ENV_COORDINATOR) or
               'xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', '') or
@@ -247,7 +247,6 @@ def split_cpu(devices: int | str = 'auto', divides: int | None = None) -> int:
     The number of CPU devices made; 1 (nothing changed) when JAX's backends
     have started already.
   """
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
   if devices == 'auto':
     devices = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
                else os.cpu_count() or 1)

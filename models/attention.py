@@ -43,6 +43,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu import flash_attention as flash
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
 from fedjx import sharding
@@ -95,7 +97,6 @@ def _splash_kernel(seq_len: int, group: int, block: int, interpret: bool):
 
   Made afresh in each trace: its block tables are arrays of that trace.
   """
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=import-outside-toplevel
   mask = splash.MultiHeadMask([splash.CausalMask((seq_len, seq_len))] * group)
   sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                             block_q_dkv=block, block_kv_dkv=block,
@@ -121,7 +122,6 @@ def _splash(q, k, v, block, interpret):
 
 def _flash(q, k, v, block, interpret):
   """``q [B, T, H, h]``, ``k, v [B, T, K, h]`` through the flash kernel, ``k, v`` repeated."""
-  from jax.experimental.pallas.ops.tpu import flash_attention as flash  # pylint: disable=import-outside-toplevel
   del interpret  # The flash kernel has no interpret mode of its own.
   heads, width = q.shape[2], q.shape[3]
   repeat = heads // k.shape[2]

@@ -368,7 +368,7 @@ def load_pretrained(folder: str, *, scan_layers: bool = True, dtype: str | None 
 
 def tokenizer_from_folder(folder: str):
   """The ``tokenizers.Tokenizer`` of ``folder/tokenizer.json``."""
-  import tokenizers  # pylint: disable=g-import-not-at-top
+  import tokenizers  # deferred: optional dependency tokenizers
   path = os.path.join(folder, TOKENIZER_FILE)
   if not os.path.isfile(path):
     raise ValueError(f'tokenizer_from_folder: {path!r} does not exist (a Hugging Face '

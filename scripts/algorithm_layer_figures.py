@@ -17,7 +17,12 @@ layer, measured"), read from a source tree with ``ast`` and text search
   (``weighting``, ``skip_nonfinite``, ``client_metrics``, the local
   schedule, the optimizers), and the places that rewrite a builder's
   signature or take its options by name (``with_options``,
-  ``take_options``).
+  ``take_options``);
+* ``deploy_edges``: the imports in ``fedjx/deploy/`` of the experiments
+  layer (``fedjx.experiments``);
+* ``deferred_imports``: the imports written inside a function body, by the
+  reason their ``# deferred: <reason>`` comment gives (``optional
+  dependency``, ``cycle``, ...; ``none given`` without one).
 
   python scripts/algorithm_layer_figures.py [ROOT]
 """
@@ -146,6 +151,42 @@ def main(root: pathlib.Path) -> None:
                   for s in files.values())
   print(json.dumps({'figure': 'option_checks', 'checks': checks,
                     'signature_rewriting_or_taking': rewriting}))
+  layering(files)
+
+
+def imports_in_functions(tree: ast.Module) -> list[ast.stmt]:
+  """The import statements inside function bodies, each once."""
+  found = {}
+  for fn in ast.walk(tree):
+    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      for node in ast.walk(fn):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+          found[id(node)] = node
+  return sorted(found.values(), key=lambda n: n.lineno)
+
+
+def layering(files: dict[str, str]) -> None:
+  edges = 0
+  for name, source in files.items():
+    if name.startswith('fedjx/deploy/'):
+      for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or '').startswith(
+            'fedjx.experiments'):
+          edges += 1
+        elif isinstance(node, ast.Import):
+          edges += sum(a.name.startswith('fedjx.experiments') for a in node.names)
+  print(json.dumps({'figure': 'deploy_edges', 'count': edges}))
+  reasons = {}
+  for name, source in files.items():
+    lines = source.splitlines()
+    for node in imports_in_functions(ast.parse(source)):
+      match = re.search(r'# deferred: (.+)$', lines[node.lineno - 1])
+      reason = match.group(1).strip() if match else 'none given'
+      for kind in ('optional dependency', 'cycle'):  # Named in the comment.
+        reason = kind if reason.startswith(kind) else reason
+      reasons[reason] = reasons.get(reason, 0) + 1
+  print(json.dumps({'figure': 'deferred_imports', 'count': sum(reasons.values()),
+                    'by_reason': dict(sorted(reasons.items()))}))
 
 
 if __name__ == '__main__':

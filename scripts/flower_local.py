@@ -4,13 +4,13 @@
       --overrides "rounds=3 cohort_size=3 dataset.num_clients=3" \
       --workdir runs/flower_local
 
-is the same command as ``fedjx-deploy ...`` (see fedjx/deploy/cli.py and
+is the same command as ``fedjx-deploy ...`` (see experiments/deploy/cli.py and
 docs/deploy.md).
 """
 
 import sys
 
-from fedjx.deploy import cli
+from fedjx.experiments.deploy import cli
 
 if __name__ == '__main__':
   sys.exit(cli.main())

@@ -1,5 +1,6 @@
 """fedjx.deploy without a deployment engine: versioned program bytes, and a
-config's rounds as server and node halves that reproduce the simulated round.
+config's rounds (fedjx.experiments.deploy) as server and node halves that
+reproduce the simulated round.
 
 The Flower processes themselves are tested in test_deploy_flower.py."""
 
@@ -15,12 +16,13 @@ import jax
 import numpy as np
 import pytest
 
-from fedjx.deploy import flower_app
 from fedjx.deploy import local
 from fedjx.deploy import programs
 from fedjx.deploy import rounds
 from fedjx.experiments import cli
 from fedjx.experiments import config as config_lib
+from fedjx.experiments.deploy import app_dir
+from fedjx.experiments.deploy import config_rounds
 
 
 def _square_program():
@@ -80,8 +82,7 @@ def _config(algorithm=None):
 def _deployed_rounds(server, num_rounds):
   """The rounds as a deployment runs them: program bytes unpacked on each
   node, node data built from the spec's JSON, aggregation in NumPy."""
-  spec = rounds.DataSpec.from_json(server.spec.to_json())
-  nodes = {c: rounds.NodeData(spec, c, server.num_clients)
+  nodes = {c: config_rounds.node_data(server.spec.to_json(), c, server.num_clients)
            for c in range(server.num_clients)}
   state, history, received = server.initial_state(), [], []
   for r in range(num_rounds):
@@ -99,7 +100,7 @@ def _deployed_rounds(server, num_rounds):
 
 
 def test_server_and_node_halves_reproduce_the_simulated_rounds():
-  server = rounds.ServerRounds(_config())
+  server = config_rounds.ExperimentRounds(_config())
   got, history, _, _ = _deployed_rounds(server, 2)
   exp = server.exp
   want = server.initial_state()
@@ -118,7 +119,7 @@ def test_server_and_node_halves_reproduce_the_simulated_rounds():
 
 def test_dp_clipping_runs_on_the_nodes():
   clip = 0.05
-  server = rounds.ServerRounds(_config(dict(
+  server = config_rounds.ExperimentRounds(_config(dict(
       name='dp_fedavg', clip_norm=clip, noise_multiplier=0.5,
       expected_clients_per_round=3.0,
       client_optimizer=dict(name='sgd', learning_rate=0.3))))
@@ -139,18 +140,19 @@ def test_dp_clipping_runs_on_the_nodes():
 
 
 def test_the_flower_app_names_fedjx_s_apps_and_its_run_config(tmp_path):
-  flower_app.write_app(str(tmp_path), config='configs/fedavg_digits.py', timeout=30,
-                       wait_s=5)
+  app_dir.write_app(str(tmp_path), config='configs/fedavg_digits.py', timeout=30,
+                    wait_s=5)
   with open(tmp_path / 'pyproject.toml', 'rb') as f:
     project = tomllib.load(f)
   app = project['tool']['flwr']['app']
-  assert app['components'] == {'serverapp': 'fedjx.deploy.flower:server_app',
-                               'clientapp': 'fedjx.deploy.flower:client_app'}
+  assert app['components'] == {
+      'serverapp': 'fedjx.experiments.deploy.apps:server_app',
+      'clientapp': 'fedjx.experiments.deploy.apps:client_app'}
   assert app['config']['config'] == 'configs/fedavg_digits.py'
   assert app['config']['timeout'] == 30.0 and app['config']['wait-s'] == 5.0
-  assert set(app['config']) == set(flower_app.RUN_CONFIG_DEFAULTS)
+  assert set(app['config']) == set(app_dir.RUN_CONFIG_DEFAULTS)
   with pytest.raises(ValueError, match='rounds=3 is not a run config key'):
-    flower_app.write_app(str(tmp_path), rounds=3)
+    app_dir.write_app(str(tmp_path), rounds=3)
 
 
 def _gone(pid):

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fedjx.deploy import cli
 from fedjx.deploy import local
+from fedjx.experiments.deploy import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, 'configs', 'fedavg_digits.py')
@@ -78,7 +78,7 @@ def test_without_flower_the_command_names_the_install_before_importing_jax(tmp_p
   on no package index) and the packages that Flower's caps downgrade."""
   code = ('import sys\n'
           "sys.modules['flwr'] = None  # not installed: find_spec says None\n"
-          'from fedjx.deploy import cli\n'
+          'from fedjx.experiments.deploy import cli\n'
           f'status = cli.main(["--config", {CONFIG!r}, "--workdir", '
           f'{str(tmp_path / "w")!r}, "--overrides", {THREE!r}])\n'
           "print(status, 'jax' in sys.modules)\n")

@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fedjx.deploy import local  # noqa: E402
-from fedjx.deploy.flower import load_config  # noqa: E402
+from fedjx.experiments.deploy.config_rounds import load_config  # noqa: E402
 from fedjx.experiments import metrics_writers  # noqa: E402
 from fedjx.experiments import runner  # noqa: E402
 

@@ -29,13 +29,16 @@ from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 
 from fedjx.deploy import flower  # noqa: E402
-from fedjx.deploy import flower_app  # noqa: E402
 from fedjx.deploy import local  # noqa: E402
 from fedjx.deploy import programs  # noqa: E402
-from fedjx.deploy.flower import load_config  # noqa: E402
+from fedjx.deploy import rounds  # noqa: E402
 from fedjx.experiments import experiment  # noqa: E402
 from fedjx.experiments import metrics_writers  # noqa: E402
 from fedjx.experiments import runner  # noqa: E402
+from fedjx.experiments.deploy import app_dir  # noqa: E402
+from fedjx.experiments.deploy import apps  # noqa: E402
+from fedjx.experiments.deploy import config_rounds  # noqa: E402
+from fedjx.experiments.deploy.config_rounds import load_config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODES = 3
@@ -56,7 +59,7 @@ def federation(tmp_path_factory):
 
 def _deploy(fed, tmp_path, config_file, overrides, timeout=120.0):
   workdir = str(tmp_path / 'deployed')
-  app = flower_app.write_app(str(tmp_path / 'app'))
+  app = app_dir.write_app(str(tmp_path / 'app'))
   status = fed.run(app, dict(config=os.path.join(REPO, 'configs', config_file),
                              overrides=overrides, workdir=workdir, timeout=timeout),
                    timeout=900)
@@ -187,7 +190,7 @@ def test_a_node_killed_mid_round(tmp_path):
   the SuperLink reports the node unavailable or the timeout passes), round
   2 runs without it, and the metrics count the missing client."""
   workdir = str(tmp_path / 'deployed')
-  app = flower_app.write_app(str(tmp_path / 'app'))
+  app = app_dir.write_app(str(tmp_path / 'app'))
   config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
   status = []
   with local.LocalFederation(NODES, str(tmp_path / 'flower')) as fed:
@@ -239,7 +242,7 @@ def test_flower_simulation_engine_runs_the_same_rounds(tmp_path):
   pytest.importorskip('ray', reason="Flower's simulation engine needs Ray: pip "
                       "install 'flwr[simulation]'")
   workdir = str(tmp_path / 'deployed')
-  app = flower_app.write_app(str(tmp_path / 'app'))
+  app = app_dir.write_app(str(tmp_path / 'app'))
   config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
   with local.LocalFederation(NODES, str(tmp_path / 'flower'), simulation=True) as fed:
     status = fed.run(app, dict(config=config_file, overrides=SMALL, workdir=workdir),
@@ -258,9 +261,12 @@ class InProcessGrid(Grid):
   ``silent`` nodes say who they are but never return client work;
   ``other_version`` nodes run a fedjx 9.9; ``on_train(grid, msg)`` runs as
   each TRAIN message is pushed and returns False to leave it unanswered;
-  nodes in ``gone`` are no longer connected."""
+  nodes in ``gone`` are no longer connected; ``node_data`` builds a node's
+  client (a config's dataset by default)."""
 
-  def __init__(self, num_nodes, silent=(), other_version=(), on_train=None):
+  def __init__(self, num_nodes, silent=(), other_version=(), on_train=None,
+               node_data=config_rounds.node_data):
+    self.node_data = node_data
     self.contexts = {
         100 + i: Context(run_id=1, node_id=100 + i, state=RecordDict(), run_config={},
                          node_config={'partition-id': i, 'num-partitions': num_nodes})
@@ -307,7 +313,8 @@ class InProcessGrid(Grid):
       return None
     if not query and self.on_train is not None and self.on_train(self, msg) is False:
       return None
-    app = flower.describe if query else flower.train
+    app = (flower.describe if query else
+           functools.partial(flower.train, node_data=self.node_data))
     unpack = programs.unpack
     if node in self.other_version:
       unpack = functools.partial(programs.unpack, fedjx_version='9.9.0')
@@ -335,7 +342,7 @@ def test_the_strategy_leaves_out_silent_and_refusing_nodes(tmp_path, task_identi
   config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
   workdir = str(tmp_path / 'deployed')
   grid = InProcessGrid(3, silent={101}, other_version={102})
-  strategy = flower.run_server(grid, flower.Settings(
+  strategy = apps.run_server(grid, apps.Settings(
       config_file, overrides, workdir, timeout=5.0, wait_s=0.0))
   rows, details = _rows(workdir), _details(workdir)
   for r in (1, 2):
@@ -366,7 +373,7 @@ def test_a_cohort_smaller_than_the_population(tmp_path, task_identity):
                'local_epochs=None local_steps=4 eval_every=1')
   config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
   workdir = str(tmp_path / 'deployed')
-  strategy = flower.run_server(InProcessGrid(3), flower.Settings(
+  strategy = apps.run_server(InProcessGrid(3), apps.Settings(
       config_file, overrides, workdir, timeout=5.0, wait_s=0.0))
   exp = experiment.build(load_config(config_file, overrides))
   details = _details(workdir)
@@ -376,6 +383,37 @@ def test_a_cohort_smaller_than_the_population(tmp_path, task_identity):
     assert len(details[r]['sampled']) == 2 and exp.data.train.num_clients == 3
     state, _ = jax.jit(exp.algorithm.apply)(state, cohort, exp.round_key_for(r))
   for g, w in zip(jax.tree.leaves(strategy.state), jax.tree.leaves(state)):
+    _close(g, w)
+
+
+def test_the_library_runs_an_algorithm_without_a_config(task_identity):
+  """fedjx.deploy alone (no config, registry or workdir): FedAvg on an
+  in-memory population, 3 clients a round of 4, equals the simulated rounds."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from fedjx import algorithms, datasets  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(0)
+  population = datasets.from_arrays(
+      {'x': rng.randn(40, 3).astype(np.float32), 'y': rng.randn(40).astype(np.float32),
+       'c': np.repeat(np.arange(4), 10)}, group_key='c')
+  algorithm = algorithms.fedavg(lambda p, b: (b['x'] @ p['w'] - b['y']) ** 2,
+                                client_optimizer=optax.sgd(0.1),
+                                server_optimizer=optax.sgd(1.0))
+  batching = datasets.prefetch.Batching(5, None, 3, None, shuffle=True, bucket=False)
+  key_for = lambda r: jax.random.fold_in(jax.random.key(7), r)
+  server = rounds.ServerRounds(algorithm, {'w': jnp.zeros(3)}, population, batching,
+                               cohort_size=3, seed=1, key_for=key_for)
+  strategy = flower.FedjxStrategy(server, '', num_rounds=2, timeout=5.0, wait_s=0.0)
+  node_data = lambda spec, c, n: rounds.NodeData(population, batching, 1, c, n)
+  flower.run(InProcessGrid(4, node_data=node_data), strategy, 5.0)
+  assert [r['round'] for r in strategy.history] == [1, 2]
+  assert [r['deploy_replied'] for r in strategy.history] == [3, 3]
+  want = algorithm.init({'w': jnp.zeros(3)})
+  for r in range(2):
+    ids, steps = server.cohort(r)
+    cohort = batching.cohort(population, ids, 1, r, steps=steps)
+    want, _ = jax.jit(algorithm.apply)(want, cohort, key_for(r))
+  for g, w in zip(jax.tree.leaves(strategy.state), jax.tree.leaves(want)):
     _close(g, w)
 
 
@@ -397,9 +435,9 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_model(tmp_path, task_identit
   one row per round."""
   import signal  # pylint: disable=g-import-not-at-top
   config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
-  settings = lambda w: flower.Settings(config_file, GRID_RUN, w, timeout=30.0,
+  settings = lambda w: apps.Settings(config_file, GRID_RUN, w, timeout=30.0,
                                        wait_s=0.0)
-  whole = flower.run_server(InProcessGrid(3), settings(str(tmp_path / 'whole')))
+  whole = apps.run_server(InProcessGrid(3), settings(str(tmp_path / 'whole')))
   workdir = str(tmp_path / 'stopped')
 
   def signal_in(round_num, signum):
@@ -412,13 +450,13 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_model(tmp_path, task_identit
 
   t0 = time.monotonic()
   for round_num, signum in ((1, signal.SIGTERM), (2, signal.SIGINT)):
-    stopped = flower.run_server(InProcessGrid(3, on_train=signal_in(round_num, signum)),
+    stopped = apps.run_server(InProcessGrid(3, on_train=signal_in(round_num, signum)),
                                 settings(workdir))
     assert stopped.stopped and stopped.step == round_num
     assert runner.load_state(workdir)[1] == round_num  # The last complete round.
     assert max(_rows(workdir)) == round_num
   assert time.monotonic() - t0 < 25  # Not the 30 s timeout of a round.
-  resumed = flower.run_server(InProcessGrid(3), settings(workdir))
+  resumed = apps.run_server(InProcessGrid(3), settings(workdir))
   assert not resumed.stopped and resumed.start_round == 2
   for got, want in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(whole.state)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -441,7 +479,7 @@ def test_a_stop_file_stops_the_run_and_a_stale_one_does_not(tmp_path, task_ident
       return False
     return True
 
-  strategy = flower.run_server(InProcessGrid(3, on_train=on_train), flower.Settings(
+  strategy = apps.run_server(InProcessGrid(3, on_train=on_train), apps.Settings(
       config_file, GRID_RUN, workdir, timeout=30.0, wait_s=0.0))
   assert strategy.stopped and strategy.step == 1
   assert runner.load_state(workdir)[1] == 1
@@ -462,7 +500,7 @@ def test_a_lost_node_is_detected_once_and_not_waited_for(tmp_path, task_identity
   overrides = GRID_RUN.replace('rounds=3', 'rounds=4')
   workdir = str(tmp_path / 'deployed')
   t0 = time.monotonic()
-  flower.run_server(InProcessGrid(3, on_train=on_train), flower.Settings(
+  apps.run_server(InProcessGrid(3, on_train=on_train), apps.Settings(
       os.path.join(REPO, 'configs', 'fedavg_digits.py'), overrides, workdir,
       timeout=60.0, wait_s=60.0))
   assert time.monotonic() - t0 < 40

@@ -154,9 +154,21 @@ def _imports_in(node, module):
       yield from (f'{base}.{a.name}' for a in child.names)
 
 
-# fedjx.deploy is installed under fedjx but is the top layer: it runs an
-# experiment's config on Flower, above fedjx.experiments (docs/deploy.md).
+# fedjx.deploy runs an algorithm's exported rounds on a deployment engine:
+# it builds on fedjx.datasets (a node's client, batched as simulated) and
+# the algorithms' exported pieces, never on fedjx.experiments (whose
+# fedjx.experiments.deploy runs a config's rounds with it).
 DEPLOY = CORE / 'deploy'
+
+
+def test_deploy_imports_nothing_of_the_experiments_layer():
+  paths = sorted(DEPLOY.rglob('*.py'))
+  assert paths
+  for path in paths:
+    module = 'fedjx.deploy.' + path.stem
+    tree = ast.parse(path.read_text(), str(path))
+    for name in _imports_in(tree, module):
+      assert not name.startswith('fedjx.experiments'), f'{path.name} imports {name}'
 
 
 def test_core_imports_nothing_above_it():

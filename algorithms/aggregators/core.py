@@ -50,9 +50,10 @@ import fedjx
 from fedjx.algorithms import base
 from fedjx.algorithms import nonfinite
 from fedjx.algorithms import traits as traits_lib
+from fedjx.algorithms.compression import quantization
+from fedjx.algorithms.privacy import audit as privacy_audit
 from fedjx.algorithms.traits import Privacy
 from fedjx.algorithms.traits import Traits
-from fedjx.algorithms.compression import quantization
 
 Encode = Callable[[Mapping[str, jax.Array], base.PyTree, jax.Array],
                   tuple[base.PyTree, base.PyTree]]
@@ -265,7 +266,6 @@ def audited(aggregator: Aggregator, canaries: Any,
   """
   if canaries is None:
     return aggregator
-  from fedjx.algorithms.privacy import audit as privacy_audit  # pylint: disable=g-import-not-at-top
   return privacy_audit.with_canaries(
       aggregator, canaries, clip_norm=clip_norm,
       expected_clients_per_round=expected_clients_per_round)

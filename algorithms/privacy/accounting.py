@@ -91,11 +91,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.metadata
 import logging
 import math
 from collections.abc import Iterator, Sequence
 
+import dp_accounting
 import numpy as np
+
+from fedjx.algorithms import base
 
 MECHANISMS = ('gaussian', 'tree')
 SAMPLINGS = ('poisson', 'uniform', 'epochs')
@@ -281,7 +285,6 @@ class Sampling:
 
 
 def _dp():
-  import dp_accounting  # pylint: disable=g-import-not-at-top
   return dp_accounting
 
 
@@ -560,7 +563,6 @@ def accountant_detail(accountant: str, noise_multiplier: float, rounds: int,
                       mechanism: str = 'gaussian',
                       restart_every: int | None = None) -> str:
   """One line: which ``dp_accounting`` accountant gave the epsilon, and how."""
-  import importlib.metadata  # pylint: disable=g-import-not-at-top
   version = importlib.metadata.version('dp-accounting')
   if accountant == 'pld':
     return (f'dp_accounting {version} PLDAccountant: privacy loss '
@@ -683,7 +685,6 @@ def dp_epsilon(noise_multiplier: float, sampling_rate: float, num_rounds: int,
   accountant). Kept with its original signature; see :func:`epsilon` for
   other samplings and mechanisms.
   """
-  from fedjx.algorithms import base  # pylint: disable=g-import-not-at-top
   fn = 'dp_epsilon'
   base.check_number(fn, 'noise_multiplier', noise_multiplier, strict=True)
   base.check_number(fn, 'sampling_rate', sampling_rate, strict=True, high=1.0)

@@ -72,19 +72,20 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import fedjx
-from fedjx.algorithms.privacy import accounting
-from fedjx.algorithms.aggregators import core as aggregators
 from fedjx.algorithms import base
 from fedjx.algorithms import traits as traits_lib
+from fedjx.algorithms.aggregators import core as aggregators
+from fedjx.algorithms.aggregators import secure as secure_aggregation
+from fedjx.algorithms.compression import compressors as compression
+from fedjx.algorithms.privacy import accounting
 from fedjx.algorithms.traits import Privacy
 from fedjx.algorithms.traits import Traits
-from fedjx.algorithms.compression import compressors as compression
-from fedjx.algorithms.aggregators import secure as secure_aggregation
 
 ORDERS = tuple(range(2, 257))
 SAMPLINGS = (None, 'poisson', 'uniform')
@@ -272,7 +273,6 @@ def local_gaussian_epsilon(noise_multiplier: float, participations: int,
   sensitivity ``2C`` (noise multiplier ``z / 2``), composed with
   ``dp_accounting``'s RDP accountant.
   """
-  import dp_accounting  # pylint: disable=g-import-not-at-top
   base.check_number('local_gaussian_epsilon', 'noise_multiplier',
                     noise_multiplier, strict=True)
   base.check_number('local_gaussian_epsilon', 'delta', delta, strict=True,

@@ -1,8 +1,8 @@
-"""fedjx rounds on Flower: a ServerApp, a ClientApp and the strategy between them.
+"""fedjx rounds on Flower: a ClientApp and the strategy that drives it.
 
 Flower (SuperLink / SuperNodes, https://flower.ai) carries the messages;
-fedjx supplies what they hold. One round ``r`` of a config's experiment
-(see :mod:`fedjx.deploy.rounds`) maps onto Flower as
+fedjx supplies what they hold. One round ``r`` of an algorithm's deployed
+rounds (:class:`fedjx.deploy.rounds.ServerRounds`) maps onto Flower as
 
 =====================  ========================================  ===========
 fedjx piece            Flower                                    runs on
@@ -11,13 +11,11 @@ sample the cohort      ``FedjxStrategy.configure_train``         server
 ``server_prepare``     ``configure_train``: one TRAIN message    server
                        per sampled client (``to_clients`` and
                        its slice of ``placed``)
-``client_work``        ``client_app``'s ``@train``: program      each node
+``client_work``        :func:`client_app`'s ``@train``: program  each node
                        bytes (``fedjx.deploy.programs``) called
                        on the node's own partition
 aggregations           ``FedjxStrategy.aggregate_train``         server
 ``server_update``      ``aggregate_train``                       server
-metrics, checkpoints   ``aggregate_train`` (``fedjx-run``'s      server
-                       writers)
 =====================  ========================================  ===========
 
 Failures follow Flower's FedAvg rules: a round's messages go to the nodes
@@ -25,8 +23,8 @@ that hold the sampled clients; a node that replies with an error, or not
 within ``timeout`` seconds, is left out of the round; the round aggregates
 the clients that replied (sums and means over them), and when none did the
 state stays as it was. Every round's metrics count them: ``deploy_sampled``,
-``deploy_replied``, ``deploy_failed`` (with reasons in
-``workdir/deploy.jsonl``).
+``deploy_replied``, ``deploy_failed`` (with reasons in the round's detail,
+:meth:`FedjxStrategy.record`).
 
 A node is lost when the SuperLink no longer lists it as connected (it
 missed its heartbeats) or answers in its place that it is unavailable: the
@@ -34,11 +32,11 @@ round goes on with the nodes alive, later rounds neither send to it nor
 wait for it (``deploy_nodes_lost`` counts each once), and it is found again
 if it reconnects.
 
-Stopping: a file ``workdir/deploy.stop`` (:data:`STOP_FILE`; the launcher
-``fedjx-deploy`` writes it on SIGTERM or Ctrl-C) or SIGTERM/SIGINT to the
-ServerApp's process ends the run at once: the round in flight is dropped
-(never recorded short of the clients the stop cut off) and a checkpoint of
-the last complete round is saved, from which the same run resumes.
+Stopping: the strategy's stop file (``stop_file``, e.g. ``workdir/``
+:data:`STOP_FILE`; :func:`request_stop` writes it) or SIGTERM/SIGINT to the
+ServerApp's process ends :func:`run` at once: the round in flight is dropped
+(never recorded short of the clients the stop cut off) and
+:meth:`FedjxStrategy.save` keeps the last complete round.
 
 Nodes are found with a QUERY message: each node answers with its node
 config's ``partition-id`` and ``num-partitions`` (``flower-supernode
@@ -47,29 +45,27 @@ be the population size, and client ``c`` of the population is the node of
 ``partition-id = c``.
 
 The client program is sent to a node once per program (its SHA-256 in
-every message); the node keeps it in its Flower ``Context.state``.
+every message); the node keeps it in its Flower ``Context.state``. The data
+a node needs to build its client (the ``node_data`` string the strategy
+sends) is read on the node by the function given to :func:`client_app`.
 
-Run config (``[tool.flwr.app.config]``, or ``flwr run --run-config``):
-``config`` (a fedjx config file, ``path[:arg]``), ``overrides`` (``"a.b=v
-c=w"``, values as Python literals), ``workdir``, ``timeout`` (seconds per
-round), ``wait-s`` (seconds to wait for nodes), ``min-available-nodes``
-(0: the cohort size).
+An experiment config's ServerApp and ClientApp (metrics, checkpoints and
+resumption in a workdir) are the experiments layer's (``docs/deploy.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
-import logging
+import functools
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO, WARNING
 from typing import Any
 
+import jax
 import numpy as np
 
 from flwr.app import Array
@@ -82,18 +78,17 @@ from flwr.app import MetricRecord
 from flwr.app import RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import serde
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
-from flwr.serverapp import ServerApp
 from flwr.serverapp import strategy as flwr_strategy
 from flwr.supercore import log
 
-from fedjx.deploy import flower_app
+import fedjx
 from fedjx.deploy import programs
 from fedjx.deploy import rounds
 
-__all__ = ['STOP_FILE', 'FedjxStrategy', 'Settings', 'StopRequested', 'client_app',
-           'load_config', 'message_bytes', 'request_stop', 'run_server',
-           'server_app', 'write_app']
+__all__ = ['STOP_FILE', 'FedjxStrategy', 'StopRequested', 'client_app', 'describe',
+           'message_bytes', 'request_stop', 'run', 'train']
 
 # Keys of the records in fedjx's messages.
 ARRAYS = 'fedjx-arrays'
@@ -101,7 +96,7 @@ CONFIG = 'fedjx'
 OUTPUTS = 'fedjx-outputs'
 METRICS = 'fedjx-metrics'
 PROGRAM_STATE = 'fedjx-program'
-# In the workdir: its presence asks the ServerApp to stop (see the module).
+# A stop file's usual name in a run's directory (see the module).
 STOP_FILE = 'deploy.stop'
 # Seconds between two looks at the replies (and the nodes) while a round waits.
 POLL_S = 0.5
@@ -112,43 +107,12 @@ class StopRequested(Exception):
 
 
 def request_stop(workdir: str) -> str:
-  """Asks the ServerApp running in ``workdir`` to stop after saving a
-  checkpoint of its last complete round; returns the stop file's path."""
+  """Asks the ServerApp whose stop file is ``workdir/`` :data:`STOP_FILE` to
+  stop after saving its last complete round; returns the stop file's path."""
   path = os.path.join(workdir, STOP_FILE)
   with open(path, 'w', encoding='utf-8') as f:
     f.write('stop\n')
   return path
-
-
-# ------------------------------------------------------------------ settings
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-  """The ServerApp's run config (see the module docstring)."""
-
-  config: str
-  overrides: str = ''
-  workdir: str = ''
-  timeout: float = 120.0
-  wait_s: float = 120.0
-  min_available_nodes: int = 0
-
-  @classmethod
-  def from_run_config(cls, run_config: Mapping[str, Any]) -> 'Settings':
-    known = flower_app.RUN_CONFIG_DEFAULTS
-    unknown = sorted(set(run_config) - set(known))
-    if unknown:
-      raise ValueError(f'fedjx.deploy.flower: run config keys {unknown} are '
-                       f'unknown; the keys are {sorted(known)}.')
-    values = {k: type(v)(run_config.get(k, v)) for k, v in known.items()}
-    if not values['config']:
-      raise ValueError("fedjx.deploy.flower: run config 'config' is empty; give "
-                       'a fedjx config file (e.g. config="/abs/configs/fedavg_digits.py").')
-    return cls(values['config'], values['overrides'], values['workdir'],
-               values['timeout'], values['wait-s'], values['min-available-nodes'])
-
-
-load_config = rounds.load_config
 
 
 # ------------------------------------------------------------------ wire
@@ -171,7 +135,18 @@ def _take(record: ArrayRecord, prefix: str) -> list[np.ndarray]:
 
 # ------------------------------------------------------------------ client
 
-client_app = ClientApp()
+NodeDataFn = Callable[[str, int, int], rounds.NodeData]
+"""``(node_data, partition_id, num_partitions) -> NodeData``: a node's client
+from the string the strategy sends (``FedjxStrategy(node_data=...)``)."""
+
+
+def client_app(node_data: NodeDataFn) -> ClientApp:
+  """The ClientApp of fedjx rounds: :func:`describe` answers QUERY messages,
+  :func:`train` runs ``client_work`` on the client ``node_data`` builds."""
+  app = ClientApp()
+  app.query()(describe)
+  app.train()(functools.partial(train, node_data=node_data))
+  return app
 
 
 def _node_partition(context: Context) -> tuple[int, int]:
@@ -184,11 +159,9 @@ def _node_partition(context: Context) -> tuple[int, int]:
   return int(config['partition-id']), int(config['num-partitions'])
 
 
-@client_app.query()
 def describe(msg: Message, context: Context) -> Message:
   """Says which client this node holds, and which fedjx it runs."""
   partition, num = _node_partition(context)
-  import fedjx  # pylint: disable=g-import-not-at-top
   return Message(RecordDict({CONFIG: ConfigRecord({
       'partition-id': partition, 'num-partitions': num,
       'fedjx': fedjx.__version__, 'format': programs.FORMAT_VERSION})}),
@@ -210,8 +183,7 @@ def _program(config: ConfigRecord, context: Context) -> programs.Program:
   return programs.unpack(bytes(kept['bytes']))
 
 
-@client_app.train()
-def train(msg: Message, context: Context) -> Message:
+def train(msg: Message, context: Context, node_data: NodeDataFn) -> Message:
   """``client_work`` on this node's own client for the message's round."""
   t0 = time.perf_counter()
   partition, num = _node_partition(context)
@@ -220,8 +192,7 @@ def train(msg: Message, context: Context) -> Message:
     raise ValueError(f'fedjx.deploy: the server sent work for client '
                      f'{config["client-id"]} to the node of partition-id={partition}.')
   program = _program(config, context)
-  data = rounds.NodeData(rounds.DataSpec.from_json(str(config['data'])),
-                         partition, num)
+  data = node_data(str(config['data']), partition, num)
   arrays = msg.content[ARRAYS]
   outputs = rounds.run_client(program, _take(arrays, 'to-'), _take(arrays, 'placed-'),
                               data.inputs(int(config['round']), int(config['steps'])))
@@ -240,29 +211,44 @@ class FedjxStrategy(flwr_strategy.Strategy):
 
   ``arrays`` between rounds are the algorithm state's flat leaves (the
   ``ArrayRecord`` that ``Strategy.start`` passes on); the state itself is
-  kept here with its structure.
+  kept here with its structure. Each round's metrics row and detail (the
+  sampled, replied, failed and lost clients) go to :meth:`record`, and
+  :meth:`save` is called every ``save_every`` rounds, after the last one and
+  on a stop; here they keep the rows in :attr:`history` and nothing else
+  (the experiments layer's ``RunStrategy`` writes metrics and checkpoints
+  to a workdir, and resumes from them).
 
   Args:
-    server: the experiment's :class:`~fedjx.deploy.rounds.ServerRounds`.
-    workdir: where metrics (``fedjx-run``'s writers), checkpoints and
-      ``deploy.jsonl`` go; empty for none.
+    server: the :class:`~fedjx.deploy.rounds.ServerRounds` of the rounds.
+    node_data: the string each TRAIN message carries for the node to build
+      its client from (the ``node_data`` function of :func:`client_app`).
+    num_rounds: rounds in all (rounds ``start_round`` to ``num_rounds - 1``
+      are run).
+    evaluate: ``params -> metrics`` on held-out data, or None.
+    eval_every: rounds between evaluations (and after the last round).
+    save_every: rounds between :meth:`save` calls (0: after the last round only).
+    stop_file: a path whose presence asks the rounds to stop ('' for none);
+      one left from an earlier run is removed.
     timeout: seconds a round waits for its clients' replies.
     min_available_nodes: nodes to wait for before a round (0: the cohort size).
     wait_s: how long to wait for them before the round goes ahead with the
       nodes that are there.
   """
 
-  def __init__(self, server: rounds.ServerRounds, workdir: str = '', *,
+  def __init__(self, server: rounds.ServerRounds, node_data: str, *,
+               num_rounds: int, evaluate: Callable[[Any], Mapping[str, Any]] | None = None,
+               eval_every: int = 1, save_every: int = 0, stop_file: str = '',
                timeout: float = 120.0, min_available_nodes: int = 0,
                wait_s: float = 120.0):
-    from fedjx.experiments import checkpointing  # pylint: disable=g-import-not-at-top
-    from fedjx.experiments import metrics_writers  # pylint: disable=g-import-not-at-top
     self.server = server
-    self.config = server.config
-    self.min_available_nodes = min_available_nodes or self.config.cohort_size
+    self.node_data = node_data
+    self.num_rounds = int(num_rounds)
+    self.evaluate, self.eval_every = evaluate, int(eval_every)
+    self.save_every = int(save_every)
+    self.stop_file = stop_file
+    self.min_available_nodes = min_available_nodes or server.cohort_size
     self.wait_s = wait_s
     self.timeout_s = timeout
-    self.workdir = workdir
     self.nodes: dict[int, int] = {}          # client id -> node id
     self.lost: dict[int, int] = {}           # client id -> node id, lost once
     self._lost_now: list[int] = []           # clients whose node was lost this round
@@ -274,36 +260,14 @@ class FedjxStrategy(flwr_strategy.Strategy):
     self.history: list[dict[str, Any]] = []
     self.stopped = False
     self._round: dict[str, Any] = {}
-    self._writer = self._ckpt = None
-    if workdir:
-      os.makedirs(workdir, exist_ok=True)
-      self._ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'checkpoints'),
-                                              async_save=False)
-      restored = self._ckpt.restore_latest_intact(
-          self.state, self._check_same_experiment,
-          warn=lambda msg: log(WARNING, 'fedjx: %s', msg))
-      step = None
-      if restored is not None:
-        self.state, meta = restored
-        step = self.start_round = self.step = int(meta['step'])
-        log(INFO, 'fedjx: resuming %s from the checkpoint after round %d.',
-            workdir, step)
-      # Rows of rounds after the checkpoint (all, without one) are redone.
-      self._truncate_details(step or 0)
-      self._clear_stop()
-      self._writer = metrics_writers.make_writer(
-          workdir, self.config.metrics_format, self.config.tensorboard,
-          resume_round=self.start_round if step is not None else None)
-      metrics_writers.write_atomically(
-          os.path.join(workdir, 'config.json'),
-          self.config.to_json_best_effort(indent=2, sort_keys=True) + '\n')
+    self._clear_stop()
 
   # -- Flower's interface
 
   def summary(self) -> None:
     log(INFO, '\t├──> fedjx algorithm %r, %d clients, cohort of %d',
-        self.config.algorithm.name, self.server.num_clients, self.config.cohort_size)
-    log(INFO, '\t└──> rounds %d to %d', self.start_round, self.config.rounds - 1)
+        self.server.name, self.server.num_clients, self.server.cohort_size)
+    log(INFO, '\t└──> rounds %d to %d', self.start_round, self.num_rounds - 1)
 
   def configure_train(self, server_round: int, arrays: ArrayRecord,
                       config: ConfigRecord, grid: Grid) -> Iterable[Message]:
@@ -314,7 +278,7 @@ class FedjxStrategy(flwr_strategy.Strategy):
     ids, steps = self.server.cohort(r)
     pieces = self.server.pieces(self.state, steps)
     to_clients, placed, residuals = self.server.prepare(pieces, self.state, r)
-    data = self.server.spec.to_json()
+    data = self.node_data
     messages, clients, missing, sent = [], [], [], 0
     for position, client in enumerate(ids.tolist()):
       node = self.nodes.get(client)
@@ -403,10 +367,10 @@ class FedjxStrategy(flwr_strategy.Strategy):
         'deploy_model_bytes': info['model_bytes'],
         'deploy_round_s': time.perf_counter() - info['t0']})
     step = r + 1
-    if self.server.exp.evaluate is not None and (
-        step % self.config.eval_every == 0 or step == self.config.rounds):
-      row.update(self.server.exp.evaluate(self.state.params))
-    self._emit(step, row, {
+    if self.evaluate is not None and (
+        step % self.eval_every == 0 or step == self.num_rounds):
+      row.update(self.evaluate(self.state.params))
+    self.record(step, row, {
         'round': r, 'sampled': info['ids'], 'replied': replied,
         'failed': {str(c): why for c, why in failed.items()},
         'lost': sorted(self._lost_now),
@@ -414,7 +378,7 @@ class FedjxStrategy(flwr_strategy.Strategy):
         'received_norms': {str(c): v for c, v in norms.items()},
         **{k: v for k, v in row.items() if k.startswith('deploy_')}})
     self.step = step
-    if step % self.config.checkpoint_every == 0 or step == self.config.rounds:
+    if (self.save_every and step % self.save_every == 0) or step == self.num_rounds:
       self.save()
     metric_record = MetricRecord({k: float(v) for k, v in row.items()
                                   if isinstance(v, (int, float))})
@@ -422,7 +386,7 @@ class FedjxStrategy(flwr_strategy.Strategy):
 
   def configure_evaluate(self, server_round: int, arrays: ArrayRecord,
                          config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-    return []  # The server evaluates on held-out data (config.eval_*).
+    return []  # The server evaluates on held-out data (`evaluate`).
 
   def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
                          ) -> MetricRecord | None:
@@ -431,20 +395,31 @@ class FedjxStrategy(flwr_strategy.Strategy):
   # -- fedjx's side
 
   def save(self) -> None:
-    """A checkpoint of the last complete round (``self.step``), if there is
-    a workdir and that round is not the one checkpointed at the start."""
-    if self._ckpt is None or (self.step == self.start_round
-                              and self._ckpt.latest_step() == self.step):
-      return
-    self._ckpt.save(self.step, self.state, {
-        'step': self.step, 'next_round': self.step, 'seed': self.config.seed,
-        'config': _fingerprint(self.config)})
-    self._ckpt.wait()
+    """Keeps the last complete round (``self.step``, ``self.state``); here,
+    nothing (a subclass saves a checkpoint)."""
+
+  def record(self, step: int, row: dict[str, Any], detail: dict[str, Any] | None
+             ) -> None:
+    """Round ``step``'s metrics ``row`` and ``detail`` (the clients sampled,
+    replied, failed, lost; None for the evaluation before round 1): appended
+    to :attr:`history`."""
+    del detail
+    self.history.append({'round': step, **row})
+
+  def close(self) -> None:
+    """Called once the rounds end (a subclass closes its files)."""
+
+  def on_stop(self) -> None:
+    """A stop was requested: the last complete round is saved, the request
+    removed, and :attr:`stopped` set."""
+    self.save()
+    self._clear_stop()
+    self.stopped = True
+    log(WARNING, 'fedjx: stopped after round %d, the last complete one.', self.step)
 
   def stop_requested(self) -> bool:
-    """Whether a signal or ``workdir/deploy.stop`` asks the run to stop."""
-    return self.signalled or bool(
-        self.workdir and os.path.exists(os.path.join(self.workdir, STOP_FILE)))
+    """Whether a signal or the stop file asks the rounds to stop."""
+    return self.signalled or bool(self.stop_file and os.path.exists(self.stop_file))
 
   def check_stop(self) -> None:
     """Raises :class:`StopRequested` when a stop was asked for."""
@@ -453,9 +428,9 @@ class FedjxStrategy(flwr_strategy.Strategy):
 
   def _clear_stop(self) -> None:
     """Removes a stop request (one left from an earlier run, or honoured)."""
-    if self.workdir:
+    if self.stop_file:
       try:
-        os.remove(os.path.join(self.workdir, STOP_FILE))
+        os.remove(self.stop_file)
       except FileNotFoundError:
         pass
 
@@ -501,41 +476,8 @@ class FedjxStrategy(flwr_strategy.Strategy):
 
   def first_rows(self) -> None:
     """The evaluation at step 0, as ``fedjx-run`` writes it."""
-    if self.start_round == 0 and self.server.exp.evaluate is not None:
-      self._emit(0, self.server.exp.evaluate(self.state.params), None)
-
-  def _check_same_experiment(self, meta: Mapping[str, Any]) -> None:
-    """Refuses to resume a workdir whose checkpoint is of another experiment
-    (fields that may change on resumption, as ``rounds``, left out)."""
-    from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
-    saved = meta.get('config')
-    if not saved:
-      return
-    a, b = config_schema.flatten(saved), config_schema.flatten(_fingerprint(self.config))
-    diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    if diff:
-      details = ', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:8])
-      raise ValueError(f'fedjx.deploy: {self.workdir} holds a checkpoint of a '
-                       f'different experiment ({details}); use a new workdir.')
-
-  def _truncate_details(self, step: int) -> None:
-    """Drops ``deploy.jsonl``'s rounds after ``step`` (an interrupted run's)."""
-    from fedjx.experiments import metrics_writers  # pylint: disable=g-import-not-at-top
-    path = os.path.join(self.workdir, 'deploy.jsonl')
-    if os.path.exists(path):
-      with open(path, encoding='utf-8') as f:
-        kept = [line for line in f if line.strip()
-                and json.loads(line)['round'] < step]
-      metrics_writers.write_atomically(path, ''.join(kept))
-
-  def _emit(self, step: int, row: dict[str, Any], detail: dict[str, Any] | None) -> None:
-    self.history.append({'round': step, **row})
-    if self._writer is not None:
-      self._writer.write(step, row)
-      self._writer.flush()
-      if detail is not None:
-        with open(os.path.join(self.workdir, 'deploy.jsonl'), 'a', encoding='utf-8') as f:
-          f.write(json.dumps(detail, sort_keys=True) + '\n')
+    if self.start_round == 0 and self.evaluate is not None:
+      self.record(0, dict(self.evaluate(self.state.params)), None)
 
   def _discover(self, grid: Grid) -> None:
     """Finds which client each connected node holds (QUERY messages to the
@@ -572,7 +514,7 @@ class FedjxStrategy(flwr_strategy.Strategy):
       if num != self.server.num_clients:
         raise ValueError(
             f'fedjx.deploy: node {node} has num-partitions={num}, but the '
-            f'population of config.dataset has {self.server.num_clients} clients; '
+            f'population has {self.server.num_clients} clients; '
             f'start every node with num-partitions={self.server.num_clients} (or '
             f'give the dataset {num} clients).')
       if client in self.nodes and self.nodes[client] != node:
@@ -583,46 +525,27 @@ class FedjxStrategy(flwr_strategy.Strategy):
       if self.lost.pop(client, None) is not None:
         log(INFO, 'fedjx: client %d is back, on node %d.', client, node)
 
-  def close(self) -> None:
-    if self._writer is not None:
-      self._writer.close()
-    if self._ckpt is not None:
-      self._ckpt.close()
-
-
-def _fingerprint(config: Any) -> dict[str, Any]:
-  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
-  return json.loads(json.dumps(config_schema.fingerprint(config)))
-
-
 def _leaves(tree: Any) -> list[np.ndarray]:
-  import jax  # pylint: disable=g-import-not-at-top
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def run_server(grid: Grid, settings: Settings) -> FedjxStrategy:
-  """Runs ``settings.config``'s rounds over the grid's nodes; returns the
-  strategy (its ``state`` and ``history``)."""
-  config = load_config(settings.config, settings.overrides)
-  strategy = FedjxStrategy(rounds.ServerRounds(config), settings.workdir,
-                           timeout=settings.timeout,
-                           min_available_nodes=settings.min_available_nodes,
-                           wait_s=settings.wait_s)
+def run(grid: Grid, strategy: FedjxStrategy, timeout: float) -> FedjxStrategy:
+  """Runs the strategy's rounds (``start_round`` to ``num_rounds - 1``) over
+  the grid's nodes, each waiting ``timeout`` seconds for its clients. While
+  they run, SIGTERM and SIGINT (in the main thread) and the stop file ask
+  the rounds to stop: the round in flight is dropped and
+  :meth:`FedjxStrategy.on_stop` keeps the last complete one. Returns the
+  strategy (its ``state``, ``step`` and ``history``)."""
   try:
     with _signals_stop(strategy):
       strategy.first_rows()
-      remaining = config.rounds - strategy.start_round
+      remaining = strategy.num_rounds - strategy.start_round
       if remaining > 0:
         strategy.start(_WatchedGrid(grid, strategy),
                        ArrayRecord(_arrays(_leaves(strategy.state), 'state-')),
-                       num_rounds=remaining, timeout=settings.timeout)
+                       num_rounds=remaining, timeout=timeout)
   except StopRequested:
-    strategy.save()
-    strategy._clear_stop()  # pylint: disable=protected-access
-    strategy.stopped = True
-    log(WARNING, 'fedjx: stopped; %s holds the checkpoint after round %d (the '
-        'last complete one): the same run resumes from it.',
-        settings.workdir or 'no workdir', strategy.step)
+    strategy.on_stop()
   finally:
     strategy.close()
   return strategy
@@ -668,22 +591,4 @@ def _signals_stop(strategy: FedjxStrategy):
 
 def _unavailable(error: Any) -> bool:
   """Whether a reply's error is the SuperLink's own: the node is offline."""
-  from flwr.common.constant import ErrorCode  # pylint: disable=g-import-not-at-top
   return getattr(error, 'code', None) == ErrorCode.NODE_UNAVAILABLE
-
-
-server_app = ServerApp()
-
-
-@server_app.main()
-def main(grid: Grid, context: Context) -> None:
-  """The ServerApp: a fedjx config's rounds (run config: see the module)."""
-  # absl (imported by fedjx) gives the root logger a handler; Flower's logger
-  # has its own, so its lines would print twice.
-  logging.getLogger('flwr').propagate = False
-  run_server(grid, Settings.from_run_config(context.run_config))
-
-
-# ------------------------------------------------------------------ app
-
-write_app = flower_app.write_app

@@ -1,9 +1,7 @@
-"""A fedjx experiment's rounds as the pieces a deployment runs.
+"""An algorithm's rounds as the pieces a deployment runs, independent of any engine.
 
-The server side (:class:`ServerRounds`) builds the experiment a config
-names, exactly as ``fedjx-run`` does (``fedjx.experiments.experiment.build``:
-the same algorithm, initial model, round keys ``fold_in(round_key, r)`` and
-cohort sampler), and splits its round with ``fedjx.export.split_round`` into
+The server side (:class:`ServerRounds`) splits an algorithm's round with
+``fedjx.export.split_round`` into
 
 * ``server_prepare(state, key) -> (to_clients, placed, residuals)``,
 * ``client_work(to_clients, placed_i, cohort_i) -> outputs_i`` (one client;
@@ -17,24 +15,25 @@ Gaussian aggregator, a compressor's quantization) is client work, so it
 runs on the node; the server receives only ``outputs_i``.
 
 The node side (:class:`NodeData`, :func:`run_client`) needs the data and
-JAX only: a node builds its own client ``c = partition-id`` from the
-:class:`DataSpec` the server sends (the config's dataset, seed and batching)
-with the same builder the config names (``registry.build_dataset``) and the
-same batching as the simulation (``datasets.prefetch.Batching``): client
-``c``'s batches of round ``r`` are the rows of the simulated cohort.
+JAX only: a node holds its own client ``c = partition-id`` of the same
+population, batched as the simulation batches it
+(``datasets.prefetch.Batching``): client ``c``'s batches of round ``r`` are
+the rows of the simulated cohort.
 
 Round ``r`` (from 0) trains the cohort ``CohortSampler(population,
 cohort_size, seed).sample(r)``; its step count ``S`` is computed on the
 server from the clients' example counts (``Batching.steps``), so the server
-builds the dataset too (it reads sizes only to shape the round).
+holds the population too (it reads sizes only to shape the round).
+
+An experiment config's rounds (the algorithm, model and dataset a config
+names, as ``fedjx-run`` builds them) are the experiments layer's
+(``docs/deploy.md``).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -43,73 +42,34 @@ import numpy as np
 from fedjx import datasets
 from fedjx.datasets import prefetch
 from fedjx.deploy import programs
+from fedjx.interpreters import export
 
-__all__ = ['DataSpec', 'NodeData', 'ServerRounds', 'SplitPieces', 'load_config',
-           'run_client']
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSpec:
-  """What a node needs to build its client's batches (plain JSON data).
-
-  Attributes:
-    dataset: ``config.dataset`` (``{'name': ..., **options}``).
-    seed: ``config.seed``: the dataset's seed (if its builder takes one) and
-      the seed of every client's per-round example shuffle.
-    batch_size, num_epochs, num_steps, max_steps, bucket: the config's
-      ``batch_size``, ``local_epochs``, ``local_steps``,
-      ``max_local_steps`` and ``bucket_steps``.
-  """
-
-  dataset: dict[str, Any]
-  seed: int
-  batch_size: int
-  num_epochs: int | None
-  num_steps: int | None
-  max_steps: int | None
-  bucket: bool
-
-  @classmethod
-  def from_config(cls, config: Any) -> 'DataSpec':
-    dataset = config.dataset
-    dataset = dataset.to_dict() if hasattr(dataset, 'to_dict') else dict(dataset)
-    return cls(json.loads(json.dumps(dataset)), int(config.seed),
-               int(config.batch_size), config.local_epochs, config.local_steps,
-               config.max_local_steps, bool(config.bucket_steps))
-
-  def to_json(self) -> str:
-    return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-  @classmethod
-  def from_json(cls, text: str) -> 'DataSpec':
-    return cls(**json.loads(text))
-
-  @property
-  def batching(self) -> prefetch.Batching:
-    return prefetch.Batching(self.batch_size, self.num_epochs, self.num_steps,
-                             self.max_steps, shuffle=True, bucket=self.bucket)
+__all__ = ['NodeData', 'ServerRounds', 'SplitPieces', 'as_shape', 'flat_state',
+           'run_client', 'scalars']
 
 
 class NodeData:
-  """A node's own client: client ``partition_id`` of the spec's training set.
+  """A node's own client: client ``partition_id`` of the training population.
 
   Args:
-    spec: the :class:`DataSpec` the server sent.
+    train: the training population (a ``fedjx.datasets`` federated dataset),
+      built on the node exactly as the server built it.
+    batching: the batching of the simulated rounds (``datasets.prefetch.Batching``).
+    seed: the seed of every client's per-round example shuffle.
     partition_id: the node's ``partition-id`` (its client id).
     num_partitions: the node's ``num-partitions``; it must equal the
       population size, so that node and server number the same clients.
   """
 
-  def __init__(self, spec: DataSpec, partition_id: int, num_partitions: int):
-    from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
-    self.spec = spec
-    self.train = registry.build_dataset(spec.dataset, spec.seed).train
+  def __init__(self, train: Any, batching: prefetch.Batching, seed: int,
+               partition_id: int, num_partitions: int):
+    self.train, self.batching, self.seed = train, batching, int(seed)
     n = self.train.num_clients
     if int(num_partitions) != n:
       raise ValueError(
-          f'node config num-partitions={num_partitions}, but dataset '
-          f'{spec.dataset.get("name")!r} has {n} training clients; give every '
-          f'node num-partitions={n} (or set the dataset to {num_partitions} clients).')
+          f'node config num-partitions={num_partitions}, but the dataset has {n} '
+          f'training clients; give every node num-partitions={n} (or set the '
+          f'dataset to {num_partitions} clients).')
     if not 0 <= int(partition_id) < n:
       raise ValueError(f'node config partition-id={partition_id}; it must be '
                        f'in [0, {n}) (num-partitions={n}).')
@@ -118,14 +78,17 @@ class NodeData:
   def inputs(self, round_num: int, steps: int) -> list[np.ndarray]:
     """The flat leaves of this client's row of round ``round_num``'s cohort
     (``batches``, ``mask``, ``num_examples``, ``client_ids``), ``S = steps``."""
-    cohort = self.spec.batching.cohort(self.train, [self.partition_id],
-                                       self.spec.seed, round_num, steps=steps)
+    cohort = self.batching.cohort(self.train, [self.partition_id], self.seed,
+                                  round_num, steps=steps)
     return [np.asarray(x)[0] for x in jax.tree.leaves(cohort)]
 
 
 def run_client(program: programs.Program, to_clients: Sequence[Any],
                placed: Sequence[Any], inputs: Sequence[Any]) -> list[np.ndarray]:
   """Runs ``client_work`` on one client: ``outputs_i`` as NumPy arrays.
+
+  64-bit NumPy inputs are taken as JAX takes them (int32 and float32
+  without ``jax_enable_x64``).
 
   Raises:
     ValueError: the arrays do not have the shapes and dtypes the program
@@ -137,7 +100,7 @@ def run_client(program: programs.Program, to_clients: Sequence[Any],
     raise ValueError(f'fedjx.deploy: client_work takes {len(avals)} arrays, got '
                      f'{len(args)} ({len(to_clients)} from the server, '
                      f'{len(placed)} placed, {len(inputs)} of local data).')
-  args = [as_shape(a, aval.shape) for a, aval in zip(args, avals)]
+  args = [_as_exported(as_shape(a, aval.shape), aval) for a, aval in zip(args, avals)]
   for i, (a, aval) in enumerate(zip(args, avals)):
     got = (tuple(np.shape(a)), np.dtype(np.asarray(a).dtype))
     if got != (tuple(aval.shape), np.dtype(aval.dtype)):
@@ -145,6 +108,14 @@ def run_client(program: programs.Program, to_clients: Sequence[Any],
                        f'{got}; the program was exported for '
                        f'{(tuple(aval.shape), np.dtype(aval.dtype))}.')
   return [np.asarray(o) for o in program.exported.call(*args)]
+
+
+def _as_exported(x: np.ndarray, aval: Any) -> np.ndarray:
+  """``x`` in the aval's dtype when JAX would have converted it so (NumPy's
+  int64 and float64 are int32 and float32 without ``jax_enable_x64``)."""
+  if x.dtype != aval.dtype and jax.dtypes.canonicalize_dtype(x.dtype) == aval.dtype:
+    return x.astype(aval.dtype)
+  return x
 
 
 def as_shape(x: Any, shape: Sequence[int]) -> np.ndarray:
@@ -168,34 +139,31 @@ class SplitPieces:
 
 
 class ServerRounds:
-  """The server's side of an experiment's deployed rounds.
+  """The server's side of an algorithm's deployed rounds.
+
+  Round ``r`` trains the cohort ``CohortSampler(train, cohort_size,
+  seed).sample(r)`` with the round key ``key_for(r)``, as a simulation of
+  the same algorithm does. Algorithms that collect per-client values
+  (per-client state, as SCAFFOLD) are refused by :meth:`pieces`.
 
   Args:
-    config: an experiment config (``ml_collections.ConfigDict``), as
-      ``fedjx-run`` takes it. Synchronous algorithms with uniform cohort
-      sampling are supported; asynchronous algorithms, ``config.systems``,
-      ``config.sampling`` and algorithms that collect per-client values
-      (per-client state, as SCAFFOLD) are refused with an error naming the
-      field.
+    algorithm: a ``fedjx.algorithms.Algorithm`` (its ``init`` and ``apply``).
+    params: the initial model.
+    train: the training population (a ``fedjx.datasets`` federated dataset).
+    batching: the clients' batching (``datasets.prefetch.Batching``).
+    cohort_size: clients a round.
+    seed: the cohort sampler's seed and every client's shuffle seed.
+    key_for: ``r -> key`` of round ``r``.
+    name: the algorithm's name, for errors.
   """
 
-  def __init__(self, config: Any):
-    from fedjx.experiments import config as config_lib  # pylint: disable=g-import-not-at-top
-    from fedjx.experiments import experiment  # pylint: disable=g-import-not-at-top
-    self.config = config_lib.validate(config)
-    self.exp = experiment.build(self.config)
-    exp = self.exp
-    for field, value in (('systems', exp.systems), ('sampling', exp.sampler),
-                         ('algorithm (asynchronous)', exp.scheduler)):
-      if value is not None:
-        raise ValueError(
-            f'fedjx.deploy: config.{field} is set; deployed rounds sample '
-            'cohorts uniformly (CohortSampler) from the nodes that are '
-            'connected, and their failures are real ones: unset it.')
-    self.spec = DataSpec.from_config(self.config)
-    self.train = exp.data.train
-    self.sampler = datasets.CohortSampler(self.train, self.config.cohort_size,
-                                          self.config.seed)
+  def __init__(self, algorithm: Any, params: Any, train: Any,
+               batching: prefetch.Batching, *, cohort_size: int, seed: int,
+               key_for: Callable[[int], jax.Array], name: str = 'algorithm'):
+    self.algorithm, self.params, self.train = algorithm, params, train
+    self.batching, self.cohort_size, self.seed = batching, int(cohort_size), int(seed)
+    self.key_for, self.name = key_for, name
+    self.sampler = datasets.CohortSampler(train, self.cohort_size, self.seed)
     self._pieces: dict[int, SplitPieces] = {}
 
   @property
@@ -204,26 +172,24 @@ class ServerRounds:
     return self.train.num_clients
 
   def initial_state(self) -> Any:
-    return self.exp.algorithm.init(self.exp.init_params)
+    return self.algorithm.init(self.params)
 
   def cohort(self, round_num: int) -> tuple[np.ndarray, int]:
     """``(client ids, S)`` of round ``round_num``."""
     ids = self.sampler.sample(round_num)
-    return ids, self.spec.batching.steps(self.train, ids)
+    return ids, self.batching.steps(self.train, ids)
 
   def pieces(self, state: Any, steps: int) -> SplitPieces:
     """The round split for cohorts of ``steps`` steps (exported once per ``S``)."""
     if steps not in self._pieces:
-      from fedjx.interpreters import export  # pylint: disable=g-import-not-at-top
       ids = self.sampler.sample(0)
-      one = self.spec.batching.cohort(self.train, ids[:1], self.spec.seed, 0,
-                                      steps=steps)
-      size = self.config.cohort_size
+      one = self.batching.cohort(self.train, ids[:1], self.seed, 0, steps=steps)
+      size = self.cohort_size
       cohort = jax.tree.map(
           lambda x: jax.ShapeDtypeStruct((size,) + np.shape(x)[1:], np.asarray(x).dtype),
           one)
-      key = jax.random.key_data(self.exp.round_key_for(0))
-      algorithm = self.exp.algorithm
+      key = jax.random.key_data(self.key_for(0))
+      algorithm = self.algorithm
 
       def apply(state, cohort, key_data):
         return algorithm.apply(state, cohort, jax.random.wrap_key_data(key_data))
@@ -232,7 +198,7 @@ class ServerRounds:
       collected = [a for a in split.aggregations if a.op == 'collect']
       if collected:
         raise ValueError(
-            f'fedjx.deploy: algorithm {self.config.algorithm.name!r} collects '
+            f'fedjx.deploy: algorithm {self.name!r} collects '
             'per-client values (per-client state); deployed rounds aggregate '
             "with 'sum', 'mean' and 'weighted_mean' only.")
       self._pieces[steps] = SplitPieces(
@@ -243,7 +209,7 @@ class ServerRounds:
               ) -> tuple[list[np.ndarray], list[np.ndarray], list[Any]]:
     """``server_prepare``: ``(to_clients, placed, residuals)``, NumPy for the
     first two (they go on the wire)."""
-    key = jax.random.key_data(self.exp.round_key_for(round_num))
+    key = jax.random.key_data(self.key_for(round_num))
     to_clients, placed, residuals = pieces.split.prepare(
         list(jax.tree.leaves(state)) + [key])
     return ([np.asarray(x) for x in to_clients], [np.asarray(x) for x in placed],
@@ -262,29 +228,6 @@ class ServerRounds:
     outs = pieces.split.server_update.call(*residuals, *aggregates)
     state, metrics = jax.tree.unflatten(pieces.split.out_tree, list(outs))
     return state, metrics
-
-
-def _literal(text: str) -> Any:
-  try:
-    return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return text
-
-
-def load_config(spec: str, overrides: str = '') -> Any:
-  """The fedjx config of file ``spec`` with ``overrides`` (``"a.b=v c=w"``,
-  each value a Python literal, else a string) set, validated."""
-  from fedjx.experiments import cli  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import config as config_lib  # pylint: disable=g-import-not-at-top
-  config = cli.load_config_file(spec)
-  extras = []
-  for item in overrides.split():
-    path, sep, value = item.partition('=')
-    if not sep or not path:
-      raise ValueError(f'fedjx.deploy: override {item!r} is not '
-                       "'path=value' (e.g. 'rounds=3 dataset.num_clients=3').")
-    extras.append((tuple(path.split('.')), _literal(value)))
-  return config_lib.validate(cli.apply_overrides(config, extras))
 
 
 def flat_state(state: Any) -> list[np.ndarray]:

@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import source_info_util  # No public API reads an eqn's frames.
 from jax.extend import core as jex_core
 
 from fedjx import frames
@@ -585,7 +586,6 @@ def _where(eqn, depth: int = 3) -> str:
   """`` at file:line (function) <- ...``: the innermost frames (outside JAX)
   of the code that made ``eqn``, so an error names what the user wrote."""
   try:
-    from jax._src import source_info_util  # No public API reads an eqn's frames.
     frames = [f for f in source_info_util.user_frames(eqn.source_info.traceback)
               if not f.file_name.startswith(_PACKAGE_DIR)][:depth]
   except Exception:  # pragma: no cover - a JAX without it

@@ -2,8 +2,8 @@
 
 A Flower App is a directory with a ``pyproject.toml`` naming its ServerApp
 and ClientApp; ``flwr run`` packs it (a FAB) and the SuperLink hands it to
-the server and the nodes, which load ``fedjx.deploy.flower`` from the fedjx
-installed there. This module imports neither JAX nor Flower, so launchers
+the server and the nodes, which load :mod:`fedjx.experiments.deploy.apps`
+from the fedjx installed there. This module imports neither JAX nor Flower, so launchers
 can write the App before anything heavy starts.
 """
 
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+from importlib import metadata
 from typing import Any
 
 __all__ = ['RUN_CONFIG_DEFAULTS', 'write_app']
 
-# The ServerApp's run config and its defaults (fedjx.deploy.flower.Settings).
+# The ServerApp's run config and its defaults (fedjx.experiments.deploy.apps.Settings).
 RUN_CONFIG_DEFAULTS = {'config': '', 'overrides': '', 'workdir': '',
                        'timeout': 120.0, 'wait-s': 120.0,
                        'min-available-nodes': 0}
@@ -38,8 +39,8 @@ dependencies = []
 publisher = "fedjx"
 
 [tool.flwr.app.components]
-serverapp = "fedjx.deploy.flower:server_app"
-clientapp = "fedjx.deploy.flower:client_app"
+serverapp = "fedjx.experiments.deploy.apps:server_app"
+clientapp = "fedjx.experiments.deploy.apps:client_app"
 
 [tool.flwr.app.config]
 {config}
@@ -47,7 +48,6 @@ clientapp = "fedjx.deploy.flower:client_app"
 
 
 def _version() -> str:
-  from importlib import metadata  # pylint: disable=g-import-not-at-top
   try:
     return metadata.version('fedjx')
   except metadata.PackageNotFoundError:

@@ -12,10 +12,10 @@ workdir): a mistake is one line on stderr naming the argument, its value and
 what is allowed, exit status 2, and no process has been started. Then it
 starts a Flower SuperLink and ``--nodes`` SuperNodes on 127.0.0.1
 (:class:`fedjx.deploy.local.LocalFederation`), submits the fedjx Flower App
-with ``flwr run``, and shows the rounds as ``fedjx-run`` does: a progress
-bar with the training loss and the evaluation accuracy, the ServerApp's
-warnings (a lost node, a failed client) above it, and the last round's
-evaluation at the end.
+(:mod:`fedjx.experiments.deploy.apps`) with ``flwr run``, and shows the
+rounds as ``fedjx-run`` does: a progress bar with the training loss and the
+evaluation accuracy, the ServerApp's warnings (a lost node, a failed client)
+above it, and the last round's evaluation at the end.
 
 SIGTERM or Ctrl-C asks the ServerApp to stop (``workdir/deploy.stop``): it
 drops the round in flight and saves a checkpoint of the last complete one;
@@ -40,8 +40,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedjx import _install
-from fedjx.deploy import flower_app
 from fedjx.deploy import local
+from fedjx.experiments import metrics_writers
+from fedjx.experiments import workdir as workdir_lib
+from fedjx.experiments.deploy import app_dir
 
 __all__ = ['main', 'parse_args', 'validate']
 
@@ -135,7 +137,6 @@ def validate(args: argparse.Namespace) -> Any:
   if not os.path.isfile(path):
     raise UsageError(f'--config={args.config}: no such file (give a config file, '
                      'e.g. configs/fedavg_digits.py).')
-  from fedjx.experiments import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   try:
     workdir_lib.check(args.workdir)
   except workdir_lib.WorkdirError as e:
@@ -147,16 +148,16 @@ def validate(args: argparse.Namespace) -> Any:
   if args.simulation and importlib.util.find_spec('ray') is None:
     raise UsageError("--simulation needs Flower's simulation engine, which runs "
                      "on Ray: pip install 'flwr[simulation]'.")
-  from fedjx.deploy import rounds  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments.deploy import config_rounds  # deferred: usage errors before JAX
   try:
-    config = rounds.load_config(args.config, args.overrides)
+    config = config_rounds.load_config(args.config, args.overrides)
   except Exception as e:  # pylint: disable=broad-except
     where = f'--overrides={args.overrides!r}' if args.overrides else f'--config={args.config}'
     raise UsageError(f'{where}: {_one_line(e)}') from None
   quiet = config.copy_and_resolve_references()
   quiet.progress = False  # Validation shows no bars of its own.
   try:
-    server = rounds.ServerRounds(quiet)
+    server = config_rounds.ExperimentRounds(quiet)
     server.pieces(server.initial_state(), server.cohort(0)[1])
   except ValueError as e:
     raise UsageError(f'--config={args.config}: {_one_line(e)}') from None
@@ -192,7 +193,7 @@ class Progress:
   workdir (its metrics) and log (the ServerApp's warnings)."""
 
   def __init__(self, config: Any, workdir: str, run_log: str):
-    from fedjx.experiments import loop  # pylint: disable=g-import-not-at-top
+    from fedjx.experiments import loop  # deferred: usage errors before JAX
     self.config, self.workdir, self.run_log = config, workdir, run_log
     self.rows: dict[int, dict[str, Any]] = {}
     self._log_at = 0
@@ -204,7 +205,6 @@ class Progress:
   def poll(self) -> None:
     """Shows the rounds written since the last call."""
     self._lines()
-    from fedjx.experiments import metrics_writers  # pylint: disable=g-import-not-at-top
     try:
       rows = {int(r['round']): r for r in metrics_writers.read_metrics(self.workdir)}
     except (OSError, ValueError):
@@ -214,7 +214,7 @@ class Progress:
     self.rows.update(rows)
 
   def _after(self, step: int, row: dict[str, Any]) -> None:
-    from fedjx.experiments import run_trainer  # pylint: disable=g-import-not-at-top
+    from fedjx.experiments import run_trainer  # deferred: usage errors before JAX
     self._last.update(row)  # As fedjx-run: the newest value of each metric.
     last = self._last
     postfix = {'loss': run_trainer._train_loss(last)}  # pylint: disable=protected-access
@@ -298,7 +298,7 @@ def _deploy(args: argparse.Namespace, config: Any) -> int:
   home = os.path.abspath(args.home or tempfile.mkdtemp(prefix='fedjx-flower-'))
   workdir = os.path.abspath(args.workdir)
   os.makedirs(workdir, exist_ok=True)
-  app = flower_app.write_app(
+  app = app_dir.write_app(
       os.path.join(home, 'app'), config=_absolute_config(args.config),
       overrides=args.overrides, workdir=workdir, timeout=args.timeout,
       wait_s=args.wait)
