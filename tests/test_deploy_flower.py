@@ -435,7 +435,7 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_model(tmp_path, task_identit
   one row per round."""
   import signal  # pylint: disable=g-import-not-at-top
   config_file = os.path.join(REPO, 'configs', 'fedavg_digits.py')
-  settings = lambda w: apps.Settings(config_file, GRID_RUN, w, timeout=30.0,
+  settings = lambda w: apps.Settings(config_file, GRID_RUN, w, timeout=300.0,
                                        wait_s=0.0)
   whole = apps.run_server(InProcessGrid(3), settings(str(tmp_path / 'whole')))
   workdir = str(tmp_path / 'stopped')
@@ -455,7 +455,7 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_model(tmp_path, task_identit
     assert stopped.stopped and stopped.step == round_num
     assert runner.load_state(workdir)[1] == round_num  # The last complete round.
     assert max(_rows(workdir)) == round_num
-  assert time.monotonic() - t0 < 25  # Not the 30 s timeout of a round.
+  assert time.monotonic() - t0 < 150  # Not the 300 s timeout of a round.
   resumed = apps.run_server(InProcessGrid(3), settings(workdir))
   assert not resumed.stopped and resumed.start_round == 2
   for got, want in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(whole.state)):
@@ -489,7 +489,7 @@ def test_a_stop_file_stops_the_run_and_a_stale_one_does_not(tmp_path, task_ident
 def test_a_lost_node_is_detected_once_and_not_waited_for(tmp_path, task_identity):
   """Node 102 disconnects while round 1 waits for it: round 1 ends at once
   with the two others, and rounds 2 and 3 neither send to it nor wait for
-  it (wait-s and the timeout are 60 s each here; before, every later round
+  it (wait-s and the timeout are 300 s each here; before, every later round
   waited the whole wait-s for a third node)."""
   def on_train(grid, msg):
     if _round_of(msg) == 1 and msg.metadata.dst_node_id == 102:
@@ -502,8 +502,8 @@ def test_a_lost_node_is_detected_once_and_not_waited_for(tmp_path, task_identity
   t0 = time.monotonic()
   apps.run_server(InProcessGrid(3, on_train=on_train), apps.Settings(
       os.path.join(REPO, 'configs', 'fedavg_digits.py'), overrides, workdir,
-      timeout=60.0, wait_s=60.0))
-  assert time.monotonic() - t0 < 40
+      timeout=300.0, wait_s=300.0))
+  assert time.monotonic() - t0 < 150  # Not one wait-s per round.
   rows, details = _rows(workdir), _details(workdir)
   assert [rows[s]['deploy_nodes_lost'] for s in (1, 2, 3, 4)] == [0, 1, 0, 0]
   assert [rows[s]['deploy_nodes'] for s in (1, 2, 3, 4)] == [3, 2, 2, 2]

@@ -359,12 +359,13 @@ def test_a_coordinator_port_taken_is_one_line_from_process_1_in_bounded_time(tmp
     start = time.monotonic()
     out = subprocess.run([sys.executable, *_cli(tmp_path / 'w'),
                           '--config.coordinator_timeout_s=3'], env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=280)
     took = time.monotonic() - start
   lines = out.stderr.strip().splitlines()
   assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
   assert f'port {port} of localhost is taken' in lines[0]
   assert 'choose another port in --config.coordinator_address' in lines[0]
   assert 'stop the program holding it' in lines[0]
-  # Start-up (imports, flags) plus the 3 s wait; JAX alone would wait 300 s.
-  assert took < 20, took
+  # Start-up (imports, flags: seconds, more on a loaded machine) plus the
+  # 3 s wait; JAX alone would wait 300 s.
+  assert took < 150, took
