@@ -196,3 +196,16 @@ def test_diloco_round_holds_the_replicas_states_once():
   assert large < states_large, (large, states_large)
   # The new states reuse the donated ones.
   assert alias_large >= states_large, (alias_large, states_large)
+
+
+def test_a_round_that_does_not_fit_names_the_rows_it_keeps():
+  from fedjx import execution
+  state = _diloco(4).init({'w': jnp.zeros((1 << 20,), jnp.float32),
+                           'b': jnp.zeros((), jnp.float32)})
+  # AdamW's two moments of 2^20 + 1 floats per replica, 4 replicas.
+  rows = 4 * 2 * ((1 << 20) + 1) * 4 + 4 * 4  # + the int32 step counts
+  text = execution.round_settings(state)
+  assert text.startswith(f'the state keeps {rows / 1e9:.2f} GB of per-client rows')
+  assert 'config.cohort_size' in text and text.endswith(execution.ROUND_SETTINGS)
+  assert execution.round_settings(state._replace(client_states=())) == (
+      execution.ROUND_SETTINGS)
