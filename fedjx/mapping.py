@@ -576,8 +576,6 @@ def _check_rows(rows: Any) -> tuple[list[Any], Any, jax.Array, jax.Array | None]
   if not isinstance(rows, Rows):
     raise ValueError(f'fedjx.map_fn: rows={rows!r} must be a fedjx.mapping.Rows.')
   leaves, tree = jax.tree.flatten(rows.store)
-  if not leaves:
-    raise ValueError('fedjx.map_fn: rows.store has no arrays.')
   sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
   if len(sizes) != 1 or None in sizes:
     raise ValueError('fedjx.map_fn: the leaves of rows.store must share a '
@@ -717,6 +715,12 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   """
   p, frame = frames.lookup(placement, 'map_fn')
   num_rows = 0
+  if isinstance(rows, Rows) and not jax.tree.leaves(rows.store):
+    # No arrays in the rows (an optimizer without state): nothing to read or write.
+    empty = rows.store
+    out = map_fn(lambda *a: fn(empty, *a)[1], args, placement=placement,
+                 mesh=mesh, strategy=strategy, chunk_size=chunk_size, cost=cost)
+    return empty, out
   if rows is not None:
     # The members' rows stand in the args as shapes until the strategy says
     # whether they are gathered or read in place.
