@@ -731,7 +731,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
         for x in store_leaves])
     user_fn = fn
 
-    def _written_back(out):
+    def written_back(out):
       new, stacked = out
       return store_tree.unflatten(_scattered_rows(
           store_leaves, row_ids, _row_leaves(new, store_tree), row_write)), stacked
@@ -854,7 +854,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
         placed[num_rows:] if in_place else placed, [shared[i] for i in keys], n,
         record_k, p.name, cost=record_cost, devices=spread, sort=sort,
         rows=(store_leaves, row_ids, row_write) if in_place else None)
-    return out if in_place or not num_rows else _written_back(out)
+    return out if in_place or not num_rows else written_back(out)
   if in_place:
     def mapped_rows(store, ids, write, placed, shared):
       def one(row, a):
@@ -867,7 +867,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     return jax.jit(mapped_rows)(store_leaves, row_ids, row_write,
                                 placed[num_rows:], shared)
   out = jax.jit(mapped)(placed, shared, cost)
-  return _written_back(out) if num_rows else out
+  return written_back(out) if num_rows else out
 
 
 def _row_leaves(row: Any, tree: Any) -> list[Any]:
