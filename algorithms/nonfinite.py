@@ -82,6 +82,8 @@ class Clients(NamedTuple):
   Attributes:
     update, stats, extra, state: as in :class:`ClientOutput`, stacked over
       clients (placed); a skipped client's are zero (``state``: the previous).
+      With ``rows`` (:func:`map_clients`), ``state`` is the store with the
+      cohort's new rows written in.
     weights: the placed aggregation weights ``w_i`` (0 for skipped clients).
     num_examples: the placed ``n_i`` (0 for skipped clients).
     weighted_update: when guarded, the placed ``w_i Delta_i`` (else None).
@@ -172,7 +174,8 @@ def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
                 skip_nonfinite: bool, encode: Callable[..., tuple] | None = None,
                 encode_hparams: Mapping[str, jax.Array] | None = None,
                 check_encoded: bool = False,
-                encode_inputs: Mapping[str, Any] | None = None) -> Clients:
+                encode_inputs: Mapping[str, Any] | None = None,
+                rows: Any = None) -> Clients:
   """``fedjx.map_fn(client_fn, args)``, guarded if ``skip_nonfinite``.
 
   Args:
@@ -191,7 +194,12 @@ def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
     encode_inputs: placed per-client values ``encode`` reads in its
       ``hparams`` beside the broadcast ones (e.g. a compressor's per-client
       random key, its error-feedback residual).
+    rows: the clients' stored state, a :class:`fedjx.mapping.Rows` (or
+      None): ``client_fn`` takes its row first, and the map writes each
+      client's new ``state`` into the store (in place when clients run one
+      at a time); ``Clients.state`` is then the new store.
   """
+  given = len(args)
   if encode is not None:
     if encode_hparams or encode_inputs:
       client_fn = _encoding(client_fn, encode, None, check_encoded)
@@ -202,18 +210,39 @@ def map_clients(client_fn: Callable[..., ClientOutput], args: tuple,
       client_fn = _encoding(client_fn, encode, {}, check_encoded)
       args = (weights,) + tuple(args)
   if not skip_nonfinite:
-    out = fedjx.map_fn(client_fn, args)
+    out = _map(client_fn, args, given, rows, lambda o: o.state,
+               lambda o: o._replace(state=()))
     return Clients(out.update, out.stats, out.extra, out.state, weights,
                    num_examples, encoded=out.encoded)
   # Weights that are the counts themselves (w_i = n_i) go in once.
   same = weights is num_examples
   (update, weighted, stats, extra, state, w, n, skipped,
-   scalars, encoded) = fedjx.map_fn(
+   scalars, encoded) = _map(
        _guarded(client_fn, same),
-       ((weights,) if same else (weights, num_examples)) + tuple(args))
+       ((weights,) if same else (weights, num_examples)) + tuple(args), given,
+       rows, lambda o: o[4], lambda o: o[:4] + ((),) + o[5:])
   totals = fedjx.reduce_sum(scalars)
   return Clients(update, stats, extra, state, w, n, weighted, totals, skipped,
                  encoded)
+
+
+def _map(fn: Callable[..., Any], args: tuple, given: int, rows: Any,
+         new_row: Callable[[Any], Any], without_row: Callable[[Any], Any]) -> Any:
+  """``fedjx.map_fn(fn, args)``; with ``rows``, each client's row goes to
+  ``fn`` before the last ``given`` args (the client function's), and
+  ``new_row(out)`` into the store, which takes its place in the result."""
+  if rows is None:
+    return fedjx.map_fn(fn, args)
+  lead = len(args) - given  # The wrappers' own args (weights, ...).
+
+  def with_row(row, *a):
+    out = fn(*a[:lead], row, *a[lead:])
+    return new_row(out), without_row(out)
+
+  store, out = fedjx.map_fn(with_row, args, rows=rows)
+  if isinstance(out, ClientOutput):
+    return out._replace(state=store)
+  return out[:4] + (store,) + out[5:]
 
 
 def _divide(total: jax.Array, weight: jax.Array) -> jax.Array:

@@ -16,7 +16,9 @@ its steps. :func:`algorithm` owns that round::
     metrics: the clients' pooled statistics, nonfinite_clients,
         pseudo_grad_norm, the aggregator's and the hook's, communicated_bytes,
         per-client [C] metrics (client_metrics=True)
-    rows out: the cohort's new client states
+    rows out: the cohort's new client states (rows kept in the server
+        state are read and written inside the map: in place when clients
+        run one at a time, fedjx.mapping.Rows)
 
 An algorithm supplies only its hooks: what a client does (``client``, FedAvg's
 local steps and ``Delta_i = x - y_i`` by default), what the server does with
@@ -36,6 +38,7 @@ the model the clients train) write their round by hand with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -441,10 +444,9 @@ def algorithm(name: str, loss_fn: base.LossFn, options: Options, *,
         extras=() if extras is None else extras(params),
         client_states=rows_init)
 
-  def one_client(x, hp, *rest):
+  def one_client(row, x, hp, *rest):  # row: () without client state.
     rest = list(rest)
     sent = rest.pop(0) if prepare is not None else ()
-    row = rest.pop(0) if rows is not None else ()
     batches, mask = rest
     up = client(Client(x, hp, sent, row, batches, mask,
                        trainer(loss_fn, options, x, hp, batches, mask)))
@@ -458,19 +460,24 @@ def algorithm(name: str, loss_fn: base.LossFn, options: Options, *,
   def round_fn(state, cohort, key):
     hp = state.hparams
     ids = jnp.asarray(cohort.client_ids, jnp.int32)
+    real = cohort.num_examples > 0
     args = [fedjx.broadcast(state.params), fedjx.broadcast(hp)]
     sent = ()
     if prepare is not None:
       sent = prepare(state, cohort)
       args.append(fedjx.broadcast(sent))
-    if dense:
-      args.append(base.gather_clients(state.client_states, ids))
+    client_fn, stored = one_client, None
+    if dense:  # Each client's row read and written in the map (in place
+      # when clients run one at a time), a padding client's never written.
+      stored = fedjx.mapping.Rows(state.client_states, ids, real)
     elif rows is not None:
-      args.append(cohort.client_states)
+      args.insert(0, cohort.client_states)
+    else:
+      client_fn = functools.partial(one_client, ())
     clients = aggregators.map_clients(
-        aggregator, hp, one_client, (*args, cohort.batches, cohort.mask),
+        aggregator, hp, client_fn, (*args, cohort.batches, cohort.mask),
         cohort.num_examples, options.weighting, options.skip_nonfinite,
-        aggregator_state=state.aggregator_state, client_ids=ids)
+        aggregator_state=state.aggregator_state, client_ids=ids, rows=stored)
     extra, per_client = clients.extra
     clients = clients._replace(extra=extra)
     delta, agg_state, agg_metrics = aggregators.aggregate(
@@ -489,11 +496,7 @@ def algorithm(name: str, loss_fn: base.LossFn, options: Options, *,
     metrics['communicated_bytes'] = aggregators.upload_bytes(
         aggregator, shaped(state.params), metrics['clients'], agg_metrics)
     metrics.update(per_client)  # Per-client [C] metrics, if asked.
-    real = cohort.num_examples > 0
-    client_states = state.client_states
-    if dense:
-      client_states = base.scatter_clients(client_states, ids, clients.state,
-                                           real)
+    client_states = clients.state if dense else state.client_states
     new = state._replace(
         params=params, opt_state=opt_state, round_index=state.round_index + 1,
         aggregator_state=agg_state,

@@ -84,6 +84,20 @@ ROUND_SETTINGS = ("lower config.batch_size or config.cohort_size, rematerialize 
 """What to change when a round does not fit (in a config's terms)."""
 
 
+def round_settings(state: Any) -> str:
+  """:data:`ROUND_SETTINGS`, led by the per-client rows a server state keeps
+  (``state.client_states``, e.g. DiLoCo's replicas' inner optimizer states:
+  held on the device whole) when it keeps any."""
+  rows = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(getattr(state, 'client_states', ())))
+  if not rows:
+    return ROUND_SETTINGS
+  return (f'the state keeps {rows / 1e9:.2f} GB of per-client rows '
+          "(state.client_states): lower config.cohort_size (fewer replicas per device) "
+          "or give config.mesh a 'clients' axis over more devices; or "
+          + ROUND_SETTINGS)
+
+
 def streaming_chunk(client_bytes: int, num_clients: int) -> int:
   """Clients per streamed chunk when none is given: ``STREAMING_CHUNK_BYTES``
   of client data, at least ``DEFAULT_STREAMING_CHUNK`` clients, at most the
@@ -156,7 +170,7 @@ class RoundRunner:
     if shape not in self._streams:
       compiled = compile_to_fit(
           self.algorithm.round.lower(jax.tree.map(_spec, state), spec, _spec(key)),
-          'the round', ROUND_SETTINGS)
+          'the round', round_settings(state))
       analysis = compiled.memory_analysis()
       planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes -
                     analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)

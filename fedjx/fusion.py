@@ -88,10 +88,17 @@ class MapSpec:
       one per device of the mesh axis named after the placement
       (:func:`fedjx.mapping.device_blocks`); ``k`` and the chunks are then
       each block's. None otherwise.
+    num_rows: the leaves of a store of per-member rows updated in place
+      (:class:`fedjx.mapping.Rows`, members one at a time): the operands
+      after the constants are the store's leaves, the ids (and the write
+      flags, with ``write``); the member takes its row's leaves first and
+      gives its new row's first, and the map's first outputs are the new
+      store. 0 without one.
+    write: whether the store's rows come with write flags.
   """
 
   def __init__(self, jaxpr, num_consts, num_placed, n, k, placement, out_avals,
-               by_cost=False, devices=None, sort=False):
+               by_cost=False, devices=None, sort=False, num_rows=0, write=False):
     self.jaxpr = jaxpr
     self.num_consts = num_consts
     self.num_placed = num_placed
@@ -102,6 +109,8 @@ class MapSpec:
     self.by_cost = by_cost
     self.devices = devices
     self.sort = sort
+    self.num_rows = num_rows
+    self.write = write
     self.alone = None  # The member's jaxpr outside a chunk, for chunks of 1.
     self.num_alone_consts = 0
 
@@ -175,14 +184,22 @@ class Recorder:
 
   def record(self, fn: Callable[[list, list], Any], placed: Sequence[Any],
              shared: Sequence[Any], n: int, k: int, placement: str,
-             cost: Any = None, devices: Any = None, sort: bool = False) -> Any:
+             cost: Any = None, devices: Any = None, sort: bool = False,
+             rows: Any = None) -> Any:
     """Traces ``fn(placed_member, shared)`` once and binds the opaque map
     (whose chunks are formed from ``cost``, each member's, when given:
     sorted by it with ``sort``; run in one block per device when
-    ``devices`` is ``(mesh, d)``)."""
+    ``devices`` is ``(mesh, d)``). With ``rows``, ``(store leaves, ids,
+    write)`` of a store updated in place (one member at a time, ``k = 1``):
+    ``fn`` takes the member's row leaves before its placed values and
+    returns ``(new_row, out)``, and the map returns ``(new store, out)``."""
+    store, ids, write = rows if rows is not None else ([], None, None)
+    if rows is not None and (k != 1 or cost is not None or devices is not None):
+      raise ValueError('Recorder.record: rows are updated in place one member '
+                       'at a time only (k = 1, no cost, no device blocks).')
     member = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x),
                                    weak_type=jax.typeof(x).weak_type)
-              for x in placed]
+              for x in list(store) + list(placed)]
     # Traced as one member of a chunk of k (vmapped on the chunk's axis when
     # run), so mapping.any_in_chunk sees the axis it reduces over.
     axis = chunk_axis_name(placement) if k > 1 else None
@@ -213,15 +230,21 @@ class Recorder:
     out_avals = [jax.core.ShapedArray((n,) + s.shape, s.dtype,
                                       weak_type=getattr(s, 'weak_type', False))
                  for s in out_leaves]
+    for j, x in enumerate(store):  # The new store, where the new rows go.
+      out_avals[j] = jax.core.ShapedArray(jnp.shape(x), jnp.result_type(x))
     spec = MapSpec(closed.jaxpr, len(closed.consts), len(placed), n, k, placement,
                    out_avals, by_cost=cost is not None, devices=devices,
-                   sort=sort and cost is not None)
+                   sort=sort and cost is not None, num_rows=len(store),
+                   write=write is not None)
     extra = [] if cost is None else [cost]
     if cost is not None and axis and not sort:
       spec.alone = alone.jaxpr
       spec.num_alone_consts = len(alone.consts)
       extra = list(alone.consts) + extra
-    outs = fusable_map_p.bind(*closed.consts, *placed, *shared, *extra, spec=spec)
+    row_operands = [] if rows is None else [*store, ids] + (
+        [] if write is None else [write])
+    outs = fusable_map_p.bind(*closed.consts, *row_operands, *placed, *shared,
+                              *extra, spec=spec)
     return jax.tree.unflatten(out_tree, outs)
 
 
@@ -321,6 +344,9 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     outs = list(eqn.outvars)
     found, keep = [], []
     for j, o in enumerate(outs):
+      if j < spec.num_rows:  # The new store of rows updated in place.
+        keep.append(j)
+        continue
       fused = _fusable_uses(jaxpr.eqns, o, uses, returned, spec, outs,
                             known, layout_of)
       if fused is None:
@@ -495,6 +521,8 @@ def _run_here(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction
               keep: Sequence[int]) -> tuple[list[Any], list[Any]]:
   """The loop of :func:`run` on this device: the stacked outputs ``keep``
   and each reduction's carried sums (``(S,)`` or ``(S, W)``)."""
+  if spec.num_rows:
+    return _run_rows(spec, operands, fused, keep)
   c, p = spec.num_consts, spec.num_placed
   cost = operands[-1] if spec.by_cost else None
   operands = operands[:-1] if spec.by_cost else operands
@@ -583,6 +611,54 @@ def _run_here(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction
     carry, ys = jax.lax.scan(body, carry0, xs)
     stacked = [_unchunk(y, n, k, m) for y in ys]
   return stacked, carry
+
+
+def _run_rows(spec: MapSpec, operands: Sequence[Any], fused: Sequence[_Reduction],
+              keep: Sequence[int]) -> tuple[list[Any], list[Any]]:
+  """:func:`_run_here` for a map with a store of rows updated in place
+  (:func:`fedjx.mapping.run_rows`): one member at a time, the loop carrying
+  the store and the reductions' sums (``S + w_i y_i``, as ``k = 1`` adds
+  them); the kept outputs are the new store's leaves and the stacked rest."""
+  c, r, p = spec.num_consts, spec.num_rows, spec.num_placed
+  consts, store = operands[:c], list(operands[c:c + r])
+  ids = operands[c + r]
+  write = operands[c + r + 1] if spec.write else None
+  rest = operands[c + r + 1 + int(spec.write):]
+  placed, shared = rest[:p], rest[p:]
+  w_values = [None if x.weights is None or x.weights[0] != 'value'
+              else jnp.asarray(x.weights[1]) for x in fused]
+  dtypes = [_reduction_dtype(spec, x) for x in fused]
+  stacked_keep = [j for j in keep if j >= r]
+
+  def init(x, dtype):
+    acc = carry_dtype(dtype)
+    total = jnp.zeros(spec.out_avals[x.index].shape[1:], acc)
+    return (total, jnp.zeros((), acc)) if x.kind == 'weighted_mean' else (total,)
+
+  sums = [init(x, d) for x, d in zip(fused, dtypes)]
+
+  def body(carry, xs):
+    sums, store = carry
+    chunk, ws, i, w_flag = xs
+    i = mapping.row_index(i, jnp.shape(store[0])[0])
+    old = mapping.read_row(store, i)
+    outs = jax.core.eval_jaxpr(spec.jaxpr, consts, *old, *chunk, *shared)
+    store = mapping.write_row(store, i, outs[:r], old, w_flag)
+    new = []
+    for x, dtype, (total, *more), w in zip(fused, dtypes, sums, ws):
+      acc = total.dtype
+      y = outs[x.index].astype(dtype).astype(acc)
+      if x.kind == 'weighted_mean':
+        w = outs[x.weights[1]] if x.weights[0] == 'out' else w
+        w = w.astype(dtype).astype(acc)
+        new.append((total + w * y, more[0] + w))
+      else:
+        new.append((total + y,))
+    return (new, store), [outs[j] for j in stacked_keep]
+
+  (sums, store), ys = jax.lax.scan(body, (sums, store), (placed, w_values, ids, write))
+  ys = iter(ys)
+  return [store[j] if j < r else next(ys) for j in keep], sums
 
 
 def _accumulate(r, dtype, total, rest, x, w, on_cpu, counted=None):

@@ -31,6 +31,14 @@ are only reduced, the fused map instead runs one block of ``n / d`` members
 per device, each with the strategy chosen for ``n / d`` members on one
 device (:mod:`fedjx.fusion`).
 
+Per-member state kept in a store (``rows=Rows(store, ids)``: member ``i``
+reads row ``ids[i]`` of every leaf ``[N, ...]`` of ``store`` and gives its
+new row back) is updated in place when members run one at a time: the loop
+over members carries the store and writes each member's row where it read
+it, so memory holds the store once, not also the cohort's rows gathered and
+their new values stacked (DiLoCo's replicas' AdamW states: ``M x 8N``
+bytes). Other strategies gather the rows, map, and write them back.
+
 The mapped computation is wrapped in a ``jax.jit`` named
 ``fedjx_map_<placement>``, so it stays recognisable in a traced program (the
 ``sequential`` strategy keeps the per-client computation as the body of a
@@ -44,7 +52,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -545,9 +553,124 @@ def any_in_chunk(pred: Any) -> jax.Array:
   return pred
 
 
+class Rows(NamedTuple):
+  """A store of per-member state that :func:`map_fn` reads and writes by row.
+
+  Attributes:
+    store: a pytree whose leaves are ``[N, ...]``: row ``r`` is the state of
+      population member ``r``.
+    ids: ``[n]`` integers, the row of each member of the placement (a
+      negative id counts from the end, as in NumPy indexing); the ids of
+      written members must be distinct.
+    write: ``[n]`` booleans, whether each member's new row is written (a
+      padding member's is not), or None: every member's.
+  """
+
+  store: Any
+  ids: Any
+  write: Any = None
+
+
+def _check_rows(rows: Any) -> tuple[list[Any], Any, jax.Array, jax.Array | None]:
+  """``(store leaves, store treedef, ids, write)`` of ``rows``, checked."""
+  if not isinstance(rows, Rows):
+    raise ValueError(f'fedjx.map_fn: rows={rows!r} must be a fedjx.mapping.Rows.')
+  leaves, tree = jax.tree.flatten(rows.store)
+  sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
+  if len(sizes) != 1 or None in sizes:
+    raise ValueError('fedjx.map_fn: the leaves of rows.store must share a '
+                     'leading axis (the rows); got shapes '
+                     f'{[jnp.shape(x) for x in leaves]}.')
+  ids = jnp.asarray(rows.ids)
+  if jnp.ndim(ids) != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f'fedjx.map_fn: rows.ids has shape {jnp.shape(ids)} and dtype '
+                     f'{ids.dtype}; it must be [n] integers, one row per member.')
+  write = rows.write
+  if write is not None:
+    write = jnp.asarray(write)
+    if jnp.shape(write) != jnp.shape(ids) or write.dtype != jnp.bool_:
+      raise ValueError(f'fedjx.map_fn: rows.write has shape {jnp.shape(write)} and '
+                       f'dtype {write.dtype}; it must be {jnp.shape(ids)} booleans, '
+                       'like rows.ids, or None.')
+  return leaves, tree, ids.astype(jnp.int32), write
+
+
+def row_index(ids: jax.Array, rows: int) -> jax.Array:
+  """``ids`` as rows of a store of ``rows`` rows: negative ids from the end
+  (NumPy's indexing), others clipped into ``[0, rows)``."""
+  return jnp.clip(jnp.where(ids < 0, ids + rows, ids), 0, rows - 1)
+
+
+def read_row(store: list[jax.Array], i: jax.Array) -> list[jax.Array]:
+  """Row ``i`` (an index from :func:`row_index`) of each leaf of ``store``."""
+  return [jax.lax.dynamic_index_in_dim(s, i, keepdims=False) for s in store]
+
+
+def write_row(store: list[jax.Array], i: jax.Array, new: list[jax.Array],
+              old: list[jax.Array], write: jax.Array | None) -> list[jax.Array]:
+  """``store`` with row ``i`` set to ``new`` (``old``, the row read, when
+  ``write`` is False): one ``dynamic_update_slice`` per leaf, in place in a
+  loop's carry."""
+  if write is not None:
+    new = [jnp.where(write, y.astype(o.dtype), o) for y, o in zip(new, old)]
+  return [jax.lax.dynamic_update_index_in_dim(s, y.astype(s.dtype), i, 0)
+          for s, y in zip(store, new)]
+
+
+def _gathered_rows(store: list[jax.Array], ids: jax.Array) -> list[jax.Array]:
+  """The members' rows of ``store``, gathered (``store[ids]``)."""
+  index = _replicated(row_index(ids, jnp.shape(store[0])[0]))
+  return [jnp.take(s, index, axis=0) for s in store]
+
+
+def _scattered_rows(store: list[jax.Array], ids: jax.Array, new: list[jax.Array],
+                    write: jax.Array | None) -> list[jax.Array]:
+  """``store`` with the members' ``new`` rows written at ``ids`` (where ``write``)."""
+  n_rows = jnp.shape(store[0])[0]
+  index = row_index(ids, n_rows)
+  if write is not None:
+    index = jnp.where(write, index, n_rows)  # Dropped.
+  index = _replicated(index)
+  new = _replicated(new)
+  return [s.at[index].set(y.astype(s.dtype), mode='drop') for s, y in zip(store, new)]
+
+
+def _replicated(tree: Any) -> Any:
+  """``tree`` replicated under an Explicit mesh (where indexing a
+  replicated store with member-sharded ids is ambiguous), else as it is."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return tree
+  return jax.tree.map(lambda x: jax.sharding.reshard(x, jax.sharding.PartitionSpec()),
+                      tree)
+
+
+def run_rows(fn: Callable[..., Any], store: list[jax.Array], ids: jax.Array,
+             write: jax.Array | None, args: Any) -> tuple[list[jax.Array], Any]:
+  """One member at a time, updating ``store``'s rows in place.
+
+  ``fn(row, args_i) -> (new_row, out_i)`` (``row`` a list of leaves); a
+  ``scan`` over the members carries ``store``, reads member ``i``'s row
+  ``ids[i]`` and writes its new row there (:func:`write_row`), so XLA keeps
+  one buffer per leaf (the donated argument's, in a round). Returns the new
+  store and the stacked ``out_i``.
+  """
+  n_rows = jnp.shape(store[0])[0]
+
+  def body(store, xs):
+    i, w, a = xs
+    i = row_index(i, n_rows)
+    old = read_row(store, i)
+    new, out = fn(old, a)
+    return write_row(store, i, list(new), old, w), out
+
+  return jax.lax.scan(body, store, (ids, write, args))
+
+
 def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
            mesh: Any = None, strategy: str | None = None,
-           chunk_size: int | None = None, cost: Any = None) -> Any:
+           chunk_size: int | None = None, cost: Any = None,
+           rows: Rows | None = None) -> Any:
   """Applies ``fn`` to each member's slice of placed ``args``.
 
   Args:
@@ -576,12 +699,47 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
       map computes at most 1.05 times the real steps for any sizes, the
       same numbers, in memory of one chunk. Without a cost, or on a mesh
       axis, chunks are ``k`` consecutive members.
+    rows: a :class:`Rows` store of per-member state, or None. With it, ``fn``
+      takes member ``i``'s row (``store[ids[i]]``, in the store's structure)
+      before its args and returns ``(new_row, out_i)``; each new row is
+      written where it was read (not where ``write`` is False). Members run
+      one at a time (``sequential``, or ``auto`` choosing it) with no mesh
+      axis over the placement update the store in place, in the loop over
+      members (:func:`run_rows`); otherwise the rows are gathered, mapped
+      and written back. The numbers are the same.
 
   Returns:
     The placed pytree ``[fn(args_0), ..., fn(args_{n-1})]`` stacked on a new
-    leading axis, sharded over the placement's mesh axis when there is one.
+    leading axis, sharded over the placement's mesh axis when there is one;
+    with ``rows``, ``(new store, that pytree)``.
   """
   p, frame = frames.lookup(placement, 'map_fn')
+  num_rows = 0
+  if isinstance(rows, Rows) and not jax.tree.leaves(rows.store):
+    # No arrays in the rows (an optimizer without state): nothing to read or write.
+    empty = rows.store
+    out = map_fn(lambda *a: fn(empty, *a)[1], args, placement=placement,
+                 mesh=mesh, strategy=strategy, chunk_size=chunk_size, cost=cost)
+    return empty, out
+  if rows is not None:
+    # The members' rows stand in the args as shapes until the strategy says
+    # whether they are gathered or read in place.
+    store_leaves, store_tree, row_ids, row_write = _check_rows(rows)
+    num_rows = len(store_leaves)
+    stand_in = store_tree.unflatten([
+        jax.ShapeDtypeStruct(jnp.shape(row_ids) + jnp.shape(x)[1:], jnp.result_type(x))
+        for x in store_leaves])
+    user_fn = fn
+
+    def written_back(out):
+      new, stacked = out
+      return store_tree.unflatten(_scattered_rows(
+          store_leaves, row_ids, _row_leaves(new, store_tree), row_write)), stacked
+
+    if isinstance(args, tuple):
+      fn, args = (lambda row, *a: user_fn(row, *a)), (stand_in, *args)
+    else:
+      fn, args = (lambda row, a: user_fn(row, a)), (stand_in, args)
   leaves, treedef = jax.tree.flatten(_mark_tables(args))
   # The tables of IndexedBatches are read whole by every member.
   tables = {i: leaf.value for i, leaf in enumerate(leaves)
@@ -610,6 +768,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   chunk_size = options.chunk_size
   devices = _mesh_axis_size(p.name, mesh)
   member_leaves = [leaf for i, leaf in enumerate(leaves) if i not in tables]
+  cost_leaves = member_leaves[num_rows:]  # Not the rows' stand-ins.
   shared = ({} if frames.forced_map_strategy()
             else _broadcast_sources(frame, leaves, p.name))
   broadcast = sorted(shared)
@@ -633,7 +792,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   by_cost = (1 < k < n and sharding_lib.spmd_axis_name(p.name, mesh) is None
              and not frames.forced_map_strategy())
   if by_cost:
-    cost = member_cost(member_leaves) if cost is None else jnp.asarray(cost)
+    cost = member_cost(cost_leaves) if cost is None else jnp.asarray(cost)
     if cost is not None and jnp.shape(cost) != (n,):
       raise ValueError(f'fedjx.map_fn: cost has shape {jnp.shape(cost)}; it '
                        f'must be ({n},), one value per member.')
@@ -664,7 +823,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
                                  step=step, device_kind=kind)
     record_cost = None
     if 1 < record_k < block:
-      record_cost = (member_cost(member_leaves) if user_cost is None
+      record_cost = (member_cost(cost_leaves) if user_cost is None
                      else jnp.asarray(user_cost))
   chunked = record_cost is not None
   _LOG.debug(PLAN_MESSAGE, p.name, n, strategy,
@@ -676,6 +835,11 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
              not frames.forced_map_strategy() and
              (record_k < block if spread is not None else
               k < n and sharding_lib.spmd_axis_name(p.name, mesh) is None))
+  in_place = (num_rows > 0 and k == 1 and spread is None and
+              sharding_lib.spmd_axis_name(p.name, mesh) is None and
+              not frames.forced_map_strategy())
+  if num_rows and not in_place:  # Gathered, mapped, written back.
+    placed = _gathered_rows(store_leaves, row_ids) + placed[num_rows:]
   if fusable and not recorder.records_here():
     _LOG.debug('fedjx.map_fn over %r runs unfused in chunks of %d: it is '
                'traced inside control flow or a transformation (scan, cond, '
@@ -685,11 +849,34 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     # Several chunks: record the map so fedjx.fusion can carry the
     # reductions of its outputs through the loop over chunks.
     keys = sorted(shared)
-    return recorder.record(
+    out = recorder.record(
         lambda one, values: call(one, dict(zip(keys, values))),
-        placed, [shared[i] for i in keys], n, record_k, p.name,
-        cost=record_cost, devices=spread, sort=sort)
-  return jax.jit(mapped)(placed, shared, cost)
+        placed[num_rows:] if in_place else placed, [shared[i] for i in keys], n,
+        record_k, p.name, cost=record_cost, devices=spread, sort=sort,
+        rows=(store_leaves, row_ids, row_write) if in_place else None)
+    return out if in_place or not num_rows else written_back(out)
+  if in_place:
+    def mapped_rows(store, ids, write, placed, shared):
+      def one(row, a):
+        new, out = call(list(row) + list(a), shared)
+        return _row_leaves(new, store_tree), out
+      store, out = run_rows(one, store, ids, write, placed)
+      return store_tree.unflatten(store), out
+
+    mapped_rows.__name__ = f'fedjx_map_{p.name}'
+    return jax.jit(mapped_rows)(store_leaves, row_ids, row_write,
+                                placed[num_rows:], shared)
+  out = jax.jit(mapped)(placed, shared, cost)
+  return written_back(out) if num_rows else out
+
+
+def _row_leaves(row: Any, tree: Any) -> list[Any]:
+  """The leaves of a member's new row, which must have the store's structure."""
+  leaves, got = jax.tree.flatten(row)
+  if got != tree:
+    raise ValueError(f'fedjx.map_fn: the new row {got} does not have the '
+                     f'structure of rows.store {tree}.')
+  return leaves
 
 
 def _member_jaxpr(call: Callable[..., Any], placed: list[Any],

@@ -405,13 +405,15 @@ def map_clients(aggregator: Aggregator, hparams: Mapping[str, Any],
                 num_examples: jax.Array, weighting: str,
                 skip_nonfinite: bool,
                 aggregator_state: Any = None,
-                client_ids: jax.Array | None = None) -> nonfinite.Clients:
+                client_ids: jax.Array | None = None,
+                rows: Any = None) -> nonfinite.Clients:
   """:func:`fedjx.algorithms.nonfinite.map_clients` with the aggregator's encode.
 
   ``hparams`` is the algorithm's ``state.hparams`` and ``aggregator_state``
   its ``state.aggregator_state`` (needed when the aggregator has a
   ``broadcast``). ``client_ids`` (the cohort's ``client_ids``) reach the
-  aggregator's combine as ``clients.client_ids``.
+  aggregator's combine as ``clients.client_ids``. ``rows``: the clients'
+  stored state (:func:`fedjx.algorithms.nonfinite.map_clients`).
   """
   clients = nonfinite.map_clients(
       client_fn, args, client_weights(aggregator, num_examples, weighting),
@@ -419,7 +421,7 @@ def map_clients(aggregator: Aggregator, hparams: Mapping[str, Any],
       encode_hparams=encode_hparams(aggregator, hparams, aggregator_state),
       check_encoded=aggregator.traits.checks_update,
       encode_inputs=client_inputs(aggregator, aggregator_state, client_ids,
-                                  num_examples))
+                                  num_examples), rows=rows)
   return clients._replace(client_ids=client_ids)
 
 
