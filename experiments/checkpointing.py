@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from fedjx import distributed
 from fedjx.experiments import checkpoint_manifests
 from fedjx.experiments import metrics_writers
 
@@ -222,7 +223,6 @@ def checksum(tree: Any) -> str | None:
 
   None when the state is sharded over processes (no process sees all of it).
   """
-  from fedjx import distributed  # pylint: disable=g-import-not-at-top
   try:
     host = distributed.to_host(_to_savable(tree))
   except ValueError:

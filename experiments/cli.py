@@ -50,7 +50,9 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from fedjx.experiments import errors
 from fedjx.experiments import signatures
+from fedjx.experiments import workdir as workdir_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Experiment config file (a Python file with get_config()).',
@@ -161,8 +163,7 @@ def resolve_config(spec: str) -> str:
     UsageError: neither holds the file (one line, with the closest shipped
       config's name).
   """
-  from fedjx.experiments import listing  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import errors  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import listing  # deferred: before JAX (quick start-up)
   path, colon, arg = spec.partition(':')
   found = listing.find_config(path)
   if found is not None:
@@ -307,7 +308,7 @@ def _get(config: Any, parts: Sequence[str]) -> Any:
 
 def _unknown_field(arg: str, config: Any, parts: Sequence[str],
                    extra: Sequence[str] = ()) -> UsageError:
-  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import config as config_schema  # deferred: before JAX (quick start-up)
   node, walked = config, 'config'
   for part in parts:
     keys = list(node.keys()) if hasattr(node, 'keys') else []
@@ -485,7 +486,7 @@ class _Overrides:
 
   def resolve(self, notes: list[str] | None) -> list[tuple[tuple[str, ...], Any]]:
     """Every pending override as ``(parts, value)``, parsed by its type."""
-    from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+    from fedjx.experiments import registry  # deferred: before JAX (usage errors, config checks)
     tables = {'algorithm': registry.ALGORITHMS, 'dataset': registry.DATASETS,
               'model': registry.MODELS}
     extras = []
@@ -511,7 +512,7 @@ class _Overrides:
     if _none_ancestor(self.config, parts) is None or '=' not in arg:
       raise _unknown_field(arg, self.config, parts)
     if typed:
-      from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
+      from fedjx.experiments import config as config_schema  # deferred: before JAX (quick start-up)
       kind_of = config_schema.OPTIONAL_TYPES.get('.'.join(parts))
     return parts, parse_value(_value(arg), _typed(kind_of),
                               f'--config.{".".join(parts)}')
@@ -531,8 +532,7 @@ class _Overrides:
   def _attack_option(self, arg: str, parts: tuple[str, ...]) -> Any:
     """``--config.attack.<option>``: an option of the named attack's builder
     (:data:`fedjx.experiments.parts.ATTACKS`), parsed by its type."""
-    from fedjx.experiments import errors  # pylint: disable=g-import-not-at-top
-    from fedjx.experiments import parts as parts_lib  # pylint: disable=g-import-not-at-top
+    from fedjx.experiments import parts as parts_lib  # deferred: before JAX (usage errors, config checks)
     option = parts[1]
     name = self.name_of(('attack',))
     table = parts_lib.ATTACKS
@@ -650,7 +650,7 @@ def list_request(argv: Sequence[str]) -> str | None:
 
 def _print_list(what: str, argv: Sequence[str], prog: str) -> None:
   """``--list``: prints what there is to run (:mod:`listing`) and exits."""
-  from fedjx.experiments import listing  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import listing  # deferred: before JAX (quick start-up)
   try:
     text = listing.render(what)
   except listing.ListError as e:
@@ -731,11 +731,10 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
     name = os.path.splitext(os.path.basename(
         flags.FLAGS['config'].config_filename))[0]
     workdir = os.path.join('runs', name)
-  from fedjx.experiments import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   prepare_workdir(workdir, config, workdir_lib.RUN_OUTPUTS)  # Before JAX too.
   # A workdir in use, of another experiment, or already finished: at once.
-  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import preflight  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import config as config_schema  # deferred: before JAX (quick start-up)
+  from fedjx.experiments import preflight  # deferred: before JAX (quick start-up)
   finished = preflight.check_workdir(config_schema.with_defaults(config), workdir)
   if finished is not None:
     print(f'fedjx-run: {os.path.abspath(workdir)} holds this run, finished '
@@ -743,12 +742,19 @@ def _train(argv: Sequence[str], extras: Sequence[Any]) -> int:
           'to continue it, or start over with --fresh).', file=sys.stderr)
     _print_summary(finished.row, os.path.abspath(workdir))
     return 0
+  return _run(config, workdir)
+
+
+def _run(config: Any, workdir: str) -> int:
+  """Trains ``config`` in ``workdir``, every check passed: the only part of
+  ``fedjx-run`` that imports JAX (the runner splits the CPU before JAX's
+  backends start)."""
+  import jax  # deferred: before JAX (usage errors, config checks)
+  from fedjx.experiments import runner  # deferred: before JAX (usage errors, config checks)
   quiet_orbax()
-  from fedjx.experiments import runner  # pylint: disable=g-import-not-at-top
   result = runner.run(config, workdir)
   if result.interrupted:
     return 128 + (result.signal or signal.SIGINT)
-  import jax  # pylint: disable=g-import-not-at-top
   if jax.process_index() != 0:
     return 0
   _print_summary(result.history[-1] if result.history else {}, result.workdir)
@@ -772,8 +778,8 @@ def loaded_config(extras: Sequence[Any]) -> Any:
     raise UsageError('--config is required, e.g. --config '
                      'configs/fedavg_digits.py (see --help).')
   apply_overrides(config, extras)
-  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments import preflight  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import config as config_schema  # deferred: before JAX (quick start-up)
+  from fedjx.experiments import preflight  # deferred: before JAX (quick start-up)
   # Before JAX: the fields' own checks, then the names and the population.
   preflight.check_config(config_schema.with_defaults(config))
   return config
@@ -783,7 +789,6 @@ def prepare_workdir(workdir: str, config: Any, outputs: Sequence[str],
                     prog: str = 'fedjx-run') -> None:
   """Before JAX: ``workdir`` is usable (one line if not), and with
   ``--fresh`` what an earlier run wrote there (``outputs``) is removed."""
-  from fedjx.experiments import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   if _YES.value and not _FRESH.value:
     raise UsageError('--yes answers the question of --fresh; give --fresh too '
                      '(or leave --yes out to resume the run).')
@@ -802,7 +807,7 @@ def prepare_workdir(workdir: str, config: Any, outputs: Sequence[str],
 def quiet_orbax() -> None:
   """Hides the tracebacks Orbax logs for a failed save or restore (each is
   also reported in one line), unless ``--debug`` is given."""
-  from fedjx.experiments import checkpointing  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import checkpointing  # deferred: before JAX (usage errors, config checks)
   checkpointing.quiet_orbax_errors(not (_DEBUG.value or debug_requested(())))
 
 

@@ -604,7 +604,7 @@ def validate(config: Any) -> ml_collections.ConfigDict:
   up in :mod:`fedjx.experiments.registry`, which imports the models and
   algorithms; :func:`with_defaults` alone imports neither.)
   """
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import registry  # deferred: before JAX (usage errors, config checks)
   config = with_defaults(config)
   for kind, table in (('dataset', registry.DATASETS), ('model', registry.MODELS)):
     name, kwargs = registry.split_name(kind, config[kind])
@@ -620,7 +620,7 @@ def validate(config: Any) -> ml_collections.ConfigDict:
   check_asynchronous(config, name, kwargs)
   _check_systems(config.systems)
   if config.attack['name']:
-    from fedjx.experiments import parts  # pylint: disable=g-import-not-at-top
+    from fedjx.experiments import parts  # deferred: before JAX (usage errors, config checks)
     parts.build_attack(config.attack)
   for key, value in kwargs.items():
     if key.endswith('optimizer') and isinstance(value, Mapping):
@@ -631,7 +631,7 @@ def validate(config: Any) -> ml_collections.ConfigDict:
 def check_asynchronous(config: ml_collections.ConfigDict, name: str,
                        kwargs: Mapping[str, Any]) -> None:
   """An asynchronous algorithm's concurrency against its buffer, the cohort."""
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import registry  # deferred: before JAX (usage errors, config checks)
   if not registry.is_asynchronous(name):
     return
   m, k = kwargs.get('concurrency'), config.cohort_size
@@ -645,7 +645,7 @@ def check_asynchronous(config: ml_collections.ConfigDict, name: str,
 
 def _check_systems(spec: Any) -> None:
   """A ConfigError for a ``config.systems`` the system model does not take."""
-  from fedjx.datasets import systems  # pylint: disable=g-import-not-at-top
+  from fedjx.datasets import systems  # deferred: before JAX (usage errors, config checks)
   try:
     systems.from_config(spec, num_clients=1)
   except ValueError as e:
@@ -653,7 +653,7 @@ def _check_systems(spec: Any) -> None:
 
 
 def _names(key: str) -> list[str]:
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import registry  # deferred: before JAX (usage errors, config checks)
   table = {'dataset': registry.DATASETS, 'model': registry.MODELS,
            'algorithm': registry.ALGORITHMS}[key]
   return sorted(table)

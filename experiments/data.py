@@ -17,6 +17,10 @@ from typing import Any
 import numpy as np
 
 from fedjx import datasets
+from fedjx.datasets import documents as documents_lib
+from fedjx.datasets import instructions as instructions_lib
+from fedjx.datasets import tfds_source
+from fedjx.experiments.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -128,8 +132,6 @@ def config_tokenizer(tokenizer: Any) -> Any:
   ``dict(kind='huggingface', file=...)`` (a ConfigDict too); a bad spec is a
   one-line ``ConfigError`` naming the field.
   """
-  from fedjx.datasets import documents as documents_lib  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments.errors import ConfigError  # pylint: disable=g-import-not-at-top
   if hasattr(tokenizer, 'to_dict'):  # A ConfigDict.
     tokenizer = tokenizer.to_dict()
   try:
@@ -156,8 +158,6 @@ def documents(path: str | None = None, format: str = 'text',  # pylint: disable=
   (clients need 2). ``info`` carries ``vocab_size``, ``max_len`` and
   ``pad_id``, so the model's loss ignores the padding and masked targets.
   """
-  from fedjx.datasets import documents as documents_lib  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments.errors import ConfigError  # pylint: disable=g-import-not-at-top
   if path is None or not os.path.exists(os.path.expanduser(str(path))):
     raise ConfigError(f'config.dataset.path={path!r}: no such file or directory;'
                       " give a folder of .txt files (format='text') or a "
@@ -201,9 +201,6 @@ def c4(tfds_name: str = 'c4/en:3.1.0', split: str = 'train[:10000]',
   corpus not prepared in ``data_dir`` is an error saying how to prepare it.
   ``info`` carries ``vocab_size``, ``max_len`` and ``pad_id``.
   """
-  from fedjx.datasets import documents as documents_lib  # pylint: disable=g-import-not-at-top
-  from fedjx.datasets import tfds_source  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments.errors import ConfigError  # pylint: disable=g-import-not-at-top
   if tail not in documents_lib.TAILS:
     raise ConfigError(f'config.dataset.tail={tail!r} is not one of '
                       f'{documents_lib.TAILS}.')
@@ -241,8 +238,6 @@ def instructions(path: str = '', format: str = 'jsonl',  # pylint: disable=redef
   a run needs no download. Each client holds out ``test_fraction`` of its
   records (clients need 2).
   """
-  from fedjx.datasets import instructions as instructions_lib  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments.errors import ConfigError  # pylint: disable=g-import-not-at-top
   if hasattr(tokenizer, 'to_dict'):  # A ConfigDict.
     tokenizer = tokenizer.to_dict()
   try:

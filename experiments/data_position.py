@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from fedjx import datasets
+
 __all__ = ['FORMAT', 'MAX_TRACKED_CLIENTS', 'DataPosition', 'examples_per_round',
            'of_experiment']
 
@@ -192,7 +194,6 @@ def of_experiment(exp: Any) -> DataPosition:
   default ``CohortSampler(train, cohort_size, seed)``; a system model's or an
   asynchronous schedule's cohorts have no sampler to replay.
   """
-  from fedjx import datasets  # pylint: disable=g-import-not-at-top
   c, train = exp.config, exp.data.train
   batching = dict(batch_size=c.batch_size, num_epochs=c.local_epochs,
                   num_steps=c.local_steps, max_steps=c.max_local_steps)

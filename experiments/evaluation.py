@@ -17,8 +17,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from fedjx import datasets
+from fedjx import distributed
 from fedjx import execution
 from fedjx import models
 
@@ -132,12 +134,10 @@ def gather_to_host(tree: Any) -> Any:
   ``jax.experimental.multihost_utils.process_allgather``, a collective: every
   process must call this with the same tree, as the runner's evaluation does.
   """
-  from fedjx import distributed  # pylint: disable=g-import-not-at-top
 
   def one(x):
     if (isinstance(x, jax.Array) and not x.is_fully_addressable and
         not x.sharding.is_fully_replicated):
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return x
   return distributed.to_host(jax.tree.map(one, tree))

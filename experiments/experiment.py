@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from fedjx import datasets
+from fedjx import distributed
 from fedjx import execution
 from fedjx import models
 from fedjx.experiments import attack as attack_lib
@@ -29,6 +30,7 @@ from fedjx.experiments import config as config_schema
 from fedjx.experiments import evaluation
 from fedjx.experiments import guarded_rounds
 from fedjx.experiments import lora_setup
+from fedjx.experiments import network_clock
 from fedjx.experiments import privacy as privacy_lib
 from fedjx.experiments import registry
 from fedjx.experiments.config import with_defaults
@@ -103,7 +105,6 @@ class Experiment:
     key = jax.random.fold_in(self.round_key, r)
     mesh = jax.sharding.get_mesh()
     if mesh is not None and not mesh.empty:
-      from fedjx import distributed  # pylint: disable=g-import-not-at-top
       key = distributed.put_global(key, mesh)
     return key
 
@@ -222,7 +223,6 @@ def _churn_round_seconds(config: ml_collections.ConfigDict,
   """``seconds(communicated_bytes, clients)``: the round's ``simulated_round_s``
   by ``config.network``'s clock, or None (no clock, a measured step time, or
   no model to size it)."""
-  from fedjx.experiments import network_clock  # pylint: disable=g-import-not-at-top
   if params is None:
     return None
   clock = network_clock.make(config, params, None)

@@ -26,6 +26,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from fedjx.experiments import config as config_schema
+
 KINDS = ('configs', 'algorithms', 'datasets', 'models')
 USAGE = ('--list=configs, --list=algorithms, --list=datasets, --list=models, or '
          '--list=NAME for one registered name')
@@ -142,7 +144,7 @@ def list_configs() -> str:
 # --------------------------------------------------------------- registries
 
 def _registry() -> Any:
-  from fedjx.experiments import registry  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import registry  # deferred: before JAX (usage errors, config checks)
   return registry
 
 
@@ -260,7 +262,6 @@ def render(what: str) -> str:
   if parts:
     return '\n'.join(parts)
   names = [*registry.ALGORITHMS, *registry.DATASETS, *registry.MODELS]
-  from fedjx.experiments import config as config_schema  # pylint: disable=g-import-not-at-top
   raise ListError(f'--list={what!r} is not listable.'
                   f'{config_schema.suggest(what, [*KINDS, *names])} Give '
                   f'{USAGE}.')

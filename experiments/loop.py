@@ -42,7 +42,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
+from tqdm import auto as tqdm
 
+from fedjx import distributed
 from fedjx.experiments import checkpointing
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -199,7 +201,6 @@ def interrupt(trainer: Trainer, saves: Checkpoints, step: int) -> None:
 
 def host_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
   """The one-element values of a round's metrics, as Python floats."""
-  from fedjx import distributed  # pylint: disable=g-import-not-at-top
   out = {}
   for k, v in distributed.to_host(dict(metrics)).items():
     arr = np.asarray(v)
@@ -215,7 +216,6 @@ def progress_bar(total: int, initial: int, enabled: bool) -> Any:
   checkpoints): the bar starts there and its rate counts only the rounds
   this process trains.
   """
-  from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
   return tqdm.tqdm(total=total, initial=initial, unit='round', disable=not enabled,
                    dynamic_ncols=True, file=sys.stderr)
 

@@ -68,6 +68,7 @@ import optax
 import qwix
 
 from fedjx.experiments import lm_cost
+from fedjx.experiments import plan_report
 from fedjx.models import adapters
 from fedjx.models import llama
 from fedjx.models import llama_config
@@ -347,7 +348,6 @@ def render(plan: LoraPlan, device: Any, prog: str = 'fedjx-plan') -> str:
   ``device`` is a :class:`fedjx.experiments.plan_report.Target`, or a key of
   ``lm_cost.DEVICE_MEMORY``.
   """
-  from fedjx.experiments import plan_report  # pylint: disable=import-outside-toplevel
   if isinstance(device, str):
     device = plan_report.target(device)
   gb = plan_report.gb

@@ -66,7 +66,7 @@ def lora_config_of(config: Any):
     return None
   # Here, not at the top: fedjx.models imports JAX, which a config without
   # adapters does not need to be checked.
-  from fedjx.models.lora_config import LoraConfig  # pylint: disable=g-import-not-at-top
+  from fedjx.models.lora_config import LoraConfig  # deferred: before JAX (usage errors, config checks)
   fields = {k: s[k] for k in _MODEL_FIELDS}
   if isinstance(fields['targets'], str):
     fields['targets'] = tuple(t for t in fields['targets'].split(',') if t)
@@ -86,8 +86,8 @@ def pretrained_model(config: Any, model: Any, info: Mapping[str, Any]) -> tuple[
   folder = section(config)['pretrained']
   if not folder:
     return model, None
-  from fedjx.models import hf_checkpoint  # pylint: disable=g-import-not-at-top
-  from fedjx.models import llama  # pylint: disable=g-import-not-at-top
+  from fedjx.models import hf_checkpoint  # deferred: before JAX (usage errors, config checks)
+  from fedjx.models import llama  # deferred: before JAX (usage errors, config checks)
   if config.model.name != 'llama_lm':
     raise ConfigError(f'config.lora.pretrained={folder!r} loads a Llama checkpoint; set '
                       f"config.model.name='llama_lm' (not {config.model.name!r}).")
@@ -118,7 +118,7 @@ def adapt(config: Any, model: Any, info: Mapping[str, Any], batch: Any, key: Any
   lora_config = lora_config_of(config)
   if lora_config is None:
     return model
-  from fedjx.models import lora  # pylint: disable=g-import-not-at-top
+  from fedjx.models import lora  # deferred: before JAX (usage errors, config checks)
   model, base_params = pretrained_model(config, model, info)
   try:
     return lora.lora_model(model, lora_config, key, batch, base_params)
@@ -134,10 +134,10 @@ def export(config: Any, model: Any, params: Any, workdir: str) -> list[str]:
   s = section(config)
   if not s['export']:
     return []
-  import jax  # pylint: disable=g-import-not-at-top
-  from fedjx.models import hf_checkpoint  # pylint: disable=g-import-not-at-top
-  from fedjx.models import llama  # pylint: disable=g-import-not-at-top
-  from fedjx.models import peft_adapters  # pylint: disable=g-import-not-at-top
+  import jax  # deferred: before JAX (usage errors, config checks)
+  from fedjx.models import hf_checkpoint  # deferred: before JAX (usage errors, config checks)
+  from fedjx.models import llama  # deferred: before JAX (usage errors, config checks)
+  from fedjx.models import peft_adapters  # deferred: before JAX (usage errors, config checks)
   base_module = model.base.module
   if not isinstance(base_module, llama.LlamaLM) or model.config.base_dtype == 'int8':
     raise ConfigError('config.lora.export writes Llama checkpoints with a float base; '

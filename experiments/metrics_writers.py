@@ -214,10 +214,9 @@ class TensorBoardWriter(MetricsWriter):
   """
 
   def __init__(self, logdir: str, purge_round: int | None = None):
-    # Imported lazily: tensorboardX is slow to import.
-    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
-    from tensorboardX.event_file_writer import EventsWriter  # pylint: disable=g-import-not-at-top
-    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+    from tensorboardX import summary  # deferred: before JAX (quick start-up)
+    from tensorboardX.event_file_writer import EventsWriter  # deferred: before JAX (quick start-up)
+    from tensorboardX.proto import event_pb2  # deferred: before JAX (quick start-up)
     self._summary, self._pb = summary, event_pb2
     self.logdir = logdir
     os.makedirs(logdir, exist_ok=True)

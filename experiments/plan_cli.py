@@ -72,18 +72,21 @@ import json
 import os
 import sys
 
+from fedjx.experiments import network
+from fedjx.experiments import tpu_env
+
 PROG = 'fedjx-plan'
 
 
 def _parser() -> argparse.ArgumentParser:
-  from fedjx.models import llama_config  # pylint: disable=import-outside-toplevel
+  from fedjx.models import llama_config  # deferred: before JAX (host device count)
   summary = __doc__.split('\n\n')[0].split(': ', 1)[1]
   p = argparse.ArgumentParser(
       prog=PROG, description=summary[0].upper() + summary[1:] + ' These flags plan a '
       'language model from a preset; a config plans as fedjx-run would run it: '
       'fedjx-plan --config FILE[:ARG] [--config.PATH=VALUE ...] [--device NAME | --tpu '
       'TOPOLOGY] [--json] (fedjx-plan --config FILE --help).')
-  from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import lora_plan  # deferred: before JAX (host device count)
   p.add_argument('--preset', default='1m', choices=list(llama_config.PRESETS) +
                  list(lora_plan.SHAPES),
                  help='model shape (fedjx.models.llama_config.PRESETS; tinyllama-1.1b and '
@@ -98,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="per-layer rematerialization [the preset's: none]")
   p.add_argument('--dtype', default=None, choices=list(llama_config.DTYPES),
                  help="compute dtype; parameters stay float32 [the preset's: float32]")
-  from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import lm_cost  # deferred: before JAX (host device count)
   p.add_argument('--device', default=None, choices=list(lm_cost.DEVICE_MEMORY),
                  help='the accelerator whose memory the peak is compared with [the one '
                  'JAX sees, else the host CPU]')
@@ -112,7 +115,6 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument('--algorithm', default='diloco', choices=['diloco', 'fedavg'],
                  help='the round --tpu plans: DiLoCo (AdamW inner steps, Nesterov '
                  'outer step) or FedAvg (SGD, the mean) [diloco]')
-  from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
   g = p.add_argument_group('communication (fedjx.experiments.network)')
   g.add_argument('--schedule', default=None, choices=list(network.SCHEDULES),
                  help='when the replicas reduce; without it nothing is simulated')
@@ -141,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _lora_options(p: argparse.ArgumentParser) -> None:
-  from fedjx.models import lora_config  # pylint: disable=import-outside-toplevel
+  from fedjx.models import lora_config  # deferred: before JAX (host device count)
   g = p.add_argument_group('LoRA fine-tuning (fedjx.experiments.lora_plan)')
   g.add_argument('--lora_rank', type=int, default=None,
                  help='r; plans a LoRA client step instead of a full inner step [no]')
@@ -164,9 +166,9 @@ def lora_setup(args: argparse.Namespace):
 
   ValueError (naming the option) if bad.
   """
-  from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
-  from fedjx.models import llama_config  # pylint: disable=import-outside-toplevel
-  from fedjx.models import lora_config  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import lora_plan  # deferred: before JAX (host device count)
+  from fedjx.models import llama_config  # deferred: before JAX (host device count)
+  from fedjx.models import lora_config  # deferred: before JAX (host device count)
   if args.lora_rank is None:
     if args.preset in lora_plan.SHAPES:
       raise ValueError(f'--preset={args.preset} is a fine-tuning shape; it needs --lora_rank.')
@@ -199,7 +201,7 @@ def lora_setup(args: argparse.Namespace):
 
 def plan_lora(args: argparse.Namespace):
   """The plan of ``--lora_rank`` (:func:`fedjx.experiments.lora_plan.plan_lora`)."""
-  from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import lora_plan  # deferred: before JAX (host device count)
   name, config, lora = lora_setup(args)
   return lora_plan.plan_lora(
       config, lora, batch=args.batch,
@@ -215,7 +217,7 @@ def step_seconds(args: argparse.Namespace, flops_per_device: float,
   (``peak_flops``: the device's peak where none is named)."""
   if args.step_seconds is not None:
     return args.step_seconds
-  from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import lm_cost  # deferred: before JAX (host device count)
   peak = lm_cost.PEAK_BF16_FLOPS.get(args.device) if args.device else peak_flops
   if not peak:
     raise ValueError(f'device={args.device!r} has no peak FLOP/s here; give --step_seconds '
@@ -225,7 +227,6 @@ def step_seconds(args: argparse.Namespace, flops_per_device: float,
 
 def render_network(args: argparse.Namespace, params: int, seconds: float) -> str:
   """The lines of ``--schedule``: the simulated round of a step of ``seconds``."""
-  from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
   schedule, net = network.from_flags(args)
   payload = params * args.wire_bytes
   timing = network.simulate(schedule, network.Compute.from_step_seconds(seconds), net,
@@ -254,7 +255,7 @@ def _gb(n: float) -> str:
 
 def plan_tpu(args: argparse.Namespace):
   """The plan of ``--tpu`` (:func:`fedjx.experiments.topology_plan.plan_pod`)."""
-  from fedjx.experiments import topology_plan  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import topology_plan  # deferred: before JAX (host device count)
   if args.schedule is not None or args.device is not None:
     raise ValueError(f'--tpu={args.tpu} plans the round with the TPU compiler; leave out '
                      '--device and --schedule.')
@@ -295,18 +296,16 @@ def _config_mode(argv: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  from fedjx.experiments import tpu_env  # pylint: disable=import-outside-toplevel
   tpu_env.quiet()  # Before JAX loads libtpu, if installed.
   if _config_mode(argv):
-    from fedjx.experiments import plan_config_cli  # pylint: disable=import-outside-toplevel
+    from fedjx.experiments import plan_config_cli  # deferred: its absl flags, --config only
     plan_config_cli.main(argv)  # Exits.
   _ask_for_host_devices(argv)
   args = _parser().parse_args(argv)
-  import jax  # pylint: disable=import-outside-toplevel
-  from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
-  from fedjx.experiments import lora_plan  # pylint: disable=import-outside-toplevel
-  from fedjx.experiments import network  # pylint: disable=import-outside-toplevel
-  from fedjx.experiments import plan_report  # pylint: disable=import-outside-toplevel
+  import jax  # deferred: before JAX (host device count)
+  from fedjx.experiments import lm_cost  # deferred: before JAX (host device count)
+  from fedjx.experiments import lora_plan  # deferred: before JAX (host device count)
+  from fedjx.experiments import plan_report  # deferred: before JAX (host device count)
   try:
     if args.num_slices != 1 and args.tpu is None:
       raise ValueError(f'--num_slices={args.num_slices} needs --tpu.')

@@ -85,10 +85,10 @@ def _plan(argv: Sequence[str], extras: Sequence[Any]) -> int:
     raise cli.UsageError(f'--num_slices={_NUM_SLICES.value} needs --tpu.')
   config = cli.loaded_config(extras)
   spec = _spec(sys.argv)
-  from fedjx.experiments import plan_report  # pylint: disable=import-outside-toplevel
-  from fedjx.experiments import round_plan  # pylint: disable=import-outside-toplevel
+  from fedjx.experiments import plan_report  # deferred: before JAX (usage errors, config checks)
+  from fedjx.experiments import round_plan  # deferred: before JAX (usage errors, config checks)
   if _TPU.value:
-    from fedjx.experiments import topology_plan  # pylint: disable=import-outside-toplevel
+    from fedjx.experiments import topology_plan  # deferred: before JAX (usage errors, config checks)
     top = topology_plan.topology(_TPU.value, _NUM_SLICES.value)
     plan = round_plan.plan_config_pod(config, top)
     row = dict(plan.to_json(), config=spec)

@@ -14,6 +14,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import jax
+
+from fedjx import execution
+from fedjx.experiments import hlo_collectives
+from fedjx.experiments import lm_cost
+from fedjx.experiments import lm_metrics
+from fedjx.models import llama_config
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -49,13 +57,9 @@ class Target:
 
 def target(device: str | None = None) -> Target:
   """The device named, else the accelerator JAX sees, else the host CPU (assumed)."""
-  from fedjx.experiments import lm_cost  # pylint: disable=import-outside-toplevel
   if device is not None:
     return Target(device, lm_cost.device_memory(device),
                   lm_cost.PEAK_BF16_FLOPS.get(device), 'named')
-  import jax  # pylint: disable=import-outside-toplevel
-  from fedjx import execution  # pylint: disable=import-outside-toplevel
-  from fedjx.experiments import lm_metrics  # pylint: disable=import-outside-toplevel
   first = jax.devices()[0]
   memory = execution.device_memory_bytes(first)
   if first.platform == 'cpu':
@@ -167,7 +171,6 @@ def _where(key: str) -> str:
 
 def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
   """The table of a :class:`fedjx.experiments.topology_plan.PodPlan`."""
-  from fedjx.experiments import hlo_collectives  # pylint: disable=import-outside-toplevel
   c, top, chip = plan.config, plan.topology, plan.chip
   algorithm = {'diloco': 'DiLoCo', 'fedavg': 'FedAvg'}[plan.algorithm]
   title = (f'{prog}: {(spec + ": ") if spec else ""}{algorithm} of llama_lm {plan.preset} '
@@ -231,7 +234,6 @@ def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
 
 def render_inner(plan, device: Target, platform: str, prog: str = 'fedjx-plan') -> str:
   """The table of an :class:`fedjx.experiments.lm_cost.InnerStepPlan` held against ``device``."""
-  from fedjx.models import llama_config  # pylint: disable=import-outside-toplevel
   devices = plan.replicas * plan.fsdp * plan.tensor
   plural = lambda n: '' if n == 1 else 's'
   title = (f'{prog}: llama_lm preset {plan.preset}, {plan.replicas} replica'

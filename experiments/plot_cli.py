@@ -25,6 +25,8 @@ import sys
 from collections.abc import Sequence
 
 from fedjx.experiments import errors
+from fedjx.experiments import metrics_writers
+from fedjx.experiments import plotting
 
 PROG = 'fedjx-plot'
 USAGE_STATUS = 2
@@ -72,7 +74,6 @@ def plot(workdirs: Sequence[str], out: str, metrics: Sequence[str] | None = None
     PlotError: a path without metrics, a metric or x axis that no run
       reports, labels that do not match the runs (one line each).
   """
-  from fedjx.experiments import metrics_writers  # pylint: disable=g-import-not-at-top
   if labels is not None and len(labels) != len(workdirs):
     raise PlotError(f'--labels gives {len(labels)} labels for {len(workdirs)} '
                     'runs; give one per run.')
@@ -94,7 +95,6 @@ def plot(workdirs: Sequence[str], out: str, metrics: Sequence[str] | None = None
       if name not in reported and not (flag == '--x' and name == 'round'):
         raise PlotError(f'{flag}: no run reports {name!r}.'
                         f'{errors.suggest(name, there)} The runs report: {there}.')
-  from fedjx.experiments import plotting  # pylint: disable=g-import-not-at-top  # matplotlib is slow to import
   try:
     return plotting.plot_runs(workdirs, out, metrics=metrics, labels=labels,
                               title=title, x=x)

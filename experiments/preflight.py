@@ -277,7 +277,7 @@ def check_workdir(config: Any, workdir: str) -> Finished | None:
 
 def _row(workdir: str, fmt: str, step: int) -> dict[str, Any] | None:
   """The metrics row of round ``step``, or None."""
-  from fedjx.experiments import metrics_writers  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments import metrics_writers  # deferred: before JAX (quick start-up)
   try:
     rows = metrics_writers.read_metrics(metrics_writers.metrics_path(workdir, fmt))
   except (OSError, ValueError, KeyError):

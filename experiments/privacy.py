@@ -29,11 +29,14 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from fedjx.algorithms import traits as traits_lib
 from fedjx.algorithms.privacy import accounting
 from fedjx.algorithms.privacy import audit as privacy_audit
+from fedjx.datasets import sampling as samplers
+from fedjx.experiments import metrics_writers
 from fedjx.experiments import parts
 from fedjx.experiments import registry
 from fedjx.experiments import signatures
@@ -113,7 +116,6 @@ def sampling_of(config: Any, population: int) -> accounting.Sampling:
 def make_sampler(config: Any, dataset: Any):
   """The sampler of ``config.sampling`` over ``dataset`` (or a client count),
   or None for the default uniform one."""
-  from fedjx.datasets import sampling as samplers  # pylint: disable=g-import-not-at-top
   spec = _as_dict(config.sampling)
   name = spec.get('name', 'uniform')
   if name == 'uniform':
@@ -410,7 +412,6 @@ def run_audit(p: Plan, rounds: int, initial_params: Any,
 
 
 def jax_leaves(tree: Any) -> list[Any]:
-  import jax  # pylint: disable=g-import-not-at-top
   return jax.tree.leaves(tree)
 
 
@@ -425,7 +426,6 @@ def audit_metrics(audit: Mapping[str, Any]) -> dict[str, float]:
 def write_statement(workdir: str, p: Plan, rounds: int,
                     audit: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """Writes ``workdir/privacy.json`` for ``rounds`` completed rounds (and the audit)."""
-  from fedjx.experiments import metrics_writers  # pylint: disable=g-import-not-at-top
   out = p.statement(rounds)
   if audit is not None:
     out['audit'] = dict(audit)

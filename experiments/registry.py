@@ -26,14 +26,16 @@ from typing import Any
 import optax
 
 from fedjx import algorithms as algorithms_lib
-from fedjx.algorithms import traits as traits_lib
-from fedjx.algorithms.traits import Traits
 from fedjx import datasets
 from fedjx import models
+from fedjx.algorithms import base
+from fedjx.algorithms import traits as traits_lib
+from fedjx.algorithms.traits import Traits
 from fedjx.experiments import data as data_lib
 from fedjx.experiments import errors
 from fedjx.experiments import parts
 from fedjx.experiments import signatures
+from fedjx.models import lora
 from fedjx.options import MapOptions
 
 
@@ -137,7 +139,6 @@ def check_hparam_bounds(kwargs: Mapping[str, Any]) -> None:
   by the bounds its builder checks at initialization (momentum in [0, 1],
   learning rates >= 0, ...; ``fedjx.algorithms.base.check_hparams``), for
   the algorithm's options and the options of its optimizer specs."""
-  from fedjx.algorithms import base  # pylint: disable=g-import-not-at-top
   for key, value in kwargs.items():
     try:
       if isinstance(value, Mapping):
@@ -356,7 +357,6 @@ def build_algorithm(spec: Any, model: models.Model, *,
   supplied = {'metrics_fn': model.metrics_fn, 'skip_nonfinite': skip_nonfinite}
   names, _ = signatures.accepted_kwargs(builder)
   if 'lora_config' in names:  # Federated LoRA reads the adapters' rank and scale.
-    from fedjx.models import lora  # pylint: disable=g-import-not-at-top
     if not isinstance(model, lora.LoraModel):
       raise ConfigError(f'algorithm {name!r} trains LoRA adapters; set config.lora.rank '
                         '(docs/fine_tuning.md).')

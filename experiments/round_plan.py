@@ -63,6 +63,7 @@ from fedjx.experiments import processes
 from fedjx.experiments import registry
 from fedjx.experiments import run_trainer
 from fedjx.experiments import runner
+from fedjx.experiments import topology_plan
 from fedjx.models import llama_config
 from fedjx.models import lora
 
@@ -317,7 +318,6 @@ def plan_config_pod(config: Any, top: Any) -> Any:
   ``fsdp`` and ``tensor`` (``fsdp`` unset or -1: the chips left). DiLoCo
   (:data:`DILOCO`) and FedAvg (:data:`FEDAVG`) are planned.
   """
-  from fedjx.experiments import topology_plan  # pylint: disable=import-outside-toplevel
   config = config_lib.validate(config)
   name, options = registry.split_name('algorithm', config.algorithm)
   if name not in DILOCO + FEDAVG:

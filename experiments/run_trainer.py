@@ -24,6 +24,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from fedjx import distributed
 from fedjx import execution as execution_lib
 from fedjx import sharding
 from fedjx.experiments import checkpointing
@@ -32,10 +33,12 @@ from fedjx.experiments import clock as clock_lib
 from fedjx.experiments import compile_progress
 from fedjx.experiments import config as config_schema
 from fedjx.experiments import guarded_rounds
+from fedjx.experiments import lm_cost
 from fedjx.experiments import lm_metrics
 from fedjx.experiments import loop
 from fedjx.experiments import metrics_writers
 from fedjx.experiments import network_clock
+from fedjx.experiments import plotting
 from fedjx.experiments import privacy as privacy_lib
 from fedjx.experiments import registry
 from fedjx.experiments.config import fingerprint as _fingerprint
@@ -140,7 +143,6 @@ class RunTrainer:
     fresh = self.exp.algorithm.init(self.exp.init_params)
     mesh = jax.sharding.get_mesh()
     if mesh is not None and not mesh.empty:
-      from fedjx import distributed  # pylint: disable=g-import-not-at-top
       fresh = distributed.put_global(fresh, mesh, state_specs(
           self.config, self.exp.model, fresh, mesh))
     return fresh
@@ -204,7 +206,6 @@ class RunTrainer:
       if self.store is not None:
         self.store.close()
     if self.lead and self.config.plot and not interrupted and self.history:
-      from fedjx.experiments import plotting  # pylint: disable=g-import-not-at-top  # matplotlib is slow to import
       plotting.plot_curves({os.path.basename(self.workdir): self.history},
                            os.path.join(self.workdir, 'learning_curve.png'),
                            title=_title(self.config))
@@ -383,7 +384,6 @@ def state_specs(config: ml_collections.ConfigDict, model: Any, state: Any,
   try:
     shape = lm_metrics.llama_shape(model)
     if tensor > 1 and shape is not None:
-      from fedjx.experiments import lm_cost  # pylint: disable=g-import-not-at-top
       lm_cost.check_tensor('llama_lm', shape, tensor)
     return sharding.replica_specs(state, fsdp, tensor, layout)
   except ValueError as e:

@@ -47,6 +47,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from fedjx import distributed
 from fedjx.experiments import checkpointing
 from fedjx.experiments import client_states
 from fedjx.experiments import compilation_cache
@@ -80,7 +81,6 @@ def run(config: Any, workdir: str, *, hooks: Sequence[run_trainer.Hook] = (),
     A :class:`fedjx.experiments.run_trainer.RunResult`.
   """
   config = config_lib.validate(config)
-  from fedjx import distributed  # pylint: disable=g-import-not-at-top
   processes.check_coordinator_port(config)
   split = processes.split_cpu(config)
   try:

@@ -70,6 +70,8 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.experimental import mesh_utils
+from jax.experimental import topologies
 
 from fedjx.experiments import lm_cost
 from fedjx.experiments import tpu_env
@@ -203,7 +205,6 @@ def compile_only_devices(top: Topology) -> list[Any]:
   if missing:
     raise ValueError(f'topology={top.name!r}: {missing}')
   tpu_env.quiet()
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   kwargs = {'num_slices': top.num_slices} if top.num_slices > 1 else {}
   if top.chips_per_slice == 1:
     kwargs['chips_per_host_bounds'] = (1, 1, 1)
@@ -219,7 +220,6 @@ def pod_mesh(top: Topology, replicas: int, fsdp: int, tensor: int = 1) -> jax.sh
   on the torus by ``mesh_utils.create_device_mesh`` (splitting a torus axis
   where a mesh axis needs part of it).
   """
-  from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
   for arg, value in (('replicas', replicas), ('fsdp', fsdp), ('tensor', tensor)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f'{arg}={value!r} must be a positive integer.')

@@ -22,7 +22,8 @@ layer, measured"), read from a source tree with ``ast`` and text search
   layer (``fedjx.experiments``);
 * ``deferred_imports``: the imports written inside a function body, by the
   reason their ``# deferred: <reason>`` comment gives (``optional
-  dependency``, ``cycle``, ...; ``none given`` without one).
+  dependency``, ``cycle``, ``before JAX``, grouped by these first words;
+  ``none given`` without one).
 
   python scripts/algorithm_layer_figures.py [ROOT]
 """
@@ -182,7 +183,7 @@ def layering(files: dict[str, str]) -> None:
     for node in imports_in_functions(ast.parse(source)):
       match = re.search(r'# deferred: (.+)$', lines[node.lineno - 1])
       reason = match.group(1).strip() if match else 'none given'
-      for kind in ('optional dependency', 'cycle'):  # Named in the comment.
+      for kind in ('optional dependency', 'cycle', 'before JAX'):  # Named in the comment.
         reason = kind if reason.startswith(kind) else reason
       reasons[reason] = reasons.get(reason, 0) + 1
   print(json.dumps({'figure': 'deferred_imports', 'count': sum(reasons.values()),

@@ -148,7 +148,7 @@ def validate(args: argparse.Namespace) -> Any:
   if args.simulation and importlib.util.find_spec('ray') is None:
     raise UsageError("--simulation needs Flower's simulation engine, which runs "
                      "on Ray: pip install 'flwr[simulation]'.")
-  from fedjx.experiments.deploy import config_rounds  # deferred: usage errors before JAX
+  from fedjx.experiments.deploy import config_rounds  # deferred: before JAX (usage errors, config checks)
   try:
     config = config_rounds.load_config(args.config, args.overrides)
   except Exception as e:  # pylint: disable=broad-except
@@ -193,7 +193,7 @@ class Progress:
   workdir (its metrics) and log (the ServerApp's warnings)."""
 
   def __init__(self, config: Any, workdir: str, run_log: str):
-    from fedjx.experiments import loop  # deferred: usage errors before JAX
+    from fedjx.experiments import loop  # deferred: before JAX (usage errors, config checks)
     self.config, self.workdir, self.run_log = config, workdir, run_log
     self.rows: dict[int, dict[str, Any]] = {}
     self._log_at = 0
@@ -214,7 +214,7 @@ class Progress:
     self.rows.update(rows)
 
   def _after(self, step: int, row: dict[str, Any]) -> None:
-    from fedjx.experiments import run_trainer  # deferred: usage errors before JAX
+    from fedjx.experiments import run_trainer  # deferred: before JAX (usage errors, config checks)
     self._last.update(row)  # As fedjx-run: the newest value of each metric.
     last = self._last
     postfix = {'loss': run_trainer._train_loss(last)}  # pylint: disable=protected-access

@@ -33,6 +33,8 @@ from absl import flags
 from absl import logging
 
 from fedjx.experiments import cli
+from fedjx.experiments import workdir as workdir_lib
+from fedjx.experiments.sweeps import spec
 
 _SWEEP = flags.DEFINE_multi_string(
     'sweep', None, "A swept field: 'FIELD=V1,V2,...' (grid) or "
@@ -91,7 +93,6 @@ SWEEP_KEYS = ('sweep', 'seeds', 'num_samples', 'sample_seed', 'target')
 
 def sweep_arguments(config_path: str) -> dict[str, Any]:
   """The sweep of the command line, completed by the config's ``get_sweep()``."""
-  from fedjx.experiments.sweeps import spec  # pylint: disable=g-import-not-at-top
   module = cli.load_module(config_path, '_fedjx_sweep_config')
   defaults = {}
   if hasattr(module, 'get_sweep'):
@@ -130,11 +131,9 @@ def _sweep(argv: Sequence[str], extras: Sequence[Any]) -> int:
   workdir = flags.FLAGS['workdir'].value or os.path.join(
       'runs', os.path.splitext(os.path.basename(config_path.partition(':')[0]))[0]
       + '_sweep')
-  from fedjx.experiments import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   cli.prepare_workdir(workdir, config, workdir_lib.SWEEP_OUTPUTS, 'fedjx-sweep')
   cli.quiet_orbax()
-  from fedjx.experiments.sweeps import run  # pylint: disable=g-import-not-at-top
-  from fedjx.experiments.sweeps import spec  # pylint: disable=g-import-not-at-top
+  from fedjx.experiments.sweeps import run  # deferred: before JAX (usage errors, config checks)
   args = sweep_arguments(config_path)
   axes = [spec.parse_axis(a) for a in args['sweep']]
   settings = spec.settings(axes, args['num_samples'], args['sample_seed'])

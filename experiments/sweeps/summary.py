@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from fedjx.experiments import metrics_writers
+from fedjx.experiments.sweeps import plots
 from fedjx.experiments.sweeps import spec
 
 MAIN_METRICS = ('eval_accuracy', 'eval_loss', 'train_loss_after',
@@ -201,7 +202,6 @@ def write_summary(workdir: str, trials: Sequence[Any], fields: Sequence[str],
             f'better).\n\n' + markdown(per_setting, fields, main, target))
     metrics_writers.write_atomically(os.path.join(workdir, 'summary.md'), text)
     if plot:
-      from fedjx.experiments.sweeps import plots  # pylint: disable=g-import-not-at-top
       plots.plot_sweep(workdir, per_setting, fields, main)
       plots.plot_best_curves(workdir, trials, trial_rows, histories, main)
   return trial_rows
