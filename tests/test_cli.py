@@ -506,11 +506,31 @@ def test_a_workdir_s_checkpoint_and_the_names_answer_before_jax(tiny, tmp_path):
       f'fedjx-run: done; metrics, checkpoints and learning_curve.png in {done}')
 
 
+def _wait_until_caught(pid, signum, timeout_s=60.0):
+  """Waits until process ``pid`` catches ``signum`` (Linux: the SigCgt mask
+  of /proc/PID/status); elsewhere half a second."""
+  status = f'/proc/{pid}/status'
+  if not os.path.exists(status):
+    time.sleep(0.5)
+    return
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    with open(status) as f:
+      caught = next((int(line.split()[1], 16) for line in f
+                     if line.startswith('SigCgt:')), 0)
+    if caught >> (signum - 1) & 1:
+      return
+    time.sleep(0.01)
+  raise AssertionError(f'process {pid} never caught signal {signum}')
+
+
 def test_fedjx_run_handles_a_signal_while_it_imports():
   proc = subprocess.Popen([FEDJX_RUN, '--config', DIGITS], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True,
                           env=dict(os.environ, JAX_PLATFORMS='cpu'))
-  time.sleep(0.5)  # JAX's import takes about a second.
+  # Once its SIGTERM handler is in place (its first lines), while JAX and
+  # the training machinery still import (a second or more).
+  _wait_until_caught(proc.pid, signal.SIGTERM)
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 143, err[-2000:]

@@ -88,7 +88,7 @@ def test_fedjx_plan_prints_one_json_line_for_a_config():
     (['--workdir', 'w'], '--workdir: fedjx-plan trains nothing and writes nothing'),
     (['--tpu', 'v5e:2x4', '--device', 'h100'], 'give one (a topology names its chips)'),
     (['--num_slices', '2'], '--num_slices=2 needs --tpu'),
-    (['--config.rounds=abc'], '--config.rounds=abc'),
+    (['--config.rounds=abc'], "--config.rounds='abc'"),
     (['--config.cohort_sise=3'], 'unknown config field config.cohort_sise'),
 ])
 def test_fedjx_plan_refuses_a_bad_command_line_in_one_line(flags, message):
