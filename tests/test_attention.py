@@ -128,6 +128,7 @@ def _model_numbers(**changes):
   return loss, grads, model.metrics_fn(params, batch)['accuracy'], model, params, batch
 
 
+@pytest.mark.slow
 def test_llama_splash_and_chunked_loss_equal_the_xla_logits_path():
   """The model's loss, gradients and accuracy do not depend on the kernel or the chunks."""
   loss, grads, acc, model, params, batch = _model_numbers(attention='xla', loss_chunk=0)

@@ -96,6 +96,7 @@ def test_federated_gradient_of_a_round():
   _assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_client_data_read_inside_the_pipeline_from_a_dataset():
   population = datasets.synthetic(1.0, 1.0, num_clients=20, seed=0, max_examples=60)
   ids = np.arange(0, 20, 2)

@@ -170,6 +170,7 @@ def test_debug_flag_and_environment_variable_show_the_traceback(tiny, tmp_path,
     assert cli.debug_requested(['fedjx-run']) is wanted
 
 
+@pytest.mark.slow
 def test_builder_and_optimizer_options_absent_from_the_file_can_be_set(tiny, tmp_path):
   out = _run('--config', tiny, '--workdir', str(tmp_path), '--config.rounds=1',
              '--config.algorithm.client_evaluation=False',
@@ -266,6 +267,7 @@ def test_skip_nonfinite_is_reserved_for_the_runner():
     assert 'skip_nonfinite' not in registry.builder_options(name)
 
 
+@pytest.mark.slow
 def test_a_nonfinite_run_is_one_line_with_exit_status_2(tiny, tmp_path):
   out = _run('--config', tiny, '--workdir', str(tmp_path), '--config.rounds=4',
              '--config.algorithm.server_optimizer.learning_rate=1e38')
@@ -331,6 +333,7 @@ def test_a_config_file_that_raises_or_returns_no_configdict_is_one_line(tmp_path
   assert not (tmp_path / 'w').exists()
 
 
+@pytest.mark.slow
 def test_fields_that_hold_none_can_be_set(tiny, tmp_path):
   from fedjx.experiments import config_base  # pylint: disable=import-outside-toplevel
   assert config_base.base_config().privacy.target_epsilon is None

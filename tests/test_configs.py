@@ -58,7 +58,7 @@ OFFLINE_FILES = [p for p in CONFIG_FILES
 # The text configs (a transformer) and the secure sum's 16-bit Skellam
 # draws are the slowest to build and compile: with the slow tests.
 _SLOW_CONFIGS = ('async_diloco_text.py', 'streaming_diloco_text.py', 'diloco_text.py',
-                 'eager_diloco_text.py',
+                 'eager_diloco_text.py', 'diloco_study.py',
                  'diloco_text_equal_compute.py', 'secagg_ddp_digits.py',
                  # FedRep's and FedAvg's rounds with another client step.
                  'fedper_digits.py', 'ditto_digits.py',
