@@ -27,59 +27,28 @@ from fedjx import algorithms
 from fedjx import datasets
 from fedjx import distributed
 from fedjx import mapping
-import float_tolerance as ft
+import softmax_fedavg
 
 N, BATCH, FEATURES, CLASSES, LR = 64, 4, 5, 3, 0.1
 
 
 def _population(n=N):
-  rng = np.random.default_rng(0)
-  sizes = np.maximum(1, np.round(5 * np.exp(0.8 * rng.normal(size=n)))).astype(int)
-  x = rng.normal(size=(sizes.sum(), FEATURES)).astype(np.float32)
-  y = rng.integers(0, CLASSES, size=sizes.sum()).astype(np.int32)
-  return sizes, x, y
+  return softmax_fedavg.population(n, FEATURES, CLASSES)
 
 
-def _loss(params, batch):
-  w, b = params
-  return optax.softmax_cross_entropy_with_integer_labels(batch['x'] @ w + b,
-                                                         batch['y'])
+_loss = softmax_fedavg.loss
 
 
 def _params():
-  rng = np.random.default_rng(1)
-  return (jnp.asarray(rng.normal(size=(FEATURES, CLASSES)).astype(np.float32)),
-          jnp.zeros(CLASSES, jnp.float32))
+  return softmax_fedavg.initial_params(FEATURES, CLASSES)
 
 
 def _numpy_fedavg(n=N):
-  """Float64 FedAvg of the clients' batches in data order."""
-  sizes, x, y = _population(n)
-  w0, b0 = (np.asarray(a, np.float64) for a in _params())
-  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-  total_w, total_b = np.zeros_like(w0), np.zeros_like(b0)
-  for start, m in zip(starts, sizes):
-    w, b = w0.copy(), b0.copy()
-    for s in range(0, m, BATCH):
-      xb = x[start + s:start + min(m, s + BATCH)]
-      yb = y[start + s:start + min(m, s + BATCH)]
-      logits = xb @ w + b
-      p = np.exp(logits - logits.max(1, keepdims=True))
-      p /= p.sum(1, keepdims=True)
-      p[np.arange(len(yb)), yb] -= 1
-      w -= LR * xb.T @ p / len(yb)
-      b -= LR * p.sum(0) / len(yb)
-    total_w += m * w
-    total_b += m * b
-  return [total_w / sizes.sum(), total_b / sizes.sum()]
+  return softmax_fedavg.numpy_fedavg(*_population(n), _params(), BATCH, LR)
 
 
 def _tolerance(want, n=N):
-  sizes, _, _ = _population(n)
-  # A chain of 2 S (FEATURES + BATCH) float32 roundings in a client's local
-  # steps, then the weighted sum over n clients.
-  steps = int(np.max(-(-sizes // BATCH)))
-  return ft.atol(2 * steps * (FEATURES + BATCH) + n, np.abs(want).max() + 1)
+  return softmax_fedavg.tolerance(want, _population(n)[0], FEATURES, BATCH)
 
 
 class _Plans(logging.Handler):

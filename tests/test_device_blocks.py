@@ -24,6 +24,7 @@ from fedjx import datasets
 from fedjx import fusion
 from fedjx import mapping
 import float_tolerance as ft
+import softmax_fedavg
 
 N, BATCH, FEATURES, CLASSES, LR = 16, 4, 6, 3, 0.1
 AUTO = jax.sharding.AxisType.Auto
@@ -31,23 +32,14 @@ EXPLICIT = jax.sharding.AxisType.Explicit
 
 
 def _population():
-  rng = np.random.default_rng(0)
-  sizes = np.maximum(1, np.round(6 * np.exp(0.8 * rng.normal(size=N)))).astype(int)
-  x = rng.normal(size=(sizes.sum(), FEATURES)).astype(np.float32)
-  y = rng.integers(0, CLASSES, size=sizes.sum()).astype(np.int32)
-  return sizes, x, y
+  return softmax_fedavg.population(N, FEATURES, CLASSES, median=6)
 
 
-def _loss(params, batch):
-  w, b = params
-  return optax.softmax_cross_entropy_with_integer_labels(batch['x'] @ w + b,
-                                                         batch['y'])
+_loss = softmax_fedavg.loss
 
 
 def _params():
-  rng = np.random.default_rng(1)
-  return (jnp.asarray(rng.normal(size=(FEATURES, CLASSES)).astype(np.float32)),
-          jnp.zeros(CLASSES, jnp.float32))
+  return softmax_fedavg.initial_params(FEATURES, CLASSES)
 
 
 def _round(strategy, mesh, shuffle_seed=None):
@@ -76,24 +68,7 @@ class _null:
 
 
 def _numpy_fedavg():
-  """Float64 FedAvg of the clients' batches in data order."""
-  sizes, x, y = _population()
-  w0, b0 = (np.asarray(a, np.float64) for a in _params())
-  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-  total_w, total_b = np.zeros_like(w0), np.zeros_like(b0)
-  for start, n in zip(starts, sizes):
-    w, b = w0.copy(), b0.copy()
-    for s in range(0, n, BATCH):
-      xb, yb = x[start + s:start + min(n, s + BATCH)], y[start + s:start + min(n, s + BATCH)]
-      logits = xb @ w + b
-      p = np.exp(logits - logits.max(1, keepdims=True))
-      p /= p.sum(1, keepdims=True)
-      p[np.arange(len(yb)), yb] -= 1
-      w -= LR * xb.T @ p / len(yb)
-      b -= LR * p.sum(0) / len(yb)
-    total_w += n * w
-    total_b += n * b
-  return [total_w / sizes.sum(), total_b / sizes.sum()]
+  return softmax_fedavg.numpy_fedavg(*_population(), _params(), BATCH, LR)
 
 
 def _steps():
