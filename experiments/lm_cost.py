@@ -398,7 +398,8 @@ def plan_inner_step(preset: str | llama_config.LlamaConfig, replicas: int = 1,
               (fsdp * tensor))
   return InnerStepPlan(
       preset=name, replicas=replicas, fsdp=fsdp, batch=batch, seq_len=seq_len,
-      remat=config.remat, dtype=config.dtype, params=n, analytic_state_bytes=state,
+      remat=llama.step_plan(config, batch, seq_len)['remat'], dtype=config.dtype,
+      params=n, analytic_state_bytes=state,
       argument_bytes=int(memory.argument_size_in_bytes),
       output_bytes=int(memory.output_size_in_bytes),
       alias_bytes=int(memory.alias_size_in_bytes),
