@@ -706,7 +706,8 @@ def _plain_modules() -> tuple[type[BaseException], ...]:
                  ('fedjx.experiments.workdir', 'WorkdirError'),
                  ('fedjx.experiments.checkpointing', 'CheckpointError'),
                  ('fedjx.experiments.config', 'ConfigError'),
-                 ('fedjx.experiments.sweeps.spec', 'SweepError'))
+                 ('fedjx.experiments.sweeps.spec', 'SweepError'),
+                 ('fedjx.execution', 'OutOfMemory'))
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -175,9 +175,14 @@ def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
   algorithm = {'diloco': 'DiLoCo', 'fedavg': 'FedAvg'}[plan.algorithm]
   title = (f'{prog}: {(spec + ": ") if spec else ""}{algorithm} of llama_lm {plan.preset} '
            f'on {top.name} ({top.chips} {chip.name} chips), {plan.replicas} replicas x FSDP '
-           f'{plan.fsdp} x tensor {plan.tensor}, {plan.batch} x {plan.seq_len:,} tokens per '
-           f'replica per inner step, H = {plan.inner_steps}, compute {c.dtype}, remat '
-           f'{c.remat}; compiled by libtpu in '
+           f'{plan.fsdp} x tensor {plan.tensor}'
+           + (f' ({plan.replicas_per_slot} replicas trained one after another on each '
+              f'group of {plan.fsdp * plan.tensor} chip'
+              f'{"" if plan.fsdp * plan.tensor == 1 else "s"})'
+              if plan.replicas_per_slot > 1 else '') +
+           f', {plan.batch} x {plan.seq_len:,} tokens per '
+           f'replica per inner step, H = {plan.inner_steps}, compute {c.dtype}, attention '
+           f'{c.attention}, remat {c.remat}; compiled by libtpu in '
            f'{plan.inner.compile_seconds + plan.outer.compile_seconds:.1f} s')
   inner, outer = plan.inner, plan.outer
   t = plan.times(inner)
@@ -198,9 +203,19 @@ def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
       ('  activations', gb(inner.temp_bytes), "the inner step's temporaries"),
       ('  server state', gb(plan.server_state_bytes),
        'the global model (and outer momentum), laid out like a replica'),
+  ]
+  k = plan.replicas_per_slot
+  if k > 1:
+    rows.append(('  other replicas', gb(plan.held_bytes - plan.server_state_bytes),
+                 f'the optimizer states of the {k - 1} replicas waiting on the chip, and '
+                 "the running sum of the replicas' models"))
+  rows += [
       ('  round peak', gb(plan.peak_bytes),
-       f'inner step {gb(inner.peak_bytes)} + server state; outer step '
-       f'{gb(outer.peak_bytes)} + inner optimizer state {gb(plan.inner_state_bytes)}'),
+       f'inner step {gb(inner.peak_bytes)} + server state'
+       + (' + other replicas' if k > 1 else '') + f'; outer step '
+       f'{gb(outer.peak_bytes)} + inner optimizer state'
+       + (f's of {k} replicas' if k > 1 else '')
+       + f' {gb(k * plan.inner_state_bytes)}'),
       (f'fits {chip.name}', _yes(plan.fits), f'{gb(chip.hbm_bytes)} of HBM a chip'),
       ('per inner step, a chip', '', ''),
       ('  FLOPs', f'{inner.flops:.3g}',
@@ -226,7 +241,8 @@ def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
        f'compute and HBM {seconds(max(o["compute"], o["hbm"]) * cal.factor)}, ICI '
        f'{seconds(o["ici"])}, DCN {seconds(o["dcn"])}, not overlapped'),
       ('round', seconds(plan.round_s),
-       f'{plan.inner_steps} inner steps + the outer step: '
+       f'{k * plan.inner_steps} inner steps'
+       + (f' ({k} replicas x {plan.inner_steps})' if k > 1 else '') + ' + the outer step: '
        f'{plan.tokens_per_round / plan.round_s:,.0f} tokens/s, MFU {100 * plan.mfu:.1f} %'),
   ]
   return table(title, rows)

@@ -298,11 +298,14 @@ def _mesh_sizes(config: Any, replicas: int, chips: int) -> tuple[int, int]:
   tensor = 1 if tensor == -1 else tensor
   fsdp = axes.get('fsdp', -1)
   if fsdp == -1:
-    if chips % (replicas * tensor):
+    streamed = (replicas * tensor > chips and chips % tensor == 0
+                and replicas % (chips // tensor) == 0)
+    if chips % (replicas * tensor) and not streamed:
       raise config_lib.ConfigError(
           f'config.cohort_size={replicas} replicas x tensor={tensor} do not divide the '
-          f'{chips} chips of the topology; choose sizes whose product is {chips}.')
-    fsdp = chips // (replicas * tensor)
+          f'{chips} chips of the topology, nor are they a multiple of them; choose sizes '
+          f'whose product is {chips} or a multiple of it.')
+    fsdp = 1 if streamed else chips // (replicas * tensor)
   return fsdp, tensor
 
 
@@ -315,7 +318,9 @@ def plan_config_pod(config: Any, top: Any) -> Any:
   sequences of the dataset's length, ``H`` inner steps
   (:func:`fedjx.experiments.experiment.churn_inner_steps`: the network
   section's, ``local_steps`` or the algorithm's), on ``config.mesh``'s
-  ``fsdp`` and ``tensor`` (``fsdp`` unset or -1: the chips left). DiLoCo
+  ``fsdp`` and ``tensor`` (``fsdp`` unset or -1: the chips left; where the replicas
+  outnumber the chips, each chip trains several of them one after another,
+  as on one chip). DiLoCo
   (:data:`DILOCO`) and FedAvg (:data:`FEDAVG`) are planned.
   """
   config = config_lib.validate(config)

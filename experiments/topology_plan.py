@@ -49,7 +49,17 @@ The mesh: ``M`` replicas on ``'clients'``, each over ``F x T`` chips on
 ``'fsdp'`` and ``'tensor'`` (:func:`pod_mesh`, ``jax.experimental.mesh_utils``'s
 layout on the torus; with ``S`` slices the ``M`` replicas are ``M / S`` per
 slice, so only ``'clients'`` crosses slices, as DiLoCo wants: Douillard et
-al. 2023, arXiv 2311.08105). ``algorithm='fedavg'`` plans FedAvg (McMahan
+al. 2023, arXiv 2311.08105). Where ``M`` exceeds the ``chips / (F T)``
+slots of ``'clients'`` (``M = 4`` replicas on one chip, say), each slot
+trains ``k = M / slots`` replicas one after another, as ``fedjx-run``
+streams a cohort through a device: a chip then holds the ``k`` replicas'
+optimizer states and the running sum of their models besides one
+replica's working set, and a round takes ``k H`` inner steps.
+
+The ``'auto'`` settings of the model (attention kernel, remat policy, loss
+chunks: :func:`fedjx.models.llama.step_plan`) are resolved for the TPU
+chip, not for the machine that plans: the chip's attention kernel, and a
+remat policy for the HBM the round's state leaves a chip. ``algorithm='fedavg'`` plans FedAvg (McMahan
 et al. 2017, arXiv 1602.05629) on the same layout: plain SGD inner steps and
 an outer SGD step of learning rate 1 without momentum.
 
@@ -79,6 +89,7 @@ from fedjx.experiments.hlo_collectives import Collective
 from fedjx.experiments.hlo_collectives import collectives
 from fedjx.experiments.hlo_collectives import ops_by_axes
 from fedjx.experiments.hlo_collectives import wire_bytes_by_axes
+from fedjx.models import llama
 from fedjx.models import llama_config
 
 GIB = 2 ** 30
@@ -413,16 +424,34 @@ class PodPlan:
   inner_state_bytes: int
   analytic_flops: float
   calibration: Calibration
+  replica_param_bytes: int = 0
 
   @property
   def chip(self) -> Chip:
     return self.topology.chip
 
   @property
+  def replicas_per_slot(self) -> int:
+    """``k``: the replicas each slot of ``'clients'`` trains one after another."""
+    return self.replicas // (self.topology.chips // (self.fsdp * self.tensor))
+
+  @property
+  def held_bytes(self) -> int:
+    """What a chip holds through the inner steps besides one replica's step.
+
+    The server state; with ``k > 1`` replicas per slot, the other ``k - 1``
+    replicas' optimizer states and the running sum of the replicas' models
+    (the size of the model's shard).
+    """
+    k = self.replicas_per_slot
+    return (self.server_state_bytes + (k - 1) * self.inner_state_bytes
+            + (self.replica_param_bytes if k > 1 else 0))
+
+  @property
   def peak_bytes(self) -> int:
     """HBM a chip needs through the round (module docstring)."""
-    return max(self.inner.peak_bytes + self.server_state_bytes,
-               self.outer.peak_bytes + self.inner_state_bytes)
+    return max(self.inner.peak_bytes + self.held_bytes,
+               self.outer.peak_bytes + self.replicas_per_slot * self.inner_state_bytes)
 
   @property
   def fits(self) -> bool:
@@ -461,7 +490,7 @@ class PodPlan:
 
   @property
   def round_s(self) -> float:
-    return self.inner_steps * self.step_s + self.outer_s
+    return self.replicas_per_slot * self.inner_steps * self.step_s + self.outer_s
 
   @property
   def tokens_per_round(self) -> int:
@@ -470,7 +499,8 @@ class PodPlan:
   @property
   def mfu(self) -> float:
     """Model FLOPs of the round over the round's time at every chip's peak."""
-    return self.analytic_flops * self.inner_steps / (self.round_s * self.chip.peak_flops)
+    return (self.analytic_flops * self.replicas_per_slot * self.inner_steps
+            / (self.round_s * self.chip.peak_flops))
 
   def to_json(self) -> dict[str, Any]:
     """The plan as one flat JSON object (what ``fedjx-plan --json`` prints)."""
@@ -479,9 +509,12 @@ class PodPlan:
         'kind': 'pod', 'topology': self.topology.slice_name,
         'num_slices': self.topology.num_slices, 'chips': self.topology.chips,
         'chip': self.chip.name, 'preset': self.preset, 'algorithm': self.algorithm,
-        'replicas': self.replicas, 'fsdp': self.fsdp, 'tensor': self.tensor,
+        'replicas': self.replicas, 'replicas_per_slot': self.replicas_per_slot,
+        'fsdp': self.fsdp, 'tensor': self.tensor,
         'batch': self.batch, 'seq_len': self.seq_len, 'inner_steps': self.inner_steps,
-        'dtype': self.config.dtype, 'remat': self.config.remat, 'params': self.params,
+        'dtype': self.config.dtype, 'remat': self.config.remat,
+        'attention': self.config.attention, 'loss_chunk': self.config.loss_chunk,
+        'params': self.params, 'held_bytes': self.held_bytes,
         'hbm_per_chip_bytes': self.chip.hbm_bytes, 'peak_bytes': self.peak_bytes,
         'fits': self.fits, 'inner_argument_bytes': self.inner.argument_bytes,
         'inner_output_bytes': self.inner.output_bytes,
@@ -506,6 +539,35 @@ class PodPlan:
     }
 
 
+def _slots(top: Topology, replicas: int, fsdp: int, tensor: int) -> int:
+  """The slots of ``'clients'`` on ``top``: ``chips / (fsdp tensor)``, dividing ``replicas``."""
+  for arg, value in (('replicas', replicas), ('fsdp', fsdp), ('tensor', tensor)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f'{arg}={value!r} must be a positive integer.')
+  per_replica = fsdp * tensor
+  slots = top.chips // per_replica
+  if top.chips % per_replica or replicas < slots or replicas % slots:
+    raise ValueError(
+        f'replicas={replicas} x fsdp={fsdp} x tensor={tensor} is {replicas * per_replica} '
+        f'chips; {top.name} has {top.chips}: choose sizes whose product is {top.chips}, or '
+        f'a multiple of it (each group of fsdp x tensor chips then trains several '
+        f'replicas one after another).')
+  return slots
+
+
+def for_chip(config: llama_config.LlamaConfig, batch: int, seq_len: int,
+             memory_bytes: int) -> llama_config.LlamaConfig:
+  """``config`` with its ``'auto'`` settings resolved for a TPU chip of ``memory_bytes`` free.
+
+  :func:`fedjx.models.llama.step_plan` on the TPU backend, whatever backend
+  plans: its attention kernel, remat policy and loss chunk for ``batch x
+  seq_len`` tokens a chip.
+  """
+  plan = llama.step_plan(config, batch, seq_len, memory_bytes=max(int(memory_bytes), 1),
+                         backend='tpu')
+  return config.replace(**plan)
+
+
 def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
              replicas: int, fsdp: int, tensor: int = 1, batch: int = 8,
              seq_len: int | None = None, remat: str | None = None,
@@ -518,10 +580,13 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
     preset: a name in :data:`~fedjx.models.llama_config.PRESETS` or a config.
     top: a :class:`Topology` or its name (:func:`topology`).
     replicas: ``M`` replicas (clients) on ``'clients'``.
-    fsdp, tensor: ``F`` and ``T`` chips per replica; ``M F T`` is every chip.
+    fsdp, tensor: ``F`` and ``T`` chips per replica; ``M F T`` is every chip,
+      or a multiple of it: then each of the ``chips / (F T)`` slots trains
+      ``M F T / chips`` replicas one after another (module docstring).
     batch: sequences per replica per inner step.
     seq_len: tokens per sequence (``None``: the preset's).
-    remat, dtype: replace the preset's.
+    remat, dtype: replace the preset's; ``'auto'`` settings are resolved for
+      the topology's chip and the HBM the round's state leaves it.
     inner_steps: ``H`` inner steps per round.
     algorithm: ``'diloco'`` (AdamW inner steps, Nesterov outer step of
       ``outer_learning_rate`` and ``outer_momentum``) or ``'fedavg'``.
@@ -540,10 +605,20 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
       raise ValueError(f'plan_pod: {arg}={value!r} must be a positive integer.')
   opt, outer_lr, outer_mom = _optimizers(algorithm, outer_learning_rate, outer_momentum)
   lm_cost.check_tensor('plan_pod', config, tensor)
-  mesh = pod_mesh(top, replicas, fsdp, tensor)
+  slots = _slots(top, replicas, fsdp, tensor)
+  mesh = pod_mesh(top, slots, fsdp, tensor)
+  per_slot = replicas // slots
+  _, (a_params, a_opt, _) = lm_cost.inner_step_program(config, slots, fsdp, batch, seq_len,
+                                                       mesh, tensor, optimizer=opt)
+  theta_shape, momentum_shape, _ = lm_cost.outer_step_program(
+      config, slots, fsdp, mesh, tensor, learning_rate=outer_lr, momentum=outer_mom)[1]
+  replica_bytes, opt_bytes = _shard_bytes(a_params), _shard_bytes(a_opt)
+  server_bytes = _shard_bytes((theta_shape, momentum_shape))
+  held = (server_bytes + (per_slot - 1) * opt_bytes + (replica_bytes if per_slot > 1 else 0))
+  config = for_chip(config, max(1, batch // fsdp), seq_len, top.chip.hbm_bytes - held)
 
   def inner(c):
-    jitted, args = lm_cost.inner_step_program(c, replicas, fsdp, batch, seq_len, mesh,
+    jitted, args = lm_cost.inner_step_program(c, slots, fsdp, batch, seq_len, mesh,
                                               tensor, optimizer=opt)
     return _compiled(jitted, args, mesh) + (args,)
 
@@ -554,7 +629,7 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
     per_run = _by_depth(one, two, config.num_layers)
   inner_cost = _program(*full[:3], per_run)
   outer_jit, outer_args = lm_cost.outer_step_program(
-      config, replicas, fsdp, mesh, tensor, learning_rate=outer_lr, momentum=outer_mom)
+      config, slots, fsdp, mesh, tensor, learning_rate=outer_lr, momentum=outer_mom)
   outer_cost = _program(*_compiled(outer_jit, outer_args, mesh))
   _, opt_state, _ = full[3]
   theta, momentum, _ = outer_args
@@ -566,9 +641,10 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
       params=llama_config.num_params(config), inner=inner_cost, outer=outer_cost,
       server_state_bytes=_shard_bytes((theta, momentum)),
       inner_state_bytes=_shard_bytes(opt_state), analytic_flops=analytic,
-      calibration=calibration(top.chip.name, calibration_file))
+      calibration=calibration(top.chip.name, calibration_file),
+      replica_param_bytes=replica_bytes)
 
 
 __all__ = ['ALGORITHMS', 'AXES', 'CALIBRATION_FILE', 'CHIPS', 'SLICES', 'Calibration', 'Chip',
            'PodPlan', 'ProgramCost', 'Topology', 'calibration', 'compile_only_devices',
-           'libtpu_missing', 'plan_pod', 'pod_mesh', 'topology']
+           'for_chip', 'libtpu_missing', 'plan_pod', 'pod_mesh', 'topology']

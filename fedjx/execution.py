@@ -60,7 +60,7 @@ def is_out_of_memory(error: BaseException) -> bool:
   return 'RESOURCE_EXHAUSTED' in text or 'Ran out of memory' in text
 
 
-def _xla_reason(error: BaseException) -> str:
+def xla_reason(error: BaseException) -> str:
   """The first line of XLA's message, without its status prefix."""
   line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
   return line.split('RESOURCE_EXHAUSTED: ', 1)[-1]
@@ -74,7 +74,7 @@ def compile_to_fit(lowered: Any, what: str, settings: str) -> Any:
   except Exception as e:  # pylint: disable=broad-except
     if not is_out_of_memory(e):
       raise
-    raise OutOfMemory(f'{what} does not fit the device\'s memory ({_xla_reason(e)}); '
+    raise OutOfMemory(f'{what} does not fit the device\'s memory ({xla_reason(e)}); '
                       f'{settings}.') from None
 
 
@@ -210,6 +210,20 @@ class RoundRunner:
     return lambda cohort: not self.streams(state, cohort, key)
 
   def __call__(self, state: Any, cohort: Any, key: Any) -> Any:
+    """Runs the round; running out of the device's memory while it runs (what
+    the compiled plan did not see: fragmentation, buffers held beside it)
+    raises :class:`OutOfMemory`, one line naming the settings to change."""
+    try:
+      return self._run(state, cohort, key)
+    except OutOfMemory:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      if not is_out_of_memory(e):
+        raise
+      raise OutOfMemory(f"the round ran out of the device's memory while running "
+                        f'({xla_reason(e)}); {round_settings(state)}.') from None
+
+  def _run(self, state: Any, cohort: Any, key: Any) -> Any:
     if self.streams(state, cohort, key):
       chunk = self.chunk_for(cohort)
       if chunk not in self._streamers:
@@ -223,7 +237,9 @@ class RoundRunner:
     if compiled is not None:
       try:  # Arguments are checked before anything runs or is donated.
         return compiled(state, cohort, key)
-      except (TypeError, ValueError):  # e.g. other shardings: jit's own cache
+      except (TypeError, ValueError) as e:  # e.g. other shardings: jit's own cache
+        if is_out_of_memory(e):
+          raise
         self._compiled = {}
     return self.algorithm.round(state, cohort, key)
 

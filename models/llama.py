@@ -387,5 +387,6 @@ def param_shapes(config: LlamaConfig | str, batch: int = 1, length: int = 8) -> 
   """The parameters' ``jax.ShapeDtypeStruct`` tree, by ``jax.eval_shape`` (nothing allocated)."""
   config = llama_config.preset(config) if isinstance(config, str) else config
   tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
-  init = functools.partial(LlamaLM(config).init, train=False)
+  # The shapes do not depend on the attention kernel; XLA's takes any length.
+  init = functools.partial(LlamaLM(config.replace(attention='xla')).init, train=False)
   return jax.eval_shape(init, jax.random.key(0), tokens)['params']

@@ -71,6 +71,27 @@ def test_auto_compiles_the_round_once():
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_running_out_of_memory_while_a_round_runs_is_one_line_naming_the_settings():
+  # What the compiled plan did not see (fragmentation, buffers beside the
+  # round) fails at run time; the runner names the program and the settings.
+  algo = algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1))
+  cohort, key = jax.device_put(_cohort()), jax.random.key(0)
+  run = execution.round_runner(algo, 'auto', log=lambda m: None)
+  run(_state(algo), cohort, key)  # Compiles and keeps the round's executable.
+
+  def exhausted(*args):
+    raise ValueError('RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to '
+                     'allocate 1.08G. That was not possible.\nmore of the log')
+
+  run._compiled = {k: exhausted for k in run._compiled}  # pylint: disable=protected-access
+  with pytest.raises(execution.OutOfMemory) as e:
+    run(_state(algo), cohort, key)
+  message = str(e.value)
+  assert message.startswith("the round ran out of the device's memory while running "
+                            '(Error allocating device buffer: Attempting to allocate 1.08G.')
+  assert 'config.' in message and '\n' not in message
+
+
 def test_streamed_chunks_hold_a_budget_of_client_data():
   # 64 MiB of data per chunk, at least 64 clients, at most the cohort.
   assert execution.streaming_chunk(4096, 10**6) == 2**26 // 4096

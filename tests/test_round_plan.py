@@ -120,6 +120,9 @@ def test_a_pod_plan_fills_fsdp_with_the_chips_left_and_refuses_what_does_not_div
   config.mesh = 'clients=2,fsdp=2'
   with pytest.raises(config_lib.ConfigError, match='give clients=4 or -1'):
     round_plan._mesh_sizes(config, 4, 256)
+  config.mesh = ''  # 4 replicas on one chip, or 8 on 4 chips: one after another.
+  assert round_plan._mesh_sizes(config, 4, 1) == (1, 1)
+  assert round_plan._mesh_sizes(config, 8, 4) == (1, 1)
   config.mesh = 'clients=-1,tensor=3'
   with pytest.raises(config_lib.ConfigError, match='do not divide the 256 chips'):
     round_plan._mesh_sizes(config, 4, 256)

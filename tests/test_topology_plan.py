@@ -136,6 +136,60 @@ def test_a_round_is_h_roofline_steps_and_the_outer_step_and_its_table_says_so():
   assert f'{plan.tokens_per_round / plan.round_s:,.0f} tokens/s' in text
 
 
+def test_replicas_beyond_the_chips_stream_through_each_chip_and_the_plan_counts_them():
+  # 4 replicas on one chip: each round trains them one after another, the
+  # chip holding the 3 waiting replicas' optimizer states and the running
+  # sum of their models besides one replica's step.
+  inner = tp.ProgramCost(
+      argument_bytes=3_000_000, output_bytes=100, alias_bytes=0, temp_bytes=2_000_000,
+      flops=2e12, hbm_bytes=1e9, xla_seconds=None, wire={}, collectives=(),
+      compile_seconds=1.0)
+  outer = tp.ProgramCost(
+      argument_bytes=1_000_000, output_bytes=0, alias_bytes=0, temp_bytes=0, flops=1e6,
+      hbm_bytes=8.19e8, xla_seconds=None, wire={}, collectives=(), compile_seconds=1.0)
+  plan = tp.PodPlan(
+      topology=tp.topology('v5e:1x1'), preset='35m', config=lc.preset('35m'),
+      algorithm='diloco', replicas=4, fsdp=1, tensor=1, batch=8, seq_len=2048,
+      inner_steps=10, params=lc.num_params('35m'), inner=inner, outer=outer,
+      server_state_bytes=500_000, inner_state_bytes=700_000, analytic_flops=1.97e12,
+      calibration=tp.Calibration('v5e', 1.0), replica_param_bytes=350_000)
+  assert plan.replicas_per_slot == 4
+  assert plan.held_bytes == 500_000 + 3 * 700_000 + 350_000
+  # Inner 5,000,100 + held 2,950,000 against outer 1,000,000 + 4 x 700,000.
+  assert plan.peak_bytes == 5_000_100 + 2_950_000
+  assert plan.round_s == pytest.approx(4 * 10 * plan.step_s + plan.outer_s)
+  assert plan.mfu == pytest.approx(1.97e12 * 40 / (plan.round_s * 197e12))
+  assert plan.tokens_per_round == 4 * 8 * 2048 * 10
+  text = plan_report.render_pod(plan)
+  assert '(4 replicas trained one after another on each group of 1 chip)' in text
+  assert re.search(r'    other replicas +2\.45 MB', text)
+  assert '40 inner steps (4 replicas x 10)' in text
+  assert plan.to_json()['replicas_per_slot'] == 4
+
+
+def test_the_slots_of_a_topology_divide_the_replicas_or_the_plan_is_refused():
+  assert tp._slots(tp.topology('v5e:1x1'), 4, 1, 1) == 1
+  assert tp._slots(tp.topology('v5e:2x2'), 8, 1, 1) == 4
+  assert tp._slots(tp.topology('v5e:2x2'), 2, 2, 1) == 2
+  with pytest.raises(ValueError, match=r'replicas=6 x fsdp=1 x tensor=1 is 6 chips; v5e:2x2 '
+                     r'has 4: choose sizes whose product is 4, or a multiple of it'):
+    tp._slots(tp.topology('v5e:2x2'), 6, 1, 1)
+  with pytest.raises(ValueError, match='replicas=1 x fsdp=2'):
+    tp._slots(tp.topology('v5e:2x2'), 1, 2, 1)
+
+
+def test_auto_settings_are_resolved_for_the_tpu_chip_on_any_planning_machine():
+  # The machine that plans may be a CPU: the chip's kernel all the same, and
+  # a remat policy that grows with the memory the round's state leaves.
+  ample = tp.for_chip(lc.preset('180m'), 8, 2048, 64e9)
+  tight = tp.for_chip(lc.preset('180m'), 8, 2048, 2e9)
+  assert ample.attention == tight.attention == 'splash'
+  assert ample.remat == 'none' and tight.remat == 'full'
+  assert 'auto' not in (ample.remat, ample.loss_chunk, ample.attention)
+  explicit = tp.for_chip(lc.preset('180m').replace(remat='dots_saveable'), 8, 2048, 2e9)
+  assert explicit.remat == 'dots_saveable'
+
+
 def test_without_libtpu_the_plan_says_how_to_install_it(monkeypatch):
   monkeypatch.delenv('TPU_LIBRARY_PATH', raising=False)
   monkeypatch.setattr(tp.importlib.util, 'find_spec', lambda name: None)

@@ -96,7 +96,6 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 
-import dp_accounting
 import numpy as np
 
 from fedjx.algorithms import base
@@ -285,6 +284,8 @@ class Sampling:
 
 
 def _dp():
+  """``dp_accounting``, imported where an epsilon is first accounted."""
+  import dp_accounting  # deferred: dp_accounting and the SciPy it loads (0.7 s) serve only the accountant, not the rounds that import this module
   return dp_accounting
 
 
