@@ -59,9 +59,11 @@ replica's working set, and a round takes ``k H`` inner steps.
 The ``'auto'`` settings of the model (attention kernel, remat policy, loss
 chunks: :func:`fedjx.models.llama.step_plan`) are resolved for the TPU
 chip, not for the machine that plans: the chip's attention kernel, and a
-remat policy for the HBM the round's state leaves a chip. ``algorithm='fedavg'`` plans FedAvg (McMahan
-et al. 2017, arXiv 1602.05629) on the same layout: plain SGD inner steps and
-an outer SGD step of learning rate 1 without momentum.
+remat policy for the HBM the round's state leaves a chip.
+
+``algorithm='fedavg'`` plans FedAvg (McMahan et al. 2017, arXiv
+1602.05629) on the same layout: plain SGD inner steps and an outer SGD step
+of learning rate 1 without momentum.
 
 libtpu reads its host's TPU settings from the environment when it loads; on
 a machine without a TPU, :func:`compile_only_devices` first sets the ones it

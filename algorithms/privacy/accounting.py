@@ -285,7 +285,7 @@ class Sampling:
 
 def _dp():
   """``dp_accounting``, imported where an epsilon is first accounted."""
-  import dp_accounting  # deferred: dp_accounting and the SciPy it loads (0.7 s) serve only the accountant, not the rounds that import this module
+  import dp_accounting  # deferred: heavy (0.7 s with SciPy), used by the accountant only
   return dp_accounting
 
 

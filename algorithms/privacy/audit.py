@@ -458,7 +458,7 @@ def gaussian_fit_estimate(first: np.ndarray, second: np.ndarray, delta: float,
   over ``resamples`` bootstrap resamples of the fitted group(s)
   (``scipy.stats.bootstrap``); ``(estimate, estimate)`` with 0 resamples.
   """
-  from scipy import stats  # deferred: SciPy's statistics (0.7 s to import) serve only the audit's analysis, not the rounds that import this module
+  from scipy import stats  # deferred: heavy (0.7 s), used by the audit's analysis only
   first, second = np.asarray(first, np.float64), np.asarray(second, np.float64)
   if second.size < 2 or (null_std is None and first.size < 2):
     raise ValueError(f'gaussian_fit_estimate: {first.size} and {second.size} '
@@ -505,7 +505,7 @@ def one_run_p_value(canaries: int, guesses: int, correct: int, epsilon: float,
   ``P[correct guesses >= v] <= P[B >= v] + 2 m delta max_{1 <= i <= v}
   P[v - i <= B < v] / i`` for ``m`` canaries.
   """
-  from scipy import stats  # deferred: SciPy's statistics (0.7 s to import) serve only the audit's analysis, not the rounds that import this module
+  from scipy import stats  # deferred: heavy (0.7 s), used by the audit's analysis only
   if not 0 <= correct <= guesses <= canaries:
     raise ValueError(f'one_run_p_value: correct={correct}, guesses={guesses}, '
                      f'canaries={canaries}; need 0 <= correct <= guesses <= '
