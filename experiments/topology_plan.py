@@ -58,8 +58,9 @@ replica's working set, and a round takes ``k H`` inner steps.
 
 The ``'auto'`` settings of the model (attention kernel, remat policy, loss
 chunks: :func:`fedjx.models.llama.step_plan`) are resolved for the TPU
-chip, not for the machine that plans: the chip's attention kernel, and a
-remat policy for the HBM the round's state leaves a chip.
+chip, not for the machine that plans: on one chip the chip's attention
+kernel (XLA's on several: :func:`for_chip`), and a remat policy for the
+HBM the round's state leaves a chip.
 
 ``algorithm='fedavg'`` plans FedAvg (McMahan et al. 2017, arXiv
 1602.05629) on the same layout: plain SGD inner steps and an outer SGD step
@@ -558,13 +559,19 @@ def _slots(top: Topology, replicas: int, fsdp: int, tensor: int) -> int:
 
 
 def for_chip(config: llama_config.LlamaConfig, batch: int, seq_len: int,
-             memory_bytes: int) -> llama_config.LlamaConfig:
+             memory_bytes: int, kernel: bool = True) -> llama_config.LlamaConfig:
   """``config`` with its ``'auto'`` settings resolved for a TPU chip of ``memory_bytes`` free.
 
   :func:`fedjx.models.llama.step_plan` on the TPU backend, whatever backend
   plans: its attention kernel, remat policy and loss chunk for ``batch x
-  seq_len`` tokens a chip.
+  seq_len`` tokens a chip. ``kernel=False`` keeps XLA's attention where
+  ``config.attention`` is ``'auto'``: the kernel's layout under a mesh of
+  several chips is not planned (its per-shard map lets the compiler move
+  activations between replicas), so a pod is planned with XLA's attention,
+  whose temporaries bound the kernel's from above.
   """
+  if not kernel and config.attention == 'auto':
+    config = config.replace(attention='xla')
   plan = llama.step_plan(config, batch, seq_len, memory_bytes=max(int(memory_bytes), 1),
                          backend='tpu')
   return config.replace(**plan)
@@ -617,7 +624,8 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
   replica_bytes, opt_bytes = _shard_bytes(a_params), _shard_bytes(a_opt)
   server_bytes = _shard_bytes((theta_shape, momentum_shape))
   held = (server_bytes + (per_slot - 1) * opt_bytes + (replica_bytes if per_slot > 1 else 0))
-  config = for_chip(config, max(1, batch // fsdp), seq_len, top.chip.hbm_bytes - held)
+  config = for_chip(config, max(1, batch // fsdp), seq_len, top.chip.hbm_bytes - held,
+                    kernel=top.chips == 1)
 
   def inner(c):
     jitted, args = lm_cost.inner_step_program(c, slots, fsdp, batch, seq_len, mesh,

@@ -188,6 +188,8 @@ def test_auto_settings_are_resolved_for_the_tpu_chip_on_any_planning_machine():
   assert 'auto' not in (ample.remat, ample.loss_chunk, ample.attention)
   explicit = tp.for_chip(lc.preset('180m').replace(remat='dots_saveable'), 8, 2048, 2e9)
   assert explicit.remat == 'dots_saveable'
+  # A pod is planned with XLA's attention.
+  assert tp.for_chip(lc.preset('180m'), 8, 2048, 64e9, kernel=False).attention == 'xla'
 
 
 def test_without_libtpu_the_plan_says_how_to_install_it(monkeypatch):
