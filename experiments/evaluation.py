@@ -88,14 +88,10 @@ def make_evaluator(model: models.Model, examples: Mapping[str, np.ndarray],
   mask = jax.device_put(mask)
 
   def evaluate(params) -> dict[str, float]:
-    try:
+    with execution.naming_out_of_memory(
+        f"the evaluation in batches of {batch_size} ran out of the device's memory while "
+        'running', lambda: EVAL_SETTINGS):
       out = jax.device_get(program(gather_to_host(params), batches, mask))
-    except Exception as e:  # pylint: disable=broad-except
-      if not execution.is_out_of_memory(e):
-        raise
-      raise execution.OutOfMemory(
-          f"the evaluation in batches of {batch_size} ran out of the device's memory while "
-          f'running ({execution.xla_reason(e)}); {EVAL_SETTINGS}.') from None
     return {f'eval_{k}': float(v) for k, v in sorted(out.items())}
 
   return evaluate

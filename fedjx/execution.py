@@ -15,8 +15,9 @@ and the machine's physical memory on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -60,22 +61,31 @@ def is_out_of_memory(error: BaseException) -> bool:
   return 'RESOURCE_EXHAUSTED' in text or 'Ran out of memory' in text
 
 
-def xla_reason(error: BaseException) -> str:
+def _xla_reason(error: BaseException) -> str:
   """The first line of XLA's message, without its status prefix."""
   line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
   return line.split('RESOURCE_EXHAUSTED: ', 1)[-1]
 
 
-def compile_to_fit(lowered: Any, what: str, settings: str) -> Any:
-  """``lowered.compile()``; XLA's out-of-memory refusal becomes :class:`OutOfMemory`,
-  one line naming ``what`` (the program) and ``settings`` (what to change)."""
+@contextlib.contextmanager
+def naming_out_of_memory(what: str, settings: Callable[[], str]) -> Iterator[None]:
+  """Inside: XLA's out-of-memory refusal becomes :class:`OutOfMemory`, one line
+  ``'{what} ({XLA's reason}); {settings()}.'`` naming the program and what to change."""
   try:
-    return lowered.compile()
+    yield
+  except OutOfMemory:
+    raise
   except Exception as e:  # pylint: disable=broad-except
     if not is_out_of_memory(e):
       raise
-    raise OutOfMemory(f'{what} does not fit the device\'s memory ({xla_reason(e)}); '
-                      f'{settings}.') from None
+    raise OutOfMemory(f'{what} ({_xla_reason(e)}); {settings()}.') from None
+
+
+def compile_to_fit(lowered: Any, what: str, settings: str) -> Any:
+  """``lowered.compile()``; XLA's out-of-memory refusal becomes :class:`OutOfMemory`,
+  one line naming ``what`` (the program) and ``settings`` (what to change)."""
+  with naming_out_of_memory(f"{what} does not fit the device's memory", lambda: settings):
+    return lowered.compile()
 
 
 ROUND_SETTINGS = ("lower config.batch_size or config.cohort_size, rematerialize the model's "
@@ -213,15 +223,9 @@ class RoundRunner:
     """Runs the round; running out of the device's memory while it runs (what
     the compiled plan did not see: fragmentation, buffers held beside it)
     raises :class:`OutOfMemory`, one line naming the settings to change."""
-    try:
+    with naming_out_of_memory("the round ran out of the device's memory while running",
+                              lambda: round_settings(state)):
       return self._run(state, cohort, key)
-    except OutOfMemory:
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      if not is_out_of_memory(e):
-        raise
-      raise OutOfMemory(f"the round ran out of the device's memory while running "
-                        f'({xla_reason(e)}); {round_settings(state)}.') from None
 
   def _run(self, state: Any, cohort: Any, key: Any) -> Any:
     if self.streams(state, cohort, key):
