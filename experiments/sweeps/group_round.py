@@ -29,18 +29,27 @@ from fedjx.experiments.sweeps import spec
 SweepError = spec.SweepError
 
 
-def _stack(trees: Sequence[Any]) -> Any:
-  """The trees stacked on a new leading axis, leaf by leaf: on the host and
-  put on the device once (no program compiled per leaf shape), except where
-  a leaf is weakly typed (``jnp.stack`` keeps that)."""
+def _stack(rows: Sequence[Sequence[Any]],
+           sharding: jax.sharding.NamedSharding | None = None) -> Any:
+  """The ``[S][H]`` trees stacked leaf by leaf into ``[S, H, ...]`` leaves.
+
+  Stacked on the host and put on the device once, laid out by ``sharding``
+  (None: the default device, uncommitted): no program is compiled per leaf
+  shape to stack or to slice the leaves over the devices, except where a
+  leaf is weakly typed (``jnp.stack`` keeps that).
+  """
+  shape = (len(rows), len(rows[0]))
+
   def one(*xs):
     if _is_key(xs[0]):
       return jax.random.wrap_key_data(one(*map(jax.random.key_data, xs)),
                                       impl=jax.random.key_impl(xs[0]))
+    grid = shape + tuple(np.shape(xs[0]))
     if getattr(xs[0], 'weak_type', False):
-      return jnp.stack(xs)
-    return jax.device_put(np.stack([np.asarray(x) for x in xs]))
-  return jax.tree.map(one, *trees)
+      return place(jnp.stack(xs).reshape(grid), sharding)
+    return jax.device_put(np.stack([np.asarray(x) for x in xs]).reshape(grid),
+                          sharding)
+  return jax.tree.map(one, *(tree for row in rows for tree in row))
 
 
 def _is_key(x: Any) -> bool:
@@ -141,12 +150,15 @@ def trial_sharding(shape: tuple[int, int]) -> jax.sharding.NamedSharding | None:
 
 
 def place(tree: Any, sharding: jax.sharding.NamedSharding | None) -> Any:
-  if sharding is None:
-    return tree
+  """``tree`` laid out by ``sharding``; None leaves device arrays where they
+  are. Host (NumPy) leaves are put on the device(s) directly (None: the
+  default device, uncommitted)."""
   def one(x):
     if _is_key(x):
       return jax.random.wrap_key_data(one(jax.random.key_data(x)),
                                       impl=jax.random.key_impl(x))
+    if sharding is None and not isinstance(x, np.ndarray):
+      return x
     return jax.device_put(x, sharding)
   return jax.tree.map(one, tree)
 
@@ -181,20 +193,22 @@ def check_memory(step_fn: Any, group: plan.Group, args: tuple[Any, ...]) -> None
         f'rerun in a new workdir with --settings_per_program={k} (or fewer seeds).')
 
 
-def group_states(config: Any, group: plan.Group, built: plan.Built | None = None
+def group_states(config: Any, group: plan.Group, built: plan.Built | None = None,
+                 sharding: jax.sharding.NamedSharding | None = None
                  ) -> tuple[list[experiment_lib.Experiment], Any, Any,
                             list[list[ml_collections.ConfigDict]]]:
   """Each seed's experiment (taken from ``built`` where it was built ahead),
-  the group's algorithm, the ``[S, H]`` initial states and the trials'
-  configs ``[seed][setting]``."""
+  the group's algorithm, the ``[S, H]`` initial states (laid out by
+  ``sharding``, :func:`trial_sharding`) and the trials' configs
+  ``[seed][setting]``."""
   seeds, settings = group.seeds, group.settings
   configs = [[plan.trial_config(config, h, s) for h in settings] for s in seeds]
   take = plan.build_trial if built is None else built.take
   exps = [take(configs[i][0]) for i in range(len(seeds))]
-  states = []
+  rows = []
   for i, exp in enumerate(exps):
     row = [exp.algorithm.init(exp.init_params)]
     row += [plan.trial_algorithm(configs[i][j], exp).init(exp.init_params)
             for j in range(1, len(settings))]
-    states.append(_stack(row))
-  return exps, exps[0].algorithm, _stack(states), configs
+    rows.append(row)
+  return exps, exps[0].algorithm, _stack(rows, sharding), configs

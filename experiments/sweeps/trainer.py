@@ -50,12 +50,14 @@ class GroupTrainer:
                built: Built | None = None):
     self.group, self.workdir, self.log, self.bar = group, workdir, log, bar
     self.fingerprint = fingerprint
-    self.exps, algorithm, states, configs = group_round.group_states(
-        config, group, built)
-    self.c = c = configs[0][0]
     self.shape = (len(group.seeds), len(group.settings))
-    alive = jax.device_put(np.ones(self.shape, bool))
     self._sharding = group_round.trial_sharding(self.shape)
+    # Laid out on the trials' devices from the host (a checkpoint restores
+    # into the same layout).
+    self.exps, algorithm, states, configs = group_round.group_states(
+        config, group, built, self._sharding)
+    self.c = c = configs[0][0]
+    alive = group_round.place(np.ones(self.shape, bool), self._sharding)
     self.start, restored = 0, self._restore(ckpt, (states, alive), group_dir)
     if restored is not None:
       (states, alive), meta = restored
@@ -66,8 +68,7 @@ class GroupTrainer:
     self.bar.update(min(self.start, c.rounds) - counted)
     self._elapsed_before = float((restored or (None, {}))[1].get('elapsed_s', 0.0))
     self.saves = loop.Checkpoints(ckpt, self.start if restored else None)
-    self.state = (group_round.place(states, self._sharding),
-                  group_round.place(alive, self._sharding))
+    self.state = (states, alive)
     self.alive = np.asarray(alive)
     self.budgets = [[privacy_lib.Budget(
         privacy_lib.plan(cfg, exp.data.train.num_clients), c.rounds,
@@ -78,8 +79,7 @@ class GroupTrainer:
     self._round_keys = jnp.stack([e.round_key for e in self.exps])
     self.step_fn = make_sweep_round(algorithm, c.nonfinite)
     group_round.check_memory(self.step_fn, group, (
-        self.state[0], jax.device_put(group_round.stacked_cohort(self.exps, c, self.start)),
-        self._keys(self.start), self.state[1]))
+        self.state[0], self._cohort(self.start), self._keys(self.start), self.state[1]))
     self._t0 = time.perf_counter()
     self._evaluable = self.alive
     self._host_params: Any = None  # The trials' parameters on the host, if read.
@@ -112,6 +112,10 @@ class GroupTrainer:
     """Each seed's round key of round ``r`` (``fold_in(round_key, r)``, as its
     run's), ``[S]``, in one call."""
     return _fold_in(self._round_keys, r)
+
+  def _cohort(self, r: int) -> Any:
+    """The seeds' cohorts of round ``r``, stacked and put on the device."""
+    return jax.device_put(group_round.stacked_cohort(self.exps, self.c, r))
 
   def _each(self, mask: np.ndarray) -> Iterator[tuple[int, int]]:
     return zip(*(a.tolist() for a in np.nonzero(mask)))
@@ -150,7 +154,7 @@ class GroupTrainer:
 
   def cohorts(self, start: int, stop: int) -> Iterator[Any]:
     return datasets.Prefetcher(
-        lambda r: jax.device_put(group_round.stacked_cohort(self.exps, self.c, r)),
+        self._cohort,
         start, stop, prefetch=self.c.prefetch)
 
   def dispatch(self, r: int, cohort: Any) -> Any:
@@ -177,8 +181,7 @@ class GroupTrainer:
                        for row in self.budgets])
     self.alive = kept & within
     if not within.all():  # A trial's privacy budget ends it, as its run.
-      self.state = (self.state[0], group_round.place(
-          jnp.asarray(self.alive), self._sharding))
+      self.state = (self.state[0], group_round.place(self.alive, self._sharding))
     return rows
 
   def evaluate(self, step: int, rows: list[list[dict[str, float]]]) -> None:
