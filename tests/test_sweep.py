@@ -233,6 +233,41 @@ def test_settings_per_program_splits_groups():
     run.plan(small_config(), settings, (0,), settings_per_program=0)
 
 
+def test_the_round_is_compiled_ahead_on_a_thread():
+  """A group's round compiled by group_round.Compiling (on a background
+  thread) is what the round's first call runs: the call compiles nothing."""
+  config = small_config()
+  settings = [{'algorithm.server_learning_rate': v} for v in (0.01, 0.1)]
+  groups, _, _ = run.plan(config, settings, (0, 1))
+  exps, algorithm, states, configs = group_round.group_states(config, groups[0])
+  step_fn = group_round.make_sweep_round(algorithm)
+  keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(
+      jax.numpy.stack([e.round_key for e in exps]), 0)
+  args = (states, jax.device_put(group_round.stacked_cohort(exps, configs[0][0], 0)),
+          keys, jax.device_put(np.ones((2, 2), bool)))
+  assert group_round.Compiling(step_fn, args).wait() is not None
+  compiles = []
+
+  def listener(event, duration, **kwargs):
+    del duration, kwargs
+    if event == '/jax/core/compile/backend_compile_duration':
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    jax.block_until_ready(step_fn(*args))
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiles == []
+
+  class Failing:
+    def lower(self, *args):
+      raise ValueError('no program')
+
+  with pytest.raises(ValueError, match='no program'):
+    group_round.Compiling(Failing(), ()).wait()  # Raised where it is waited for.
+
+
 def test_trials_are_sharded_over_devices(tmp_path):
   n = len(jax.devices())
   settings = [{'algorithm.server_learning_rate': 0.01 * (i + 1)} for i in range(n)]

@@ -11,6 +11,7 @@ state from then on and is no longer alive.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -168,18 +169,49 @@ def per_trial_scalars(metrics: Mapping[str, Any], s: int, h: int) -> dict[str, f
           if np.asarray(v).ndim == 2}
 
 
-def check_memory(step_fn: Any, group: plan.Group, args: tuple[Any, ...]) -> None:
+class Compiling:
+  """``step_fn`` lowered and compiled for ``args`` on a background thread.
+
+  XLA compiles without holding Python's lock, so the host work that
+  follows (the trials' files, their first evaluation) runs meanwhile; a
+  later call of ``step_fn`` with arguments of the same shapes finds the
+  program in JAX's caches. :meth:`wait` returns the compiled program, or
+  raises what compiling raised.
+  """
+
+  def __init__(self, step_fn: Any, args: tuple[Any, ...]):
+    self._compiled: Any = None
+    self._error: BaseException | None = None
+    self._thread = threading.Thread(target=self._compile, args=(step_fn, args),
+                                    name='fedjx-sweep-compile', daemon=True)
+    self._thread.start()
+
+  def _compile(self, step_fn: Any, args: tuple[Any, ...]) -> None:
+    try:
+      self._compiled = step_fn.lower(*args).compile()
+    except BaseException as e:  # pylint: disable=broad-exception-caught
+      self._error = e  # Raised by wait(), in the thread that trains.
+
+  def wait(self) -> Any:
+    self._thread.join()
+    if self._error is not None:
+      raise self._error
+    return self._compiled
+
+
+def check_memory(compiling: Compiling, group: plan.Group) -> None:
   """Refuses a group whose compiled round would not fit the device's memory.
 
-  Only where the backend reports a memory limit (GPUs, TPUs); XLA's memory
-  plan of the compiled round (arguments, outputs and temporaries, less
-  donated buffers) must fit in 90% of it.
+  Only where the backend reports a memory limit (GPUs, TPUs), after the
+  round is compiled (``compiling``); XLA's memory plan of the compiled
+  round (arguments, outputs and temporaries, less donated buffers) must fit
+  in 90% of it.
   """
   stats = jax.local_devices()[0].memory_stats() or {}
   limit = stats.get('bytes_limit')
   if not limit:
     return
-  m = step_fn.lower(*args).compile().memory_analysis()
+  m = compiling.wait().memory_analysis()
   if m is None:
     return
   need = (m.argument_size_in_bytes + m.output_size_in_bytes +

@@ -75,11 +75,19 @@ class GroupTrainer:
         c.eval_every, exp.init_params) for cfg in row]
                     for row, exp in zip(configs, self.exps)]
     self.schedule = loop.Schedule.of(c, max(b.stop for row in self.budgets for b in row))
-    self.writers = self._writers(config, resume=self.start if restored else None)
     self._round_keys = jnp.stack([e.round_key for e in self.exps])
     self.step_fn = make_sweep_round(algorithm, c.nonfinite)
-    group_round.check_memory(self.step_fn, group, (
-        self.state[0], self._cohort(self.start), self._keys(self.start), self.state[1]))
+    # The round is compiled on a background thread while the trials' files
+    # are written and their first evaluation runs; train() waits for it
+    # before the first round (whose call then finds it compiled).
+    self._compiling = None
+    if self.start < self.schedule.stop:
+      self._compiling = group_round.Compiling(self.step_fn, (
+          self.state[0],
+          self._cohort(self.start),
+          self._keys(self.start), self.state[1]))
+      group_round.check_memory(self._compiling, group)
+    self.writers = self._writers(config, resume=self.start if restored else None)
     self._t0 = time.perf_counter()
     self._evaluable = self.alive
     self._host_params: Any = None  # The trials' parameters on the host, if read.
@@ -133,6 +141,7 @@ class GroupTrainer:
         self._write(0, rows, np.ones(self.shape, bool))
     step, interrupted = self.start, False
     if self.start < self.schedule.stop:
+      self._compiling.wait()
       step, interrupted = loop.train(self, self.saves, self.schedule, self.start, flag)
     for i, j in self._each(np.ones(self.shape, bool)):
       budget = self.budgets[i][j]
