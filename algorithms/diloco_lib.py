@@ -20,9 +20,18 @@ paper), OuterOpt to SGD with Nesterov momentum (learning rate 0.7, momentum
 outer SGD of learning rate 1 and no momentum, and a fresh inner state every
 round, DiLoCo is FedAvg.
 
-Replica ``k`` is the client with ``cohort.client_ids == k``; its inner
-optimizer state is stored in the server state (``state.client_states``,
-leaves ``[K, ...]``).
+Replica ``k`` is the client with ``cohort.client_ids == k``. Where its inner
+optimizer state lives (``client_state``, docs/client_state.md):
+
+* ``'dense'`` (the default): in the server state (``state.client_states``,
+  leaves ``[K, ...]``), updated in place as the replicas train one after
+  another; the whole state stays on the device.
+* ``'store'``: outside the server state, one row per replica in a
+  ``fedjx.ClientStore`` on the host. The round reads the replicas' rows
+  from ``cohort.client_states`` and returns their new values as a third
+  output; streamed (``fedjx.streaming``), the device holds the outer state
+  and one replica's work, whatever ``K``: the placement for replicas whose
+  ``K`` inner states do not fit beside the round (docs/scaling.md).
 
 The round is the template's (:func:`fedjx.algorithms.kit.algorithm`), with
 the inner optimizer as the clients' (``state.hparams['inner_optimizer']``),
@@ -55,10 +64,15 @@ OWN = ('inner_optimizer', 'outer_optimizer', 'outer_learning_rate',
        'outer_momentum', 'inner_steps')
 """The parameters every builder of the DiLoCo family takes itself."""
 
+CLIENT_STATES = ('dense', 'store')
+"""Where the replicas' inner optimizer states live (module docstring)."""
+
 TRAITS = kit.Traits(options=OPTIONS, population='num_replicas',
+                    client_state='client_state',
                     updates_reach_params=True, indexed_batches=True,
                     aggregates_whole_model=True, replicas_restart=True)
-"""What DiLoCo declares: replicas by id, every outer gradient reaches the
+"""What DiLoCo declares: replicas by id, their states placed by
+``config.client_state.placement``, every outer gradient reaches the
 model in its round, the whole model aggregated once a round, every replica
 starting each round from the global model
 (:class:`~fedjx.algorithms.traits.Traits`)."""
@@ -178,6 +192,7 @@ def diloco(loss_fn: kit.LossFn, num_replicas: int, *,
            outer_momentum: float | None = None,
            inner_steps: int | None = None,
            reset_inner_state: bool = False,
+           client_state: str = 'dense',
            quantization_format: str = 'float32',
            aggregator: Any = None,
            client_metrics: bool = False,
@@ -196,6 +211,11 @@ def diloco(loss_fn: kit.LossFn, num_replicas: int, *,
       real steps; None runs the cohort's ``S`` steps once.
     reset_inner_state: start every round from a fresh inner state instead of
       the replica's own (the paper keeps it).
+    client_state: where the replicas' inner states live: ``'dense'``
+      (``[K, ...]`` arrays in ``state.client_states``) or ``'store'``
+      (outside the state: the round reads them from ``cohort.client_states``
+      and returns ``(state, metrics, client_states)``, the cohort's new
+      rows; module docstring).
     quantization_format: format of the outer gradients sent
       (``quantization.FORMATS``): the aggregator
       ``aggregators.quantized_mean(quantization_format)``.
@@ -213,11 +233,13 @@ def diloco(loss_fn: kit.LossFn, num_replicas: int, *,
   Returns:
     The :class:`~fedjx.algorithms.Algorithm`; its state is a
     :class:`~fedjx.algorithms.ServerState` whose ``client_states`` are the
-    replicas' inner optimizer states (``()`` with ``reset_inner_state``).
+    replicas' inner optimizer states (``()`` with ``reset_inner_state`` or
+    ``client_state='store'``).
   """
   name = 'diloco'
   kit.check_positive_int(name, 'num_replicas', num_replicas)
   kit.check_choice(name, 'reset_inner_state', reset_inner_state, (False, True))
+  kit.check_choice(name, 'client_state', client_state, CLIENT_STATES)
   quantization.check_format(name, 'quantization_format', quantization_format)
   o = check_options(
       name, options, inner_optimizer=inner_optimizer,
@@ -226,7 +248,7 @@ def diloco(loss_fn: kit.LossFn, num_replicas: int, *,
       aggregator=check_aggregator(name, aggregator, quantization_format),
       client_metrics=client_metrics)
   rows = None if reset_inner_state else kit.ClientState(
-      o.client_optimizer.init, num_replicas)
+      o.client_optimizer.init, num_replicas if client_state == 'dense' else None)
 
   def replica(c):  # H inner steps from theta, from its own inner state.
     trained = c.train(opt_state=None if reset_inner_state else c.state)

@@ -26,12 +26,14 @@ round reads the sums' change.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+import fedjx
 from fedjx import constant_hoisting
 from fedjx.algorithms import kit
 from fedjx.algorithms import base
@@ -94,11 +96,15 @@ def _sums(inner_opt_states: Any) -> GradNormSum:
   return inner_opt_states[0]
 
 
-def round_inner_grad_norm(before: Any, after: Any) -> jax.Array:
-  """Mean ``||g_t||`` over the inner steps taken between two inner states."""
+def round_inner_grad_norm(before: Any, after: Any, clients: bool = False) -> jax.Array:
+  """Mean ``||g_t||`` over the inner steps taken between two inner states:
+  the server's ``[K]`` rows, or with ``clients`` the cohort's rows (client
+  values, summed with ``fedjx.reduce_sum``, so a streamed round adds them
+  chunk by chunk)."""
   a, b = _sums(before), _sums(after)
-  steps = jnp.sum(b.count - a.count)
-  return jnp.sum(b.total - a.total) / jnp.maximum(steps, 1).astype(jnp.float32)
+  total = fedjx.reduce_sum if clients else jnp.sum
+  steps = total(b.count - a.count)
+  return total(b.total - a.total) / jnp.maximum(steps, 1).astype(jnp.float32)
 
 
 def with_inner_grad_norm(algorithm: kit.Algorithm) -> kit.Algorithm:
@@ -108,7 +114,12 @@ def with_inner_grad_norm(algorithm: kit.Algorithm) -> kit.Algorithm:
   def wrap(inner: kit.Algorithm, donate: bool) -> kit.Algorithm:
     def apply(state, cohort, key):
       new, metrics, *rows = inner.apply(state, cohort, key)
-      norm = round_inner_grad_norm(state.client_states, new.client_states)
+      if rows:  # The replicas' states in a store: the cohort's rows.
+        per_cohort = fedjx.program(clients=jnp.shape(cohort.num_examples)[0])(
+            functools.partial(round_inner_grad_norm, clients=True))
+        norm = per_cohort(cohort.client_states, rows[0])
+      else:
+        norm = round_inner_grad_norm(state.client_states, new.client_states)
       return (new, {**metrics, INNER_GRAD_NORM: norm}, *rows)
 
     def run(state, cohorts, keys):
@@ -124,8 +135,10 @@ def with_inner_grad_norm(algorithm: kit.Algorithm) -> kit.Algorithm:
 
 
 TRAITS = kit.Traits(options=diloco_lib.OPTIONS, population='num_replicas',
+                    client_state='client_state',
                     updates_reach_params=True, indexed_batches=True)
-"""What the recipe declares: DiLoCo's options, replicas by id, every outer
+"""What the recipe declares: DiLoCo's options, replicas by id (their states
+placed by ``config.client_state.placement``), every outer
 gradient reaching the model in its round
 (:class:`~fedjx.algorithms.traits.Traits`)."""
 
@@ -137,7 +150,7 @@ def diloco_recipe(loss_fn: kit.LossFn, num_replicas: int, *,
                   b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1,
                   clip_norm: float = 1.0, outer_learning_rate: float = 0.7,
                   outer_momentum: float = 0.9, inner_steps: int | None = None,
-                  **options: Any) -> kit.Algorithm:
+                  client_state: str = 'dense', **options: Any) -> kit.Algorithm:
   """DiLoCo whose replicas run :func:`inner_optimizer`; outer Nesterov SGD.
 
   Args:
@@ -150,6 +163,8 @@ def diloco_recipe(loss_fn: kit.LossFn, num_replicas: int, *,
       0 turns clipping off.
     outer_learning_rate, outer_momentum: the outer Nesterov SGD's.
     inner_steps: ``H`` (None: the cohort's steps).
+    client_state: where the replicas' inner states live, ``'dense'`` or
+      ``'store'`` (:func:`fedjx.algorithms.diloco_lib.diloco`).
     **options: :func:`fedjx.algorithms.diloco_lib.diloco`'s ``metrics_fn``,
       ``weighting``, ``client_evaluation``, ``skip_nonfinite``.
   """
@@ -159,7 +174,7 @@ def diloco_recipe(loss_fn: kit.LossFn, num_replicas: int, *,
   algorithm = diloco_lib.diloco(
       loss_fn, num_replicas, inner_optimizer=inner,
       outer_optimizer=diloco_lib.outer_nesterov(outer_learning_rate, outer_momentum),
-      inner_steps=inner_steps, **options)
+      inner_steps=inner_steps, client_state=client_state, **options)
   return with_inner_grad_norm(algorithm)
 
 

@@ -64,7 +64,8 @@ def for_processes(config: Any, workdir: str, log: Any) -> Any:
   workdir resumes under any process layout. Other algorithms are left as
   they are (:func:`make_store` refuses them in a multi-process run).
   """
-  if config.client_state.placement != 'store':
+  if registry.resolve_placement(config.algorithm.name,
+                                config.client_state.placement) != 'store':
     return config
   option = registry.algorithm_traits(config.algorithm.name).client_state
   if option is None or option in config.algorithm:

@@ -92,9 +92,9 @@ DEFAULTS: dict[str, Any] = {
     # see ATTACK_DEFAULTS.
     'attack': {'name': '', 'fraction': 0.0, 'seed': None},
     # Where per-client state kept between rounds (SCAFFOLD's control
-    # variates, a personal model) lives: see CLIENT_STATE_DEFAULTS and
-    # docs/client_state.md.
-    'client_state': {'placement': 'store', 'memory_budget_mb': 1024,
+    # variates, a personal model, DiLoCo's inner optimizer states) lives:
+    # see CLIENT_STATE_DEFAULTS and docs/client_state.md.
+    'client_state': {'placement': 'auto', 'memory_budget_mb': 1024,
                      'directory': ''},
     # A simulated wall clock from a communication model
     # (fedjx.experiments.network_clock, docs/experiments.md): off while
@@ -161,10 +161,12 @@ ATTACK_DEFAULTS = dict(DEFAULTS['attack'])
 # rounds: placement 'store' (a fedjx.client_store.ClientStore on the host:
 # each round reads its cohort's rows and writes them back, memory_budget_mb
 # of them in memory and the rest memory-mapped under directory, '' for
-# <workdir>/client_states) or 'device' (a dense [N, ...] array in the
-# server state, for algorithms that offer one: SCAFFOLD).
+# <workdir>/client_states), 'device' (a dense [N, ...] array in the
+# server state, for algorithms that offer one: SCAFFOLD, DiLoCo) or 'auto'
+# (fedjx.experiments.registry.resolve_placement: 'device' for a population of
+# replicas, DiLoCo's, 'store' for a population of clients).
 CLIENT_STATE_DEFAULTS = dict(DEFAULTS['client_state'])
-CLIENT_STATE_PLACEMENTS = ('store', 'device')
+CLIENT_STATE_PLACEMENTS = ('auto', 'store', 'device')
 # config.network: each round's simulated wall clock over a link of
 # bandwidth_gbps Gbit/s (None: off, nothing added to the metrics) and
 # latency_ms per message, all-reduced over topology (NETWORK_TOPOLOGIES);

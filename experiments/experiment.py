@@ -137,6 +137,7 @@ def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
     guarded = config.nonfinite != 'off'
   if placement is None:
     placement = config.client_state.placement
+  placement = registry.resolve_placement(config.algorithm.name, placement)
   spec = privacy_lib.algorithm_spec(config, num_clients)
   algorithm = registry.build_algorithm(
       attack_lib.algorithm_spec(config, spec, num_clients), model,
@@ -146,7 +147,7 @@ def build_algorithm(config: ml_collections.ConfigDict, model: models.Model,
     raise registry.ConfigError(
         f"config.client_state.placement='device' but algorithm "
         f'{config.algorithm.name!r} offers no dense in-state array of its '
-        "per-client state; use placement='store' (the default).")
+        "per-client state; use placement='store' (or 'auto', the default).")
   return with_churn(config, algorithm, num_clients, params)
 
 

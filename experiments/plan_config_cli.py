@@ -91,8 +91,14 @@ def _plan(argv: Sequence[str], extras: Sequence[Any]) -> int:
     from fedjx.experiments import topology_plan  # deferred: before JAX (usage errors, config checks)
     top = topology_plan.topology(_TPU.value, _NUM_SLICES.value)
     plan = round_plan.plan_config_pod(config, top)
+    on_host = None
+    if not plan.fits and plan.algorithm == 'diloco' and plan.replica_states == 'device':
+      on_host = round_plan.plan_config_pod(config, top, replica_states='store')
     row = dict(plan.to_json(), config=spec)
-    text = plan_report.render_pod(plan, PROG, spec)
+    if on_host is not None:
+      row.update(store_fits=on_host.fits, store_peak_bytes=on_host.peak_bytes,
+                 store_round_s=on_host.round_s)
+    text = plan_report.render_pod(plan, PROG, spec, on_host)
   else:
     device = plan_report.target(_DEVICE.value)
     plan = round_plan.plan_config(config, lambda msg: print(f'{PROG}: {msg}', file=sys.stderr))

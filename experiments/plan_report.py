@@ -169,8 +169,11 @@ def _where(key: str) -> str:
   return f"{axes} ({'across slices, DCN' if key.startswith('dcn:') else 'ICI'})"
 
 
-def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
-  """The table of a :class:`fedjx.experiments.topology_plan.PodPlan`."""
+def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None,
+               on_host=None) -> str:
+  """The table of a :class:`fedjx.experiments.topology_plan.PodPlan`; ``on_host``,
+  the same round planned with the replicas' states on the host, adds its
+  peak and round time (where ``plan``, states on the chips, does not fit)."""
   c, top, chip = plan.config, plan.topology, plan.chip
   algorithm = {'diloco': 'DiLoCo', 'fedavg': 'FedAvg'}[plan.algorithm]
   title = (f'{prog}: {(spec + ": ") if spec else ""}{algorithm} of llama_lm {plan.preset} '
@@ -205,18 +208,29 @@ def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
        'the global model (and outer momentum), laid out like a replica'),
   ]
   k = plan.replicas_per_slot
-  if k > 1:
+  host = plan.replica_states == 'store'
+  if host:
+    rows.append(('  replicas in flight', gb(plan.held_bytes - plan.server_state_bytes),
+                 "the next replica's optimizer state arriving from the host and the "
+                 "previous one's leaving, and the running sum of the replicas' models "
+                 "with its compensation; the "
+                 f"{plan.replicas} replicas' states live on the host"))
+  elif k > 1:
     rows.append(('  other replicas', gb(plan.held_bytes - plan.server_state_bytes),
                  f'the optimizer states of the {k - 1} replicas waiting on the chip, and '
                  "the running sum of the replicas' models"))
+  outer_note = (f'outer step {gb(outer.peak_bytes)}' if host else
+                f'outer step {gb(outer.peak_bytes)} + inner optimizer state'
+                + (f's of {k} replicas' if k > 1 else '')
+                + f' {gb(k * plan.inner_state_bytes)}')
   rows += [
       ('  round peak', gb(plan.peak_bytes),
        f'inner step {gb(inner.peak_bytes)} + server state'
-       + (' + other replicas' if k > 1 else '') + f'; outer step '
-       f'{gb(outer.peak_bytes)} + inner optimizer state'
-       + (f's of {k} replicas' if k > 1 else '')
-       + f' {gb(k * plan.inner_state_bytes)}'),
-      (f'fits {chip.name}', _yes(plan.fits), f'{gb(chip.hbm_bytes)} of HBM a chip'),
+       + (' + replicas in flight' if host else ' + other replicas' if k > 1 else '')
+       + f'; {outer_note}'),
+      (f'fits {chip.name}', _yes(plan.fits), f'{gb(chip.hbm_bytes)} of HBM a chip'
+       + (", the replicas' optimizer states on the host "
+          "(config.client_state.placement='store')" if host else '')),
       ('per inner step, a chip', '', ''),
       ('  FLOPs', f'{inner.flops:.3g}',
        f'XLA; analytic 6 N_matmul + 12 L H h T per token {plan.analytic_flops:.3g} '
@@ -242,10 +256,24 @@ def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None) -> str:
        f'{seconds(o["ici"])}, DCN {seconds(o["dcn"])}, not overlapped'),
       ('round', seconds(plan.round_s),
        f'{k * plan.inner_steps} inner steps'
-       + (f' ({k} replicas x {plan.inner_steps})' if k > 1 else '') + ' + the outer step: '
+       + (f' ({k} replicas x {plan.inner_steps})' if k > 1 else '') + ' + the outer step'
+       + (_host_note(plan) if host else '') + ': '
        f'{plan.tokens_per_round / plan.round_s:,.0f} tokens/s, MFU {100 * plan.mfu:.1f} %'),
   ]
+  if on_host is not None:
+    rows.append(("states on the host", _yes(on_host.fits),
+                 f"config.client_state.placement='store': round peak "
+                 f'{gb(on_host.peak_bytes)}, remat {on_host.config.remat}, round '
+                 f'{seconds(on_host.round_s)}' + _host_note(on_host)))
   return table(title, rows)
+
+
+def _host_note(plan) -> str:
+  """The host transfers of a plan with the replicas' states on the host."""
+  if not plan.host_s:
+    return ' (copies of the states to the host not counted: no measured host bandwidth)'
+  return (f' + {seconds(plan.host_s)} copying {plan.replicas_per_slot} states to the host '
+          f'at {plan.calibration.host_bytes_per_s / 1e9:.1f} GB/s')
 
 
 def render_inner(plan, device: Target, platform: str, prog: str = 'fedjx-plan') -> str:

@@ -285,6 +285,22 @@ def algorithm_traits(name: str) -> Traits:
   return traits_lib.of(algorithm_builder(name))
 
 
+def resolve_placement(name: str, placement: str) -> str:
+  """``config.client_state.placement`` for algorithm ``name``, ``'auto'`` resolved.
+
+  ``'auto'`` is ``'device'`` for an algorithm whose population is replicas
+  (DiLoCo's ``num_replicas``: a few rows, each a model's optimizer state,
+  read by every round, updated in place on the device) and ``'store'``
+  otherwise (a population of clients, of which a round reads a cohort's
+  rows). A DiLoCo run whose replicas' states do not fit beside the round
+  on the device names ``'store'`` (docs/scaling.md).
+  """
+  if placement != 'auto':
+    return placement
+  replicas = name in ALGORITHMS and algorithm_traits(name).population == 'num_replicas'
+  return 'device' if replicas else 'store'
+
+
 def is_asynchronous(name: str) -> bool:
   """Whether algorithm ``name`` runs on a simulated schedule (its declared
   ``asynchronous``); False for a name not registered."""
@@ -343,7 +359,7 @@ def build_algorithm(spec: Any, model: models.Model, *,
   is applied once, with ``algorithm.compile(map_options)``.
   ``placement`` (``config.client_state.placement``, None: the builder's
   default) sets its declared ``client_state`` option: ``'store'``, or
-  ``'dense'`` for ``'device'``.
+  ``'dense'`` for ``'device'`` (``'auto'``: :func:`resolve_placement`).
   """
   name, kwargs = split_name('algorithm', spec)
   builder = algorithm_builder(name)
@@ -369,7 +385,8 @@ def build_algorithm(spec: Any, model: models.Model, *,
     kwargs[traits.population] = num_clients
   if placement is not None and traits.client_state is not None and (
       traits.client_state not in kwargs):
-    kwargs[traits.client_state] = 'dense' if placement == 'device' else 'store'
+    resolved = resolve_placement(name, placement)
+    kwargs[traits.client_state] = 'dense' if resolved == 'device' else 'store'
   algorithm = builder(model.loss_fn, **kwargs)
   if map_options != _DEFAULT_MAP:
     if not hasattr(algorithm, 'compile'):

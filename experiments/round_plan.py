@@ -309,7 +309,7 @@ def _mesh_sizes(config: Any, replicas: int, chips: int) -> tuple[int, int]:
   return fsdp, tensor
 
 
-def plan_config_pod(config: Any, top: Any) -> Any:
+def plan_config_pod(config: Any, top: Any, replica_states: str | None = None) -> Any:
   """Plans ``config``'s round on the TPU topology ``top`` (:func:`fedjx.experiments.topology_plan.plan_pod`).
 
   The model (a ``llama_lm``: only its layout is planned for a pod) is built
@@ -321,7 +321,10 @@ def plan_config_pod(config: Any, top: Any) -> Any:
   ``fsdp`` and ``tensor`` (``fsdp`` unset or -1: the chips left; where the replicas
   outnumber the chips, each chip trains several of them one after another,
   as on one chip). DiLoCo
-  (:data:`DILOCO`) and FedAvg (:data:`FEDAVG`) are planned.
+  (:data:`DILOCO`) and FedAvg (:data:`FEDAVG`) are planned. DiLoCo's
+  replicas' optimizer states are planned where ``config.client_state.placement``
+  puts them (``'auto'``: on the chips), or where ``replica_states`` says
+  (``'device'`` or ``'store'``, the host).
   """
   config = config_lib.validate(config)
   name, options = registry.split_name('algorithm', config.algorithm)
@@ -343,6 +346,8 @@ def plan_config_pod(config: Any, top: Any) -> Any:
   top = topology_plan.topology(top) if isinstance(top, str) else top
   replicas = int(config.cohort_size)
   fsdp, tensor = _mesh_sizes(config, replicas, top.chips)
+  if replica_states is None:
+    replica_states = registry.resolve_placement(name, config.client_state.placement)
   outer = dict(options.get('outer_optimizer') or {})
   momentum = outer.get('momentum', options.get('outer_momentum', 0.9))
   return topology_plan.plan_pod(
@@ -353,7 +358,8 @@ def plan_config_pod(config: Any, top: Any) -> Any:
       outer_learning_rate=float(outer.get('learning_rate',
                                           options.get('outer_learning_rate', 0.7))),
       outer_momentum=float(momentum) if momentum else None,
-      name=dict(config.model).get('preset') or 'custom')
+      name=dict(config.model).get('preset') or 'custom',
+      replica_states='store' if name in DILOCO and replica_states == 'store' else 'device')
 
 
 __all__ = ['DILOCO', 'FEDAVG', 'RoundPlan', 'device_bytes', 'plan_config', 'plan_config_pod']

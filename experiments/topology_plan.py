@@ -56,6 +56,18 @@ streams a cohort through a device: a chip then holds the ``k`` replicas'
 optimizer states and the running sum of their models besides one
 replica's working set, and a round takes ``k H`` inner steps.
 
+Where those states do not fit, they can live on the host
+(``replica_states='store'``, ``config.client_state.placement='store'``:
+``fedjx-run`` keeps them in a ``fedjx.ClientStore`` and streams the
+replicas through the chip, :mod:`fedjx.streaming`). A chip then holds the
+server state, one replica's step, the next replica's optimizer state
+arriving and the previous one's leaving while it trains, and the
+compensated running sum of the models (two model shards); the outer step
+holds no replica state. ``k`` times the state's bytes over the chip's
+measured host bandwidth are added to the round (the calibration's
+``host_bytes_per_s``; not counted where none was measured), as if the
+copies to the host did not overlap the steps.
+
 The ``'auto'`` settings of the model (attention kernel, remat policy, loss
 chunks: :func:`fedjx.models.llama.step_plan`) are resolved for the TPU
 chip, not for the machine that plans: on one chip the chip's attention
@@ -276,6 +288,7 @@ class Calibration:
   planned_step_s: float | None = None
   program: str = ''
   source: str = ''
+  host_bytes_per_s: float | None = None
 
   @property
   def measured(self) -> bool:
@@ -289,7 +302,9 @@ def calibration(chip: str, path: str = CALIBRATION_FILE) -> Calibration:
   "program", "source"}``: one program's step time measured on one chip and
   this module's raw estimate of the same program on the 1-chip topology
   (``scripts/check_plan.py`` prints both and the entry to keep); their ratio
-  is the factor every step time of that chip is multiplied by.
+  is the factor every step time of that chip is multiplied by. An optional
+  ``"host_bytes_per_s"`` is the chip's measured copy rate to host memory
+  (replicas' states kept on the host, :attr:`PodPlan.host_s`).
   """
   try:
     with open(path, encoding='utf-8') as f:
@@ -298,14 +313,19 @@ def calibration(chip: str, path: str = CALIBRATION_FILE) -> Calibration:
     entries = {}
   entry = entries.get(chip) or {}
   measured, planned = entry.get('measured_step_s'), entry.get('planned_step_s')
+  host = entry.get('host_bytes_per_s')
+  if host is not None and not host > 0:
+    raise ValueError(f'{path}: {chip}: host_bytes_per_s={host!r} must be a positive '
+                     'number of bytes per second.')
+  host = None if host is None else float(host)
   if measured is None or planned is None:
     return Calibration(chip, 1.0, program=entry.get('program', ''),
-                       source=entry.get('source', ''))
+                       source=entry.get('source', ''), host_bytes_per_s=host)
   if not (measured > 0 and planned > 0):
     raise ValueError(f'{path}: {chip}: measured_step_s={measured!r} and '
                      f'planned_step_s={planned!r} must be positive seconds.')
   return Calibration(chip, measured / planned, float(measured), float(planned),
-                     entry.get('program', ''), entry.get('source', ''))
+                     entry.get('program', ''), entry.get('source', ''), host)
 
 
 # ------------------------------------------------------------- programs
@@ -428,6 +448,7 @@ class PodPlan:
   analytic_flops: float
   calibration: Calibration
   replica_param_bytes: int = 0
+  replica_states: str = 'device'
 
   @property
   def chip(self) -> Chip:
@@ -444,17 +465,21 @@ class PodPlan:
 
     The server state; with ``k > 1`` replicas per slot, the other ``k - 1``
     replicas' optimizer states and the running sum of the replicas' models
-    (the size of the model's shard).
+    (the size of the model's shard). With the states on the host
+    (``replica_states='store'``), two other replicas' states (the next
+    arriving, the previous leaving) and the running sum with its
+    compensation.
     """
-    k = self.replicas_per_slot
-    return (self.server_state_bytes + (k - 1) * self.inner_state_bytes
-            + (self.replica_param_bytes if k > 1 else 0))
+    return held_bytes(self.replica_states, self.replicas_per_slot,
+                      self.server_state_bytes, self.inner_state_bytes,
+                      self.replica_param_bytes)
 
   @property
   def peak_bytes(self) -> int:
     """HBM a chip needs through the round (module docstring)."""
+    on_chip = self.replicas_per_slot if self.replica_states == 'device' else 0
     return max(self.inner.peak_bytes + self.held_bytes,
-               self.outer.peak_bytes + self.replicas_per_slot * self.inner_state_bytes)
+               self.outer.peak_bytes + on_chip * self.inner_state_bytes)
 
   @property
   def fits(self) -> bool:
@@ -492,8 +517,18 @@ class PodPlan:
     return max(t['compute'], t['hbm']) * self.calibration.factor + t['ici'] + t['dcn']
 
   @property
+  def host_s(self) -> float:
+    """Seconds a round spends sending the replicas' new states to the host
+    (``replica_states='store'``; 0 without a measured host bandwidth)."""
+    rate = self.calibration.host_bytes_per_s
+    if self.replica_states != 'store' or not rate:
+      return 0.0
+    return self.replicas_per_slot * self.inner_state_bytes / rate
+
+  @property
   def round_s(self) -> float:
-    return self.replicas_per_slot * self.inner_steps * self.step_s + self.outer_s
+    return (self.replicas_per_slot * self.inner_steps * self.step_s + self.outer_s
+            + self.host_s)
 
   @property
   def tokens_per_round(self) -> int:
@@ -513,6 +548,7 @@ class PodPlan:
         'num_slices': self.topology.num_slices, 'chips': self.topology.chips,
         'chip': self.chip.name, 'preset': self.preset, 'algorithm': self.algorithm,
         'replicas': self.replicas, 'replicas_per_slot': self.replicas_per_slot,
+        'replica_states': self.replica_states, 'host_s': self.host_s,
         'fsdp': self.fsdp, 'tensor': self.tensor,
         'batch': self.batch, 'seq_len': self.seq_len, 'inner_steps': self.inner_steps,
         'dtype': self.config.dtype, 'remat': self.config.remat,
@@ -540,6 +576,20 @@ class PodPlan:
         'mfu': self.mfu,
         'compile_s': round(self.inner.compile_seconds + self.outer.compile_seconds, 3),
     }
+
+
+REPLICA_STATES = ('device', 'store')
+"""Where the replicas' optimizer states live through a round: on the chips,
+or on the host (``config.client_state.placement``)."""
+
+
+def held_bytes(replica_states: str, k: int, server_state: int, inner_state: int,
+               replica_params: int) -> int:
+  """What a chip holds besides one replica's step, ``k`` replicas per slot
+  (:attr:`PodPlan.held_bytes`)."""
+  if replica_states == 'store':
+    return server_state + 2 * inner_state + 2 * replica_params
+  return server_state + (k - 1) * inner_state + (replica_params if k > 1 else 0)
 
 
 def _slots(top: Topology, replicas: int, fsdp: int, tensor: int) -> int:
@@ -582,7 +632,8 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
              seq_len: int | None = None, remat: str | None = None,
              dtype: str | None = None, inner_steps: int = 1, algorithm: str = 'diloco',
              outer_learning_rate: float = 0.7, outer_momentum: float | None = 0.9,
-             calibration_file: str = CALIBRATION_FILE, name: str | None = None) -> PodPlan:
+             calibration_file: str = CALIBRATION_FILE, name: str | None = None,
+             replica_states: str = 'device') -> PodPlan:
   """Compiles a round's programs for the TPU topology ``top`` and reads their cost.
 
   Args:
@@ -601,6 +652,8 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
       ``outer_learning_rate`` and ``outer_momentum``) or ``'fedavg'``.
     calibration_file: the chips' calibrations (:func:`calibration`).
     name: the model's name in the plan (``None``: the preset's, or ``'custom'``).
+    replica_states: where the replicas' optimizer states live,
+      :data:`REPLICA_STATES` (module docstring).
 
   Returns:
     A :class:`PodPlan`. Compiles the inner step three times (the full depth,
@@ -612,6 +665,9 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
   for arg, value in (('batch', batch), ('seq_len', seq_len), ('inner_steps', inner_steps)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f'plan_pod: {arg}={value!r} must be a positive integer.')
+  if replica_states not in REPLICA_STATES:
+    raise ValueError(f'plan_pod: replica_states={replica_states!r} is not one of '
+                     f'{", ".join(map(repr, REPLICA_STATES))}.')
   opt, outer_lr, outer_mom = _optimizers(algorithm, outer_learning_rate, outer_momentum)
   lm_cost.check_tensor('plan_pod', config, tensor)
   slots = _slots(top, replicas, fsdp, tensor)
@@ -623,7 +679,7 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
       config, slots, fsdp, mesh, tensor, learning_rate=outer_lr, momentum=outer_mom)[1]
   replica_bytes, opt_bytes = _shard_bytes(a_params), _shard_bytes(a_opt)
   server_bytes = _shard_bytes((theta_shape, momentum_shape))
-  held = (server_bytes + (per_slot - 1) * opt_bytes + (replica_bytes if per_slot > 1 else 0))
+  held = held_bytes(replica_states, per_slot, server_bytes, opt_bytes, replica_bytes)
   config = for_chip(config, max(1, batch // fsdp), seq_len, top.chip.hbm_bytes - held,
                     kernel=top.chips == 1)
 
@@ -652,9 +708,10 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
       server_state_bytes=_shard_bytes((theta, momentum)),
       inner_state_bytes=_shard_bytes(opt_state), analytic_flops=analytic,
       calibration=calibration(top.chip.name, calibration_file),
-      replica_param_bytes=replica_bytes)
+      replica_param_bytes=replica_bytes, replica_states=replica_states)
 
 
-__all__ = ['ALGORITHMS', 'AXES', 'CALIBRATION_FILE', 'CHIPS', 'SLICES', 'Calibration', 'Chip',
-           'PodPlan', 'ProgramCost', 'Topology', 'calibration', 'compile_only_devices',
-           'for_chip', 'libtpu_missing', 'plan_pod', 'pod_mesh', 'topology']
+__all__ = ['ALGORITHMS', 'AXES', 'CALIBRATION_FILE', 'CHIPS', 'REPLICA_STATES', 'SLICES',
+           'Calibration', 'Chip', 'PodPlan', 'ProgramCost', 'Topology', 'calibration',
+           'compile_only_devices', 'for_chip', 'held_bytes', 'libtpu_missing', 'plan_pod',
+           'pod_mesh', 'topology']

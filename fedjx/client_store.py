@@ -333,6 +333,9 @@ class ClientStore:
     in_memory = slots < m
     mem_at, disk_at = np.flatnonzero(in_memory), np.flatnonzero(~in_memory)
     for k, o in enumerate(out):
+      if mem_at.size == slots.size:  # Straight into ``o``, no temporary copy.
+        np.take(self._memory[k], slots, axis=0, out=o)
+        continue
       if mem_at.size:
         o[mem_at] = self._memory[k][slots[mem_at]]
       if disk_at.size:
@@ -353,7 +356,9 @@ class ClientStore:
     in_memory = slots < m
     mem_at, disk_at = np.flatnonzero(in_memory), np.flatnonzero(~in_memory)
     for k, leaf in enumerate(leaves):
-      if mem_at.size:
+      if mem_at.size == slots.size:  # From ``leaf`` itself, no temporary copy.
+        self._memory[k][slots] = leaf
+      elif mem_at.size:
         self._memory[k][slots[mem_at]] = leaf[mem_at]
       if disk_at.size:
         self._disk[k][slots[disk_at] - m] = leaf[disk_at]
@@ -482,7 +487,7 @@ class ClientStore:
         n = len(block[0])
         for k, rows in enumerate(block):
           f.seek(int(offsets[k]) + done * self._initial[k].nbytes)
-          f.write(np.ascontiguousarray(rows).tobytes())
+          f.write(np.ascontiguousarray(rows).data)  # Its buffer, not a copy.
         done += n
       f.flush()
       os.fsync(f.fileno())

@@ -29,9 +29,11 @@ from fedjx.options import EXECUTIONS
 
 DEFAULT_STREAMING_CHUNK = 64  # The fewest clients per streamed chunk by default.
 # Without a chunk_size, a streamed chunk holds this much client data (at
-# least DEFAULT_STREAMING_CHUNK clients): two chunks are in memory at once
-# (one computing, the next arriving), and each chunk costs a dispatch, a
-# transfer and a wait, so small clients go in large chunks.
+# least DEFAULT_STREAMING_CHUNK clients, unless one client alone holds more:
+# a DiLoCo replica with its optimizer state, streamed one at a time): two
+# chunks are in memory at once (one computing, the next arriving), and each
+# chunk costs a dispatch, a transfer and a wait, so small clients go in
+# large chunks.
 STREAMING_CHUNK_BYTES = 64 * 2**20
 HEADROOM = 0.8
 
@@ -103,7 +105,9 @@ def round_settings(state: Any) -> str:
   if not rows:
     return ROUND_SETTINGS
   return (f'the state keeps {rows / 1e9:.2f} GB of per-client rows '
-          "(state.client_states): lower config.cohort_size (fewer replicas per device) "
+          "(state.client_states): keep them on the host "
+          "(config.client_state.placement='store', streamed one replica at a time), "
+          "lower config.cohort_size (fewer replicas per device) "
           "or give config.mesh a 'clients' axis over more devices; or "
           + ROUND_SETTINGS)
 
@@ -111,7 +115,10 @@ def round_settings(state: Any) -> str:
 def streaming_chunk(client_bytes: int, num_clients: int) -> int:
   """Clients per streamed chunk when none is given: ``STREAMING_CHUNK_BYTES``
   of client data, at least ``DEFAULT_STREAMING_CHUNK`` clients, at most the
-  cohort."""
+  cohort; one client at a time where one client's data exceeds
+  ``STREAMING_CHUNK_BYTES``."""
+  if client_bytes > STREAMING_CHUNK_BYTES:
+    return 1
   by_bytes = STREAMING_CHUNK_BYTES // max(int(client_bytes), 1)
   return max(1, min(num_clients, max(DEFAULT_STREAMING_CHUNK, by_bytes)))
 

@@ -18,14 +18,16 @@ local devices:
   updates of a 1.2M-parameter CNN would be 307 MB written and read again
   per chunk);
 * ``collect`` steps (per-client state, as in SCAFFOLD) are written to a host
-  array chunk by chunk; so is each per-client output of the program (the
+  array chunk by chunk, each chunk's values copied to the host while the
+  next chunk computes; so is each per-client output of the program (the
   new rows of a store-backed round, ``docs/client_state.md``), which comes
   back as that NumPy array. A store-backed round's rows come in through its
   :class:`Clients` source (``cohort.client_states``, loaded chunk by chunk
   with the data, e.g. from ``fedjx.ClientStore.read``).
 
-Device memory is that of the server state, one chunk's work and the partial
-sums, whatever the cohort size.
+Device memory is that of the server state, one chunk's work, the next
+chunk's inputs, the previous chunk's collected values and the partial sums,
+whatever the cohort size.
 
 Under a mesh set with ``jax.set_mesh`` whose axis named after the placement
 (``clients``) spans ``d > 1`` devices, of type Auto, every other axis of size
@@ -442,8 +444,14 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
     valid = jax.device_put(np.arange(start, start + k) < stop, layout)
     return chunk, valid
 
+  def to_host(c, collected):
+    stop = min(n, (c + 1) * k)
+    for host, value in zip(collected_host, collected):
+      host[c * k:stop] = plan_lib.to_host(value)[:stop - c * k]
+
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
     ahead = pool.submit(load, 0)
+    departing = None  # The previous chunk's collected values, on their way to the host.
     for c in range(m):
       client_chunk, valid = ahead.result()
       if c + 1 < m:
@@ -451,12 +459,19 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
       server_chunk = {i: jax.lax.dynamic_slice_in_dim(v, c * k, k)
                       for i, v in padded_server.items()}
       carry, collected = step(carry, whole_vals, server_chunk, client_chunk, valid)
+      for value in collected:
+        if isinstance(value, jax.Array) and not plan_lib.is_key(value.dtype):
+          value.copy_to_host_async()
+      # The previous chunk's values reach the host while this one computes
+      # (a DiLoCo replica's new optimizer state: gigabytes).
+      if departing is not None:
+        to_host(*departing)
       # One chunk computes while the next loads: waiting here keeps dispatch
       # from queueing every chunk's data at once (memory would grow with m).
       jax.block_until_ready(carry)
-      stop = min(n, (c + 1) * k)
-      for host, value in zip(collected_host, collected):
-        host[c * k:stop] = plan_lib.to_host(value)[:stop - c * k]
+      departing = (c, collected)
+    if departing is not None:
+      to_host(*departing)
   out = {}
   for r, dtype, c in zip(sums, dtypes, carry):
     total = c[0][0] + c[0][1]  # The sum and its compensation.

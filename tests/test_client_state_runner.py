@@ -205,7 +205,7 @@ def test_config_client_state_is_checked_in_one_line():
     config_schema.with_defaults(config)
   filled = config_schema.with_defaults(base_config())
   assert filled.client_state.to_dict() == {
-      'placement': 'store', 'memory_budget_mb': 1024, 'directory': ''}
+      'placement': 'auto', 'memory_budget_mb': 1024, 'directory': ''}
   # Where rows live does not change results: a resumed run may change it.
   a, b = _config(), _config()
   b.client_state.memory_budget_mb = 1
@@ -357,3 +357,48 @@ def test_a_streamed_store_backed_run_equals_the_compiled_run_rows_included(
   for g, w in zip(jax.tree.leaves((result.state.params, got)),
                   jax.tree.leaves((reference.state.params, want))):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+
+
+def test_auto_placement_keeps_replicas_on_the_device_and_clients_in_a_store():
+  from fedjx.experiments import registry
+  # A population of clients (SCAFFOLD's num_clients) reads a cohort's rows
+  # from a store; DiLoCo's few replicas keep theirs in the server state.
+  assert registry.resolve_placement('scaffold', 'auto') == 'store'
+  assert registry.resolve_placement('diloco', 'auto') == 'device'
+  assert registry.resolve_placement('diloco_recipe', 'auto') == 'device'
+  assert registry.resolve_placement('diloco', 'store') == 'store'
+  assert registry.resolve_placement('scaffold', 'device') == 'device'
+
+
+@pytest.mark.parametrize('execution', ['jit', 'streaming'])
+def test_diloco_replicas_states_in_a_store_match_the_device(tmp_path, execution):
+  """DiLoCo's 3 replicas' AdamW states kept on the host (placement='store',
+  compiled or streamed one replica at a time) against the same run with the
+  states in the server state: the same rounds, whose outer gradients differ
+  only in the order of float32 sums of 3 terms, so the models agree to a
+  few float32 roundings over 3 rounds of 4 inner AdamW steps."""
+  def config(placement):
+    c = _config(rounds=3, placement=placement)
+    c.dataset = dict(name='digits', num_clients=3, alpha=0.5)
+    c.cohort_size = 3
+    c.algorithm = dict(name='diloco', inner_steps=4)
+    c.execution = execution if placement == 'store' else 'jit'
+    return c
+
+  host = runner.run(config('store'), str(tmp_path / 'host'), log=lambda msg: None)
+  device = runner.run(config('device'), str(tmp_path / 'device'), log=lambda msg: None)
+  assert not jax.tree.leaves(host.state.client_states)  # In the store.
+  assert jax.tree.leaves(device.state.client_states)
+  for got, want in zip(jax.tree.leaves(host.state.params),
+                       jax.tree.leaves(device.state.params)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  store = client_store.ClientStore(
+      jax.tree.map(lambda x: np.asarray(x)[0], device.state.client_states), 3,
+      directory=os.path.join(host.workdir, 'client_states'))
+  try:
+    store.restore(3)
+    rows = store.read(np.arange(3))
+  finally:
+    store.close()
+  for got, want in zip(jax.tree.leaves(rows), jax.tree.leaves(device.state.client_states)):
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)

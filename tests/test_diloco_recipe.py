@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fedjx
+from fedjx import streaming
 from fedjx.algorithms import diloco_recipe_lib
+from fedjx.datasets import Cohort
 import float_tolerance as ft
 from test_algorithms_util import CHAIN, KEY, assert_trees_close, linreg_data
 from test_algorithms_util import linreg_loss, linreg_params, make_cohort
@@ -141,3 +145,48 @@ def test_clip_norm_zero_leaves_gradients_unclipped():
 def test_bad_schedules_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):
     diloco_recipe_lib.inner_optimizer(1e-3, **kwargs)
+
+
+@pytest.mark.parametrize('streamed', [False, True])
+def test_replica_states_in_a_store_match_numpy(streamed):
+  # The replicas' AdamW states outside the server state, one row per replica
+  # in a ClientStore: each round reads the rows, returns the new ones, and is
+  # the same round as the dense one (the NumPy loop), compiled or streamed one
+  # replica at a time.
+  data, batches, params = _setup()
+  algorithm = diloco_recipe_lib.diloco_recipe(
+      linreg_loss, len(SIZES), peak_learning_rate=PEAK, warmup_steps=WARMUP,
+      total_steps=TOTAL, final_lr_fraction=FINAL, b1=B1, b2=B2, weight_decay=WD,
+      clip_norm=CLIP, outer_learning_rate=OUTER_LR, outer_momentum=OUTER_MU,
+      inner_steps=H, client_state='store')
+  start = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+  state = algorithm.init(start)
+  assert state.client_states == ()
+  store = fedjx.ClientStore(jax.tree.map(np.asarray, algorithm.client_state_init(start)),
+                            len(SIZES))
+  cohort = make_cohort(data, batch_size=4)
+  ids = np.asarray(cohort.client_ids)
+  expected, _ = _reference(batches, params)
+  for want_params, want_inner, want_outer in expected:
+    with_rows = Cohort(*cohort, client_states=store.read(ids))
+    if streamed:
+      state, metrics, rows = streaming.run(
+          algorithm.apply, state, streaming.Clients.from_arrays(with_rows), KEY,
+          chunk_size=1)
+    else:
+      state, metrics, rows = algorithm.round(state, with_rows, KEY)
+    store.write(ids, jax.tree.map(np.asarray, rows))
+    # Tolerances as in test_rounds_norms_and_bytes_match_numpy.
+    assert_trees_close(state.params, want_params)
+    np.testing.assert_allclose(float(metrics['inner_grad_norm']), want_inner,
+                               rtol=ft.rtol(CHAIN))
+    np.testing.assert_allclose(float(metrics['pseudo_grad_norm']), want_outer,
+                               rtol=ft.rtol(CHAIN))
+  # Each replica's persistent step count: H inner steps in each round.
+  counts = store.read(ids)[0].count
+  np.testing.assert_array_equal(counts, [ROUNDS * H] * len(SIZES))
+
+
+def test_client_state_names_its_choices():
+  with pytest.raises(ValueError, match="client_state='host'.*'dense', 'store'"):
+    diloco_recipe_lib.diloco_recipe(linreg_loss, 2, client_state='host')

@@ -97,6 +97,9 @@ def test_streamed_chunks_hold_a_budget_of_client_data():
   assert execution.streaming_chunk(4096, 10**6) == 2**26 // 4096
   assert execution.streaming_chunk(2**22, 10**6) == 64
   assert execution.streaming_chunk(100, 1000) == 1000
+  # A client larger than a chunk's bytes (a replica with its optimizer
+  # state) streams alone.
+  assert execution.streaming_chunk(2**26 + 1, 8) == 1
   algo = algorithms.fedavg(_loss)
   run = execution.round_runner(algo, 'streaming')
   per_client = (2 * 4 * 5 * 4) + (2 * 4 * 4) + (2 * 4) + 4 + 4  # x, y, mask, n, id

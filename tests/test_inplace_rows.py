@@ -207,5 +207,6 @@ def test_a_round_that_does_not_fit_names_the_rows_it_keeps():
   text = execution.round_settings(state)
   assert text.startswith(f'the state keeps {rows / 1e9:.2f} GB of per-client rows')
   assert 'config.cohort_size' in text and text.endswith(execution.ROUND_SETTINGS)
+  assert "config.client_state.placement='store'" in text
   assert execution.round_settings(state._replace(client_states=())) == (
       execution.ROUND_SETTINGS)

@@ -93,6 +93,11 @@ def test_the_calibration_is_a_measured_over_a_planned_step_per_chip(tmp_path):
   path.write_text(json.dumps({'v5e': {'measured_step_s': -1, 'planned_step_s': 0.2}}))
   with pytest.raises(ValueError, match='must be positive seconds'):
     tp.calibration('v5e', str(path))
+  path.write_text(json.dumps({'v5e': {'host_bytes_per_s': 3e9}}))
+  assert tp.calibration('v5e', str(path)).host_bytes_per_s == 3e9
+  path.write_text(json.dumps({'v5e': {'host_bytes_per_s': 0}}))
+  with pytest.raises(ValueError, match='host_bytes_per_s=0 must be a positive'):
+    tp.calibration('v5e', str(path))
   for chip in tp.CHIPS:  # The shipped file reads.
     assert tp.calibration(chip).factor > 0
 
@@ -165,6 +170,40 @@ def test_replicas_beyond_the_chips_stream_through_each_chip_and_the_plan_counts_
   assert re.search(r'    other replicas +2\.45 MB', text)
   assert '40 inner steps (4 replicas x 10)' in text
   assert plan.to_json()['replicas_per_slot'] == 4
+
+
+def test_replicas_states_on_the_host_leave_the_chip_two_in_flight():
+  # The same 4 replicas with their optimizer states on the host: the chip
+  # holds the server state, the next replica's state arriving and the
+  # previous one's leaving, and the running sum of the models with its
+  # compensation; the round adds 4 states' copies at the host bandwidth.
+  inner = tp.ProgramCost(
+      argument_bytes=3_000_000, output_bytes=100, alias_bytes=0, temp_bytes=2_000_000,
+      flops=2e12, hbm_bytes=1e9, xla_seconds=None, wire={}, collectives=(),
+      compile_seconds=1.0)
+  outer = tp.ProgramCost(
+      argument_bytes=1_000_000, output_bytes=0, alias_bytes=0, temp_bytes=0, flops=1e6,
+      hbm_bytes=8.19e8, xla_seconds=None, wire={}, collectives=(), compile_seconds=1.0)
+  kw = dict(topology=tp.topology('v5e:1x1'), preset='35m', config=lc.preset('35m'),
+            algorithm='diloco', replicas=4, fsdp=1, tensor=1, batch=8, seq_len=2048,
+            inner_steps=10, params=lc.num_params('35m'), inner=inner, outer=outer,
+            server_state_bytes=500_000, inner_state_bytes=700_000,
+            analytic_flops=1.97e12, replica_param_bytes=350_000, replica_states='store')
+  plan = tp.PodPlan(calibration=tp.Calibration('v5e', 1.0, host_bytes_per_s=2.8e6), **kw)
+  assert plan.held_bytes == 500_000 + 2 * 700_000 + 2 * 350_000
+  # Inner 5,000,100 + held 2,600,000 against the outer step's 1,000,000 alone.
+  assert plan.peak_bytes == 5_000_100 + 2_600_000
+  assert plan.host_s == pytest.approx(4 * 700_000 / 2.8e6)  # 1 s
+  assert plan.round_s == pytest.approx(40 * plan.step_s + plan.outer_s + 1.0)
+  text = plan_report.render_pod(plan)
+  assert re.search(r'    replicas in flight +2\.10 MB', text)
+  assert "(config.client_state.placement='store')" in text
+  assert '+ 1 s copying 4 states to the host at 0.0 GB/s' in text
+  unmeasured = tp.PodPlan(calibration=tp.Calibration('v5e', 1.0), **kw)
+  assert unmeasured.host_s == 0.0
+  assert 'copies of the states to the host not counted' in plan_report.render_pod(unmeasured)
+  with pytest.raises(ValueError, match="replica_states='host' is not one of 'device', 'store'"):
+    tp.plan_pod('35m', 'v5e:1x1', replicas=4, fsdp=1, replica_states='host')
 
 
 def test_the_slots_of_a_topology_divide_the_replicas_or_the_plan_is_refused():
