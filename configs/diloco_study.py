@@ -17,6 +17,9 @@ and M = 8 replicas of 35M and M = 4 of 180M fit, the replicas' AdamW
 states held on the chip and the replicas trained one after another
 (docs/scaling.md); there the attention kernel and each layer's
 rematerialization are chosen from the chip's memory left by those states.
+M = 8 of 180M runs with the states on the host
+(``--config.client_state.placement=store --config.execution=streaming
+--config.client_state.memory_budget_mb=16000``).
 
 The argument is ``"M,preset"`` or ``"M,preset,tokens_per_param"``:
 
