@@ -333,8 +333,9 @@ class ClientStore:
     in_memory = slots < m
     mem_at, disk_at = np.flatnonzero(in_memory), np.flatnonzero(~in_memory)
     for k, o in enumerate(out):
-      if mem_at.size == slots.size:  # Straight into ``o``, no temporary copy.
-        np.take(self._memory[k], slots, axis=0, out=o)
+      if mem_at.size == slots.size:  # Straight into ``o``: no temporary copy
+        # ('clip' is not buffered as 'raise' is; the slots are valid).
+        np.take(self._memory[k], slots, axis=0, out=o, mode='clip')
         continue
       if mem_at.size:
         o[mem_at] = self._memory[k][slots[mem_at]]
