@@ -49,7 +49,10 @@ def directory(config: Any, workdir: str) -> str:
 
 
 def for_processes(config: Any, workdir: str, log: Any) -> Any:
-  """``config`` with ``placement='device'`` where a store cannot serve the run.
+  """``config`` with its placement resolved: ``'auto'`` made the algorithm's
+  (:func:`fedjx.experiments.registry.resolve_placement`), so the workdir's
+  config and checkpoints name where the rows live, and ``'device'`` where a
+  store cannot serve the run.
 
   A :class:`fedjx.ClientStore` holds its rows in one process's memory and
   files, while a cohort's clients are drawn afresh each round and land on
@@ -64,8 +67,13 @@ def for_processes(config: Any, workdir: str, log: Any) -> Any:
   workdir resumes under any process layout. Other algorithms are left as
   they are (:func:`make_store` refuses them in a multi-process run).
   """
-  if registry.resolve_placement(config.algorithm.name,
-                                config.client_state.placement) != 'store':
+  resolved = registry.resolve_placement(config.algorithm.name,
+                                       config.client_state.placement)
+  if resolved != config.client_state.placement:
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+      config.client_state.placement = resolved
+  if resolved != 'store':
     return config
   option = registry.algorithm_traits(config.algorithm.name).client_state
   if option is None or option in config.algorithm:
