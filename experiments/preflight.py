@@ -261,6 +261,11 @@ def check_workdir(config: Any, workdir: str) -> Finished | None:
     if not isinstance(saved, Mapping):
       return None
     current = config_schema.fingerprint(config)
+    placed = (saved.get('client_state') or {}).get('placement')
+    if current.get('client_state', {}).get('placement') == 'auto' and placed:
+      # The run saved 'auto' resolved for its algorithm (the runner does
+      # so again and holds the two against each other).
+      current = {**current, 'client_state': {**current['client_state'], 'placement': placed}}
     diff = config_schema.experiment_difference(saved, current)
     if diff == ['client_state.placement']:
       return None  # The run may keep it as the workdir's config.json says.

@@ -132,6 +132,13 @@ def test_a_finished_run_is_told_from_its_files(finished):
   assert preflight.check_workdir(_config(plot=True), finished) is None
   # A change that may come with resumption: still finished.
   assert preflight.check_workdir(_config(eval_every=2), finished) is not None
+  # The run saved its placement resolved from 'auto' (the default); rerun
+  # under 'auto' or under what it resolved to, the run is finished.
+  with open(os.path.join(finished, 'config.json'), encoding='utf-8') as f:
+    assert json.load(f)['client_state']['placement'] == 'store'
+  explicit = _config()
+  explicit.client_state = {'placement': 'store'}
+  assert preflight.check_workdir(explicit, finished) is not None
 
 
 def test_another_experiment_is_the_run_s_line(finished, tmp_path):
