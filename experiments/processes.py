@@ -22,13 +22,28 @@ from fedjx.experiments import config as config_lib
 from fedjx.experiments import registry
 
 
+# A sweep spreads its trials over the CPU devices of split_cpu when each
+# device trains at least this many clients a round (its trials times
+# config.cohort_size): a round over several devices costs a few milliseconds
+# more to start and to keep in step, which a small group does not win back.
+# The digits quickstart on 2 cores, ms a round over rounds 50-300, over two
+# devices against one: 6 trials (30 clients a device) 17.2-19.2 against
+# 13.8-15.4; 8 trials (40) 21.3 against 17.7; 12 trials (60) 19.7-19.8
+# against 23.9-26.6 (benchmarks/results/HISTORY.md).
+SWEEP_MIN_CLIENTS_PER_DEVICE = 48
+
+
 def split_cpu(config: ml_collections.ConfigDict,
               sizes: Sequence[int] | None = None) -> int:
   """Makes ``config.cpu_devices`` CPU devices before JAX starts; returns how many.
 
   :func:`fedjx.distributed.split_cpu` (``'auto'``: one per core), the count
-  the largest that divides ``config.cohort_size`` (or, given ``sizes``, one
-  of them: a sweep's settings or seeds, :mod:`fedjx.experiments.sweeps`).
+  the largest that divides ``config.cohort_size``. Given ``sizes`` (a
+  sweep's settings and seeds, :mod:`fedjx.experiments.sweeps`, whose
+  trials are their product), the largest count that divides one of them
+  and leaves each device at least :data:`SWEEP_MIN_CLIENTS_PER_DEVICE`
+  clients a round (trials times ``config.cohort_size``); 1 where no count
+  does.
   Only a run with ``config.mesh='auto'`` on one process that starts JAX
   itself, whose CPU device count the user has not set
   (``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``,
@@ -47,8 +62,10 @@ def split_cpu(config: ml_collections.ConfigDict,
     devices = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
                else os.cpu_count() or 1)
   if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+    clients = int(np.prod(sizes)) * config.cohort_size  # A round of every trial.
     devices = max(k for k in range(1, devices + 1)
-                  if any(size % k == 0 for size in sizes))
+                  if k == 1 or (any(size % k == 0 for size in sizes) and
+                                clients >= SWEEP_MIN_CLIENTS_PER_DEVICE * k))
   return distributed.split_cpu(devices)
 
 

@@ -608,10 +608,15 @@ def test_one_more_value_trains_only_the_new_trials(tmp_path):
   assert [t.name for t in again.trials] == [t.name for t in grown.trials]
 
 
-@pytest.mark.parametrize('cores,sizes,made', [
-    (2, [2, 3], 2), (2, [3, 3], 1), (4, [6, 1], 3), (4, [1, 4], 4), (8, [5, 7], 7)])
+# (cores, [settings, seeds], cohort size, devices made): as many devices as
+# divide the settings or the seeds, while each device trains at least
+# processes.SWEEP_MIN_CLIENTS_PER_DEVICE (48) clients a round.
+@pytest.mark.parametrize('cores,sizes,cohort,made', [
+    (2, [2, 3], 48, 2), (2, [3, 3], 48, 1), (4, [6, 1], 48, 3), (4, [1, 4], 48, 4),
+    (8, [5, 7], 48, 7), (2, [2, 3], 10, 1), (2, [4, 3], 10, 2), (4, [8, 3], 10, 4),
+    (4, [4, 3], 10, 2), (8, [16, 3], 10, 8)])
 def test_a_sweep_splits_the_cpu_by_its_settings_or_seeds(monkeypatch, cores, sizes,
-                                                         made):
+                                                         cohort, made):
   from fedjx import distributed  # pylint: disable=import-outside-toplevel
   from fedjx.experiments import config as config_lib  # pylint: disable=import-outside-toplevel
   from fedjx.experiments import processes  # pylint: disable=import-outside-toplevel
@@ -620,7 +625,8 @@ def test_a_sweep_splits_the_cpu_by_its_settings_or_seeds(monkeypatch, cores, siz
       (n, divides)) or n)
   # As a run on one process whose JAX has not started (this test's has).
   monkeypatch.setattr(distributed, 'may_split_cpu', lambda: True)
-  config = config_lib.with_defaults(small_config(cpu_devices=str(cores)))
+  config = config_lib.with_defaults(small_config(cpu_devices=str(cores),
+                                                 cohort_size=cohort))
   assert processes.split_cpu(config, sizes) == made
   assert asked == [(made, None)]
   config = config_lib.with_defaults(small_config(cpu_devices=str(cores), mesh=''))
