@@ -84,8 +84,7 @@ class GroupTrainer:
     if self.start < self.schedule.stop:
       self._compiling = group_round.Compiling(self.step_fn, (
           self.state[0],
-          self._cohort(self.start),
-          self._keys(self.start), self.state[1]))
+          *self._inputs(self.start), self.state[1]))
       group_round.check_memory(self._compiling, group)
     self.writers = self._writers(config, resume=self.start if restored else None)
     self._t0 = time.perf_counter()
@@ -121,9 +120,12 @@ class GroupTrainer:
     run's), ``[S]``, in one call."""
     return _fold_in(self._round_keys, r)
 
-  def _cohort(self, r: int) -> Any:
-    """The seeds' cohorts of round ``r``, stacked and put on the device."""
-    return jax.device_put(group_round.stacked_cohort(self.exps, self.c, r))
+  def _inputs(self, r: int) -> tuple[Any, jax.Array]:
+    """Round ``r``'s seed cohorts, stacked and put on the device, and its
+    seed keys: made ahead by the loop's prefetching thread, so that the
+    round is started without them."""
+    return (jax.device_put(group_round.stacked_cohort(self.exps, self.c, r)),
+            self._keys(r))
 
   def _each(self, mask: np.ndarray) -> Iterator[tuple[int, int]]:
     return zip(*(a.tolist() for a in np.nonzero(mask)))
@@ -162,13 +164,12 @@ class GroupTrainer:
   # The loop's calls (fedjx.experiments.loop.Trainer), in the order it makes them.
 
   def cohorts(self, start: int, stop: int) -> Iterator[Any]:
-    return datasets.Prefetcher(
-        self._cohort,
-        start, stop, prefetch=self.c.prefetch)
+    return datasets.Prefetcher(self._inputs, start, stop, prefetch=self.c.prefetch)
 
-  def dispatch(self, r: int, cohort: Any) -> Any:
+  def dispatch(self, r: int, inputs: Any) -> Any:
+    del r  # Round r's inputs: _inputs(r), made ahead.
     states, alive = self.state
-    states, metrics, alive = self.step_fn(states, cohort, self._keys(r), alive)
+    states, metrics, alive = self.step_fn(states, *inputs, alive)
     self.state = (states, alive)
     self._host_params = None
     return metrics
