@@ -20,6 +20,7 @@ from fedjx.experiments import run_trainer
 from fedjx.experiments import runner
 from fedjx.experiments import workdir_lock
 from fedjx.experiments.sweeps import group_round
+from fedjx.experiments.sweeps import plan as plan_lib
 from fedjx.experiments.sweeps import run
 from fedjx.experiments.sweeps import spec
 from fedjx.experiments.sweeps import summary
@@ -266,6 +267,29 @@ def test_the_round_is_compiled_ahead_on_a_thread():
 
   with pytest.raises(ValueError, match='no program'):
     group_round.Compiling(Failing(), ()).wait()  # Raised where it is waited for.
+
+
+def test_the_group_round_reuses_the_trace_that_classified_it(monkeypatch):
+  """plan.classify lowers the round of the experiment the group then takes;
+  the group's program batches that trace instead of tracing the round (its
+  Python) again."""
+  from fedjx import fusion  # pylint: disable=import-outside-toplevel
+  config = small_config()
+  settings = [{'algorithm.server_learning_rate': v} for v in (0.01, 0.1)]
+  built = plan_lib.Built()
+  groups, traced, _ = run.plan(config, settings, (0,), built=built)
+  assert traced == ['algorithm.server_learning_rate']
+  exps, algorithm, states, configs = group_round.group_states(config, groups[0], built)
+  keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(
+      jax.numpy.stack([e.round_key for e in exps]), 0)
+  args = (states, jax.device_put(group_round.stacked_cohort(exps, configs[0][0], 0)),
+          keys, jax.device_put(np.ones((1, 2), bool)))
+  traced_rounds = []
+  call_program = fusion.call_program  # What a round's program runs when traced.
+  monkeypatch.setattr(fusion, 'call_program', lambda *a: traced_rounds.append(1) or
+                      call_program(*a))
+  group_round.make_sweep_round(algorithm).lower(*args)
+  assert traced_rounds == []
 
 
 def test_trials_are_sharded_over_devices(tmp_path):

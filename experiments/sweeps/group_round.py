@@ -94,8 +94,15 @@ def make_sweep_round(algorithm: Any, policy: str = 'skip'
   ``policy='stop'``, some was), keeps its state and is no longer alive. Jit-compiled,
   donating ``states``.
   """
+  # A trial's round is jax.jit(algorithm.apply), traced once per trial
+  # shapes and kept by JAX: where plan.classify lowered the group's
+  # algorithm for those shapes, the group's program batches that trace
+  # instead of tracing the round again (XLA inlines the call: the same
+  # operations).
+  round_fn = jax.jit(algorithm.apply)
+
   def per_seed(states_h, cohort, key):
-    return jax.vmap(algorithm.apply, in_axes=(0, None, None))(states_h, cohort, key)
+    return jax.vmap(round_fn, in_axes=(0, None, None))(states_h, cohort, key)
 
   def sweep_round(states, cohorts, keys, alive):
     new, metrics = jax.vmap(per_seed)(states, cohorts, keys)

@@ -65,13 +65,18 @@ def trial_config(config: Any, setting: Mapping[str, Any],
 PLACEMENT = 'device'
 
 
+def _placement(config: ml_collections.ConfigDict) -> str | None:
+  """Where a trial's algorithm keeps per-client state: :data:`PLACEMENT`
+  for an algorithm that keeps any, else the config's."""
+  traits = registry.algorithm_traits(config.algorithm.name)
+  return PLACEMENT if traits.client_state is not None else None
+
+
 def build_trial(config: ml_collections.ConfigDict) -> experiment_lib.Experiment:
   """``experiment.build(config)`` with per-client state on the device and the
   training population on the host (the sweep stacks its seeds' cohorts)."""
   name = config.algorithm.name
-  exp = experiment_lib.build(config, placement=PLACEMENT if (
-      registry.algorithm_traits(name).client_state is not None) else None,
-      resident=False)
+  exp = experiment_lib.build(config, placement=_placement(config), resident=False)
   if getattr(exp.algorithm, 'client_state_init', None) is not None:
     raise registry.ConfigError(
         f'fedjx-sweep: algorithm {name!r} keeps per-client state in a host '
@@ -110,14 +115,22 @@ class Built:
 
 
 def trial_algorithm(config: ml_collections.ConfigDict, exp: experiment_lib.Experiment) -> Any:
-  """The algorithm of ``config`` built for ``exp``'s model and data, as ``experiment.build`` does."""
+  """The algorithm of ``config`` built for ``exp``'s model and data, as
+  :func:`build_trial` builds ``exp.algorithm`` for its own config."""
   return experiment_lib.build_algorithm(config, exp.model, exp.data.train.num_clients,
-                                        placement=PLACEMENT)
+                                        placement=_placement(config),
+                                        params=exp.init_params)
 
 
 def _lowered_round(algorithm: Any, args: tuple[Any, ...]) -> str:
   """The round of ``algorithm`` on ``args`` lowered to StableHLO (what XLA
-  compiles: operations, shapes and constants, dead code left out)."""
+  compiles: operations, shapes and constants, dead code left out).
+
+  Traced as ``jax.jit(algorithm.apply)``, whose trace JAX keeps: the group
+  that trains ``algorithm`` runs each trial's round as that same function
+  (:func:`fedjx.experiments.sweeps.group_round.make_sweep_round`), so its
+  program batches this trace rather than tracing the round again.
+  """
   return jax.jit(algorithm.apply).lower(*args).as_text()
 
 
@@ -138,8 +151,9 @@ def classify(config: Any, axes_values: Mapping[str, Sequence[Any]],
   and last value lower to the same StableHLO and their initial states have the
   same layout: the value then lives only in the state, and one program
   serves every value. Any other field is structural. The round of the
-  first values is lowered once for every field; the experiment it needs is
-  built through ``built`` (where the group that trains it takes it).
+  first values (the algorithm of their experiment, built through ``built``
+  for the group that trains it to take) is lowered once for every field,
+  and that group's program reuses its trace (:func:`_lowered_round`).
   """
   traced, structural = [], []
   base: dict[str, Any] = {p: v[0] for p, v in axes_values.items()}
@@ -149,9 +163,8 @@ def classify(config: Any, axes_values: Mapping[str, Sequence[Any]],
       (traced if len(values) < 2 else structural).append(path)
       continue
     if exp is None:
-      base_config = trial_config(config, base, seed)
-      exp = (built or Built()).build(base_config)
-      base_algo = trial_algorithm(base_config, exp)
+      exp = (built or Built()).build(trial_config(config, base, seed))
+      base_algo = exp.algorithm  # What the group that takes exp trains.
       cohorts = exp.cohorts(0, 1)
       try:
         cohort = next(cohorts)
