@@ -141,10 +141,9 @@ def test_a_round_is_h_roofline_steps_and_the_outer_step_and_its_table_says_so():
   assert f'{plan.tokens_per_round / plan.round_s:,.0f} tokens/s' in text
 
 
-def test_replicas_beyond_the_chips_stream_through_each_chip_and_the_plan_counts_them():
-  # 4 replicas on one chip: each round trains them one after another, the
-  # chip holding the 3 waiting replicas' optimizer states and the running
-  # sum of their models besides one replica's step.
+def _four_replicas_on_one_chip(**changes):
+  """A hand-made plan of 4 replicas on one v5e chip (inner step 5,000,100
+  bytes at its peak, outer step 1,000,000), with ``changes``."""
   inner = tp.ProgramCost(
       argument_bytes=3_000_000, output_bytes=100, alias_bytes=0, temp_bytes=2_000_000,
       flops=2e12, hbm_bytes=1e9, xla_seconds=None, wire={}, collectives=(),
@@ -152,12 +151,20 @@ def test_replicas_beyond_the_chips_stream_through_each_chip_and_the_plan_counts_
   outer = tp.ProgramCost(
       argument_bytes=1_000_000, output_bytes=0, alias_bytes=0, temp_bytes=0, flops=1e6,
       hbm_bytes=8.19e8, xla_seconds=None, wire={}, collectives=(), compile_seconds=1.0)
-  plan = tp.PodPlan(
-      topology=tp.topology('v5e:1x1'), preset='35m', config=lc.preset('35m'),
-      algorithm='diloco', replicas=4, fsdp=1, tensor=1, batch=8, seq_len=2048,
-      inner_steps=10, params=lc.num_params('35m'), inner=inner, outer=outer,
-      server_state_bytes=500_000, inner_state_bytes=700_000, analytic_flops=1.97e12,
-      calibration=tp.Calibration('v5e', 1.0), replica_param_bytes=350_000)
+  kw = dict(topology=tp.topology('v5e:1x1'), preset='35m', config=lc.preset('35m'),
+            algorithm='diloco', replicas=4, fsdp=1, tensor=1, batch=8, seq_len=2048,
+            inner_steps=10, params=lc.num_params('35m'), inner=inner, outer=outer,
+            server_state_bytes=500_000, inner_state_bytes=700_000,
+            analytic_flops=1.97e12, calibration=tp.Calibration('v5e', 1.0),
+            replica_param_bytes=350_000)
+  return tp.PodPlan(**{**kw, **changes})
+
+
+def test_replicas_beyond_the_chips_stream_through_each_chip_and_the_plan_counts_them():
+  # 4 replicas on one chip: each round trains them one after another, the
+  # chip holding the 3 waiting replicas' optimizer states and the running
+  # sum of their models besides one replica's step.
+  plan = _four_replicas_on_one_chip()
   assert plan.replicas_per_slot == 4
   assert plan.held_bytes == 500_000 + 3 * 700_000 + 350_000
   # Inner 5,000,100 + held 2,950,000 against outer 1,000,000 + 4 x 700,000.
@@ -177,19 +184,8 @@ def test_replicas_states_on_the_host_leave_the_chip_two_in_flight():
   # holds the server state, the next replica's state arriving and the
   # previous one's leaving, and the running sum of the models with its
   # compensation; the round adds 4 states' copies at the host bandwidth.
-  inner = tp.ProgramCost(
-      argument_bytes=3_000_000, output_bytes=100, alias_bytes=0, temp_bytes=2_000_000,
-      flops=2e12, hbm_bytes=1e9, xla_seconds=None, wire={}, collectives=(),
-      compile_seconds=1.0)
-  outer = tp.ProgramCost(
-      argument_bytes=1_000_000, output_bytes=0, alias_bytes=0, temp_bytes=0, flops=1e6,
-      hbm_bytes=8.19e8, xla_seconds=None, wire={}, collectives=(), compile_seconds=1.0)
-  kw = dict(topology=tp.topology('v5e:1x1'), preset='35m', config=lc.preset('35m'),
-            algorithm='diloco', replicas=4, fsdp=1, tensor=1, batch=8, seq_len=2048,
-            inner_steps=10, params=lc.num_params('35m'), inner=inner, outer=outer,
-            server_state_bytes=500_000, inner_state_bytes=700_000,
-            analytic_flops=1.97e12, replica_param_bytes=350_000, replica_states='store')
-  plan = tp.PodPlan(calibration=tp.Calibration('v5e', 1.0, host_bytes_per_s=2.8e6), **kw)
+  plan = _four_replicas_on_one_chip(
+      replica_states='store', calibration=tp.Calibration('v5e', 1.0, host_bytes_per_s=2.8e6))
   assert plan.held_bytes == 500_000 + 2 * 700_000 + 2 * 350_000
   # Inner 5,000,100 + held 2,600,000 against the outer step's 1,000,000 alone.
   assert plan.peak_bytes == 5_000_100 + 2_600_000
@@ -199,7 +195,7 @@ def test_replicas_states_on_the_host_leave_the_chip_two_in_flight():
   assert re.search(r'    replicas in flight +2\.10 MB', text)
   assert "(config.client_state.placement='store')" in text
   assert '+ 1 s copying 4 states to the host at 0.0 GB/s' in text
-  unmeasured = tp.PodPlan(calibration=tp.Calibration('v5e', 1.0), **kw)
+  unmeasured = _four_replicas_on_one_chip(replica_states='store')
   assert unmeasured.host_s == 0.0
   assert 'copies of the states to the host not counted' in plan_report.render_pod(unmeasured)
   with pytest.raises(ValueError, match="replica_states='host' is not one of 'device', 'store'"):
