@@ -13,6 +13,7 @@ runner (:mod:`fedjx.experiments.runner`) and the sweep
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -287,10 +288,10 @@ def build(config: Any, placement: str | None = None, *,
         f'{data.train.num_clients}.')
   plan = privacy_lib.plan(config, data.train.num_clients)
   sampler = privacy_lib.make_sampler(config, data.train)
-  init_key, round_key = jax.random.split(jax.random.key(config.seed))
+  init_key, round_key = seed_keys(config.seed)
   batch = sample_batch(config, data)
   model = lora_setup.adapt(config, model, data.info, batch, init_key)  # config.lora's
-  params = model.init(init_key, batch)
+  params = init_params(model, init_key, batch)
   algorithm = build_algorithm(config, model, data.train.num_clients,
                               placement=placement, params=params)
   held = state_bytes(algorithm, params) if jax.default_backend() != 'cpu' else 0
@@ -316,6 +317,36 @@ def build(config: Any, placement: str | None = None, *,
   return Experiment(config, data, model, algorithm, params, round_key, evaluate,
                     systems=system_model, scheduler=scheduler, sampler=sampler,
                     privacy=plan, resident=resident)
+
+
+@jax.jit
+def seed_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+  """``(init_key, round_key) = split(key(seed))``: the keys of a run's initial
+  model and of its rounds, in one compiled program."""
+  init_key, round_key = jax.random.split(jax.random.key(seed))
+  return init_key, round_key
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_compiled(model: models.Model, key: jax.Array, batch: Any) -> Any:
+  return model.init(key, batch)
+
+
+def init_params(model: models.Model, key: jax.Array, batch: Any) -> Any:
+  """``model.init(key, batch)``: the initial parameters, bit for bit.
+
+  Computed as one compiled program (the forward pass that initialisation
+  traces is dead code in it) instead of one small program per operation;
+  the program is kept per model, so experiments of the same model and
+  batch shapes (a sweep's seeds) share it. A model that cannot be a static
+  argument (not hashable, e.g. one holding pretrained arrays) is
+  initialised operation by operation, as before.
+  """
+  try:
+    hash(model)
+  except TypeError:
+    return model.init(key, batch)
+  return _init_compiled(model, key, batch)
 
 
 def state_bytes(algorithm: Any, params: Any) -> int:
