@@ -170,7 +170,9 @@ def classify(config: Any, axes_values: Mapping[str, Sequence[Any]],
         cohort = next(cohorts)
       finally:
         cohorts.close()
-      args = (base_algo.init(exp.init_params), cohort, exp.round_key_for(0))
+      # The run's round key itself stands for round 0's (fold_in(round_key,
+      # 0), of the same type): the lowering depends on types only.
+      args = (base_algo.init(exp.init_params), cohort, exp.round_key)
       program = _lowered_round(base_algo, args)
     other = trial_algorithm(trial_config(config, {**base, path: values[-1]}, seed),
                             exp)

@@ -82,9 +82,13 @@ class GroupTrainer:
     # before the first round (whose call then finds it compiled).
     self._compiling = None
     if self.start < self.schedule.stop:
+      # The program depends on its arguments' shapes and types only: the
+      # seeds' round keys stand for round ``start``'s (fold_in(round_key,
+      # start), of the same type), whose own small program then compiles on
+      # the prefetching thread instead of before this one.
+      cohorts = jax.device_put(group_round.stacked_cohort(self.exps, c, self.start))
       self._compiling = group_round.Compiling(self.step_fn, (
-          self.state[0],
-          *self._inputs(self.start), self.state[1]))
+          self.state[0], cohorts, self._round_keys, self.state[1]))
       group_round.check_memory(self._compiling, group)
     self.writers = self._writers(config, resume=self.start if restored else None)
     self._t0 = time.perf_counter()
