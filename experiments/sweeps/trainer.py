@@ -147,6 +147,9 @@ class GroupTrainer:
         self._write(0, rows, np.ones(self.shape, bool))
     step, interrupted = self.start, False
     if self.start < self.schedule.stop:
+      # The seed keys' small program compiles here while the round still
+      # compiles (the prefetching thread's first call then finds it).
+      self._keys(self.start)
       self._compiling.wait()
       step, interrupted = loop.train(self, self.saves, self.schedule, self.start, flag)
     for i, j in self._each(np.ones(self.shape, bool)):
