@@ -304,6 +304,36 @@ def test_the_group_round_reuses_the_trace_that_classified_it(monkeypatch):
   assert traced_rounds == []
 
 
+def test_seeds_in_turn_give_each_trial_the_batched_round():
+  """On a CPU the seeds of a group run one after another (lax.map): each
+  trial's new state and metrics are those of the seeds batched (vmap), up
+  to float32 summation order; where the seeds axis is split over devices,
+  or off a CPU, they stay batched."""
+  config = small_config()
+  settings = [{'algorithm.server_learning_rate': v} for v in (0.01, 0.1)]
+  groups, _, _ = run.plan(config, settings, (0, 1, 2))
+  exps, algorithm, states, configs = group_round.group_states(config, groups[0])
+  keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(
+      jax.numpy.stack([e.round_key for e in exps]), 0)
+  cohorts = jax.device_put(group_round.stacked_cohort(exps, configs[0][0], 0))
+  alive = jax.device_put(np.ones((3, 2), bool))
+  copy = lambda tree: jax.tree.map(jax.numpy.array, tree)  # (states are donated)
+  batched = group_round.make_sweep_round(algorithm)(copy(states), cohorts, keys, alive)
+  in_turn = group_round.make_sweep_round(algorithm, in_turn=True)(
+      states, cohorts, keys, alive)
+  assert_trees_close(jax.device_get(in_turn[0].params),
+                     jax.device_get(batched[0].params))
+  for key in batched[1]:
+    np.testing.assert_allclose(in_turn[1][key], batched[1][key], rtol=RTOL, atol=ATOL)
+  np.testing.assert_array_equal(in_turn[2], batched[2])
+  assert group_round.seeds_in_turn(None) == (jax.default_backend() == 'cpu')
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('trials',))
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  assert not group_round.seeds_in_turn(jax.sharding.NamedSharding(mesh, P('trials')))
+  assert group_round.seeds_in_turn(jax.sharding.NamedSharding(mesh, P(None, 'trials'))) == (
+      jax.default_backend() == 'cpu')
+
+
 def test_trials_are_sharded_over_devices(tmp_path):
   n = len(jax.devices())
   settings = [{'algorithm.server_learning_rate': 0.01 * (i + 1)} for i in range(n)]

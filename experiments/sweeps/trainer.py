@@ -76,7 +76,8 @@ class GroupTrainer:
                     for row, exp in zip(configs, self.exps)]
     self.schedule = loop.Schedule.of(c, max(b.stop for row in self.budgets for b in row))
     self._round_keys = jnp.stack([e.round_key for e in self.exps])
-    self.step_fn = make_sweep_round(algorithm, c.nonfinite)
+    self.step_fn = make_sweep_round(algorithm, c.nonfinite,
+                                    group_round.seeds_in_turn(self._sharding))
     # The round is compiled on a background thread while the trials' files
     # are written and their first evaluation runs; train() waits for it
     # before the first round (whose call then finds it compiled).
