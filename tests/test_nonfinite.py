@@ -250,6 +250,68 @@ def test_all_finite():
   assert bool(nonfinite.all_finite(jnp.arange(3)))  # Integers are finite.
 
 
+# Large float32 matrices: checked on the CPU with a matrix-vector product.
+LARGE = (nonfinite.DOT_CHECK_MIN_SIZE // 64, 64)
+
+
+@pytest.mark.parametrize('shape', [LARGE, (3, LARGE[0], 32), (LARGE[0] * 64, 1)])
+def test_all_finite_of_large_matrices_is_numpys(shape):
+  rng = np.random.default_rng(0)
+  # Finite values up to the float32 maximum: x * 0 is 0 for all of them, so
+  # nothing overflows into a false alarm.
+  x = (rng.uniform(-1, 1, size=shape) * np.finfo(np.float32).max).astype(np.float32)
+  checks = (nonfinite.all_finite, jax.jit(nonfinite.all_finite))
+  for check in checks:
+    assert bool(check(x)) is bool(np.all(np.isfinite(x))) is True
+  flat = x.reshape(-1)
+  corners = [0, shape[-1] - 1, flat.size - shape[-1], flat.size - 1, flat.size // 2 + 7]
+  for i in corners:
+    for bad in (np.nan, np.inf, -np.inf):
+      y = flat.copy()
+      y[i] = bad
+      y = y.reshape(shape)
+      for check in checks:
+        assert bool(check(y)) is bool(np.all(np.isfinite(y))) is False, (i, bad)
+      batched = np.stack([x, y, x])
+      got = jax.jit(jax.vmap(nonfinite.all_finite))(batched)
+      want = [bool(np.all(np.isfinite(b))) for b in batched]
+      assert [bool(g) for g in got] == want == [True, False, True], (i, bad)
+
+
+def _matrix_loss(params, batch):
+  """``s * 0.5 * ||x W - y||^2`` per example, ``W`` one large matrix."""
+  pred = batch['x'] @ params['w']
+  return batch['s'] * 0.5 * jnp.sum(jnp.square(pred - batch['y']), axis=-1)
+
+
+def test_a_client_nonfinite_in_one_column_of_a_large_matrix_is_skipped():
+  k_in, k_out = LARGE
+  rng = np.random.default_rng(4)
+  data = []
+  for n in [6, 8, 5, 7, 8]:
+    x = rng.normal(size=(n, k_in)).astype(np.float32) / np.sqrt(k_in)
+    y = rng.normal(size=(n, k_out)).astype(np.float32)
+    data.append({'x': x, 'y': y, 's': np.ones(n, np.float32)})
+  clean = make_cohort(data, batch_size=B)
+  batches = {k: np.array(v) for k, v in clean.batches.items()}
+  # Only the last output column of client 2's model becomes Inf/NaN.
+  batches['y'][BAD, 1, 0, k_out - 1] = np.inf
+  bad = clean._replace(batches=jax.tree.map(jnp.asarray, batches))
+  algo = algos.fedavg(_matrix_loss, client_optimizer=sgd(), local_steps=T)
+  params = {'w': jnp.asarray(rng.normal(size=LARGE).astype(np.float32) * 0.1)}
+  key = jax.random.key(0)
+  state, metrics = algo.round(algo.init(params), bad, key)
+  ref, ref_metrics = algo.round(algo.init(params), _without(clean, BAD), key)
+  assert float(metrics['nonfinite_clients']) == 1
+  assert float(metrics['clients']) == C - 1
+  # As RTOL, with k_in-term predictions in each local step.
+  rtol = 2 * ft.rtol(C + 2 + T * (k_in + B))
+  got, want = np.asarray(state.params['w']), np.asarray(ref.params['w'])
+  assert np.all(np.isfinite(got))
+  np.testing.assert_allclose(got, want, rtol=rtol,
+                             atol=rtol * float(np.max(np.abs(want))))
+
+
 @pytest.mark.parametrize('value', [np.inf, -np.inf, np.nan])
 def test_nonfinite_hyperparameters_are_one_line_errors(value):
   with pytest.raises(ValueError, match=r"fedprox: mu=.* must be a finite number >= 0"):
