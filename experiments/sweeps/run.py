@@ -8,9 +8,9 @@ trials on two leading axes ``[seeds, settings]`` and trains them together,
 
     states[s, h] <- round(states[s, h], cohort_s(r), key_s(r))  for all s, h,
 
-as ``vmap(vmap(round))`` (:mod:`fedjx.experiments.sweeps.group_round`): one
-compiled call per round for the whole group, instead of one process per
-trial. Every trial sees exactly the cohorts, PRNG keys and initial model
+as ``vmap(vmap(round))`` (:mod:`fedjx.experiments.sweeps.group_round`; on a
+CPU ``lax.map`` over ``s`` of ``vmap`` over ``h``): one compiled call per
+round for the whole group, instead of one process per trial. Every trial sees exactly the cohorts, PRNG keys and initial model
 that ``fedjx-run`` would give its config, so a trial's numbers equal the
 single run's (up to float32 summation order: a batched matrix product may
 add in another order than an unbatched one).
