@@ -130,6 +130,8 @@ class ClientStore:
     self._disk_capacity = 0
     self._dirty: set[int] = set()
     self._last_saved: int | None = None
+    self._staging: list[np.ndarray] | None = None  # See stage().
+    self._staged, self._staged_ids = 0, []
     if self._directory is not None:
       os.makedirs(self._checkpoint_dir, exist_ok=True)
       shutil.rmtree(self._rows_dir, ignore_errors=True)
@@ -179,18 +181,27 @@ class ClientStore:
     return sum(e.stat().st_size for e in os.scandir(self._checkpoint_dir)
                if e.is_file())
 
-  def read(self, ids: Any) -> Any:
-    """The rows of ``ids`` (pytree of ``[len(ids), ...]`` arrays, new memory).
+  def read(self, ids: Any, out: Any = None) -> Any:
+    """The rows of ``ids`` (pytree of ``[len(ids), ...]`` arrays).
 
     Ids < 0 (padding clients) and clients holding no entry read ``initial``.
+    The rows are new memory, or ``out``'s: arrays of the rows' shapes and
+    dtypes that a caller reuses from read to read (memory written before
+    costs a copy; new memory also costs the operating system's first touch
+    of every page, several times the copy on some hosts).
     """
     ids = self._check_ids('read', ids)
-    out = [np.empty((len(ids),) + leaf.shape, leaf.dtype) for leaf in self._initial]
+    if out is None:
+      out = [np.empty((len(ids),) + leaf.shape, leaf.dtype) for leaf in self._initial]
+    else:
+      out = self._check_rows(out, len(ids), 'read', exact=True)
     slots = np.where(ids >= 0, self._index[np.maximum(ids, 0)], 0).astype(np.int64) - 1
     for o, leaf in zip(out, self._initial):
       o[slots < 0] = leaf
     held = np.flatnonzero(slots >= 0)
-    if held.size:
+    if held.size == len(ids):  # Straight into ``out``.
+      self._gather(slots, out)
+    elif held.size:
       for o, rows in zip(out, self._gather(slots[held])):
         o[held] = rows
     return self._treedef.unflatten(out)
@@ -203,12 +214,50 @@ class ClientStore:
       values, counts = np.unique(real, return_counts=True)
       raise ValueError(f'ClientStore.write: ids {values[counts > 1].tolist()} '
                        'appear more than once; each client is written once per call.')
-    leaves = self._check_rows(rows, len(ids))
+    leaves = self._check_rows(rows, len(ids), 'write')
     if real.size < ids.size:  # Padding rows are dropped.
       keep = np.flatnonzero(ids >= 0)
       leaves = [leaf[keep] for leaf in leaves]
     self._assign(real, leaves)
     self._dirty.update(real.tolist())
+
+  # A round's new rows, staged chunk by chunk until the round is accepted.
+
+  def stage(self, ids: Any, rows: Any) -> None:
+    """Holds ``rows`` for ``ids`` (ids < 0 skipped) without writing them.
+
+    A round streamed in chunks stages each chunk's new rows as they arrive;
+    :meth:`commit` then writes all of them (as one :meth:`write`) once the
+    round is accepted, and :meth:`discard` drops them (a round run again).
+    The staging arrays are kept and reused from round to round, so staging
+    costs a copy into memory written before (see :meth:`read`).
+    """
+    ids = self._check_ids('stage', ids)
+    leaves = self._check_rows(rows, len(ids), 'stage')
+    keep = np.flatnonzero(ids >= 0)
+    start, stop = self._staged, self._staged + keep.size
+    if self._staging is None or len(self._staging[0]) < stop:
+      grown = self._empty_arrays(max(stop, 2 * (0 if self._staging is None
+                                                  else len(self._staging[0]))))
+      if self._staging is not None:
+        for new, old in zip(grown, self._staging):
+          new[:start] = old[:start]
+      self._staging = grown
+    for staged, leaf in zip(self._staging, leaves):
+      staged[start:stop] = leaf if keep.size == len(ids) else leaf[keep]
+    self._staged_ids.append(ids[keep])
+    self._staged = stop
+
+  def commit(self) -> None:
+    """Writes the staged rows (:meth:`stage`), as one :meth:`write`."""
+    if self._staged:
+      ids = np.concatenate(self._staged_ids)
+      self.write(ids, self._treedef.unflatten([a[:self._staged] for a in self._staging]))
+    self.discard()
+
+  def discard(self) -> None:
+    """Drops the staged rows (:meth:`stage`) without writing them."""
+    self._staged, self._staged_ids = 0, []
 
   # Checkpoints.
 
@@ -326,10 +375,12 @@ class ClientStore:
   def _empty_arrays(self, capacity: int) -> list[np.ndarray]:
     return [np.empty((capacity,) + leaf.shape, leaf.dtype) for leaf in self._initial]
 
-  def _gather(self, slots: np.ndarray) -> list[np.ndarray]:
-    """Rows at ``slots`` (int64), new arrays."""
+  def _gather(self, slots: np.ndarray, out: list[np.ndarray] | None = None
+              ) -> list[np.ndarray]:
+    """Rows at ``slots`` (int64), into ``out`` or new arrays."""
     m = len(self._memory[0]) if self._memory_slots is None else self._memory_slots
-    out = [np.empty((slots.size,) + leaf.shape, leaf.dtype) for leaf in self._initial]
+    if out is None:
+      out = [np.empty((slots.size,) + leaf.shape, leaf.dtype) for leaf in self._initial]
     in_memory = slots < m
     mem_at, disk_at = np.flatnonzero(in_memory), np.flatnonzero(~in_memory)
     for k, o in enumerate(out):
@@ -401,6 +452,7 @@ class ClientStore:
 
   def _clear(self) -> None:
     self.close()
+    self.discard()
     self._index = np.zeros_like(self._index)
     self._size = 0
 
@@ -419,20 +471,29 @@ class ClientStore:
                        'are negative.')
     return ids
 
-  def _check_rows(self, rows: Any, n: int) -> list[np.ndarray]:
+  def _check_rows(self, rows: Any, n: int, fn: str, exact: bool = False
+                  ) -> list[np.ndarray]:
+    """``rows``' leaves, checked against the store's; ``exact``: arrays of the
+    store's dtypes, used as they are (``read``'s ``out``)."""
     tu = _tree_util()
+    name = 'out' if exact else 'rows'
     leaves, treedef = tu.tree_flatten(rows)
     if treedef != self._treedef:
-      raise ValueError(f'ClientStore.write: rows have structure {treedef}; '
+      raise ValueError(f'ClientStore.{fn}: {name} have structure {treedef}; '
                        f'the store holds {self._treedef}.')
     out = []
     for i, (leaf, init) in enumerate(zip(leaves, self._initial)):
+      if exact and not (isinstance(leaf, np.ndarray) and leaf.dtype == init.dtype
+                        and leaf.flags.writeable):
+        raise ValueError(f'ClientStore.{fn}: {name} leaf {i} is '
+                         f'{type(leaf).__name__} of dtype {getattr(leaf, "dtype", None)}; '
+                         f'it must be a writeable NumPy array of dtype {init.dtype}.')
       leaf = np.asarray(leaf)
       if leaf.shape != (n,) + init.shape:
-        raise ValueError(f'ClientStore.write: rows leaf {i} has shape {leaf.shape}; '
+        raise ValueError(f'ClientStore.{fn}: {name} leaf {i} has shape {leaf.shape}; '
                          f'it must be {(n,) + init.shape} (one row per id).')
       if not np.can_cast(leaf.dtype, init.dtype, 'same_kind'):
-        raise ValueError(f'ClientStore.write: rows leaf {i} has dtype {leaf.dtype}; '
+        raise ValueError(f'ClientStore.{fn}: {name} leaf {i} has dtype {leaf.dtype}; '
                          f'the store holds {init.dtype}.')
       out.append(leaf.astype(init.dtype, copy=False))
     return out

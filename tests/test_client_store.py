@@ -224,3 +224,58 @@ def test_restore_refuses_rows_of_another_shape(tmp_path):
                                    directory=tmp_path)
   with pytest.raises(ValueError, match='this store holds rows'):
     other.restore(0)
+
+
+@pytest.mark.parametrize('budget_rows', [None, 3])
+def test_staged_rows_are_written_on_commit_and_dropped_on_discard(tmp_path, budget_rows):
+  """A round's rows staged in chunks (padding skipped) equal one write of them
+  at commit; discarded ones leave the store as it was; a restore drops them."""
+  probe = client_store.ClientStore(_initial(), N)
+  budget = None if budget_rows is None else budget_rows * probe.row_bytes
+  store = client_store.ClientStore(_initial(), N, directory=tmp_path,
+                                   memory_budget_bytes=budget)
+  ref, rng = Reference(_initial()), np.random.default_rng(7)
+  _drive(store, ref, rng, rounds=3)
+  store.save(1)
+  for commit in (True, False, True, True):
+    ids = _cohort(rng, 9)
+    rows = _rows(rng, len(ids))
+    for part in np.array_split(np.arange(len(ids)), 4):  # Chunks of a round.
+      store.stage(ids[part], {k: v[part] for k, v in rows.items()})
+    _assert_same(store, ref, np.arange(N))  # Staged rows are not read.
+    if commit:
+      store.commit()
+      ref.write(ids, rows)
+    else:
+      store.discard()
+    _assert_same(store, ref, np.arange(-1, N))
+  saved = Reference(_initial())
+  saved.rows = dict(ref.rows)
+  store.save(2)
+  store.stage(_cohort(rng, 4), _rows(rng, 6))
+  store.restore(2)
+  store.commit()  # Nothing staged is left after the restore.
+  _assert_same(store, saved, np.arange(N))
+  store.close()
+
+
+def test_read_into_given_arrays():
+  store = client_store.ClientStore(_initial(), N)
+  ref, rng = Reference(_initial()), np.random.default_rng(3)
+  _drive(store, ref, rng, rounds=4)
+  for ids in (_cohort(rng, 5, pad=0), _cohort(rng, 5, pad=2)):  # Held only; with padding.
+    out = {k: np.full((len(ids),) + np.shape(v), 9, np.asarray(v).dtype)
+           for k, v in _initial().items()}
+    got = store.read(ids, out=out)
+    assert all(got[k] is out[k] for k in out)
+    want = ref.read(ids)
+    for k in want:
+      np.testing.assert_array_equal(out[k], want[k])
+  with pytest.raises(ValueError, match=r"ClientStore.read: out leaf 0 is ndarray of dtype "
+                                       r"float64; it must be a writeable NumPy array of "
+                                       r"dtype int32"):
+    store.read(np.arange(2), out={k: np.zeros((2,) + np.shape(v))
+                                  for k, v in _initial().items()})
+  with pytest.raises(ValueError, match=r'out leaf 0 has shape \(3, 4\); it must be \(2, 4\)'):
+    store.read(np.arange(2), out={k: np.zeros((3,) + np.shape(v), np.asarray(v).dtype)
+                                  for k, v in _initial().items()})
