@@ -21,13 +21,20 @@ local devices:
   array chunk by chunk, each chunk's values copied to the host while the
   next chunk computes; so is each per-client output of the program (the
   new rows of a store-backed round, ``docs/client_state.md``), which comes
-  back as that NumPy array. A store-backed round's rows come in through its
-  :class:`Clients` source (``cohort.client_states``, loaded chunk by chunk
-  with the data, e.g. from ``fedjx.ClientStore.read``).
+  back as that NumPy array, or, where the :class:`Clients` source has a
+  ``keep``, is handed to it chunk by chunk instead (the runner stages a
+  store's rows so: nothing the size of the cohort on the host). A
+  store-backed round's rows come in through its :class:`Clients` source
+  (``cohort.client_states``, loaded chunk by chunk with the data, e.g. from
+  ``fedjx.ClientStore.read`` into memory reused from chunk to chunk: a chunk
+  is on the device before the next one loads).
 
 Device memory is that of the server state, one chunk's work, the next
-chunk's inputs, the previous chunk's collected values and the partial sums,
-whatever the cohort size.
+chunk's inputs, the previous chunk's collected values (freed once on the
+host) and the partial sums, whatever the cohort size. A client input of the
+shape and dtype of a collected value (a DiLoCo replica's optimizer state
+in, its new state out) is donated to the chunk's work, so the new values
+may take its memory.
 
 Under a mesh set with ``jax.set_mesh`` whose axis named after the placement
 (``clients``) spans ``d > 1`` devices, of type Auto, every other axis of size
@@ -90,13 +97,23 @@ class Clients:
     client_ids: the clients, in the order of the placed axis.
     load: ``load(ids) -> pytree`` of NumPy arrays with leading axis
       ``len(ids)``: the slices of the placed argument for those clients.
+      A chunk is on the device before ``load`` is called for the next one,
+      so ``load`` may return memory it reuses on its next call.
     spec: one client's pytree of ``jax.ShapeDtypeStruct`` (what the program
       sees as the ``i``-th slice of this argument).
+    keep: if given, ``keep(ids, outputs)`` receives each chunk's per-client
+      outputs as they reach the host, in chunk order: ``outputs`` is a
+      pytree like the program's outputs, with each per-client output's rows
+      of clients ``ids`` (NumPy arrays, valid only during the call) and
+      None elsewhere. The program then returns None in place of its
+      per-client outputs: nothing the size of the cohort is gathered on the
+      host (a store-backed round's new rows go straight to the store).
   """
 
   client_ids: Sequence[Any]
   load: Callable[[Sequence[Any]], Any]
   spec: Any
+  keep: Callable[[Sequence[Any], Any], None] | None = None
 
   def placed_spec(self) -> Any:
     n = len(self.client_ids)
@@ -111,6 +128,10 @@ class Clients:
     n = jax.tree.leaves(placed)[0].shape[0]
     return cls(range(n), lambda ids: jax.tree.map(lambda a: a[np.asarray(ids)], placed),
                spec)
+
+  def with_keep(self, keep: Callable[[Sequence[Any], Any], None]) -> 'Clients':
+    """These clients, their per-client outputs given to ``keep`` chunk by chunk."""
+    return dataclasses.replace(self, keep=keep)
 
 
 @dataclasses.dataclass
@@ -189,6 +210,11 @@ def _run(fn, args, chunk_size, cache) -> Any:
     else:
       env.update(zip(ids, jax.tree.leaves(arg)))
   client_inputs = {i for _, ids in sources for i in ids}
+  keeps = [a.keep for a, _ in sources if a.keep is not None]
+  if len(keeps) > 1:
+    raise ValueError('fedjx.streaming.run: more than one Clients argument has a '
+                     'keep; give it to one of them.')
+  keep = None if not keeps else _Keep(keeps[0], plan, sources[0][0].client_ids)
   for step in plan.steps:  # Values that gather_to_server stacks on the server.
     if isinstance(step, plan_lib.ReduceStep) and step.why:
       raise NotStreamableError(
@@ -225,11 +251,36 @@ def _run(fn, args, chunk_size, cache) -> Any:
         remaining.remove(step)
         if isinstance(step, plan_lib.MapStep):
           done_maps.append(step)
-    env.update(_run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry))
-  outs = [env[client_outputs[i].out_id] if i in client_outputs else
+    env.update(_run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry, keep))
+  outs = [None if keep is not None and i in client_outputs else
+          env[client_outputs[i].out_id] if i in client_outputs else
           jnp.broadcast_to(env[bcast[i]], (n,) + jnp.shape(env[bcast[i]]))
           if i in bcast else env[i] for i in plan.out_ids]
   return jax.tree.unflatten(plan.out_tree, outs)
+
+
+def _aliasable(plan, input_ids, collect) -> set[int]:
+  """Client inputs each of the same shape and dtype as a distinct collected value."""
+  wanted = [(plan.avals[r.x_id].shape, plan.avals[r.x_id].dtype) for r in collect
+            if not plan_lib.is_key(plan.avals[r.x_id].dtype)]
+  chosen = set()
+  for i in input_ids:
+    like = (plan.avals[i].shape, plan.avals[i].dtype)
+    if like in wanted:
+      wanted.remove(like)
+      chosen.add(i)
+  return chosen
+
+
+class _Keep:
+  """A :attr:`Clients.keep` called with the program's output pytree."""
+
+  def __init__(self, keep, plan, client_ids):
+    self.keep, self.plan, self.client_ids = keep, plan, client_ids
+
+  def __call__(self, start: int, stop: int, pieces: dict[int, np.ndarray]) -> None:
+    outs = [pieces.get(i) for i in self.plan.out_ids]
+    self.keep(self.client_ids[start:stop], jax.tree.unflatten(self.plan.out_tree, outs))
 
 
 def _client_outputs(plan, client_inputs) -> dict[int, plan_lib.ReduceStep]:
@@ -313,8 +364,10 @@ def _devices(placement: str | None, k: int) -> tuple[Any, int]:
   return (None, 1) if spread is None else spread
 
 
-def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict[int, Any]:
-  """Runs one pass over the clients in chunks; returns the reductions."""
+def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry,
+              keep) -> dict[int, Any]:
+  """Runs one pass over the clients in chunks; returns the reductions (and
+  the collected values, unless ``keep`` takes each chunk's per-client outputs)."""
   mesh, devices = _devices(plan.placement, min(chunk_size, n))
   k = devices * math.ceil(min(chunk_size, n) / devices)
   block = k // devices  # The clients of a chunk each device runs.
@@ -413,21 +466,31 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
                          out_specs=(P(), clients), check_vma=False)(
                              whole_vals, server_chunk, client_chunk, valid)
 
-  def step(carry, whole_vals, server_chunk, client_chunk, valid):
+  # A client input as large as a collected value (a replica's optimizer
+  # state in, its new state out) is donated: the new values may take its
+  # device memory instead of holding both.
+  donated = _aliasable(plan, [i for _, ids in sources for i in ids], collect)
+
+  def step(carry, whole_vals, server_chunk, client_chunk, donated_chunk, valid):
     work = chunk_work if mesh is None else on_devices
-    partial, collected = work(whole_vals, server_chunk, client_chunk, valid)
+    partial, collected = work(whole_vals, server_chunk, {**client_chunk, **donated_chunk},
+                              valid)
     return [_add(c, p) for c, p in zip(carry, partial)], collected
 
   # The chunk's work depends on the plan, the pass and the devices only:
   # compiled once.
   key = ('pass', mesh) + tuple(id(x) for x in maps + reduces)
   if key not in entry:
-    entry[key] = jax.jit(step, donate_argnums=0)
+    entry[key] = jax.jit(step, donate_argnums=(0, 4))
   step = entry[key]
   carry = [_zero_carry(plan, r, d) for r, d in zip(sums, dtypes)]
-  collected_host = [np.empty((n,) + plan_lib.host_spec(plan.avals[r.x_id]).shape[1:],
+  # Per-client outputs go to ``keep`` chunk by chunk; the rest (and all of
+  # them without ``keep``) into host arrays of the cohort.
+  kept = [keep is not None and r.out_id < _VALID for r in collect]
+  collected_host = [None if k_ else
+                    np.empty((n,) + plan_lib.host_spec(plan.avals[r.x_id]).shape[1:],
                              plan_lib.host_spec(plan.avals[r.x_id]).dtype)
-                    for r in collect]
+                    for r, k_ in zip(collect, kept)]
   whole_vals = [env[i] for i in whole]
 
   # The chunk arrives laid out over the devices that run it.
@@ -439,15 +502,27 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
     chunk = {}
     for source, ids in sources:
       values = jax.tree.leaves(source.load(source.client_ids[start:stop]))
-      chunk.update(zip(ids, (jax.device_put(_pad_host(np.asarray(v), k), layout)
+      # Never a view of the source's memory, which a CPU device may alias (an
+      # accelerator's transfer is a copy).
+      chunk.update(zip(ids, (jax.device_put(_pad_host(np.asarray(v), k), layout,
+                                            may_alias=False if on_cpu else None)
                              for v in values)))
     valid = jax.device_put(np.arange(start, start + k) < stop, layout)
+    # On the device before the next load: a source may reuse its memory.
+    jax.block_until_ready(chunk)
     return chunk, valid
 
   def to_host(c, collected):
     stop = min(n, (c + 1) * k)
-    for host, value in zip(collected_host, collected):
-      host[c * k:stop] = plan_lib.to_host(value)[:stop - c * k]
+    pieces = {}
+    for r, host, value in zip(collect, collected_host, collected):
+      rows = plan_lib.to_host(value)[:stop - c * k]
+      if host is None:
+        pieces[r.x_id] = rows
+      else:
+        host[c * k:stop] = rows
+    if pieces:
+      keep(c * k, stop, pieces)
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
     ahead = pool.submit(load, 0)
@@ -458,7 +533,11 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
         ahead = pool.submit(load, c + 1)
       server_chunk = {i: jax.lax.dynamic_slice_in_dim(v, c * k, k)
                       for i, v in padded_server.items()}
-      carry, collected = step(carry, whole_vals, server_chunk, client_chunk, valid)
+      carry, collected = step(
+          carry, whole_vals, server_chunk,
+          {i: v for i, v in client_chunk.items() if i not in donated},
+          {i: v for i, v in client_chunk.items() if i in donated}, valid)
+      del client_chunk
       for value in collected:
         if isinstance(value, jax.Array) and not plan_lib.is_key(value.dtype):
           value.copy_to_host_async()
@@ -466,6 +545,7 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
       # (a DiLoCo replica's new optimizer state: gigabytes).
       if departing is not None:
         to_host(*departing)
+        departing = None  # Its device memory is free while this chunk computes.
       # One chunk computes while the next loads: waiting here keeps dispatch
       # from queueing every chunk's data at once (memory would grow with m).
       jax.block_until_ready(carry)
@@ -477,10 +557,10 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry) -> dict
     total = c[0][0] + c[0][1]  # The sum and its compensation.
     wsum = c[1][0] + c[1][1] if r.op == 'weighted_mean' else None
     out[r.out_id] = reductions.finish(r.op, total, wsum, n, dtype)
-  for r in collect:
-    host = collected_host[collect.index(r)]
-    out[r.out_id] = (host if r.out_id < _VALID else  # A per-client output.
-                     plan_lib.from_host(jnp.asarray(host), plan.avals[r.out_id]))
+  for r, host in zip(collect, collected_host):
+    if host is not None:
+      out[r.out_id] = (host if r.out_id < _VALID else  # A per-client output.
+                       plan_lib.from_host(jnp.asarray(host), plan.avals[r.out_id]))
   return out
 
 

@@ -261,3 +261,35 @@ def test_a_store_backed_round_streams_its_rows_in_and_out_chunk_by_chunk():
   rows = got[2]
   assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(rows))
   _assert_close(got, want)
+
+
+def test_keep_takes_each_chunks_per_client_outputs_and_loads_may_reuse_memory():
+  # The program's per-client output handed to ``keep`` chunk by chunk (in
+  # order, padding dropped) equals the gathered one; the program returns None
+  # in its place. The source reuses one buffer for every chunk it loads (a
+  # chunk is on the device before the next load), and an input of the
+  # per-client output's shape is donated to the chunk's work: the results
+  # are those of fresh memory.
+  @fedjx.program(clients=7)
+  def per_client(x):
+    return fedjx.map_fn(lambda v: v * 2 + 1, x), fedjx.reduce_sum(x)
+
+  x = np.arange(14, dtype=np.float32).reshape(7, 2)
+  buffer = np.empty((3, 2), np.float32)
+
+  def load(ids):
+    ids = np.asarray(ids)
+    out = buffer[:len(ids)]
+    np.take(x, ids, axis=0, out=out)
+    return out
+
+  kept = []
+  clients = streaming.Clients(range(7), load, jax.ShapeDtypeStruct((2,), np.float32))
+  clients = clients.with_keep(lambda ids, outs: kept.append((list(ids), outs[0].copy(),
+                                                              outs[1])))
+  doubled, total = streaming.run(per_client, clients, chunk_size=3)
+  assert doubled is None
+  assert [ids for ids, _, _ in kept] == [[0, 1, 2], [3, 4, 5], [6]]
+  assert all(rest is None for _, _, rest in kept)
+  np.testing.assert_array_equal(np.concatenate([rows for _, rows, _ in kept]), 2 * x + 1)
+  np.testing.assert_array_equal(np.asarray(total), x.sum(0))  # Small integers.
