@@ -9,11 +9,12 @@ The runner (:mod:`fedjx.experiments.run_trainer`):
 
 * before a round, attaches the cohort's rows as of that round
   (:func:`attach`: ``store.read(cohort.client_ids)``, placed like the
-  cohort's arrays; a streamed round reads them chunk by chunk, and its new
-  rows come back gathered chunk by chunk on the host);
+  cohort's arrays; a streamed round reads them chunk by chunk into host
+  memory reused from round to round, and stages its new rows in the store
+  chunk by chunk as they reach the host, ``store.stage``);
 * after the round is accepted (past the non-finite guard), writes the rows
-  the round returned (:func:`write_back`); a round redone guarded writes
-  once, the redone rows;
+  the round returned, or commits the staged ones (:func:`write_back`); a
+  round redone guarded writes once, the redone rows;
 * at every checkpoint of step ``s``, saves the store as step ``s`` before
   the checkpoint is started (``store.save``: the rows written since the last
   save), so a checkpoint on disk always has its store step;
@@ -119,16 +120,19 @@ def make_store(config: Any, algorithm: Any, init_params: Any, num_clients: int,
                                       memory_budget_bytes=budget)
 
 
-def attach(store: client_store_lib.ClientStore | None, cohort: Any) -> Any:
+def attach(store: client_store_lib.ClientStore | None, cohort: Any,
+           scratch: dict[int, Any] | None = None) -> Any:
   """``cohort`` with its clients' rows as ``client_states``, placed like it.
 
   A streamed cohort (a ``fedjx.streaming.Clients``) reads its rows chunk by
-  chunk with its data, as each chunk loads.
+  chunk with its data, as each chunk loads (into ``scratch``'s arrays, kept
+  by the caller from round to round, when given), and stages the round's
+  new rows in ``store`` chunk by chunk (:func:`write_back` commits them).
   """
   if store is None:
     return cohort
   if isinstance(cohort, streaming.Clients):
-    return with_rows(store, cohort)
+    return with_rows(store, cohort, scratch).with_keep(_stage(store))
   ids = np.asarray(jax.device_get(cohort.client_ids))
   rows = store.read(ids)
   sharding = getattr(cohort.mask, 'sharding', None)
@@ -137,12 +141,21 @@ def attach(store: client_store_lib.ClientStore | None, cohort: Any) -> Any:
   return cohort._replace(client_states=rows)
 
 
-def with_rows(store: client_store_lib.ClientStore,
-              clients: streaming.Clients) -> streaming.Clients:
-  """``clients`` whose every chunk carries its clients' rows from ``store``."""
+def with_rows(store: client_store_lib.ClientStore, clients: streaming.Clients,
+              scratch: dict[int, Any] | None = None) -> streaming.Clients:
+  """``clients`` whose every chunk carries its clients' rows from ``store``,
+  read into ``scratch[chunk length]`` (allocated on first use) when given."""
   def load(chunk):
     part = clients.load(chunk)
-    return part._replace(client_states=store.read(np.asarray(part.client_ids)))
+    ids = np.asarray(part.client_ids)
+    out = None
+    if scratch is not None:
+      out = scratch.get(len(ids))
+      if out is None:
+        out = scratch[len(ids)] = jax.tree.map(
+            lambda a: np.empty((len(ids),) + np.shape(a), np.asarray(a).dtype),
+            store.initial)
+    return part._replace(client_states=store.read(ids, out=out))
 
   spec = clients.spec._replace(client_states=jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
@@ -150,11 +163,30 @@ def with_rows(store: client_store_lib.ClientStore,
   return streaming.Clients(clients.client_ids, load, spec)
 
 
+def _stage(store: client_store_lib.ClientStore):
+  """``keep(ids, outputs)`` for a streamed round ``(state, metrics, rows)``:
+  stages each chunk's new ``rows`` in ``store``."""
+  def keep(ids, outputs):
+    *rest, rows = outputs
+    if jax.tree.leaves(rest):
+      raise ValueError('a store-backed round returns per-client values besides '
+                       'its rows (state, metrics, rows); only the rows may be '
+                       'per-client.')
+    store.stage(np.asarray(ids), rows)
+  return keep
+
+
 def write_back(store: client_store_lib.ClientStore | None, cohort: Any,
                rows: Any) -> None:
-  """Writes a round's new ``rows`` (cohort order) for ``cohort``'s clients."""
-  if store is None or rows is None:
+  """Writes a round's new ``rows`` (cohort order) for ``cohort``'s clients;
+  rows with no arrays (a streamed round returns None for each) commit the
+  rows it staged."""
+  if store is None:
     return
+  if not jax.tree.leaves(rows):
+    store.commit()
+    return
+  store.discard()
   ids = np.asarray(jax.device_get(cohort.client_ids))
   store.write(ids, jax.tree.map(np.asarray, jax.device_get(rows)))
 

@@ -103,6 +103,7 @@ class RunTrainer:
         workdir)
     self.store_steps = client_states.StoreSteps(self.store)
     self._rows: Any = None  # The dispatched round's new per-client rows.
+    self._row_scratch: dict[int, Any] = {}  # Host memory streamed rows are read into.
     restored = self._restore(ckpt)
     self.start = 0 if restored is None else int(restored['step'])
     self.saves = loop.Checkpoints(ckpt, None if restored is None else self.start)
@@ -231,7 +232,7 @@ class RunTrainer:
     self._round_t0 = None if r == self.start else time.perf_counter()
     if self.exp.systems is not None:
       cohort, self._report = cohort
-    cohort = client_states.attach(self.store, cohort)
+    cohort = client_states.attach(self.store, cohort, self._row_scratch)
     self._cohort = cohort
     self.state, metrics, *rows = self.rounds.first(self.state, cohort,
                                                    self.exp.round_key_for(r))
@@ -363,7 +364,7 @@ class RunTrainer:
     try:
       return self.rounds.replay(
           state, first, r, map(unpack, replay), self.exp.round_key_for,
-          rows=lambda c: client_states.attach(self.store, c),
+          rows=lambda c: client_states.attach(self.store, c, self._row_scratch),
           write=lambda c, new: client_states.write_back(self.store, c, new))
     finally:
       replay.close()
