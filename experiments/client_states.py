@@ -153,13 +153,12 @@ def with_rows(store: client_store_lib.ClientStore, clients: streaming.Clients,
       out = scratch.get(len(ids))
       if out is None:
         out = scratch[len(ids)] = jax.tree.map(
-            lambda a: np.empty((len(ids),) + np.shape(a), np.asarray(a).dtype),
-            store.initial)
+            lambda s: np.empty((len(ids),) + s.shape, s.dtype), store.row_spec)
     return part._replace(client_states=store.read(ids, out=out))
 
-  spec = clients.spec._replace(client_states=jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
-      store.initial))
+  # The row's shapes, not store.initial: a copy of a row (1.17 GB for a
+  # 180M replica's AdamW state) each round.
+  spec = clients.spec._replace(client_states=store.row_spec)
   return streaming.Clients(clients.client_ids, load, spec)
 
 

@@ -148,6 +148,13 @@ class ClientStore:
     return self._treedef.unflatten([leaf.copy() for leaf in self._initial])
 
   @property
+  def row_spec(self) -> Any:
+    """One client's row as a pytree of ``jax.ShapeDtypeStruct`` (nothing copied)."""
+    import jax  # pylint: disable=import-outside-toplevel
+    return self._treedef.unflatten([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                                    for leaf in self._initial])
+
+  @property
   def row_bytes(self) -> int:
     """Bytes of one client's row."""
     return self._row_bytes
