@@ -4,8 +4,8 @@ With ``config.nonfinite`` ``'skip'`` or ``'stop'`` a round leaves out every
 client whose update or weight is NaN or Inf, and counts it in
 ``nonfinite_clients``. The algorithms' guard (:mod:`fedjx.algorithms.nonfinite`)
 does that inside the round, at the price of a second read of every client's
-trained model and a few small kernels: 3-7% of a 0.7 ms round on a CPU
-(docs/benchmarks.md). Almost no round has such a client. So for the
+trained model and a few small kernels (on a CPU up to a few percent of a
+round: docs/benchmarks.md). Almost no round has such a client. So for the
 algorithms whose registry entry declares ``updates_reach_params``
 (synchronous ones, whose every client output reaches the server model in the round that computes
 it) the runner runs each round with the algorithm built *without* its guard,
