@@ -228,6 +228,14 @@ class ClientStore:
     self._assign(real, leaves)
     self._dirty.update(real.tolist())
 
+  def reset(self) -> None:
+    """Forgets every row, as a new store: each client reads ``initial``, the
+    staged rows are dropped, the next :meth:`save` starts a new chain. The
+    staging arrays are kept."""
+    self._clear()
+    self._dirty.clear()
+    self._last_saved = None
+
   # A round's new rows, staged chunk by chunk until the round is accepted.
 
   def stage(self, ids: Any, rows: Any) -> None:

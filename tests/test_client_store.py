@@ -279,3 +279,22 @@ def test_read_into_given_arrays():
   with pytest.raises(ValueError, match=r'out leaf 0 has shape \(3, 4\); it must be \(2, 4\)'):
     store.read(np.arange(2), out={k: np.zeros((3,) + np.shape(v), np.asarray(v).dtype)
                                   for k, v in _initial().items()})
+
+
+def test_reset_forgets_every_row_as_a_new_store(tmp_path):
+  store = client_store.ClientStore(_initial(), N, directory=tmp_path)
+  ref, rng = Reference(_initial()), np.random.default_rng(11)
+  _drive(store, ref, rng, rounds=3)
+  store.save(1)
+  store.stage(_cohort(rng, 3), _rows(rng, 5))
+  store.reset()
+  store.commit()  # The staged rows went with the reset.
+  fresh = Reference(_initial())
+  _assert_same(store, fresh, np.arange(-1, N))
+  assert len(store) == 0
+  _drive(store, fresh, rng, rounds=2)
+  store.save(2)  # A new chain: step 2 holds only the rows since the reset.
+  store.restore(2)
+  _assert_same(store, fresh, np.arange(N))
+  assert len(store) == len(fresh.rows)
+  store.close()
