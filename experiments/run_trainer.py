@@ -352,10 +352,9 @@ class RunTrainer:
       first, at = self.saves.saved, float(meta.get('simulated_time', 0.0))
     if self.store is not None:  # The rows as of ``first``, replayed to ``r``.
       if first == 0:  # Nothing saved yet: every client reads its initial row.
-        self.store.close()
-        self.store = client_states.make_store(
-            self.config, self.exp.algorithm, self.exp.init_params,
-            self.exp.data.train.num_clients, self.workdir)
+        # The same store, reset: the round's streamed cohort reads and stages
+        # its rows through it.
+        self.store.reset()
         self.store_steps = client_states.StoreSteps(self.store)
       else:
         self.store_steps.restore(first, self.workdir)
