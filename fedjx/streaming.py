@@ -153,11 +153,13 @@ def run(fn: Callable[..., Any], *args: Any, chunk_size: int = 64) -> Any:
 
   Returns:
     ``fn``'s outputs (device arrays), the same pytree as ``fn(*args)``.
+    Per-client outputs come back as host NumPy arrays, gathered chunk by
+    chunk, or as None where a :class:`Clients` argument's ``keep`` took
+    them chunk by chunk.
 
   Raises:
     NotStreamableError: server code of the round reads every client's
-      value at once. Per-client outputs come back as host NumPy arrays,
-      gathered chunk by chunk.
+      value at once.
 
   Each call traces and compiles afresh; :class:`Streamer` keeps both between
   rounds.
