@@ -272,8 +272,9 @@ def _host_note(plan) -> str:
   """The host transfers of a plan with the replicas' states on the host."""
   if not plan.host_s:
     return ' (copies of the states to the host not counted: no measured host bandwidth)'
-  return (f' + {seconds(plan.host_s)} copying {plan.replicas_per_slot} states to the host '
-          f'at {plan.calibration.host_bytes_per_s / 1e9:.1f} GB/s')
+  return (f' + {seconds(plan.host_s)} of copies to the host not hidden by the steps '
+          f'({plan.replicas_per_slot} states at {plan.calibration.host_bytes_per_s / 1e9:.1f} '
+          'GB/s, each while the next replica trains)')
 
 
 def render_inner(plan, device: Target, platform: str, prog: str = 'fedjx-plan') -> str:

@@ -63,10 +63,13 @@ replicas through the chip, :mod:`fedjx.streaming`). A chip then holds the
 server state, one replica's step, the next replica's optimizer state
 arriving and the previous one's leaving while it trains, and the
 compensated running sum of the models (two model shards); the outer step
-holds no replica state. ``k`` times the state's bytes over the chip's
-measured host bandwidth are added to the round (the calibration's
-``host_bytes_per_s``; not counted where none was measured), as if the
-copies to the host did not overlap the steps.
+holds no replica state. Each replica's new state goes to the host while
+the next replica trains (``fedjx.streaming``): with ``c`` the state's bytes
+over the chip's measured host bandwidth (the calibration's
+``host_bytes_per_s``; not counted where none was measured) and ``t`` one
+replica's steps, the round adds ``c + (k - 1) max(0, c - t)``: the last
+replica's copy, and whatever of each other copy its successor's steps do
+not hide.
 
 The ``'auto'`` settings of the model (attention kernel, remat policy, loss
 chunks: :func:`fedjx.models.llama.step_plan`) are resolved for the TPU
@@ -518,12 +521,16 @@ class PodPlan:
 
   @property
   def host_s(self) -> float:
-    """Seconds a round spends sending the replicas' new states to the host
-    (``replica_states='store'``; 0 without a measured host bandwidth)."""
+    """Seconds a round waits for the replicas' new states to reach the host
+    (``replica_states='store'``; 0 without a measured host bandwidth): the
+    last replica's copy ``c``, and ``max(0, c - t)`` for each other one,
+    whose copy overlaps the next replica's steps ``t``."""
     rate = self.calibration.host_bytes_per_s
     if self.replica_states != 'store' or not rate:
       return 0.0
-    return self.replicas_per_slot * self.inner_state_bytes / rate
+    copy = self.inner_state_bytes / rate
+    steps = self.inner_steps * self.step_s
+    return copy + (self.replicas_per_slot - 1) * max(0.0, copy - steps)
 
   @property
   def round_s(self) -> float:

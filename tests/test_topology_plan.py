@@ -183,18 +183,25 @@ def test_replicas_states_on_the_host_leave_the_chip_two_in_flight():
   # The same 4 replicas with their optimizer states on the host: the chip
   # holds the server state, the next replica's state arriving and the
   # previous one's leaving, and the running sum of the models with its
-  # compensation; the round adds 4 states' copies at the host bandwidth.
+  # compensation; the round adds the last state's copy at the host
+  # bandwidth, and what of the others the next replica's steps do not hide.
   plan = _four_replicas_on_one_chip(
       replica_states='store', calibration=tp.Calibration('v5e', 1.0, host_bytes_per_s=2.8e6))
   assert plan.held_bytes == 500_000 + 2 * 700_000 + 2 * 350_000
   # Inner 5,000,100 + held 2,600,000 against the outer step's 1,000,000 alone.
   assert plan.peak_bytes == 5_000_100 + 2_600_000
-  assert plan.host_s == pytest.approx(4 * 700_000 / 2.8e6)  # 1 s
-  assert plan.round_s == pytest.approx(40 * plan.step_s + plan.outer_s + 1.0)
+  copy, steps = 700_000 / 2.8e6, 10 * plan.step_s  # 0.25 s per state
+  assert plan.host_s == pytest.approx(copy + 3 * max(0.0, copy - steps))
+  assert plan.round_s == pytest.approx(40 * plan.step_s + plan.outer_s + plan.host_s)
   text = plan_report.render_pod(plan)
   assert re.search(r'    replicas in flight +2\.10 MB', text)
   assert "(config.client_state.placement='store')" in text
-  assert '+ 1 s copying 4 states to the host at 0.0 GB/s' in text
+  assert re.search(r'\+ [\d.]+ m?s of copies to the host not hidden by the steps '
+                   r'\(4 states at 0\.0 GB/s, each while the next replica trains\)', text)
+  slow = _four_replicas_on_one_chip(  # Copies slower than a replica's steps.
+      replica_states='store', calibration=tp.Calibration('v5e', 1.0, host_bytes_per_s=1.0))
+  assert slow.host_s == pytest.approx(
+      700_000 + 3 * (700_000 - 10 * slow.step_s))
   unmeasured = _four_replicas_on_one_chip(replica_states='store')
   assert unmeasured.host_s == 0.0
   assert 'copies of the states to the host not counted' in plan_report.render_pod(unmeasured)
