@@ -11,7 +11,6 @@ on a laptop CPU.
 from __future__ import annotations
 
 import numpy as np
-from sklearn import datasets as sk_datasets
 
 from fedjx.datasets import _seeding
 from fedjx.datasets.federated import FederatedDataset, from_arrays
@@ -43,6 +42,7 @@ def load_digits(num_clients: int = 50, alpha: float | None = 0.5, seed: int = 0,
   """
   if not 0.0 <= test_fraction < 1.0:
     raise ValueError(f'test_fraction={test_fraction!r}; it must be in [0, 1).')
+  from sklearn import datasets as sk_datasets  # deferred: heavy (SciPy), used here only
   raw = sk_datasets.load_digits()
   x = (raw.images.astype(np.float32) / 16.0)[..., None]
   y = raw.target.astype(np.int32)

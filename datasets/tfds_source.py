@@ -40,7 +40,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import tensorflow_datasets as tfds
 
 from fedjx.datasets import documents as documents_lib
 from fedjx.datasets.federated import Examples, IndexedDataset
@@ -152,6 +151,7 @@ def from_tfds(name: str, split: str = 'train', *, group_key: str | None = None,
     raise ValueError('from_tfds: give exactly one of group_key (a feature name) or '
                      f'partition (a function of a column); got group_key={group_key!r}'
                      f' and partition={partition!r}.')
+  import tensorflow_datasets as tfds  # deferred: heavy, used by the sources only
   source = _open(tfds, name, split, data_dir, download, builder_kwargs)
   features = sorted(source.dataset_info.features.keys())
   key = group_key if group_key is not None else partition_key
@@ -224,6 +224,7 @@ def tfds_documents(name: str = C4, split: str = 'train', *, text_field: str = 't
     A :class:`fedjx.datasets.documents.DocumentSource` of ``K`` clients.
   """
   num_shards = _check_shards('tfds_documents', num_shards)
+  import tensorflow_datasets as tfds  # deferred: heavy, used by the sources only
   source = _open(tfds, name, split, data_dir, download, builder_kwargs,
                  caller='tfds_documents', instead='')
   features = sorted(source.dataset_info.features.keys())

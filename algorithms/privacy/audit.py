@@ -78,8 +78,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import optimize
-from scipy import special
 
 from fedjx.algorithms.privacy import accounting
 from fedjx.algorithms import base
@@ -347,6 +345,7 @@ def cosines(canaries: Canaries, initial_params: base.PyTree,
 
 def _log_mass(mean: float, std: float, low: float, high: float) -> float:
   """``log P[low < X < high]`` for ``X ~ N(mean, std^2)``, stable in the tails."""
+  from scipy import special  # deferred: SciPy is heavy, used by the audit's analysis only
   a, b = (low - mean) / std, (high - mean) / std
   if a >= b:
     return -math.inf
@@ -360,6 +359,7 @@ def _log_mass(mean: float, std: float, low: float, high: float) -> float:
 
 
 def _log_region_mass(mean: float, std: float, region: list[tuple[float, float]]) -> float:
+  from scipy import special  # deferred: SciPy is heavy, used by the audit's analysis only
   return float(special.logsumexp([_log_mass(mean, std, lo, hi) for lo, hi in region])
                if region else -math.inf)
 
@@ -412,6 +412,7 @@ def epsilon_between_gaussians(mu0: float, std0: float, mu1: float, std1: float,
   mechanism's epsilon at noise multiplier ``std / |mu1 - mu0|`` (Balle and
   Wang 2018). ``inf`` when a standard deviation is 0 and the means differ.
   """
+  from scipy import optimize  # deferred: SciPy is heavy, used by the audit's analysis only
   for name, v in (('std0', std0), ('std1', std1)):
     if not v >= 0:
       raise ValueError(f'epsilon_between_gaussians: {name}={v!r}; it must be >= 0.')
@@ -505,6 +506,7 @@ def one_run_p_value(canaries: int, guesses: int, correct: int, epsilon: float,
   ``P[correct guesses >= v] <= P[B >= v] + 2 m delta max_{1 <= i <= v}
   P[v - i <= B < v] / i`` for ``m`` canaries.
   """
+  from scipy import special  # deferred: SciPy is heavy, used by the audit's analysis only
   from scipy import stats  # deferred: heavy (0.7 s), used by the audit's analysis only
   if not 0 <= correct <= guesses <= canaries:
     raise ValueError(f'one_run_p_value: correct={correct}, guesses={guesses}, '
@@ -527,6 +529,7 @@ def one_run_epsilon(canaries: int, guesses: int, correct: int, delta: float,
   p-value grows with ``epsilon``), or 0 when even ``epsilon = 0`` is not
   refuted.
   """
+  from scipy import optimize  # deferred: SciPy is heavy, used by the audit's analysis only
   value = lambda eps: one_run_p_value(canaries, guesses, correct, eps, delta)
   if guesses == 0 or value(0.0) > significance:
     return 0.0

@@ -72,7 +72,6 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -279,6 +278,7 @@ def local_gaussian_epsilon(noise_multiplier: float, participations: int,
                     high=1.0)
   if participations == 0:
     return 0.0
+  import dp_accounting  # deferred: heavy (0.7 s with SciPy), used here only
   acc = dp_accounting.rdp.RdpAccountant()
   acc.compose(dp_accounting.GaussianDpEvent(noise_multiplier / 2),
               int(participations))
