@@ -545,10 +545,33 @@ def scan_rounds(apply: Callable[[Any, Cohort, jax.Array], tuple[Any, Metrics]],
   return jax.lax.scan(body, state, (cohorts, keys))
 
 
+@jax.jit
+def _copy_all(xs: list[jax.Array]) -> list[jax.Array]:
+  return [jnp.array(x, copy=True) for x in xs]
+
+
 def _fresh_copy(tree: PyTree) -> PyTree:
-  # Every leaf its own new buffer, so donating the state never frees an array
-  # the caller still holds (e.g. the params passed to init).
-  return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+  """``tree`` with every leaf in a new buffer of the same value, sharding and
+  dtype, so donating the state never frees an array the caller still holds
+  (e.g. the params passed to init).
+
+  The arrays that share a placement (sharding and committedness) are copied
+  by one program, compiled once per placement and shapes, rather than one
+  program for each leaf's shape; other leaves (tracers, NumPy arrays,
+  Python numbers) each by ``jnp.array(x, copy=True)``.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  out = list(leaves)
+  groups: dict[Any, list[int]] = {}
+  for i, x in enumerate(leaves):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      groups.setdefault((x.sharding, x.committed), []).append(i)
+    else:
+      out[i] = jnp.array(x, copy=True)
+  for where in groups.values():
+    for i, y in zip(where, _copy_all([leaves[i] for i in where])):
+      out[i] = y
+  return jax.tree.unflatten(treedef, out)
 
 
 def make_algorithm(name: str, init: Callable[[Params], Any],
