@@ -504,10 +504,7 @@ def _run_pass(plan, one_pass, env, bcast, sources, n, chunk_size, entry,
     chunk = {}
     for source, ids in sources:
       values = jax.tree.leaves(source.load(source.client_ids[start:stop]))
-      # Never a view of the source's memory, which a CPU device may alias (an
-      # accelerator's transfer is a copy).
-      chunk.update(zip(ids, (jax.device_put(_pad_host(np.asarray(v), k), layout,
-                                            may_alias=False if on_cpu else None)
+      chunk.update(zip(ids, (jax.device_put(_host_chunk(v, k, on_cpu), layout)
                              for v in values)))
     valid = jax.device_put(np.arange(start, start + k) < stop, layout)
     # On the device before the next load: a source may reuse its memory.
@@ -623,6 +620,16 @@ def _pad(x, total):
   if extra == 0:
     return x
   return jnp.concatenate([x, jnp.broadcast_to(x[-1:], (extra,) + x.shape[1:])])
+
+
+def _host_chunk(x, total, on_cpu):
+  """``x`` padded to ``total`` clients, never the source's own memory on a
+  CPU, whose devices alias an aligned NumPy array (even under
+  ``may_alias=False``, jax 0.10) where a source may reuse it for the next
+  chunk; an accelerator's transfer is a copy."""
+  x = np.asarray(x)
+  padded = _pad_host(x, total)
+  return padded.copy() if on_cpu and padded is x else padded
 
 
 def _pad_host(x, total):

@@ -275,7 +275,11 @@ def test_keep_takes_each_chunks_per_client_outputs_and_loads_may_reuse_memory():
     return fedjx.map_fn(lambda v: v * 2 + 1, x), fedjx.reduce_sum(x)
 
   x = np.arange(14, dtype=np.float32).reshape(7, 2)
-  buffer = np.empty((3, 2), np.float32)
+  # Aligned to 64 bytes: memory a CPU device would alias rather than copy.
+  raw = np.empty(6 + 16, np.float32)
+  start = (-raw.ctypes.data % 64) // 4
+  buffer = raw[start:start + 6].reshape(3, 2)
+  assert buffer.ctypes.data % 64 == 0
 
   def load(ids):
     ids = np.asarray(ids)
