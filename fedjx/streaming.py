@@ -212,11 +212,11 @@ def _run(fn, args, chunk_size, cache) -> Any:
     else:
       env.update(zip(ids, jax.tree.leaves(arg)))
   client_inputs = {i for _, ids in sources for i in ids}
-  keeps = [a.keep for a, _ in sources if a.keep is not None]
+  keeps = [a for a, _ in sources if a.keep is not None]
   if len(keeps) > 1:
     raise ValueError('fedjx.streaming.run: more than one Clients argument has a '
                      'keep; give it to one of them.')
-  keep = None if not keeps else _Keep(keeps[0], plan, sources[0][0].client_ids)
+  keep = None if not keeps else _Keep(keeps[0].keep, plan, keeps[0].client_ids)
   for step in plan.steps:  # Values that gather_to_server stacks on the server.
     if isinstance(step, plan_lib.ReduceStep) and step.why:
       raise NotStreamableError(
