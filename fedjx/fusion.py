@@ -95,10 +95,13 @@ class MapSpec:
       gives its new row's first, and the map's first outputs are the new
       store. 0 without one.
     write: whether the store's rows come with write flags.
+    cost_bound: with ``sort``, the largest cost possible (the cohort mask's
+      steps, for :func:`fedjx.mapping.descending_order`), or None.
   """
 
   def __init__(self, jaxpr, num_consts, num_placed, n, k, placement, out_avals,
-               by_cost=False, devices=None, sort=False, num_rows=0, write=False):
+               by_cost=False, devices=None, sort=False, num_rows=0, write=False,
+               cost_bound=None):
     self.jaxpr = jaxpr
     self.num_consts = num_consts
     self.num_placed = num_placed
@@ -111,6 +114,7 @@ class MapSpec:
     self.sort = sort
     self.num_rows = num_rows
     self.write = write
+    self.cost_bound = cost_bound
     self.alone = None  # The member's jaxpr outside a chunk, for chunks of 1.
     self.num_alone_consts = 0
 
@@ -185,7 +189,7 @@ class Recorder:
   def record(self, fn: Callable[[list, list], Any], placed: Sequence[Any],
              shared: Sequence[Any], n: int, k: int, placement: str,
              cost: Any = None, devices: Any = None, sort: bool = False,
-             rows: Any = None) -> Any:
+             rows: Any = None, cost_bound: int | None = None) -> Any:
     """Traces ``fn(placed_member, shared)`` once and binds the opaque map
     (whose chunks are formed from ``cost``, each member's, when given:
     sorted by it with ``sort``; run in one block per device when
@@ -235,7 +239,7 @@ class Recorder:
     spec = MapSpec(closed.jaxpr, len(closed.consts), len(placed), n, k, placement,
                    out_avals, by_cost=cost is not None, devices=devices,
                    sort=sort and cost is not None, num_rows=len(store),
-                   write=write is not None)
+                   write=write is not None, cost_bound=cost_bound)
     extra = [] if cost is None else [cost]
     if cost is not None and axis and not sort:
       spec.alone = alone.jaxpr
@@ -487,7 +491,7 @@ def _run_on_devices(spec: MapSpec, operands: Sequence[Any],
                   spec.k, axis, [jax.core.ShapedArray(
                       (n,) + a.shape[1:], a.dtype, weak_type=a.weak_type)
                       for a in spec.out_avals], by_cost=spec.by_cost,
-                  sort=spec.sort)
+                  sort=spec.sort, cost_bound=spec.cost_bound)
   local.alone, local.num_alone_consts = spec.alone, spec.num_alone_consts
   c, p = spec.num_consts, spec.num_placed
   split = [False] * len(operands)
@@ -707,7 +711,8 @@ def _run_sorted(spec, placed, cost, outputs, fused, dtypes, w_values, keep,
                for b, j in zip(buffers, keep)]
     return new, buffers
 
-  return mapping.run_sorted(step, (carry0, buffers), cost, spec.n, spec.k)
+  return mapping.run_sorted(step, (carry0, buffers), cost, spec.n, spec.k,
+                            spec.cost_bound)
 
 
 def _run_by_cost(spec, placed, cost, outputs, fused, dtypes, w_values, keep,

@@ -279,6 +279,35 @@ def member_cost(leaves: list[Any]) -> jax.Array | None:
   return out
 
 
+def cost_bound(leaves: list[Any]) -> int | None:
+  """The largest cost :func:`member_cost` can give for ``leaves``: the steps
+  ``S`` of the cohort masks among them (None if there is none)."""
+  steps = [jnp.shape(x)[1] for x in leaves
+           if jnp.ndim(x) >= 3 and jnp.result_type(x) == jnp.bool_]
+  return max(steps) if steps else None
+
+
+def descending_order(cost: Any, bound: int | None = None) -> jax.Array:
+  """The members in descending ``cost``, ties in member order (``int32 [n]``).
+
+  With a static ``bound`` (every cost an integer in ``[0, bound]``, as
+  :func:`member_cost`'s are) and ``(bound + 1) n < 2^31``, one sort of the
+  distinct keys ``(bound - c_i) n + i``, whose ascending order is that order
+  (then ``i = key mod n``); otherwise a stable ``argsort`` of ``-cost``. The
+  same order either way; on a TPU the one-key sort compiles in about half
+  the time of the two-operand stable sort at 10,000 members (a quarter at
+  100,000).
+  """
+  cost = jnp.asarray(cost)
+  n = cost.shape[0]
+  if bound is None or (bound + 1) * n >= 2**31 or not jnp.issubdtype(
+      cost.dtype, jnp.integer):
+    return jnp.argsort(-cost, stable=True).astype(jnp.int32)
+  c = jnp.clip(cost.astype(jnp.int32), 0, bound)
+  key = (bound - c) * n + jnp.arange(n, dtype=jnp.int32)
+  return jax.lax.sort(key, is_stable=False) % n
+
+
 def _wide(window: Any, k: int, waste: float, xp: Any = jnp) -> Any:
   """Whether a window of ``k`` costs runs as one chunk: ``k max(c) <=
   (1 + waste) sum(c)``, in float32 on the host as in the program."""
@@ -426,21 +455,22 @@ def run_by_cost(step: Callable[[Any, jax.Array, int], Any], carry: Any,
 
 
 def run_sorted(step: Callable[[Any, jax.Array, jax.Array], Any], carry: Any,
-               cost: jax.Array, n: int, k: int) -> Any:
+               cost: jax.Array, n: int, k: int, bound: int | None = None) -> Any:
   """Runs the chunks of :func:`sorted_chunks` from the traced ``cost``.
 
   ``step(carry, members, fresh)`` runs the ``k`` members ``members``
   (``int32 [k]``) as one chunk and returns the new carry; ``fresh[j]`` is
   False for a member of the last chunk that a chunk before ran already
   (whose results it must not count again). The order is one ``argsort`` of
-  the costs in the program, so a cohort in any order runs in chunks of
+  the costs in the program (:func:`descending_order`, ``bound`` the largest
+  cost possible where known), so a cohort in any order runs in chunks of
   members with similar costs: a chunk computes its largest member's steps,
   and sorted, the chunks of a cohort compute at most ``sum(c) + k (max(c)
   - min(c))`` member-steps (each chunk's largest member is at most the
   smallest of the chunk before). A ``scan`` over the ``ceil(n / k)``
   chunks: one chunk's memory, reverse-differentiable.
   """
-  order = jnp.argsort(-jnp.asarray(cost), stable=True).astype(jnp.int32)
+  order = descending_order(cost, bound)
   m = -(-n // k)
   firsts = jnp.arange(m, dtype=jnp.int32) * k
   starts = jnp.minimum(firsts, n - k)
@@ -461,7 +491,8 @@ def gather_members(tree: Any, members: jax.Array) -> Any:
 
 
 def run_mapped_by_cost(fn: Callable[..., Any], args: Any, cost: jax.Array,
-                       n: int, k: int, placement: str, sort: bool = False) -> Any:
+                       n: int, k: int, placement: str, sort: bool = False,
+                       bound: int | None = None) -> Any:
   """:func:`run_mapped` without a mesh axis, in the chunks of
   :func:`chunk_widths` (or of :func:`sorted_chunks`, with ``sort``): each
   chunk's outputs are written into ``[n, ...]`` buffers at its members'
@@ -482,7 +513,7 @@ def run_mapped_by_cost(fn: Callable[..., Any], args: Any, cost: jax.Array,
       return jax.tree.map(lambda b, y: b.at[members].set(
           y.astype(b.dtype), unique_indices=True), buffers, out)
 
-    return run_sorted(sorted_step, buffers, cost, n, k)
+    return run_sorted(sorted_step, buffers, cost, n, k, bound)
 
   def run(width, start):
     part = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, width), args)
@@ -789,6 +820,8 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
   k = choose_chunk_size(strategy, n, client_bytes, devices, chunk_size,
                         step=step, device_kind=kind)
   user_cost = cost
+  # The largest derived cost (a cohort mask's steps); none for a given cost.
+  bound = cost_bound(cost_leaves) if cost is None else None
   by_cost = (1 < k < n and sharding_lib.spmd_axis_name(p.name, mesh) is None
              and not frames.forced_map_strategy())
   if by_cost:
@@ -805,7 +838,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
       out = run_mapped(lambda a: call(a, shared), placed, n, k, p.name, mesh)
     else:
       out = run_mapped_by_cost(lambda a: call(a, shared), placed, cost, n, k,
-                               p.name, sort)
+                               p.name, sort, bound)
     return sharding_lib.place_tree(out, p.name, mesh)
 
   mapped.__name__ = f'fedjx_map_{p.name}'
@@ -852,7 +885,7 @@ def map_fn(fn: Callable[..., Any], args: Any, *, placement: str | None = None,
     out = recorder.record(
         lambda one, values: call(one, dict(zip(keys, values))),
         placed[num_rows:] if in_place else placed, [shared[i] for i in keys], n,
-        record_k, p.name, cost=record_cost, devices=spread, sort=sort,
+        record_k, p.name, cost=record_cost, cost_bound=bound, devices=spread, sort=sort,
         rows=(store_leaves, row_ids, row_write) if in_place else None)
     return out if in_place or not num_rows else written_back(out)
   if in_place:

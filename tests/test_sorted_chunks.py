@@ -80,8 +80,13 @@ def test_sorted_chunks_give_the_numpy_round_and_the_unchunked_one(
   cohort = _cohort(on_device)
   one, one_metrics = _round(cohort, 'vmap')
   _accelerator(monkeypatch, width)
+  bounds, order = [], mapping.descending_order
+  monkeypatch.setattr(mapping, 'descending_order',
+                      lambda c, b=None: (bounds.append(b), order(c, b))[1])
   with frames.without_fusion() if not fuse else _null():
     got, metrics = _round(cohort, 'auto')
+  # The order is sorted by one key under the cohort's steps as the bound.
+  assert bounds == [cohort.mask.shape[1]]
   want = _numpy_fedavg()
   for g, w, o in zip(got, want, one):
     np.testing.assert_allclose(g, w, rtol=0, atol=_tolerance(w))
@@ -135,6 +140,27 @@ def test_sorted_chunks_host_twin():
       lambda carry, members, fresh: carry.at[members].add(fresh.astype(jnp.int32)),
       jnp.zeros(7, jnp.int32), c, 7, 3))(jnp.asarray(cost))
   np.testing.assert_array_equal(order, np.ones(7))  # Each member counted once.
+
+
+@pytest.mark.parametrize('n,bound', [(7, 9), (1000, 64), (257, 0), (50, 2**26)])
+def test_descending_order_is_the_stable_argsort(n, bound):
+  # Costs in [0, bound] with many ties; the last case's keys would overflow
+  # int32, so it takes the argsort, as does a cost with no bound.
+  cost = np.random.RandomState(n).randint(0, min(bound, 9) + 1, n).astype(np.int32)
+  want = np.argsort(-cost, kind='stable')
+  for b in (bound, None):
+    got = jax.jit(lambda c, b=b: mapping.descending_order(c, b))(cost)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_cost_bound_is_the_cohort_mask_s_steps():
+  leaves = [np.zeros((4, 6, 3), bool), np.zeros((4, 6), np.float32),
+            np.zeros((4, 9, 2, 1), bool)]
+  assert mapping.cost_bound(leaves) == 9
+  assert mapping.cost_bound(leaves[1:2]) is None
+  cost = mapping.member_cost(leaves)
+  assert int(jnp.max(cost)) <= mapping.cost_bound(leaves)
 
 
 def test_gradient_through_sorted_chunks(monkeypatch):
