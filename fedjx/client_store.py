@@ -39,6 +39,7 @@ Design:
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -53,7 +54,39 @@ from jax import tree_util
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30  # 1 GiB of rows in host memory.
 FORMAT = 1  # The checkpoint format's version, in every manifest.
 _BLOCK_BYTES = 64 << 20  # Rows are copied between files this much at a time.
+# Copies between host arrays of more than this many bytes in all run as
+# blocks of about this size on several threads (NumPy releases the GIL
+# while it copies): one thread copies far below a host's memory bandwidth.
+_PARALLEL_BYTES = 32 << 20
+_COPY_THREADS = 8
 _MANIFEST = re.compile(r'manifest_(\d+)\.json')
+
+
+def _row_blocks(arrays: list[np.ndarray], n: int) -> list[tuple[int, int, int]]:
+  """``(leaf, start, stop)`` blocks of rows ``[0, n)`` of each of ``arrays``
+  (``[n, ...]`` or longer), each about ``_PARALLEL_BYTES`` (one row at least)."""
+  blocks = []
+  for k, a in enumerate(arrays):
+    row = max(a[:1].nbytes, 1)
+    step = max(1, _PARALLEL_BYTES // row)
+    blocks += [(k, i, min(i + step, n)) for i in range(0, n, step)]
+  return blocks
+
+
+def _copy_in_blocks(copy, arrays: list[np.ndarray], n: int) -> None:
+  """Calls ``copy(leaf, start, stop)`` over the rows ``[0, n)`` of ``arrays``:
+  on up to ``_COPY_THREADS`` threads where they hold more than
+  ``_PARALLEL_BYTES`` in all, else once per leaf. Each call writes a
+  distinct block, so the result is that of one thread."""
+  total = sum(a[:1].nbytes for a in arrays) * n
+  threads = min(_COPY_THREADS, os.cpu_count() or 1)
+  if total <= _PARALLEL_BYTES or threads < 2:
+    for k in range(len(arrays)):
+      copy(k, 0, n)
+    return
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    for done in [pool.submit(copy, *b) for b in _row_blocks(arrays, n)]:
+      done.result()
 
 
 class CorruptCheckpointError(ValueError):
@@ -258,8 +291,12 @@ class ClientStore:
         for new, old in zip(grown, self._staging):
           new[:start] = old[:start]
       self._staging = grown
-    for staged, leaf in zip(self._staging, leaves):
-      staged[start:stop] = leaf if keep.size == len(ids) else leaf[keep]
+    if keep.size < len(ids):
+      leaves = [leaf[keep] for leaf in leaves]
+
+    def copy(k, a, b):
+      self._staging[k][start + a:start + b] = leaves[k][a:b]
+    _copy_in_blocks(copy, leaves, keep.size)
     self._staged_ids.append(ids[keep])
     self._staged = stop
 
@@ -398,11 +435,13 @@ class ClientStore:
       out = [np.empty((slots.size,) + leaf.shape, leaf.dtype) for leaf in self._initial]
     in_memory = slots < m
     mem_at, disk_at = np.flatnonzero(in_memory), np.flatnonzero(~in_memory)
+    if mem_at.size == slots.size:  # Straight into ``out``: no temporary copy
+      # ('clip' is not buffered as 'raise' is; the slots are valid).
+      def copy(k, a, b):
+        np.take(self._memory[k], slots[a:b], axis=0, out=out[k][a:b], mode='clip')
+      _copy_in_blocks(copy, out, slots.size)
+      return out
     for k, o in enumerate(out):
-      if mem_at.size == slots.size:  # Straight into ``o``: no temporary copy
-        # ('clip' is not buffered as 'raise' is; the slots are valid).
-        np.take(self._memory[k], slots, axis=0, out=o, mode='clip')
-        continue
       if mem_at.size:
         o[mem_at] = self._memory[k][slots[mem_at]]
       if disk_at.size:
@@ -422,10 +461,13 @@ class ClientStore:
     m = len(self._memory[0]) if self._memory_slots is None else self._memory_slots
     in_memory = slots < m
     mem_at, disk_at = np.flatnonzero(in_memory), np.flatnonzero(~in_memory)
+    if mem_at.size == slots.size:  # From ``leaves`` themselves, no temporary copy.
+      def copy(k, a, b):
+        self._memory[k][slots[a:b]] = leaves[k][a:b]
+      _copy_in_blocks(copy, leaves, slots.size)
+      return
     for k, leaf in enumerate(leaves):
-      if mem_at.size == slots.size:  # From ``leaf`` itself, no temporary copy.
-        self._memory[k][slots] = leaf
-      elif mem_at.size:
+      if mem_at.size:
         self._memory[k][slots[mem_at]] = leaf[mem_at]
       if disk_at.size:
         self._disk[k][slots[disk_at] - m] = leaf[disk_at]

@@ -39,6 +39,29 @@ class Reference:
         self.rows[i] = {k: rows[k][j].copy() for k in rows}
 
 
+@pytest.fixture(params=['one thread', 'threads'])
+def copies(request, monkeypatch):
+  """Copies between host arrays on one thread, or in blocks of a row or two
+  on several (what a store of large rows does)."""
+  if request.param == 'threads':
+    monkeypatch.setattr(client_store, '_PARALLEL_BYTES', 40)
+    monkeypatch.setattr(client_store.os, 'cpu_count', lambda: 4)
+  return request.param
+
+
+def test_row_blocks_cover_each_row_of_each_leaf_once(monkeypatch):
+  monkeypatch.setattr(client_store, '_PARALLEL_BYTES', 40)
+  arrays = [np.zeros((9, 3, 2), np.float32), np.zeros((12, 4), np.int32),
+            np.zeros((9,), np.float32)]
+  blocks = client_store._row_blocks(arrays, 7)
+  for k, a in enumerate(arrays):
+    rows = [r for j, lo, hi in blocks if j == k for r in range(lo, hi)]
+    assert rows == list(range(7))
+    step = max(1, 40 // a[:1].nbytes)  # 1 row of 24 bytes, 2 of 16, 10 of 4.
+    assert all(hi - lo <= step for j, lo, hi in blocks if j == k)
+  assert len(blocks) == 7 + 4 + 1
+
+
 def _assert_same(store, ref, ids):
   got, want = store.read(ids), ref.read(ids)
   for k in want:
@@ -69,7 +92,7 @@ def test_exported_and_initial_for_unwritten_and_padding_clients():
 
 
 @pytest.mark.parametrize('budget_rows', [None, 0, 7])
-def test_random_reads_and_writes_cross_the_memory_budget(tmp_path, budget_rows):
+def test_random_reads_and_writes_cross_the_memory_budget(tmp_path, budget_rows, copies):
   store = client_store.ClientStore(_initial(), N, directory=tmp_path)
   budget = None if budget_rows is None else budget_rows * store.row_bytes
   store = client_store.ClientStore(_initial(), N, directory=tmp_path,
@@ -227,7 +250,7 @@ def test_restore_refuses_rows_of_another_shape(tmp_path):
 
 
 @pytest.mark.parametrize('budget_rows', [None, 3])
-def test_staged_rows_are_written_on_commit_and_dropped_on_discard(tmp_path, budget_rows):
+def test_staged_rows_are_written_on_commit_and_dropped_on_discard(tmp_path, budget_rows, copies):
   """A round's rows staged in chunks (padding skipped) equal one write of them
   at commit; discarded ones leave the store as it was; a restore drops them."""
   probe = client_store.ClientStore(_initial(), N)
@@ -259,7 +282,7 @@ def test_staged_rows_are_written_on_commit_and_dropped_on_discard(tmp_path, budg
   store.close()
 
 
-def test_read_into_given_arrays():
+def test_read_into_given_arrays(copies):
   store = client_store.ClientStore(_initial(), N)
   ref, rng = Reference(_initial()), np.random.default_rng(3)
   _drive(store, ref, rng, rounds=4)
