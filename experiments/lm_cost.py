@@ -424,7 +424,8 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
                        seq_len: int | None = None, steps: int = 5, repeats: int = 3,
                        remat: str | None = None, dtype: str | None = None,
-                       peak_flops: float | None = None, seed: int = 0) -> dict:
+                       peak_flops: float | None = None, seed: int = 0,
+                       bracket_peak_bytes: int | None = None) -> dict:
   """Times one replica's inner step (that of :func:`plan_inner_step`) on one device.
 
   Parameters are initialized from ``seed``, tokens drawn uniformly from
@@ -436,6 +437,12 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
   ``MFU = flops per step / step / peak`` (Chowdhery et al. 2022, PaLM,
   Appendix B); the device's peak bytes in use where it reports them, and
   XLA's planned peak; the losses of the first and last steps.
+
+  With ``bracket_peak_bytes`` (a planned peak), the step's peak memory is
+  also measured against it (:func:`peak_bracket`): one step run with only
+  1.1 times that left free, one with 0.9 times, as ``'peak_bracket'``. (The
+  device's ``peak_bytes_in_use`` is no measure of a program's memory on
+  every runtime: on a TPU it reads a fraction of the compiled program's.)
   """
   name, config, seq_len = _resolve(preset, seq_len, remat, dtype)
   for arg, value in (('batch', batch), ('seq_len', seq_len), ('steps', steps),
@@ -478,6 +485,34 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
   step_s = statistics.median(times)
   flops = llama_config.train_flops_per_token(config, seq_len) * batch * seq_len
   stats = device.memory_stats() or {}
+  bracket = None
+  if bracket_peak_bytes is not None:
+    live = {'args': (params, opt_state)}
+    init = jax.jit(lambda k: model.module.init(k, one, train=False)['params'])
+
+    def prepare():  # A failed step may have consumed its donated arguments.
+      if any(x.is_deleted() for x in jax.tree.leaves(live['args'])):
+        live['args'] = None
+        fresh = init(k_init)
+        live['args'] = (fresh, opt.init(fresh))
+        jax.block_until_ready(live['args'])
+
+    def run():
+      out = compiled(*live['args'], tokens)
+      jax.block_until_ready(out)
+      live['args'] = out[:2]
+
+    def allocate(nbytes):  # float32 words: a 1-D layout pads them least.
+      return jax.block_until_ready(jnp.zeros((nbytes // 4,), jnp.float32, device=device))
+
+    try:
+      bracket = peak_bracket(run, bracket_peak_bytes, int(memory.argument_size_in_bytes),
+                             device.memory_stats, allocate, prepare=prepare)
+    except Exception as e:  # pylint: disable=broad-except
+      # The step time stands without the bracket (a runtime whose memory_stats()
+      # lacks bytes_limit, say): say why, and keep the measurement.
+      bracket = {'error': f'{type(e).__name__}: {str(e).strip()[:500]}',
+                 'peak_within_10pct': None}
   plan = llama.step_plan(config, batch, seq_len)
   return {
       'preset': name, 'params': llama_config.num_params(config), 'batch': batch,
@@ -494,4 +529,96 @@ def measure_inner_step(preset: str | llama_config.LlamaConfig, batch: int = 4,
       'peak_flops': peak_flops, 'device_peak_bytes': stats.get('peak_bytes_in_use'),
       'planned_peak_bytes': int(planned), 'first_loss': first_loss,
       'last_loss': float(loss), 'steps': 1 + repeats * steps,
+      **({'peak_bracket': bracket} if bracket is not None else {}),
   }
+
+
+PEAK_MARGIN = 0.10
+"""The relative margin of :func:`peak_bracket`'s two tries."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether ``error`` is the runtime's out-of-memory (``RESOURCE_EXHAUSTED``)."""
+  return 'RESOURCE_EXHAUSTED' in str(error) or 'resource exhausted' in str(error).lower()
+
+
+def ballast_bytes(stats: dict, budget_bytes: float, resident_bytes: int) -> int:
+  """Bytes to allocate so that a program whose arguments (``resident_bytes``)
+  are already on the device has ``budget_bytes`` in all.
+
+  From the device's ``memory_stats()``: ``bytes_limit - bytes_in_use`` are
+  free, and the program's peak counts its arguments, which ``bytes_in_use``
+  holds, so the ballast is ``bytes_limit - bytes_in_use + resident - budget``
+  (negative: the device has less than ``budget`` for the program).
+  """
+  return int(stats['bytes_limit'] - stats['bytes_in_use'] + resident_bytes - budget_bytes)
+
+
+def peak_bracket(run, planned_peak_bytes: int, resident_bytes: int, memory_stats, allocate,
+                 margin: float = PEAK_MARGIN, prepare=None) -> dict:
+  """The peak memory of a program measured against its plan: does it run in
+  ``(1 + margin) x planned``, and fail in ``(1 - margin) x planned``?
+
+  For each budget ``f x planned_peak_bytes``, ``f = 1 + margin`` then ``1 -
+  margin``: ``prepare()`` (where given; e.g. re-creates arguments a failed
+  try consumed), a ballast of :func:`ballast_bytes` allocated with
+  ``allocate(nbytes)`` (its ``delete()`` frees it) so that only the budget is
+  left to the program, then ``run()`` once; the runtime's out-of-memory
+  error (:func:`is_out_of_memory`) is caught, any other raised. The ballast
+  is freed after each try. The program's peak ``p`` is then bracketed:
+  running in ``1.1 x`` says ``p <= 1.1 x planned``, failing in ``0.9 x``
+  says ``p >= 0.9 x planned``; ``peak_within_10pct`` (for ``margin =
+  0.1``) is both. A try whose ballast cannot be placed (the device has
+  less than the budget free, or the ballast itself does not fit) proves
+  nothing: its ``ran`` is None.
+
+  Args:
+    run: runs the program once and waits for it.
+    planned_peak_bytes: the plan's peak of the program (arguments included).
+    resident_bytes: the bytes of its arguments, already on the device.
+    memory_stats: returns the device's ``{'bytes_limit', 'bytes_in_use'}``.
+    allocate: ``allocate(nbytes)`` places a ballast array of ``nbytes``.
+
+  Returns:
+    ``{'planned_peak_bytes', 'margin', 'tries': [{'fraction', 'budget_bytes',
+    'ballast_bytes', 'ran', 'error'}, ...], 'peak_at_most', 'peak_at_least',
+    'peak_within_10pct'}``, the middle two True where the try proved it.
+  """
+  tries = []
+  for fraction in (1 + margin, 1 - margin):
+    if prepare is not None:
+      prepare()
+    budget = fraction * planned_peak_bytes
+    size = ballast_bytes(memory_stats(), budget, resident_bytes)
+    row = {'fraction': fraction, 'budget_bytes': int(budget), 'ballast_bytes': size,
+           'ran': None, 'error': None}
+    ballast = None
+    try:
+      if size < 0:
+        row['error'] = 'the device has less than the budget free'
+      else:
+        try:
+          ballast = allocate(size) if size > 0 else None
+        except Exception as e:  # pylint: disable=broad-except
+          if not is_out_of_memory(e):
+            raise
+          row['error'] = 'the ballast did not fit: ' + str(e).strip().splitlines()[0][:300]
+        else:
+          try:
+            run()
+            row['ran'] = True
+          except Exception as e:  # pylint: disable=broad-except
+            if not is_out_of_memory(e):
+              raise
+            row['ran'] = False
+            row['error'] = str(e).strip().splitlines()[0][:300]
+    finally:
+      if ballast is not None:
+        ballast.delete()
+      del ballast
+    tries.append(row)
+  at_most = tries[0]['ran'] is True
+  at_least = tries[1]['ran'] is False
+  return {'planned_peak_bytes': int(planned_peak_bytes), 'margin': margin, 'tries': tries,
+          'peak_at_most': at_most, 'peak_at_least': at_least,
+          'peak_within_10pct': at_most and at_least}

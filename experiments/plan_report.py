@@ -191,9 +191,7 @@ def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None,
   t = plan.times(inner)
   ratio = inner.flops / plan.analytic_flops if plan.analytic_flops else float('nan')
   cal = plan.calibration
-  calibrated = (f'x {cal.factor:.3g}, measured on one {chip.name} ({cal.source})'
-                if cal.measured else f'uncalibrated: no {chip.name} measurement in '
-                'tpu_calibration.json')
+  calibrated = ('calibrated: ' if cal.measured else '') + cal.describe()
   binds = max(t, key=t.get)
   rows = [
       ('parameters', f'{plan.params:,}', ''),
@@ -252,7 +250,7 @@ def render_pod(plan, prog: str = 'fedjx-plan', spec: str | None = None,
   o = plan.times(outer)
   rows += [
       ('  time', seconds(plan.outer_s),
-       f'compute and HBM {seconds(max(o["compute"], o["hbm"]) * cal.factor)}, ICI '
+       f'compute and HBM {seconds(cal.on_chip_s(o["compute"], o["hbm"]))}, ICI '
        f'{seconds(o["ici"])}, DCN {seconds(o["dcn"])}, not overlapped'),
       ('round', seconds(plan.round_s),
        f'{k * plan.inner_steps} inner steps'

@@ -35,14 +35,18 @@ and reads what the compiler knows:
   scattered shard for a reduce-scatter, the buffer for a collective permute.
   A collective the compiler splits over several fused computations under
   one channel is counted once per channel and shape.
-* **A step time**: the roofline of the compiled step, ``max(FLOPs / peak,
-  HBM bytes / HBM bandwidth, wire bytes within a slice / ICI bandwidth,
-  wire bytes across slices / DCN bandwidth)`` per chip (the FLOPs: XLA's, or
-  the analytic count where that is larger, as for a custom kernel XLA's cost
-  analysis does not see into), times the chip's
-  calibration (:func:`calibration`: a measured step time over this raw
-  estimate of the same program on one chip, kept as data in
-  ``tpu_calibration.json``). A round of ``H`` inner steps takes ``H`` steps
+* **A step time**: from the compiled step's times per chip, ``compute_s =
+  FLOPs / peak`` (the FLOPs: XLA's, or the analytic count where that is
+  larger, as for a custom kernel XLA's cost analysis does not see into),
+  ``hbm_s = HBM bytes / HBM bandwidth``, and the wire bytes within a slice
+  over the ICI bandwidth and across slices over the DCN bandwidth. The raw
+  step is their roofline, the largest; the chip's calibration
+  (:func:`calibration`, kept as data in ``tpu_calibration.json``) replaces
+  the chip's own part by ``a compute_s + b hbm_s``, ``a`` and ``b`` fitted
+  to several steps measured on one chip against the plans of the same
+  programs for its 1-chip topology (:func:`fit_calibration`: non-negative
+  least squares in relative error), the step then being the larger of that
+  and its ICI and DCN times. A round of ``H`` inner steps takes ``H`` steps
   plus the outer step, whose communication is not overlapped with compute.
 
 The mesh: ``M`` replicas on ``'clients'``, each over ``F x T`` chips on
@@ -280,34 +284,166 @@ def pod_mesh(top: Topology, replicas: int, fsdp: int, tensor: int = 1) -> jax.sh
 
 CALIBRATION_FILE = os.path.join(os.path.dirname(__file__), 'tpu_calibration.json')
 
+CALIBRATION_MODEL = 'step_s = compute x compute_s + hbm x hbm_s'
+"""The calibrated step time of a program on one chip (:class:`Calibration`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationCase:
+  """One program measured on a chip and planned for its 1-chip topology.
+
+  Attributes:
+    program: what ran, in words (preset, batch, tokens, vocabulary, dtype, remat).
+    measured_step_s: the step time measured on the chip (median of repeats).
+    compute_s: the plan's ``FLOPs / peak`` of the same program.
+    hbm_s: the plan's ``HBM bytes / bandwidth`` of the same program.
+    info: the rest of the case as kept in the file (shapes, dates, versions).
+  """
+
+  program: str
+  measured_step_s: float
+  compute_s: float
+  hbm_s: float
+  info: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+  def to_json(self) -> dict[str, Any]:
+    return {'program': self.program, 'measured_step_s': self.measured_step_s,
+            'planned_compute_s': self.compute_s, 'planned_hbm_s': self.hbm_s,
+            **{k: v for k, v in self.info.items()
+               if k not in ('program', 'measured_step_s', 'planned_compute_s',
+                            'planned_hbm_s')}}
+
+  @classmethod
+  def from_json(cls, entry: dict[str, Any], where: str = '') -> CalibrationCase:
+    try:
+      case = cls(str(entry.get('program', '')), float(entry['measured_step_s']),
+                 float(entry['planned_compute_s']), float(entry['planned_hbm_s']),
+                 dict(entry))
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f'{where}a calibration case needs measured_step_s, planned_compute_s '
+                       f'and planned_hbm_s (seconds); it has {sorted(entry)} ({e}).') from None
+    if not (case.measured_step_s > 0 and case.compute_s >= 0 and case.hbm_s >= 0
+            and case.compute_s + case.hbm_s > 0):
+      raise ValueError(f'{where}{case.program or "a case"}: measured_step_s='
+                       f'{case.measured_step_s!r} must be positive seconds, planned_compute_s='
+                       f'{case.compute_s!r} and planned_hbm_s={case.hbm_s!r} non-negative '
+                       'and not both 0.')
+    return case
+
+
+def fit_calibration(cases: list[CalibrationCase]) -> tuple[float, float]:
+  """``(a, b)`` of ``step_s = a compute_s + b hbm_s`` fitted to measured cases.
+
+  With ``m_i`` the measured step of case ``i`` and ``c_i``, ``h_i`` the
+  plan's compute and HBM roofline times of the same program, ``a`` and ``b``
+  minimize the squared relative error
+
+      sum_i ((a c_i + b h_i) / m_i - 1)^2,   a >= 0, b >= 0:
+
+  non-negative least squares of the rows ``(c_i / m_i, h_i / m_i)`` against
+  1, solved exactly by trying each set of free coefficients (both; ``a``
+  alone; ``b`` alone) and keeping the feasible one of least residual. The
+  sum, not the roofline's ``max``: the step's matrix units and its HBM
+  traffic do not overlap perfectly, so each resource's time adds to the
+  step at its own rate (``1 / a`` of the peak FLOP/s reached, ``1 / b`` of
+  the HBM bandwidth, with the other resource's time hidden as far as the
+  fit says). ValueError without a case.
+  """
+  if not cases:
+    raise ValueError('fit_calibration: no measured case to fit.')
+  x = np.array([[c.compute_s / c.measured_step_s, c.hbm_s / c.measured_step_s]
+                for c in cases], dtype=np.float64)
+  y = np.ones(len(cases))
+  best, best_res = (0.0, 0.0), float(len(cases))  # a = b = 0: residual n.
+  for cols in ((0, 1), (0,), (1,)):
+    sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+    if (sol < 0).any():
+      continue
+    coef = [0.0, 0.0]
+    for col, value in zip(cols, sol):
+      coef[col] = float(value)
+    res = float(np.sum((x @ np.array(coef) - y) ** 2))
+    if res < best_res - 1e-15:
+      best, best_res = (coef[0], coef[1]), res
+  return best
+
+
+def leave_one_out(cases: list[CalibrationCase]) -> list[float]:
+  """Each case's predicted over measured step when fitted on the others
+  (:func:`fit_calibration`); needs at least two cases."""
+  if len(cases) < 2:
+    raise ValueError('leave_one_out: needs at least two cases.')
+  ratios = []
+  for i, case in enumerate(cases):
+    a, b = fit_calibration(cases[:i] + cases[i + 1:])
+    ratios.append((a * case.compute_s + b * case.hbm_s) / case.measured_step_s)
+  return ratios
+
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-  """``factor = measured_step_s / planned_step_s`` of one program on one chip (1.0 if unmeasured)."""
+  """A chip's step time from the plan's roofline times, fitted to measured steps.
+
+  Calibrated (:attr:`measured`), a program's time on the chip is
+  ``compute x compute_s + hbm x hbm_s`` (:data:`CALIBRATION_MODEL`,
+  :func:`fit_calibration`), from its ``FLOPs / peak`` and ``HBM bytes /
+  bandwidth``; uncalibrated (``compute`` and ``hbm`` None), the roofline
+  ``max(compute_s, hbm_s)``. ``cases`` are the measured programs the
+  coefficients were fitted on.
+  """
 
   chip: str
-  factor: float
-  measured_step_s: float | None = None
-  planned_step_s: float | None = None
-  program: str = ''
+  compute: float | None = None
+  hbm: float | None = None
+  cases: tuple[CalibrationCase, ...] = ()
   source: str = ''
   host_bytes_per_s: float | None = None
 
   @property
   def measured(self) -> bool:
-    return self.measured_step_s is not None and self.planned_step_s is not None
+    return self.compute is not None and self.hbm is not None
+
+  def on_chip_s(self, compute_s: float, hbm_s: float) -> float:
+    """Seconds of a program's own work on the chip: the fitted sum, or the roofline."""
+    if not self.measured:
+      return max(compute_s, hbm_s)
+    return self.compute * compute_s + self.hbm * hbm_s
+
+  def describe(self) -> str:
+    """The calibration in words (what ``fedjx-plan`` prints beside a step time)."""
+    if not self.measured:
+      return f'uncalibrated: no {self.chip} measurement in tpu_calibration.json'
+    n = len(self.cases)
+    return (f'{self.compute:.3g} x compute + {self.hbm:.3g} x HBM'
+            + (f', fitted to {n} step{"s" if n != 1 else ""} measured on one {self.chip}'
+               if n else '') + (f' ({self.source})' if self.source else ''))
+
+  def to_json(self) -> dict[str, Any]:
+    """The chip's entry of ``tpu_calibration.json`` (host bandwidth not included)."""
+    return {'model': CALIBRATION_MODEL, 'compute': self.compute, 'hbm': self.hbm,
+            'fit': ('non-negative least squares of predicted / measured - 1 over the cases '
+                    '(experiments/topology_plan.py, fit_calibration)'),
+            'source': self.source, 'cases': [c.to_json() for c in self.cases]}
+
+
+def fitted(chip: str, cases: list[CalibrationCase], source: str = '',
+           host_bytes_per_s: float | None = None) -> Calibration:
+  """The :class:`Calibration` of ``chip`` fitted to ``cases`` (:func:`fit_calibration`)."""
+  a, b = fit_calibration(cases)
+  return Calibration(chip, a, b, tuple(cases), source, host_bytes_per_s)
 
 
 def calibration(chip: str, path: str = CALIBRATION_FILE) -> Calibration:
-  """The calibration of ``chip`` kept in ``path`` (JSON), or an uncalibrated 1.0.
+  """The calibration of ``chip`` kept in ``path`` (JSON), or an uncalibrated one.
 
-  The file maps a chip name to ``{"measured_step_s", "planned_step_s",
-  "program", "source"}``: one program's step time measured on one chip and
-  this module's raw estimate of the same program on the 1-chip topology
-  (``scripts/check_plan.py`` prints both and the entry to keep); their ratio
-  is the factor every step time of that chip is multiplied by. An optional
-  ``"host_bytes_per_s"`` is the chip's measured copy rate to host memory
-  (replicas' states kept on the host, :attr:`PodPlan.host_s`).
+  The file maps a chip name to ``{"compute", "hbm", "cases", "source"}``:
+  the coefficients of :data:`CALIBRATION_MODEL` and the measured cases they
+  were fitted on (:func:`fit_calibration`), each a program's step time
+  measured on one chip with the plan's compute and HBM times of the same
+  program on the 1-chip topology (``scripts/check_plan.py`` measures,
+  fits and prints the entry). An optional ``"host_bytes_per_s"`` is the
+  chip's measured copy rate to host memory (replicas' states kept on the
+  host, :attr:`PodPlan.host_s`).
   """
   try:
     with open(path, encoding='utf-8') as f:
@@ -315,20 +451,25 @@ def calibration(chip: str, path: str = CALIBRATION_FILE) -> Calibration:
   except FileNotFoundError:
     entries = {}
   entry = entries.get(chip) or {}
-  measured, planned = entry.get('measured_step_s'), entry.get('planned_step_s')
   host = entry.get('host_bytes_per_s')
   if host is not None and not host > 0:
     raise ValueError(f'{path}: {chip}: host_bytes_per_s={host!r} must be a positive '
                      'number of bytes per second.')
   host = None if host is None else float(host)
-  if measured is None or planned is None:
-    return Calibration(chip, 1.0, program=entry.get('program', ''),
-                       source=entry.get('source', ''), host_bytes_per_s=host)
-  if not (measured > 0 and planned > 0):
-    raise ValueError(f'{path}: {chip}: measured_step_s={measured!r} and '
-                     f'planned_step_s={planned!r} must be positive seconds.')
-  return Calibration(chip, measured / planned, float(measured), float(planned),
-                     entry.get('program', ''), entry.get('source', ''), host)
+  if 'measured_step_s' in entry and 'cases' not in entry:
+    raise ValueError(f'{path}: {chip}: one measured step (measured_step_s) no longer '
+                     'calibrates; keep "compute", "hbm" and the "cases" they were fitted on '
+                     '(scripts/check_plan.py prints the entry).')
+  cases = tuple(CalibrationCase.from_json(c, f'{path}: {chip}: ')
+                for c in entry.get('cases') or ())
+  a, b = entry.get('compute'), entry.get('hbm')
+  if a is None and b is None:
+    return Calibration(chip, cases=cases, source=entry.get('source', ''),
+                       host_bytes_per_s=host)
+  if not all(isinstance(v, (int, float)) and v >= 0 for v in (a, b)) or a + b <= 0:
+    raise ValueError(f'{path}: {chip}: compute={a!r} and hbm={b!r} must be non-negative '
+                     'numbers, not both 0.')
+  return Calibration(chip, float(a), float(b), cases, entry.get('source', ''), host)
 
 
 # ------------------------------------------------------------- programs
@@ -510,14 +651,17 @@ class PodPlan:
 
   @property
   def step_s(self) -> float:
-    """:attr:`raw_step_s` times the chip's calibration."""
-    return self.raw_step_s * self.calibration.factor
+    """The inner step calibrated: the chip's own work (:meth:`Calibration.on_chip_s`:
+    ``a compute + b HBM`` fitted to measured steps, or the roofline uncalibrated),
+    or its ICI or DCN traffic where that is longer (overlapped, as in the roofline)."""
+    t = self.times(self.inner)
+    return max(self.calibration.on_chip_s(t['compute'], t['hbm']), t['ici'], t['dcn'])
 
   @property
   def outer_s(self) -> float:
-    """The outer step: its roofline of compute and HBM (calibrated) plus its communication."""
+    """The outer step: its compute and HBM (calibrated) plus its communication."""
     t = self.times(self.outer)
-    return max(t['compute'], t['hbm']) * self.calibration.factor + t['ici'] + t['dcn']
+    return self.calibration.on_chip_s(t['compute'], t['hbm']) + t['ici'] + t['dcn']
 
   @property
   def host_s(self) -> float:
@@ -576,7 +720,8 @@ class PodPlan:
         'outer_flops': self.outer.flops, 'outer_hbm_bytes': self.outer.hbm_bytes,
         'step_compute_s': inner['compute'], 'step_hbm_s': inner['hbm'],
         'step_ici_s': inner['ici'], 'step_dcn_s': inner['dcn'],
-        'raw_step_s': self.raw_step_s, 'calibration_factor': self.calibration.factor,
+        'raw_step_s': self.raw_step_s, 'calibration_compute': self.calibration.compute,
+        'calibration_hbm': self.calibration.hbm, 'calibration': self.calibration.describe(),
         'calibrated': self.calibration.measured, 'step_s': self.step_s,
         'outer_s': self.outer_s, 'outer_ici_s': outer['ici'], 'outer_dcn_s': outer['dcn'],
         'round_s': self.round_s, 'tokens_per_s': self.tokens_per_round / self.round_s,
@@ -718,7 +863,8 @@ def plan_pod(preset: str | llama_config.LlamaConfig, top: Topology | str, *,
       replica_param_bytes=replica_bytes, replica_states=replica_states)
 
 
-__all__ = ['ALGORITHMS', 'AXES', 'CALIBRATION_FILE', 'CHIPS', 'REPLICA_STATES', 'SLICES',
-           'Calibration', 'Chip', 'PodPlan', 'ProgramCost', 'Topology', 'calibration',
-           'compile_only_devices', 'for_chip', 'held_bytes', 'libtpu_missing', 'plan_pod',
+__all__ = ['ALGORITHMS', 'AXES', 'CALIBRATION_FILE', 'CALIBRATION_MODEL', 'CHIPS',
+           'REPLICA_STATES', 'SLICES', 'Calibration', 'CalibrationCase', 'Chip', 'PodPlan',
+           'ProgramCost', 'Topology', 'calibration', 'compile_only_devices', 'fit_calibration',
+           'fitted', 'for_chip', 'held_bytes', 'leave_one_out', 'libtpu_missing', 'plan_pod',
            'pod_mesh', 'topology']

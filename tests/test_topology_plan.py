@@ -9,6 +9,7 @@ skip with that reason without it; they run in this process, which has
 ``JAX_PLATFORMS=cpu`` and 8 host devices (tests/conftest.py).
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -81,16 +82,22 @@ def test_collectives_name_the_axes_their_groups_span_and_count_a_channel_once():
                                    'fsdp+tensor': {'all-gather': 1}}
 
 
-def test_the_calibration_is_a_measured_over_a_planned_step_per_chip(tmp_path):
+def test_the_calibration_is_fitted_to_measured_steps_per_chip(tmp_path):
   path = tmp_path / 'calibration.json'
-  path.write_text(json.dumps({'v5e': {'measured_step_s': 0.3, 'planned_step_s': 0.2,
-                                      'program': 'p', 'source': 's'},
-                              'v5p': {'measured_step_s': None, 'planned_step_s': None}}))
+  cases = [{'program': 'p1', 'measured_step_s': 0.3, 'planned_compute_s': 0.1,
+            'planned_hbm_s': 0.2},
+           {'program': 'p2', 'measured_step_s': 0.5, 'planned_compute_s': 0.3,
+            'planned_hbm_s': 0.2}]
+  path.write_text(json.dumps({'v5e': {'compute': 1.0, 'hbm': 1.0, 'cases': cases,
+                                      'source': 's'},
+                              'v5p': {}}))
   c = tp.calibration('v5e', str(path))
-  assert c.measured and c.factor == pytest.approx(1.5) and (c.program, c.source) == ('p', 's')
-  assert tp.calibration('v5p', str(path)).factor == 1.0
+  assert c.measured and (c.compute, c.hbm, c.source) == (1.0, 1.0, 's')
+  assert [case.program for case in c.cases] == ['p1', 'p2']
+  assert tp.fit_calibration(list(c.cases)) == pytest.approx((1.0, 1.0))
   assert not tp.calibration('v5p', str(path)).measured
-  path.write_text(json.dumps({'v5e': {'measured_step_s': -1, 'planned_step_s': 0.2}}))
+  path.write_text(json.dumps({'v5e': {'compute': 1.0, 'hbm': 1.0, 'cases': [
+      {**cases[0], 'measured_step_s': -1}]}}))
   with pytest.raises(ValueError, match='must be positive seconds'):
     tp.calibration('v5e', str(path))
   path.write_text(json.dumps({'v5e': {'host_bytes_per_s': 3e9}}))
@@ -99,7 +106,7 @@ def test_the_calibration_is_a_measured_over_a_planned_step_per_chip(tmp_path):
   with pytest.raises(ValueError, match='host_bytes_per_s=0 must be a positive'):
     tp.calibration('v5e', str(path))
   for chip in tp.CHIPS:  # The shipped file reads.
-    assert tp.calibration(chip).factor > 0
+    assert tp.calibration(chip).chip == chip
 
 
 def test_a_round_is_h_roofline_steps_and_the_outer_step_and_its_table_says_so():
@@ -120,12 +127,14 @@ def test_a_round_is_h_roofline_steps_and_the_outer_step_and_its_table_says_so():
       algorithm='diloco', replicas=4, fsdp=4, tensor=1, batch=8, seq_len=2048,
       inner_steps=10, params=lc.num_params('35m'), inner=inner, outer=outer,
       server_state_bytes=500_000, inner_state_bytes=700_000, analytic_flops=1.97e12,
-      calibration=tp.Calibration('v5e', 1.5, 0.3, 0.2, 'p', 'measured'))
+      calibration=tp.Calibration('v5e', 1.5, 0.5, source='measured'))
   # Compute 2e12 / 197e12 = 10.2 ms, HBM 4.095e9 / 819e9 = 5 ms, ICI 1e8 / 200e9
-  # = 0.5 ms: compute binds; x 1.5 calibrated.
-  assert plan.step_s == pytest.approx(1.5 * 2e12 / 197e12)
-  # Outer: HBM 1 ms (x 1.5), then ICI 2e8 / 200e9 = 1 ms and DCN 3.125e7 / 3.125e9 = 10 ms.
-  assert plan.outer_s == pytest.approx(1.5e-3 + 1e-3 + 10e-3)
+  # = 0.5 ms: compute binds the roofline; calibrated 1.5 compute + 0.5 HBM.
+  assert plan.raw_step_s == pytest.approx(2e12 / 197e12)
+  assert plan.step_s == pytest.approx(1.5 * 2e12 / 197e12 + 0.5 * 5e-3)
+  # Outer: 1.5 compute (1e6 / 197e12) + 0.5 HBM (1 ms), then ICI 2e8 / 200e9 = 1
+  # ms and DCN 3.125e7 / 3.125e9 = 10 ms.
+  assert plan.outer_s == pytest.approx(1.5 * 1e6 / 197e12 + 0.5e-3 + 1e-3 + 10e-3)
   assert plan.round_s == pytest.approx(10 * plan.step_s + plan.outer_s)
   assert plan.mfu == pytest.approx(1.97e12 * 10 / (plan.round_s * 197e12))
   # Peak: inner 3 + 1.0001 - 1 + 2 MB + server state 0.5 MB, against the outer
@@ -137,7 +146,12 @@ def test_a_round_is_h_roofline_steps_and_the_outer_step_and_its_table_says_so():
   assert re.search(r'  fits v5e +yes  16\.91 GB of HBM a chip', text)
   assert re.search(r'    fsdp \(ICI\) +100\.00 MB  all-gather x1', text)
   assert re.search(r'    clients \(across slices, DCN\) +31\.25 MB  all-reduce x1', text)
-  assert 'compute binds' in text and 'x 1.5, measured on one v5e (measured)' in text
+  assert 'compute binds' in text and 'calibrated: 1.5 x compute + 0.5 x HBM (measured)' in text
+  uncalibrated = dataclasses.replace(plan, calibration=tp.Calibration('v5e'))
+  assert uncalibrated.step_s == pytest.approx(2e12 / 197e12)  # The roofline.
+  assert 'uncalibrated: no v5e measurement' in plan_report.render_pod(uncalibrated)
+  row = plan.to_json()
+  assert (row['calibration_compute'], row['calibration_hbm']) == (1.5, 0.5)
   assert f'{plan.tokens_per_round / plan.round_s:,.0f} tokens/s' in text
 
 
@@ -155,7 +169,7 @@ def _four_replicas_on_one_chip(**changes):
             algorithm='diloco', replicas=4, fsdp=1, tensor=1, batch=8, seq_len=2048,
             inner_steps=10, params=lc.num_params('35m'), inner=inner, outer=outer,
             server_state_bytes=500_000, inner_state_bytes=700_000,
-            analytic_flops=1.97e12, calibration=tp.Calibration('v5e', 1.0),
+            analytic_flops=1.97e12, calibration=tp.Calibration('v5e'),
             replica_param_bytes=350_000)
   return tp.PodPlan(**{**kw, **changes})
 
@@ -186,7 +200,7 @@ def test_replicas_states_on_the_host_leave_the_chip_two_in_flight():
   # compensation; the round adds the last state's copy at the host
   # bandwidth, and what of the others the next replica's steps do not hide.
   plan = _four_replicas_on_one_chip(
-      replica_states='store', calibration=tp.Calibration('v5e', 1.0, host_bytes_per_s=2.8e6))
+      replica_states='store', calibration=tp.Calibration('v5e', host_bytes_per_s=2.8e6))
   assert plan.held_bytes == 500_000 + 2 * 700_000 + 2 * 350_000
   # Inner 5,000,100 + held 2,600,000 against the outer step's 1,000,000 alone.
   assert plan.peak_bytes == 5_000_100 + 2_600_000
@@ -199,7 +213,7 @@ def test_replicas_states_on_the_host_leave_the_chip_two_in_flight():
   assert re.search(r'\+ [\d.]+ m?s of copies to the host not hidden by the steps '
                    r'\(4 states at 0\.0 GB/s, each while the next replica trains\)', text)
   slow = _four_replicas_on_one_chip(  # Copies slower than a replica's steps.
-      replica_states='store', calibration=tp.Calibration('v5e', 1.0, host_bytes_per_s=1.0))
+      replica_states='store', calibration=tp.Calibration('v5e', host_bytes_per_s=1.0))
   assert slow.host_s == pytest.approx(
       700_000 + 3 * (700_000 - 10 * slow.step_s))
   unmeasured = _four_replicas_on_one_chip(replica_states='store')
