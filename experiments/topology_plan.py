@@ -42,11 +42,11 @@ and reads what the compiler knows:
   over the ICI bandwidth and across slices over the DCN bandwidth. The raw
   step is their roofline, the largest; the chip's calibration
   (:func:`calibration`, kept as data in ``tpu_calibration.json``) replaces
-  the chip's own part by ``a compute_s + b hbm_s``, ``a`` and ``b`` fitted
-  to several steps measured on one chip against the plans of the same
-  programs for its 1-chip topology (:func:`fit_calibration`: non-negative
-  least squares in relative error), the step then being the larger of that
-  and its ICI and DCN times. A round of ``H`` inner steps takes ``H`` steps
+  the chip's own part by ``f max(compute_s, hbm_s)``, one factor ``f`` per
+  chip fitted to several steps measured on one chip against the plans of
+  the same programs for its 1-chip topology (:func:`fit_calibration`: least
+  squares in relative error), the step then being the larger of that and
+  its ICI and DCN times. A round of ``H`` inner steps takes ``H`` steps
   plus the outer step, whose communication is not overlapped with compute.
 
 The mesh: ``M`` replicas on ``'clients'``, each over ``F x T`` chips on
@@ -284,7 +284,7 @@ def pod_mesh(top: Topology, replicas: int, fsdp: int, tensor: int = 1) -> jax.sh
 
 CALIBRATION_FILE = os.path.join(os.path.dirname(__file__), 'tpu_calibration.json')
 
-CALIBRATION_MODEL = 'step_s = compute x compute_s + hbm x hbm_s'
+CALIBRATION_MODEL = 'step_s = factor x max(compute_s, hbm_s)'
 """The calibrated step time of a program on one chip (:class:`Calibration`)."""
 
 
@@ -305,6 +305,11 @@ class CalibrationCase:
   compute_s: float
   hbm_s: float
   info: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+  @property
+  def roofline_s(self) -> float:
+    """The plan's roofline of the program on the chip: ``max(compute_s, hbm_s)``."""
+    return max(self.compute_s, self.hbm_s)
 
   def to_json(self) -> dict[str, Any]:
     return {'program': self.program, 'measured_step_s': self.measured_step_s,
@@ -331,97 +336,81 @@ class CalibrationCase:
     return case
 
 
-def fit_calibration(cases: list[CalibrationCase]) -> tuple[float, float]:
-  """``(a, b)`` of ``step_s = a compute_s + b hbm_s`` fitted to measured cases.
+def fit_calibration(cases: list[CalibrationCase]) -> float:
+  """The factor ``f`` of ``step_s = f max(compute_s, hbm_s)`` fitted to measured cases.
 
-  With ``m_i`` the measured step of case ``i`` and ``c_i``, ``h_i`` the
-  plan's compute and HBM roofline times of the same program, ``a`` and ``b``
-  minimize the squared relative error
+  With ``m_i`` the measured step of case ``i`` and ``r_i = max(c_i, h_i)``
+  the plan's roofline of the same program (``c_i``, ``h_i``: its compute
+  and HBM times), ``f`` minimizes the squared relative error
 
-      sum_i ((a c_i + b h_i) / m_i - 1)^2,   a >= 0, b >= 0:
+      sum_i (f r_i / m_i - 1)^2,   so   f = sum_i (r_i / m_i) / sum_i (r_i / m_i)^2,
 
-  non-negative least squares of the rows ``(c_i / m_i, h_i / m_i)`` against
-  1, solved exactly by trying each set of free coefficients (both; ``a``
-  alone; ``b`` alone) and keeping the feasible one of least residual. The
-  sum, not the roofline's ``max``: the step's matrix units and its HBM
-  traffic do not overlap perfectly, so each resource's time adds to the
-  step at its own rate (``1 / a`` of the peak FLOP/s reached, ``1 / b`` of
-  the HBM bandwidth, with the other resource's time hidden as far as the
-  fit says). ValueError without a case.
+  the least squares of the column ``r_i / m_i`` against 1 (positive, as
+  every ``r_i / m_i`` is).
+
+  One factor, not a coefficient per resource (``a c_i + b h_i``): the
+  steps measured are HBM-bound (``h_i > c_i`` in every case), so a
+  separate compute coefficient is not identifiable from them, and fitted
+  anyway it predicted the cases left out of its fit worse than the one
+  factor did (the 550M step, left out, 1.22 times its measured time
+  against 1.02). ValueError without a case.
   """
   if not cases:
     raise ValueError('fit_calibration: no measured case to fit.')
-  x = np.array([[c.compute_s / c.measured_step_s, c.hbm_s / c.measured_step_s]
-                for c in cases], dtype=np.float64)
-  y = np.ones(len(cases))
-  best, best_res = (0.0, 0.0), float(len(cases))  # a = b = 0: residual n.
-  for cols in ((0, 1), (0,), (1,)):
-    sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-    if (sol < 0).any():
-      continue
-    coef = [0.0, 0.0]
-    for col, value in zip(cols, sol):
-      coef[col] = float(value)
-    res = float(np.sum((x @ np.array(coef) - y) ** 2))
-    if res < best_res - 1e-15:
-      best, best_res = (coef[0], coef[1]), res
-  return best
+  x = np.array([c.roofline_s / c.measured_step_s for c in cases], dtype=np.float64)
+  return float(np.sum(x) / np.sum(x * x))
 
 
 def leave_one_out(cases: list[CalibrationCase]) -> list[float]:
-  """Each case's predicted over measured step when fitted on the others
-  (:func:`fit_calibration`); needs at least two cases."""
+  """Each case's predicted over measured step when the factor is fitted on
+  the others (:func:`fit_calibration`); needs at least two cases."""
   if len(cases) < 2:
     raise ValueError('leave_one_out: needs at least two cases.')
-  ratios = []
-  for i, case in enumerate(cases):
-    a, b = fit_calibration(cases[:i] + cases[i + 1:])
-    ratios.append((a * case.compute_s + b * case.hbm_s) / case.measured_step_s)
-  return ratios
+  return [fit_calibration(cases[:i] + cases[i + 1:]) * case.roofline_s / case.measured_step_s
+          for i, case in enumerate(cases)]
 
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-  """A chip's step time from the plan's roofline times, fitted to measured steps.
+  """A chip's step time from the plan's roofline, one factor fitted to measured steps.
 
   Calibrated (:attr:`measured`), a program's time on the chip is
-  ``compute x compute_s + hbm x hbm_s`` (:data:`CALIBRATION_MODEL`,
+  ``factor x max(compute_s, hbm_s)`` (:data:`CALIBRATION_MODEL`,
   :func:`fit_calibration`), from its ``FLOPs / peak`` and ``HBM bytes /
-  bandwidth``; uncalibrated (``compute`` and ``hbm`` None), the roofline
-  ``max(compute_s, hbm_s)``. ``cases`` are the measured programs the
-  coefficients were fitted on.
+  bandwidth``; uncalibrated (``factor`` None), the roofline
+  ``max(compute_s, hbm_s)`` itself. ``cases`` are the measured programs
+  the factor was fitted on.
   """
 
   chip: str
-  compute: float | None = None
-  hbm: float | None = None
+  factor: float | None = None
   cases: tuple[CalibrationCase, ...] = ()
   source: str = ''
   host_bytes_per_s: float | None = None
 
   @property
   def measured(self) -> bool:
-    return self.compute is not None and self.hbm is not None
+    return self.factor is not None
 
   def on_chip_s(self, compute_s: float, hbm_s: float) -> float:
-    """Seconds of a program's own work on the chip: the fitted sum, or the roofline."""
-    if not self.measured:
-      return max(compute_s, hbm_s)
-    return self.compute * compute_s + self.hbm * hbm_s
+    """Seconds of a program's own work on the chip: the roofline, times the factor
+    where calibrated."""
+    roofline = max(compute_s, hbm_s)
+    return roofline if self.factor is None else self.factor * roofline
 
   def describe(self) -> str:
     """The calibration in words (what ``fedjx-plan`` prints beside a step time)."""
     if not self.measured:
       return f'uncalibrated: no {self.chip} measurement in tpu_calibration.json'
     n = len(self.cases)
-    return (f'{self.compute:.3g} x compute + {self.hbm:.3g} x HBM'
+    return (f'x {self.factor:.4g} the roofline'
             + (f', fitted to {n} step{"s" if n != 1 else ""} measured on one {self.chip}'
                if n else '') + (f' ({self.source})' if self.source else ''))
 
   def to_json(self) -> dict[str, Any]:
     """The chip's entry of ``tpu_calibration.json`` (host bandwidth not included)."""
-    return {'model': CALIBRATION_MODEL, 'compute': self.compute, 'hbm': self.hbm,
-            'fit': ('non-negative least squares of predicted / measured - 1 over the cases '
+    return {'model': CALIBRATION_MODEL, 'factor': self.factor,
+            'fit': ('least squares of predicted / measured - 1 over the cases '
                     '(experiments/topology_plan.py, fit_calibration)'),
             'source': self.source, 'cases': [c.to_json() for c in self.cases]}
 
@@ -429,16 +418,15 @@ class Calibration:
 def fitted(chip: str, cases: list[CalibrationCase], source: str = '',
            host_bytes_per_s: float | None = None) -> Calibration:
   """The :class:`Calibration` of ``chip`` fitted to ``cases`` (:func:`fit_calibration`)."""
-  a, b = fit_calibration(cases)
-  return Calibration(chip, a, b, tuple(cases), source, host_bytes_per_s)
+  return Calibration(chip, fit_calibration(cases), tuple(cases), source, host_bytes_per_s)
 
 
 def calibration(chip: str, path: str = CALIBRATION_FILE) -> Calibration:
   """The calibration of ``chip`` kept in ``path`` (JSON), or an uncalibrated one.
 
-  The file maps a chip name to ``{"compute", "hbm", "cases", "source"}``:
-  the coefficients of :data:`CALIBRATION_MODEL` and the measured cases they
-  were fitted on (:func:`fit_calibration`), each a program's step time
+  The file maps a chip name to ``{"factor", "cases", "source"}``: the
+  factor of :data:`CALIBRATION_MODEL` and the measured cases it was
+  fitted on (:func:`fit_calibration`), each a program's step time
   measured on one chip with the plan's compute and HBM times of the same
   program on the 1-chip topology (``scripts/check_plan.py`` measures,
   fits and prints the entry). An optional ``"host_bytes_per_s"`` is the
@@ -457,19 +445,25 @@ def calibration(chip: str, path: str = CALIBRATION_FILE) -> Calibration:
                      'number of bytes per second.')
   host = None if host is None else float(host)
   if 'measured_step_s' in entry and 'cases' not in entry:
-    raise ValueError(f'{path}: {chip}: one measured step (measured_step_s) no longer '
-                     'calibrates; keep "compute", "hbm" and the "cases" they were fitted on '
-                     '(scripts/check_plan.py prints the entry).')
+    raise ValueError(f'{path}: {chip}: one measured step (measured_step_s, '
+                     'planned_step_s) no longer calibrates; keep "factor" and the "cases" it '
+                     'was fitted on, several steps measured on the chip (python '
+                     'scripts/check_plan.py on a TPU host measures them and prints the entry).')
+  if 'factor' not in entry and ('compute' in entry or 'hbm' in entry):
+    raise ValueError(f'{path}: {chip}: the coefficients "compute" and "hbm" (step = a x '
+                     'compute + b x HBM) no longer calibrate; replace them by "factor" of '
+                     f'{CALIBRATION_MODEL!r} fitted to the entry\'s "cases" '
+                     '(topology_plan.fit_calibration, or python scripts/check_plan.py '
+                     '--judge=FILE on the rows they were measured in prints the entry).')
   cases = tuple(CalibrationCase.from_json(c, f'{path}: {chip}: ')
                 for c in entry.get('cases') or ())
-  a, b = entry.get('compute'), entry.get('hbm')
-  if a is None and b is None:
+  factor = entry.get('factor')
+  if factor is None:
     return Calibration(chip, cases=cases, source=entry.get('source', ''),
                        host_bytes_per_s=host)
-  if not all(isinstance(v, (int, float)) and v >= 0 for v in (a, b)) or a + b <= 0:
-    raise ValueError(f'{path}: {chip}: compute={a!r} and hbm={b!r} must be non-negative '
-                     'numbers, not both 0.')
-  return Calibration(chip, float(a), float(b), cases, entry.get('source', ''), host)
+  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+    raise ValueError(f'{path}: {chip}: factor={factor!r} must be a positive number.')
+  return Calibration(chip, float(factor), cases, entry.get('source', ''), host)
 
 
 # ------------------------------------------------------------- programs
@@ -652,8 +646,9 @@ class PodPlan:
   @property
   def step_s(self) -> float:
     """The inner step calibrated: the chip's own work (:meth:`Calibration.on_chip_s`:
-    ``a compute + b HBM`` fitted to measured steps, or the roofline uncalibrated),
-    or its ICI or DCN traffic where that is longer (overlapped, as in the roofline)."""
+    the roofline of its compute and HBM times, times the factor fitted to measured
+    steps), or its ICI or DCN traffic where that is longer (overlapped, as in the
+    roofline)."""
     t = self.times(self.inner)
     return max(self.calibration.on_chip_s(t['compute'], t['hbm']), t['ici'], t['dcn'])
 
@@ -720,8 +715,8 @@ class PodPlan:
         'outer_flops': self.outer.flops, 'outer_hbm_bytes': self.outer.hbm_bytes,
         'step_compute_s': inner['compute'], 'step_hbm_s': inner['hbm'],
         'step_ici_s': inner['ici'], 'step_dcn_s': inner['dcn'],
-        'raw_step_s': self.raw_step_s, 'calibration_compute': self.calibration.compute,
-        'calibration_hbm': self.calibration.hbm, 'calibration': self.calibration.describe(),
+        'raw_step_s': self.raw_step_s, 'calibration_factor': self.calibration.factor,
+        'calibration': self.calibration.describe(),
         'calibrated': self.calibration.measured, 'step_s': self.step_s,
         'outer_s': self.outer_s, 'outer_ici_s': outer['ici'], 'outer_dcn_s': outer['dcn'],
         'round_s': self.round_s, 'tokens_per_s': self.tokens_per_round / self.round_s,

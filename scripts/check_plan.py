@@ -17,12 +17,14 @@ inner step of ``fedjx.experiments.lm_cost.inner_step_program`` is
   the planned peak free the step must run (peak <= 1.1 x plan), with 0.9
   times it must fail out of memory (peak >= 0.9 x plan).
 
-The calibration ``step = a compute + b HBM``
-(``topology_plan.fit_calibration``, non-negative least squares in relative
-error) is fitted on the calibrating cases and checks the others:
+The calibration ``step = f max(compute, HBM)``, the roofline times one
+factor per chip (``topology_plan.fit_calibration``, least squares in
+relative error), is fitted on the calibrating cases and checks the others:
 ``--calibrate=N`` fits the first N cases and checks the rest with that
-fit; ``--calibrate=loo`` (the default) checks each case with the fit on all
-the others (leave-one-out) and keeps the fit on all of them. Per case:
+factor; ``--calibrate=loo`` (the default) checks each case with the factor
+fitted on all the others (leave-one-out) and keeps the fit on all of them.
+``--judge=FILE`` measures nothing and refits the case rows of an earlier
+run's JSON lines. Per case:
 ``step_ratio`` is planned (calibrated) over measured step time,
 ``peak_within_10pct`` the bracket, ``within_10pct`` both. One JSON line
 per case, then the summary with the chip's entry for
@@ -224,8 +226,9 @@ def judge(rows: list[dict], calibrate: str) -> dict:
   """Fits the calibration on ``rows`` as ``calibrate`` says and checks each row (in place).
 
   Each row gains ``role`` (``'calibration'`` or ``'check'``; with ``'loo'``
-  every row is both, checked by the fit on the others), ``calibration``
-  (the coefficients it was checked with), ``plan_step_s``, ``step_ratio``
+  every row is both, checked by the fit on the others),
+  ``calibration_factor`` (the factor it was checked with), ``plan_step_s``
+  (the factor times the plan's roofline), ``step_ratio``
   (planned over measured) and ``within_10pct`` (the step within 10 % and
   the peak's bracket). Returns the chip's fitted entry for
   ``tpu_calibration.json`` (:meth:`Calibration.to_json`).
@@ -236,20 +239,20 @@ def judge(rows: list[dict], calibrate: str) -> dict:
   fit = topology_plan.fit_calibration(cases[:n])
   for i, (row, case) in enumerate(zip(rows, cases)):
     if calibrate == 'loo':
-      a, b = topology_plan.fit_calibration(cases[:i] + cases[i + 1:])
+      factor = topology_plan.fit_calibration(cases[:i] + cases[i + 1:])
       row['role'] = 'calibration, checked leaving itself out'
     else:
-      a, b = fit
+      factor = fit
       row['role'] = 'calibration' if i < n else 'check'
-    row['calibration'] = {'compute': a, 'hbm': b}
-    row['plan_step_s'] = a * case.compute_s + b * case.hbm_s
+    row['calibration_factor'] = factor
+    row['plan_step_s'] = factor * case.roofline_s
     row['step_ratio'] = row['plan_step_s'] / row['measured_step_s']
     row['within_10pct'] = (abs(row['step_ratio'] - 1) <= 0.10
                            and row.get('peak_within_10pct') is True)
   chip = rows[0]['chip']
   source = (f"{rows[0].get('date')}, {rows[0]['device']}, jax {rows[0].get('jax')}, libtpu "
             f"{rows[0].get('libtpu')}, scripts/check_plan.py")
-  cal = topology_plan.Calibration(chip, fit[0], fit[1], tuple(cases[:n]), source)
+  cal = topology_plan.Calibration(chip, fit, tuple(cases[:n]), source)
   return {chip: cal.to_json()}
 
 
@@ -271,11 +274,14 @@ def main(argv=None) -> list[dict]:
                      f'{args.calibrate} needs more.')
   entry = judge(rows, args.calibrate)
   for row in rows:
-    _emit({'case': row['case'], 'role': row['role'], 'plan_step_s': row['plan_step_s'],
+    _emit({'case': row['case'], 'role': row['role'],
+           'calibration_factor': row['calibration_factor'], 'plan_step_s': row['plan_step_s'],
            'measured_step_s': row['measured_step_s'], 'step_ratio': row['step_ratio'],
            'peak_within_10pct': row['peak_within_10pct'],
            'within_10pct': row['within_10pct']}, args.out)
+  chip = next(iter(entry))
   summary = {'summary': True, 'cases': len(rows), 'calibrate': args.calibrate,
+             'factor': entry[chip]['factor'],
              'all_within_10pct': all(r['within_10pct'] for r in rows),
              'tpu_calibration.json': entry}
   _emit(summary, args.out)

@@ -1,23 +1,24 @@
 """The TPU plan's calibration and the peak memory's bracket, on this CPU.
 
-The fit of ``step = a compute + b HBM`` (topology_plan.fit_calibration)
-against NumPy's least squares and SciPy's non-negative least squares on
-made-up cases; the calibration file read and written; the ballast bracket
-of lm_cost.peak_bracket against a made-up device whose program needs a
-known peak; scripts/check_plan.py's cases and its judgement of measured
-rows. Nothing here compiles for a TPU.
+The fit of ``step = f max(compute, HBM)`` (topology_plan.fit_calibration)
+against NumPy's least squares on made-up cases; the calibration file read
+and written, and its earlier formats refused; the ballast bracket of
+lm_cost.peak_bracket against a made-up device whose program needs a known
+peak; scripts/check_plan.py's cases and its judgement of measured rows.
+Nothing here compiles for a TPU.
 """
 
 import importlib.util
 import json
 import os
+import re
 
 import numpy as np
 import pytest
-import scipy.optimize
 
 from fedjx.experiments import lm_cost
 from fedjx.experiments import topology_plan as tp
+from fedjx.experiments import tpu_env
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 
@@ -30,48 +31,58 @@ def _check_plan():
   return module
 
 
-def _cases(a, b, noise=0.0, n=6, seed=0):
+def _cases(factor, noise=0.0, n=6, seed=0):
+  """Made-up cases measured at ``factor`` times their roofline (times 1 + noise);
+  some HBM-bound, some compute-bound."""
   rng = np.random.default_rng(seed)
   out = []
   for i in range(n):
-    c, h = rng.uniform(0.01, 0.2), rng.uniform(0.01, 0.3)
-    m = (a * c + b * h) * (1 + noise * rng.standard_normal())
+    c, h = rng.uniform(0.01, 0.3), rng.uniform(0.01, 0.3)
+    m = factor * max(c, h) * (1 + noise * rng.standard_normal())
     out.append(tp.CalibrationCase(f'case {i}', m, c, h, {'preset': f'p{i}'}))
   return out
 
 
-def _rows(cases):
-  return np.array([[c.compute_s / c.measured_step_s, c.hbm_s / c.measured_step_s]
-                   for c in cases])
+def _lstsq_factor(cases):
+  """NumPy's least squares of the column roofline / measured against ones."""
+  x = np.array([[max(c.compute_s, c.hbm_s) / c.measured_step_s] for c in cases])
+  (f,), *_ = np.linalg.lstsq(x, np.ones(len(cases)), rcond=None)
+  return float(f)
 
 
 def test_the_fit_is_least_squares_in_relative_error():
-  cases = _cases(1.2, 0.8, noise=0.05)
-  x = _rows(cases)
-  ref, *_ = np.linalg.lstsq(x, np.ones(len(cases)), rcond=None)
-  assert (ref > 0).all()
-  assert tp.fit_calibration(cases) == pytest.approx(tuple(ref), rel=1e-9)
-  # Without noise the fit recovers the coefficients.
-  assert tp.fit_calibration(_cases(1.2, 0.8)) == pytest.approx((1.2, 0.8), rel=1e-9)
+  cases = _cases(1.2, noise=0.05)
+  assert {c.compute_s > c.hbm_s for c in cases} == {True, False}  # Both kinds bound.
+  f = tp.fit_calibration(cases)
+  assert isinstance(f, float)
+  assert f == pytest.approx(_lstsq_factor(cases), rel=1e-12)
+  r = np.array([max(c.compute_s, c.hbm_s) / c.measured_step_s for c in cases])
+  assert f == pytest.approx(r.sum() / (r * r).sum(), rel=1e-12)
+
+  def loss(g):
+    return sum((g * max(c.compute_s, c.hbm_s) / c.measured_step_s - 1) ** 2 for c in cases)
+  assert loss(f) < min(loss(f * 0.999), loss(f * 1.001))  # The minimum.
 
 
-@pytest.mark.parametrize('a, b', [(0.0, 1.1), (1.3, 0.0), (2.0, -0.5), (-0.3, 1.0)])
-def test_the_fit_keeps_its_coefficients_non_negative_as_scipy_s_nnls(a, b):
-  cases = _cases(a, b, noise=0.02, seed=3)
-  cases = [c for c in cases if c.measured_step_s > 0]
-  ref, _ = scipy.optimize.nnls(_rows(cases), np.ones(len(cases)))
-  got = tp.fit_calibration(cases)
-  assert min(got) >= 0
-  assert got == pytest.approx(tuple(ref), rel=1e-7, abs=1e-12)
+@pytest.mark.parametrize('factor', [0.8, 1.0, 1.27, 2.5])
+def test_the_fit_recovers_the_factor_of_exact_cases(factor):
+  cases = _cases(factor, n=5, seed=int(factor * 10))
+  assert tp.fit_calibration(cases) == pytest.approx(factor, rel=1e-12)
+  assert tp.fit_calibration(cases[:1]) == pytest.approx(factor, rel=1e-12)
+  # A case's compute time under its HBM time does not move the fit.
+  hidden = [tp.CalibrationCase(c.program, c.measured_step_s, 0.5 * c.roofline_s,
+                               c.roofline_s) for c in cases]
+  assert tp.fit_calibration(hidden) == pytest.approx(factor, rel=1e-12)
 
 
 def test_leave_one_out_refits_without_each_case():
-  cases = _cases(1.1, 0.9, noise=0.05, n=5)
+  cases = _cases(1.1, noise=0.05, n=5)
   ratios = tp.leave_one_out(cases)
   for i, case in enumerate(cases):
-    a, b = tp.fit_calibration(cases[:i] + cases[i + 1:])
-    assert ratios[i] == pytest.approx((a * case.compute_s + b * case.hbm_s)
-                                      / case.measured_step_s)
+    f = _lstsq_factor(cases[:i] + cases[i + 1:])
+    assert ratios[i] == pytest.approx(f * max(case.compute_s, case.hbm_s)
+                                      / case.measured_step_s, rel=1e-12)
+  assert tp.leave_one_out(_cases(1.3, n=4)) == pytest.approx([1.0] * 4, rel=1e-12)
   with pytest.raises(ValueError, match='at least two'):
     tp.leave_one_out(cases[:1])
   with pytest.raises(ValueError, match='no measured case'):
@@ -79,28 +90,45 @@ def test_leave_one_out_refits_without_each_case():
 
 
 def test_the_calibration_file_round_trips_and_old_entries_are_refused(tmp_path):
-  cases = _cases(1.1, 0.9, noise=0.05, n=3)
+  cases = _cases(1.1, noise=0.05, n=3)
   cal = tp.fitted('v5e', cases, source='made up', host_bytes_per_s=3e9)
+  assert cal.factor == tp.fit_calibration(cases)
   path = tmp_path / 'calibration.json'
   path.write_text(json.dumps({'v5e': {**cal.to_json(), 'host_bytes_per_s': 3e9},
                               'v5p': {}}))
+  entry = json.loads(path.read_text())['v5e']
+  assert entry['model'] == tp.CALIBRATION_MODEL and 'compute' not in entry
   back = tp.calibration('v5e', str(path))
-  assert back.measured and (back.compute, back.hbm) == pytest.approx((cal.compute, cal.hbm))
+  assert back.measured and back.factor == cal.factor
+  assert back.cases == cal.cases and back.source == 'made up'
   assert [c.program for c in back.cases] == ['case 0', 'case 1', 'case 2']
   assert back.cases[0].info['preset'] == 'p0' and back.host_bytes_per_s == 3e9
-  assert back.on_chip_s(0.1, 0.2) == pytest.approx(cal.compute * 0.1 + cal.hbm * 0.2)
-  assert back.describe().startswith(f'{cal.compute:.3g} x compute + {cal.hbm:.3g} x HBM, '
-                                    'fitted to 3 steps measured on one v5e (made up)')
+  assert back.on_chip_s(0.1, 0.2) == pytest.approx(cal.factor * 0.2)
+  assert back.on_chip_s(0.3, 0.2) == pytest.approx(cal.factor * 0.3)
+  assert back.describe() == (f'x {cal.factor:.4g} the roofline, fitted to 3 steps measured '
+                             'on one v5e (made up)')
   unmeasured = tp.calibration('v5p', str(path))
-  assert not unmeasured.measured and unmeasured.on_chip_s(0.1, 0.2) == 0.2
+  assert not unmeasured.measured and unmeasured.factor is None
+  assert unmeasured.on_chip_s(0.1, 0.2) == 0.2
   assert 'uncalibrated' in unmeasured.describe()
+  # The single measured step of the first format.
   path.write_text(json.dumps({'v5e': {'measured_step_s': 0.3, 'planned_step_s': 0.2}}))
-  with pytest.raises(ValueError, match='one measured step .* no longer calibrates'):
+  old = re.escape(f'{path}: v5e: ')
+  with pytest.raises(ValueError, match=old + r'one measured step \(measured_step_s, '
+                     r'planned_step_s\) no longer calibrates; keep "factor" and the "cases" '
+                     r'.*scripts/check_plan\.py'):
     tp.calibration('v5e', str(path))
-  path.write_text(json.dumps({'v5e': {'compute': -1, 'hbm': 1, 'cases': []}}))
-  with pytest.raises(ValueError, match='must be non-negative numbers'):
+  # The two coefficients of the second: refit the cases it keeps.
+  two = {'compute': 0.147, 'hbm': 0.955, 'cases': [c.to_json() for c in cases]}
+  path.write_text(json.dumps({'v5e': two}))
+  with pytest.raises(ValueError, match=old + r'the coefficients "compute" and "hbm" .* no '
+                     r'longer calibrate; replace them by "factor" .*fit_calibration.*--judge'):
     tp.calibration('v5e', str(path))
-  path.write_text(json.dumps({'v5e': {'compute': 1, 'hbm': 1, 'cases': [{'program': 'x'}]}}))
+  for bad in (0, -1, 'x', True):
+    path.write_text(json.dumps({'v5e': {'factor': bad, 'cases': []}}))
+    with pytest.raises(ValueError, match='must be a positive number'):
+      tp.calibration('v5e', str(path))
+  path.write_text(json.dumps({'v5e': {'factor': 1.0, 'cases': [{'program': 'x'}]}}))
   with pytest.raises(ValueError, match='needs measured_step_s, planned_compute_s'):
     tp.calibration('v5e', str(path))
 
@@ -110,8 +138,14 @@ def test_the_shipped_calibration_is_the_fit_of_its_cases():
     cal = tp.calibration(chip)
     if cal.measured:
       assert len(cal.cases) >= 2
-      assert (cal.compute, cal.hbm) == pytest.approx(tp.fit_calibration(list(cal.cases)),
-                                                     rel=1e-6)
+      assert cal.factor == pytest.approx(tp.fit_calibration(list(cal.cases)), rel=1e-9)
+  v5e = tp.calibration('v5e')
+  assert v5e.factor == pytest.approx(1.0165, abs=1e-4) and len(v5e.cases) == 7
+  # Its cases are HBM-bound: the roofline is their HBM time.
+  assert all(c.hbm_s > c.compute_s for c in v5e.cases)
+  # Leaving each case out: what docs/scaling.md tabulates.
+  assert [round(r, 3) for r in tp.leave_one_out(list(v5e.cases))] == [
+      1.008, 0.946, 1.128, 0.989, 1.022, 0.860, 1.023]
 
 
 class FakeDevice:
@@ -218,7 +252,7 @@ def _row(preset, batch, vocab, measured, compute, hbm, peak_ok=True):
 
 def test_check_plan_fits_the_calibrating_cases_and_checks_the_others(tmp_path):
   cp = _check_plan()
-  truth = lambda c, h: 1.1 * c + 0.9 * h
+  truth = lambda c, h: 1.05 * max(c, h)
   shapes = [('35m', 8, 32000, 0.024, 0.063), ('35m', 8, 256, 0.016, 0.046),
             ('180m', 4, 256, 0.05, 0.12), ('180m', 4, 32000, 0.06, 0.13)]
   rows = [_row(p, b, v, truth(c, h), c, h) for p, b, v, c, h in shapes]
@@ -226,18 +260,47 @@ def test_check_plan_fits_the_calibrating_cases_and_checks_the_others(tmp_path):
   rows[1]['peak_within_10pct'] = False
   entry = cp.judge(rows, '2')
   assert [r['role'] for r in rows] == ['calibration', 'calibration', 'check', 'check']
+  assert all(r['calibration_factor'] == pytest.approx(1.05) for r in rows)
+  assert rows[2]['plan_step_s'] == pytest.approx(1.05 * 0.12)
   assert rows[2]['step_ratio'] == pytest.approx(1.0) and rows[2]['within_10pct']
   assert rows[3]['step_ratio'] == pytest.approx(1 / 1.2) and not rows[3]['within_10pct']
   assert not rows[1]['within_10pct']  # Its step fits; its peak's bracket does not.
   e = entry['v5e']
-  assert (e['compute'], e['hbm']) == pytest.approx((1.1, 0.9))
+  assert e['factor'] == pytest.approx(1.05) and e['model'] == tp.CALIBRATION_MODEL
   assert len(e['cases']) == 2 and e['cases'][1]['vocab_size'] == 256
   assert 'vocabulary 256' in e['cases'][1]['program']
   # The entry is what calibration() reads.
   path = tmp_path / 'c.json'
   path.write_text(json.dumps(entry))
-  assert tp.calibration('v5e', str(path)).compute == pytest.approx(1.1)
+  assert tp.calibration('v5e', str(path)).factor == pytest.approx(1.05)
+  # Leave-one-out: each row checked with the factor fitted on the others.
   rows = [_row(p, b, v, truth(c, h), c, h) for p, b, v, c, h in shapes]
+  rows[3]['measured_step_s'] *= 1.2
   entry = cp.judge(rows, 'loo')
-  assert all(r['step_ratio'] == pytest.approx(1.0) for r in rows)
+  cases = [cp.to_case(r) for r in rows]
+  assert [r['step_ratio'] for r in rows] == pytest.approx(tp.leave_one_out(cases))
+  assert rows[0]['calibration_factor'] == pytest.approx(tp.fit_calibration(cases[1:]))
+  assert rows[3]['calibration_factor'] == pytest.approx(1.05)
   assert len(entry['v5e']['cases']) == 4
+  assert entry['v5e']['factor'] == pytest.approx(tp.fit_calibration(cases))
+
+
+def test_check_plan_judges_an_earlier_run_s_rows(tmp_path, capsys, monkeypatch):
+  cp = _check_plan()
+  monkeypatch.setattr(tpu_env, 'quiet', lambda: None)  # Leave this process's environment.
+  shapes = [('35m', 8, 32000, 0.024, 0.063), ('35m', 8, 256, 0.016, 0.046),
+            ('180m', 4, 256, 0.05, 0.12)]
+  path = tmp_path / 'run.jsonl'
+  rows = [_row(p, b, v, 1.1 * h, c, h) for p, b, v, c, h in shapes]
+  path.write_text('not json\n' + ''.join(json.dumps(r) + '\n' for r in rows)
+                  + json.dumps({'case': '550m:4', 'error': 'exit 1'}) + '\n')
+  out = tmp_path / 'judged.jsonl'
+  judged = cp.main([f'--judge={path}', '--calibrate=loo', f'--out={out}'])
+  assert len(judged) == 3
+  lines = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [line['calibration_factor'] for line in lines[:3]] == pytest.approx([1.1] * 3)
+  assert all(line['step_ratio'] == pytest.approx(1.0) for line in lines[:3])
+  summary = lines[-1]
+  assert summary['summary'] and summary['factor'] == pytest.approx(1.1)
+  assert summary['tpu_calibration.json']['v5e']['factor'] == pytest.approx(1.1)
+  assert capsys.readouterr().out.count('\n') == 4

@@ -86,17 +86,17 @@ def test_the_calibration_is_fitted_to_measured_steps_per_chip(tmp_path):
   path = tmp_path / 'calibration.json'
   cases = [{'program': 'p1', 'measured_step_s': 0.3, 'planned_compute_s': 0.1,
             'planned_hbm_s': 0.2},
-           {'program': 'p2', 'measured_step_s': 0.5, 'planned_compute_s': 0.3,
+           {'program': 'p2', 'measured_step_s': 0.45, 'planned_compute_s': 0.3,
             'planned_hbm_s': 0.2}]
-  path.write_text(json.dumps({'v5e': {'compute': 1.0, 'hbm': 1.0, 'cases': cases,
-                                      'source': 's'},
+  path.write_text(json.dumps({'v5e': {'factor': 1.5, 'cases': cases, 'source': 's'},
                               'v5p': {}}))
   c = tp.calibration('v5e', str(path))
-  assert c.measured and (c.compute, c.hbm, c.source) == (1.0, 1.0, 's')
+  assert c.measured and (c.factor, c.source) == (1.5, 's')
   assert [case.program for case in c.cases] == ['p1', 'p2']
-  assert tp.fit_calibration(list(c.cases)) == pytest.approx((1.0, 1.0))
+  # Both measured at 1.5 times their roofline (HBM 0.2 s, compute 0.3 s).
+  assert tp.fit_calibration(list(c.cases)) == pytest.approx(1.5)
   assert not tp.calibration('v5p', str(path)).measured
-  path.write_text(json.dumps({'v5e': {'compute': 1.0, 'hbm': 1.0, 'cases': [
+  path.write_text(json.dumps({'v5e': {'factor': 1.5, 'cases': [
       {**cases[0], 'measured_step_s': -1}]}}))
   with pytest.raises(ValueError, match='must be positive seconds'):
     tp.calibration('v5e', str(path))
@@ -127,14 +127,14 @@ def test_a_round_is_h_roofline_steps_and_the_outer_step_and_its_table_says_so():
       algorithm='diloco', replicas=4, fsdp=4, tensor=1, batch=8, seq_len=2048,
       inner_steps=10, params=lc.num_params('35m'), inner=inner, outer=outer,
       server_state_bytes=500_000, inner_state_bytes=700_000, analytic_flops=1.97e12,
-      calibration=tp.Calibration('v5e', 1.5, 0.5, source='measured'))
+      calibration=tp.Calibration('v5e', 1.5, source='measured'))
   # Compute 2e12 / 197e12 = 10.2 ms, HBM 4.095e9 / 819e9 = 5 ms, ICI 1e8 / 200e9
-  # = 0.5 ms: compute binds the roofline; calibrated 1.5 compute + 0.5 HBM.
+  # = 0.5 ms: compute binds the roofline; calibrated 1.5 times it.
   assert plan.raw_step_s == pytest.approx(2e12 / 197e12)
-  assert plan.step_s == pytest.approx(1.5 * 2e12 / 197e12 + 0.5 * 5e-3)
-  # Outer: 1.5 compute (1e6 / 197e12) + 0.5 HBM (1 ms), then ICI 2e8 / 200e9 = 1
-  # ms and DCN 3.125e7 / 3.125e9 = 10 ms.
-  assert plan.outer_s == pytest.approx(1.5 * 1e6 / 197e12 + 0.5e-3 + 1e-3 + 10e-3)
+  assert plan.step_s == pytest.approx(1.5 * 2e12 / 197e12)
+  # Outer: 1.5 x its roofline, HBM 8.19e8 / 819e9 = 1 ms (compute 1e6 / 197e12),
+  # then ICI 2e8 / 200e9 = 1 ms and DCN 3.125e7 / 3.125e9 = 10 ms.
+  assert plan.outer_s == pytest.approx(1.5 * 1e-3 + 1e-3 + 10e-3)
   assert plan.round_s == pytest.approx(10 * plan.step_s + plan.outer_s)
   assert plan.mfu == pytest.approx(1.97e12 * 10 / (plan.round_s * 197e12))
   # Peak: inner 3 + 1.0001 - 1 + 2 MB + server state 0.5 MB, against the outer
@@ -146,12 +146,15 @@ def test_a_round_is_h_roofline_steps_and_the_outer_step_and_its_table_says_so():
   assert re.search(r'  fits v5e +yes  16\.91 GB of HBM a chip', text)
   assert re.search(r'    fsdp \(ICI\) +100\.00 MB  all-gather x1', text)
   assert re.search(r'    clients \(across slices, DCN\) +31\.25 MB  all-reduce x1', text)
-  assert 'compute binds' in text and 'calibrated: 1.5 x compute + 0.5 x HBM (measured)' in text
+  assert 'compute binds' in text and 'calibrated: x 1.5 the roofline (measured)' in text
   uncalibrated = dataclasses.replace(plan, calibration=tp.Calibration('v5e'))
   assert uncalibrated.step_s == pytest.approx(2e12 / 197e12)  # The roofline.
   assert 'uncalibrated: no v5e measurement' in plan_report.render_pod(uncalibrated)
   row = plan.to_json()
-  assert (row['calibration_compute'], row['calibration_hbm']) == (1.5, 0.5)
+  assert row['calibration_factor'] == 1.5 and row['calibrated']
+  assert row['calibration'] == 'x 1.5 the roofline (measured)'
+  json.dumps(row)  # The --json line.
+  assert uncalibrated.to_json()['calibration_factor'] is None
   assert f'{plan.tokens_per_round / plan.round_s:,.0f} tokens/s' in text
 
 
